@@ -1,0 +1,119 @@
+// Bounded device waits.
+//
+// Every spin-wait in cupyep goes through `wait_geq` (or checks `Guard::expired`
+// itself). The budget is wall-clock nanoseconds read from %globaltimer, which,
+// unlike clock64(), does not depend on the SM clock (boost, throttling) nor on
+// which SM a block migrates to. On timeout the first waiter to notice writes a
+// record into the host-visible ErrorSlot (mapped pinned memory, so the host can
+// read it even after the kernel has stopped) and the waiting block returns.
+// The host turns that record into cupyep.errors.CommTimeoutError.
+#pragma once
+#include "common/types.cuh"
+#include "common/ptx.cuh"
+
+namespace cupyep {
+
+// Mirrors cupyep/errors.py: ERROR_SLOT_DTYPE. Keep both in sync.
+struct ErrorSlot {
+    int flag;          // 0: no error; else kErrorTimeout / kErrorCapacity / kErrorBadInput
+    int kernel;        // cupyep.errors.KERNEL_NAMES index
+    int rank;          // rank that timed out
+    int peer;          // rank it was waiting for (-1: none / local)
+    int phase;         // cupyep.errors.PHASE_NAMES index
+    int block;         // blockIdx.x of the waiter
+    int64_t value;     // counter value last observed
+    int64_t expected;  // value that was awaited
+};
+
+struct Guard {
+    ErrorSlot* slot;      // mapped host pointer
+    uint64_t timeout_ns;  // budget per wait
+    int kernel;
+    int rank;
+};
+
+__device__ __forceinline__ bool host_error_raised(const Guard& g) {
+    return ld_volatile(&g.slot->flag) != 0;
+}
+
+// Error kinds in ErrorSlot::flag.
+constexpr int kErrorTimeout = 1;
+constexpr int kErrorCapacity = 3;   // more rows than a buffer holds
+constexpr int kErrorBadInput = 4;   // e.g. an expert id out of range found on the device
+
+__device__ __noinline__ void report_error(Guard g, int kind, int phase, int peer, int64_t value, int64_t expected) {
+    if (atomicCAS(&g.slot->flag, 0, 2) == 0) {  // 2: being written
+        g.slot->kernel = g.kernel;
+        g.slot->rank = g.rank;
+        g.slot->peer = peer;
+        g.slot->phase = phase;
+        g.slot->block = blockIdx.x;
+        g.slot->value = value;
+        g.slot->expected = expected;
+        __threadfence_system();
+        atomicExch(&g.slot->flag, kind);
+    }
+}
+
+__device__ __forceinline__ void report_timeout(Guard g, int phase, int peer, int64_t value, int64_t expected) {
+    report_error(g, kErrorTimeout, phase, peer, value, expected);
+}
+
+// Spin until *p >= expected (wrap-safe int compare), acquire semantics.
+// Returns false after reporting a timeout, or when another waiter of this rank
+// already reported one (so one failure stops every block quickly).
+__device__ __forceinline__ bool wait_geq(const int* p, int expected, const Guard& g, int phase, int peer) {
+    int v = ld_acquire_sys(p);
+    if (v - expected >= 0) return true;
+    const uint64_t start = global_timer_ns();
+    for (uint32_t iter = 1;; ++iter) {
+        v = ld_acquire_sys(p);
+        if (v - expected >= 0) return true;
+        if ((iter & 1023u) == 0) {
+            if (global_timer_ns() - start > g.timeout_ns) {
+                report_timeout(g, phase, peer, v, expected);
+                return false;
+            }
+            if (host_error_raised(g)) return false;
+        }
+    }
+}
+
+// 64-bit counter version: spin until *p >= expected.
+__device__ __forceinline__ bool wait_geq(const int64_t* p, int64_t expected, const Guard& g, int phase, int peer) {
+    int64_t v = ld_acquire_sys(p);
+    if (v >= expected) return true;
+    const uint64_t start = global_timer_ns();
+    for (uint32_t iter = 1;; ++iter) {
+        v = ld_acquire_sys(p);
+        if (v >= expected) return true;
+        if ((iter & 1023u) == 0) {
+            if (global_timer_ns() - start > g.timeout_ns) {
+                report_timeout(g, phase, peer, v, expected);
+                return false;
+            }
+            if (host_error_raised(g)) return false;
+        }
+    }
+}
+
+// Same for a value that must become exactly nonzero (signals encoded so that
+// zero means "not arrived"). Returns the observed value, or 0 on timeout.
+__device__ __forceinline__ int wait_nonzero(const int* p, const Guard& g, int phase, int peer) {
+    int v = ld_acquire_sys(p);
+    if (v != 0) return v;
+    const uint64_t start = global_timer_ns();
+    for (uint32_t iter = 1;; ++iter) {
+        v = ld_acquire_sys(p);
+        if (v != 0) return v;
+        if ((iter & 1023u) == 0) {
+            if (global_timer_ns() - start > g.timeout_ns) {
+                report_timeout(g, phase, peer, 0, 1);
+                return 0;
+            }
+            if (host_error_raised(g)) return 0;
+        }
+    }
+}
+
+}  // namespace cupyep

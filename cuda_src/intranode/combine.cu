@@ -1,0 +1,141 @@
+// Normal-mode combine: the reverse route of dispatch, reduced in FP32.
+//
+// Grid: 2 * C blocks. Block c < C sends: group g streams the rows this rank
+// received from source g in channel c (in the order they arrived) back into
+// ring (c, me) of rank g. Block C + c receives: each warp reduces one of this
+// rank's channel-c tokens at a time, reading the token's row from the ring of
+// every rank it was sent to (position = send_head from dispatch), summing in
+// FP32 in rank order (so the result is bitwise deterministic), and writing
+// BF16. After every batch of tokens the block frees the ring slots it used.
+//
+// Slot layout: [x: H * 2 bytes][row weight: float][topk_weights: k float]
+#include <cuda_bf16.h>
+#include "common/ptx.cuh"
+#include "common/timeout.cuh"
+#include "intranode/args.cuh"
+#include "intranode/queue.cuh"
+
+namespace cupyep {
+namespace intranode {
+
+__device__ __forceinline__ void accumulate_bf16x8(float (&acc)[8], const int4& v, float w) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h[i]);
+        acc[2 * i] = fmaf(w, f.x, acc[2 * i]);
+        acc[2 * i + 1] = fmaf(w, f.y, acc[2 * i + 1]);
+    }
+}
+
+__device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
+    int4 out;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+    return out;
+}
+
+template <int kNumRanks, int kNumThreads>
+__global__ void __launch_bounds__(kNumThreads, 1) combine(CombineArgs a) {
+    constexpr int R = kNumRanks;
+    __shared__ int s_flag[R];
+    __shared__ int64_t s_base[R];
+    __shared__ int s_last[R];
+    __shared__ int s_fail;
+    const int C = a.num_channels;
+    const bool is_sender = blockIdx.x < C;
+    const int c = is_sender ? blockIdx.x : blockIdx.x - C;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
+    const RingShape& rs = a.rs;
+    const int k = a.num_topk;
+    const int64_t x_int4 = rs.x_bytes / 16;
+
+    if (is_sender) {
+        const int wpg = num_warps / R;
+        if (warp >= wpg * R) return;
+        const WarpGroup g{warp / wpg, warp % wpg, lane, wpg};
+        const int dst = g.index;  // the source rank of these rows in dispatch
+        const int* cp = a.recv_channel_prefix + dst * (C + 1);
+        const int n = cp[c + 1] - cp[c];
+        const int64_t row0 = (int64_t)a.recv_rank_offset[dst] + cp[c];
+        send_stream(g, a.peers[dst], rs, R, c, a.rank, n, a.guard, /*phase=*/0, dst, &s_flag[dst],
+                    [=](char* slot, int i) {
+                        const int64_t row = row0 + i;
+                        warp_copy_nc(reinterpret_cast<int4*>(slot), a.x + row * x_int4, x_int4, lane);
+                        float* meta = reinterpret_cast<float*>(slot + rs.x_bytes);
+                        if (lane == 0) meta[0] = a.row_weights ? a.row_weights[row] : 1.f;
+                        if (a.recv_topk_weights)
+                            for (int j = lane; j < k; j += 32) meta[1 + j] = a.recv_topk_weights[row * k + j];
+                    });
+        return;
+    }
+
+    // Receiver of channel c.
+    void* mine = a.peers[a.rank];
+    if (threadIdx.x < R) {
+        s_base[threadIdx.x] = *reinterpret_cast<volatile int64_t*>(
+            ring_counter(mine, rs.counter_head, R, c, threadIdx.x));  // only I write my heads
+        s_last[threadIdx.x] = -1;
+    }
+    if (threadIdx.x == 0) s_fail = 0;
+    __syncthreads();
+    const int tb = token_begin(a.num_tokens, C, c), te = token_begin(a.num_tokens, C, c + 1);
+    for (int t0 = tb; t0 < te; t0 += num_warps) {
+        const int t = t0 + warp;
+        if (t < te) {
+            // Lane d waits for token t's row from rank d and reads its weight.
+            int pos = -1;
+            float w = 0.f;
+            const char* slot = nullptr;
+            if (lane < R) {
+                pos = a.send_head[(int64_t)t * R + lane];
+                if (pos >= 0) {
+                    const int64_t abs_pos = s_base[lane] + pos;
+                    if (wait_geq(ring_counter(mine, rs.counter_tail, R, c, lane), abs_pos + 1, a.guard, /*phase=*/1, lane)) {
+                        slot = ring_slot(mine, rs, R, c, lane, abs_pos);
+                        w = __int_as_float(ld_volatile(reinterpret_cast<const int*>(slot + rs.x_bytes)));
+                        atomicMax(&s_last[lane], pos);
+                    } else {
+                        s_fail = 1;
+                        pos = -1;
+                    }
+                }
+            }
+            const char* slots[R];
+            int valid[R];
+            float ws[R];
+#pragma unroll
+            for (int d = 0; d < R; ++d) {
+                valid[d] = __shfl_sync(0xffffffffu, pos, d) >= 0;
+                slots[d] = reinterpret_cast<const char*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(slot), d));
+                ws[d] = __shfl_sync(0xffffffffu, w, d);
+            }
+            int4* out = a.combined_x + (int64_t)t * x_int4;
+            for (int64_t i = lane; i < x_int4; i += 32) {
+                float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int d = 0; d < R; ++d)
+                    if (valid[d]) accumulate_bf16x8(acc, ld_ring_v4(reinterpret_cast<const int4*>(slots[d]) + i), ws[d]);
+                st_na_v4(out + i, pack_bf16x8(acc));
+            }
+            if (a.combined_topk_weights) {
+                for (int j = lane; j < k; j += 32) {
+                    float sum = 0.f;
+#pragma unroll
+                    for (int d = 0; d < R; ++d)
+                        if (valid[d]) sum += __int_as_float(ld_volatile(reinterpret_cast<const int*>(slots[d] + rs.x_bytes) + 1 + j));
+                    a.combined_topk_weights[(int64_t)t * k + j] = sum;
+                }
+            }
+        }
+        __syncthreads();
+        if (s_fail) return;
+        // Every warp is done with this batch's slots: free them.
+        if (threadIdx.x < R && s_last[threadIdx.x] >= 0)
+            st_release_sys(ring_counter(mine, rs.counter_head, R, c, threadIdx.x), s_base[threadIdx.x] + s_last[threadIdx.x] + 1);
+    }
+}
+
+}  // namespace intranode
+}  // namespace cupyep

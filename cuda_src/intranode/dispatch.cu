@@ -1,0 +1,101 @@
+// Normal-mode dispatch over ring queues.
+//
+// Grid: 2 * C blocks. Block c < C is the sender of channel c: its warp group
+// g streams this rank's channel-c tokens for destination g (send_list) into
+// ring (c, me) of rank g. Block C + c is the receiver of channel c: group g
+// drains ring (c, g) of this rank into the compact output, at the row offsets
+// the notify pass computed (source-rank-major, then token order).
+//
+// Slot layout: [x: x_bytes][src_idx: int][topk_idx: k int (global ids)]
+//              [topk_weights: k float][x_scales: num_scales float]
+#include "common/ptx.cuh"
+#include "common/timeout.cuh"
+#include "intranode/args.cuh"
+#include "intranode/queue.cuh"
+
+namespace cupyep {
+namespace intranode {
+
+template <int kNumRanks, int kNumThreads>
+__global__ void __launch_bounds__(kNumThreads, 1) dispatch(DispatchArgs a) {
+    constexpr int R = kNumRanks;
+    __shared__ int s_flag[R];
+    __shared__ int64_t s_avail[R];
+    const int C = a.num_channels;
+    const bool is_sender = blockIdx.x < C;
+    const int c = is_sender ? blockIdx.x : blockIdx.x - C;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int wpg = (blockDim.x / 32) / R;
+    if (warp >= wpg * R) return;
+    const WarpGroup g{warp / wpg, warp % wpg, lane, wpg};
+    const RingShape& rs = a.rs;
+    const int k = a.num_topk, ns = a.num_scales;
+    const int64_t x_int4 = rs.x_bytes / 16;
+
+    if (is_sender) {
+        const int dst = g.index;
+        const int begin = a.send_channel_prefix[dst * (C + 1) + c];
+        const int n = a.send_channel_prefix[dst * (C + 1) + c + 1] - begin;
+        const int* list = a.send_list + (int64_t)dst * a.num_tokens + begin;
+        send_stream(g, a.peers[dst], rs, R, c, a.rank, n, a.guard, /*phase=*/0, dst, &s_flag[dst],
+                    [=](char* slot, int i) {
+                        const int t = __ldg(list + i);
+                        warp_copy_nc(reinterpret_cast<int4*>(slot), a.x + t * x_int4, x_int4, lane);
+                        int* meta = reinterpret_cast<int*>(slot + rs.x_bytes);
+                        if (lane == 0) meta[0] = t;
+                        for (int j = lane; j < k; j += 32) {
+                            meta[1 + j] = (int)a.topk_idx[(int64_t)t * k + j];
+                            reinterpret_cast<float*>(meta)[1 + k + j] = a.topk_weights ? a.topk_weights[(int64_t)t * k + j] : 0.f;
+                        }
+                        if (a.x_scales)
+                            for (int j = lane; j < ns; j += 32)
+                                reinterpret_cast<float*>(meta)[1 + 2 * k + j] = a.x_scales[(int64_t)t * ns + j];
+                    });
+        return;
+    }
+
+    // Receiver of channel c, group g drains source g.
+    const int src = g.index;
+    const int* cp = a.recv_channel_prefix + src * (C + 1);
+    const int n = cp[c + 1] - cp[c];
+    const int64_t row0 = (int64_t)a.recv_rank_offset[src] + cp[c];
+    void* mine = a.peers[a.rank];
+    const int64_t* tail = ring_counter(mine, rs.counter_tail, R, c, src);
+    int64_t* head = ring_counter(mine, rs.counter_head, R, c, src);
+    const int64_t base = *reinterpret_cast<volatile int64_t*>(head);  // only I write my head
+    const int64_t lo = (int64_t)a.rank * a.num_local_experts, hi = lo + a.num_local_experts;
+    for (int consumed = 0; consumed < n;) {
+        if (g.leader()) {
+            // A sender may already be pushing the next call's rows: clamp to n.
+            s_avail[src] = wait_geq(tail, base + consumed + 1, a.guard, /*phase=*/1, src)
+                               ? min(ld_acquire_sys(tail) - base, (int64_t)n) - consumed : -1;
+        }
+        g.sync();
+        const int avail = (int)s_avail[src];
+        if (avail < 0) return;
+        for (int j = g.warp; j < avail; j += g.num_warps) {
+            const int64_t row = row0 + consumed + j;
+            if (row >= a.capacity) continue;  // notify already reported the overflow
+            const char* slot = ring_slot(mine, rs, R, c, src, base + consumed + j);
+            warp_copy_ring(a.recv_x + row * x_int4, reinterpret_cast<const int4*>(slot), x_int4, lane);
+            const int* meta = reinterpret_cast<const int*>(slot + rs.x_bytes);
+            if (lane == 0) a.recv_src_idx[row] = ld_volatile(meta);
+            for (int j2 = lane; j2 < k; j2 += 32) {
+                const int64_t e = ld_volatile(meta + 1 + j2);
+                const bool local = e >= lo && e < hi;
+                a.recv_topk_idx[row * k + j2] = local ? e - lo : -1;
+                if (a.recv_topk_weights)
+                    a.recv_topk_weights[row * k + j2] = local ? __int_as_float(ld_volatile(meta + 1 + k + j2)) : 0.f;
+            }
+            if (a.recv_x_scales)
+                for (int j2 = lane; j2 < ns; j2 += 32)
+                    a.recv_x_scales[row * ns + j2] = __int_as_float(ld_volatile(meta + 1 + 2 * k + j2));
+        }
+        g.sync();
+        consumed += avail;
+        if (g.leader()) st_release_sys(head, base + consumed);
+    }
+}
+
+}  // namespace intranode
+}  // namespace cupyep

@@ -1,0 +1,26 @@
+"""cupyep: expert-parallel dispatch and combine for Mixture-of-Experts, in
+raw CUDA compiled at run time through CuPy, with mpi4py ranks.
+
+Entry points:
+    group = cupyep.init()                 # rank runtime (cupyep.runtime)
+    buf = cupyep.Buffer(group)            # normal mode within a node (cupyep.intranode)
+    cupyep.reference                      # the NumPy oracle that defines the semantics
+    python -m cupyep.launch -n 8 app.py   # launcher (starts MPS when ranks share a GPU)
+"""
+from .errors import CommTimeoutError, CupyepError
+from .runtime import Group, init
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # GPU-facing classes import lazily so that `import cupyep` stays cheap
+    # on machines without CUDA.
+    if name in ("Buffer", "Config", "DispatchResult", "CombineResult", "DispatchHandle", "EventHandle"):
+        from . import intranode
+        return getattr(intranode, name)
+    raise AttributeError(f"module 'cupyep' has no attribute {name!r}")
+
+
+__all__ = ["init", "Group", "CommTimeoutError", "CupyepError", "Buffer", "Config", "DispatchResult",
+           "CombineResult", "DispatchHandle", "EventHandle", "__version__"]

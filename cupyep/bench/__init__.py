@@ -1,0 +1,1 @@
+"""Benchmark utilities: the copy-bandwidth roofline, event timing, JSON output."""

@@ -1,0 +1,64 @@
+"""Timing with CUDA events: warm-up, optional L2 flush between runs, many runs."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Per-call times in seconds over ``n`` runs."""
+    median_s: float
+    mean_s: float
+    p99_s: float
+    min_s: float
+    max_s: float
+    n: int
+
+    def as_us(self) -> dict:
+        return {k.replace("_s", "_us"): (v * 1e6 if k != "n" else v) for k, v in asdict(self).items()}
+
+    @staticmethod
+    def from_samples(samples_s) -> "Timing":
+        a = np.asarray(samples_s, dtype=np.float64)
+        return Timing(float(np.median(a)), float(a.mean()), float(np.percentile(a, 99)), float(a.min()),
+                      float(a.max()), int(a.size))
+
+
+_flush_buf = None
+
+
+def flush_l2(nbytes: int = 256 << 20) -> None:
+    """Overwrite a buffer larger than L2 so the next run starts cold."""
+    import cupy
+    global _flush_buf
+    if _flush_buf is None or _flush_buf.nbytes < nbytes:
+        _flush_buf = cupy.empty(nbytes, dtype=np.uint8)
+    _flush_buf.fill(0)
+
+
+def time_fn(fn, iters: int = 50, warmup: int = 5, flush: bool = True, before=None) -> Timing:
+    """Time ``fn()`` (which enqueues GPU work on the current stream).
+
+    ``before()`` runs untimed before each call (e.g. a barrier that lines all
+    ranks up); with ``flush`` the L2 is flushed before each call as well.
+    """
+    import cupy
+    for _ in range(warmup):
+        if before:
+            before()
+        fn()
+    cupy.cuda.get_current_stream().synchronize()
+    starts = [cupy.cuda.Event() for _ in range(iters)]
+    ends = [cupy.cuda.Event() for _ in range(iters)]
+    for i in range(iters):
+        if flush:
+            flush_l2()
+        if before:
+            before()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    ends[-1].synchronize()
+    return Timing.from_samples([cupy.cuda.get_elapsed_time(s, e) * 1e-3 for s, e in zip(starts, ends)])

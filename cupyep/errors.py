@@ -1,0 +1,79 @@
+"""Exceptions and the device error slot.
+
+Kernels report a timed-out wait into an ``ErrorSlot`` (see
+``cuda_src/common/timeout.cuh``) held in mapped, pinned host memory; the host
+turns it into :class:`CommTimeoutError`, which names the kernel, the phase,
+the rank that waited and the peer it waited for.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+# Must match `struct ErrorSlot` in cuda_src/common/timeout.cuh.
+ERROR_SLOT_DTYPE = np.dtype([
+    ("flag", np.int32), ("kernel", np.int32), ("rank", np.int32), ("peer", np.int32),
+    ("phase", np.int32), ("block", np.int32), ("value", np.int64), ("expected", np.int64),
+])
+
+# Kernel ids passed to kernels in their Guard, and the wait sites (phases) of
+# each kernel, indexed by the phase number the kernel reports.
+KERNELS: dict[str, tuple[str, ...]] = {
+    "barrier": ("barrier arrival",),
+    "intranode_notify": ("notify barrier", "notify counts"),
+    "intranode_dispatch": ("dispatch queue space (sender waits for receiver head)",
+                           "dispatch queue data (receiver waits for sender tail)"),
+    "intranode_combine": ("combine queue space (sender waits for receiver head)",
+                          "combine queue data (receiver waits for sender tail)"),
+    "low_latency_dispatch": ("low-latency dispatch signal",),
+    "low_latency_combine": ("low-latency combine signal",),
+}
+KERNEL_NAMES: tuple[str, ...] = tuple(KERNELS)
+
+
+def kernel_id(name: str) -> int:
+    """Index of kernel ``name`` in :data:`KERNEL_NAMES`."""
+    return KERNEL_NAMES.index(name)
+
+
+class CupyepError(RuntimeError):
+    """Base class of cupyep's communication failures."""
+
+
+class CommTimeoutError(CupyepError):
+    """A bounded wait on the GPU or the host ran out of time.
+
+    Attributes: ``kernel``, ``phase``, ``rank``, ``peer`` (None when unknown),
+    ``value`` and ``expected`` (the awaited counter), ``timeout_s``.
+    """
+
+    def __init__(self, kernel: str, phase: str, rank: int, peer: int | None,
+                 value: int | None = None, expected: int | None = None,
+                 timeout_s: float | None = None, detail: str = ""):
+        self.kernel, self.phase, self.rank, self.peer = kernel, phase, rank, peer
+        self.value, self.expected, self.timeout_s = value, expected, timeout_s
+        who = f"rank {rank}" + (f" waited for peer rank {peer}" if peer is not None and peer >= 0 else "")
+        msg = f"{kernel}: timeout in phase '{phase}': {who}"
+        if timeout_s is not None:
+            msg += f" for more than {timeout_s:g} s"
+        if value is not None:
+            msg += f" (counter {value}, expected {expected})"
+        if detail:
+            msg += f"; {detail}"
+        super().__init__(msg + ". The communication state is now undefined: destroy the buffer.")
+
+
+def error_from_slot(slot: np.void, timeout_s: float, rank_of_peer=lambda p: p) -> CommTimeoutError:
+    """Build the exception for a raised device error slot (``slot['flag'] != 0``).
+
+    ``rank_of_peer`` maps the peer index a kernel reports (a node-local index)
+    to a global rank.
+    """
+    k = int(slot["kernel"])
+    kernel = KERNEL_NAMES[k] if 0 <= k < len(KERNEL_NAMES) else f"kernel#{k}"
+    phases = KERNELS.get(kernel, ())
+    p = int(slot["phase"])
+    phase = phases[p] if 0 <= p < len(phases) else f"phase#{p}"
+    peer = int(slot["peer"])
+    return CommTimeoutError(kernel, phase, int(slot["rank"]), rank_of_peer(peer) if peer >= 0 else None,
+                            int(slot["value"]), int(slot["expected"]), timeout_s,
+                            detail=f"block {int(slot['block'])}")

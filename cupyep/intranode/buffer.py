@@ -1,0 +1,446 @@
+"""Normal-mode (high-throughput) expert-parallel communication within a node.
+
+:class:`Buffer` owns one symmetric IPC buffer per rank and runs, on its own
+communication stream:
+
+- :meth:`Buffer.get_dispatch_layout`: token counts per rank / expert;
+- :meth:`Buffer.dispatch`: notify pass, then ring-queue transfer into a
+  compact ``recv_x`` ordered by source rank, then source token;
+- :meth:`Buffer.combine`: the reverse route, reduced in FP32 to BF16.
+
+Every public method validates its inputs (``ValueError`` before any launch),
+and every wait is bounded by ``group.timeout_s`` (``CommTimeoutError``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import jit
+from ..arrays import BF16, FP8, as_cupy, check
+from ..ipc import SymmetricBuffer
+from . import kernels as K
+from .config import Config, get_combine_config, get_dispatch_config
+from .layout import MAX_LOCAL_EXPERTS, buffer_layout, ring_set, size_hint
+from .results import CombineResult, DispatchHandle, DispatchResult, EventHandle
+
+MAX_EXPERTS = 8192
+INT_MAX = 2**31 - 1
+
+
+@dataclass
+class LayoutResult:
+    """Output of :meth:`Buffer.get_dispatch_layout` (device arrays).
+
+    Attributes:
+        num_tokens_per_rank: [R] int32.
+        num_tokens_per_expert: [E] int32.
+        is_token_in_rank: [T, R] bool.
+        event: EventHandle.
+    """
+    num_tokens_per_rank: object
+    num_tokens_per_expert: object
+    is_token_in_rank: object
+    event: EventHandle | None = None
+
+
+def check_hidden(hidden: int) -> None:
+    if hidden <= 0 or hidden % 128:
+        raise ValueError(f"hidden size must be a positive multiple of 128, got {hidden}")
+
+
+class Buffer:
+    """Normal-mode dispatch/combine between the ranks of one node.
+
+    Arguments:
+        group: from :func:`cupyep.init`; all ranks of the node take part.
+        num_bytes: bytes of each rank's IPC buffer (default: enough for
+            hidden 7168, top-16 and the default configs; see :meth:`size_hint`).
+
+    The buffer is collective: create, call and destroy it on every rank of
+    the node in the same order. Use it as a context manager or call
+    :meth:`destroy`.
+    """
+
+    def __init__(self, group, num_bytes: int | None = None):
+        import cupy
+        group.require_gpu("cupyep.Buffer")
+        if group.num_nodes > 1:
+            raise ValueError(f"normal mode within a node needs all {group.world_size} ranks on one node, "
+                             f"got {group.num_nodes} nodes")
+        self.group = group
+        self.num_ranks = group.local_size
+        self.rank = group.local_rank
+        dev = cupy.cuda.Device()
+        self.num_device_sms = dev.attributes["MultiProcessorCount"]
+        self.sm_budget = self.num_device_sms // max(1, group.ranks_per_gpu)
+        num_bytes = int(num_bytes or size_hint(self.num_ranks, dispatch_config=self.default_dispatch_config(),
+                                               combine_config=self.default_combine_config()))
+        self.layout = buffer_layout(self.num_ranks, num_bytes)
+        self.buffer = SymmetricBuffer(group, num_bytes)
+        self.comm_stream = cupy.cuda.Stream(non_blocking=True)
+        self._host_counts_ptr = cupy.cuda.runtime.hostAlloc(4 * (1 + MAX_LOCAL_EXPERTS), 2)
+        import ctypes
+        self._host_counts = np.frombuffer((ctypes.c_int32 * (1 + MAX_LOCAL_EXPERTS)).from_address(self._host_counts_ptr),
+                                          dtype=np.int32)
+        # Compile the default specialisations once per node, collectively.
+        jit.load(K.layout_spec(), group)
+        jit.load(K.notify_spec(self.num_ranks), group)
+        jit.load(K.dispatch_spec(self.num_ranks, self.default_dispatch_config().num_threads), group)
+        jit.load(K.combine_spec(self.num_ranks, self.default_combine_config().num_threads), group)
+
+    # ------------------------------------------------------------------ config
+    def default_dispatch_config(self) -> Config:
+        return get_dispatch_config(self.num_ranks, self.sm_budget)
+
+    def default_combine_config(self) -> Config:
+        return get_combine_config(self.num_ranks, self.sm_budget)
+
+    @staticmethod
+    def size_hint(num_ranks: int, hidden: int = 7168, num_topk: int = 16, dispatch_config: Config | None = None,
+                  combine_config: Config | None = None) -> int:
+        """Bytes per rank a Buffer needs for these sizes and configs."""
+        return size_hint(num_ranks, hidden, num_topk, dispatch_config, combine_config)
+
+    def _kernel(self, spec):
+        return jit.load(spec)[spec.kernels[0]]
+
+    def _check_resident(self, fn, cfg: Config, what: str) -> None:
+        per_sm = K.max_resident_blocks(fn, cfg.num_threads)
+        total = cfg.num_sms * self.group.ranks_per_gpu
+        if per_sm < 1 or total > per_sm * self.num_device_sms:
+            raise ValueError(
+                f"{what}: {self.group.ranks_per_gpu} ranks x num_sms={cfg.num_sms} blocks of {cfg.num_threads} threads "
+                f"cannot all be resident on {self.num_device_sms} SMs ({per_sm} such blocks per SM); the ranks "
+                f"wait on each other and would deadlock. Use num_sms <= {per_sm * self.num_device_sms // self.group.ranks_per_gpu // 2 * 2}")
+
+    # ----------------------------------------------------------------- streams
+    def _begin(self, previous_event):
+        import cupy
+        self.group.check_errors()
+        if previous_event is not None:
+            ev = previous_event.event if isinstance(previous_event, EventHandle) else previous_event
+        else:
+            ev = cupy.cuda.Event(disable_timing=True)
+            ev.record(cupy.cuda.get_current_stream())
+        self.comm_stream.wait_event(ev)
+
+    def _end(self, async_finish: bool) -> EventHandle:
+        import cupy
+        ev = cupy.cuda.Event(disable_timing=True)
+        ev.record(self.comm_stream)
+        if not async_finish:
+            cupy.cuda.get_current_stream().wait_event(ev)
+        return EventHandle(ev)
+
+    def _guard(self, kernel: str):
+        return jit.pack(K.GUARD_DTYPE, **self.group.guard(kernel))
+
+    # ------------------------------------------------------------------ layout
+    def _check_topk_idx(self, topk_idx, num_experts: int, validate: bool):
+        import cupy
+        topk_idx = check(as_cupy(topk_idx, "topk_idx"), "topk_idx", np.int64, ndim=2)
+        if not 0 < num_experts <= MAX_EXPERTS:
+            raise ValueError(f"num_experts must be in [1, {MAX_EXPERTS}], got {num_experts}")
+        if num_experts % self.num_ranks:
+            raise ValueError(f"num_experts={num_experts} is not divisible by the {self.num_ranks} ranks")
+        if num_experts // self.num_ranks > MAX_LOCAL_EXPERTS:
+            raise ValueError(f"{num_experts // self.num_ranks} experts per rank exceed {MAX_LOCAL_EXPERTS}")
+        if validate and topk_idx.size and not cupy.cuda.get_current_stream().is_capturing():
+            lo, hi = (int(v) for v in cupy.stack([topk_idx.min(), topk_idx.max()]).get())
+            if lo < -1 or hi >= num_experts:
+                raise ValueError(f"topk_idx holds expert ids in [{lo}, {hi}], outside [-1, {num_experts})")
+        return topk_idx
+
+    def get_dispatch_layout(self, topk_idx, num_experts: int, previous_event=None, async_finish: bool = False,
+                            validate: bool = True) -> LayoutResult:
+        """Token counts of this rank's routing.
+
+        Arguments:
+            topk_idx: [T, k] int64 expert ids, -1 for none.
+            num_experts: E, divisible by the number of ranks.
+            validate: check expert ids on the host first (one small sync;
+                skipped during graph capture, where the device check reports).
+
+        Returns:
+            LayoutResult.
+        """
+        import cupy
+        topk_idx = self._check_topk_idx(topk_idx, num_experts, validate)
+        self._begin(previous_event)
+        res = self._layout(topk_idx, num_experts)
+        res.event = self._end(async_finish)
+        return res
+
+    def _layout(self, topk_idx, num_experts: int) -> LayoutResult:
+        import cupy
+        T, k = topk_idx.shape
+        R = self.num_ranks
+        with self.comm_stream:
+            per_rank = cupy.zeros(R, dtype=np.int32)
+            per_expert = cupy.zeros(num_experts, dtype=np.int32)
+            in_rank = cupy.empty((T, R), dtype=np.bool_)
+            if T:
+                args = jit.pack(K.LAYOUT_ARGS_DTYPE, topk_idx=K.ptr(topk_idx), num_tokens_per_rank=K.ptr(per_rank),
+                                num_tokens_per_expert=K.ptr(per_expert), is_token_in_rank=K.ptr(in_rank),
+                                num_tokens=T, num_topk=k, num_experts=num_experts, num_ranks=R,
+                                guard=self._guard("intranode_notify"))
+                self._kernel(K.layout_spec())(((T + K.LAYOUT_THREADS - 1) // K.LAYOUT_THREADS,), (K.LAYOUT_THREADS,),
+                                              (args,), shared_mem=4 * (R + num_experts))
+        return LayoutResult(per_rank, per_expert, in_rank)
+
+    # ---------------------------------------------------------------- dispatch
+    def dispatch(self, x, topk_idx=None, topk_weights=None, *, x_scales=None, num_experts: int | None = None,
+                 handle: DispatchHandle | None = None, num_tokens_per_rank=None, num_tokens_per_expert=None,
+                 is_token_in_rank=None, num_worst_tokens: int = 0, expert_alignment: int = 1,
+                 config: Config | None = None, previous_event=None, async_finish: bool = False,
+                 validate: bool = True) -> DispatchResult:
+        """Send each token to every rank owning one of its experts.
+
+        Arguments:
+            x: [T, H] uint16 (BF16 bits) or uint8 (FP8 e4m3 bits); H a multiple of 128.
+                A tuple (x_fp8, x_scales) is accepted too.
+            topk_idx: [T, k] int64 expert ids, -1 for none (required unless ``handle``).
+            topk_weights: [T, k] float32 or None.
+            x_scales: [T, H / 128] float32, required with FP8 x.
+            num_experts: E (required unless ``handle``).
+            handle: a previous DispatchHandle of this buffer: skip the notify
+                pass and reuse its routing ("cached dispatch").
+            num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank: a
+                LayoutResult's arrays, to skip recomputing the layout.
+            num_worst_tokens: if > 0, size the output for this many rows and
+                never wait on the host for counts (CUDA-graph capturable);
+                more received rows raise an error, never a silent drop.
+            expert_alignment: round num_recv_tokens_per_expert up to a multiple.
+            config: dispatch Config (default: tuned for this rank count).
+            previous_event: EventHandle/cupy Event the communication stream waits for
+                (default: the current stream's work so far).
+            async_finish: do not make the current stream wait for the result;
+                wait on ``result.event`` instead.
+            validate: check expert ids on the host (see get_dispatch_layout).
+
+        Returns:
+            DispatchResult.
+        """
+        import cupy
+        if isinstance(x, tuple):
+            if x_scales is not None:
+                raise ValueError("pass FP8 scales either in the x tuple or as x_scales, not both")
+            x, x_scales = x
+        x = check(as_cupy(x, "x"), "x", ndim=2)
+        if x.dtype not in (BF16, FP8):
+            raise ValueError(f"x must be uint16 (BF16 bits) or uint8 (FP8 bits), got {x.dtype}")
+        T, H = x.shape
+        check_hidden(H)
+        fp8 = x.dtype == FP8
+        x_scales = as_cupy(x_scales, "x_scales")
+        if fp8:
+            if x_scales is None:
+                raise ValueError("FP8 x needs x_scales [T, H / 128] float32")
+            check(x_scales, "x_scales", np.float32, shape=(T, H // 128))
+        elif x_scales is not None:
+            raise ValueError("x_scales is only for FP8 (uint8) x")
+        R = self.num_ranks
+        cfg = (config or self.default_dispatch_config()).validate(R)
+        if expert_alignment < 1:
+            raise ValueError(f"expert_alignment must be >= 1, got {expert_alignment}")
+        if num_worst_tokens < 0:
+            raise ValueError(f"num_worst_tokens must be >= 0, got {num_worst_tokens}")
+
+        if handle is not None:
+            self._check_handle(handle, T)
+            if cfg.num_channels != handle.num_channels:
+                raise ValueError(f"config has {cfg.num_channels} channels, the handle was made with {handle.num_channels}")
+            num_experts = handle.num_experts
+            if topk_idx is not None:
+                topk_idx = self._check_topk_idx(topk_idx, num_experts, validate=False)
+        else:
+            if topk_idx is None or num_experts is None:
+                raise ValueError("dispatch needs topk_idx and num_experts (or a handle)")
+            topk_idx = self._check_topk_idx(topk_idx, num_experts, validate)
+        k = topk_idx.shape[1] if topk_idx is not None else 0
+        if topk_idx is not None and topk_idx.shape[0] != T:
+            raise ValueError(f"topk_idx has {topk_idx.shape[0]} rows but x has {T}")
+        topk_weights = as_cupy(topk_weights, "topk_weights")
+        if topk_weights is not None:
+            if topk_idx is None:
+                raise ValueError("topk_weights needs topk_idx")
+            check(topk_weights, "topk_weights", np.float32, shape=(T, k))
+        rs = ring_set(self.layout, "dispatch", H, k, fp8, cfg)
+        dispatch_fn = self._kernel(K.dispatch_spec(R, cfg.num_threads))
+        self._check_resident(dispatch_fn, cfg, "dispatch")
+        C = cfg.num_channels
+
+        self._begin(previous_event)
+        with self.comm_stream:
+            if handle is None:
+                if is_token_in_rank is None or num_tokens_per_rank is None or num_tokens_per_expert is None:
+                    lay = self._layout(topk_idx, num_experts)
+                    num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank = \
+                        lay.num_tokens_per_rank, lay.num_tokens_per_expert, lay.is_token_in_rank
+                else:
+                    num_tokens_per_rank = check(as_cupy(num_tokens_per_rank, "num_tokens_per_rank"),
+                                                "num_tokens_per_rank", np.int32, shape=(R,))
+                    num_tokens_per_expert = check(as_cupy(num_tokens_per_expert, "num_tokens_per_expert"),
+                                                  "num_tokens_per_expert", np.int32, shape=(num_experts,))
+                    is_token_in_rank = check(as_cupy(is_token_in_rank, "is_token_in_rank"), "is_token_in_rank",
+                                             np.bool_, shape=(T, R))
+                handle, per_expert = self._notify(T, H, num_experts, num_tokens_per_rank, num_tokens_per_expert,
+                                                  is_token_in_rank, C, expert_alignment, num_worst_tokens)
+            else:
+                per_expert = []
+            N = handle.num_worst_tokens or handle.num_recv_tokens
+            recv_x = cupy.empty((N, H), dtype=x.dtype)
+            recv_scales = cupy.empty((N, H // 128), dtype=np.float32) if fp8 else None
+            recv_topk_idx = cupy.empty((N, k), dtype=np.int64) if topk_idx is not None else None
+            recv_topk_weights = cupy.empty((N, k), dtype=np.float32) if topk_weights is not None else None
+            recv_src_idx = handle.recv_src_idx if handle.recv_src_idx is not None else cupy.empty(N, dtype=np.int32)
+            if handle.recv_src_idx is None:
+                handle = _replace(handle, recv_src_idx=recv_src_idx)
+            args = jit.pack(
+                K.DISPATCH_ARGS_DTYPE, peers=K.ptr(self.buffer.peer_ptrs), rs=K.ring_struct(rs), x=K.ptr(x),
+                x_scales=K.ptr(x_scales), topk_idx=K.ptr(topk_idx), topk_weights=K.ptr(topk_weights),
+                send_list=K.ptr(handle.send_list), send_channel_prefix=K.ptr(handle.send_channel_prefix),
+                recv_channel_prefix=K.ptr(handle.recv_channel_prefix), recv_rank_offset=K.ptr(handle.recv_rank_offset),
+                recv_x=K.ptr(recv_x), recv_x_scales=K.ptr(recv_scales), recv_topk_idx=K.ptr(recv_topk_idx),
+                recv_topk_weights=K.ptr(recv_topk_weights), recv_src_idx=K.ptr(recv_src_idx), num_tokens=T,
+                num_scales=H // 128 if fp8 else 0, num_topk=k, num_local_experts=num_experts // R, num_channels=C,
+                capacity=N, rank=self.rank, guard=self._guard("intranode_dispatch"))
+            dispatch_fn((2 * C,), (cfg.num_threads,), (args,))
+        event = self._end(async_finish)
+        return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle, event)
+
+    def _notify(self, T, H, num_experts, per_rank, per_expert, in_rank, C, alignment, num_worst_tokens):
+        import cupy
+        R = self.num_ranks
+        E_local = num_experts // R
+        send_head = cupy.empty((T, R), dtype=np.int32)
+        send_list = cupy.empty((R, max(T, 1)), dtype=np.int32)
+        send_cp = cupy.empty((R, C + 1), dtype=np.int32)
+        recv_cp = cupy.empty((R, C + 1), dtype=np.int32)
+        recv_off = cupy.empty(R + 1, dtype=np.int32)
+        rpm = cupy.empty((R, R), dtype=np.int32)
+        recv_per_expert = cupy.empty(E_local, dtype=np.int32)
+        worst = num_worst_tokens > 0
+        if not worst:
+            self._host_counts[:1 + E_local] = -1
+        args = jit.pack(
+            K.NOTIFY_ARGS_DTYPE, peers=K.ptr(self.buffer.peer_ptrs), off=K.offsets_struct(self.layout),
+            is_token_in_rank=K.ptr(in_rank), num_tokens_per_rank=K.ptr(per_rank),
+            num_tokens_per_expert=K.ptr(per_expert), send_head=K.ptr(send_head), send_list=K.ptr(send_list),
+            send_channel_prefix=K.ptr(send_cp), recv_channel_prefix=K.ptr(recv_cp), recv_rank_offset=K.ptr(recv_off),
+            rank_prefix_matrix=K.ptr(rpm), num_recv_tokens_per_expert=K.ptr(recv_per_expert),
+            host_counts=0 if worst else self._host_counts_ptr, num_tokens=T, num_experts=num_experts,
+            num_channels=C, expert_alignment=alignment, capacity=num_worst_tokens if worst else INT_MAX,
+            rank=self.rank, guard=self._guard("intranode_notify"))
+        self._kernel(K.notify_spec(R))((1,), (K.NOTIFY_THREADS,), (args,), shared_mem=4 * R * (C + 1))
+        if worst:
+            n_recv, counts = -1, []
+        else:
+            ev = cupy.cuda.Event(disable_timing=True)
+            ev.record(self.comm_stream)
+            self.group.wait(ev, "intranode_notify", "host wait for receive counts")
+            n_recv = int(self._host_counts[0])
+            counts = [int(c) for c in self._host_counts[1:1 + E_local]]
+        handle = DispatchHandle(rank_prefix_matrix=rpm, recv_channel_prefix=recv_cp, recv_rank_offset=recv_off,
+                                recv_src_idx=None, is_token_in_rank=in_rank, send_head=send_head,
+                                send_list=send_list, send_channel_prefix=send_cp, num_recv_tokens=n_recv,
+                                num_worst_tokens=num_worst_tokens, num_tokens=T, hidden=H, num_experts=num_experts,
+                                num_channels=C, buffer_id=id(self))
+        return handle, counts
+
+    def _check_handle(self, handle: DispatchHandle, num_tokens: int) -> None:
+        if not isinstance(handle, DispatchHandle):
+            raise ValueError(f"handle must be a DispatchHandle, got {type(handle).__name__}")
+        if handle.buffer_id != id(self):
+            raise ValueError("handle was made by another Buffer")
+        if handle.num_tokens != num_tokens:
+            raise ValueError(f"handle was made for {handle.num_tokens} tokens, got {num_tokens}")
+
+    # ----------------------------------------------------------------- combine
+    def combine(self, x, handle: DispatchHandle, topk_weights=None, *, row_weights=None, config: Config | None = None,
+                previous_event=None, async_finish: bool = False) -> CombineResult:
+        """Send expert outputs back along the dispatch route and reduce them.
+
+        Arguments:
+            x: [N, H] uint16 (BF16 bits): one row per received row of the dispatch.
+            handle: that dispatch's DispatchHandle.
+            topk_weights: [N, k] float32 (e.g. recv_topk_weights) to combine too, or None.
+            row_weights: [N] float32: each row is multiplied by its weight in the
+                FP32 reduction (None: unweighted sum).
+            config: combine Config.
+
+        Returns:
+            CombineResult with combined_x [T, H] uint16 (BF16): for every token,
+            the FP32 sum over the ranks it visited of weight * row, in rank order.
+        """
+        import cupy
+        if not isinstance(handle, DispatchHandle) or handle.buffer_id != id(self):
+            raise ValueError("combine needs a DispatchHandle made by this Buffer")
+        x = check(as_cupy(x, "x"), "x", BF16, ndim=2)
+        N = handle.num_worst_tokens or handle.num_recv_tokens
+        if x.shape[0] != N:
+            raise ValueError(f"x has {x.shape[0]} rows, the dispatch received {N}")
+        H = x.shape[1]
+        check_hidden(H)
+        R, T = self.num_ranks, handle.num_tokens
+        topk_weights = as_cupy(topk_weights, "topk_weights")
+        k = 0
+        if topk_weights is not None:
+            check(topk_weights, "topk_weights", np.float32, ndim=2)
+            if topk_weights.shape[0] != N:
+                raise ValueError(f"topk_weights has {topk_weights.shape[0]} rows, the dispatch received {N}")
+            k = topk_weights.shape[1]
+        row_weights = as_cupy(row_weights, "row_weights")
+        if row_weights is not None:
+            check(row_weights, "row_weights", np.float32, shape=(N,))
+        cfg = (config or self.default_combine_config()).validate(R, combine=True)
+        if cfg.num_channels != handle.num_channels:
+            raise ValueError(f"combine config has {cfg.num_channels} channels (num_sms={cfg.num_sms}) but the dispatch "
+                             f"used {handle.num_channels}: use num_sms={2 * handle.num_channels}")
+        rs = ring_set(self.layout, "combine", H, k, False, cfg)
+        fn = self._kernel(K.combine_spec(R, cfg.num_threads))
+        self._check_resident(fn, cfg, "combine")
+        self._begin(previous_event)
+        with self.comm_stream:
+            combined = cupy.empty((T, H), dtype=BF16)
+            combined_w = cupy.empty((T, k), dtype=np.float32) if topk_weights is not None else None
+            args = jit.pack(
+                K.COMBINE_ARGS_DTYPE, peers=K.ptr(self.buffer.peer_ptrs), rs=K.ring_struct(rs), x=K.ptr(x),
+                row_weights=K.ptr(row_weights), recv_topk_weights=K.ptr(topk_weights),
+                send_head=K.ptr(handle.send_head), recv_channel_prefix=K.ptr(handle.recv_channel_prefix),
+                recv_rank_offset=K.ptr(handle.recv_rank_offset), combined_x=K.ptr(combined),
+                combined_topk_weights=K.ptr(combined_w), num_tokens=T, num_topk=k, num_channels=cfg.num_channels,
+                rank=self.rank, guard=self._guard("intranode_combine"))
+            fn((2 * cfg.num_channels,), (cfg.num_threads,), (args,))
+        return CombineResult(combined, combined_w, self._end(async_finish))
+
+    # ---------------------------------------------------------------- lifetime
+    def synchronize(self) -> None:
+        """Bounded wait for all work on the communication stream."""
+        import cupy
+        ev = cupy.cuda.Event(disable_timing=True)
+        ev.record(self.comm_stream)
+        self.group.wait(ev, "intranode", "host wait for the communication stream")
+
+    def destroy(self) -> None:
+        """Collective: free the IPC buffer (after all ranks are done with it)."""
+        import cupy
+        if self.buffer.alive:
+            self.buffer.destroy()
+        if self._host_counts_ptr:
+            self._host_counts = None
+            cupy.cuda.runtime.freeHost(self._host_counts_ptr)
+            self._host_counts_ptr = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.destroy()
+
+
+def _replace(handle: DispatchHandle, **kw) -> DispatchHandle:
+    from dataclasses import replace
+    return replace(handle, **kw)

@@ -1,0 +1,92 @@
+"""Tuning knobs of normal mode and their defaults.
+
+A :class:`Config` holds the three knobs of the queue transport:
+
+- ``num_sms``: blocks per rank; half send, half receive, so
+  ``num_channels = num_sms // 2``. Each channel owns a contiguous slice of the
+  tokens.
+- ``chunk_size``: rows a sender publishes per step (one tail update).
+- ``queue_depth``: slots per (channel, peer) ring.
+
+plus ``num_threads`` per block. Dispatch and combine take separate configs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+# Rings of one rank: 2 counters per ring, padded to kCounterStride bytes.
+COUNTER_STRIDE = 64
+MAX_CHANNELS = 64
+
+
+@dataclass(frozen=True)
+class Config:
+    """Normal-mode kernel configuration (identical on every rank of a call)."""
+    num_sms: int = 24
+    chunk_size: int = 8
+    queue_depth: int = 32
+    num_threads: int = 512
+
+    @property
+    def num_channels(self) -> int:
+        return self.num_sms // 2
+
+    def validate(self, num_ranks: int, combine: bool = False) -> "Config":
+        """Raise ValueError for a configuration the kernels cannot run."""
+        if self.num_sms < 2 or self.num_sms % 2 or self.num_sms // 2 > MAX_CHANNELS:
+            raise ValueError(f"num_sms must be even and in [2, {2 * MAX_CHANNELS}], got {self.num_sms}")
+        if self.num_threads % 32 or not 32 <= self.num_threads <= 1024:
+            raise ValueError(f"num_threads must be a multiple of 32 in [32, 1024], got {self.num_threads}")
+        warps = self.num_threads // 32
+        if warps < num_ranks:
+            raise ValueError(f"num_threads={self.num_threads} gives {warps} warps, fewer than the {num_ranks} "
+                             "ranks each block serves (one warp group per rank)")
+        if warps // num_ranks > 1 and num_ranks > 15:
+            raise ValueError(f"{num_ranks} ranks with {warps // num_ranks} warps each need more than the 15 named "
+                             "barriers a block has; use num_threads = 32 * num_ranks")
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if self.queue_depth < self.chunk_size:
+            raise ValueError(f"queue_depth ({self.queue_depth}) must be >= chunk_size ({self.chunk_size})")
+        if combine and self.queue_depth < warps + self.chunk_size:
+            # The combine receiver frees slots once per batch of `warps` tokens.
+            raise ValueError(f"combine queue_depth ({self.queue_depth}) must be >= warps per block ({warps}) + "
+                             f"chunk_size ({self.chunk_size}) = {warps + self.chunk_size}")
+        return self
+
+
+# Tuned on one H200 with the ranks sharing it under MPS (see
+# experiments/normal_sweep.py); keyed by ranks per node.
+_DISPATCH = {
+    2: Config(num_sms=48, chunk_size=16, queue_depth=64),
+    4: Config(num_sms=32, chunk_size=8, queue_depth=32),
+    8: Config(num_sms=16, chunk_size=8, queue_depth=32),
+}
+_COMBINE = {
+    2: Config(num_sms=48, chunk_size=8, queue_depth=48),
+    4: Config(num_sms=32, chunk_size=8, queue_depth=32),
+    8: Config(num_sms=16, chunk_size=4, queue_depth=32),
+}
+
+
+def _pick(table: dict, num_ranks: int, sm_budget: int | None) -> Config:
+    key = min((k for k in table if k >= num_ranks), default=max(table))
+    cfg = table[key]
+    if sm_budget is not None and cfg.num_sms > sm_budget:
+        cfg = replace(cfg, num_sms=max(2, sm_budget // 2 * 2))
+    if cfg.num_threads // 32 < num_ranks:
+        cfg = replace(cfg, num_threads=32 * num_ranks)
+    return cfg
+
+
+def get_dispatch_config(num_ranks: int, sm_budget: int | None = None) -> Config:
+    """Default dispatch config for ``num_ranks`` ranks per node, capped at
+    ``sm_budget`` SMs (a GPU's SMs divided by the ranks sharing it)."""
+    return _pick(_DISPATCH, num_ranks, sm_budget)
+
+
+def get_combine_config(num_ranks: int, sm_budget: int | None = None) -> Config:
+    """Default combine config; see :func:`get_dispatch_config`."""
+    cfg = _pick(_COMBINE, num_ranks, sm_budget)
+    need = cfg.num_threads // 32 + cfg.chunk_size
+    return cfg if cfg.queue_depth >= need else replace(cfg, queue_depth=need)

@@ -1,0 +1,93 @@
+"""Named results of normal-mode dispatch and combine."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class EventHandle:
+    """A CUDA event recorded on the communication stream after an operation.
+
+    ``current_stream_wait()`` makes the caller's current stream wait for it.
+    """
+
+    def __init__(self, event):
+        self.event = event
+
+    def current_stream_wait(self) -> None:
+        import cupy
+        cupy.cuda.get_current_stream().wait_event(self.event)
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+
+@dataclass(frozen=True)
+class DispatchHandle:
+    """What combine and cached dispatch need from a dispatch (device arrays).
+
+    Attributes:
+        rank_prefix_matrix: [R, R] int32; entry [i, j] = tokens sources 0..i send to rank j.
+        recv_channel_prefix: [R, C + 1] int32; rows from source s in channel c are
+            [recv_rank_offset[s] + p[s, c], recv_rank_offset[s] + p[s, c + 1]).
+        recv_rank_offset: [R + 1] int32; first row of each source's block.
+        recv_src_idx: [N] int32; source token index of each received row.
+        is_token_in_rank: [T, R] bool.
+        send_head: [T, R] int32; position of token t in stream (channel(t), rank), -1 if not sent.
+        send_list: [R, T] int32; tokens of each destination's stream, channel-major.
+        send_channel_prefix: [R, C + 1] int32.
+        num_recv_tokens: N (-1 when unknown on the host: worst-token mode).
+        num_worst_tokens: rows allocated in worst-token mode, else 0.
+    """
+    rank_prefix_matrix: object
+    recv_channel_prefix: object
+    recv_rank_offset: object
+    recv_src_idx: object
+    is_token_in_rank: object
+    send_head: object
+    send_list: object
+    send_channel_prefix: object
+    num_recv_tokens: int
+    num_worst_tokens: int
+    num_tokens: int
+    hidden: int
+    num_experts: int
+    num_channels: int
+    buffer_id: int
+
+
+@dataclass
+class DispatchResult:
+    """Output of :meth:`cupyep.Buffer.dispatch`.
+
+    Attributes:
+        recv_x: [N, H] uint16 (BF16 bits) or uint8 (FP8 e4m3 bits).
+        recv_x_scales: [N, H / 128] float32 for FP8, else None.
+        recv_topk_idx: [N, k] int64 local expert ids, -1 for slots of other ranks (None in cached mode
+            without topk_idx).
+        recv_topk_weights: [N, k] float32, 0 where recv_topk_idx is -1 (None without weights).
+        num_recv_tokens_per_expert: list[int], per local expert, aligned to expert_alignment
+            (empty in worst-token mode, where the host never waits for counts).
+        handle: DispatchHandle for combine and cached dispatch.
+        event: EventHandle recorded after the dispatch on the communication stream.
+    """
+    recv_x: object
+    recv_x_scales: object
+    recv_topk_idx: object
+    recv_topk_weights: object
+    num_recv_tokens_per_expert: list = field(default_factory=list)
+    handle: DispatchHandle | None = None
+    event: EventHandle | None = None
+
+
+@dataclass
+class CombineResult:
+    """Output of :meth:`cupyep.Buffer.combine`.
+
+    Attributes:
+        combined_x: [T, H] uint16 (BF16 bits), FP32-accumulated sum over ranks.
+        combined_topk_weights: [T, k] float32 or None.
+        event: EventHandle recorded after the combine.
+    """
+    combined_x: object
+    combined_topk_weights: object
+    event: EventHandle | None = None

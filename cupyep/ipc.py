@@ -1,0 +1,105 @@
+"""Symmetric device buffers shared by the ranks of a node through CUDA IPC.
+
+Every rank of the node allocates the same number of bytes with
+``cudaMalloc`` (an IPC handle covers one whole allocation, so never the CuPy
+pool), the handles are exchanged with ``allgather``, and each rank opens its
+peers' buffers, whether they live on the same GPU (ranks sharing a GPU under
+MPS) or another one (P2P). ``peer_ptrs`` is a device array ``[local_size]``
+of ``uint64`` base pointers that kernels index by node-local rank.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+_IPC_LAZY_ENABLE_PEER_ACCESS = 1
+ALIGNMENT = 256
+
+
+class SymmetricBuffer:
+    """``nbytes`` of device memory on every rank of the node, mapped by all.
+
+    Collective over ``group.node_comm``. Use as a context manager or call
+    :meth:`destroy`, which unmaps peers before freeing (collectively).
+
+    Attributes:
+        nbytes: size of each rank's buffer.
+        ptr: this rank's buffer (device pointer, int).
+        peer_ptr_list: list[int] ``[local_size]``; entry ``local_rank`` is ``ptr``.
+        peer_ptrs: cupy ``[local_size]`` uint64, the same on the device.
+    """
+
+    def __init__(self, group, nbytes: int):
+        import cupy
+        group.require_gpu("SymmetricBuffer")
+        nbytes = int(nbytes)
+        if nbytes <= 0:
+            raise ValueError(f"SymmetricBuffer size must be positive, got {nbytes}")
+        sizes = group.node_comm.allgather(nbytes)
+        if len(set(sizes)) != 1:
+            raise ValueError(f"SymmetricBuffer sizes differ across the node's ranks: {sizes}")
+        rt = cupy.cuda.runtime
+        self.group = group
+        self.nbytes = nbytes
+        self.ptr = rt.malloc(nbytes)
+        self._opened: list[int] = []
+        try:
+            rt.memset(self.ptr, 0, nbytes)
+            rt.deviceSynchronize()
+            handles = group.node_comm.allgather(bytes(rt.ipcGetMemHandle(self.ptr)))
+            ptrs = []
+            for i, h in enumerate(handles):
+                if i == group.local_rank:
+                    ptrs.append(self.ptr)
+                else:
+                    p = rt.ipcOpenMemHandle(h, _IPC_LAZY_ENABLE_PEER_ACCESS)
+                    self._opened.append(p)
+                    ptrs.append(p)
+            self.peer_ptr_list = ptrs
+            self.peer_ptrs = cupy.asarray(np.asarray(ptrs, dtype=np.uint64))
+            group.node_comm.Barrier()
+        except BaseException:
+            self._release()
+            raise
+
+    def view(self, offset: int, shape, dtype, peer: int | None = None):
+        """A cupy array over ``[offset, offset + size)`` of this rank's buffer
+        (or of node-local rank ``peer``'s buffer)."""
+        import cupy
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape)) * dtype.itemsize
+        if offset < 0 or offset + n > self.nbytes:
+            raise ValueError(f"view [{offset}, {offset + n}) outside the {self.nbytes}-byte buffer")
+        base = self.ptr if peer is None else self.peer_ptr_list[peer]
+        mem = cupy.cuda.UnownedMemory(base + offset, n, self, device_id=cupy.cuda.Device().id)
+        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
+
+    def _release(self) -> None:
+        import cupy
+        rt = cupy.cuda.runtime
+        for p in self._opened:
+            rt.ipcCloseMemHandle(p)
+        self._opened = []
+        if self.ptr:
+            rt.free(self.ptr)
+            self.ptr = 0
+
+    def destroy(self) -> None:
+        """Collective: wait until no rank uses any buffer, unmap peers, free."""
+        import cupy
+        if not self.ptr:
+            return
+        cupy.cuda.runtime.deviceSynchronize()
+        self.group.node_comm.Barrier()
+        self._release()
+        self.peer_ptrs = None
+        self.group.node_comm.Barrier()
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.ptr)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.destroy()

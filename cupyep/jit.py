@@ -1,0 +1,249 @@
+"""Run-time compilation of the kernels in ``cuda_src/``.
+
+Each kernel specialisation is a frozen :class:`KernelSpec`: a source file, the
+kernel name expressions to instantiate (template arguments are the
+compile-time constants), and a readable name such as
+``intranode_dispatch_ranks_8``. :func:`load` compiles through
+``cupy.RawModule`` (NVRTC) and caches per process; CuPy caches the cubin on
+disk. CuPy's disk cache key covers the source text and the options but not the
+headers pulled in with ``-I``, so the options carry a hash of every file under
+``cuda_src/``: editing any header recompiles.
+
+``python -m cupyep.jit --check`` compiles every registered specialisation for
+sm_90 with ``nvcc`` (no GPU needed) and prints registers, stack and spills.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+_PKG = Path(__file__).resolve().parent
+CUDA_SRC = (_PKG / "cuda_src") if (_PKG / "cuda_src").is_dir() else (_PKG.parent / "cuda_src")
+
+# Modules that own kernels; each defines ``kernel_specs() -> list[KernelSpec]``
+# listing the specialisations the check command compiles.
+SPEC_MODULES = (
+    "cupyep.barrier",
+    "cupyep.bench.copy",
+    "cupyep.fp8",
+    "cupyep.intranode.kernels",
+)
+
+BASE_OPTIONS = ("-std=c++17",)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """One compiled specialisation.
+
+    Attributes:
+        name: readable unique name, e.g. ``intranode_dispatch_ranks_8``.
+        source: path of the ``.cu`` file relative to ``cuda_src/``.
+        kernels: name expressions, e.g. ``cupyep::dispatch<8, 512>``.
+        defines: extra ``-D`` macros as (name, value) pairs.
+    """
+    name: str
+    source: str
+    kernels: tuple[str, ...]
+    defines: tuple[tuple[str, int], ...] = ()
+
+    def options(self) -> tuple[str, ...]:
+        return (*BASE_OPTIONS, f"-I{CUDA_SRC}", f"-DCUPYEP_SOURCE_HASH=0x{source_hash()[:16]}",
+                *(f"-D{k}={v}" for k, v in self.defines))
+
+
+@lru_cache(maxsize=1)
+def source_hash() -> str:
+    """SHA-256 over the path and contents of every file under ``cuda_src/``."""
+    h = hashlib.sha256()
+    for path in sorted(CUDA_SRC.rglob("*")):
+        if path.is_file() and path.suffix in (".cu", ".cuh", ".h"):
+            h.update(str(path.relative_to(CUDA_SRC)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+class Module:
+    """A compiled specialisation: ``module[kernel_name_expression]`` gives the
+    ``cupy.RawKernel``-like function."""
+
+    def __init__(self, spec: KernelSpec):
+        import cupy
+        self.spec = spec
+        code = (CUDA_SRC / spec.source).read_text()
+        self._module = cupy.RawModule(code=code, options=spec.options(), name_expressions=list(spec.kernels))
+        self._functions = {k: self._module.get_function(k) for k in spec.kernels}
+
+    def __getitem__(self, kernel: str):
+        return self._functions[kernel]
+
+
+_modules: dict[tuple[int, KernelSpec], Module] = {}
+
+
+def load(spec: KernelSpec, group=None) -> Module:
+    """Compile (or fetch from cache) ``spec`` for the current device.
+
+    With ``group`` this is collective over the node: local rank 0 compiles
+    first, the others wait at a node barrier and then hit CuPy's disk cache.
+    """
+    import cupy
+    key = (cupy.cuda.Device().id, spec)
+    mod = _modules.get(key)
+    if mod is not None:
+        return mod
+    if group is not None and group.local_size > 1:
+        if group.local_rank == 0:
+            mod = Module(spec)
+        group.node_comm.Barrier()
+        if group.local_rank != 0:
+            mod = Module(spec)
+    else:
+        mod = Module(spec)
+    _modules[key] = mod
+    return mod
+
+
+# --- kernel argument structs -------------------------------------------------
+
+def struct_dtype(fields: list[tuple[str, object]]) -> np.dtype:
+    """A NumPy dtype laid out like the C struct with the same fields in order
+    (natural alignment), for passing structs by value to kernels."""
+    return np.dtype(fields, align=True)
+
+
+def pack(dtype: np.dtype, **values) -> np.void:
+    """One struct value of ``dtype``; unspecified fields are zero."""
+    a = np.zeros((), dtype=dtype)
+    for k, v in values.items():
+        a[k] = v
+    return a[()]
+
+
+# --- offline compile check -----------------------------------------------------
+
+_PTXAS_ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(\w+)'")
+_PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+_PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+@dataclasses.dataclass
+class CompileReport:
+    spec: str
+    kernel: str
+    registers: int = 0
+    stack: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+    smem: int = 0
+
+
+def all_specs() -> list[KernelSpec]:
+    """Every registered specialisation, from the modules in SPEC_MODULES."""
+    import importlib
+    specs: list[KernelSpec] = []
+    for name in SPEC_MODULES:
+        specs.extend(importlib.import_module(name).kernel_specs())
+    names = [s.name for s in specs]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ValueError(f"duplicate kernel spec names: {sorted(dup)}")
+    return specs
+
+
+def _demangle(names: list[str]) -> dict[str, str]:
+    tool = shutil.which("cu++filt") or str(Path(shutil.which("nvcc") or "nvcc").parent / "cu++filt")
+    if not Path(tool).exists():
+        return {n: n for n in names}
+    out = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True).stdout.splitlines()
+    return dict(zip(names, out)) if len(out) == len(names) else {n: n for n in names}
+
+
+def compile_offline(spec: KernelSpec, arch: str = "sm_90", nvcc: str | None = None) -> list[CompileReport]:
+    """Compile ``spec`` to a cubin with nvcc and parse ptxas' resource usage.
+
+    Raises RuntimeError with the compiler output when compilation fails.
+    """
+    nvcc = nvcc or shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    if not Path(nvcc).exists() and not shutil.which(nvcc):
+        raise RuntimeError("nvcc not found: install the CUDA toolkit or put nvcc on PATH")
+    # Taking each kernel's address in host code makes nvcc instantiate it.
+    refs = ", ".join(f"(const void*)&{k}" for k in spec.kernels)
+    wrapper = f'#include "{spec.source}"\nstatic const void* cupyep_instantiate[] = {{{refs}}};\n'
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / f"{spec.name}.cu"
+        src.write_text(wrapper)
+        cmd = [nvcc, f"-arch={arch}", "-cubin", "-Xptxas", "-v", *spec.options(), "-o", str(Path(tmp) / "k.cubin"), str(src)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{spec.name}: nvcc failed ({' '.join(cmd)}):\n{proc.stdout}{proc.stderr}")
+    reports: list[CompileReport] = []
+    cur: CompileReport | None = None
+    for line in proc.stderr.splitlines():
+        if m := _PTXAS_ENTRY.search(line):
+            cur = CompileReport(spec.name, m.group(1))
+            reports.append(cur)
+        elif cur is not None and (m := _PTXAS_FRAME.search(line)):
+            cur.stack, cur.spill_stores, cur.spill_loads = map(int, m.groups())
+        elif cur is not None and (m := _PTXAS_REGS.search(line)):
+            cur.registers = int(m.group(1))
+            if s := _PTXAS_SMEM.search(line):
+                cur.smem = int(s.group(1))
+            cur = None
+    names = _demangle([r.kernel for r in reports])
+    for r in reports:
+        r.kernel = names[r.kernel]
+    return reports
+
+
+def check_all(arch: str = "sm_90", jobs: int | None = None, out=sys.stdout) -> list[CompileReport]:
+    """Compile every registered specialisation offline and print a table."""
+    specs = all_specs()
+    with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 2) as pool:
+        results = list(pool.map(lambda s: compile_offline(s, arch), specs))
+    rows = [r for rs in results for r in rs]
+    print(f"{'specialisation':44s} {'regs':>4s} {'stack':>5s} {'spill st/ld':>11s} {'smem':>6s}  kernel", file=out)
+    for r in rows:
+        print(f"{r.spec:44s} {r.registers:4d} {r.stack:5d} {r.spill_stores:5d}/{r.spill_loads:<5d} {r.smem:6d}  {r.kernel}", file=out)
+    print(f"compiled {len(specs)} specialisations ({len(rows)} kernels) for {arch}; "
+          f"{sum(r.spill_stores > 0 for r in rows)} kernels spill", file=out)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cupyep.jit", description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="compile every specialisation with nvcc (no GPU needed)")
+    p.add_argument("--arch", default="sm_90")
+    p.add_argument("--jobs", type=int, default=None)
+    p.add_argument("--list", action="store_true", help="list the specialisations")
+    args = p.parse_args(argv)
+    if args.list:
+        for s in all_specs():
+            print(s.name, s.source, *s.kernels)
+        return 0
+    if args.check:
+        try:
+            check_all(args.arch, args.jobs)
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
+            return 1
+        return 0
+    p.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""Low-latency mode: one message per (token, expert) selection, fixed slots.
+
+Each destination rank holds, for every local expert, ``R * max_tokens`` slots
+(``max_tokens = num_max_dispatch_tokens_per_rank``): the region of source rank
+``r`` starts at slot ``r * max_tokens``. The reference stores the tokens of
+source ``r`` for local expert ``e`` packed from the start of that region in
+ascending source-token order. (A GPU kernel that claims slots with atomics may
+store them in another order within the region: compare such results as sets,
+e.g. after sorting each region by ``recv_src_info``.)
+
+Tokens are not deduplicated: a token that picks two experts of one rank is
+sent twice. DeepEP assumes the experts of one token are distinct, so rows
+naming the same expert twice are rejected.
+
+Combine accumulates in float64 (exact products of float32 factors) and rounds
+once to float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from .layout import validate_rank_inputs
+
+__all__ = ["LowLatencyDispatchResult", "low_latency_dispatch", "low_latency_combine"]
+
+
+@dataclass(frozen=True)
+class LowLatencyDispatchResult:
+    """What one destination rank receives from a low-latency dispatch.
+
+    Attributes:
+        recv_x: [E_local, R * max_tokens, hidden], the dtype of x, unused slots zero.
+        recv_x_scales: [E_local, R * max_tokens, num_scales] (the dtype of
+            x_scales, normally float32 with hidden / 128 columns; unused zero) or None.
+        recv_count: [E_local] int32, tokens received per local expert.
+        recv_src_info: [E_local, R * max_tokens] int32, source token index of
+            each slot, -1 where unused.
+        layout_begin: [E_local, R] int64, first slot of source rank r's tokens
+            for local expert e (always r * max_tokens).
+        layout_count: [E_local, R] int64, number of those tokens.
+        num_tokens_per_expert_src: [E_local, R] int32, the same counts as int32.
+        num_max_dispatch_tokens_per_rank: int, max_tokens.
+    """
+
+    recv_x: np.ndarray
+    recv_x_scales: Optional[np.ndarray]
+    recv_count: np.ndarray
+    recv_src_info: np.ndarray
+    layout_begin: np.ndarray
+    layout_count: np.ndarray
+    num_tokens_per_expert_src: np.ndarray
+    num_max_dispatch_tokens_per_rank: int
+
+
+def _check_distinct_experts(topk_idx: np.ndarray, src_rank: int) -> None:
+    """Reject rows that name one expert in two slots."""
+    ordered = np.sort(topk_idx, axis=1)
+    duplicate = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+    if duplicate.any():
+        token = int(np.flatnonzero(duplicate.any(axis=1))[0])
+        raise ValueError(
+            f"topk_idx[{src_rank}] row {token} names an expert twice: {topk_idx[token].tolist()} "
+            f"(low-latency mode needs distinct experts per token)"
+        )
+
+
+def _slot_in_region(topk_idx: np.ndarray, num_experts: int) -> np.ndarray:
+    """Position of each (token, slot) among the source's tokens of that expert.
+
+    Arguments:
+        topk_idx: [num_tokens, num_topk] int64, distinct experts per row or -1.
+        num_experts: E.
+
+    Returns:
+        [num_tokens, num_topk] int64: how many earlier tokens of this source
+        picked the same expert (so the slot is region start + this), -1 for -1 slots.
+    """
+    tokens, slots = np.nonzero(topk_idx >= 0)  # ascending token order
+    experts = topk_idx[tokens, slots]
+    order = np.argsort(experts, kind="stable")
+    counts = np.bincount(experts, minlength=num_experts)
+    starts = np.cumsum(counts) - counts
+    position = np.empty(experts.size, dtype=np.int64)
+    position[order] = np.arange(experts.size) - starts[experts[order]]
+    result = np.full(topk_idx.shape, -1, dtype=np.int64)
+    result[tokens, slots] = position
+    return result
+
+
+def _check_ll_inputs(topk_idx: Sequence[np.ndarray], num_max_dispatch_tokens_per_rank: int) -> None:
+    if not isinstance(num_max_dispatch_tokens_per_rank, (int, np.integer)) or num_max_dispatch_tokens_per_rank <= 0:
+        raise ValueError(
+            f"num_max_dispatch_tokens_per_rank must be a positive integer, got {num_max_dispatch_tokens_per_rank!r}"
+        )
+    for src, idx in enumerate(topk_idx):
+        if idx.shape[0] > num_max_dispatch_tokens_per_rank:
+            raise ValueError(
+                f"rank {src} has {idx.shape[0]} tokens, more than "
+                f"num_max_dispatch_tokens_per_rank ({num_max_dispatch_tokens_per_rank})"
+            )
+        _check_distinct_experts(idx, src)
+
+
+def low_latency_dispatch(
+    x: Sequence[np.ndarray],
+    topk_idx: Sequence[np.ndarray],
+    num_experts: int,
+    num_max_dispatch_tokens_per_rank: int,
+    x_scales: Optional[Sequence[np.ndarray]] = None,
+) -> List[LowLatencyDispatchResult]:
+    """Low-latency dispatch of every rank's tokens, as every rank sees it.
+
+    Arguments:
+        x: list over source ranks s of [num_tokens_s, hidden], any dtype,
+            carried bit-exactly; num_tokens_s <= num_max_dispatch_tokens_per_rank.
+        topk_idx: list over s of [num_tokens_s, num_topk] int64 in [-1, E),
+            distinct experts within a row.
+        num_experts: total experts E, divisible by the number of ranks R.
+        num_max_dispatch_tokens_per_rank: max_tokens, slots per (expert, source).
+        x_scales: None or list over s of [num_tokens_s, hidden / 128] float32
+            (any dtype and column count is carried; hidden must be a multiple of 128).
+
+    Returns:
+        list over destination ranks d of LowLatencyDispatchResult.
+    """
+    num_local_experts = validate_rank_inputs(x, topk_idx, num_experts, None, x_scales)
+    _check_ll_inputs(topk_idx, num_max_dispatch_tokens_per_rank)
+    num_ranks = len(x)
+    max_tokens = int(num_max_dispatch_tokens_per_rank)
+    num_slots = num_ranks * max_tokens
+    hidden = x[0].shape[1]
+
+    recv_x = [np.zeros((num_local_experts, num_slots, hidden), dtype=x[0].dtype) for _ in range(num_ranks)]
+    recv_x_scales = None
+    if x_scales is not None:
+        scales_shape = (num_local_experts, num_slots, x_scales[0].shape[1])
+        recv_x_scales = [np.zeros(scales_shape, dtype=x_scales[0].dtype) for _ in range(num_ranks)]
+    recv_src_info = [np.full((num_local_experts, num_slots), -1, dtype=np.int32) for _ in range(num_ranks)]
+    counts = np.zeros((num_ranks, num_local_experts, num_ranks), dtype=np.int64)  # [dst, expert, src]
+
+    for src in range(num_ranks):
+        idx = topk_idx[src]
+        position = _slot_in_region(idx, num_experts)
+        tokens, slots = np.nonzero(idx >= 0)
+        experts = idx[tokens, slots]
+        dst_of = experts // num_local_experts
+        local = experts % num_local_experts
+        slot = src * max_tokens + position[tokens, slots]
+        for dst in range(num_ranks):
+            mask = dst_of == dst
+            rows, where_expert, where_slot = tokens[mask], local[mask], slot[mask]
+            recv_x[dst][where_expert, where_slot] = x[src][rows]
+            if x_scales is not None:
+                recv_x_scales[dst][where_expert, where_slot] = x_scales[src][rows]
+            recv_src_info[dst][where_expert, where_slot] = rows
+            counts[dst, :, src] = np.bincount(where_expert, minlength=num_local_experts)
+
+    layout_begin = np.broadcast_to(
+        np.arange(num_ranks, dtype=np.int64) * max_tokens, (num_local_experts, num_ranks)
+    ).copy()
+    return [
+        LowLatencyDispatchResult(
+            recv_x=recv_x[dst],
+            recv_x_scales=None if recv_x_scales is None else recv_x_scales[dst],
+            recv_count=counts[dst].sum(axis=1).astype(np.int32),
+            recv_src_info=recv_src_info[dst],
+            layout_begin=layout_begin.copy(),
+            layout_count=counts[dst].copy(),
+            num_tokens_per_expert_src=counts[dst].astype(np.int32),
+            num_max_dispatch_tokens_per_rank=max_tokens,
+        )
+        for dst in range(num_ranks)
+    ]
+
+
+def low_latency_combine(
+    expert_out: Sequence[np.ndarray],
+    results: Sequence[LowLatencyDispatchResult],
+    topk_idx: Sequence[np.ndarray],
+    topk_weights: Sequence[np.ndarray],
+) -> List[np.ndarray]:
+    """Weighted reduction of expert outputs back to the source tokens.
+
+    combined_s[t] = sum over valid slots j of topk_weights_s[t, j] *
+    expert_out_d[e_j % E_local, slot of (s, t)], d = e_j // E_local, with
+    e_j = topk_idx_s[t, j]; accumulated in float64, rounded once to float32.
+
+    Arguments:
+        expert_out: list over destination ranks d of
+            [E_local, R * max_tokens, hidden] float32 / bfloat16 / float16.
+        results: list over d of the LowLatencyDispatchResult of the dispatch.
+        topk_idx: list over source ranks s of [num_tokens_s, num_topk] int64
+            (the routing that was dispatched).
+        topk_weights: list over s of [num_tokens_s, num_topk] float32 (-1
+            slots are ignored).
+
+    Returns:
+        list over source ranks s of [num_tokens_s, hidden] float32.
+    """
+    num_ranks = len(results)
+    if num_ranks == 0 or len(expert_out) != num_ranks:
+        raise ValueError(
+            f"expert_out and results must be non-empty lists of equal length, "
+            f"got {len(expert_out)} and {num_ranks}"
+        )
+    num_local_experts, num_slots = results[0].recv_src_info.shape
+    max_tokens = results[0].num_max_dispatch_tokens_per_rank
+    hidden = results[0].recv_x.shape[2]
+    for dst in range(num_ranks):
+        expected = (num_local_experts, num_slots, hidden)
+        if np.shape(expert_out[dst]) != expected or results[dst].recv_src_info.shape != expected[:2]:
+            raise ValueError(
+                f"expert_out[{dst}] has shape {np.shape(expert_out[dst])}, expected {expected}"
+            )
+    num_experts = num_local_experts * num_ranks
+    if len(topk_idx) != num_ranks or topk_weights is None:
+        raise ValueError(f"topk_idx and topk_weights need one entry per rank ({num_ranks})")
+    validate_rank_inputs(None, topk_idx, num_experts, topk_weights)
+    _check_ll_inputs(topk_idx, max_tokens)
+
+    combined = []
+    for src, idx in enumerate(topk_idx):
+        position = _slot_in_region(idx, num_experts)
+        acc = np.zeros((idx.shape[0], hidden), dtype=np.float64)
+        for j in range(idx.shape[1]):  # one slot at a time: tokens are unique within it
+            experts = idx[:, j]
+            for dst in range(num_ranks):
+                tokens = np.flatnonzero((experts >= 0) & (experts // num_local_experts == dst))
+                local = experts[tokens] % num_local_experts
+                slot = src * max_tokens + position[tokens, j]
+                if np.any(results[dst].recv_src_info[local, slot] != tokens):
+                    raise ValueError(
+                        f"results[{dst}] does not hold the tokens of source rank {src} where "
+                        f"topk_idx[{src}] places them"
+                    )
+                values = expert_out[dst][local, slot].astype(np.float64)
+                values *= topk_weights[src][tokens, j][:, None]
+                acc[tokens] += values
+        combined.append(acc.astype(np.float32))
+    return combined

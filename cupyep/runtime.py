@@ -1,0 +1,262 @@
+"""The rank runtime: who am I, which GPU is mine, and bounded host waits.
+
+``init()`` builds a :class:`Group` from an mpi4py communicator. A group knows
+each rank's global rank, the node it sits on (real, or emulated with
+``ranks_per_node``), its rank within that node, its GPU (node-local rank
+modulo the device count) and whether ranks share that GPU, which needs CUDA
+MPS (see ``cupyep.mps``).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import ERROR_SLOT_DTYPE, CommTimeoutError, error_from_slot
+
+DEFAULT_TIMEOUT_S = 100.0
+# Host waits poll without sleeping for this long, then sleep between polls.
+SPIN_S = 0.02
+# Most clients one MPS server accepts per device (Volta and later).
+MAX_MPS_CLIENTS_PER_GPU = 48
+
+
+def gpu_count() -> int:
+    """Number of visible CUDA devices; 0 when there is no GPU or driver."""
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return 0
+
+
+class ErrorSlotHost:
+    """Mapped pinned host memory holding one ErrorSlot that kernels write.
+
+    ``device_ptr`` goes into every kernel's Guard; :meth:`check` raises the
+    recorded CommTimeoutError, if any.
+    """
+
+    def __init__(self):
+        import cupy
+        self._rt = cupy.cuda.runtime
+        n = ERROR_SLOT_DTYPE.itemsize
+        self.host_ptr = self._rt.hostAlloc(n, 2)  # cudaHostAllocMapped
+        self.device_ptr = self.host_ptr  # unified addressing: the host pointer is valid on the device
+        self.view = np.frombuffer((ctypes.c_byte * n).from_address(self.host_ptr), dtype=ERROR_SLOT_DTYPE)
+        self.view[...] = 0
+
+    def raised(self) -> bool:
+        return int(self.view["flag"][0]) != 0
+
+    def check(self, timeout_s: float, rank_of_peer=lambda p: p) -> None:
+        if self.raised():
+            raise error_from_slot(self.view[0].copy(), timeout_s, rank_of_peer)
+
+    def reset(self) -> None:
+        self.view[...] = 0
+
+    def free(self) -> None:
+        if self.host_ptr:
+            self.view = None
+            self._rt.freeHost(self.host_ptr)
+            self.host_ptr = 0
+
+
+@dataclass
+class Group:
+    """The ranks taking part in expert parallelism.
+
+    Attributes:
+        comm: the mpi4py communicator all ranks share.
+        rank, world_size: position in ``comm``.
+        node, num_nodes: node index of this rank and node count (emulated
+            nodes when ``ranks_per_node`` was given).
+        local_rank, local_size: position within the node; ``node_comm`` spans it.
+        device_id: CUDA device of this rank, or None without a GPU.
+        num_devices: visible CUDA devices on this host.
+        ranks_per_gpu: most ranks of this host sharing one device.
+        shares_gpu: True when another rank uses this rank's device.
+        timeout_s: budget of every bounded wait, in seconds.
+    """
+    comm: object
+    rank: int
+    world_size: int
+    node: int
+    num_nodes: int
+    local_rank: int
+    local_size: int
+    node_comm: object
+    device_id: int | None
+    num_devices: int
+    ranks_per_gpu: int
+    shares_gpu: bool
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    _error_slot: ErrorSlotHost | None = field(default=None, repr=False)
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.device_id is not None
+
+    @property
+    def node_ranks(self) -> list[int]:
+        """Global ranks of this rank's node, indexed by local rank."""
+        first = self.node * self.local_size
+        return list(range(first, first + self.local_size))
+
+    def require_gpu(self, what: str) -> None:
+        if not self.has_gpu:
+            raise RuntimeError(f"{what} needs a CUDA GPU, and rank {self.rank} sees none")
+
+    @property
+    def error_slot(self) -> ErrorSlotHost:
+        self.require_gpu("the device error slot")
+        if self._error_slot is None:
+            self._error_slot = ErrorSlotHost()
+        return self._error_slot
+
+    def guard(self, kernel: str, timeout_s: float | None = None) -> dict:
+        """Field values of a kernel's ``Guard`` struct (see cuda_src/common/timeout.cuh)."""
+        from .errors import kernel_id
+        t = self.timeout_s if timeout_s is None else timeout_s
+        return dict(slot=self.error_slot.device_ptr, timeout_ns=int(t * 1e9), kernel=kernel_id(kernel), rank=self.rank)
+
+    def check_errors(self) -> None:
+        """Raise the CommTimeoutError a kernel of this rank recorded, if any.
+        Kernels report node-local peer indices; the error names global ranks."""
+        if self._error_slot is not None:
+            base = self.node * self.local_size
+            self._error_slot.check(self.timeout_s, lambda p: base + p)
+
+    def wait(self, event, kernel: str, phase: str = "host wait for kernel completion") -> None:
+        """Bounded host wait for a CUDA event (or stream) to complete.
+
+        Raises the device-recorded CommTimeoutError if a kernel timed out, or
+        a host-side one after ``timeout_s`` plus a grace period.
+        """
+        start = time.monotonic()
+        deadline = start + self.timeout_s * 1.5 + 5.0
+        while not event.done:
+            if self._error_slot is not None and self._error_slot.raised():
+                break
+            now = time.monotonic()
+            if now > deadline:
+                self.check_errors()
+                raise CommTimeoutError(kernel, phase, self.rank, None, timeout_s=self.timeout_s,
+                                       detail="the GPU work did not finish")
+            if now - start > SPIN_S:  # short waits spin (latency), long ones sleep (CPU)
+                time.sleep(1e-4)
+        event.synchronize()
+        self.check_errors()
+
+    def destroy(self) -> None:
+        if self._error_slot is not None:
+            self._error_slot.free()
+            self._error_slot = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.destroy()
+
+
+def _as_intracomm(comm):
+    from mpi4py import MPI
+    if comm is None:
+        return MPI.COMM_WORLD
+    if not isinstance(comm, MPI.Intracomm):
+        raise TypeError(f"comm must be an mpi4py.MPI.Intracomm (e.g. MPI.COMM_WORLD), got {type(comm).__name__}")
+    if comm == MPI.COMM_NULL:
+        raise ValueError("comm is MPI.COMM_NULL: this process is not part of the communicator")
+    return comm
+
+
+def _env_ranks_per_node() -> int | None:
+    v = os.environ.get("CUPYEP_RANKS_PER_NODE")
+    return int(v) if v else None
+
+
+def init(comm=None, ranks_per_node: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+         require_mps: bool = True) -> Group:
+    """Set up this rank. Collective over ``comm``.
+
+    Arguments:
+        comm: an ``mpi4py.MPI.Intracomm``; default ``MPI.COMM_WORLD``.
+        ranks_per_node: emulate nodes of this many consecutive ranks on one
+            host (must divide the world size and keep each emulated node on one
+            host). Default: the launcher's ``--ranks-per-node``
+            (``CUPYEP_RANKS_PER_NODE``), else the real hosts.
+        timeout_s: budget of every bounded wait (device spin-waits and host waits).
+        require_mps: refuse ranks sharing a GPU when CUDA MPS is not running.
+
+    Returns:
+        Group.
+    """
+    from mpi4py import MPI
+    comm = _as_intracomm(comm)
+    if not (timeout_s > 0):
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    rank, size = comm.Get_rank(), comm.Get_size()
+
+    host = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    host_rank, host_size = host.Get_rank(), host.Get_size()
+    host_leader = host.allreduce(rank, op=MPI.MIN)
+    host_of_rank = comm.allgather(host_leader)
+
+    if ranks_per_node is None:
+        ranks_per_node = _env_ranks_per_node()
+    if ranks_per_node is None:
+        leaders = sorted(set(host_of_rank))
+        node = leaders.index(host_leader)
+        node_comm = comm.Split(color=node, key=rank)
+    else:
+        if ranks_per_node <= 0 or size % ranks_per_node:
+            raise ValueError(f"ranks_per_node={ranks_per_node} must be positive and divide the world size {size}")
+        node = rank // ranks_per_node
+        members = host_of_rank[node * ranks_per_node:(node + 1) * ranks_per_node]
+        if len(set(members)) != 1:
+            raise ValueError(f"ranks_per_node={ranks_per_node}: emulated node {node} would span several hosts")
+        node_comm = comm.Split(color=node, key=rank)
+        leaders = list(range(size // ranks_per_node))
+    num_nodes = len(leaders)
+    node_ranks = node_comm.allgather(rank)
+    if node_ranks != list(range(node_ranks[0], node_ranks[0] + len(node_ranks))) or \
+            node_comm.Get_size() * num_nodes != size:
+        raise ValueError("cupyep needs the same number of consecutive ranks on every node; "
+                         f"node {node} holds ranks {node_ranks}")
+
+    ndev = gpu_count()
+    device_id = host_rank % ndev if ndev else None
+    devices_on_host = host.allgather(device_id)
+    ranks_per_gpu = max(devices_on_host.count(d) for d in set(devices_on_host)) if ndev else 0
+    shares_gpu = ndev > 0 and devices_on_host.count(device_id) > 1
+    host.Free()
+
+    if ndev:
+        import cupy
+        if ranks_per_gpu > MAX_MPS_CLIENTS_PER_GPU:
+            raise ValueError(f"{ranks_per_gpu} ranks share one GPU, more than the {MAX_MPS_CLIENTS_PER_GPU} "
+                             "processes CUDA MPS can co-schedule on it; use fewer ranks or more GPUs")
+        num_sms = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
+        if ranks_per_gpu > num_sms // 2:
+            raise ValueError(f"{ranks_per_gpu} ranks share one GPU of {num_sms} SMs: each rank needs at least "
+                             "2 SMs for its communication kernels to be resident together")
+        if shares_gpu and require_mps:
+            from .mps import mps_is_running
+            if not mps_is_running():
+                raise RuntimeError(
+                    f"rank {rank}: {devices_on_host.count(device_id)} ranks share GPU {device_id} but CUDA MPS "
+                    "is not running. cupyep's ranks spin-wait on each other; without MPS the kernels of different "
+                    "processes are time-sliced, a round trip takes milliseconds instead of microseconds and "
+                    "protocols look hung. Launch with `python -m cupyep.launch`, which starts MPS, or start "
+                    "`nvidia-cuda-mps-control -d` yourself.")
+        cupy.cuda.Device(device_id).use()
+
+    return Group(comm=comm, rank=rank, world_size=size, node=node, num_nodes=num_nodes,
+                 local_rank=node_comm.Get_rank(), local_size=node_comm.Get_size(), node_comm=node_comm,
+                 device_id=device_id, num_devices=ndev, ranks_per_gpu=ranks_per_gpu, shares_gpu=shares_gpu,
+                 timeout_s=float(timeout_s))

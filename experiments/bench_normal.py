@@ -1,0 +1,105 @@
+"""Normal-mode dispatch/combine benchmark (and queue-depth x chunk sweep).
+
+    python -m cupyep.launch -n 8 experiments/bench_normal.py --out results/normal.jsonl [--sweep]
+
+Shape: T tokens per rank (4096), hidden 7168, top-8 of 256 experts. Reports
+per call: median time, per-rank GB/s as DeepEP counts it (received rows x
+row bytes / time), and efficiency = (2 x bytes received by all ranks / copy
+bandwidth measured in this run by the plain copy kernel) / time. Combine
+counts the same bytes as BF16 dispatch.
+"""
+import argparse
+from dataclasses import asdict, replace
+
+import numpy as np
+
+import cupyep
+from cupyep.barrier import GpuBarrier
+from cupyep.bench.copy import copy_bandwidth
+from cupyep.bench.report import JsonlWriter
+from cupyep.bench.timing import time_fn
+from cupyep.fp8 import per_token_cast_to_fp8
+from cupyep.intranode import Config
+from cupyep.testing import global_routing, payload_bf16
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="results/normal.jsonl")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--sweep", action="store_true", help="also sweep queue depth x chunk size")
+    p.add_argument("--depths", type=int, nargs="+", default=[8, 16, 32, 64, 128])
+    p.add_argument("--chunks", type=int, nargs="+", default=[2, 4, 8, 16])
+    p.add_argument("--threads", type=int, nargs="+", default=[512, 768])
+    args = p.parse_args()
+    import cupy
+    from mpi4py import MPI
+    group = cupyep.init()
+    out = JsonlWriter(args.out, group)
+    R, me = group.local_size, group.local_rank
+    copy_bw = copy_bandwidth(2 << 30) if me == 0 else 0.0
+    copy_bw = group.comm.bcast(copy_bw)
+
+    idx, w = global_routing(0, [args.tokens] * R, args.experts, args.topk)
+    x = cupy.asarray(payload_bf16(me, np.arange(args.tokens), args.hidden))
+    x_fp8 = per_token_cast_to_fp8(x)
+    topk_idx, topk_w = cupy.asarray(idx[me]), cupy.asarray(w[me])
+    buf_bytes = cupyep.Buffer.size_hint(R, args.hidden, args.topk,
+                                        Config(num_sms=48, queue_depth=max(args.depths)),
+                                        Config(num_sms=48, queue_depth=max(args.depths)))
+    buf = cupyep.Buffer(group, buf_bytes)
+    bar = GpuBarrier(group)
+
+    def run(kind, dcfg, ccfg):
+        first = buf.dispatch(x, topk_idx, topk_w, num_experts=args.experts, config=dcfg)
+        n = first.recv_x.shape[0]
+        if kind == "dispatch_bf16":
+            fn = lambda: buf.dispatch(x, handle=first.handle, config=dcfg)
+            row = 2 * args.hidden
+        elif kind == "dispatch_fp8":
+            fn = lambda: buf.dispatch(x_fp8, handle=first.handle, config=dcfg)
+            row = args.hidden + args.hidden // 128 * 4
+        elif kind == "dispatch_bf16_notify":
+            fn = lambda: buf.dispatch(x, topk_idx, topk_w, num_experts=args.experts, config=dcfg, validate=False)
+            row = 2 * args.hidden
+        else:
+            y = first.recv_x
+            fn = lambda: buf.combine(y, first.handle, config=ccfg)
+            row = 2 * args.hidden
+        t = time_fn(fn, iters=args.iters, warmup=3, before=bar)
+        buf.synchronize()
+        t_max = group.comm.allreduce(t.median_s, op=MPI.MAX)
+        recv_bytes = n * row
+        total = group.comm.allreduce(recv_bytes)
+        return {"bench": "normal", "kind": kind, "ranks": R, "tokens": args.tokens, "hidden": args.hidden,
+                "topk": args.topk, "experts": args.experts, "time_us": t_max * 1e6,
+                "rank_GBps": group.comm.allreduce(recv_bytes / t.median_s) / R / 1e9,
+                "efficiency": 2 * total / copy_bw / t_max, "copy_GBps": copy_bw / 1e9,
+                "dispatch_config": asdict(dcfg), "combine_config": asdict(ccfg)}
+
+    dcfg, ccfg = buf.default_dispatch_config(), buf.default_combine_config()
+    for kind in ("dispatch_bf16", "dispatch_fp8", "dispatch_bf16_notify", "combine_bf16"):
+        out.write(run(kind, dcfg, ccfg))
+    if args.sweep:
+        for threads in args.threads:
+            warps = threads // 32
+            for depth in args.depths:
+                for chunk in args.chunks:
+                    if chunk > depth:
+                        continue
+                    d = replace(dcfg, queue_depth=depth, chunk_size=chunk, num_threads=threads)
+                    out.write({**run("dispatch_bf16", d, ccfg), "sweep": True})
+                    if depth >= warps + chunk:
+                        c = replace(ccfg, queue_depth=depth, chunk_size=chunk, num_threads=threads)
+                        out.write({**run("combine_bf16", dcfg, c), "sweep": True})
+    bar.destroy()
+    buf.destroy()
+    group.destroy()
+
+
+if __name__ == "__main__":
+    main()

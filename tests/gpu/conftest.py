@@ -1,0 +1,40 @@
+"""GPU tests run on every rank at once, under the launcher:
+
+    python -m cupyep.gpu_tests          # 2, 4 and 8 ranks (MPS when they share a GPU)
+
+Each test is collective: all ranks run the same tests in the same order.
+Without a GPU (or outside MPI) they skip.
+"""
+import os
+
+import pytest
+
+from cupyep.runtime import gpu_count
+
+TEST_TIMEOUT_S = float(os.environ.get("CUPYEP_TEST_TIMEOUT_S", "5"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if gpu_count() == 0:
+        skip = pytest.mark.skip(reason="no CUDA GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def group():
+    import cupyep
+    g = cupyep.init(timeout_s=TEST_TIMEOUT_S)
+    yield g
+    g.comm.Barrier()
+    g.destroy()
+
+
+@pytest.fixture(autouse=True)
+def _clean_error_slot(request):
+    """Tests that provoke timeouts reset the slot; make sure none leaks."""
+    yield
+    if "gpu" in request.keywords and "group" in request.fixturenames:
+        g = request.getfixturevalue("group")
+        g.check_errors()

@@ -1,0 +1,226 @@
+"""Normal mode on the GPU, checked against the NumPy reference.
+
+Every rank builds the same seeded global routing, computes its own expected
+result with cupyep.reference, and compares: layout and dispatch exactly
+(payload rows are hashes of (source rank, token, column)), combine with the
+similarity bound of REFERENCE.md, twice for determinism.
+"""
+import numpy as np
+import pytest
+
+import cupyep
+from cupyep import reference as ref
+from cupyep.fp8 import per_token_cast_to_fp8
+from cupyep.testing import all_ranks, bf16_to_f32, global_routing, payload_bf16
+
+pytestmark = pytest.mark.gpu
+NUM_EXPERTS, NUM_TOPK = 256, 8
+
+
+@pytest.fixture(scope="module")
+def buf(group):
+    import cupyep
+    b = cupyep.Buffer(group)
+    yield b
+    b.destroy()
+
+
+def _inputs(group, seed, num_tokens, hidden, case="random", zero_rank=None):
+    R = group.local_size
+    tokens = [0 if r == zero_rank else num_tokens for r in range(R)]
+    idx, w = global_routing(seed, tokens, NUM_EXPERTS, NUM_TOPK, case)
+    me = group.local_rank
+    x = payload_bf16(me, np.arange(tokens[me]), hidden)
+    return tokens, idx, w, x
+
+
+def _expected(group, tokens, idx, w, hidden, expert_alignment=1):
+    """This rank's reference dispatch; payload rows rebuilt from (src, token)."""
+    ids = [np.arange(t, dtype=np.int32)[:, None] for t in tokens]
+    res = ref.intranode_dispatch(ids, idx, NUM_EXPERTS, topk_weights=w, expert_alignment=expert_alignment)
+    mine = res[group.local_rank]
+    rows = np.empty((mine.num_recv_tokens, hidden), dtype=np.uint16)
+    for s in range(group.local_size):
+        sel = mine.recv_src_rank == s
+        rows[sel] = payload_bf16(s, mine.recv_src_idx[sel], hidden)
+    return res, mine, rows
+
+
+CASES = [
+    # (seed, tokens per rank, hidden, routing, rank with zero tokens)
+    (1, 256, 2048, "random", None),
+    (2, 4096, 7168, "random", None),
+    (3, 1, 7168, "random", None),
+    (4, 300, 2048, "one_expert", None),
+    (5, 200, 2048, "random", 0),
+]
+
+
+@pytest.mark.parametrize("seed,num_tokens,hidden,case,zero_rank", CASES)
+def test_dispatch_combine_bf16(group, buf, seed, num_tokens, hidden, case, zero_rank):
+    import cupy
+    tokens, idx, w, x = _inputs(group, seed, num_tokens, hidden, case, zero_rank)
+    me = group.local_rank
+    res, exp, exp_rows = _expected(group, tokens, idx, w, hidden, expert_alignment=4)
+
+    lay = buf.get_dispatch_layout(cupy.asarray(idx[me]), NUM_EXPERTS)
+    ref_lay = ref.get_dispatch_layout(idx[me], NUM_EXPERTS, group.local_size)
+    ok = (np.array_equal(lay.num_tokens_per_rank.get(), ref_lay.num_tokens_per_rank)
+          and np.array_equal(lay.num_tokens_per_expert.get(), ref_lay.num_tokens_per_expert)
+          and np.array_equal(lay.is_token_in_rank.get(), ref_lay.is_token_in_rank))
+    assert all_ranks(group.comm, ok), "layout differs from the reference"
+
+    out = buf.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=NUM_EXPERTS,
+                       num_tokens_per_rank=lay.num_tokens_per_rank, num_tokens_per_expert=lay.num_tokens_per_expert,
+                       is_token_in_rank=lay.is_token_in_rank, expert_alignment=4)
+    checks = {
+        "recv_x": np.array_equal(out.recv_x.get(), exp_rows),
+        "recv_topk_idx": np.array_equal(out.recv_topk_idx.get(), exp.recv_topk_idx),
+        "recv_topk_weights": np.array_equal(out.recv_topk_weights.get(), exp.recv_topk_weights),
+        "recv_src_idx": np.array_equal(out.handle.recv_src_idx.get(), exp.recv_src_idx),
+        "rank_prefix_matrix": np.array_equal(out.handle.rank_prefix_matrix.get(), exp.rank_prefix_matrix),
+        "num_recv_tokens_per_expert": out.num_recv_tokens_per_expert == exp.num_recv_tokens_per_expert,
+    }
+    assert all_ranks(group.comm, all(checks.values())), {k: v for k, v in checks.items() if not v}
+
+    # Cached dispatch reuses the handle and must give identical results.
+    cached = buf.dispatch(cupy.asarray(x), handle=out.handle)
+    assert all_ranks(group.comm, np.array_equal(cached.recv_x.get(), exp_rows)), "cached dispatch differs"
+
+    # Combine: identity experts, weighted by a per-row factor, and the top-k weights.
+    row_w = (1.0 + (out.handle.recv_src_idx.get() % 3)).astype(np.float32)
+    comb = buf.combine(out.recv_x, out.handle, topk_weights=out.recv_topk_weights, row_weights=cupy.asarray(row_w))
+    rows_by_rank = [bf16_to_f32(exp_rows) if d == me else None for d in range(group.local_size)]
+    # Reference combine needs every rank's rows: rebuild them from the tags.
+    recv = []
+    weights = []
+    for d in range(group.local_size):
+        r = res[d]
+        rows = np.empty((r.num_recv_tokens, x.shape[1]), dtype=np.float32)
+        for s in range(group.local_size):
+            sel = r.recv_src_rank == s
+            rows[sel] = bf16_to_f32(payload_bf16(s, r.recv_src_idx[sel], x.shape[1]))
+        recv.append(rows)
+        weights.append((1.0 + (r.recv_src_idx % 3)).astype(np.float32))
+    expected = ref.intranode_combine(recv, res, tokens, weights=weights)[me]
+    got = bf16_to_f32(comb.combined_x.get())
+    diff = ref.calc_diff(got, expected) if got.size else 0.0
+    exp_w = ref.intranode_combine_topk_weights(res, tokens)[me]
+    wdiff = float(np.abs(comb.combined_topk_weights.get() - exp_w).max()) if exp_w.size else 0.0
+    assert all_ranks(group.comm, diff < 5e-6 and wdiff < 1e-6 and not np.isnan(got).any()), (diff, wdiff)
+
+    again = buf.combine(out.recv_x, out.handle, topk_weights=out.recv_topk_weights, row_weights=cupy.asarray(row_w))
+    same = np.array_equal(again.combined_x.get(), comb.combined_x.get())
+    assert all_ranks(group.comm, same), "combine is not deterministic"
+
+
+def test_dispatch_fp8(group, buf):
+    import cupy
+    seed, num_tokens, hidden = 7, 512, 7168
+    tokens, idx, w, x = _inputs(group, seed, num_tokens, hidden)
+    me = group.local_rank
+    x_fp8, scales = per_token_cast_to_fp8(cupy.asarray(x))
+    # The on-GPU cast is within one e4m3 step of the reference.
+    import ml_dtypes
+    rq = ref.per_token_cast_to_fp8(x.view(ml_dtypes.bfloat16))
+    # Compare in the e4m3 domain (scales equal), where the arithmetic is exact.
+    gpu_q = x_fp8.get().view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    ref_q = rq.data.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    cast_ok = np.array_equal(scales.get(), rq.scales) and bool((np.abs(gpu_q - ref_q) <= ref.e4m3_step(ref_q)).all())
+    assert all_ranks(group.comm, cast_ok), "GPU FP8 cast differs from the reference by more than one e4m3 step"
+
+    # Payload bytes and scales are carried through exactly.
+    all_fp8 = group.comm.allgather((x_fp8.get(), scales.get()))
+    res = ref.intranode_dispatch([a for a, _ in all_fp8], idx, NUM_EXPERTS, topk_weights=w,
+                                 x_scales=[s for _, s in all_fp8])[me]
+    out = buf.dispatch((x_fp8, scales), cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=NUM_EXPERTS)
+    ok = (np.array_equal(out.recv_x.get(), res.recv_x) and np.array_equal(out.recv_x_scales.get(), res.recv_x_scales)
+          and np.array_equal(out.recv_topk_idx.get(), res.recv_topk_idx))
+    assert all_ranks(group.comm, ok), "FP8 dispatch differs from the reference"
+
+
+def test_worst_tokens_and_cuda_graph(group, buf):
+    import cupy
+    seed, num_tokens, hidden = 11, 128, 2048
+    R, me = group.local_size, group.local_rank
+    worst = num_tokens * R
+    stream = cupy.cuda.Stream(non_blocking=True)
+    x_in = cupy.empty((num_tokens, hidden), dtype=np.uint16)
+    idx_in = cupy.empty((num_tokens, NUM_TOPK), dtype=np.int64)
+    w_in = cupy.empty((num_tokens, NUM_TOPK), dtype=np.float32)
+
+    def step():
+        out = buf.dispatch(x_in, idx_in, w_in, num_experts=NUM_EXPERTS, num_worst_tokens=worst, validate=False)
+        comb = buf.combine(out.recv_x, out.handle)
+        return out, comb
+
+    with stream:
+        tokens, idx, w, x = _inputs(group, seed, num_tokens, hidden)
+        x_in.set(x); idx_in.set(idx[me]); w_in.set(w[me])
+        out, comb = step()  # warm-up outside the graph (also compiles)
+        stream.synchronize()
+        res, exp, exp_rows = _expected(group, tokens, idx, w, hidden)
+        n = exp.num_recv_tokens
+        ok = (out.recv_x.shape[0] == worst and np.array_equal(out.recv_x.get()[:n], exp_rows)
+              and np.array_equal(out.handle.rank_prefix_matrix.get(), exp.rank_prefix_matrix))
+        assert all_ranks(group.comm, ok), "worst-token dispatch differs"
+        group.comm.Barrier()
+        stream.begin_capture()
+        out, comb = step()
+        graph = stream.end_capture()
+    for it in range(3):
+        tokens, idx, w, x = _inputs(group, seed + 100 + it, num_tokens, hidden)
+        with stream:
+            x_in.set(x); idx_in.set(idx[me]); w_in.set(w[me])
+            stream.synchronize()
+            group.comm.Barrier()
+            graph.launch(stream)
+            stream.synchronize()
+        group.check_errors()
+        res, exp, exp_rows = _expected(group, tokens, idx, w, hidden)
+        n = exp.num_recv_tokens
+        recv = []
+        for d in range(R):
+            r = res[d]
+            rows = np.empty((r.num_recv_tokens, hidden), dtype=np.float32)
+            for s in range(R):
+                sel = r.recv_src_rank == s
+                rows[sel] = bf16_to_f32(payload_bf16(s, r.recv_src_idx[sel], hidden))
+            recv.append(rows)
+        expected = ref.intranode_combine(recv, res, tokens)[me]
+        diff = ref.calc_diff(bf16_to_f32(comb.combined_x.get()), expected)
+        ok = np.array_equal(out.recv_x.get()[:n], exp_rows) and diff < 5e-6
+        assert all_ranks(group.comm, ok), f"graph replay {it}: diff {diff}"
+
+
+def test_bad_input_raises_before_launch(group, buf):
+    import cupy
+    me = group.local_rank
+    x = cupy.zeros((4, 2048), dtype=np.uint16)
+    idx = cupy.zeros((4, NUM_TOPK), dtype=np.int64)
+    with pytest.raises(ValueError, match="must be uint16"):
+        buf.dispatch(x.astype(np.float32), idx, num_experts=NUM_EXPERTS)
+    with pytest.raises(ValueError, match="dtype int64"):
+        buf.dispatch(x, idx.astype(np.int32), num_experts=NUM_EXPERTS)
+    with pytest.raises(ValueError, match="outside"):
+        buf.dispatch(x, idx + NUM_EXPERTS, num_experts=NUM_EXPERTS)
+    with pytest.raises(ValueError, match="outside"):
+        buf.dispatch(x, idx - 2, num_experts=NUM_EXPERTS)
+    with pytest.raises(ValueError, match="divisible"):
+        buf.dispatch(x, idx, num_experts=group.local_size * 3 + 1 if group.local_size > 1 else 0)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        buf.dispatch(cupy.zeros((4, 100), dtype=np.uint16), idx, num_experts=NUM_EXPERTS)
+    with pytest.raises(ValueError, match="x_scales"):
+        buf.dispatch((cupy.zeros((4, 2048), dtype=np.uint8), cupy.zeros((4, 3), dtype=np.float32)), idx,
+                     num_experts=NUM_EXPERTS)
+    with pytest.raises(ValueError, match="shape"):
+        buf.dispatch(x, idx[:, :3].copy(), cupy.zeros((4, NUM_TOPK), dtype=np.float32), num_experts=NUM_EXPERTS)
+    out = buf.dispatch(x, idx, num_experts=NUM_EXPERTS)
+    with pytest.raises(ValueError, match="tokens"):
+        buf.dispatch(cupy.zeros((5, 2048), dtype=np.uint16), handle=out.handle)
+    with pytest.raises(ValueError, match="rows"):
+        buf.combine(cupy.zeros((out.recv_x.shape[0] + 1, 2048), dtype=np.uint16), out.handle)
+    with pytest.raises(ValueError, match="holds"):
+        buf.dispatch(cupy.zeros((4, 2048 * 64), dtype=np.uint16), idx, num_experts=NUM_EXPERTS)
+    buf.synchronize()
+    group.comm.Barrier()

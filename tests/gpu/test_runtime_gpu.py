@@ -1,0 +1,59 @@
+"""Rank runtime on the GPU: IPC buffers, the GPU barrier and its timeout."""
+import time
+
+import numpy as np
+import pytest
+
+from cupyep import CommTimeoutError
+from cupyep.barrier import GpuBarrier, ipc_pattern_check
+from cupyep.ipc import SymmetricBuffer
+from cupyep.testing import all_ranks
+
+pytestmark = pytest.mark.gpu
+
+
+def test_ipc_read_write_every_peer(group):
+    words = 1 << 16
+    with SymmetricBuffer(group, group.local_size * words * 4) as buf, GpuBarrier(group) as bar:
+        bad = ipc_pattern_check(group, buf, bar, words)
+        assert all_ranks(group.comm, bad == 0), f"rank {group.rank}: {bad} bad words"
+        # Host-side views of a peer's memory see the same bytes.
+        peer = (group.local_rank + 1) % group.local_size
+        theirs = buf.view(0, (group.local_size * words,), np.uint32, peer=peer).get()
+        mine = buf.view(0, (group.local_size * words,), np.uint32).get()
+        assert theirs.any() and mine.any()
+
+
+def test_barrier_1000_times(group):
+    import cupy
+    with GpuBarrier(group) as bar:
+        for _ in range(1000):
+            bar()
+        bar.sync()
+        bar.loop(1000)
+        bar.sync()
+        epoch = int(bar.buffer.view(bar.offset + 4 * group.local_size, (1,), np.int32).get()[0])
+    assert all_ranks(group.comm, epoch == 2002), f"epoch {epoch}"
+
+
+def test_barrier_timeout_names_missing_rank(group):
+    if group.local_size < 2:
+        pytest.skip("needs two ranks")
+    missing = group.node_ranks[-1]
+    timeout = 2.0
+    with GpuBarrier(group) as bar:
+        bar.sync()
+        if group.rank == missing:
+            err = None
+        else:
+            t0 = time.monotonic()
+            with pytest.raises(CommTimeoutError) as info:
+                bar.sync(timeout_s=timeout)
+            elapsed = time.monotonic() - t0
+            err = info.value
+            group.error_slot.reset()
+            assert err.peer == missing, str(err)
+            assert err.rank == group.rank and err.kernel == "barrier"
+            assert f"peer rank {missing}" in str(err)
+            assert elapsed < timeout + 3.0, f"took {elapsed:.1f}s"
+        group.comm.Barrier()
