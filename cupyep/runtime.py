@@ -168,10 +168,10 @@ def _as_intracomm(comm):
     from mpi4py import MPI
     if comm is None:
         return MPI.COMM_WORLD
+    if isinstance(comm, MPI.Comm) and comm == MPI.COMM_NULL:
+        raise ValueError("comm is MPI.COMM_NULL: this process is not part of the communicator")
     if not isinstance(comm, MPI.Intracomm):
         raise TypeError(f"comm must be an mpi4py.MPI.Intracomm (e.g. MPI.COMM_WORLD), got {type(comm).__name__}")
-    if comm == MPI.COMM_NULL:
-        raise ValueError("comm is MPI.COMM_NULL: this process is not part of the communicator")
     return comm
 
 

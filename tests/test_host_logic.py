@@ -1,0 +1,753 @@
+"""CPU tests of cupyep's host-side logic: configs, the buffer layout, input
+checks, the device error slot, run-time compilation bookkeeping, kernel
+argument structs (against the C structs in cuda_src/), timing statistics and
+the test payloads. Nothing here touches a GPU."""
+
+import re
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cupyep import barrier, errors, jit, testing
+from cupyep.arrays import BF16, FP8, as_cupy, check
+from cupyep.bench.timing import Timing
+from cupyep.errors import (ERROR_SLOT_DTYPE, KERNEL_NAMES, KERNELS, CommTimeoutError, CupyepError,
+                           error_from_slot, kernel_id)
+from cupyep.intranode import config as cfgmod
+from cupyep.intranode import kernels as K
+from cupyep.intranode import layout as L
+from cupyep.intranode.config import (COUNTER_STRIDE, MAX_CHANNELS, Config, get_combine_config,
+                                     get_dispatch_config)
+
+REPO = Path(__file__).resolve().parents[1]
+RANKS = range(1, 9)
+
+
+# ------------------------------------------------------------------ Config ---
+
+def test_config_defaults_and_channels():
+    c = Config()
+    assert (c.num_sms, c.chunk_size, c.queue_depth, c.num_threads) == (24, 8, 32, 512)
+    assert c.num_channels == 12
+    assert Config(num_sms=2).num_channels == 1
+    assert c.validate(8) is c  # returns itself for chaining
+
+
+@pytest.mark.parametrize("num_sms", [0, 1, 3, 25, 2 * MAX_CHANNELS + 2, -2])
+def test_validate_rejects_odd_or_out_of_range_num_sms(num_sms):
+    with pytest.raises(ValueError, match=rf"num_sms must be even and in \[2, {2 * MAX_CHANNELS}\], got {num_sms}"):
+        Config(num_sms=num_sms).validate(2)
+
+
+@pytest.mark.parametrize("num_sms", [2, 24, 2 * MAX_CHANNELS])
+def test_validate_accepts_even_num_sms(num_sms):
+    Config(num_sms=num_sms).validate(2)
+
+
+@pytest.mark.parametrize("num_threads", [0, 16, 100, 1056])
+def test_validate_rejects_bad_num_threads(num_threads):
+    with pytest.raises(ValueError, match=f"num_threads must be a multiple of 32 in \\[32, 1024\\], got {num_threads}"):
+        Config(num_threads=num_threads).validate(1)
+
+
+def test_validate_rejects_fewer_warps_than_ranks():
+    with pytest.raises(ValueError, match="num_threads=64 gives 2 warps, fewer than the 4 ranks"):
+        Config(num_threads=64, queue_depth=32).validate(4)
+    with pytest.raises(ValueError, match="gives 7 warps, fewer than the 8 ranks"):
+        Config(num_threads=224).validate(8)
+    Config(num_threads=256).validate(8)  # one warp per rank is enough
+    Config(num_threads=64).validate(2)
+
+
+def test_validate_named_barrier_limit():
+    # More than 15 ranks only with one warp per rank.
+    with pytest.raises(ValueError, match="15 named barriers"):
+        Config(num_threads=1024).validate(16)
+    Config(num_threads=512).validate(16)
+    Config(num_threads=1024).validate(15)
+
+
+def test_validate_rejects_queue_shallower_than_chunk():
+    with pytest.raises(ValueError, match=r"queue_depth \(7\) must be >= chunk_size \(8\)"):
+        Config(chunk_size=8, queue_depth=7).validate(2)
+    Config(chunk_size=8, queue_depth=8).validate(2)
+    with pytest.raises(ValueError, match="chunk_size must be >= 1, got 0"):
+        Config(chunk_size=0, queue_depth=8).validate(2)
+
+
+def test_validate_combine_depth_rule():
+    # 512 threads = 16 warps: combine needs depth >= 16 + chunk.
+    c = Config(num_threads=512, chunk_size=8, queue_depth=23)
+    assert c.validate(2) is c  # fine for dispatch
+    with pytest.raises(ValueError, match=r"combine queue_depth \(23\) must be >= warps per block \(16\) \+ "
+                                         r"chunk_size \(8\) = 24"):
+        c.validate(2, combine=True)
+    replace(c, queue_depth=24).validate(2, combine=True)
+    with pytest.raises(ValueError, match="= 36"):
+        Config(num_threads=1024, chunk_size=4, queue_depth=35).validate(8, combine=True)
+
+
+def test_default_tables():
+    assert get_dispatch_config(2) == Config(num_sms=48, chunk_size=16, queue_depth=64)
+    assert get_dispatch_config(4) == Config(num_sms=32, chunk_size=8, queue_depth=32)
+    assert get_dispatch_config(8) == Config(num_sms=16, chunk_size=8, queue_depth=32)
+    assert get_combine_config(2) == Config(num_sms=48, chunk_size=8, queue_depth=48)
+    assert get_combine_config(8) == Config(num_sms=16, chunk_size=4, queue_depth=32)
+    # Between keys: the next larger key; below the smallest: the smallest.
+    assert get_dispatch_config(3) == get_dispatch_config(4)
+    assert get_dispatch_config(5) == get_dispatch_config(8)
+    assert get_dispatch_config(1) == get_dispatch_config(2)
+    assert get_combine_config(6) == get_combine_config(8)
+
+
+@pytest.mark.parametrize("num_ranks", list(RANKS) + [12, 16, 24, 32])
+def test_default_configs_are_valid(num_ranks):
+    get_dispatch_config(num_ranks).validate(num_ranks)
+    get_combine_config(num_ranks).validate(num_ranks, combine=True)
+    for budget in (2, 3, 7, 16, 33, 132):
+        d = get_dispatch_config(num_ranks, sm_budget=budget).validate(num_ranks)
+        c = get_combine_config(num_ranks, sm_budget=budget).validate(num_ranks, combine=True)
+        assert d.num_sms <= max(budget, 2) and c.num_sms <= max(budget, 2)
+
+
+def test_more_ranks_than_warps_raise_num_threads():
+    # Beyond the largest key the 8-rank entry is reused with one warp per rank.
+    d = get_dispatch_config(20)
+    assert d.num_threads == 32 * 20 and d.num_sms == 16
+    assert get_dispatch_config(16).num_threads == 512  # 16 warps already
+
+
+@pytest.mark.parametrize("getter", [get_dispatch_config, get_combine_config])
+def test_sm_budget_caps_num_sms(getter):
+    full = getter(2).num_sms
+    assert full == 48
+    assert getter(2, sm_budget=None).num_sms == 48
+    assert getter(2, sm_budget=100).num_sms == 48  # budget above the default: unchanged
+    assert getter(2, sm_budget=48).num_sms == 48
+    assert getter(2, sm_budget=33).num_sms == 32   # rounded down to even
+    assert getter(2, sm_budget=32).num_sms == 32
+    assert getter(2, sm_budget=3).num_sms == 2
+    assert getter(2, sm_budget=1).num_sms == 2     # never below 2
+    assert getter(2, sm_budget=0).num_sms == 2
+    assert getter(8, sm_budget=132 // 8).num_sms == 16
+    assert getter(8, sm_budget=132 // 16).num_sms == 8
+    # Only num_sms changes.
+    capped = getter(4, sm_budget=10)
+    assert replace(capped, num_sms=getter(4).num_sms) == getter(4)
+
+
+def test_combine_depth_bump():
+    # 32 ranks: 1024 threads = 32 warps, chunk 4 -> depth 36 > the table's 32.
+    c = get_combine_config(32)
+    assert (c.num_threads, c.chunk_size, c.queue_depth) == (1024, 4, 36)
+    c.validate(32, combine=True)
+    assert get_dispatch_config(32).queue_depth == 32  # dispatch has no such rule
+    # No bump when the table depth suffices.
+    assert get_combine_config(8).queue_depth == 32
+
+
+def test_combine_depth_bump_with_patched_table(monkeypatch):
+    monkeypatch.setitem(cfgmod._COMBINE, 4, Config(num_sms=8, chunk_size=8, queue_depth=10, num_threads=512))
+    c = get_combine_config(4)
+    assert c.queue_depth == 16 + 8 and c.chunk_size == 8 and c.num_sms == 8
+    c.validate(4, combine=True)
+    # Budget capping and the bump compose.
+    assert get_combine_config(4, sm_budget=5) == Config(num_sms=4, chunk_size=8, queue_depth=24, num_threads=512)
+
+
+# ------------------------------------------------------------------ layout ---
+
+def _regions(lay):
+    R = lay.num_ranks
+    return [
+        ("barrier", lay.barrier, barrier.barrier_region_bytes(R)),
+        ("counters", lay.counters, 4 * MAX_CHANNELS * R * COUNTER_STRIDE),
+        ("notify", lay.notify, R * lay.notify_row_ints * 4),
+        ("dispatch", lay.dispatch_region, lay.region_bytes),
+        ("combine", lay.combine_region, lay.region_bytes),
+    ]
+
+
+@pytest.mark.parametrize("num_ranks", RANKS)
+@pytest.mark.parametrize("extra", [0, 1, 127, 12345])
+def test_buffer_layout_regions_disjoint_and_aligned(num_ranks, extra):
+    nbytes = L.size_hint(num_ranks, hidden=1024, num_topk=8) + extra
+    lay = L.buffer_layout(num_ranks, nbytes)
+    regions = _regions(lay)
+    for name, off, size in regions:
+        assert off % L.ALIGN == 0, (name, off)
+        assert size > 0, name
+    assert lay.region_bytes % L.ALIGN == 0
+    spans = sorted((off, off + size, name) for name, off, size in regions)
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        assert end <= start, f"{a} overlaps {b}"
+    assert spans[-1][1] <= nbytes
+    assert lay.dispatch_region == L.header_bytes(num_ranks)
+    # The two ring regions take all but < 2 * ALIGN bytes after the header.
+    assert nbytes - lay.combine_region - lay.region_bytes < 2 * L.ALIGN + L.ALIGN
+    assert lay.notify_row_ints % 4 == 0
+    assert lay.notify_row_ints >= num_ranks + L.MAX_LOCAL_EXPERTS + MAX_CHANNELS
+
+
+@pytest.mark.parametrize("num_ranks", [1, 4, 8])
+def test_counter_arrays_disjoint_inside_counter_region(num_ranks):
+    lay = L.buffer_layout(num_ranks, L.size_hint(num_ranks))
+    step = MAX_CHANNELS * num_ranks * COUNTER_STRIDE
+    offs = [lay.counter(i) for i in range(4)]
+    assert offs == [lay.counters + i * step for i in range(4)]
+    assert offs[0] >= barrier.barrier_region_bytes(num_ranks)
+    assert offs[3] + step == lay.notify
+
+
+def test_buffer_layout_too_small():
+    head = L.header_bytes(4)
+    with pytest.raises(ValueError, match=f"smaller than the {head}-byte header for 4 ranks"):
+        L.buffer_layout(4, head)
+    with pytest.raises(ValueError, match="header"):
+        L.buffer_layout(4, head + 2 * L.ALIGN - 1)
+    assert L.buffer_layout(4, head + 2 * L.ALIGN).region_bytes == L.ALIGN
+
+
+def test_slot_sizes():
+    # Metadata is padded to 16 bytes, whole slots to 128-byte lines.
+    assert L.dispatch_meta_bytes(8, 0) == 80                      # 4 * (1 + 16) = 68 -> 80
+    assert L.dispatch_meta_bytes(8, 56) == 304                    # 4 * (1 + 16 + 56) = 292 -> 304
+    assert L.combine_meta_bytes(8) == 48                          # 4 * 9 = 36 -> 48
+    assert L.dispatch_slot(7168, 8, False) == (14336, 14464)      # 14336 + 80 -> 113 lines
+    assert L.dispatch_slot(7168, 8, True) == (7168, 7552)         # 7168 + 304 -> 59 lines
+    assert L.combine_slot(7168, 8) == (14336, 14464)              # 14336 + 48 -> 113 lines
+    for hidden in (128, 256, 2048, 7168):
+        for k in (1, 2, 5, 8, 16):
+            for fp8 in (False, True):
+                x, slot = L.dispatch_slot(hidden, k, fp8)
+                assert x == (hidden if fp8 else 2 * hidden)
+                meta = L.dispatch_meta_bytes(k, hidden // 128 if fp8 else 0)
+                assert meta % 16 == 0 and meta >= 4 * (1 + 2 * k + (hidden // 128 if fp8 else 0))
+                assert slot % L.ALIGN == 0 and 0 <= slot - (x + meta) < L.ALIGN
+            x, slot = L.combine_slot(hidden, k)
+            meta = L.combine_meta_bytes(k)
+            assert x == 2 * hidden and meta % 16 == 0 and meta >= 4 * (1 + k)
+            assert slot % L.ALIGN == 0 and 0 <= slot - (x + meta) < L.ALIGN
+
+
+@pytest.mark.parametrize("num_ranks", range(2, 9))
+@pytest.mark.parametrize("hidden,num_topk", [(7168, 16), (4096, 8), (2048, 6)])
+def test_size_hint_fits_defaults(num_ranks, hidden, num_topk):
+    dc, cc = get_dispatch_config(num_ranks), get_combine_config(num_ranks)
+    nbytes = L.size_hint(num_ranks, hidden, num_topk)
+    assert nbytes == L.size_hint(num_ranks, hidden, num_topk, dc, cc)
+    lay = L.buffer_layout(num_ranks, nbytes)
+    sets = [L.ring_set(lay, "dispatch", hidden, num_topk, fp8, dc) for fp8 in (False, True)]
+    sets.append(L.ring_set(lay, "combine", hidden, num_topk, False, cc))
+    for rs in sets[:2]:
+        assert lay.dispatch_region <= rs.offset and rs.offset + rs.nbytes <= lay.combine_region
+    comb = sets[2]
+    assert lay.combine_region == comb.offset and comb.offset + comb.nbytes <= nbytes
+    # Smaller calls fit too.
+    L.ring_set(lay, "dispatch", hidden // 2, num_topk // 2, False, dc)
+    # size_hint is not wasteful: the larger ring set nearly fills its region.
+    need = max(rs.nbytes for rs in sets)
+    assert lay.region_bytes - need < 2 * L.ALIGN
+
+
+def test_size_hint_tracks_configs():
+    deep = Config(num_sms=32, chunk_size=8, queue_depth=128)
+    assert L.size_hint(4, 4096, 8, deep, deep) > L.size_hint(4, 4096, 8)
+    lay = L.buffer_layout(4, L.size_hint(4, 4096, 8))
+    with pytest.raises(ValueError):
+        L.ring_set(lay, "dispatch", 4096, 8, False, deep)
+    lay = L.buffer_layout(4, L.size_hint(4, 4096, 8, deep, deep))
+    L.ring_set(lay, "dispatch", 4096, 8, False, deep)
+    L.ring_set(lay, "combine", 4096, 8, False, deep)
+    # Each kind sized by its own config: a deep combine with a shallow dispatch.
+    small = Config(num_sms=2, chunk_size=1, queue_depth=1)
+    lay = L.buffer_layout(4, L.size_hint(4, 4096, 8, small, deep))
+    assert L.ring_set(lay, "combine", 4096, 8, False, deep).nbytes > L.ring_set(
+        lay, "dispatch", 4096, 8, False, small).nbytes
+    lay = L.buffer_layout(4, L.size_hint(4, 4096, 8, deep, small))
+    L.ring_set(lay, "dispatch", 4096, 8, False, deep)
+    L.ring_set(lay, "dispatch", 4096, 8, True, deep)
+
+
+@pytest.mark.parametrize("kind", ["dispatch", "combine"])
+def test_ring_set_too_big_names_needed_size(kind):
+    cfg = get_dispatch_config(4) if kind == "dispatch" else get_combine_config(4)
+    hidden, k = 7168, 8
+    slot = (L.dispatch_slot if kind == "dispatch" else lambda h, kk, _: L.combine_slot(h, kk))(hidden, k, False)[1]
+    need = L.ring_bytes(4, slot, cfg)
+    lay = L.buffer_layout(4, L.header_bytes(4) + 2 * (need - L.ALIGN))
+    assert lay.region_bytes < need
+    with pytest.raises(ValueError) as info:
+        L.ring_set(lay, kind, hidden, k, False, cfg)
+    msg = str(info.value)
+    assert msg.startswith(f"{kind} rings need {need} bytes")
+    assert f"holds {lay.region_bytes}" in msg
+    hint = int(re.search(r"num_bytes >= (\d+)", msg).group(1))
+    assert hint == L.size_hint(4, hidden, k, cfg, cfg)
+    # The suggested size does fit.
+    L.ring_set(L.buffer_layout(4, hint), kind, hidden, k, False, cfg)
+    # One more ALIGN of region and it fits exactly.
+    exact = L.buffer_layout(4, L.header_bytes(4) + 2 * need)
+    assert exact.region_bytes == need
+    assert L.ring_set(exact, kind, hidden, k, False, cfg).nbytes == need
+
+
+def test_ring_set_fields():
+    cfg = Config(num_sms=8, chunk_size=4, queue_depth=16)
+    lay = L.buffer_layout(4, 64 << 20)
+    rs = L.ring_set(lay, "dispatch", 1024, 4, True, cfg)
+    assert (rs.x_bytes, rs.slot_bytes) == L.dispatch_slot(1024, 4, True)
+    assert (rs.depth, rs.chunk, rs.num_channels, rs.num_ranks) == (16, 4, 4, 4)
+    assert rs.nbytes == 4 * 4 * 16 * rs.slot_bytes == L.ring_bytes(4, rs.slot_bytes, cfg)
+    assert rs.offset == lay.dispatch_region
+    rc = L.ring_set(lay, "combine", 1024, 4, False, cfg)
+    assert rc.offset == lay.combine_region and rc.x_bytes == 2048
+
+
+@pytest.mark.parametrize("num_ranks", [2, 8])
+def test_counters_fixed_whatever_the_call(num_ranks):
+    lay = L.buffer_layout(num_ranks, 256 << 20)
+    seen = {"dispatch": set(), "combine": set()}
+    for hidden in (128, 2048, 7168):
+        for k in (1, 8):
+            for fp8 in (False, True):
+                for cfg in (Config(), get_dispatch_config(num_ranks), Config(num_sms=4, chunk_size=2, queue_depth=64)):
+                    for kind in seen:
+                        rs = L.ring_set(lay, kind, hidden, k, fp8, cfg)
+                        seen[kind].add((rs.counter_tail, rs.counter_head, rs.offset))
+    assert seen["dispatch"] == {(lay.counter(0), lay.counter(1), lay.dispatch_region)}
+    assert seen["combine"] == {(lay.counter(2), lay.counter(3), lay.combine_region)}
+
+
+def test_offsets_and_ring_structs_mirror_layout():
+    lay = L.buffer_layout(4, L.size_hint(4))
+    off = K.offsets_struct(lay)
+    assert off["barrier"] == lay.barrier and off["notify"] == lay.notify
+    assert off["notify_row_ints"] == lay.notify_row_ints
+    assert [int(off[n]) for n in ("dispatch_tail", "dispatch_head", "combine_tail", "combine_head")] == \
+        [lay.counter(i) for i in range(4)]
+    assert (off["dispatch_ring"], off["combine_ring"]) == (lay.dispatch_region, lay.combine_region)
+    rs = L.ring_set(lay, "combine", 7168, 16, False, get_combine_config(4))
+    s = K.ring_struct(rs)
+    assert [int(s[n]) for n in ("ring", "counter_tail", "counter_head", "slot_bytes", "x_bytes", "depth", "chunk")] \
+        == [rs.offset, rs.counter_tail, rs.counter_head, rs.slot_bytes, rs.x_bytes, rs.depth, rs.chunk]
+
+
+# ------------------------------------------------------------------ arrays ---
+
+def test_check_passes_and_returns_the_array():
+    a = np.zeros((3, 4), np.uint16)
+    assert check(a, "x", BF16, shape=(3, 4)) is a
+    assert check(a, "x", BF16, shape=(None, 4), ndim=2) is a
+    assert check(np.zeros(5, np.uint8), "y", FP8, shape=(None,)) is not None
+    assert check(a[:, ::2], "x", contiguous=False).shape == (3, 2)
+
+
+def test_check_dtype_error_names_array_and_dtypes():
+    with pytest.raises(ValueError, match="^topk_idx must have dtype int64, got int32$"):
+        check(np.zeros((2, 4), np.int32), "topk_idx", np.int64)
+    with pytest.raises(ValueError, match="^x must have dtype uint16, got float32$"):
+        check(np.zeros((2, 4), np.float32), "x", BF16)
+
+
+def test_check_shape_errors_name_array_and_shapes():
+    a = np.zeros((2, 3), np.float32)
+    with pytest.raises(ValueError, match=r"^topk_weights must have shape \[\*, 4\], got \[2, 3\]$"):
+        check(a, "topk_weights", shape=(None, 4))
+    with pytest.raises(ValueError, match=r"^w must have shape \[2\], got \[2, 3\]$"):
+        check(a, "w", shape=(2,))
+    with pytest.raises(ValueError, match=r"^w must have shape \[5, 3\], got \[2, 3\]$"):
+        check(a, "w", shape=(5, 3))
+    with pytest.raises(ValueError, match=r"^x must be 1-D, got shape \(2, 3\)$"):
+        check(a, "x", ndim=1)
+
+
+def test_check_contiguity():
+    a = np.zeros((4, 4), np.float32)
+    with pytest.raises(ValueError, match="^x_scales must be C-contiguous$"):
+        check(a[:, ::2], "x_scales")
+    with pytest.raises(ValueError, match="C-contiguous"):
+        check(a.T, "x_scales")
+
+
+@pytest.mark.parametrize("value", [np.zeros((2, 2), np.float32), [1, 2, 3], 3.0])
+def test_as_cupy_rejects_host_data(value):
+    with pytest.raises(TypeError):
+        as_cupy(value, "x")
+
+
+def test_as_cupy_error_names_the_argument():
+    with pytest.raises(TypeError, match="^recv_x must be a CuPy array .* got list$"):
+        as_cupy([1.0], "recv_x")
+    assert as_cupy(None, "x") is None
+
+
+# ------------------------------------------------------------------ errors ---
+
+def _slot(**fields):
+    a = np.zeros(1, ERROR_SLOT_DTYPE)
+    for k, v in fields.items():
+        a[0][k] = v
+    return a[0]
+
+
+def test_error_from_slot_names_everything():
+    slot = _slot(flag=1, kernel=kernel_id("intranode_dispatch"), rank=3, peer=1, phase=1, block=7,
+                 value=5, expected=9)
+    err = error_from_slot(slot, 2.5, rank_of_peer=lambda p: 8 + p)
+    assert isinstance(err, CommTimeoutError) and isinstance(err, CupyepError) and isinstance(err, RuntimeError)
+    assert err.kernel == "intranode_dispatch"
+    assert err.phase == "dispatch queue data (receiver waits for sender tail)"
+    assert (err.rank, err.peer, err.value, err.expected, err.timeout_s) == (3, 9, 5, 9, 2.5)
+    msg = str(err)
+    assert msg.startswith("intranode_dispatch: timeout in phase 'dispatch queue data (receiver waits for sender "
+                          "tail)': rank 3 waited for peer rank 9 for more than 2.5 s (counter 5, expected 9); "
+                          "block 7.")
+    assert "destroy the buffer" in msg
+
+
+def test_error_from_slot_default_peer_mapping_and_no_peer():
+    err = error_from_slot(_slot(flag=1, kernel=kernel_id("barrier"), rank=2, peer=6, phase=0), 1.0)
+    assert (err.kernel, err.phase, err.peer) == ("barrier", "barrier arrival", 6)
+    err = error_from_slot(_slot(flag=1, kernel=kernel_id("intranode_notify"), rank=0, peer=-1, phase=1,
+                                value=-3, expected=4), 10.0, rank_of_peer=lambda p: 100 + p)
+    assert err.peer is None and err.phase == "notify counts"
+    assert "waited for" not in str(err) and "rank 0" in str(err) and "(counter -3, expected 4)" in str(err)
+
+
+def test_error_from_slot_unknown_kernel_and_phase():
+    err = error_from_slot(_slot(flag=1, kernel=99, phase=0, peer=0), 1.0)
+    assert err.kernel == "kernel#99" and err.phase == "phase#0"
+    err = error_from_slot(_slot(flag=1, kernel=kernel_id("intranode_combine"), phase=5), 1.0)
+    assert err.kernel == "intranode_combine" and err.phase == "phase#5"
+    err = error_from_slot(_slot(flag=1, kernel=-1, phase=-1), 1.0)
+    assert err.kernel == "kernel#-1" and err.phase == "phase#-1"
+
+
+def test_kernel_ids():
+    assert KERNEL_NAMES == tuple(KERNELS)
+    assert [kernel_id(n) for n in KERNEL_NAMES] == list(range(len(KERNEL_NAMES)))
+    assert KERNEL_NAMES[0] == "barrier"
+    with pytest.raises(ValueError):
+        kernel_id("no_such_kernel")
+
+
+def test_error_slot_dtype():
+    assert ERROR_SLOT_DTYPE.itemsize == 40
+    assert ERROR_SLOT_DTYPE.names == ("flag", "kernel", "rank", "peer", "phase", "block", "value", "expected")
+    assert [ERROR_SLOT_DTYPE.fields[n][1] for n in ERROR_SLOT_DTYPE.names] == [0, 4, 8, 12, 16, 20, 24, 32]
+
+
+# -------------------------------------------------- C structs vs dtypes ---
+
+_C_SCALARS = {"int": (4, np.int32), "int32_t": (4, np.int32), "int64_t": (8, np.int64),
+              "uint64_t": (8, np.uint64), "float": (4, np.float32)}
+
+
+def _c_structs():
+    """Every ``struct Name { ... };`` of cuda_src: name -> [(field, type, is_pointer)]."""
+    structs = {}
+    for path in sorted(jit.CUDA_SRC.rglob("*")):
+        if path.suffix not in (".cu", ".cuh"):
+            continue
+        text = re.sub(r"/\*.*?\*/", "", re.sub(r"//[^\n]*", "", path.read_text()), flags=re.S)
+        for m in re.finditer(r"\bstruct\s+(\w+)\s*\{([^{}]*)\};", text):
+            fields = []
+            for decl in m.group(2).split(";"):
+                parts = [p.strip() for p in decl.strip().split(",")]
+                if not parts[0]:
+                    continue
+                first = re.match(r"^(.*?)(\w+)$", parts[0])
+                ctype = first.group(1).strip()
+                names = [first.group(2)] + parts[1:]
+                base = re.sub(r"\bconst\b|\*", " ", ctype).split()
+                assert len(base) == 1, f"{path}: cannot parse {decl!r}"
+                for name in names:
+                    assert re.fullmatch(r"\w+", name), f"{path}: cannot parse {decl!r}"
+                    fields.append((name, base[0], "*" in ctype))
+            assert m.group(1) not in structs, f"struct {m.group(1)} defined twice"
+            structs[m.group(1)] = fields
+    return structs
+
+
+def _c_layout(name, structs):
+    """(size, align, [(field, offset, type, is_pointer)]) by the C rules for x86-64/CUDA."""
+    off, align, out = 0, 1, []
+    for field, ctype, is_ptr in structs[name]:
+        if is_ptr:
+            size, a = 8, 8
+        elif ctype in _C_SCALARS:
+            size = a = _C_SCALARS[ctype][0]
+        else:
+            size, a, _ = _c_layout(ctype, structs)
+        off = (off + a - 1) // a * a
+        out.append((field, off, ctype, is_ptr))
+        off += size
+        align = max(align, a)
+    return (off + align - 1) // align * align, align, out
+
+
+def _assert_mirrors(dtype, cname, structs, path=""):
+    size, _, fields = _c_layout(cname, structs)
+    where = path or cname
+    assert dtype.names == tuple(f for f, *_ in fields), f"{where}: field names/order differ from struct {cname}"
+    for field, offset, ctype, is_ptr in fields:
+        ftype, foff = dtype.fields[field][:2]
+        assert foff == offset, f"{where}.{field}: offset {foff}, C has {offset}"
+        if is_ptr:
+            assert ftype == np.uint64, f"{where}.{field}: pointer mirrored as {ftype}"
+        elif ctype in _C_SCALARS:
+            assert ftype == _C_SCALARS[ctype][1], f"{where}.{field}: {ctype} mirrored as {ftype}"
+        else:
+            assert ftype.names, f"{where}.{field}: struct {ctype} mirrored as {ftype}"
+            _assert_mirrors(ftype, ctype, structs, f"{where}.{field}")
+    assert dtype.itemsize == size, f"{where}: itemsize {dtype.itemsize}, sizeof({cname}) = {size}"
+
+
+MIRRORS = [
+    (errors.ERROR_SLOT_DTYPE, "ErrorSlot"),
+    (barrier.GUARD_DTYPE, "Guard"),
+    (barrier.BARRIER_ARGS_DTYPE, "BarrierArgs"),
+    (K.OFFSETS_DTYPE, "BufferOffsets"),
+    (K.RING_DTYPE, "RingShape"),
+    (K.LAYOUT_ARGS_DTYPE, "LayoutArgs"),
+    (K.NOTIFY_ARGS_DTYPE, "NotifyArgs"),
+    (K.DISPATCH_ARGS_DTYPE, "DispatchArgs"),
+    (K.COMBINE_ARGS_DTYPE, "CombineArgs"),
+]
+
+
+@pytest.mark.parametrize("dtype,cname", MIRRORS, ids=[c for _, c in MIRRORS])
+def test_dtype_mirrors_c_struct(dtype, cname):
+    _assert_mirrors(dtype, cname, _c_structs())
+
+
+def test_c_struct_parser_sees_the_error_slot():
+    # Guards the parser itself: ErrorSlot as written in timeout.cuh.
+    structs = _c_structs()
+    assert [f for f, *_ in structs["ErrorSlot"]] == list(ERROR_SLOT_DTYPE.names)
+    assert _c_layout("ErrorSlot", structs)[0] == 40
+    assert _c_layout("Guard", structs)[0] == 24
+    assert structs["BufferOffsets"][3:7] == [(n, "int64_t", False) for n in
+                                              ("dispatch_tail", "dispatch_head", "combine_tail", "combine_head")]
+
+
+def test_mirror_check_catches_a_swapped_field():
+    structs = _c_structs()
+    swapped = np.dtype([("slot", np.uint64), ("timeout_ns", np.uint64), ("rank", np.int32),
+                        ("kernel", np.int32)], align=True)
+    with pytest.raises(AssertionError, match="names/order"):
+        _assert_mirrors(swapped, "Guard", structs)
+    narrow = np.dtype([("slot", np.uint64), ("timeout_ns", np.uint32), ("kernel", np.int32),
+                       ("rank", np.int32)], align=True)
+    with pytest.raises(AssertionError):
+        _assert_mirrors(narrow, "Guard", structs)
+
+
+def _walk(dtype, base=0):
+    for name in dtype.names:
+        ftype, off = dtype.fields[name][:2]
+        yield name, ftype, base + off
+        if ftype.names:
+            yield from _walk(ftype, base + off)
+
+
+@pytest.mark.parametrize("dtype,cname", MIRRORS, ids=[c for _, c in MIRRORS])
+def test_struct_dtype_natural_alignment(dtype, cname):
+    offs = [dtype.fields[n][1] for n in dtype.names]
+    assert offs == sorted(offs) and len(set(offs)) == len(offs)
+    for name, ftype, off in _walk(dtype):
+        if ftype.names:
+            assert off % 8 == 0, name
+        else:
+            assert off % ftype.itemsize == 0, (name, off, ftype)
+            if ftype in (np.dtype(np.uint64), np.dtype(np.int64)):
+                assert off % 8 == 0, name
+    assert dtype.itemsize % 8 == 0
+
+
+def test_guard_dtype():
+    g = barrier.GUARD_DTYPE
+    assert g.itemsize == 24
+    assert [g.fields[n][1] for n in g.names] == [0, 8, 16, 20]
+    assert K.NOTIFY_ARGS_DTYPE.fields["guard"][1] % 8 == 0
+
+
+def test_struct_dtype_pads_like_c():
+    d = jit.struct_dtype([("a", np.int32), ("b", np.int64), ("c", np.int32)])
+    assert [d.fields[n][1] for n in d.names] == [0, 8, 16] and d.itemsize == 24
+
+
+def test_pack_sets_fields_and_zeroes_the_rest():
+    v = jit.pack(barrier.GUARD_DTYPE, timeout_ns=5, rank=3)
+    assert isinstance(v, np.void) and v.dtype == barrier.GUARD_DTYPE
+    assert (int(v["slot"]), int(v["timeout_ns"]), int(v["kernel"]), int(v["rank"])) == (0, 5, 0, 3)
+    raw = np.frombuffer(v.tobytes(), np.uint8)
+    assert raw[8] == 5 and raw[20] == 3 and raw.sum() == 8
+    nested = jit.pack(barrier.BARRIER_ARGS_DTYPE, offset=128, guard=v)
+    assert int(nested["guard"]["rank"]) == 3 and int(nested["offset"]) == 128
+
+
+# --------------------------------------------------------------------- jit ---
+
+def test_kernel_spec_options():
+    spec = jit.KernelSpec(name="t", source="runtime/runtime.cu", kernels=("k",), defines=(("FOO", 3), ("BAR", 0)))
+    opts = spec.options()
+    assert "-std=c++17" in opts
+    assert f"-I{jit.CUDA_SRC}" in opts
+    assert f"-DCUPYEP_SOURCE_HASH=0x{jit.source_hash()[:16]}" in opts
+    assert opts[-2:] == ("-DFOO=3", "-DBAR=0")
+    assert (jit.CUDA_SRC / "common" / "timeout.cuh").is_file()
+    assert jit.CUDA_SRC.resolve() == (REPO / "cuda_src").resolve()
+    assert re.fullmatch(r"[0-9a-f]{64}", jit.source_hash())
+
+
+@pytest.fixture
+def src_copy(tmp_path, monkeypatch):
+    original = jit.source_hash()
+    copy = tmp_path / "cuda_src"
+    shutil.copytree(jit.CUDA_SRC, copy)
+    monkeypatch.setattr(jit, "CUDA_SRC", copy)
+    jit.source_hash.cache_clear()
+    yield copy, original
+    jit.source_hash.cache_clear()
+
+
+def _rehash():
+    jit.source_hash.cache_clear()
+    return jit.source_hash()
+
+
+def test_source_hash_follows_the_sources(src_copy):
+    copy, original = src_copy
+    spec = jit.KernelSpec(name="t", source="runtime/runtime.cu", kernels=("k",))
+    assert jit.source_hash() == original  # depends on relative paths and contents only
+    opts0 = spec.options()
+    assert f"-I{copy}" in opts0
+    header = copy / "common" / "timeout.cuh"
+    text = header.read_text()
+    header.write_text(text + "\n// edited\n")
+    assert jit.source_hash() == original  # cached until cleared
+    edited = _rehash()
+    assert edited != original
+    assert spec.options() != opts0 and f"-DCUPYEP_SOURCE_HASH=0x{edited[:16]}" in spec.options()
+    header.write_text(text)
+    assert _rehash() == original
+    (copy / "notes.txt").write_text("not a source")  # non-source files do not count
+    assert _rehash() == original
+    (copy / "common" / "extra.cuh").write_text("#pragma once\n")  # new header counts
+    assert _rehash() != original
+    (copy / "common" / "extra.cuh").unlink()
+    (copy / "common" / "ptx.cuh").rename(copy / "common" / "ptx2.cuh")  # a rename counts
+    assert _rehash() != original
+
+
+def test_all_specs():
+    specs = jit.all_specs()
+    names = [s.name for s in specs]
+    assert len(names) == len(set(names))
+    for r in RANKS:
+        assert f"intranode_notify_ranks_{r}" in names
+        for t in (512, 768):
+            assert f"intranode_dispatch_ranks_{r}_threads_{t}" in names
+            assert f"intranode_combine_ranks_{r}_threads_{t}" in names
+    assert {"runtime", "bench_copy", "fp8_cast", "intranode_layout"} <= set(names)
+    by_name = {s.name: s for s in specs}
+    assert by_name["intranode_dispatch_ranks_3_threads_768"].kernels == ("cupyep::intranode::dispatch<3, 768>",)
+    assert by_name["intranode_combine_ranks_8_threads_512"].kernels == ("cupyep::intranode::combine<8, 512>",)
+    for s in specs:
+        assert (jit.CUDA_SRC / s.source).is_file(), s
+        assert s.kernels and all(k.startswith("cupyep::") for k in s.kernels)
+        hash(s)  # frozen: usable as a cache key
+
+
+def test_all_specs_rejects_duplicates(monkeypatch):
+    monkeypatch.setattr(jit, "SPEC_MODULES", jit.SPEC_MODULES + ("cupyep.barrier",))
+    with pytest.raises(ValueError, match=r"duplicate kernel spec names: \['runtime'\]"):
+        jit.all_specs()
+
+
+def test_thread_choices_cover_default_configs():
+    for r in RANKS:
+        assert get_dispatch_config(r).num_threads in K.THREAD_CHOICES
+        assert get_combine_config(r).num_threads in K.THREAD_CHOICES
+
+
+# ------------------------------------------------------------------ timing ---
+
+def test_timing_from_samples():
+    t = Timing.from_samples([3.0, 1.0, 2.0, 4.0, 100.0])
+    assert (t.median_s, t.mean_s, t.min_s, t.max_s, t.n) == (3.0, 22.0, 1.0, 100.0, 5)
+    assert t.p99_s == pytest.approx(4.0 + 0.96 * 96.0)  # linear interpolation
+    assert isinstance(t.n, int) and all(isinstance(v, float) for v in (t.median_s, t.mean_s, t.p99_s))
+    one = Timing.from_samples([2e-6])
+    assert one == Timing(2e-6, 2e-6, 2e-6, 2e-6, 2e-6, 1)
+    even = Timing.from_samples(np.array([1.0, 2.0, 3.0, 4.0]))
+    assert even.median_s == 2.5 and even.n == 4
+
+
+def test_timing_as_us():
+    us = Timing.from_samples([1e-6, 3e-6]).as_us()
+    assert set(us) == {"median_us", "mean_us", "p99_us", "min_us", "max_us", "n"}
+    assert us["n"] == 2
+    assert us["median_us"] == pytest.approx(2.0) and us["max_us"] == pytest.approx(3.0)
+    assert us["min_us"] == pytest.approx(1.0)
+
+
+# ----------------------------------------------------------------- testing ---
+
+def test_payload_bf16_deterministic_and_bounded():
+    a = testing.payload_bf16(2, np.arange(64), 512)
+    assert a.dtype == np.uint16 and a.shape == (64, 512)
+    assert np.array_equal(a, testing.payload_bf16(2, list(range(64)), 512))
+    f = testing.bf16_to_f32(a)
+    assert np.isfinite(f).all() and (np.abs(f) < 1).all()
+    assert (f < 0).any() and (f > 0).any()
+    assert np.array_equal(f, a.view(ml_dtypes.bfloat16).astype(np.float32))
+    assert testing.payload_bf16(0, [], 128).shape == (0, 128)
+
+
+def test_payload_bf16_is_a_function_of_rank_token_column():
+    full = testing.payload_bf16(1, np.arange(100), 256)
+    picked = testing.payload_bf16(1, [57, 3, 57], 256)
+    assert np.array_equal(picked, full[[57, 3, 57]])
+    assert np.array_equal(testing.payload_bf16(1, [9], 128)[0], full[9, :128])  # columns independent of hidden
+
+
+def test_payload_bf16_differs_across_ranks_tokens_columns():
+    tokens, hidden = np.arange(32), 256
+    per_rank = [testing.payload_bf16(r, tokens, hidden) for r in range(8)]
+    for r in range(8):
+        for s in range(r + 1, 8):
+            assert (per_rank[r] != per_rank[s]).mean() > 0.95, (r, s)
+    a = per_rank[0]
+    for i in range(len(tokens)):
+        for j in range(i + 1, len(tokens)):
+            assert (a[i] != a[j]).mean() > 0.95, (i, j)
+    # A misplaced column is caught: neighbouring columns differ almost everywhere.
+    assert (a[:, 1:] != a[:, :-1]).mean() > 0.95
+    assert len(np.unique(a)) > a.size // 2
+
+
+def test_bf16_round_trip_every_non_nan_pattern():
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    f = testing.bf16_to_f32(bits)
+    assert f.dtype == np.float32
+    keep = ~np.isnan(f)
+    assert np.array_equal(testing.f32_to_bf16(f[keep]), bits[keep])
+    assert testing.bf16_to_f32(np.array([0x3F80, 0xC000, 0x0000, 0x8000, 0x7F80], np.uint16)).tolist() == \
+        [1.0, -2.0, 0.0, -0.0, float("inf")]
+
+
+def test_f32_to_bf16_rounds_to_nearest_even():
+    x = np.array([1.0, 1 + 2 ** -8, 1 + 3 * 2 ** -8, 1 + 2 ** -8 + 2 ** -20, -2.0, 3.0], np.float32)
+    assert testing.f32_to_bf16(x).tolist() == [0x3F80, 0x3F80, 0x3F82, 0x3F81, 0xC000, 0x4040]
+    rng = np.random.default_rng(0)
+    v = rng.standard_normal(10000).astype(np.float32)
+    back = testing.bf16_to_f32(testing.f32_to_bf16(v))
+    assert np.all(np.abs(back - v) <= np.abs(v) * 2 ** -8)
+    assert testing.f32_to_bf16(v).dtype == np.uint16
