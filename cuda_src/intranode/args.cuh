@@ -2,12 +2,13 @@
 // mirrored, in order, by a NumPy struct dtype in cupyep/intranode/kernels.py.
 //
 // Buffer layout of every rank's symmetric buffer (offsets computed in
-// cupyep/intranode/layout.py, passed in `BufferOffsets`):
-//   [barrier region][notify region: R rows of NotifyRow]
+// cupyep/intranode/layout.py, passed in `BufferOffsets` / `RingShape`):
+//   [barrier region]
 //   [ring counters: dispatch tail, dispatch head, combine tail, combine head,
-//                   each [C][R] int64 spaced by kCounterStride bytes]
-//   [dispatch rings: [C][R src][depth] slots of (x bytes | meta bytes)]
-//   [combine rings:  [C][R src][depth] slots of (x bytes | meta bytes)]
+//                   each [MAX_CHANNELS][R] int64 spaced by kCounterStride bytes]
+//   [notify region: R rows of notify_row_ints ints]
+//   [dispatch region: [C][R src][depth] slots of (x bytes | meta bytes)]
+//   [combine region:  [C][R src][depth] slots of (x bytes | meta bytes)]
 // A ring (channel c, source s) lives in the receiver's buffer. The sender
 // advances `tail` (stores into the receiver's memory); the receiver advances
 // `head` (the sender reads it remotely). Both counters only grow, across
