@@ -35,6 +35,8 @@ def main():
     p.add_argument("--depths", type=int, nargs="+", default=[8, 16, 32, 64, 128])
     p.add_argument("--chunks", type=int, nargs="+", default=[2, 4, 8, 16])
     p.add_argument("--threads", type=int, nargs="+", default=[512, 768])
+    p.add_argument("--l2", type=int, nargs="+", default=None,
+                   help="L2 modes (Config.l2_hints) to run; default: the configs' own")
     args = p.parse_args()
     import cupy
     from mpi4py import MPI
@@ -81,11 +83,16 @@ def main():
                 "efficiency": 2 * total / copy_bw / t_max, "copy_GBps": copy_bw / 1e9,
                 "dispatch_config": asdict(dcfg), "combine_config": asdict(ccfg)}
 
-    dcfg, ccfg = buf.default_dispatch_config(), buf.default_combine_config()
-    for kind in ("dispatch_bf16", "dispatch_fp8", "dispatch_bf16_notify", "combine_bf16"):
-        out.write(run(kind, dcfg, ccfg))
+    dcfg0, ccfg0 = buf.default_dispatch_config(), buf.default_combine_config()
+    for l2 in args.l2 or [None]:
+        dcfg = dcfg0 if l2 is None else replace(dcfg0, l2_hints=l2)
+        ccfg = ccfg0 if l2 is None else replace(ccfg0, l2_hints=l2)
+        for kind in ("dispatch_bf16", "dispatch_fp8", "dispatch_bf16_notify", "combine_bf16"):
+            out.write(run(kind, dcfg, ccfg))
     if args.sweep:
-        for threads in args.threads:
+        for threads, l2 in ((t, l2) for t in args.threads for l2 in (args.l2 or [None])):
+            dcfg = dcfg0 if l2 is None else replace(dcfg0, l2_hints=l2)
+            ccfg = ccfg0 if l2 is None else replace(ccfg0, l2_hints=l2)
             warps = threads // 32
             for depth in args.depths:
                 for chunk in args.chunks:

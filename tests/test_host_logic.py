@@ -91,10 +91,16 @@ def test_validate_combine_depth_rule():
         Config(num_threads=1024, chunk_size=4, queue_depth=35).validate(8, combine=True)
 
 
+@pytest.mark.parametrize("l2_hints", [-1, 3, True + 2])
+def test_validate_rejects_bad_l2_hints(l2_hints):
+    with pytest.raises(ValueError, match="l2_hints must be one of"):
+        Config(l2_hints=l2_hints).validate(2)
+
+
 def test_default_tables():
-    assert get_dispatch_config(2) == Config(num_sms=48, chunk_size=16, queue_depth=64)
-    assert get_dispatch_config(4) == Config(num_sms=32, chunk_size=8, queue_depth=32)
-    assert get_dispatch_config(8) == Config(num_sms=16, chunk_size=8, queue_depth=32)
+    assert get_dispatch_config(2) == Config(num_sms=48, chunk_size=2, queue_depth=16, l2_hints=2)
+    assert get_dispatch_config(4) == Config(num_sms=32, chunk_size=2, queue_depth=8, l2_hints=2)
+    assert get_dispatch_config(8) == Config(num_sms=16, chunk_size=2, queue_depth=8, l2_hints=2)
     assert get_combine_config(2) == Config(num_sms=48, chunk_size=8, queue_depth=48)
     assert get_combine_config(8) == Config(num_sms=16, chunk_size=4, queue_depth=32)
     # Between keys: the next larger key; below the smallest: the smallest.
@@ -145,7 +151,7 @@ def test_combine_depth_bump():
     c = get_combine_config(32)
     assert (c.num_threads, c.chunk_size, c.queue_depth) == (1024, 4, 36)
     c.validate(32, combine=True)
-    assert get_dispatch_config(32).queue_depth == 32  # dispatch has no such rule
+    assert get_dispatch_config(32).queue_depth == get_dispatch_config(8).queue_depth  # dispatch has no such rule
     # No bump when the table depth suffices.
     assert get_combine_config(8).queue_depth == 32
 

@@ -36,7 +36,7 @@ __device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
     return out;
 }
 
-template <int kNumRanks, int kNumThreads>
+template <int kNumRanks, int kNumThreads, int kL2>
 __global__ void __launch_bounds__(kNumThreads, 1) combine(CombineArgs a) {
     constexpr int R = kNumRanks;
     __shared__ int s_flag[R];
@@ -50,6 +50,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(CombineArgs a) {
     const RingShape& rs = a.rs;
     const int k = a.num_topk;
     const int64_t x_int4 = rs.x_bytes / 16;
+    const CopyPath<kL2> copy;
 
     if (is_sender) {
         const int wpg = num_warps / R;
@@ -62,7 +63,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(CombineArgs a) {
         send_stream(g, a.peers[dst], rs, R, c, a.rank, n, a.guard, /*phase=*/0, dst, &s_flag[dst],
                     [=](char* slot, int i) {
                         const int64_t row = row0 + i;
-                        warp_copy_nc(reinterpret_cast<int4*>(slot), a.x + row * x_int4, x_int4, lane);
+                        copy.to_ring(reinterpret_cast<int4*>(slot), a.x + row * x_int4, x_int4, lane);
                         float* meta = reinterpret_cast<float*>(slot + rs.x_bytes);
                         if (lane == 0) meta[0] = a.row_weights ? a.row_weights[row] : 1.f;
                         if (a.recv_topk_weights)
@@ -117,7 +118,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(CombineArgs a) {
 #pragma unroll
                 for (int d = 0; d < R; ++d)
                     if (valid[d]) accumulate_bf16x8(acc, ld_ring_v4(reinterpret_cast<const int4*>(slots[d]) + i), ws[d]);
-                st_na_v4(out + i, pack_bf16x8(acc));
+                copy.store_out(out + i, pack_bf16x8(acc));
             }
             if (a.combined_topk_weights) {
                 for (int j = lane; j < k; j += 32) {
@@ -128,6 +129,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(CombineArgs a) {
                     a.combined_topk_weights[(int64_t)t * k + j] = sum;
                 }
             }
+#pragma unroll
+            for (int d = 0; d < R; ++d)
+                if (valid[d]) copy.consumed(slots[d], rs.slot_bytes, lane);
         }
         __syncthreads();
         if (s_fail) return;

@@ -16,7 +16,7 @@
 namespace cupyep {
 namespace intranode {
 
-template <int kNumRanks, int kNumThreads>
+template <int kNumRanks, int kNumThreads, int kL2>
 __global__ void __launch_bounds__(kNumThreads, 1) dispatch(DispatchArgs a) {
     constexpr int R = kNumRanks;
     __shared__ int s_flag[R];
@@ -31,6 +31,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(DispatchArgs a) {
     const RingShape& rs = a.rs;
     const int k = a.num_topk, ns = a.num_scales;
     const int64_t x_int4 = rs.x_bytes / 16;
+    const CopyPath<kL2> copy;
 
     if (is_sender) {
         const int dst = g.index;
@@ -40,16 +41,36 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(DispatchArgs a) {
         send_stream(g, a.peers[dst], rs, R, c, a.rank, n, a.guard, /*phase=*/0, dst, &s_flag[dst],
                     [=](char* slot, int i) {
                         const int t = __ldg(list + i);
-                        warp_copy_nc(reinterpret_cast<int4*>(slot), a.x + t * x_int4, x_int4, lane);
-                        int* meta = reinterpret_cast<int*>(slot + rs.x_bytes);
-                        if (lane == 0) meta[0] = t;
-                        for (int j = lane; j < k; j += 32) {
-                            meta[1 + j] = (int)a.topk_idx[(int64_t)t * k + j];
-                            reinterpret_cast<float*>(meta)[1 + k + j] = a.topk_weights ? a.topk_weights[(int64_t)t * k + j] : 0.f;
+                        // Issue the metadata loads first so they overlap the row copy.
+                        int e0 = 0, e1 = 0;
+                        float w0 = 0.f, w1 = 0.f, s0 = 0.f, s1 = 0.f;
+                        if (lane < k) {
+                            e0 = (int)__ldg(a.topk_idx + (int64_t)t * k + lane);
+                            if (a.topk_weights) w0 = __ldg(a.topk_weights + (int64_t)t * k + lane);
                         }
-                        if (a.x_scales)
-                            for (int j = lane; j < ns; j += 32)
-                                reinterpret_cast<float*>(meta)[1 + 2 * k + j] = a.x_scales[(int64_t)t * ns + j];
+                        if (lane + 32 < k) {
+                            e1 = (int)__ldg(a.topk_idx + (int64_t)t * k + lane + 32);
+                            if (a.topk_weights) w1 = __ldg(a.topk_weights + (int64_t)t * k + lane + 32);
+                        }
+                        if (a.x_scales) {
+                            if (lane < ns) s0 = __ldg(a.x_scales + (int64_t)t * ns + lane);
+                            if (lane + 32 < ns) s1 = __ldg(a.x_scales + (int64_t)t * ns + lane + 32);
+                        }
+                        copy.to_ring(reinterpret_cast<int4*>(slot), a.x + t * x_int4, x_int4, lane);
+                        int* meta = reinterpret_cast<int*>(slot + rs.x_bytes);
+                        float* fmeta = reinterpret_cast<float*>(meta);
+                        if (lane == 0) meta[0] = t;
+                        if (lane < k) { meta[1 + lane] = e0; fmeta[1 + k + lane] = w0; }
+                        if (lane + 32 < k) { meta[33 + lane] = e1; fmeta[33 + k + lane] = w1; }
+                        for (int j = lane + 64; j < k; j += 32) {
+                            meta[1 + j] = (int)a.topk_idx[(int64_t)t * k + j];
+                            fmeta[1 + k + j] = a.topk_weights ? a.topk_weights[(int64_t)t * k + j] : 0.f;
+                        }
+                        if (a.x_scales) {
+                            if (lane < ns) fmeta[1 + 2 * k + lane] = s0;
+                            if (lane + 32 < ns) fmeta[33 + 2 * k + lane] = s1;
+                            for (int j = lane + 64; j < ns; j += 32) fmeta[1 + 2 * k + j] = a.x_scales[(int64_t)t * ns + j];
+                        }
                     });
         return;
     }
@@ -77,19 +98,33 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(DispatchArgs a) {
             const int64_t row = row0 + consumed + j;
             if (row >= a.capacity) continue;  // notify already reported the overflow
             const char* slot = ring_slot(mine, rs, R, c, src, base + consumed + j);
-            warp_copy_ring(a.recv_x + row * x_int4, reinterpret_cast<const int4*>(slot), x_int4, lane);
             const int* meta = reinterpret_cast<const int*>(slot + rs.x_bytes);
-            if (lane == 0) a.recv_src_idx[row] = ld_volatile(meta);
-            for (int j2 = lane; j2 < k; j2 += 32) {
-                const int64_t e = ld_volatile(meta + 1 + j2);
+            // Metadata loads go out before the row copy and land during it.
+            int src_idx = 0, e0 = -1, e1 = -1, w0 = 0, w1 = 0, s0 = 0, s1 = 0;
+            if (lane == 0) src_idx = ld_volatile(meta);
+            if (lane < k) { e0 = ld_volatile(meta + 1 + lane); w0 = ld_volatile(meta + 1 + k + lane); }
+            if (lane + 32 < k) { e1 = ld_volatile(meta + 33 + lane); w1 = ld_volatile(meta + 33 + k + lane); }
+            if (a.recv_x_scales) {
+                if (lane < ns) s0 = ld_volatile(meta + 1 + 2 * k + lane);
+                if (lane + 32 < ns) s1 = ld_volatile(meta + 33 + 2 * k + lane);
+            }
+            copy.from_ring(a.recv_x + row * x_int4, reinterpret_cast<const int4*>(slot), x_int4, lane);
+            if (lane == 0) a.recv_src_idx[row] = src_idx;
+            auto put = [&](int j2, int64_t e, int w) {
                 const bool local = e >= lo && e < hi;
                 a.recv_topk_idx[row * k + j2] = local ? e - lo : -1;
-                if (a.recv_topk_weights)
-                    a.recv_topk_weights[row * k + j2] = local ? __int_as_float(ld_volatile(meta + 1 + k + j2)) : 0.f;
-            }
-            if (a.recv_x_scales)
-                for (int j2 = lane; j2 < ns; j2 += 32)
+                if (a.recv_topk_weights) a.recv_topk_weights[row * k + j2] = local ? __int_as_float(w) : 0.f;
+            };
+            if (lane < k) put(lane, e0, w0);
+            if (lane + 32 < k) put(lane + 32, e1, w1);
+            for (int j2 = lane + 64; j2 < k; j2 += 32) put(j2, ld_volatile(meta + 1 + j2), ld_volatile(meta + 1 + k + j2));
+            if (a.recv_x_scales) {
+                if (lane < ns) a.recv_x_scales[row * ns + lane] = __int_as_float(s0);
+                if (lane + 32 < ns) a.recv_x_scales[row * ns + lane + 32] = __int_as_float(s1);
+                for (int j2 = lane + 64; j2 < ns; j2 += 32)
                     a.recv_x_scales[row * ns + j2] = __int_as_float(ld_volatile(meta + 1 + 2 * k + j2));
+            }
+            copy.consumed(slot, rs.slot_bytes, lane);
         }
         g.sync();
         consumed += avail;

@@ -54,17 +54,17 @@ __device__ __forceinline__ bool send_stream(const WarpGroup& g, void* receiver, 
 
 // Warp copies of `n` int4 words with kUnroll independent 16-byte loads in
 // flight per lane (memory-level parallelism is what bounds a copy warp).
-template <int kUnroll, typename Load>
-__device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int64_t n, int lane, Load&& load) {
+template <int kUnroll, typename Load, typename Store>
+__device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int64_t n, int lane, Load&& load, Store&& store) {
     int64_t i = lane;
     for (; i + (kUnroll - 1) * 32 < n; i += kUnroll * 32) {
         int4 v[kUnroll];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) v[u] = load(src + i + u * 32);
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) st_na_v4(dst + i + u * 32, v[u]);
+        for (int u = 0; u < kUnroll; ++u) store(dst + i + u * 32, v[u]);
     }
-    for (; i < n; i += 32) st_na_v4(dst + i, load(src + i));
+    for (; i < n; i += 32) store(dst + i, load(src + i));
 }
 
 // Reads of ring slots another rank wrote: coherent loads that never allocate
@@ -78,14 +78,57 @@ __device__ __forceinline__ int4 ld_ring_v4(const int4* p) {
 
 constexpr int kCopyUnroll = 4;
 
-// Source rows this rank owns (read-only during the call): streaming loads.
-__device__ __forceinline__ void warp_copy_nc(int4* dst, const int4* src, int64_t n, int lane) {
-    warp_copy<kCopyUnroll>(dst, src, n, lane, [](const int4* p) { return ld_nc_na_v4(p); });
-}
-// Ring slots written by another rank.
-__device__ __forceinline__ void warp_copy_ring(int4* dst, const int4* src, int64_t n, int lane) {
-    warp_copy<kCopyUnroll>(dst, src, n, lane, [](const int4* p) { return ld_ring_v4(p); });
-}
+// How the copies of a kernel treat L2 (template parameter kL2 of dispatch and
+// combine):
+//   0: plain streaming copies;
+//   1: a receiver discards every ring slot it has consumed, so slot lines that
+//      are still in L2 are never written back to HBM;
+//   2: as 1, and the source rows and outputs (touched once) are tagged
+//      evict-first while ring slots are tagged evict-last, so slots tend to
+//      stay in L2 between the sender's write and the receiver's read.
+// With slots served from L2 the two-copy queue moves close to one copy's
+// worth of HBM traffic.
+template <int kL2>
+struct CopyPath {
+    uint64_t first, last;
+    __device__ __forceinline__ CopyPath() {
+        if (kL2 >= 2) { first = l2_evict_first_policy(); last = l2_evict_last_policy(); }
+    }
+    // Source rows this rank owns (read-only during the call) into a ring slot.
+    __device__ __forceinline__ void to_ring(int4* slot, const int4* src, int64_t n, int lane) const {
+        const uint64_t f = first, l = last;
+        if (kL2 >= 2)
+            warp_copy<kCopyUnroll>(slot, src, n, lane, [f](const int4* p) { return ld_nc_na_v4(p, f); },
+                                   [l](int4* p, const int4& v) { st_na_v4(p, v, l); });
+        else
+            warp_copy<kCopyUnroll>(slot, src, n, lane, [](const int4* p) { return ld_nc_na_v4(p); },
+                                   [](int4* p, const int4& v) { st_na_v4(p, v); });
+    }
+    // A ring slot another rank wrote into this rank's output.
+    __device__ __forceinline__ void from_ring(int4* dst, const int4* slot, int64_t n, int lane) const {
+        const uint64_t f = first;
+        if (kL2 >= 2)
+            warp_copy<kCopyUnroll>(dst, slot, n, lane, [](const int4* p) { return ld_ring_v4(p); },
+                                   [f](int4* p, const int4& v) { st_na_v4(p, v, f); });
+        else
+            warp_copy<kCopyUnroll>(dst, slot, n, lane, [](const int4* p) { return ld_ring_v4(p); },
+                                   [](int4* p, const int4& v) { st_na_v4(p, v); });
+    }
+    // An output row computed in registers.
+    __device__ __forceinline__ void store_out(int4* p, const int4& v) const {
+        if (kL2 >= 2) st_na_v4(p, v, first);
+        else st_na_v4(p, v);
+    }
+    // The warp has read every byte of a consumed slot: drop its lines. The
+    // caller orders this before releasing the slot (head counter), so the
+    // sender's next write to the slot comes after the discard.
+    __device__ __forceinline__ void consumed(const char* slot, int64_t slot_bytes, int lane) const {
+        if (kL2 >= 1) {
+            __syncwarp();
+            for (int64_t o = (int64_t)lane * 128; o < slot_bytes; o += 32 * 128) discard_l2(slot + o);
+        }
+    }
+};
 
 }  // namespace intranode
 }  // namespace cupyep

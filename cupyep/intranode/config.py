@@ -8,7 +8,10 @@ A :class:`Config` holds the three knobs of the queue transport:
 - ``chunk_size``: rows a sender publishes per step (one tail update).
 - ``queue_depth``: slots per (channel, peer) ring.
 
-plus ``num_threads`` per block. Dispatch and combine take separate configs.
+plus ``num_threads`` per block and ``l2_hints``, how the copies use L2 (0:
+plain; 1: receivers discard consumed ring slots so they are never written back
+to HBM; 2: as 1, plus evict-first on rows streamed once and evict-last on ring
+slots). Dispatch and combine take separate configs.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from dataclasses import dataclass, replace
 # Rings of one rank: 2 counters per ring, padded to kCounterStride bytes.
 COUNTER_STRIDE = 64
 MAX_CHANNELS = 64
+L2_HINTS = (0, 1, 2)
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,7 @@ class Config:
     chunk_size: int = 8
     queue_depth: int = 32
     num_threads: int = 512
+    l2_hints: int = 0
 
     @property
     def num_channels(self) -> int:
@@ -44,6 +49,8 @@ class Config:
         if warps // num_ranks > 1 and num_ranks > 15:
             raise ValueError(f"{num_ranks} ranks with {warps // num_ranks} warps each need more than the 15 named "
                              "barriers a block has; use num_threads = 32 * num_ranks")
+        if self.l2_hints not in L2_HINTS:
+            raise ValueError(f"l2_hints must be one of {L2_HINTS}, got {self.l2_hints}")
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
         if self.queue_depth < self.chunk_size:
@@ -55,12 +62,14 @@ class Config:
         return self
 
 
-# Tuned on one H200 with the ranks sharing it under MPS (see
-# experiments/normal_sweep.py); keyed by ranks per node.
+# Tuned on one H200 with the ranks sharing it under MPS (experiments/bench_normal.py
+# --sweep, records in results/normal_*sweep*.jsonl); keyed by ranks per node.
+# Dispatch publishes small chunks with L2 hints: each slot is read while it is
+# still in L2 and then discarded, so ring traffic mostly stays out of HBM.
 _DISPATCH = {
-    2: Config(num_sms=48, chunk_size=16, queue_depth=64),
-    4: Config(num_sms=32, chunk_size=8, queue_depth=32),
-    8: Config(num_sms=16, chunk_size=8, queue_depth=32),
+    2: Config(num_sms=48, chunk_size=2, queue_depth=16, l2_hints=2),
+    4: Config(num_sms=32, chunk_size=2, queue_depth=8, l2_hints=2),
+    8: Config(num_sms=16, chunk_size=2, queue_depth=8, l2_hints=2),
 }
 _COMBINE = {
     2: Config(num_sms=48, chunk_size=8, queue_depth=48),

@@ -57,26 +57,38 @@ def notify_spec(num_ranks: int) -> jit.KernelSpec:
                           kernels=(f"cupyep::intranode::notify<{num_ranks}>",))
 
 
-def dispatch_spec(num_ranks: int, num_threads: int) -> jit.KernelSpec:
-    return jit.KernelSpec(name=f"intranode_dispatch_ranks_{num_ranks}_threads_{num_threads}",
+def dispatch_spec(num_ranks: int, num_threads: int, l2_hints: int = 0) -> jit.KernelSpec:
+    return jit.KernelSpec(name=f"intranode_dispatch_ranks_{num_ranks}_threads_{num_threads}_l2_{l2_hints}",
                           source="intranode/dispatch.cu",
-                          kernels=(f"cupyep::intranode::dispatch<{num_ranks}, {num_threads}>",))
+                          kernels=(f"cupyep::intranode::dispatch<{num_ranks}, {num_threads}, {l2_hints}>",))
 
 
-def combine_spec(num_ranks: int, num_threads: int) -> jit.KernelSpec:
-    return jit.KernelSpec(name=f"intranode_combine_ranks_{num_ranks}_threads_{num_threads}",
+def combine_spec(num_ranks: int, num_threads: int, l2_hints: int = 0) -> jit.KernelSpec:
+    return jit.KernelSpec(name=f"intranode_combine_ranks_{num_ranks}_threads_{num_threads}_l2_{l2_hints}",
                           source="intranode/combine.cu",
-                          kernels=(f"cupyep::intranode::combine<{num_ranks}, {num_threads}>",))
+                          kernels=(f"cupyep::intranode::combine<{num_ranks}, {num_threads}, {l2_hints}>",))
+
+
+def dispatch_spec_for(num_ranks: int, cfg) -> jit.KernelSpec:
+    """The dispatch specialisation a Config selects."""
+    return dispatch_spec(num_ranks, cfg.num_threads, cfg.l2_hints)
+
+
+def combine_spec_for(num_ranks: int, cfg) -> jit.KernelSpec:
+    """The combine specialisation a Config selects."""
+    return combine_spec(num_ranks, cfg.num_threads, cfg.l2_hints)
 
 
 def kernel_specs() -> list[jit.KernelSpec]:
     """Specialisations compiled by ``python -m cupyep.jit --check``: 1 to 8
-    ranks with the default thread counts."""
+    ranks with the declared thread counts and every L2 mode."""
+    from .config import L2_HINTS
     specs = [layout_spec()]
     for r in range(1, 9):
         specs.append(notify_spec(r))
         for t in THREAD_CHOICES:
-            specs += [dispatch_spec(r, t), combine_spec(r, t)]
+            for l2 in L2_HINTS:
+                specs += [dispatch_spec(r, t, l2), combine_spec(r, t, l2)]
     return specs
 
 

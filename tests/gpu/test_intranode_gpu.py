@@ -114,6 +114,49 @@ def test_dispatch_combine_bf16(group, buf, seed, num_tokens, hidden, case, zero_
     assert all_ranks(group.comm, same), "combine is not deterministic"
 
 
+@pytest.mark.parametrize("l2_hints", [0, 1, 2])
+def test_l2_modes_top16_async(group, buf, l2_hints):
+    """Every L2 mode, top-16 routing, asynchronous completion through events."""
+    import cupy
+    from dataclasses import replace
+    R, me = group.local_size, group.local_rank
+    hidden, topk = 2048, 16
+    tokens = [777] * R
+    idx, w = global_routing(40 + l2_hints, tokens, NUM_EXPERTS, topk)
+    x = payload_bf16(me, np.arange(tokens[me]), hidden)
+    ids = [np.arange(t, dtype=np.int32)[:, None] for t in tokens]
+    res = ref.intranode_dispatch(ids, idx, NUM_EXPERTS, topk_weights=w)
+    exp = res[me]
+    exp_rows = np.empty((exp.num_recv_tokens, hidden), dtype=np.uint16)
+    for s in range(R):
+        sel = exp.recv_src_rank == s
+        exp_rows[sel] = payload_bf16(s, exp.recv_src_idx[sel], hidden)
+    dcfg = replace(buf.default_dispatch_config(), l2_hints=l2_hints)
+    ccfg = replace(buf.default_combine_config(), l2_hints=l2_hints)
+    out = buf.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=NUM_EXPERTS,
+                       config=dcfg, async_finish=True)
+    out.event.current_stream_wait()
+    ok = (np.array_equal(out.recv_x.get(), exp_rows) and np.array_equal(out.recv_topk_idx.get(), exp.recv_topk_idx)
+          and np.array_equal(out.recv_topk_weights.get(), exp.recv_topk_weights)
+          and np.array_equal(out.handle.recv_src_idx.get(), exp.recv_src_idx))
+    assert all_ranks(group.comm, ok), f"dispatch with l2_hints={l2_hints}, top-{topk} differs from the reference"
+    comb = buf.combine(out.recv_x, out.handle, topk_weights=out.recv_topk_weights, config=ccfg, async_finish=True)
+    comb.event.current_stream_wait()
+    recv = []
+    for d in range(R):
+        r = res[d]
+        rows = np.empty((r.num_recv_tokens, hidden), dtype=np.float32)
+        for s in range(R):
+            sel = r.recv_src_rank == s
+            rows[sel] = bf16_to_f32(payload_bf16(s, r.recv_src_idx[sel], hidden))
+        recv.append(rows)
+    expected = ref.intranode_combine(recv, res, tokens)[me]
+    got = bf16_to_f32(comb.combined_x.get())
+    diff = ref.calc_diff(got, expected)
+    wdiff = float(np.abs(comb.combined_topk_weights.get() - ref.intranode_combine_topk_weights(res, tokens)[me]).max())
+    assert all_ranks(group.comm, diff < 5e-6 and wdiff < 1e-6), (l2_hints, diff, wdiff)
+
+
 def test_dispatch_fp8(group, buf):
     import cupy
     seed, num_tokens, hidden = 7, 512, 7168
