@@ -659,12 +659,13 @@ def test_all_specs():
     for r in RANKS:
         assert f"intranode_notify_ranks_{r}" in names
         for t in (512, 768):
-            assert f"intranode_dispatch_ranks_{r}_threads_{t}" in names
-            assert f"intranode_combine_ranks_{r}_threads_{t}" in names
+            for l2 in (0, 1, 2):
+                assert f"intranode_dispatch_ranks_{r}_threads_{t}_l2_{l2}" in names
+                assert f"intranode_combine_ranks_{r}_threads_{t}_l2_{l2}" in names
     assert {"runtime", "bench_copy", "fp8_cast", "intranode_layout"} <= set(names)
     by_name = {s.name: s for s in specs}
-    assert by_name["intranode_dispatch_ranks_3_threads_768"].kernels == ("cupyep::intranode::dispatch<3, 768>",)
-    assert by_name["intranode_combine_ranks_8_threads_512"].kernels == ("cupyep::intranode::combine<8, 512>",)
+    assert by_name["intranode_dispatch_ranks_3_threads_768_l2_2"].kernels == ("cupyep::intranode::dispatch<3, 768, 2>",)
+    assert by_name["intranode_combine_ranks_8_threads_512_l2_0"].kernels == ("cupyep::intranode::combine<8, 512, 0>",)
     for s in specs:
         assert (jit.CUDA_SRC / s.source).is_file(), s
         assert s.kernels and all(k.startswith("cupyep::") for k in s.kernels)

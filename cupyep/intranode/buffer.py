@@ -87,8 +87,8 @@ class Buffer:
         # Compile the default specialisations once per node, collectively.
         jit.load(K.layout_spec(), group)
         jit.load(K.notify_spec(self.num_ranks), group)
-        jit.load(K.dispatch_spec(self.num_ranks, self.default_dispatch_config().num_threads), group)
-        jit.load(K.combine_spec(self.num_ranks, self.default_combine_config().num_threads), group)
+        jit.load(K.dispatch_spec_for(self.num_ranks, self.default_dispatch_config()), group)
+        jit.load(K.combine_spec_for(self.num_ranks, self.default_combine_config()), group)
 
     # ------------------------------------------------------------------ config
     def default_dispatch_config(self) -> Config:
@@ -268,7 +268,7 @@ class Buffer:
                 raise ValueError("topk_weights needs topk_idx")
             check(topk_weights, "topk_weights", np.float32, shape=(T, k))
         rs = ring_set(self.layout, "dispatch", H, k, fp8, cfg)
-        dispatch_fn = self._kernel(K.dispatch_spec(R, cfg.num_threads))
+        dispatch_fn = self._kernel(K.dispatch_spec_for(R, cfg))
         self._check_resident(dispatch_fn, cfg, "dispatch")
         C = cfg.num_channels
 
@@ -400,7 +400,7 @@ class Buffer:
             raise ValueError(f"combine config has {cfg.num_channels} channels (num_sms={cfg.num_sms}) but the dispatch "
                              f"used {handle.num_channels}: use num_sms={2 * handle.num_channels}")
         rs = ring_set(self.layout, "combine", H, k, False, cfg)
-        fn = self._kernel(K.combine_spec(R, cfg.num_threads))
+        fn = self._kernel(K.combine_spec_for(R, cfg))
         self._check_resident(fn, cfg, "combine")
         self._begin(previous_event)
         with self.comm_stream:
