@@ -24,8 +24,11 @@ KERNELS: dict[str, tuple[str, ...]] = {
                            "dispatch queue data (receiver waits for sender tail)"),
     "intranode_combine": ("combine queue space (sender waits for receiver head)",
                           "combine queue data (receiver waits for sender tail)"),
-    "low_latency_dispatch": ("low-latency dispatch signal",),
-    "low_latency_combine": ("low-latency combine signal",),
+    "low_latency_dispatch": ("dispatch send completion (blocks of this rank)",
+                             "dispatch flag (receiver waits for a source's rows and counts)"),
+    "low_latency_combine": ("combine send completion (blocks of this rank)",
+                            "combine flag (token owner waits for an expert rank's rows)"),
+    "intranode_expert_major": ("expert-major rows exceed their capacity",),
 }
 KERNEL_NAMES: tuple[str, ...] = tuple(KERNELS)
 

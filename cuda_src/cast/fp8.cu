@@ -1,8 +1,8 @@
-// Per-token, per-128-channel FP8 e4m3 quantisation of BF16 rows, as the
-// reference defines it: amax clamped at 1e-4, scale = amax / 448 (optionally
-// rounded up to a power of two, UE8M0), values x / scale cast with saturation.
+// Per-token, per-128-channel FP8 e4m3 quantisation of BF16 rows (see
+// common/fp8.cuh for the arithmetic).
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
+#include "common/fp8.cuh"
 #include "common/types.cuh"
 
 namespace cupyep {
@@ -21,16 +21,9 @@ __global__ void per_token_cast_to_fp8(const __nv_bfloat16* __restrict__ x, uint8
     float amax = fmaxf(fmaxf(fabsf(v0.x), fabsf(v0.y)), fmaxf(fabsf(v1.x), fabsf(v1.y)));
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    amax = fmaxf(amax, 1e-4f);
-    float scale = amax / 448.f;
-    if (round_scale) scale = exp2f(ceilf(log2f(scale)));
+    const float scale = fp8_scale(amax, round_scale);
     const float inv = 1.f / scale;
-    const float vals[4] = {v0.x * inv, v0.y * inv, v1.x * inv, v1.y * inv};
-    uint32_t packed = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-        packed |= (uint32_t)__nv_cvt_float_to_fp8(vals[i], __NV_SATFINITE, __NV_E4M3) << (8 * i);
-    *reinterpret_cast<uint32_t*>(out + base) = packed;
+    *reinterpret_cast<uint32_t*>(out + base) = pack_e4m3x4(v0.x * inv, v0.y * inv, v1.x * inv, v1.y * inv);
     if (lane == 0) scales[t * blocks_per_row + b] = scale;
 }
 

@@ -1,0 +1,87 @@
+// Argument structs of the low-latency kernels. Every field is mirrored, in
+// order, by a NumPy struct dtype in cupyep/low_latency/kernels.py.
+//
+// A rank's symmetric buffer holds two sets (cupyep/low_latency/layout.py has
+// the byte offsets); successive calls alternate between them, and every call
+// clears the flags of the set the next call uses, so no clean launch is ever
+// needed. One set:
+//   dispatch_count  [E_local][R] int32   tokens source r sent to local expert e
+//   dispatch_flag   [R] int32            1: source r's rows and counts are all written
+//   combine_flag    [R] int32            1: expert rank r's rows for me are all written
+//   done            [4] int32            this rank's blocks that finished sending (local)
+//   recv_x          [E_local][R * max] rows of row_bytes (FP8: H bytes, BF16: 2H)
+//   recv_scales     [E_local][R * max][H / 128] float32 (UE8M0: uint8 bytes)
+//   recv_src        [E_local][R * max] int32 source token index of each row
+//   combine_send    [E_local][R * max][H] BF16 (zero-copy combine input)
+//   combine_recv    [E][max][H] BF16: expert e's output for my token t at [e][t]
+// Source r's tokens for local expert e sit at rows [r * max, r * max + count)
+// of expert e, in ascending token order (positions are prefix counts over the
+// source's tokens, so the layout is deterministic).
+#pragma once
+#include "common/types.cuh"
+#include "common/timeout.cuh"
+
+namespace cupyep {
+namespace low_latency {
+
+constexpr int kPhaseSend = 1;
+constexpr int kPhaseRecv = 2;
+constexpr int kChunkElems = 512;  // hidden elements a warp moves per work item (16 per lane)
+
+// Wait sites, indexed as in cupyep/errors.py KERNELS["low_latency_*"].
+constexpr int kWaitSendDone = 0;  // this rank's blocks finishing their sends
+constexpr int kWaitPeerFlag = 1;  // a peer's flag
+
+struct SetOffsets {
+    int64_t dispatch_count, dispatch_flag, combine_flag, done;
+    int64_t recv_x, recv_scales, recv_src, combine_send, combine_recv;
+};
+
+struct DispatchArgs {
+    void* const* peers;
+    SetOffsets cur;          // the set this call uses
+    SetOffsets next;         // the set the next call uses: its flags are cleared here
+    const int4* x;           // [T, H] BF16
+    const int64_t* topk_idx; // [T, k], distinct experts per row, -1 for none
+    int* layout_count;       // [E_local, R] out: rows of (expert, source)
+    int* recv_count;         // [E_local] out: rows per local expert
+    int* cumulative_stats;   // [E_local] or null: += recv_count
+    int64_t* wait_stats;     // [R] or null: += ns block 0 waited for each source
+    int num_tokens;
+    int hidden;
+    int num_topk;
+    int num_experts;
+    int num_ranks;
+    int max_tokens;
+    int num_groups;          // token groups of the position scan (shared memory [num_groups][E])
+    int fp8;                 // 1: cast to e4m3 with per-128 scales
+    int round_scale;         // 1: power-of-two scales
+    int ue8m0;               // 1: scales stored as UE8M0 bytes
+    int phases;              // kPhaseSend | kPhaseRecv
+    int rank;
+    Guard guard;
+};
+
+struct CombineArgs {
+    void* const* peers;
+    SetOffsets cur;
+    SetOffsets next;
+    const int4* x;              // [E_local, R * max, H] BF16 expert outputs
+    const int* layout_count;    // [E_local, R] from the dispatch
+    const int* recv_src;        // [E_local, R * max] from the dispatch
+    const int64_t* topk_idx;    // [T, k] the dispatched routing
+    const float* topk_weights;  // [T, k]
+    int4* out;                  // [T, H] BF16
+    int num_tokens;
+    int hidden;
+    int num_topk;
+    int num_experts;
+    int num_ranks;
+    int max_tokens;
+    int phases;
+    int rank;
+    Guard guard;
+};
+
+}  // namespace low_latency
+}  // namespace cupyep

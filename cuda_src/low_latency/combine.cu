@@ -1,0 +1,146 @@
+// Low-latency combine: expert outputs travel back to the rank that owns each
+// token, which reduces them with its top-k weights in FP32.
+//
+// Grid: G blocks; send and receive halves as in dispatch.cu.
+// Send half (the expert side): the received rows of this rank, listed by
+// (local expert, source) pair from the dispatch's layout counts, are split
+// into (row, 512-channel chunk) items over all warps of the grid; the row of
+// local expert e for token t of source s goes to [rank * E_local + e][t] of
+// s's combine_recv region. Then the send counter and one flag per source.
+// Receive half (the token side): wait for every expert rank's flag, then a
+// warp per (token, chunk) sums weight * row over the token's top-k slots, in
+// slot order, so the result is bitwise deterministic.
+#include <cuda_bf16.h>
+#include "common/ptx.cuh"
+#include "common/timeout.cuh"
+#include "low_latency/args.cuh"
+#include "low_latency/sync.cuh"
+
+namespace cupyep {
+namespace low_latency {
+
+__device__ __forceinline__ int4 ld_peer_v4(const int4* p) {
+    int4 v;
+    asm volatile("ld.global.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void fma_bf16x8(float* acc, const int4& v, float w) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h[i]);
+        acc[2 * i] = fmaf(w, f.x, acc[2 * i]);
+        acc[2 * i + 1] = fmaf(w, f.y, acc[2 * i + 1]);
+    }
+}
+
+__device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
+    int4 out;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+    return out;
+}
+
+template <int kNumThreads>
+__global__ void __launch_bounds__(kNumThreads, 1) combine(CombineArgs a) {
+    extern __shared__ int smem[];
+    const int R = a.num_ranks, E = a.num_experts, El = E / R, T = a.num_tokens, k = a.num_topk, H = a.hidden;
+    const int G = gridDim.x, b = blockIdx.x;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
+    const int num_chunks = (H + kChunkElems - 1) / kChunkElems;
+    const int64_t slots = (int64_t)R * a.max_tokens;  // rows per local expert
+    void* mine = a.peers[a.rank];
+
+    if (a.phases & kPhaseSend) {
+        clear_next_flags(mine, a.next, R);
+        // prefix[p] = rows of pairs before p = (expert e, source s), p = e * R + s.
+        const int P = El * R;
+        int* prefix = smem;  // [P + 1]
+        if (warp == 0) {
+            int run = 0;
+            for (int p0 = 0; p0 < P; p0 += 32) {
+                const int p = p0 + lane;
+                int v = p < P ? __ldg(a.layout_count + p) : 0;
+#pragma unroll
+                for (int o = 1; o < 32; o <<= 1) {
+                    const int u = __shfl_up_sync(0xffffffffu, v, o);
+                    if (lane >= o) v += u;
+                }
+                if (p < P) prefix[p + 1] = run + v;
+                run += __shfl_sync(0xffffffffu, v, 31);
+            }
+            if (lane == 0) prefix[0] = 0;
+        }
+        __syncthreads();
+        const int64_t items = (int64_t)prefix[P] * num_chunks;
+        for (int64_t item = (int64_t)b * num_warps + warp; item < items; item += (int64_t)G * num_warps) {
+            const int r = (int)(item / num_chunks), ch = (int)(item % num_chunks);
+            int lo = 0, hi = P;  // last p with prefix[p] <= r
+            while (hi - lo > 1) {
+                const int mid = (lo + hi) / 2;
+                if (prefix[mid] <= r) lo = mid; else hi = mid;
+            }
+            const int le = lo / R, s = lo % R;
+            const int64_t slot = (int64_t)le * slots + (int64_t)s * a.max_tokens + (r - prefix[lo]);
+            const int t = __ldg(a.recv_src + slot);
+            const int elem0 = ch * kChunkElems + lane * 16;
+            if (elem0 < H) {
+                const int4* src = a.x + (slot * H + elem0) / 8;
+                const int4 v0 = ld_nc_na_v4(src), v1 = ld_nc_na_v4(src + 1);
+                int4* d = at<int4>(a.peers[s], a.cur.combine_recv) +
+                          ((((int64_t)a.rank * El + le) * a.max_tokens + t) * H + elem0) / 8;
+                st_na_v4(d, v0);
+                st_na_v4(d + 1, v1);
+            }
+        }
+        if (!finish_sends(at<int>(mine, a.cur.done) + 1, a.guard, R)) return;
+        for (int dst = b; dst < R; dst += G)
+            if (threadIdx.x == 0) st_release_sys(at<int>(a.peers[dst], a.cur.combine_flag) + a.rank, 1);
+    }
+
+    if (a.phases & kPhaseRecv) {
+        if (!wait_peer_flags(at<int>(mine, a.cur.combine_flag), R, a.guard, nullptr)) return;
+        const int4* recv = at<int4>(mine, a.cur.combine_recv);
+        constexpr int kBatch = 4;
+        for (int64_t item = (int64_t)b * num_warps + warp; item < (int64_t)T * num_chunks; item += (int64_t)G * num_warps) {
+            const int t = (int)(item / num_chunks), ch = (int)(item % num_chunks);
+            const int elem0 = ch * kChunkElems + lane * 16;
+            if (elem0 >= H) continue;
+            float acc[16];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+            for (int j0 = 0; j0 < k; j0 += kBatch) {
+                int4 v[kBatch][2];
+                float w[kBatch];
+#pragma unroll
+                for (int u = 0; u < kBatch; ++u) {
+                    const int j = j0 + u;
+                    const int e = j < k ? (int)__ldg(a.topk_idx + (int64_t)t * k + j) : -1;
+                    w[u] = 0.f;
+                    if (e >= 0 && e < E) {
+                        w[u] = __ldg(a.topk_weights + (int64_t)t * k + j);
+                        const int4* p = recv + (((int64_t)e * a.max_tokens + t) * H + elem0) / 8;
+                        v[u][0] = ld_peer_v4(p);
+                        v[u][1] = ld_peer_v4(p + 1);
+                    } else {
+                        v[u][0] = v[u][1] = make_int4(0, 0, 0, 0);
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < kBatch; ++u) {
+                    fma_bf16x8(acc, v[u][0], w[u]);
+                    fma_bf16x8(acc + 8, v[u][1], w[u]);
+                }
+            }
+            int4* out = a.out + ((int64_t)t * H + elem0) / 8;
+            out[0] = pack_bf16x8(acc);
+            out[1] = pack_bf16x8(acc + 8);
+        }
+    }
+}
+
+}  // namespace low_latency
+}  // namespace cupyep

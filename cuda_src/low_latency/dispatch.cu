@@ -1,0 +1,183 @@
+// Low-latency dispatch: every (token, expert) pair becomes one row written
+// straight into the expert owner's receive buffer; no notify pass.
+//
+// Grid: G blocks, each a complete sender and receiver (send and receive halves
+// can also run as separate launches: DispatchArgs::phases).
+// Send half, block b:
+//   1. clears the next set's flags;
+//   2. computes the row position of every (token, slot) of its own tokens
+//      (t = b, b + G, ...): the number of earlier tokens of this rank that
+//      picked the same expert. Warp g of the first num_groups warps counts a
+//      contiguous token range into shared counters cnt[g][E]; an exclusive
+//      scan over g turns those into offsets. Every block does this for all
+//      tokens (it needs the counts of earlier tokens), which is cheap at
+//      decode sizes and needs no atomics, so the layout is deterministic;
+//   3. moves its tokens: a warp takes (token, 512-channel chunk) items, loads
+//      the BF16 chunk once, casts it to FP8 if asked (8 lanes per 128-channel
+//      scale group) and stores it to each of the token's experts;
+//   4. arrives on the send counter; blocks b < R then write destination b's
+//      per-expert counts and set its flag (sync.cuh).
+// Receive half: wait for every source's flag, then publish counts and stats.
+#include <cuda_bf16.h>
+#include "common/fp8.cuh"
+#include "common/ptx.cuh"
+#include "common/timeout.cuh"
+#include "low_latency/args.cuh"
+#include "low_latency/sync.cuh"
+
+namespace cupyep {
+namespace low_latency {
+
+template <int kNumThreads>
+__global__ void __launch_bounds__(kNumThreads, 1) dispatch(DispatchArgs a) {
+    extern __shared__ int smem[];
+    const int R = a.num_ranks, E = a.num_experts, El = E / R, T = a.num_tokens, k = a.num_topk, H = a.hidden;
+    const int G = gridDim.x, b = blockIdx.x;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
+    void* mine = a.peers[a.rank];
+
+    if (a.phases & kPhaseSend) {
+        clear_next_flags(mine, a.next, R);
+        const int NG = a.num_groups;
+        const int Tb = (T + G - 1) / G;           // own tokens, at most
+        int* cnt = smem;                          // [NG][E]
+        int* total = cnt + NG * E;                // [E]
+        int* own_e = total + E;                   // [Tb][k] global expert, -1 for none
+        int* own_pos = own_e + Tb * k;            // [Tb][k] row within (expert, this source)
+        int* own_grp = own_pos + Tb * k;          // [Tb] token group
+        for (int i = threadIdx.x; i < NG * E; i += blockDim.x) cnt[i] = 0;
+        __syncthreads();
+        if (warp < NG) {
+            const int t0 = (int)((int64_t)T * warp / NG), t1 = (int)((int64_t)T * (warp + 1) / NG);
+            for (int t = t0; t < t1; ++t) {
+                const bool own = t % G == b;
+                for (int j0 = 0; j0 < k; j0 += 32) {
+                    const int j = j0 + lane;
+                    int e = j < k ? (int)__ldg(a.topk_idx + (int64_t)t * k + j) : -1;
+                    if (e >= E || e < -1) {
+                        report_error(a.guard, kErrorBadInput, kWaitSendDone, -1, e, E);
+                        e = -1;
+                    }
+                    const int c = e >= 0 ? cnt[warp * E + e] : 0;
+                    __syncwarp();
+                    if (e >= 0) cnt[warp * E + e] = c + 1;  // experts of a row are distinct
+                    __syncwarp();
+                    if (own && j < k) {
+                        own_e[(t / G) * k + j] = e;
+                        own_pos[(t / G) * k + j] = c;
+                    }
+                }
+                if (own && lane == 0) own_grp[t / G] = warp;
+            }
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < E; e += blockDim.x) {
+            int run = 0;
+            for (int g = 0; g < NG; ++g) {
+                const int v = cnt[g * E + e];
+                cnt[g * E + e] = run;
+                run += v;
+            }
+            total[e] = run;
+        }
+        __syncthreads();
+        const int n_own = b < T ? (T - b + G - 1) / G : 0;
+        for (int i = threadIdx.x; i < n_own * k; i += blockDim.x) {
+            const int e = own_e[i];
+            if (e >= 0) own_pos[i] += cnt[own_grp[i / k] * E + e];
+        }
+        __syncthreads();
+
+        // Rows: a warp per (token, chunk of 512 channels); lane owns 16 channels.
+        const int num_chunks = (H + kChunkElems - 1) / kChunkElems;
+        const int64_t row_bytes = a.fp8 ? H : 2 * (int64_t)H;
+        const int ns = H / 128;
+        for (int item = warp; item < n_own * num_chunks; item += num_warps) {
+            const int tl = item / num_chunks, ch = item % num_chunks, t = b + tl * G;
+            const int elem0 = ch * kChunkElems + lane * 16;
+            const bool active = elem0 < H;
+            int4 v0 = make_int4(0, 0, 0, 0), v1 = v0;
+            if (active) {
+                const int4* src = a.x + ((int64_t)t * H + elem0) / 8;
+                v0 = ld_nc_na_v4(src);
+                v1 = ld_nc_na_v4(src + 1);
+            }
+            int4 q = v0;
+            float scale = 0.f;
+            if (a.fp8) {
+                float f[16];
+                const __nv_bfloat162* h0 = reinterpret_cast<const __nv_bfloat162*>(&v0);
+                const __nv_bfloat162* h1 = reinterpret_cast<const __nv_bfloat162*>(&v1);
+                float amax = 0.f;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float2 p = __bfloat1622float2(h0[i]), r = __bfloat1622float2(h1[i]);
+                    f[2 * i] = p.x; f[2 * i + 1] = p.y; f[8 + 2 * i] = r.x; f[8 + 2 * i + 1] = r.y;
+                }
+#pragma unroll
+                for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(f[i]));
+#pragma unroll
+                for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+                scale = fp8_scale(amax, a.round_scale);
+                const float inv = 1.f / scale;
+                q.x = (int)pack_e4m3x4(f[0] * inv, f[1] * inv, f[2] * inv, f[3] * inv);
+                q.y = (int)pack_e4m3x4(f[4] * inv, f[5] * inv, f[6] * inv, f[7] * inv);
+                q.z = (int)pack_e4m3x4(f[8] * inv, f[9] * inv, f[10] * inv, f[11] * inv);
+                q.w = (int)pack_e4m3x4(f[12] * inv, f[13] * inv, f[14] * inv, f[15] * inv);
+            }
+            for (int j = 0; j < k; ++j) {
+                const int e = own_e[tl * k + j];
+                if (e < 0) continue;
+                const int dst = e / El, le = e % El;
+                const int64_t row = ((int64_t)le * R + a.rank) * a.max_tokens + own_pos[tl * k + j];
+                void* peer = a.peers[dst];
+                if (active) {
+                    char* base = at<char>(peer, a.cur.recv_x) + row * row_bytes;
+                    if (a.fp8) {
+                        st_na_v4(reinterpret_cast<int4*>(base + elem0), q);
+                        if (lane % 8 == 0) {
+                            if (a.ue8m0) at<uint8_t>(peer, a.cur.recv_scales)[row * ns + elem0 / 128] = (uint8_t)ue8m0_byte(scale);
+                            else at<float>(peer, a.cur.recv_scales)[row * ns + elem0 / 128] = scale;
+                        }
+                    } else {
+                        int4* d = reinterpret_cast<int4*>(base + 2 * (int64_t)elem0);
+                        st_na_v4(d, v0);
+                        st_na_v4(d + 1, v1);
+                    }
+                }
+                if (ch == 0 && lane == 0) at<int>(peer, a.cur.recv_src)[row] = t;
+            }
+        }
+
+        if (!finish_sends(at<int>(mine, a.cur.done), a.guard, R)) return;
+        for (int dst = b; dst < R; dst += G) {
+            int* counts = at<int>(a.peers[dst], a.cur.dispatch_count);
+            for (int le = threadIdx.x; le < El; le += blockDim.x) counts[le * R + a.rank] = total[dst * El + le];
+            __syncthreads();
+            if (threadIdx.x == 0) st_release_sys(at<int>(a.peers[dst], a.cur.dispatch_flag) + a.rank, 1);
+        }
+    }
+
+    if (a.phases & kPhaseRecv) {
+        if (!wait_peer_flags(at<int>(mine, a.cur.dispatch_flag), R, a.guard, a.wait_stats)) return;
+        const int* counts = at<int>(mine, a.cur.dispatch_count);
+        __shared__ int s_sum;
+        for (int le = b; le < El; le += G) {
+            if (threadIdx.x == 0) s_sum = 0;
+            __syncthreads();
+            for (int r = threadIdx.x; r < R; r += blockDim.x) {
+                const int c = ld_volatile(counts + le * R + r);
+                a.layout_count[le * R + r] = c;
+                atomicAdd(&s_sum, c);
+            }
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                a.recv_count[le] = s_sum;
+                if (a.cumulative_stats) a.cumulative_stats[le] += s_sum;
+            }
+        }
+    }
+}
+
+}  // namespace low_latency
+}  // namespace cupyep

@@ -1,0 +1,325 @@
+"""Low-latency dispatch and combine between the ranks of one node.
+
+:class:`LowLatencyBuffer` owns a symmetric IPC buffer of two sets (see
+:mod:`cupyep.low_latency.layout`). Each call takes the next set, so results
+of a dispatch stay valid until the next dispatch. Kernels run on the caller's
+current stream (or on a communication stream with ``async_finish``), never
+wait on the host, and can be captured in CUDA graphs. Every wait on a peer is
+bounded by ``group.timeout_s`` and reported as ``CommTimeoutError``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import jit
+from ..arrays import BF16, as_cupy, check
+from ..ipc import SymmetricBuffer
+from ..intranode.results import EventHandle
+from . import kernels as K
+from .layout import check_sizes, low_latency_layout
+from .results import LowLatencyCombineResult, LowLatencyDispatchResult, LowLatencyHandle
+
+
+class LowLatencyBuffer:
+    """Low-latency mode buffer for one node.
+
+    Arguments:
+        group: from :func:`cupyep.init`; every rank of the node takes part.
+        num_max_dispatch_tokens_per_rank: most tokens any rank dispatches per call.
+        hidden: hidden size (multiple of 128) every call uses.
+        num_experts: E, divisible by the number of ranks.
+        num_blocks: blocks per kernel (default: this rank's share of the GPU's SMs).
+        num_threads: threads per block, one of kernels.THREAD_CHOICES.
+
+    Collective: create, call and destroy it on every rank in the same order.
+    """
+
+    def __init__(self, group, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int, *,
+                 num_blocks: int | None = None, num_threads: int = K.DEFAULT_THREADS):
+        import cupy
+        group.require_gpu("cupyep.LowLatencyBuffer")
+        if group.num_nodes > 1:
+            raise ValueError(f"low-latency mode across {group.num_nodes} nodes needs the NVSHMEM transport; "
+                             "this buffer connects the ranks of one node")
+        R = group.local_size
+        check_sizes(R, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        if num_threads not in K.THREAD_CHOICES:
+            raise ValueError(f"num_threads must be one of {K.THREAD_CHOICES}, got {num_threads}")
+        self.group = group
+        self.num_ranks, self.rank = R, group.local_rank
+        self.max_tokens, self.hidden, self.num_experts = num_max_dispatch_tokens_per_rank, hidden, num_experts
+        self.num_local_experts = num_experts // R
+        dev = cupy.cuda.Device()
+        self.num_device_sms = dev.attributes["MultiProcessorCount"]
+        budget = max(1, self.num_device_sms // max(1, group.ranks_per_gpu))
+        self.num_blocks = int(num_blocks or budget)
+        if self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_threads = num_threads
+        self.layout = low_latency_layout(R, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self.buffer = SymmetricBuffer(group, self.layout.nbytes)
+        self.comm_stream = cupy.cuda.Stream(non_blocking=True)
+        self._next_set = 0
+        self._calls = 0
+        self._pending_hook = None
+        self._dispatch_fn = jit.load(K.dispatch_spec(num_threads), group)[K.dispatch_spec(num_threads).kernels[0]]
+        self._combine_fn = jit.load(K.combine_spec(num_threads), group)[K.combine_spec(num_threads).kernels[0]]
+        self._check_resident()
+
+    # ------------------------------------------------------------------ sizes
+    @staticmethod
+    def size_hint(num_ranks: int, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> int:
+        """Bytes per rank of a buffer for these sizes."""
+        return low_latency_layout(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_experts).nbytes
+
+    @property
+    def num_bytes(self) -> int:
+        return self.layout.nbytes
+
+    def _check_resident(self) -> None:
+        from ..intranode.kernels import max_resident_blocks
+        _, smem = K.dispatch_smem(self.max_tokens, self.num_blocks, 32, self.num_experts, self.num_threads)
+        per_sm = min(max_resident_blocks(self._dispatch_fn, self.num_threads, smem),
+                     max_resident_blocks(self._combine_fn, self.num_threads, K.combine_smem(self.num_experts)))
+        total = self.num_blocks * self.group.ranks_per_gpu
+        if per_sm < 1 or total > per_sm * self.num_device_sms:
+            raise ValueError(
+                f"{self.group.ranks_per_gpu} ranks x {self.num_blocks} blocks of {self.num_threads} threads cannot "
+                f"all be resident on {self.num_device_sms} SMs ({per_sm} per SM); ranks wait on each other and "
+                f"would deadlock. Use num_blocks <= {per_sm * self.num_device_sms // self.group.ranks_per_gpu}")
+
+    # ---------------------------------------------------------------- helpers
+    def _take_set(self):
+        if self._pending_hook is not None:
+            raise ValueError("the receive hook of the previous low-latency call has not run yet; call it before "
+                             "starting another dispatch or combine on this buffer")
+        cur = self._next_set
+        self._next_set ^= 1
+        self._calls += 1
+        return cur, self.layout.sets[cur], self.layout.sets[cur ^ 1]
+
+    def _guard(self, kernel: str):
+        return jit.pack(K.GUARD_DTYPE, **self.group.guard(kernel))
+
+    def _stream(self, async_finish: bool):
+        import cupy
+        if not async_finish:
+            return cupy.cuda.get_current_stream()
+        ev = cupy.cuda.Event(disable_timing=True)
+        ev.record(cupy.cuda.get_current_stream())
+        self.comm_stream.wait_event(ev)
+        return self.comm_stream
+
+    def _finish(self, stream, async_finish: bool):
+        import cupy
+        if not async_finish:
+            return None
+        ev = cupy.cuda.Event(disable_timing=True)
+        ev.record(stream)
+        return EventHandle(ev)
+
+    def _check_routing(self, topk_idx, num_tokens: int, validate: bool):
+        import cupy
+        topk_idx = check(as_cupy(topk_idx, "topk_idx"), "topk_idx", np.int64, ndim=2)
+        if topk_idx.shape[0] != num_tokens:
+            raise ValueError(f"topk_idx has {topk_idx.shape[0]} rows, x has {num_tokens}")
+        if topk_idx.shape[1] < 1:
+            raise ValueError("topk_idx needs at least one column")
+        if validate and topk_idx.size and not cupy.cuda.get_current_stream().is_capturing():
+            srt = cupy.sort(topk_idx, axis=1)
+            dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0) if topk_idx.shape[1] > 1 else cupy.zeros(1, bool)
+            lo, hi, ndup = (int(v) for v in cupy.stack([srt[:, 0].min(), srt[:, -1].max(),
+                                                         dup.sum().astype(np.int64)]).get())
+            if lo < -1 or hi >= self.num_experts:
+                raise ValueError(f"topk_idx holds expert ids in [{lo}, {hi}], outside [-1, {self.num_experts})")
+            if ndup:
+                raise ValueError(f"topk_idx names the same expert twice in {ndup} places; low-latency mode needs "
+                                 "distinct experts per token")
+        return topk_idx
+
+    # --------------------------------------------------------------- dispatch
+    def dispatch(self, x, topk_idx, *, use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                 cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
+                 async_finish: bool = False, return_recv_hook: bool = False,
+                 validate: bool = True) -> LowLatencyDispatchResult:
+        """Send every (token, expert) pair to the expert's rank.
+
+        Arguments:
+            x: [T, H] uint16 (BF16 bits), T <= num_max_dispatch_tokens_per_rank, H = the buffer's hidden.
+            topk_idx: [T, k] int64 expert ids in [-1, E), distinct within a row.
+            use_fp8: cast to FP8 e4m3 with one float32 scale per 128 channels (else send BF16).
+            round_scale: power-of-two scales.
+            use_ue8m0: store scales as UE8M0 exponent bytes (needs round_scale).
+            cumulative_local_expert_recv_stats: [E_local] int32 device array, += rows received per expert.
+            dispatch_wait_recv_cost_stats: [R] int64 device array, += nanoseconds waited for each source.
+            async_finish: run on the communication stream and return an event.
+            return_recv_hook: run only the send half now; ``result.hook()`` runs the receive half.
+            validate: check expert ids and distinctness on the host (one small sync; skipped in graph capture).
+
+        Returns:
+            LowLatencyDispatchResult (recv_x is a view valid until the next dispatch).
+        """
+        import cupy
+        x = check(as_cupy(x, "x"), "x", BF16, ndim=2)
+        T, H = x.shape
+        if H != self.hidden:
+            raise ValueError(f"x has hidden size {H}, the buffer was built for {self.hidden}")
+        if T > self.max_tokens:
+            raise ValueError(f"x has {T} tokens, more than num_max_dispatch_tokens_per_rank={self.max_tokens}")
+        topk_idx = self._check_routing(topk_idx, T, validate)
+        k = topk_idx.shape[1]
+        if use_ue8m0 and not (use_fp8 and round_scale):
+            raise ValueError("use_ue8m0 needs use_fp8=True and round_scale=True (UE8M0 holds powers of two)")
+        El, R = self.num_local_experts, self.num_ranks
+        stats = as_cupy(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats")
+        if stats is not None:
+            check(stats, "cumulative_local_expert_recv_stats", np.int32, shape=(El,))
+        wait = as_cupy(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats")
+        if wait is not None:
+            check(wait, "dispatch_wait_recv_cost_stats", np.int64, shape=(R,))
+        groups, smem = K.dispatch_smem(max(T, 1), self.num_blocks, k, self.num_experts, self.num_threads)
+
+        set_index, cur, nxt = self._take_set()
+        stream = self._stream(async_finish)
+        with stream:
+            layout_count = cupy.empty((El, R), dtype=np.int32)
+            recv_count = cupy.empty(El, dtype=np.int32)
+        args = dict(peers=self.buffer.peer_ptrs.data.ptr, cur=K.set_struct(cur), next=K.set_struct(nxt),
+                    x=x.data.ptr, topk_idx=topk_idx.data.ptr, layout_count=layout_count.data.ptr,
+                    recv_count=recv_count.data.ptr, cumulative_stats=0 if stats is None else stats.data.ptr,
+                    wait_stats=0 if wait is None else wait.data.ptr, num_tokens=T, hidden=H, num_topk=k,
+                    num_experts=self.num_experts, num_ranks=R, max_tokens=self.max_tokens, num_groups=groups,
+                    fp8=int(use_fp8), round_scale=int(round_scale), ue8m0=int(use_ue8m0), rank=self.rank,
+                    guard=self._guard("low_latency_dispatch"))
+
+        def launch(phases, s):
+            a = jit.pack(K.DISPATCH_ARGS_DTYPE, **args, phases=phases)
+            with s:
+                self._dispatch_fn((self.num_blocks,), (self.num_threads,), (a,), shared_mem=smem)
+
+        hook = None
+        if return_recv_hook:
+            launch(K.PHASE_SEND, stream)
+            hook = self._make_hook(lambda: launch(K.PHASE_RECV, cupy.cuda.get_current_stream()))
+        else:
+            launch(K.PHASE_SEND | K.PHASE_RECV, stream)
+        event = self._finish(stream, async_finish)
+
+        slots = self.layout.slots
+        xdt = np.uint8 if use_fp8 else BF16
+        recv_x = self.buffer.view(cur.recv_x, (El, slots, H), xdt)
+        recv_scales = None
+        if use_fp8:
+            recv_scales = self.buffer.view(cur.recv_scales, (El, slots, H // 128), np.uint8 if use_ue8m0 else np.float32)
+        handle = LowLatencyHandle(layout_count=layout_count, recv_src=self.buffer.view(cur.recv_src, (El, slots), np.int32),
+                                  num_tokens=T, num_topk=k, hidden=H, num_experts=self.num_experts,
+                                  max_tokens=self.max_tokens, set_index=set_index, call=self._calls,
+                                  buffer_id=id(self))
+        return LowLatencyDispatchResult(recv_x, recv_scales, recv_count, handle, event, hook)
+
+    def _make_hook(self, run):
+        state = {"done": False}
+
+        def hook():
+            if state["done"]:
+                raise ValueError("this receive hook has already run")
+            state["done"] = True
+            self._pending_hook = None
+            run()
+
+        self._pending_hook = hook
+        return hook
+
+    # ---------------------------------------------------------------- combine
+    def get_next_combine_buffer(self, handle: LowLatencyHandle):
+        """[E_local, R * max_tokens, H] uint16 (BF16) view the next combine reads
+        when called with ``zero_copy=True``: write expert outputs straight here."""
+        self._check_handle(handle)
+        s = self.layout.sets[self._next_set]
+        return self.buffer.view(s.combine_send, (self.num_local_experts, self.layout.slots, self.hidden), BF16)
+
+    def _check_handle(self, handle) -> None:
+        if not isinstance(handle, LowLatencyHandle) or handle.buffer_id != id(self):
+            raise ValueError("expected a LowLatencyHandle made by this LowLatencyBuffer")
+
+    def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, *, zero_copy: bool = False,
+                async_finish: bool = False, return_recv_hook: bool = False, out=None,
+                validate: bool = False) -> LowLatencyCombineResult:
+        """Return expert outputs to their tokens and reduce with the top-k weights.
+
+        Arguments:
+            x: [E_local, R * max_tokens, H] uint16 (BF16) expert outputs, rows as
+                the dispatch laid them out; ignored (may be None) with zero_copy.
+            topk_idx: [T, k] int64, the routing that was dispatched.
+            topk_weights: [T, k] float32.
+            handle: the dispatch's LowLatencyHandle.
+            zero_copy: read the expert outputs from get_next_combine_buffer().
+            out: optional [T, H] uint16 output array.
+            async_finish, return_recv_hook: as in dispatch.
+
+        Returns:
+            LowLatencyCombineResult with combined_x [T, H] uint16 (BF16).
+        """
+        import cupy
+        self._check_handle(handle)
+        El, R, H, T = self.num_local_experts, self.num_ranks, self.hidden, handle.num_tokens
+        shape = (El, self.layout.slots, H)
+        topk_idx = self._check_routing(topk_idx, T, validate)
+        k = topk_idx.shape[1]
+        if k != handle.num_topk:
+            raise ValueError(f"topk_idx has {k} columns, the dispatch had {handle.num_topk}")
+        topk_weights = check(as_cupy(topk_weights, "topk_weights"), "topk_weights", np.float32, shape=(T, k))
+        if zero_copy:
+            src = self.get_next_combine_buffer(handle)
+            if x is not None and (as_cupy(x, "x").data.ptr != src.data.ptr):
+                raise ValueError("zero_copy reads get_next_combine_buffer(); pass x=None or that buffer")
+        else:
+            src = check(as_cupy(x, "x"), "x", BF16, shape=shape)
+            if not src.flags.c_contiguous:
+                raise ValueError("x must be C-contiguous")
+        if out is not None:
+            out = check(as_cupy(out, "out"), "out", BF16, shape=(T, H))
+        set_index, cur, nxt = self._take_set()
+        stream = self._stream(async_finish)
+        with stream:
+            if out is None:
+                out = cupy.empty((T, H), dtype=BF16)
+        args = dict(peers=self.buffer.peer_ptrs.data.ptr, cur=K.set_struct(cur), next=K.set_struct(nxt),
+                    x=src.data.ptr, layout_count=handle.layout_count.data.ptr, recv_src=handle.recv_src.data.ptr,
+                    topk_idx=topk_idx.data.ptr, topk_weights=topk_weights.data.ptr, out=out.data.ptr,
+                    num_tokens=T, hidden=H, num_topk=k, num_experts=self.num_experts, num_ranks=R,
+                    max_tokens=self.max_tokens, rank=self.rank, guard=self._guard("low_latency_combine"))
+        smem = K.combine_smem(self.num_experts)
+
+        def launch(phases, s):
+            a = jit.pack(K.COMBINE_ARGS_DTYPE, **args, phases=phases)
+            with s:
+                self._combine_fn((self.num_blocks,), (self.num_threads,), (a,), shared_mem=smem)
+
+        hook = None
+        if return_recv_hook:
+            launch(K.PHASE_SEND, stream)
+            hook = self._make_hook(lambda: launch(K.PHASE_RECV, cupy.cuda.get_current_stream()))
+        else:
+            launch(K.PHASE_SEND | K.PHASE_RECV, stream)
+        return LowLatencyCombineResult(out, self._finish(stream, async_finish), hook)
+
+    # --------------------------------------------------------------- lifetime
+    def synchronize(self) -> None:
+        """Bounded wait for this buffer's work on the current and communication streams."""
+        import cupy
+        for s in (cupy.cuda.get_current_stream(), self.comm_stream):
+            ev = cupy.cuda.Event(disable_timing=True)
+            ev.record(s)
+            self.group.wait(ev, "low_latency_dispatch", "host wait for low-latency kernels")
+
+    def destroy(self) -> None:
+        """Collective: free the IPC buffer."""
+        if self.buffer.alive:
+            self.buffer.destroy()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.destroy()

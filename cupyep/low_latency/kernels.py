@@ -1,0 +1,78 @@
+"""Kernel specialisations and argument structs of low-latency mode.
+
+Each dtype mirrors, field by field, a struct of ``cuda_src/low_latency/args.cuh``.
+Kernels are specialised only on threads per block; sizes are run-time
+arguments, so any hidden size (multiple of 128) and any top-k work.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import jit
+from ..barrier import GUARD_DTYPE
+from .layout import FIELDS
+
+u64, i64, i32 = np.uint64, np.int64, np.int32
+
+PHASE_SEND, PHASE_RECV = 1, 2
+THREAD_CHOICES = (512, 1024)
+DEFAULT_THREADS = 512
+CHUNK_ELEMS = 512
+SMEM_BUDGET = 46 * 1024  # dynamic shared memory a block may use (below the 48 KiB default)
+
+SET_DTYPE = jit.struct_dtype([(n, i64) for n in FIELDS])
+DISPATCH_ARGS_DTYPE = jit.struct_dtype([
+    ("peers", u64), ("cur", SET_DTYPE), ("next", SET_DTYPE), ("x", u64), ("topk_idx", u64),
+    ("layout_count", u64), ("recv_count", u64), ("cumulative_stats", u64), ("wait_stats", u64),
+    ("num_tokens", i32), ("hidden", i32), ("num_topk", i32), ("num_experts", i32), ("num_ranks", i32),
+    ("max_tokens", i32), ("num_groups", i32), ("fp8", i32), ("round_scale", i32), ("ue8m0", i32),
+    ("phases", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
+COMBINE_ARGS_DTYPE = jit.struct_dtype([
+    ("peers", u64), ("cur", SET_DTYPE), ("next", SET_DTYPE), ("x", u64), ("layout_count", u64),
+    ("recv_src", u64), ("topk_idx", u64), ("topk_weights", u64), ("out", u64),
+    ("num_tokens", i32), ("hidden", i32), ("num_topk", i32), ("num_experts", i32), ("num_ranks", i32),
+    ("max_tokens", i32), ("phases", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
+
+
+def dispatch_spec(num_threads: int = DEFAULT_THREADS) -> jit.KernelSpec:
+    return jit.KernelSpec(name=f"low_latency_dispatch_threads_{num_threads}", source="low_latency/dispatch.cu",
+                          kernels=(f"cupyep::low_latency::dispatch<{num_threads}>",))
+
+
+def combine_spec(num_threads: int = DEFAULT_THREADS) -> jit.KernelSpec:
+    return jit.KernelSpec(name=f"low_latency_combine_threads_{num_threads}", source="low_latency/combine.cu",
+                          kernels=(f"cupyep::low_latency::combine<{num_threads}>",))
+
+
+def kernel_specs() -> list[jit.KernelSpec]:
+    """Specialisations compiled by ``python -m cupyep.jit --check``."""
+    return [s for t in THREAD_CHOICES for s in (dispatch_spec(t), combine_spec(t))]
+
+
+def set_struct(s) -> np.void:
+    """Pack a SetLayout."""
+    return jit.pack(SET_DTYPE, **{n: getattr(s, n) for n in FIELDS})
+
+
+def dispatch_smem(num_tokens_max: int, num_blocks: int, num_topk: int, num_experts: int,
+                  num_threads: int) -> tuple[int, int]:
+    """(num_groups, bytes) of the dispatch kernel's shared memory.
+
+    Layout: cnt [num_groups][E], total [E], own_e / own_pos [Tb][k], own_grp [Tb]
+    int32, Tb = ceil(T / blocks). num_groups (token groups of the position
+    scan) is as many warps as fit in SMEM_BUDGET. Raises ValueError if even
+    one group does not fit.
+    """
+    tb = (num_tokens_max + num_blocks - 1) // num_blocks
+    fixed = 4 * (num_experts + 2 * tb * num_topk + tb)
+    groups = min(num_threads // 32, (SMEM_BUDGET - fixed) // (4 * num_experts))
+    if groups < 1:
+        raise ValueError(f"low-latency dispatch needs {fixed + 4 * num_experts} bytes of shared memory for "
+                         f"{num_experts} experts, top-{num_topk} and {tb} tokens per block; the budget is "
+                         f"{SMEM_BUDGET}: use fewer experts or more blocks")
+    return groups, fixed + 4 * num_experts * groups
+
+
+def combine_smem(num_experts: int) -> int:
+    """Bytes of the combine kernel's shared memory: the [E + 1] row prefix."""
+    return 4 * (num_experts + 1)

@@ -1,0 +1,117 @@
+"""Where everything lives in a low-latency rank's symmetric buffer.
+
+The buffer holds two identical sets; calls alternate between them (each
+dispatch and each combine takes the next set), and every call clears the flags
+of the set the next call uses. One set, with ``El = E / R`` local experts,
+``M = max_tokens`` (num_max_dispatch_tokens_per_rank) and hidden ``H``::
+
+    dispatch_count [El][R] int32      tokens source r sent to local expert e
+    dispatch_flag  [R] int32          source r finished its dispatch rows
+    combine_flag   [R] int32          expert rank r finished its combine rows
+    done           [4] int32          this rank's blocks that finished sending
+    recv_x         [El][R * M] rows of 2H bytes (FP8 rows use the first H)
+    recv_scales    [El][R * M][H / 128] float32 (or UE8M0 bytes)
+    recv_src       [El][R * M] int32  source token of each row
+    combine_send   [El][R * M][H] BF16  zero-copy combine input
+    combine_recv   [E][M][H] BF16     expert e's output for token t at [e][t]
+
+Every region starts on a 128-byte boundary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ALIGN = 128
+FIELDS = ("dispatch_count", "dispatch_flag", "combine_flag", "done", "recv_x", "recv_scales", "recv_src",
+          "combine_send", "combine_recv")
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class SetLayout:
+    """Byte offsets (from the buffer start) of one set's regions."""
+    dispatch_count: int
+    dispatch_flag: int
+    combine_flag: int
+    done: int
+    recv_x: int
+    recv_scales: int
+    recv_src: int
+    combine_send: int
+    combine_recv: int
+    end: int
+
+
+@dataclass(frozen=True)
+class LowLatencyLayout:
+    """The two sets of a buffer for these sizes.
+
+    Attributes:
+        num_ranks, num_experts, max_tokens, hidden: what the buffer was built for.
+        sets: (SetLayout, SetLayout).
+        nbytes: total bytes per rank.
+    """
+    num_ranks: int
+    num_experts: int
+    max_tokens: int
+    hidden: int
+    sets: tuple
+    nbytes: int
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    @property
+    def slots(self) -> int:
+        """Rows per local expert: R * max_tokens."""
+        return self.num_ranks * self.max_tokens
+
+
+def check_sizes(num_ranks: int, max_tokens: int, hidden: int, num_experts: int) -> None:
+    """ValueError for sizes no low-latency buffer can hold."""
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"num_max_dispatch_tokens_per_rank must be a positive int, got {max_tokens!r}")
+    if hidden <= 0 or hidden % 128:
+        raise ValueError(f"hidden size must be a positive multiple of 128, got {hidden}")
+    if num_experts < num_ranks or num_experts % num_ranks:
+        raise ValueError(f"num_experts={num_experts} must be a positive multiple of the {num_ranks} ranks")
+
+
+def low_latency_layout(num_ranks: int, max_tokens: int, hidden: int, num_experts: int) -> LowLatencyLayout:
+    """Layout of a buffer for ``num_ranks`` ranks, ``max_tokens`` tokens per
+    rank and call, hidden size ``hidden`` and ``num_experts`` experts."""
+    check_sizes(num_ranks, max_tokens, hidden, num_experts)
+    R, E, M, H = num_ranks, num_experts, max_tokens, hidden
+    El = E // R
+    rows = El * R * M
+    sizes = {
+        "dispatch_count": 4 * El * R,
+        "dispatch_flag": 4 * R,
+        "combine_flag": 4 * R,
+        "done": 16,
+        "recv_x": rows * 2 * H,
+        "recv_scales": rows * (H // 128) * 4,
+        "recv_src": rows * 4,
+        "combine_send": rows * 2 * H,
+        "combine_recv": E * M * 2 * H,
+    }
+    sets = []
+    offset = 0
+    for _ in range(2):
+        offs = {}
+        for name in FIELDS:
+            offs[name] = offset
+            offset = _align(offset + sizes[name])
+        sets.append(SetLayout(**offs, end=offset))
+    return LowLatencyLayout(R, E, M, H, tuple(sets), offset)
+
+
+def size_hint(num_ranks: int, max_tokens: int, hidden: int, num_experts: int) -> int:
+    """Bytes per rank of a LowLatencyBuffer for these sizes."""
+    return low_latency_layout(num_ranks, max_tokens, hidden, num_experts).nbytes

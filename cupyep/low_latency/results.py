@@ -1,0 +1,75 @@
+"""Named results of low-latency dispatch and combine."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+
+@dataclass(frozen=True)
+class LowLatencyHandle:
+    """What combine needs from a low-latency dispatch.
+
+    Attributes:
+        layout_count: [E_local, R] int32 device array: rows of (local expert e,
+            source r), which occupy rows [r * max_tokens, r * max_tokens + count).
+        recv_src: [E_local, R * max_tokens] int32 device view: source token of each row.
+        num_tokens: T of this rank's dispatch (combine returns [T, H]).
+        set_index: buffer set the dispatch used.
+        call: sequence number of the dispatch on its buffer.
+    """
+    layout_count: object
+    recv_src: object
+    num_tokens: int
+    num_topk: int
+    hidden: int
+    num_experts: int
+    max_tokens: int
+    set_index: int
+    call: int
+    buffer_id: int
+
+    @property
+    def layout_begin(self):
+        """[E_local, R] int32 device array: first row of each (expert, source) range."""
+        import cupy
+        E_local, R = self.layout_count.shape
+        return cupy.broadcast_to(cupy.arange(R, dtype=cupy.int32) * self.max_tokens, (E_local, R))
+
+
+@dataclass
+class LowLatencyDispatchResult:
+    """Output of :meth:`LowLatencyBuffer.dispatch`.
+
+    Attributes:
+        recv_x: [E_local, R * max_tokens, H] uint8 (FP8 e4m3 bits) or uint16 (BF16 bits),
+            a view of the buffer: valid until the next dispatch on this buffer
+            (copy it to keep it longer). Rows outside the layout ranges are stale.
+        recv_x_scales: [E_local, R * max_tokens, H / 128] float32 (uint8 UE8M0
+            exponents with use_ue8m0), a view like recv_x; None for BF16.
+        recv_count: [E_local] int32 device array: rows per local expert.
+        handle: LowLatencyHandle for combine.
+        event: EventHandle when async_finish, else None.
+        hook: with return_recv_hook, call it to run the receive half
+            (recv_count / layout counts are valid after it); else None.
+    """
+    recv_x: object
+    recv_x_scales: object
+    recv_count: object
+    handle: LowLatencyHandle
+    event: object = None
+    hook: Optional[Callable[[], None]] = None
+
+
+@dataclass
+class LowLatencyCombineResult:
+    """Output of :meth:`LowLatencyBuffer.combine`.
+
+    Attributes:
+        combined_x: [T, H] uint16 (BF16 bits): sum over the top-k slots of
+            weight * expert output, accumulated in FP32 (valid after the hook
+            when return_recv_hook).
+        event, hook: as in LowLatencyDispatchResult.
+    """
+    combined_x: object
+    event: object = None
+    hook: Optional[Callable[[], None]] = None
