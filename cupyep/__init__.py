@@ -8,7 +8,7 @@ Entry points:
     cupyep.reference                      # the NumPy oracle that defines the semantics
     python -m cupyep.launch -n 8 app.py   # launcher (starts MPS when ranks share a GPU)
 """
-from .errors import CommTimeoutError, CupyepError
+from .errors import CommTimeoutError, CupyepError, DeviceCapacityError, DeviceError, DeviceInputError
 from .runtime import Group, init
 
 __version__ = "0.1.0"
@@ -26,5 +26,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'cupyep' has no attribute {name!r}")
 
 
-__all__ = ["init", "Group", "CommTimeoutError", "CupyepError", "Buffer", "Config", "DispatchResult",
+__all__ = ["init", "Group", "CommTimeoutError", "CupyepError", "DeviceError", "DeviceCapacityError", "DeviceInputError", "Buffer", "Config", "DispatchResult",
            "CombineResult", "DispatchHandle", "EventHandle", "LowLatencyBuffer", "__version__"]

@@ -25,7 +25,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "intranode_combine": ("combine queue space (sender waits for receiver head)",
                           "combine queue data (receiver waits for sender tail)"),
     "low_latency_dispatch": ("dispatch send completion (blocks of this rank)",
-                             "dispatch flag (receiver waits for a source's rows and counts)"),
+                             "dispatch flag (receiver waits for a source's rows and counts)",
+                             "routing check (expert id outside [-1, E))"),
     "low_latency_combine": ("combine send completion (blocks of this rank)",
                             "combine flag (token owner waits for an expert rank's rows)"),
     "intranode_expert_major": ("expert-major rows exceed their capacity",),
@@ -42,12 +43,14 @@ class CupyepError(RuntimeError):
     """Base class of cupyep's communication failures."""
 
 
-class CommTimeoutError(CupyepError):
-    """A bounded wait on the GPU or the host ran out of time.
+class DeviceError(CupyepError):
+    """A failure a kernel recorded in the error slot.
 
     Attributes: ``kernel``, ``phase``, ``rank``, ``peer`` (None when unknown),
-    ``value`` and ``expected`` (the awaited counter), ``timeout_s``.
+    ``value`` and ``expected`` (the counter or value involved), ``timeout_s``.
     """
+
+    what = "error"
 
     def __init__(self, kernel: str, phase: str, rank: int, peer: int | None,
                  value: int | None = None, expected: int | None = None,
@@ -55,8 +58,8 @@ class CommTimeoutError(CupyepError):
         self.kernel, self.phase, self.rank, self.peer = kernel, phase, rank, peer
         self.value, self.expected, self.timeout_s = value, expected, timeout_s
         who = f"rank {rank}" + (f" waited for peer rank {peer}" if peer is not None and peer >= 0 else "")
-        msg = f"{kernel}: timeout in phase '{phase}': {who}"
-        if timeout_s is not None:
+        msg = f"{kernel}: {self.what} in phase '{phase}': {who}"
+        if timeout_s is not None and self.what == "timeout":
             msg += f" for more than {timeout_s:g} s"
         if value is not None:
             msg += f" (counter {value}, expected {expected})"
@@ -65,7 +68,31 @@ class CommTimeoutError(CupyepError):
         super().__init__(msg + ". The communication state is now undefined: destroy the buffer.")
 
 
-def error_from_slot(slot: np.void, timeout_s: float, rank_of_peer=lambda p: p) -> CommTimeoutError:
+class CommTimeoutError(DeviceError):
+    """A bounded wait on the GPU or the host ran out of time."""
+
+    what = "timeout"
+
+
+class DeviceCapacityError(DeviceError):
+    """A kernel found more rows than a buffer holds (value: rows, expected: capacity).
+    Nothing was written out of bounds; no row was silently dropped."""
+
+    what = "capacity exceeded"
+
+
+class DeviceInputError(DeviceError):
+    """A kernel found invalid input, e.g. an expert id outside [-1, E)
+    (value: the id, expected: E), when host validation was skipped."""
+
+    what = "invalid input"
+
+
+# ErrorSlot.flag -> exception class (cuda_src/common/timeout.cuh kError*).
+ERROR_KINDS = {1: CommTimeoutError, 3: DeviceCapacityError, 4: DeviceInputError}
+
+
+def error_from_slot(slot: np.void, timeout_s: float, rank_of_peer=lambda p: p) -> DeviceError:
     """Build the exception for a raised device error slot (``slot['flag'] != 0``).
 
     ``rank_of_peer`` maps the peer index a kernel reports (a node-local index)
@@ -77,6 +104,7 @@ def error_from_slot(slot: np.void, timeout_s: float, rank_of_peer=lambda p: p) -
     p = int(slot["phase"])
     phase = phases[p] if 0 <= p < len(phases) else f"phase#{p}"
     peer = int(slot["peer"])
-    return CommTimeoutError(kernel, phase, int(slot["rank"]), rank_of_peer(peer) if peer >= 0 else None,
+    cls = ERROR_KINDS.get(int(slot["flag"]), DeviceError)
+    return cls(kernel, phase, int(slot["rank"]), rank_of_peer(peer) if peer >= 0 else None,
                             int(slot["value"]), int(slot["expected"]), timeout_s,
                             detail=f"block {int(slot['block'])}")

@@ -37,8 +37,11 @@ CUDA_SRC = (_PKG / "cuda_src") if (_PKG / "cuda_src").is_dir() else (_PKG.parent
 SPEC_MODULES = (
     "cupyep.barrier",
     "cupyep.bench.copy",
+    "cupyep.bench.timing",
     "cupyep.fp8",
     "cupyep.intranode.kernels",
+    "cupyep.low_latency.kernels",
+    "cupyep.intranode.expert_major",
 )
 
 BASE_OPTIONS = ("-std=c++17",)

@@ -20,6 +20,7 @@ from cupyep.errors import (ERROR_SLOT_DTYPE, KERNEL_NAMES, KERNELS, CommTimeoutE
 from cupyep.intranode import config as cfgmod
 from cupyep.intranode import kernels as K
 from cupyep.intranode import layout as L
+from cupyep.low_latency import kernels as LLK
 from cupyep.intranode.config import (COUNTER_STRIDE, MAX_CHANNELS, Config, get_combine_config,
                                      get_dispatch_config)
 
@@ -98,10 +99,10 @@ def test_validate_rejects_bad_l2_hints(l2_hints):
 
 
 def test_default_tables():
-    assert get_dispatch_config(2) == Config(num_sms=48, chunk_size=2, queue_depth=16, l2_hints=2)
+    assert get_dispatch_config(2) == Config(num_sms=48, chunk_size=8, queue_depth=32, l2_hints=2)
     assert get_dispatch_config(4) == Config(num_sms=32, chunk_size=2, queue_depth=8, l2_hints=2)
     assert get_dispatch_config(8) == Config(num_sms=16, chunk_size=2, queue_depth=8, l2_hints=2)
-    assert get_combine_config(2) == Config(num_sms=48, chunk_size=8, queue_depth=48)
+    assert get_combine_config(2) == Config(num_sms=48, chunk_size=4, queue_depth=32, l2_hints=2)
     assert get_combine_config(8) == Config(num_sms=16, chunk_size=4, queue_depth=32)
     # Between keys: the next larger key; below the smallest: the smallest.
     assert get_dispatch_config(3) == get_dispatch_config(4)
@@ -454,12 +455,18 @@ _C_SCALARS = {"int": (4, np.int32), "int32_t": (4, np.int32), "int64_t": (8, np.
               "uint64_t": (8, np.uint64), "float": (4, np.float32)}
 
 
+# Source folders whose structs live in their own namespace and may reuse names
+# of other folders: keyed as "folder::Name".
+_NAMESPACED = ("low_latency",)
+
+
 def _c_structs():
     """Every ``struct Name { ... };`` of cuda_src: name -> [(field, type, is_pointer)]."""
     structs = {}
     for path in sorted(jit.CUDA_SRC.rglob("*")):
         if path.suffix not in (".cu", ".cuh"):
             continue
+        prefix = f"{path.parent.name}::" if path.parent.name in _NAMESPACED else ""
         text = re.sub(r"/\*.*?\*/", "", re.sub(r"//[^\n]*", "", path.read_text()), flags=re.S)
         for m in re.finditer(r"\bstruct\s+(\w+)\s*\{([^{}]*)\};", text):
             fields = []
@@ -475,9 +482,16 @@ def _c_structs():
                 for name in names:
                     assert re.fullmatch(r"\w+", name), f"{path}: cannot parse {decl!r}"
                     fields.append((name, base[0], "*" in ctype))
-            assert m.group(1) not in structs, f"struct {m.group(1)} defined twice"
-            structs[m.group(1)] = fields
+            name = prefix + m.group(1)
+            assert name not in structs, f"struct {name} defined twice"
+            structs[name] = fields
     return structs
+
+
+def _resolve(ctype, within, structs):
+    """A field's struct type, looked up first in the namespace of the struct holding it."""
+    ns = within.rpartition("::")[0]
+    return f"{ns}::{ctype}" if ns and f"{ns}::{ctype}" in structs else ctype
 
 
 def _c_layout(name, structs):
@@ -489,7 +503,7 @@ def _c_layout(name, structs):
         elif ctype in _C_SCALARS:
             size = a = _C_SCALARS[ctype][0]
         else:
-            size, a, _ = _c_layout(ctype, structs)
+            size, a, _ = _c_layout(_resolve(ctype, name, structs), structs)
         off = (off + a - 1) // a * a
         out.append((field, off, ctype, is_ptr))
         off += size
@@ -510,7 +524,7 @@ def _assert_mirrors(dtype, cname, structs, path=""):
             assert ftype == _C_SCALARS[ctype][1], f"{where}.{field}: {ctype} mirrored as {ftype}"
         else:
             assert ftype.names, f"{where}.{field}: struct {ctype} mirrored as {ftype}"
-            _assert_mirrors(ftype, ctype, structs, f"{where}.{field}")
+            _assert_mirrors(ftype, _resolve(ctype, cname, structs), structs, f"{where}.{field}")
     assert dtype.itemsize == size, f"{where}: itemsize {dtype.itemsize}, sizeof({cname}) = {size}"
 
 
@@ -524,6 +538,9 @@ MIRRORS = [
     (K.NOTIFY_ARGS_DTYPE, "NotifyArgs"),
     (K.DISPATCH_ARGS_DTYPE, "DispatchArgs"),
     (K.COMBINE_ARGS_DTYPE, "CombineArgs"),
+    (LLK.SET_DTYPE, "low_latency::SetOffsets"),
+    (LLK.DISPATCH_ARGS_DTYPE, "low_latency::DispatchArgs"),
+    (LLK.COMBINE_ARGS_DTYPE, "low_latency::CombineArgs"),
 ]
 
 

@@ -12,14 +12,19 @@
 //   recv_x          [E_local][R * max] rows of row_bytes (FP8: H bytes, BF16: 2H)
 //   recv_scales     [E_local][R * max][H / 128] float32 (UE8M0: uint8 bytes)
 //   recv_src        [E_local][R * max] int32 source token index of each row
+//   recv_slot       [E_local][R * max] uint8 top-k slot of each row in its token
 //   combine_send    [E_local][R * max][H] BF16 (zero-copy combine input)
-//   combine_recv    [E][max][H] BF16: expert e's output for my token t at [e][t]
+//   combine_recv    [max][max_topk][H] BF16: the output for my token t's slot j at [t][j]
+// (combine_recv is indexed by token and slot rather than by expert, so a
+// rank's combine footprint is max * max_topk rows instead of E * max: the
+// pages a call touches, not only its bytes, bound its speed.)
 // Source r's tokens for local expert e sit at rows [r * max, r * max + count)
 // of expert e, in ascending token order (positions are prefix counts over the
 // source's tokens, so the layout is deterministic).
 #pragma once
 #include "common/types.cuh"
 #include "common/timeout.cuh"
+#include "common/ptx.cuh"
 
 namespace cupyep {
 namespace low_latency {
@@ -31,10 +36,11 @@ constexpr int kChunkElems = 512;  // hidden elements a warp moves per work item 
 // Wait sites, indexed as in cupyep/errors.py KERNELS["low_latency_*"].
 constexpr int kWaitSendDone = 0;  // this rank's blocks finishing their sends
 constexpr int kWaitPeerFlag = 1;  // a peer's flag
+constexpr int kBadExpertId = 2;   // not a wait: an expert id outside [-1, E) (dispatch)
 
 struct SetOffsets {
     int64_t dispatch_count, dispatch_flag, combine_flag, done;
-    int64_t recv_x, recv_scales, recv_src, combine_send, combine_recv;
+    int64_t recv_x, recv_scales, recv_src, recv_slot, combine_send, combine_recv;
 };
 
 struct DispatchArgs {
@@ -47,13 +53,16 @@ struct DispatchArgs {
     int* recv_count;         // [E_local] out: rows per local expert
     int* cumulative_stats;   // [E_local] or null: += recv_count
     int64_t* wait_stats;     // [R] or null: += ns block 0 waited for each source
+    int64_t* kernel_time;    // [2] or null: min start / max end %globaltimer over blocks
     int num_tokens;
     int hidden;
     int num_topk;
     int num_experts;
     int num_ranks;
     int max_tokens;
+    int max_topk;
     int num_groups;          // token groups of the position scan (shared memory [num_groups][E])
+    int stage_ids;           // 1: copy topk_idx to shared memory (as int32) before the scan
     int fp8;                 // 1: cast to e4m3 with per-128 scales
     int round_scale;         // 1: power-of-two scales
     int ue8m0;               // 1: scales stored as UE8M0 bytes
@@ -72,16 +81,30 @@ struct CombineArgs {
     const int64_t* topk_idx;    // [T, k] the dispatched routing
     const float* topk_weights;  // [T, k]
     int4* out;                  // [T, H] BF16
+    const uint8_t* recv_slot;   // [E_local, R * max] from the dispatch
+    int64_t* kernel_time;       // [2] or null
     int num_tokens;
     int hidden;
     int num_topk;
     int num_experts;
     int num_ranks;
     int max_tokens;
+    int max_topk;
     int phases;
     int rank;
     Guard guard;
 };
+
+// Profiling stamps: first block start and last block end, in %globaltimer ns.
+__device__ __forceinline__ void stamp_start(int64_t* t) {
+    if (t && threadIdx.x == 0) atomicMin(reinterpret_cast<unsigned long long*>(t), (unsigned long long)global_timer_ns());
+}
+__device__ __forceinline__ void stamp_end(int64_t* t) {
+    if (t) {
+        __syncthreads();
+        if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned long long*>(t) + 1, (unsigned long long)global_timer_ns());
+    }
+}
 
 }  // namespace low_latency
 }  // namespace cupyep

@@ -3,10 +3,10 @@
 //
 // Grid: G blocks; send and receive halves as in dispatch.cu.
 // Send half (the expert side): the received rows of this rank, listed by
-// (local expert, source) pair from the dispatch's layout counts, are split
-// into (row, 512-channel chunk) items over all warps of the grid; the row of
-// local expert e for token t of source s goes to [rank * E_local + e][t] of
-// s's combine_recv region. Then the send counter and one flag per source.
+// (local expert, source) pair from the dispatch's layout counts, are spread
+// over all warps of the grid, a warp per row; the row for slot j of token t
+// of source s goes to [t][j] of s's combine_recv region. Then the send
+// counter and one flag per source.
 // Receive half (the token side): wait for every expert rank's flag, then a
 // warp per (token, chunk) sums weight * row over the token's top-k slots, in
 // slot order, so the result is bitwise deterministic.
@@ -44,8 +44,7 @@ __device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
     return out;
 }
 
-template <int kNumThreads>
-__global__ void __launch_bounds__(kNumThreads, 1) combine(CombineArgs a) {
+__device__ __forceinline__ void combine_body(const CombineArgs& a) {
     extern __shared__ int smem[];
     const int R = a.num_ranks, E = a.num_experts, El = E / R, T = a.num_tokens, k = a.num_topk, H = a.hidden;
     const int G = gridDim.x, b = blockIdx.x;
@@ -75,25 +74,30 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(CombineArgs a) {
             if (lane == 0) prefix[0] = 0;
         }
         __syncthreads();
-        const int64_t items = (int64_t)prefix[P] * num_chunks;
-        for (int64_t item = (int64_t)b * num_warps + warp; item < items; item += (int64_t)G * num_warps) {
-            const int r = (int)(item / num_chunks), ch = (int)(item % num_chunks);
-            int lo = 0, hi = P;  // last p with prefix[p] <= r
+        // A warp per received row (grid-strided): the row goes out in rounds of
+        // kUnroll 16-byte words per lane, all loads of a round in flight at once.
+        constexpr int kUnroll = 8;
+        const int64_t row_int4 = H / 8;
+        const int num_rows = prefix[P];
+        for (int r = b * num_warps + warp; r < num_rows; r += G * num_warps) {
+            int lo = 0, hi = P;  // last pair p with prefix[p] <= r
             while (hi - lo > 1) {
                 const int mid = (lo + hi) / 2;
                 if (prefix[mid] <= r) lo = mid; else hi = mid;
             }
             const int le = lo / R, s = lo % R;
             const int64_t slot = (int64_t)le * slots + (int64_t)s * a.max_tokens + (r - prefix[lo]);
-            const int t = __ldg(a.recv_src + slot);
-            const int elem0 = ch * kChunkElems + lane * 16;
-            if (elem0 < H) {
-                const int4* src = a.x + (slot * H + elem0) / 8;
-                const int4 v0 = ld_nc_na_v4(src), v1 = ld_nc_na_v4(src + 1);
-                int4* d = at<int4>(a.peers[s], a.cur.combine_recv) +
-                          ((((int64_t)a.rank * El + le) * a.max_tokens + t) * H + elem0) / 8;
-                st_na_v4(d, v0);
-                st_na_v4(d + 1, v1);
+            const int t = __ldg(a.recv_src + slot), j = __ldg(a.recv_slot + slot);
+            const int4* src = a.x + slot * row_int4;
+            int4* dst = at<int4>(a.peers[s], a.cur.combine_recv) + ((int64_t)t * a.max_topk + j) * row_int4;
+            for (int64_t i0 = lane; i0 < row_int4; i0 += 32 * kUnroll) {
+                int4 v[kUnroll];
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u)
+                    if (i0 + u * 32 < row_int4) v[u] = ld_nc_na_v4(src + i0 + u * 32);
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u)
+                    if (i0 + u * 32 < row_int4) st_na_v4(dst + i0 + u * 32, v[u]);
             }
         }
         if (!finish_sends(at<int>(mine, a.cur.done) + 1, a.guard, R)) return;
@@ -122,7 +126,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(CombineArgs a) {
                     w[u] = 0.f;
                     if (e >= 0 && e < E) {
                         w[u] = __ldg(a.topk_weights + (int64_t)t * k + j);
-                        const int4* p = recv + (((int64_t)e * a.max_tokens + t) * H + elem0) / 8;
+                        const int4* p = recv + (((int64_t)t * a.max_topk + j) * H + elem0) / 8;
                         v[u][0] = ld_peer_v4(p);
                         v[u][1] = ld_peer_v4(p + 1);
                     } else {
@@ -140,6 +144,13 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(CombineArgs a) {
             out[1] = pack_bf16x8(acc + 8);
         }
     }
+}
+
+template <int kNumThreads>
+__global__ void __launch_bounds__(kNumThreads, 1) combine(CombineArgs a) {
+    stamp_start(a.kernel_time);
+    combine_body(a);
+    stamp_end(a.kernel_time);
 }
 
 }  // namespace low_latency

@@ -7,7 +7,8 @@
 //   1. clears the next set's flags;
 //   2. computes the row position of every (token, slot) of its own tokens
 //      (t = b, b + G, ...): the number of earlier tokens of this rank that
-//      picked the same expert. Warp g of the first num_groups warps counts a
+//      picked the same expert. The ids are first staged in shared memory
+//      when they fit. Warp g of the first num_groups warps counts a
 //      contiguous token range into shared counters cnt[g][E]; an exclusive
 //      scan over g turns those into offsets. Every block does this for all
 //      tokens (it needs the counts of earlier tokens), which is cheap at
@@ -28,8 +29,7 @@
 namespace cupyep {
 namespace low_latency {
 
-template <int kNumThreads>
-__global__ void __launch_bounds__(kNumThreads, 1) dispatch(DispatchArgs a) {
+__device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
     extern __shared__ int smem[];
     const int R = a.num_ranks, E = a.num_experts, El = E / R, T = a.num_tokens, k = a.num_topk, H = a.hidden;
     const int G = gridDim.x, b = blockIdx.x;
@@ -45,7 +45,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(DispatchArgs a) {
         int* own_e = total + E;                   // [Tb][k] global expert, -1 for none
         int* own_pos = own_e + Tb * k;            // [Tb][k] row within (expert, this source)
         int* own_grp = own_pos + Tb * k;          // [Tb] token group
+        int* ids = own_grp + Tb;                  // [T][k] staged expert ids (when a.stage_ids)
         for (int i = threadIdx.x; i < NG * E; i += blockDim.x) cnt[i] = 0;
+        if (a.stage_ids)
+            for (int i = threadIdx.x; i < T * k; i += blockDim.x) ids[i] = (int)__ldg(a.topk_idx + i);
         __syncthreads();
         if (warp < NG) {
             const int t0 = (int)((int64_t)T * warp / NG), t1 = (int)((int64_t)T * (warp + 1) / NG);
@@ -53,9 +56,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(DispatchArgs a) {
                 const bool own = t % G == b;
                 for (int j0 = 0; j0 < k; j0 += 32) {
                     const int j = j0 + lane;
-                    int e = j < k ? (int)__ldg(a.topk_idx + (int64_t)t * k + j) : -1;
+                    int e = j >= k ? -1 : a.stage_ids ? ids[t * k + j] : (int)__ldg(a.topk_idx + (int64_t)t * k + j);
                     if (e >= E || e < -1) {
-                        report_error(a.guard, kErrorBadInput, kWaitSendDone, -1, e, E);
+                        report_error(a.guard, kErrorBadInput, kBadExpertId, -1, e, E);
                         e = -1;
                     }
                     const int c = e >= 0 ? cnt[warp * E + e] : 0;
@@ -145,7 +148,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(DispatchArgs a) {
                         st_na_v4(d + 1, v1);
                     }
                 }
-                if (ch == 0 && lane == 0) at<int>(peer, a.cur.recv_src)[row] = t;
+                if (ch == 0 && lane == 0) {
+                    at<int>(peer, a.cur.recv_src)[row] = t;
+                    at<uint8_t>(peer, a.cur.recv_slot)[row] = (uint8_t)j;
+                }
             }
         }
 
@@ -177,6 +183,13 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(DispatchArgs a) {
             }
         }
     }
+}
+
+template <int kNumThreads>
+__global__ void __launch_bounds__(kNumThreads, 1) dispatch(DispatchArgs a) {
+    stamp_start(a.kernel_time);
+    dispatch_body(a);
+    stamp_end(a.kernel_time);
 }
 
 }  // namespace low_latency

@@ -1,9 +1,28 @@
-"""Timing with CUDA events: warm-up, optional L2 flush between runs, many runs."""
+"""Timing with CUDA events: warm-up, optional L2 flush between runs, many runs.
+
+With ``hide_launch_us`` a sleep kernel runs before each timed call, so the
+host has queued the call before the GPU reaches it and the events measure GPU
+time only (what matters for calls of a few microseconds, whose host-side
+launch cost would otherwise be counted).
+"""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
+from .. import jit
+
+SLEEP_SPEC = jit.KernelSpec(name="bench_sleep", source="bench/sleep.cu", kernels=("cupyep::gpu_sleep",))
+
+
+def kernel_specs() -> list[jit.KernelSpec]:
+    return [SLEEP_SPEC]
+
+
+def gpu_sleep(us: float) -> None:
+    """Enqueue a kernel that keeps the current stream busy for ``us`` microseconds."""
+    jit.load(SLEEP_SPEC)["cupyep::gpu_sleep"]((1,), (32,), (np.uint64(int(us * 1000)),))
 
 
 @dataclass(frozen=True)
@@ -38,11 +57,13 @@ def flush_l2(nbytes: int = 256 << 20) -> None:
     _flush_buf.fill(0)
 
 
-def time_fn(fn, iters: int = 50, warmup: int = 5, flush: bool = True, before=None) -> Timing:
+def time_fn(fn, iters: int = 50, warmup: int = 5, flush: bool = True, before=None,
+            hide_launch_us: float = 0.0) -> Timing:
     """Time ``fn()`` (which enqueues GPU work on the current stream).
 
     ``before()`` runs untimed before each call (e.g. a barrier that lines all
-    ranks up); with ``flush`` the L2 is flushed before each call as well.
+    ranks up); with ``flush`` the L2 is flushed before each call as well; with
+    ``hide_launch_us`` a sleep kernel of that length precedes ``before()``.
     """
     import cupy
     for _ in range(warmup):
@@ -55,6 +76,8 @@ def time_fn(fn, iters: int = 50, warmup: int = 5, flush: bool = True, before=Non
     for i in range(iters):
         if flush:
             flush_l2()
+        if hide_launch_us:
+            gpu_sleep(hide_launch_us)
         if before:
             before()
         starts[i].record()

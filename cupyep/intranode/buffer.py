@@ -20,6 +20,7 @@ import numpy as np
 from .. import jit
 from ..arrays import BF16, FP8, as_cupy, check
 from ..ipc import SymmetricBuffer
+from . import expert_major as EM
 from . import kernels as K
 from .config import Config, get_combine_config, get_dispatch_config
 from .layout import MAX_LOCAL_EXPERTS, buffer_layout, ring_set, size_hint
@@ -195,7 +196,7 @@ class Buffer:
                  handle: DispatchHandle | None = None, num_tokens_per_rank=None, num_tokens_per_expert=None,
                  is_token_in_rank=None, num_worst_tokens: int = 0, expert_alignment: int = 1,
                  config: Config | None = None, previous_event=None, async_finish: bool = False,
-                 validate: bool = True) -> DispatchResult:
+                 validate: bool = True, expert_major: bool = False) -> DispatchResult:
         """Send each token to every rank owning one of its experts.
 
         Arguments:
@@ -219,6 +220,16 @@ class Buffer:
             async_finish: do not make the current stream wait for the result;
                 wait on ``result.event`` instead.
             validate: check expert ids on the host (see get_dispatch_layout).
+            expert_major: also lay the received (row, local expert) pairs out in
+                per-expert blocks of expert_alignment-aligned size (needs topk_idx):
+                fills the result's expert_x, expert_x_scales, expert_offsets and
+                expert_src_row and the handle's recv_expert_row, for a grouped GEMM
+                and for combine of expert-major outputs. M_cap rows: the exact
+                sum(num_recv_tokens_per_expert) when the counts reach the host;
+                in worst-token mode (and cached dispatch) the bound
+                N * min(k, E_local) + E_local * (expert_alignment - 1), N =
+                num_worst_tokens (or the handle's rows), with no host wait (CUDA-graph
+                capturable). See cupyep.intranode.expert_major.
 
         Returns:
             DispatchResult.
@@ -267,6 +278,8 @@ class Buffer:
             if topk_idx is None:
                 raise ValueError("topk_weights needs topk_idx")
             check(topk_weights, "topk_weights", np.float32, shape=(T, k))
+        if expert_major:
+            EM.check_expert_major_request(topk_idx, expert_alignment)
         rs = ring_set(self.layout, "dispatch", H, k, fp8, cfg)
         dispatch_fn = self._kernel(K.dispatch_spec_for(R, cfg))
         self._check_resident(dispatch_fn, cfg, "dispatch")
@@ -308,8 +321,30 @@ class Buffer:
                 num_scales=H // 128 if fp8 else 0, num_topk=k, num_local_experts=num_experts // R, num_channels=C,
                 capacity=N, rank=self.rank, guard=self._guard("intranode_dispatch"))
             dispatch_fn((2 * C,), (cfg.num_threads,), (args,))
+            em = self._expert_major(handle, per_expert, recv_x, recv_scales, recv_topk_idx, num_experts,
+                                    expert_alignment) if expert_major else None
+            if em is not None:
+                handle = _replace(handle, recv_expert_row=em.recv_expert_row, num_expert_rows=em.num_expert_rows)
+            elif handle.recv_expert_row is not None:  # a cached handle's map may not fit this routing
+                handle = _replace(handle, recv_expert_row=None, num_expert_rows=0)
         event = self._end(async_finish)
-        return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle, event)
+        result = DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle, event)
+        if em is not None:
+            result.expert_x, result.expert_x_scales = em.expert_x, em.expert_x_scales
+            result.expert_offsets, result.expert_src_row = em.expert_offsets, em.expert_src_row
+        return result
+
+    def _expert_major(self, handle, per_expert, recv_x, recv_scales, recv_topk_idx, num_experts, alignment):
+        """Expert-major layout of this dispatch's output (on the communication stream)."""
+        R = self.num_ranks
+        E_local = num_experts // R
+        worst = handle.num_worst_tokens > 0
+        # Counts reach the host only from a notify pass without worst-token mode.
+        m_cap = EM.expert_rows_capacity(per_expert or None, recv_x.shape[0], recv_topk_idx.shape[1], E_local,
+                                        alignment)
+        num_recv_ptr = handle.recv_rank_offset.data.ptr + 4 * R if worst else 0  # device count: recv_rank_offset[R]
+        return EM.build(recv_x, recv_scales, recv_topk_idx, num_recv_ptr, E_local, alignment, m_cap,
+                        self._guard("intranode_expert_major"), self.num_device_sms)
 
     def _notify(self, T, H, num_experts, per_rank, per_expert, in_rank, C, alignment, num_worst_tokens):
         import cupy
@@ -360,7 +395,8 @@ class Buffer:
 
     # ----------------------------------------------------------------- combine
     def combine(self, x, handle: DispatchHandle, topk_weights=None, *, row_weights=None, config: Config | None = None,
-                previous_event=None, async_finish: bool = False) -> CombineResult:
+                previous_event=None, async_finish: bool = False, pair_weights=None,
+                expert_major: bool | None = None) -> CombineResult:
         """Send expert outputs back along the dispatch route and reduce them.
 
         Arguments:
@@ -370,6 +406,14 @@ class Buffer:
             row_weights: [N] float32: each row is multiplied by its weight in the
                 FP32 reduction (None: unweighted sum).
             config: combine Config.
+            pair_weights: [N, k] float32 (e.g. recv_topk_weights), only with
+                expert-major x: weight of each (row, slot) pair in the reduction.
+            expert_major: x holds expert-major rows ([M_cap, H], the layout of
+                dispatch(..., expert_major=True)): they are first reduced to one
+                BF16 row per received row, row r = BF16(FP32 sum over its local
+                slots j, in slot order, of pair_weights[r, j] * x[recv_expert_row[r, j]]),
+                then combined as usual. None (default): expert-major exactly when the
+                handle has an expert-major map and x has M_cap rows.
 
         Returns:
             CombineResult with combined_x [T, H] uint16 (BF16): for every token,
@@ -380,8 +424,11 @@ class Buffer:
             raise ValueError("combine needs a DispatchHandle made by this Buffer")
         x = check(as_cupy(x, "x"), "x", BF16, ndim=2)
         N = handle.num_worst_tokens or handle.num_recv_tokens
-        if x.shape[0] != N:
-            raise ValueError(f"x has {x.shape[0]} rows, the dispatch received {N}")
+        pair_weights = as_cupy(pair_weights, "pair_weights")
+        em = EM.combine_is_expert_major(x.shape[0], N, handle.num_expert_rows, handle.recv_expert_row is not None,
+                                        expert_major, pair_weights is not None)
+        if em:
+            EM.check_pair_weights(pair_weights, N, handle.recv_expert_row.shape[1])
         H = x.shape[1]
         check_hidden(H)
         R, T = self.num_ranks, handle.num_tokens
@@ -404,6 +451,10 @@ class Buffer:
         self._check_resident(fn, cfg, "combine")
         self._begin(previous_event)
         with self.comm_stream:
+            reduced = None
+            if em:  # expert-major outputs -> one row per received row
+                num_recv_ptr = handle.recv_rank_offset.data.ptr + 4 * R if handle.num_worst_tokens else 0
+                x = reduced = EM.reduce(x, handle.recv_expert_row, pair_weights, num_recv_ptr, self.num_device_sms)
             combined = cupy.empty((T, H), dtype=BF16)
             combined_w = cupy.empty((T, k), dtype=np.float32) if topk_weights is not None else None
             args = jit.pack(
@@ -414,7 +465,7 @@ class Buffer:
                 combined_topk_weights=K.ptr(combined_w), num_tokens=T, num_topk=k, num_channels=cfg.num_channels,
                 rank=self.rank, guard=self._guard("intranode_combine"))
             fn((2 * cfg.num_channels,), (cfg.num_threads,), (args,))
-        return CombineResult(combined, combined_w, self._end(async_finish))
+        return CombineResult(combined, combined_w, self._end(async_finish), reduced)
 
     # ---------------------------------------------------------------- lifetime
     def synchronize(self) -> None:

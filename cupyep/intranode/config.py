@@ -67,13 +67,13 @@ class Config:
 # Dispatch publishes small chunks with L2 hints: each slot is read while it is
 # still in L2 and then discarded, so ring traffic mostly stays out of HBM.
 _DISPATCH = {
-    2: Config(num_sms=48, chunk_size=2, queue_depth=16, l2_hints=2),
+    2: Config(num_sms=48, chunk_size=8, queue_depth=32, l2_hints=2),
     4: Config(num_sms=32, chunk_size=2, queue_depth=8, l2_hints=2),
     8: Config(num_sms=16, chunk_size=2, queue_depth=8, l2_hints=2),
 }
 _COMBINE = {
-    2: Config(num_sms=48, chunk_size=8, queue_depth=48),
-    4: Config(num_sms=32, chunk_size=8, queue_depth=32),
+    2: Config(num_sms=48, chunk_size=4, queue_depth=32, l2_hints=2),
+    4: Config(num_sms=32, chunk_size=8, queue_depth=32, l2_hints=2),
     8: Config(num_sms=16, chunk_size=4, queue_depth=32),
 }
 

@@ -37,6 +37,9 @@ class DispatchHandle:
         send_channel_prefix: [R, C + 1] int32.
         num_recv_tokens: N (-1 when unknown on the host: worst-token mode).
         num_worst_tokens: rows allocated in worst-token mode, else 0.
+        recv_expert_row: [N, k] int32, expert-major row of each (row, slot) pair, -1 for
+            slots of other ranks; None unless dispatch ran with expert_major=True.
+        num_expert_rows: M_cap, rows of the expert-major arrays (0 without expert_major).
     """
     rank_prefix_matrix: object
     recv_channel_prefix: object
@@ -53,6 +56,9 @@ class DispatchHandle:
     num_experts: int
     num_channels: int
     buffer_id: int
+    # Expert-major layout (dispatch(..., expert_major=True)); see cupyep.intranode.expert_major.
+    recv_expert_row: object = None
+    num_expert_rows: int = 0
 
 
 @dataclass
@@ -69,6 +75,14 @@ class DispatchResult:
             (empty in worst-token mode, where the host never waits for counts).
         handle: DispatchHandle for combine and cached dispatch.
         event: EventHandle recorded after the dispatch on the communication stream.
+
+    With ``expert_major=True`` (see cupyep.intranode.expert_major; None otherwise):
+        expert_x: [M_cap, H], dtype of recv_x: the (row, local expert) pairs in
+            per-expert blocks; padding rows are zero.
+        expert_x_scales: [M_cap, H / 128] float32 for FP8 (padding rows zero), else None.
+        expert_offsets: [E_local + 1] int32 device array: block e is rows
+            [expert_offsets[e], expert_offsets[e + 1]), a multiple of expert_alignment long.
+        expert_src_row: [M_cap] int32: recv_x row of each expert-major row, -1 for padding.
     """
     recv_x: object
     recv_x_scales: object
@@ -77,6 +91,10 @@ class DispatchResult:
     num_recv_tokens_per_expert: list = field(default_factory=list)
     handle: DispatchHandle | None = None
     event: EventHandle | None = None
+    expert_x: object = None
+    expert_x_scales: object = None
+    expert_offsets: object = None
+    expert_src_row: object = None
 
 
 @dataclass
@@ -87,7 +105,11 @@ class CombineResult:
         combined_x: [T, H] uint16 (BF16 bits), FP32-accumulated sum over ranks.
         combined_topk_weights: [T, k] float32 or None.
         event: EventHandle recorded after the combine.
+        expert_reduced_x: [N, H] uint16 (BF16 bits) when x was expert-major: the
+            per-received-row reduction of the expert outputs that was combined
+            (kept here so a captured CUDA graph's temporary stays alive); else None.
     """
     combined_x: object
     combined_topk_weights: object
     event: EventHandle | None = None
+    expert_reduced_x: object = None

@@ -20,6 +20,13 @@ from .layout import check_sizes, low_latency_layout
 from .results import LowLatencyCombineResult, LowLatencyDispatchResult, LowLatencyHandle
 
 
+def _time_ptr(kernel_time_ns) -> int:
+    if kernel_time_ns is None:
+        return 0
+    check(kernel_time_ns, "kernel_time_ns", np.int64, shape=(2,))
+    return kernel_time_ns.data.ptr
+
+
 class LowLatencyBuffer:
     """Low-latency mode buffer for one node.
 
@@ -28,6 +35,7 @@ class LowLatencyBuffer:
         num_max_dispatch_tokens_per_rank: most tokens any rank dispatches per call.
         hidden: hidden size (multiple of 128) every call uses.
         num_experts: E, divisible by the number of ranks.
+        max_topk: largest top-k any call uses (sizes the combine receive region).
         num_blocks: blocks per kernel (default: this rank's share of the GPU's SMs).
         num_threads: threads per block, one of kernels.THREAD_CHOICES.
 
@@ -35,14 +43,14 @@ class LowLatencyBuffer:
     """
 
     def __init__(self, group, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int, *,
-                 num_blocks: int | None = None, num_threads: int = K.DEFAULT_THREADS):
+                 max_topk: int = 16, num_blocks: int | None = None, num_threads: int = K.DEFAULT_THREADS):
         import cupy
         group.require_gpu("cupyep.LowLatencyBuffer")
         if group.num_nodes > 1:
             raise ValueError(f"low-latency mode across {group.num_nodes} nodes needs the NVSHMEM transport; "
                              "this buffer connects the ranks of one node")
         R = group.local_size
-        check_sizes(R, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        check_sizes(R, num_max_dispatch_tokens_per_rank, hidden, num_experts, max_topk)
         if num_threads not in K.THREAD_CHOICES:
             raise ValueError(f"num_threads must be one of {K.THREAD_CHOICES}, got {num_threads}")
         self.group = group
@@ -56,7 +64,8 @@ class LowLatencyBuffer:
         if self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_threads = num_threads
-        self.layout = low_latency_layout(R, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self.max_topk = max_topk
+        self.layout = low_latency_layout(R, num_max_dispatch_tokens_per_rank, hidden, num_experts, max_topk)
         self.buffer = SymmetricBuffer(group, self.layout.nbytes)
         self.comm_stream = cupy.cuda.Stream(non_blocking=True)
         self._next_set = 0
@@ -68,9 +77,10 @@ class LowLatencyBuffer:
 
     # ------------------------------------------------------------------ sizes
     @staticmethod
-    def size_hint(num_ranks: int, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> int:
+    def size_hint(num_ranks: int, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int,
+                  max_topk: int = 16) -> int:
         """Bytes per rank of a buffer for these sizes."""
-        return low_latency_layout(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_experts).nbytes
+        return low_latency_layout(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_experts, max_topk).nbytes
 
     @property
     def num_bytes(self) -> int:
@@ -78,8 +88,9 @@ class LowLatencyBuffer:
 
     def _check_resident(self) -> None:
         from ..intranode.kernels import max_resident_blocks
-        _, smem = K.dispatch_smem(self.max_tokens, self.num_blocks, 32, self.num_experts, self.num_threads)
-        per_sm = min(max_resident_blocks(self._dispatch_fn, self.num_threads, smem),
+        K.dispatch_smem(self.max_tokens, self.num_blocks, self.max_topk, self.num_experts, self.num_threads)
+        # A call may use up to SMEM_BUDGET bytes (ids staged for a small top-k): check that.
+        per_sm = min(max_resident_blocks(self._dispatch_fn, self.num_threads, K.SMEM_BUDGET),
                      max_resident_blocks(self._combine_fn, self.num_threads, K.combine_smem(self.num_experts)))
         total = self.num_blocks * self.group.ranks_per_gpu
         if per_sm < 1 or total > per_sm * self.num_device_sms:
@@ -123,8 +134,9 @@ class LowLatencyBuffer:
         topk_idx = check(as_cupy(topk_idx, "topk_idx"), "topk_idx", np.int64, ndim=2)
         if topk_idx.shape[0] != num_tokens:
             raise ValueError(f"topk_idx has {topk_idx.shape[0]} rows, x has {num_tokens}")
-        if topk_idx.shape[1] < 1:
-            raise ValueError("topk_idx needs at least one column")
+        if not 1 <= topk_idx.shape[1] <= self.max_topk:
+            raise ValueError(f"topk_idx has {topk_idx.shape[1]} columns; this buffer takes 1 to max_topk="
+                             f"{self.max_topk}")
         if validate and topk_idx.size and not cupy.cuda.get_current_stream().is_capturing():
             srt = cupy.sort(topk_idx, axis=1)
             dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0) if topk_idx.shape[1] > 1 else cupy.zeros(1, bool)
@@ -140,8 +152,8 @@ class LowLatencyBuffer:
     # --------------------------------------------------------------- dispatch
     def dispatch(self, x, topk_idx, *, use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
                  cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
-                 async_finish: bool = False, return_recv_hook: bool = False,
-                 validate: bool = True) -> LowLatencyDispatchResult:
+                 async_finish: bool = False, return_recv_hook: bool = False, validate: bool = True,
+                 kernel_time_ns=None) -> LowLatencyDispatchResult:
         """Send every (token, expert) pair to the expert's rank.
 
         Arguments:
@@ -155,6 +167,9 @@ class LowLatencyBuffer:
             async_finish: run on the communication stream and return an event.
             return_recv_hook: run only the send half now; ``result.hook()`` runs the receive half.
             validate: check expert ids and distinctness on the host (one small sync; skipped in graph capture).
+            kernel_time_ns: optional [2] int64 device array, for profiling: the kernel(s) lower
+                element 0 to their first block's start and raise element 1 to their last block's
+                end (%globaltimer ns); initialise it to [2**63 - 1, 0].
 
         Returns:
             LowLatencyDispatchResult (recv_x is a view valid until the next dispatch).
@@ -177,7 +192,7 @@ class LowLatencyBuffer:
         wait = as_cupy(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats")
         if wait is not None:
             check(wait, "dispatch_wait_recv_cost_stats", np.int64, shape=(R,))
-        groups, smem = K.dispatch_smem(max(T, 1), self.num_blocks, k, self.num_experts, self.num_threads)
+        groups, smem, stage = K.dispatch_smem(max(T, 1), self.num_blocks, k, self.num_experts, self.num_threads)
 
         set_index, cur, nxt = self._take_set()
         stream = self._stream(async_finish)
@@ -187,20 +202,24 @@ class LowLatencyBuffer:
         args = dict(peers=self.buffer.peer_ptrs.data.ptr, cur=K.set_struct(cur), next=K.set_struct(nxt),
                     x=x.data.ptr, topk_idx=topk_idx.data.ptr, layout_count=layout_count.data.ptr,
                     recv_count=recv_count.data.ptr, cumulative_stats=0 if stats is None else stats.data.ptr,
-                    wait_stats=0 if wait is None else wait.data.ptr, num_tokens=T, hidden=H, num_topk=k,
-                    num_experts=self.num_experts, num_ranks=R, max_tokens=self.max_tokens, num_groups=groups,
+                    wait_stats=0 if wait is None else wait.data.ptr, kernel_time=_time_ptr(kernel_time_ns),
+                    num_tokens=T, hidden=H, num_topk=k, num_experts=self.num_experts, num_ranks=R,
+                    max_tokens=self.max_tokens, max_topk=self.max_topk, num_groups=groups,
+                    stage_ids=int(stage),
                     fp8=int(use_fp8), round_scale=int(round_scale), ue8m0=int(use_ue8m0), rank=self.rank,
                     guard=self._guard("low_latency_dispatch"))
 
-        def launch(phases, s):
+        def launch(phases, s, kernel_time=None):
             a = jit.pack(K.DISPATCH_ARGS_DTYPE, **args, phases=phases)
+            if kernel_time is not None:
+                a["kernel_time"] = _time_ptr(kernel_time)
             with s:
                 self._dispatch_fn((self.num_blocks,), (self.num_threads,), (a,), shared_mem=smem)
 
         hook = None
         if return_recv_hook:
             launch(K.PHASE_SEND, stream)
-            hook = self._make_hook(lambda: launch(K.PHASE_RECV, cupy.cuda.get_current_stream()))
+            hook = self._make_hook(lambda kt: launch(K.PHASE_RECV, cupy.cuda.get_current_stream(), kt))
         else:
             launch(K.PHASE_SEND | K.PHASE_RECV, stream)
         event = self._finish(stream, async_finish)
@@ -212,6 +231,7 @@ class LowLatencyBuffer:
         if use_fp8:
             recv_scales = self.buffer.view(cur.recv_scales, (El, slots, H // 128), np.uint8 if use_ue8m0 else np.float32)
         handle = LowLatencyHandle(layout_count=layout_count, recv_src=self.buffer.view(cur.recv_src, (El, slots), np.int32),
+                                  recv_slot=self.buffer.view(cur.recv_slot, (El, slots), np.uint8),
                                   num_tokens=T, num_topk=k, hidden=H, num_experts=self.num_experts,
                                   max_tokens=self.max_tokens, set_index=set_index, call=self._calls,
                                   buffer_id=id(self))
@@ -220,12 +240,13 @@ class LowLatencyBuffer:
     def _make_hook(self, run):
         state = {"done": False}
 
-        def hook():
+        def hook(kernel_time_ns=None):
+            """Run the receive half on the current stream (kernel_time_ns: as in dispatch, for this half)."""
             if state["done"]:
                 raise ValueError("this receive hook has already run")
             state["done"] = True
             self._pending_hook = None
-            run()
+            run(kernel_time_ns)
 
         self._pending_hook = hook
         return hook
@@ -244,7 +265,7 @@ class LowLatencyBuffer:
 
     def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, *, zero_copy: bool = False,
                 async_finish: bool = False, return_recv_hook: bool = False, out=None,
-                validate: bool = False) -> LowLatencyCombineResult:
+                validate: bool = False, kernel_time_ns=None) -> LowLatencyCombineResult:
         """Return expert outputs to their tokens and reduce with the top-k weights.
 
         Arguments:
@@ -255,7 +276,7 @@ class LowLatencyBuffer:
             handle: the dispatch's LowLatencyHandle.
             zero_copy: read the expert outputs from get_next_combine_buffer().
             out: optional [T, H] uint16 output array.
-            async_finish, return_recv_hook: as in dispatch.
+            async_finish, return_recv_hook, kernel_time_ns: as in dispatch.
 
         Returns:
             LowLatencyCombineResult with combined_x [T, H] uint16 (BF16).
@@ -287,19 +308,23 @@ class LowLatencyBuffer:
         args = dict(peers=self.buffer.peer_ptrs.data.ptr, cur=K.set_struct(cur), next=K.set_struct(nxt),
                     x=src.data.ptr, layout_count=handle.layout_count.data.ptr, recv_src=handle.recv_src.data.ptr,
                     topk_idx=topk_idx.data.ptr, topk_weights=topk_weights.data.ptr, out=out.data.ptr,
+                    recv_slot=handle.recv_slot.data.ptr, kernel_time=_time_ptr(kernel_time_ns),
                     num_tokens=T, hidden=H, num_topk=k, num_experts=self.num_experts, num_ranks=R,
-                    max_tokens=self.max_tokens, rank=self.rank, guard=self._guard("low_latency_combine"))
+                    max_tokens=self.max_tokens, max_topk=self.max_topk, rank=self.rank,
+                    guard=self._guard("low_latency_combine"))
         smem = K.combine_smem(self.num_experts)
 
-        def launch(phases, s):
+        def launch(phases, s, kernel_time=None):
             a = jit.pack(K.COMBINE_ARGS_DTYPE, **args, phases=phases)
+            if kernel_time is not None:
+                a["kernel_time"] = _time_ptr(kernel_time)
             with s:
                 self._combine_fn((self.num_blocks,), (self.num_threads,), (a,), shared_mem=smem)
 
         hook = None
         if return_recv_hook:
             launch(K.PHASE_SEND, stream)
-            hook = self._make_hook(lambda: launch(K.PHASE_RECV, cupy.cuda.get_current_stream()))
+            hook = self._make_hook(lambda kt: launch(K.PHASE_RECV, cupy.cuda.get_current_stream(), kt))
         else:
             launch(K.PHASE_SEND | K.PHASE_RECV, stream)
         return LowLatencyCombineResult(out, self._finish(stream, async_finish), hook)

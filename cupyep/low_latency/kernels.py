@@ -24,14 +24,15 @@ SET_DTYPE = jit.struct_dtype([(n, i64) for n in FIELDS])
 DISPATCH_ARGS_DTYPE = jit.struct_dtype([
     ("peers", u64), ("cur", SET_DTYPE), ("next", SET_DTYPE), ("x", u64), ("topk_idx", u64),
     ("layout_count", u64), ("recv_count", u64), ("cumulative_stats", u64), ("wait_stats", u64),
-    ("num_tokens", i32), ("hidden", i32), ("num_topk", i32), ("num_experts", i32), ("num_ranks", i32),
-    ("max_tokens", i32), ("num_groups", i32), ("fp8", i32), ("round_scale", i32), ("ue8m0", i32),
+    ("kernel_time", u64), ("num_tokens", i32), ("hidden", i32), ("num_topk", i32), ("num_experts", i32),
+    ("num_ranks", i32), ("max_tokens", i32), ("max_topk", i32), ("num_groups", i32), ("stage_ids", i32), ("fp8", i32), ("round_scale", i32), ("ue8m0", i32),
     ("phases", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
 COMBINE_ARGS_DTYPE = jit.struct_dtype([
     ("peers", u64), ("cur", SET_DTYPE), ("next", SET_DTYPE), ("x", u64), ("layout_count", u64),
-    ("recv_src", u64), ("topk_idx", u64), ("topk_weights", u64), ("out", u64),
-    ("num_tokens", i32), ("hidden", i32), ("num_topk", i32), ("num_experts", i32), ("num_ranks", i32),
-    ("max_tokens", i32), ("phases", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
+    ("recv_src", u64), ("topk_idx", u64), ("topk_weights", u64), ("out", u64), ("recv_slot", u64),
+    ("kernel_time", u64), ("num_tokens", i32), ("hidden", i32), ("num_topk", i32), ("num_experts", i32),
+    ("num_ranks", i32), ("max_tokens", i32), ("max_topk", i32), ("phases", i32), ("rank", i32),
+    ("guard", GUARD_DTYPE)])
 
 
 def dispatch_spec(num_threads: int = DEFAULT_THREADS) -> jit.KernelSpec:
@@ -54,23 +55,30 @@ def set_struct(s) -> np.void:
     return jit.pack(SET_DTYPE, **{n: getattr(s, n) for n in FIELDS})
 
 
-def dispatch_smem(num_tokens_max: int, num_blocks: int, num_topk: int, num_experts: int,
-                  num_threads: int) -> tuple[int, int]:
-    """(num_groups, bytes) of the dispatch kernel's shared memory.
+def dispatch_smem(num_tokens: int, num_blocks: int, num_topk: int, num_experts: int,
+                  num_threads: int) -> tuple[int, int, bool]:
+    """(num_groups, bytes, stage_ids) of the dispatch kernel's shared memory.
 
-    Layout: cnt [num_groups][E], total [E], own_e / own_pos [Tb][k], own_grp [Tb]
-    int32, Tb = ceil(T / blocks). num_groups (token groups of the position
-    scan) is as many warps as fit in SMEM_BUDGET. Raises ValueError if even
-    one group does not fit.
+    Layout: cnt [num_groups][E], total [E], own_e / own_pos [Tb][k], own_grp
+    [Tb], then (when stage_ids) the routing ids [T][k], all int32, with
+    Tb = ceil(T / blocks). The ids are staged when that still leaves room for
+    one scan group per 4 warps; num_groups (token groups of the position
+    scan) is then as many warps as fit in SMEM_BUDGET. Raises ValueError if
+    even one group does not fit.
     """
-    tb = (num_tokens_max + num_blocks - 1) // num_blocks
+    tb = (num_tokens + num_blocks - 1) // num_blocks
     fixed = 4 * (num_experts + 2 * tb * num_topk + tb)
-    groups = min(num_threads // 32, (SMEM_BUDGET - fixed) // (4 * num_experts))
+    staged = 4 * num_tokens * num_topk
+    warps = num_threads // 32
+    stage = fixed + staged + 4 * num_experts * max(1, warps // 4) <= SMEM_BUDGET
+    if stage:
+        fixed += staged
+    groups = min(warps, (SMEM_BUDGET - fixed) // (4 * num_experts))
     if groups < 1:
         raise ValueError(f"low-latency dispatch needs {fixed + 4 * num_experts} bytes of shared memory for "
                          f"{num_experts} experts, top-{num_topk} and {tb} tokens per block; the budget is "
                          f"{SMEM_BUDGET}: use fewer experts or more blocks")
-    return groups, fixed + 4 * num_experts * groups
+    return groups, fixed + 4 * num_experts * groups, stage
 
 
 def combine_smem(num_experts: int) -> int:

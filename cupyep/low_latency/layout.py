@@ -9,21 +9,27 @@ of the set the next call uses. One set, with ``El = E / R`` local experts,
     dispatch_flag  [R] int32          source r finished its dispatch rows
     combine_flag   [R] int32          expert rank r finished its combine rows
     done           [4] int32          this rank's blocks that finished sending
-    recv_x         [El][R * M] rows of 2H bytes (FP8 rows use the first H)
+    recv_x         [El][R * M] rows: H bytes (FP8) or 2H bytes (BF16); sized for BF16
     recv_scales    [El][R * M][H / 128] float32 (or UE8M0 bytes)
     recv_src       [El][R * M] int32  source token of each row
+    recv_slot      [El][R * M] uint8  top-k slot of each row within its token
     combine_send   [El][R * M][H] BF16  zero-copy combine input
-    combine_recv   [E][M][H] BF16     expert e's output for token t at [e][t]
+    combine_recv   [M][K][H] BF16     output for slot j of my token t at [t][j]
 
-Every region starts on a 128-byte boundary.
+with ``K = max_topk``. Every region starts on a 128-byte boundary. The
+combine receive region is indexed by (token, slot), not by expert, so it
+spans M * K rows instead of E * M: calls touch far fewer pages, which on one
+GPU shared by many ranks matters as much as the bytes moved.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 ALIGN = 128
 FIELDS = ("dispatch_count", "dispatch_flag", "combine_flag", "done", "recv_x", "recv_scales", "recv_src",
-          "combine_send", "combine_recv")
+          "recv_slot", "combine_send", "combine_recv")
+MAX_TOPK = 255  # recv_slot is one byte
 
 
 def _align(n: int) -> int:
@@ -40,6 +46,7 @@ class SetLayout:
     recv_x: int
     recv_scales: int
     recv_src: int
+    recv_slot: int
     combine_send: int
     combine_recv: int
     end: int
@@ -50,7 +57,7 @@ class LowLatencyLayout:
     """The two sets of a buffer for these sizes.
 
     Attributes:
-        num_ranks, num_experts, max_tokens, hidden: what the buffer was built for.
+        num_ranks, num_experts, max_tokens, hidden, max_topk: what the buffer was built for.
         sets: (SetLayout, SetLayout).
         nbytes: total bytes per rank.
     """
@@ -58,6 +65,7 @@ class LowLatencyLayout:
     num_experts: int
     max_tokens: int
     hidden: int
+    max_topk: int
     sets: tuple
     nbytes: int
 
@@ -71,23 +79,38 @@ class LowLatencyLayout:
         return self.num_ranks * self.max_tokens
 
 
-def check_sizes(num_ranks: int, max_tokens: int, hidden: int, num_experts: int) -> None:
-    """ValueError for sizes no low-latency buffer can hold."""
+def _int(name: str, value, what: str = "an integer") -> int:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be {what}, got {value!r}") from None
+
+
+def check_sizes(num_ranks: int, max_tokens: int, hidden: int, num_experts: int, max_topk: int = 16) -> None:
+    """ValueError for sizes no low-latency buffer can hold (integers, NumPy ones included)."""
+    num_ranks, hidden, num_experts = _int("num_ranks", num_ranks), _int("hidden", hidden), _int("num_experts", num_experts)
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
-    if not isinstance(max_tokens, int) or max_tokens < 1:
+    if _int("num_max_dispatch_tokens_per_rank", max_tokens, "a positive int") < 1:
         raise ValueError(f"num_max_dispatch_tokens_per_rank must be a positive int, got {max_tokens!r}")
+    if not 1 <= _int("max_topk", max_topk, f"an int in [1, {MAX_TOPK}]") <= MAX_TOPK:
+        raise ValueError(f"max_topk must be an int in [1, {MAX_TOPK}], got {max_topk!r}")
     if hidden <= 0 or hidden % 128:
         raise ValueError(f"hidden size must be a positive multiple of 128, got {hidden}")
     if num_experts < num_ranks or num_experts % num_ranks:
         raise ValueError(f"num_experts={num_experts} must be a positive multiple of the {num_ranks} ranks")
 
 
-def low_latency_layout(num_ranks: int, max_tokens: int, hidden: int, num_experts: int) -> LowLatencyLayout:
+def low_latency_layout(num_ranks: int, max_tokens: int, hidden: int, num_experts: int,
+                       max_topk: int = 16) -> LowLatencyLayout:
     """Layout of a buffer for ``num_ranks`` ranks, ``max_tokens`` tokens per
-    rank and call, hidden size ``hidden`` and ``num_experts`` experts."""
-    check_sizes(num_ranks, max_tokens, hidden, num_experts)
-    R, E, M, H = num_ranks, num_experts, max_tokens, hidden
+    rank and call, hidden size ``hidden``, ``num_experts`` experts and top-k
+    up to ``max_topk``."""
+    check_sizes(num_ranks, max_tokens, hidden, num_experts, max_topk)
+    R, E, M, H = (operator.index(v) for v in (num_ranks, num_experts, max_tokens, hidden))
+    max_topk = operator.index(max_topk)
     El = E // R
     rows = El * R * M
     sizes = {
@@ -98,8 +121,9 @@ def low_latency_layout(num_ranks: int, max_tokens: int, hidden: int, num_experts
         "recv_x": rows * 2 * H,
         "recv_scales": rows * (H // 128) * 4,
         "recv_src": rows * 4,
+        "recv_slot": rows,
         "combine_send": rows * 2 * H,
-        "combine_recv": E * M * 2 * H,
+        "combine_recv": M * max_topk * 2 * H,
     }
     sets = []
     offset = 0
@@ -109,9 +133,9 @@ def low_latency_layout(num_ranks: int, max_tokens: int, hidden: int, num_experts
             offs[name] = offset
             offset = _align(offset + sizes[name])
         sets.append(SetLayout(**offs, end=offset))
-    return LowLatencyLayout(R, E, M, H, tuple(sets), offset)
+    return LowLatencyLayout(R, E, M, H, max_topk, tuple(sets), offset)
 
 
-def size_hint(num_ranks: int, max_tokens: int, hidden: int, num_experts: int) -> int:
+def size_hint(num_ranks: int, max_tokens: int, hidden: int, num_experts: int, max_topk: int = 16) -> int:
     """Bytes per rank of a LowLatencyBuffer for these sizes."""
-    return low_latency_layout(num_ranks, max_tokens, hidden, num_experts).nbytes
+    return low_latency_layout(num_ranks, max_tokens, hidden, num_experts, max_topk).nbytes

@@ -13,12 +13,14 @@ class LowLatencyHandle:
         layout_count: [E_local, R] int32 device array: rows of (local expert e,
             source r), which occupy rows [r * max_tokens, r * max_tokens + count).
         recv_src: [E_local, R * max_tokens] int32 device view: source token of each row.
+        recv_slot: [E_local, R * max_tokens] uint8 device view: top-k slot of each row in its token.
         num_tokens: T of this rank's dispatch (combine returns [T, H]).
         set_index: buffer set the dispatch used.
         call: sequence number of the dispatch on its buffer.
     """
     layout_count: object
     recv_src: object
+    recv_slot: object
     num_tokens: int
     num_topk: int
     hidden: int

@@ -31,6 +31,7 @@ __all__ = [
     "intranode_combine",
     "intranode_combine_topk_weights",
     "expert_major_order",
+    "expert_major_reduce",
 ]
 
 _CHUNK_BYTES = 2 << 20  # float64 working set per combine step
@@ -73,15 +74,28 @@ class ExpertMajorLayout:
     """Received (token, local expert) pairs grouped by expert, for grouped GEMM.
 
     Attributes:
-        expert_offsets: [E_local + 1] int64, pairs of local expert e are
-            entries [expert_offsets[e], expert_offsets[e + 1]).
-        rows: [M] int64, received row of each pair; ascending within an expert.
-        slot: [M] int64, top-k slot of each pair (recv_topk_idx[rows, slot] == e).
+        expert_offsets: [E_local + 1] int64, block of local expert e is
+            entries [expert_offsets[e], expert_offsets[e + 1]): its pairs,
+            then padding up to a multiple of the expert alignment.
+        rows: [M] int64, received row of each pair, -1 for padding entries;
+            ascending within an expert.
+        slot: [M] int64, top-k slot of each pair (recv_topk_idx[rows, slot] == e),
+            -1 for padding entries.
     """
 
     expert_offsets: np.ndarray
     rows: np.ndarray
     slot: np.ndarray
+
+    def pair_rows(self, num_rows: int, num_topk: int) -> np.ndarray:
+        """The inverse map: [num_rows, num_topk] int64, the entry (position in
+        rows) of pair (row, slot), -1 for slots without a local expert."""
+        out = np.full((int(num_rows), int(num_topk)), -1, dtype=np.int64)
+        pair = np.flatnonzero(self.rows >= 0)
+        if pair.size and (self.rows[pair].max() >= num_rows or self.slot[pair].max() >= num_topk):
+            raise ValueError(f"layout holds pairs outside [{num_rows}, {num_topk}]")
+        out[self.rows[pair], self.slot[pair]] = pair
+        return out
 
 
 def intranode_dispatch(
@@ -290,19 +304,26 @@ def intranode_combine_topk_weights(
     return combined
 
 
-def expert_major_order(result: IntranodeDispatchResult, num_local_experts: int) -> ExpertMajorLayout:
+def expert_major_order(
+    result: IntranodeDispatchResult, num_local_experts: int, expert_alignment: int = 1
+) -> ExpertMajorLayout:
     """Group one rank's received (token, local expert) pairs by expert.
 
     Arguments:
         result: IntranodeDispatchResult of one rank.
         num_local_experts: E_local.
+        expert_alignment: A >= 1; each expert's block is padded with entries
+            (rows = slot = -1) to a multiple of A.
 
     Returns:
         ExpertMajorLayout with expert_offsets [E_local + 1] int64, rows [M]
-        int64 and slot [M] int64, M = number of valid recv_topk_idx entries.
-        Within an expert, pairs are ordered by received row (then slot).
+        int64 and slot [M] int64, M = sum over experts of round_up(count_e, A)
+        (with A = 1: the number of valid recv_topk_idx entries). Within an
+        expert, pairs are ordered by received row (then slot), then padding.
     """
     check_num_experts(num_local_experts, 1)
+    if not isinstance(expert_alignment, (int, np.integer)) or expert_alignment <= 0:
+        raise ValueError(f"expert_alignment must be a positive integer, got {expert_alignment!r}")
     recv_topk_idx = result.recv_topk_idx
     if recv_topk_idx.size and recv_topk_idx.max() >= num_local_experts:
         raise ValueError(
@@ -313,9 +334,73 @@ def expert_major_order(result: IntranodeDispatchResult, num_local_experts: int) 
     experts = recv_topk_idx[rows, slots]
     order = np.argsort(experts, kind="stable")
     counts = np.bincount(experts, minlength=num_local_experts)
-    expert_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    return ExpertMajorLayout(
-        expert_offsets=expert_offsets,
-        rows=rows[order].astype(np.int64),
-        slot=slots[order].astype(np.int64),
-    )
+    if expert_alignment == 1:
+        expert_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        return ExpertMajorLayout(
+            expert_offsets=expert_offsets,
+            rows=rows[order].astype(np.int64),
+            slot=slots[order].astype(np.int64),
+        )
+    aligned = (counts + expert_alignment - 1) // expert_alignment * expert_alignment
+    expert_offsets = np.concatenate([[0], np.cumsum(aligned)]).astype(np.int64)
+    out_rows = np.full(int(expert_offsets[-1]), -1, dtype=np.int64)
+    out_slot = np.full(int(expert_offsets[-1]), -1, dtype=np.int64)
+    pair_offsets = np.concatenate([[0], np.cumsum(counts)])
+    # Pair i of the stable order belongs to expert experts[order[i]]: shift it by
+    # the padding of the blocks before its expert.
+    sorted_experts = experts[order]
+    dest = np.arange(order.size) - pair_offsets[sorted_experts] + expert_offsets[sorted_experts]
+    out_rows[dest] = rows[order]
+    out_slot[dest] = slots[order]
+    return ExpertMajorLayout(expert_offsets=expert_offsets, rows=out_rows, slot=out_slot)
+
+
+def expert_major_reduce(
+    y: np.ndarray,
+    layout: ExpertMajorLayout,
+    num_rows: int,
+    num_topk: int,
+    pair_weights: Optional[np.ndarray] = None,
+) -> np.ndarray:
+    """Reduce expert-major outputs back to one row per received row.
+
+    out[r] = sum over slots j with a local expert of
+    pair_weights[r, j] * y[entry of pair (r, j)] (weight 1 when pair_weights
+    is None), accumulated in float64 and rounded once to float32; rows
+    without a local slot are zero. Padding entries of y are never read. (The
+    GPU accumulates in float32 in slot order and rounds to BF16: round this
+    result to BF16 to compare.)
+
+    Arguments:
+        y: [M, hidden] float32 / bfloat16 / float16 expert outputs in the
+            layout's order; M >= layout.expert_offsets[-1] (extra rows ignored).
+        layout: ExpertMajorLayout from expert_major_order.
+        num_rows: N, rows of the rank-major dispatch output.
+        num_topk: k.
+        pair_weights: None or [num_rows, num_topk] float32.
+
+    Returns:
+        [num_rows, hidden] float32.
+    """
+    y = np.asarray(y)
+    if y.ndim != 2 or y.shape[0] < int(layout.expert_offsets[-1]):
+        raise ValueError(f"y must be [M >= {int(layout.expert_offsets[-1])}, hidden], got shape {y.shape}")
+    if pair_weights is not None and np.shape(pair_weights) != (num_rows, num_topk):
+        raise ValueError(f"pair_weights has shape {np.shape(pair_weights)}, expected ({num_rows}, {num_topk})")
+    entry = layout.pair_rows(num_rows, num_topk)
+    hidden = y.shape[1]
+    out = np.empty((int(num_rows), hidden), dtype=np.float32)
+    chunk = max(1, _CHUNK_BYTES // (8 * max(hidden, 1)))
+    for begin in range(0, int(num_rows), chunk):
+        ent = entry[begin : begin + chunk]
+        acc = np.zeros((ent.shape[0], hidden), dtype=np.float64)
+        for j in range(int(num_topk)):
+            hit = ent[:, j] >= 0
+            if not hit.any():
+                continue
+            values = y[ent[hit, j]].astype(np.float64)
+            if pair_weights is not None:
+                values *= np.asarray(pair_weights, dtype=np.float32)[begin : begin + chunk][hit, j].astype(np.float64)[:, None]
+            acc[hit] += values
+        out[begin : begin + chunk] = acc
+    return out

@@ -36,8 +36,8 @@ def tagged_x(rank: int, num_tokens: int, hidden: int = H) -> np.ndarray:
     return x
 
 
-def _routing(group, seed, tokens):
-    idx, w = global_routing(seed, tokens, E, K)
+def _routing(group, seed, tokens, k=K):
+    idx, w = global_routing(seed, tokens, E, k)
     return idx, w
 
 
@@ -101,13 +101,13 @@ def _combine_expected(x_bits, idx, w):
     return bf16_to_f32(x_bits) * sw[:, None]
 
 
-@pytest.mark.parametrize("num_tokens", [128, 1])
+@pytest.mark.parametrize("num_tokens,k", [(128, 8), (1, 8), (64, 16)])
 @pytest.mark.parametrize("use_fp8", [True, False])
-def test_dispatch_combine(group, llbuf, num_tokens, use_fp8):
+def test_dispatch_combine(group, llbuf, num_tokens, k, use_fp8):
     import cupy
     me, R = group.local_rank, group.local_size
     tokens = [num_tokens] * R
-    idx, w = _routing(group, 3 + num_tokens + use_fp8, tokens)
+    idx, w = _routing(group, 3 + num_tokens + use_fp8, tokens, k)
     xs = [tagged_x(r, num_tokens) for r in range(R)]
     x = cupy.asarray(xs[me])
     stats = cupy.zeros(E // R, dtype=np.int32)
@@ -264,6 +264,16 @@ def test_bad_input(group, llbuf):
         llbuf.dispatch(x, idx, cumulative_local_expert_recv_stats=cupy.zeros(E // group.local_size, np.int64))
     with pytest.raises(ValueError, match="uint16"):
         llbuf.dispatch(x.astype(np.float32), idx)
+    with pytest.raises(ValueError, match="max_topk=16"):
+        llbuf.dispatch(x, cupy.asarray(np.tile(np.arange(17, dtype=np.int64), (4, 1))))
+    res = llbuf.dispatch(x, idx, use_fp8=False)
+    with pytest.raises(ValueError, match="columns"):
+        llbuf.combine(cupy.zeros((E // group.local_size, group.local_size * MAX_TOKENS, H), np.uint16),
+                      idx[:, :4].copy(), cupy.zeros((4, 4), np.float32), res.handle)
+    with pytest.raises(ValueError, match="shape"):
+        llbuf.combine(cupy.zeros((1, 2, H), np.uint16), idx, cupy.zeros((4, K), np.float32), res.handle)
+    # The skipped combine left the peers' flags untouched: run it so all ranks stay in step.
+    llbuf.combine(res.recv_x, idx, cupy.ones((4, K), np.float32), res.handle)
     group.comm.Barrier()
 
 

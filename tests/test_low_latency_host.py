@@ -1,0 +1,555 @@
+"""CPU tests of low-latency mode's host side: the two-set buffer layout, size
+checks, the dispatch kernel's shared-memory plan, the kernel argument structs
+(against cuda_src/low_latency/args.cuh), the kernel specialisations and the
+wait-site names of the device error slot. Nothing here needs a GPU except
+LowLatencyHandle.layout_begin, which skips without one."""
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cupyep import barrier, jit
+from cupyep.errors import KERNELS, CommTimeoutError, ERROR_SLOT_DTYPE, error_from_slot, kernel_id
+from cupyep.low_latency import kernels as K
+from cupyep.low_latency import layout as L
+from cupyep.low_latency.results import LowLatencyHandle
+
+ARGS_CUH = jit.CUDA_SRC / "low_latency" / "args.cuh"
+TIMEOUT_CUH = jit.CUDA_SRC / "common" / "timeout.cuh"
+
+# (num_ranks, max_tokens, hidden, num_experts, max_topk)
+SIZES = [
+    (1, 1, 128, 1, 1),
+    (2, 3, 128, 2, 2),
+    (3, 7, 384, 9, 5),
+    (5, 17, 640, 15, 16),
+    (4, 33, 256, 64, 255),
+    (8, 1, 128, 8, 3),
+    (8, 128, 7168, 256, 8),
+    (8, 128, 7168, 256, 16),
+    (2, 256, 4096, 32, 6),
+]
+SIZE_IDS = [f"R{r}_M{m}_H{h}_E{e}_K{k}" for r, m, h, e, k in SIZES]
+
+
+# ------------------------------------------------------------------ layout ---
+
+def _ceil128(n):
+    return -(-n // 128) * 128
+
+
+def _documented_sizes(R, M, H, E, K):
+    """Region sizes in bytes, from the formulas of layout.py's docstring (K = max_topk)."""
+    El = E // R
+    rows = El * R * M
+    return {
+        "dispatch_count": 4 * El * R,
+        "dispatch_flag": 4 * R,
+        "combine_flag": 4 * R,
+        "done": 16,
+        "recv_x": rows * 2 * H,
+        "recv_scales": rows * (H // 128) * 4,
+        "recv_src": rows * 4,
+        "recv_slot": rows,                 # uint8
+        "combine_send": rows * 2 * H,
+        "combine_recv": M * K * 2 * H,     # [M][K][H] BF16, by (token, slot)
+    }
+
+
+DOC_ORDER = ("dispatch_count", "dispatch_flag", "combine_flag", "done", "recv_x", "recv_scales", "recv_src",
+             "recv_slot", "combine_send", "combine_recv")
+
+
+def test_fields_in_documented_order():
+    assert L.FIELDS == DOC_ORDER
+    assert tuple(L.SetLayout.__dataclass_fields__) == DOC_ORDER + ("end",)
+    assert L.ALIGN == 128
+    # The docstring lists the regions in the same order.
+    doc = [line.split()[0] for line in L.__doc__.splitlines()
+           if line.strip() and line.startswith("    ") and line.split()[0] in DOC_ORDER]
+    assert tuple(doc) == DOC_ORDER
+
+
+@pytest.mark.parametrize("R,M,H,E,K", SIZES, ids=SIZE_IDS)
+def test_layout_regions_aligned_ordered_exact(R, M, H, E, K):
+    lay = L.low_latency_layout(R, M, H, E, K)
+    sizes = _documented_sizes(R, M, H, E, K)
+    assert (lay.num_ranks, lay.max_tokens, lay.hidden, lay.num_experts, lay.max_topk) == (R, M, H, E, K)
+    assert lay.num_local_experts == E // R and lay.slots == R * M
+    assert len(lay.sets) == 2
+    assert lay.sets[0].dispatch_count == 0
+    for s in lay.sets:
+        starts = [getattr(s, n) for n in DOC_ORDER]
+        for name, start in zip(DOC_ORDER, starts):
+            assert start % 128 == 0, f"{name} starts at {start}"
+        assert s.end % 128 == 0
+        # Documented order, each region exactly its size padded to 128 bytes.
+        bounds = starts + [s.end]
+        for name, start, nxt in zip(DOC_ORDER, bounds, bounds[1:]):
+            assert start + sizes[name] <= nxt, f"{name} overlaps the next region"
+            assert nxt == _ceil128(start + sizes[name]), f"{name}: {nxt - start} bytes, needs {sizes[name]}"
+        assert s.end - s.dispatch_count == sum(_ceil128(v) for v in sizes.values())
+    assert lay.sets[1].dispatch_count == lay.sets[0].end
+    # The sets are identical up to the shift.
+    shift = lay.sets[0].end
+    for name in DOC_ORDER + ("end",):
+        assert getattr(lay.sets[1], name) - getattr(lay.sets[0], name) == shift, name
+    assert lay.nbytes == lay.sets[1].end == 2 * shift
+    assert L.size_hint(R, M, H, E, K) == lay.nbytes
+
+
+@pytest.mark.parametrize("R,M,H,E,K", SIZES, ids=SIZE_IDS)
+def test_layout_regions_never_overlap(R, M, H, E, K):
+    lay = L.low_latency_layout(R, M, H, E, K)
+    sizes = _documented_sizes(R, M, H, E, K)
+    spans = sorted((getattr(s, n), getattr(s, n) + sizes[n], f"set{i}.{n}")
+                   for i, s in enumerate(lay.sets) for n in DOC_ORDER)
+    assert len(spans) == 2 * len(DOC_ORDER)
+    for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
+        assert a1 <= b0, f"{an} [{a0}, {a1}) overlaps {bn} [{b0}, {b1})"
+    assert spans[0][0] == 0 and spans[-1][1] <= lay.nbytes
+
+
+@pytest.mark.parametrize("R,M,H,E,K", SIZES, ids=SIZE_IDS)
+def test_buffer_views_fit_their_regions(R, M, H, E, K):
+    # The views buffer.py and the kernels take (widest dtype each may use) stay inside their region.
+    lay = L.low_latency_layout(R, M, H, E, K)
+    El, slots = E // R, R * M
+    views = {
+        "recv_x": El * slots * H * 2,               # BF16 rows
+        "recv_scales": El * slots * (H // 128) * 4,  # float32 scales
+        "recv_src": El * slots * 4,
+        "recv_slot": El * slots,                     # uint8
+        "combine_send": El * slots * H * 2,
+        "combine_recv": (M * K) * H * 2,             # row t * K + j, j < K
+        "dispatch_count": El * R * 4,
+        "dispatch_flag": R * 4,
+        "combine_flag": R * 4,
+        "done": 4 * 4,
+    }
+    for s in lay.sets:
+        bounds = [getattr(s, n) for n in DOC_ORDER] + [s.end]
+        for name, start, nxt in zip(DOC_ORDER, bounds, bounds[1:]):
+            assert start + views[name] <= nxt, name
+
+
+def test_layout_deepseek_decode_numbers():
+    R, M, H, E, K = 8, 128, 7168, 256, 16
+    El = E // R                      # 32 local experts
+    rows = El * R * M                # 32768 rows per set
+    per_set = (_ceil128(4 * El * R) + 3 * 128  # counts, two flag arrays and done, each padded to 128
+               + rows * 2 * H + rows * (H // 128) * 4 + rows * 4 + rows + rows * 2 * H + M * K * 2 * H)
+    lay = L.low_latency_layout(R, M, H, E)  # max_topk defaults to 16
+    assert lay.max_topk == K
+    assert lay.sets[0].end == per_set
+    assert lay.nbytes == 2 * per_set == 1_952_779_008
+    assert 1.9e9 < lay.nbytes < 2.0e9
+    s = lay.sets[0]
+    assert (s.dispatch_count, s.dispatch_flag, s.combine_flag, s.done, s.recv_x) == (0, 1024, 1152, 1280, 1408)
+    assert s.recv_scales - s.recv_x == rows * 2 * H == 469_762_048
+    assert s.recv_slot - s.recv_src == rows * 4 and s.combine_send - s.recv_slot == rows
+    assert s.combine_recv - s.combine_send == rows * 2 * H
+    assert s.end - s.combine_recv == M * K * 2 * H == 29_360_128
+    # Top-8 needs half the combine receive rows.
+    assert L.size_hint(R, M, H, E, 8) == lay.nbytes - 2 * M * 8 * 2 * H
+    from cupyep.low_latency import LowLatencyBuffer
+    assert LowLatencyBuffer.size_hint(R, M, H, E) == lay.nbytes
+    assert LowLatencyBuffer.size_hint(R, M, H, E, 8) == L.size_hint(R, M, H, E, 8)
+
+
+def test_layout_grows_with_every_size():
+    base = L.size_hint(4, 16, 256, 16, 4)
+    assert L.size_hint(4, 17, 256, 16, 4) > base
+    assert L.size_hint(4, 16, 384, 16, 4) > base
+    assert L.size_hint(4, 16, 256, 20, 4) > base
+    assert L.size_hint(4, 16, 256, 16, 5) == base + 2 * 16 * 256 * 2  # one more [M][H] BF16 slot per set
+    # Rows per set are El * R * M = E * M whatever R, so R moves only the padded flag arrays.
+    assert L.size_hint(8, 16, 256, 16, 4) == base
+    assert L.size_hint(64, 16, 256, 64, 4) > L.size_hint(4, 16, 256, 64, 4)  # 4 * 64 bytes of flags > 128
+
+
+@pytest.mark.parametrize("args,pattern", [
+    ((2, 8, 100, 4), r"hidden size must be a positive multiple of 128, got 100"),
+    ((2, 8, 129, 4), r"hidden size must be a positive multiple of 128, got 129"),
+    ((2, 8, 0, 4), r"hidden size must be a positive multiple of 128, got 0"),
+    ((2, 8, -128, 4), r"hidden size must be a positive multiple of 128, got -128"),
+    ((2, 0, 128, 4), r"num_max_dispatch_tokens_per_rank must be a positive int, got 0"),
+    ((2, -3, 128, 4), r"num_max_dispatch_tokens_per_rank must be a positive int, got -3"),
+    ((2, 1.5, 128, 4), r"num_max_dispatch_tokens_per_rank must be a positive int, got 1\.5"),
+    ((2, 8.0, 128, 4), r"num_max_dispatch_tokens_per_rank must be a positive int, got 8\.0"),
+    ((2, "8", 128, 4), r"num_max_dispatch_tokens_per_rank must be a positive int, got '8'"),
+    ((8, 8, 128, 12), r"num_experts=12 must be a positive multiple of the 8 ranks"),
+    ((3, 8, 128, 10), r"num_experts=10 must be a positive multiple of the 3 ranks"),
+    ((8, 8, 128, 4), r"num_experts=4 must be a positive multiple of the 8 ranks"),
+    ((2, 8, 128, 0), r"num_experts=0 must be a positive multiple of the 2 ranks"),
+    ((0, 8, 128, 4), r"num_ranks must be >= 1, got 0"),
+    ((2, 8, 128, 4, 0), r"max_topk must be an int in \[1, 255\], got 0"),
+    ((2, 8, 128, 4, 256), r"max_topk must be an int in \[1, 255\], got 256"),
+    ((2, 8, 128, 4, 2.0), r"max_topk must be an int in \[1, 255\], got 2\.0"),
+], ids=["hidden100", "hidden129", "hidden0", "hidden_neg", "tokens0", "tokens_neg", "tokens_float",
+        "tokens_float_whole", "tokens_str", "experts_indivisible", "experts_indivisible3", "experts_lt_ranks",
+        "experts0", "ranks0", "topk0", "topk256", "topk_float"])
+def test_bad_sizes_raise_informative_value_errors(args, pattern):
+    # argument order: (num_ranks, max_tokens, hidden, num_experts[, max_topk])
+    for fn in (L.check_sizes, L.low_latency_layout, L.size_hint):
+        with pytest.raises(ValueError, match=pattern):
+            fn(*args)
+
+
+def test_smallest_sizes_accepted():
+    assert L.check_sizes(1, 1, 128, 1) is None
+    assert L.check_sizes(1, 1, 128, 1, L.MAX_TOPK) is None and L.MAX_TOPK == 255  # recv_slot is one byte
+    lay = L.low_latency_layout(4, 1, 128, 4)
+    assert lay.num_local_experts == 1 and lay.slots == 4
+
+
+# ------------------------------------------------------ dispatch shared mem ---
+
+SMEM_CASES = [(t, b, k, e)
+              for t in (1, 7, 128, 512)
+              for b in (1, 24, 132)
+              for k in (1, 8, 32)
+              for e in (8, 64, 256, 1024, 2048)]
+
+
+def _fixed_bytes(T, blocks, k, E):
+    """cnt is added per group; this is total [E] + own_e, own_pos [Tb][k] + own_grp [Tb]."""
+    Tb = -(-T // blocks)
+    return 4 * (E + 2 * Tb * k + Tb)
+
+
+@pytest.mark.parametrize("threads", K.THREAD_CHOICES)
+def test_dispatch_smem_plan(threads):
+    warps = threads // 32
+    fits = raises = staged_cases = 0
+    for T, blocks, k, E in SMEM_CASES:
+        case = (T, blocks, k, E, threads)
+        fixed, ids = _fixed_bytes(T, blocks, k, E), 4 * T * k
+        # Ids are staged when one scan group per 4 warps still fits next to them.
+        expect_stage = fixed + ids + 4 * E * max(1, warps // 4) <= K.SMEM_BUDGET
+        if not expect_stage and fixed + 4 * E > K.SMEM_BUDGET:
+            raises += 1
+            with pytest.raises(ValueError, match="shared memory"):
+                K.dispatch_smem(T, blocks, k, E, threads)
+            continue
+        fits += 1
+        groups, nbytes, stage = K.dispatch_smem(T, blocks, k, E, threads)
+        assert isinstance(groups, int) and isinstance(nbytes, int), case
+        assert stage == expect_stage, case
+        staged_cases += stage
+        assert 1 <= groups <= warps, case
+        assert nbytes <= K.SMEM_BUDGET, case
+        # cnt [groups][E] + total [E] + own_e, own_pos [Tb][k] + own_grp [Tb] (+ ids [T][k]), int32.
+        assert nbytes == fixed + 4 * groups * E + (ids if stage else 0), case
+        # As many groups as fit: one per warp, or one more would overflow.
+        assert groups == warps or nbytes + 4 * E > K.SMEM_BUDGET, case
+        if stage:
+            assert groups >= max(1, warps // 4), case
+    assert fits > 50 and raises > 0 and 0 < staged_cases < fits  # every branch exercised
+
+
+def test_dispatch_smem_examples():
+    # Decode: 128 tokens over 132 blocks (one token per block), top-8, 256 experts: ids staged.
+    fixed = 4 * (256 + 2 * 8 + 1)
+    assert K.dispatch_smem(128, 132, 8, 256, 512) == (16, fixed + 4 * 128 * 8 + 4 * 16 * 256, True)
+    assert K.dispatch_smem(128, 132, 8, 256, 1024) == (32, fixed + 4 * 128 * 8 + 4 * 32 * 256, True)
+    # 2048 experts, 1024 threads: ids plus 8 groups would not fit, so no staging; 4 groups fit.
+    g, nbytes, stage = K.dispatch_smem(128, 132, 8, 2048, 1024)
+    assert not stage
+    assert g == (K.SMEM_BUDGET - 4 * (2048 + 17)) // (4 * 2048) == 4
+    assert nbytes == 4 * (2048 + 17 + 4 * 2048)
+    assert K.SMEM_BUDGET < 48 * 1024
+
+
+@pytest.mark.parametrize("T,blocks,k", [(1, 1, 1), (128, 132, 8), (256, 24, 8), (64, 8, 32), (128, 8, 32)])
+@pytest.mark.parametrize("threads", K.THREAD_CHOICES)
+def test_dispatch_smem_more_experts_fewer_groups(T, blocks, k, threads):
+    # Groups never grow with E while the staging decision stays the same (dropping
+    # the staged ids frees memory, so groups may jump up where staging stops).
+    prev = None
+    for E in range(8, 8200, 8):
+        try:
+            g, _, stage = K.dispatch_smem(T, blocks, k, E, threads)
+        except ValueError:
+            break
+        if prev is not None and prev[1] == stage:
+            assert g <= prev[0], (E, g, prev)
+        if prev is not None:
+            assert not (stage and not prev[1]), f"staging resumes at E={E}"
+        prev = (g, stage)
+    # Few experts: one group per warp; many: strictly fewer.
+    assert K.dispatch_smem(T, blocks, k, 8, threads)[0] == threads // 32
+    assert K.dispatch_smem(1, 1, 1, 2048, threads)[0] < threads // 32
+
+
+def test_dispatch_smem_raises_when_one_group_does_not_fit():
+    with pytest.raises(ValueError, match=r"16384 experts.*budget is 47104"):
+        K.dispatch_smem(128, 132, 8, 16384, 512)
+    # Too many tokens per block for top-32 even with few experts.
+    with pytest.raises(ValueError, match=r"top-32 and 512 tokens per block"):
+        K.dispatch_smem(512, 1, 32, 8, 512)
+    # At the edge (T=2, one block, top-1: Tb = 2): 4 * (2E + 6) == 47104 for E = 5885.
+    assert 4 * (2 * 5885 + 6) == K.SMEM_BUDGET
+    assert K.dispatch_smem(2, 1, 1, 5885, 512) == (1, K.SMEM_BUDGET, False)
+    with pytest.raises(ValueError, match="5886 experts"):
+        K.dispatch_smem(2, 1, 1, 5886, 512)
+
+
+def test_combine_smem():
+    assert K.combine_smem(256) == 4 * 257
+    assert K.combine_smem(1) == 8
+
+
+# ------------------------------------------------- C structs vs dtypes ---
+
+def _strip_comments(text):
+    return re.sub(r"/\*.*?\*/", "", re.sub(r"//[^\n]*", "", text), flags=re.S)
+
+
+def _parse_struct(path, name):
+    """[(field, base_type, is_pointer)] of ``struct name { ... };`` in ``path``."""
+    text = _strip_comments(Path(path).read_text())
+    m = re.search(rf"\bstruct\s+{name}\s*\{{([^{{}}]*)\}};", text)
+    assert m, f"struct {name} not found in {path}"
+    fields = []
+    for decl in m.group(1).split(";"):
+        decl = decl.strip()
+        if not decl:
+            continue
+        first, *rest = [p.strip() for p in decl.split(",")]
+        dm = re.fullmatch(r"(.*?)(\w+)", first, flags=re.S)
+        ctype = dm.group(1)
+        base = re.sub(r"\bconst\b|\*", " ", ctype).split()
+        assert len(base) == 1, f"cannot parse {decl!r}"
+        for fname in [dm.group(2)] + rest:
+            assert re.fullmatch(r"\w+", fname), f"cannot parse {decl!r}"
+            fields.append((fname, base[0], "*" in ctype))
+    return fields
+
+
+def _c_structs():
+    return {
+        "SetOffsets": _parse_struct(ARGS_CUH, "SetOffsets"),
+        "DispatchArgs": _parse_struct(ARGS_CUH, "DispatchArgs"),
+        "CombineArgs": _parse_struct(ARGS_CUH, "CombineArgs"),
+        "Guard": _parse_struct(TIMEOUT_CUH, "Guard"),
+    }
+
+
+_SCALARS = {"int": (4, np.int32), "int32_t": (4, np.int32), "uint32_t": (4, np.uint32), "float": (4, np.float32),
+            "int64_t": (8, np.int64), "uint64_t": (8, np.uint64), "uint8_t": (1, np.uint8)}
+
+
+def _c_layout(name, structs):
+    """(sizeof, alignof, {field: offset}) with natural alignment (pointers and
+    64-bit ints 8 bytes, int 4, a nested struct aligned to its widest member)."""
+    off, align, offsets = 0, 1, {}
+    for field, ctype, is_ptr in structs[name]:
+        if is_ptr:
+            size = a = 8
+        elif ctype in _SCALARS:
+            size = a = _SCALARS[ctype][0]
+        else:
+            size, a, _ = _c_layout(ctype, structs)
+        off = -(-off // a) * a
+        offsets[field] = off
+        off += size
+        align = max(align, a)
+    return -(-off // align) * align, align, offsets
+
+
+def test_struct_parser_reads_args_cuh():
+    structs = _c_structs()
+    assert [f for f, *_ in structs["SetOffsets"]] == list(L.FIELDS)
+    assert all(t == "int64_t" and not p for _, t, p in structs["SetOffsets"])
+    assert structs["DispatchArgs"][:4] == [("peers", "void", True), ("cur", "SetOffsets", False),
+                                           ("next", "SetOffsets", False), ("x", "int4", True)]
+    assert structs["Guard"] == [("slot", "ErrorSlot", True), ("timeout_ns", "uint64_t", False),
+                                ("kernel", "int", False), ("rank", "int", False)]
+    assert _c_layout("SetOffsets", structs)[:2] == (8 * len(L.FIELDS), 8)
+    assert _c_layout("Guard", structs)[:2] == (24, 8)
+    for name in ("DispatchArgs", "CombineArgs"):
+        size, align, offs = _c_layout(name, structs)
+        assert align == 8 and size % 8 == 0
+        assert (offs["peers"], offs["cur"], offs["next"]) == (0, 8, 8 + 8 * len(L.FIELDS))
+        assert structs[name][-1] == ("guard", "Guard", False)
+        assert offs["guard"] % 8 == 0 and size == offs["guard"] + 24
+
+
+MIRRORS = [(K.SET_DTYPE, "SetOffsets"), (K.DISPATCH_ARGS_DTYPE, "DispatchArgs"),
+           (K.COMBINE_ARGS_DTYPE, "CombineArgs"), (K.GUARD_DTYPE, "Guard")]
+
+
+def _check_mirror(dtype, cname, structs):
+    fields = structs[cname]
+    assert dtype.names == tuple(f for f, *_ in fields), f"{cname}: field names/order differ"
+    size, align, offsets = _c_layout(cname, structs)
+    assert dtype.itemsize == size, f"{cname}: itemsize {dtype.itemsize}, sizeof = {size}"
+    assert dtype.alignment == align, cname
+    for field, ctype, is_ptr in fields:
+        ftype, foff = dtype.fields[field][:2]
+        assert foff == offsets[field], f"{cname}.{field}: offset {foff}, C has {offsets[field]}"
+        if is_ptr:
+            assert ftype == np.uint64, f"{cname}.{field}: pointer as {ftype}"
+        elif ctype in _SCALARS:
+            assert ftype == _SCALARS[ctype][1], f"{cname}.{field}: {ctype} as {ftype}"
+        else:
+            _check_mirror(ftype, ctype, structs)
+
+
+@pytest.mark.parametrize("dtype,cname", MIRRORS, ids=[c for _, c in MIRRORS])
+def test_dtype_mirrors_args_cuh(dtype, cname):
+    _check_mirror(dtype, cname, _c_structs())
+
+
+def test_nested_dtypes_are_the_shared_ones():
+    for d in (K.DISPATCH_ARGS_DTYPE, K.COMBINE_ARGS_DTYPE):
+        assert d.fields["cur"][0] == K.SET_DTYPE and d.fields["next"][0] == K.SET_DTYPE
+        assert d.fields["guard"][0] == barrier.GUARD_DTYPE
+    assert K.SET_DTYPE.names == L.FIELDS
+    assert K.SET_DTYPE.itemsize == 8 * len(L.FIELDS)
+
+
+def test_mirror_check_can_fail():
+    structs = _c_structs()
+    swapped = jit.struct_dtype([(n, np.int64) for n in ("dispatch_flag", "dispatch_count") + L.FIELDS[2:]])
+    with pytest.raises(AssertionError, match="names/order"):
+        _check_mirror(swapped, "SetOffsets", structs)
+    narrow = jit.struct_dtype([("slot", np.uint64), ("timeout_ns", np.uint32), ("kernel", np.int32),
+                               ("rank", np.int32)])
+    with pytest.raises(AssertionError):
+        _check_mirror(narrow, "Guard", structs)
+    # A dtype missing the trailing guard has the wrong field list.
+    short = jit.struct_dtype([(n, K.COMBINE_ARGS_DTYPE.fields[n][0]) for n in K.COMBINE_ARGS_DTYPE.names[:-1]])
+    with pytest.raises(AssertionError):
+        _check_mirror(short, "CombineArgs", structs)
+
+
+def test_set_struct_packs_offsets_in_order():
+    lay = L.low_latency_layout(3, 7, 384, 9)
+    for s in lay.sets:
+        v = K.set_struct(s)
+        assert v.dtype == K.SET_DTYPE
+        raw = np.frombuffer(v.tobytes(), np.int64)
+        assert raw.tolist() == [getattr(s, n) for n in L.FIELDS]
+    a = jit.pack(K.DISPATCH_ARGS_DTYPE, cur=K.set_struct(lay.sets[0]), next=K.set_struct(lay.sets[1]),
+                 num_groups=5, phases=K.PHASE_SEND | K.PHASE_RECV)
+    assert int(a["next"]["dispatch_count"]) == lay.sets[0].end
+    assert int(a["cur"]["combine_recv"]) == lay.sets[0].combine_recv
+    assert int(a["num_groups"]) == 5 and int(a["phases"]) == 3
+
+
+def _constexprs(path):
+    return {m.group(1): int(m.group(2))
+            for m in re.finditer(r"constexpr\s+int\s+(\w+)\s*=\s*(-?\d+)\s*;", _strip_comments(path.read_text()))}
+
+
+def test_constants_match_args_cuh():
+    c = _constexprs(ARGS_CUH)
+    assert c["kPhaseSend"] == K.PHASE_SEND == 1
+    assert c["kPhaseRecv"] == K.PHASE_RECV == 2
+    assert c["kChunkElems"] == K.CHUNK_ELEMS
+    assert K.DEFAULT_THREADS in K.THREAD_CHOICES
+    assert all(t % 32 == 0 and 32 <= t <= 1024 for t in K.THREAD_CHOICES)
+
+
+# ------------------------------------------------------- kernel specs ---
+
+def test_kernel_specs():
+    specs = K.kernel_specs()
+    names = [s.name for s in specs]
+    assert len(names) == len(set(names))
+    assert len(specs) == 2 * len(K.THREAD_CHOICES)
+    for s in specs:
+        assert (jit.CUDA_SRC / s.source).is_file(), s
+        assert len(s.kernels) == 1 and s.kernels[0].startswith("cupyep::low_latency::")
+        hash(s)
+    for t in K.THREAD_CHOICES:
+        d = [s for s in specs
+             if s.source == "low_latency/dispatch.cu" and s.kernels == (f"cupyep::low_latency::dispatch<{t}>",)]
+        c = [s for s in specs
+             if s.source == "low_latency/combine.cu" and s.kernels == (f"cupyep::low_latency::combine<{t}>",)]
+        assert len(d) == 1 and len(c) == 1, t
+        assert d[0] == K.dispatch_spec(t) and c[0] == K.combine_spec(t)
+        assert d[0].name == f"low_latency_dispatch_threads_{t}"
+        assert c[0].name == f"low_latency_combine_threads_{t}"
+    assert K.dispatch_spec() == K.dispatch_spec(K.DEFAULT_THREADS)
+
+
+@pytest.mark.parametrize("source,kernel,args", [("dispatch.cu", "dispatch", "DispatchArgs"),
+                                                ("combine.cu", "combine", "CombineArgs")])
+def test_kernel_templates_exist_in_sources(source, kernel, args):
+    text = _strip_comments((jit.CUDA_SRC / "low_latency" / source).read_text())
+    assert re.search(r"namespace\s+cupyep\s*\{\s*namespace\s+low_latency\s*\{", text)
+    pattern = (rf"template\s*<\s*int\s+\w+\s*>\s*__global__\s+void\s+"
+               rf"(?:__launch_bounds__\s*\([^)]*\)\s*)?{kernel}\s*\(\s*{args}\s+\w+\s*\)")
+    assert re.search(pattern, text), f"{source}: no template kernel {kernel}({args})"
+
+
+def test_low_latency_specs_registered():
+    assert "cupyep.low_latency.kernels" in jit.SPEC_MODULES
+    names = {s.name for s in jit.all_specs()}
+    assert {s.name for s in K.kernel_specs()} <= names
+
+
+# -------------------------------------------------------- error phases ---
+
+def test_error_phases_match_wait_sites():
+    c = _constexprs(ARGS_CUH)
+    assert (c["kWaitSendDone"], c["kWaitPeerFlag"], c["kBadExpertId"]) == (0, 1, 2)
+    assert len(KERNELS["low_latency_dispatch"]) == 3 and "expert id" in KERNELS["low_latency_dispatch"][2]
+    assert len(KERNELS["low_latency_combine"]) == 2
+    for kernel in ("low_latency_dispatch", "low_latency_combine"):
+        phases = KERNELS[kernel]
+        assert "send completion" in phases[c["kWaitSendDone"]], kernel
+        assert "flag" in phases[c["kWaitPeerFlag"]] and "send completion" not in phases[c["kWaitPeerFlag"]]
+    # The wait sites in sync.cuh report those phases.
+    sync = _strip_comments((jit.CUDA_SRC / "low_latency" / "sync.cuh").read_text())
+    assert re.search(r"wait_geq\(done,[^;]*kWaitSendDone", sync)
+    assert re.search(r"wait_nonzero\([^;]*kWaitPeerFlag", sync)
+    dispatch = _strip_comments((jit.CUDA_SRC / "low_latency" / "dispatch.cu").read_text())
+    assert re.search(r"report_error\([^;]*kErrorBadInput, kBadExpertId", dispatch)
+
+
+def test_error_from_slot_low_latency_phase_names():
+    slot = np.zeros(1, ERROR_SLOT_DTYPE)[0]
+    for field, value in dict(flag=1, kernel=kernel_id("low_latency_combine"), rank=2, peer=5, phase=1).items():
+        slot[field] = value
+    err = error_from_slot(slot, 1.0)
+    assert isinstance(err, CommTimeoutError)
+    assert err.kernel == "low_latency_combine" and err.phase == KERNELS["low_latency_combine"][1]
+    assert err.peer == 5 and "combine flag" in str(err)
+    slot["kernel"], slot["phase"], slot["peer"] = kernel_id("low_latency_dispatch"), 0, -1
+    err = error_from_slot(slot, 1.0)
+    assert err.phase == KERNELS["low_latency_dispatch"][0] and err.peer is None
+
+
+# ----------------------------------------------------- handle (GPU only) ---
+
+def test_handle_layout_begin():
+    cupy = pytest.importorskip("cupy")
+    from cupyep.runtime import gpu_count
+    if gpu_count() == 0:
+        pytest.skip("no CUDA GPU")
+    El, R, M = 3, 4, 16
+    h = LowLatencyHandle(layout_count=cupy.zeros((El, R), dtype=np.int32), recv_src=None, recv_slot=None,
+                         num_tokens=5, num_topk=2, hidden=128, num_experts=El * R, max_tokens=M, set_index=0,
+                         call=1, buffer_id=0)
+    begin = cupy.asnumpy(h.layout_begin)
+    assert begin.shape == (El, R) and begin.dtype == np.int32
+    assert (begin == np.arange(R, dtype=np.int32) * M).all()
+
+
+@pytest.mark.parametrize("flag,cls", [(1, "CommTimeoutError"), (3, "DeviceCapacityError"), (4, "DeviceInputError")])
+def test_error_kind_picks_the_exception(flag, cls):
+    from cupyep import errors
+    slot = np.zeros(1, ERROR_SLOT_DTYPE)[0]
+    slot["flag"], slot["kernel"], slot["phase"], slot["peer"] = flag, kernel_id("low_latency_dispatch"), 2, -1
+    slot["value"], slot["expected"] = 300, 256
+    err = error_from_slot(slot, 1.0)
+    assert type(err).__name__ == cls and isinstance(err, errors.DeviceError)
+    assert isinstance(err, CommTimeoutError) == (flag == 1)
+    text = str(err)
+    assert (("timeout" in text) == (flag == 1)) and "(counter 300, expected 256)" in text
