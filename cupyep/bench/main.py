@@ -2,11 +2,11 @@
 
     python -m cupyep.bench.main [--ranks N] [--out results/main]
 
-With GPUs it launches N ranks (default: 8 per GPU when there is one GPU,
+With GPUs it launches N ranks (default: 2, 4 and 8 when there is one GPU,
 else one per GPU) through ``cupyep.launch`` (which starts CUDA MPS when ranks
 share a GPU), runs ``experiments/bench_normal.py`` at the standard shape
 (4096 tokens per rank, hidden 7168, top-8 of 256 experts) and plots the
-result. Without a GPU it runs the same experiment at a small size on the
+result, then ``experiments/bench_low_latency.py`` (128 and 1 tokens per rank). Without a GPU it runs the same experiment at a small size on the
 NumPy reference, labelled as such in the output and the plot, so that the
 toolkit can be seen working anywhere.
 """
@@ -86,17 +86,19 @@ def main(argv=None) -> int:
         print(f"wrote {jsonl} and {out / 'normal.png'}")
         return 0
     ranks = args.ranks or ([2, 4, 8] if ngpu == 1 else [ngpu])
+    ll_jsonl = out / "low_latency.jsonl"
     for n in ranks:
-        cmd = [sys.executable, "-m", "cupyep.launch", "-n", str(n), "--timeout", "600", "--",
-               str(ROOT / "experiments" / "bench_normal.py"), "--out", str(jsonl)]
-        print("==", " ".join(cmd), flush=True)
-        rc = subprocess.call(cmd)
-        if rc:
-            return rc
+        for script, dest in (("bench_normal.py", jsonl), ("bench_low_latency.py", ll_jsonl)):
+            cmd = [sys.executable, "-m", "cupyep.launch", "-n", str(n), "--timeout", "600", "--",
+                   str(ROOT / "experiments" / script), "--out", str(dest)]
+            print("==", " ".join(cmd), flush=True)
+            rc = subprocess.call(cmd)
+            if rc:
+                return rc
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]
     plot([r for r in records if not r.get("sweep")], out / "normal.png",
          f"cupyep normal mode, {records[-1].get('env', {}).get('gpu', 'GPU')}")
-    print(f"wrote {jsonl} and {out / 'normal.png'}")
+    print(f"wrote {jsonl}, {out / 'normal.png'} and {ll_jsonl}")
     return 0
 
 
