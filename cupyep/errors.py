@@ -19,7 +19,8 @@ ERROR_SLOT_DTYPE = np.dtype([
 # each kernel, indexed by the phase number the kernel reports.
 KERNELS: dict[str, tuple[str, ...]] = {
     "barrier": ("barrier arrival",),
-    "intranode_notify": ("notify barrier", "notify counts"),
+    "intranode_notify": ("notify barrier", "notify counts",
+                         "receive capacity (more rows than num_worst_tokens)"),
     "intranode_dispatch": ("dispatch queue space (sender waits for receiver head)",
                            "dispatch queue data (receiver waits for sender tail)"),
     "intranode_combine": ("combine queue space (sender waits for receiver head)",
@@ -30,6 +31,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "low_latency_combine": ("combine send completion (blocks of this rank)",
                             "combine flag (token owner waits for an expert rank's rows)"),
     "intranode_expert_major": ("expert-major rows exceed their capacity",),
+    "intranode_layout": ("routing check (expert id outside [-1, E))",),
 }
 KERNEL_NAMES: tuple[str, ...] = tuple(KERNELS)
 

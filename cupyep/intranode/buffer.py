@@ -186,7 +186,7 @@ class Buffer:
                 args = jit.pack(K.LAYOUT_ARGS_DTYPE, topk_idx=K.ptr(topk_idx), num_tokens_per_rank=K.ptr(per_rank),
                                 num_tokens_per_expert=K.ptr(per_expert), is_token_in_rank=K.ptr(in_rank),
                                 num_tokens=T, num_topk=k, num_experts=num_experts, num_ranks=R,
-                                guard=self._guard("intranode_notify"))
+                                guard=self._guard("intranode_layout"))
                 self._kernel(K.layout_spec())(((T + K.LAYOUT_THREADS - 1) // K.LAYOUT_THREADS,), (K.LAYOUT_THREADS,),
                                               (args,), shared_mem=4 * (R + num_experts))
         return LayoutResult(per_rank, per_expert, in_rank)

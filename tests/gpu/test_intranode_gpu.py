@@ -267,3 +267,74 @@ def test_bad_input_raises_before_launch(group, buf):
         buf.dispatch(cupy.zeros((4, 2048 * 64), dtype=np.uint16), idx, num_experts=NUM_EXPERTS)
     buf.synchronize()
     group.comm.Barrier()
+
+
+def test_fault_missing_rank_times_out_naming_it(group):
+    """A rank that never dispatches: the others raise CommTimeoutError naming
+    the notify kernel and that rank, within the timeout, with no hang."""
+    import time
+
+    import cupy
+    import cupyep
+    from cupyep import CommTimeoutError
+    if group.local_size < 2:
+        pytest.skip("needs two ranks")
+    missing = group.node_ranks[-1]
+    b = cupyep.Buffer(group)
+    try:
+        if group.rank != missing:
+            x = cupy.zeros((16, 2048), dtype=np.uint16)
+            idx = cupy.asarray(np.tile(np.arange(NUM_TOPK, dtype=np.int64), (16, 1)))
+            t0 = time.monotonic()
+            with pytest.raises(CommTimeoutError) as info:
+                b.dispatch(x, idx, num_experts=NUM_EXPERTS)
+            elapsed = time.monotonic() - t0
+            group.error_slot.reset()
+            err = info.value
+            assert err.kernel == "intranode_notify" and err.peer == missing and err.rank == group.rank, str(err)
+            assert elapsed < group.timeout_s + 5, elapsed
+        group.comm.Barrier()
+    finally:
+        b.destroy()
+
+
+def test_fault_worst_token_overflow_is_an_error(group):
+    """More received rows than num_worst_tokens: DeviceCapacityError, never a silent drop."""
+    import cupy
+    import cupyep
+    from cupyep import DeviceCapacityError
+    me, R = group.local_rank, group.local_size
+    tokens, idx, w, x = _inputs(group, 77, 64, 2048)
+    b = cupyep.Buffer(group)
+    try:
+        b.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), num_experts=NUM_EXPERTS, num_worst_tokens=3,
+                   validate=False)
+        with pytest.raises(DeviceCapacityError) as info:
+            b.synchronize()
+        group.error_slot.reset()
+        assert info.value.kernel == "intranode_notify" and info.value.expected == 3, str(info.value)
+        assert "num_worst_tokens" in info.value.phase, str(info.value)
+        group.comm.Barrier()
+    finally:
+        b.destroy()
+
+
+def test_fault_device_finds_bad_expert_id(group):
+    """validate=False with an expert id out of range: the layout kernel reports
+    DeviceInputError naming the id; nothing is launched after it."""
+    import cupy
+    import cupyep
+    from cupyep import DeviceInputError
+    b = cupyep.Buffer(group)
+    try:
+        x = cupy.zeros((8, 2048), dtype=np.uint16)
+        idx = np.tile(np.arange(NUM_TOPK, dtype=np.int64), (8, 1))
+        idx[5, 2] = NUM_EXPERTS + 7
+        with pytest.raises(DeviceInputError) as info:
+            b.dispatch(x, cupy.asarray(idx), num_experts=NUM_EXPERTS, validate=False)
+        group.error_slot.reset()
+        assert info.value.kernel == "intranode_layout" and "expert id" in info.value.phase, str(info.value)
+        assert info.value.value == NUM_EXPERTS + 7 and info.value.expected == NUM_EXPERTS, str(info.value)
+        group.comm.Barrier()
+    finally:
+        b.destroy()

@@ -300,3 +300,31 @@ def test_timeout_names_missing_rank(group):
         group.comm.Barrier()
     finally:
         b.destroy()
+
+
+def test_fault_device_finds_bad_expert_id(group, llbuf):
+    """validate=False with an expert id out of range on every rank: DeviceInputError,
+    the slot is skipped consistently, and the buffer keeps working."""
+    import cupy
+    from cupyep import DeviceInputError
+    me, R = group.local_rank, group.local_size
+    idx = np.tile(np.arange(K, dtype=np.int64), (4, 1))
+    idx[1, 3] = E + 5
+    res = llbuf.dispatch(cupy.zeros((4, H), dtype=np.uint16), cupy.asarray(idx), validate=False)
+    with pytest.raises(DeviceInputError) as info:
+        llbuf.synchronize()
+    group.error_slot.reset()
+    assert info.value.kernel == "low_latency_dispatch" and info.value.value == E + 5, str(info.value)
+    assert "expert id" in info.value.phase
+    llbuf.combine(None, cupy.asarray(np.where(idx >= E, -1, idx)), cupy.ones((4, K), np.float32), res.handle,
+                  zero_copy=True)
+    llbuf.synchronize()
+    # The buffer still works: a correct call afterwards.
+    tokens = [16] * R
+    ridx, w = _routing(group, 99, tokens)
+    xs = [tagged_x(r, 16) for r in range(R)]
+    out = llbuf.dispatch(cupy.asarray(xs[me]), cupy.asarray(ridx[me]), use_fp8=False)
+    ok, bad = _check_dispatch(group, out, tokens, ridx, False, xs)
+    assert all_ranks(group.comm, ok), bad
+    llbuf.combine(out.recv_x, cupy.asarray(ridx[me]), cupy.asarray(w[me]), out.handle)
+    llbuf.synchronize()
