@@ -775,3 +775,12 @@ def test_f32_to_bf16_rounds_to_nearest_even():
     back = testing.bf16_to_f32(testing.f32_to_bf16(v))
     assert np.all(np.abs(back - v) <= np.abs(v) * 2 ** -8)
     assert testing.f32_to_bf16(v).dtype == np.uint16
+
+
+def test_require_resident():
+    jit.require_resident("x", per_sm=1, blocks=16, num_threads=512, ranks_per_gpu=8, num_sms=132, knob="num_sms")
+    with pytest.raises(ValueError, match=r"dispatch: 8 ranks x num_sms=18 blocks of 512 threads cannot all be "
+                                         r"resident on 132 SMs \(1 such blocks per SM\).*Use num_sms <= 16"):
+        jit.require_resident("dispatch", 1, 18, 512, 8, 132, "num_sms", step=2)
+    with pytest.raises(ValueError, match="Use num_blocks <= 0"):
+        jit.require_resident("ll", 0, 1, 1024, 2, 132, "num_blocks")

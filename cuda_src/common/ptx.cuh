@@ -81,6 +81,15 @@ __device__ __forceinline__ void discard_l2(const void* p) {
     asm volatile("discard.global.L2 [%0], 128;" :: "l"(p) : "memory");
 }
 
+// Coherent 16-byte load that never allocates in L1, for memory other ranks
+// write between calls (an L1 line left from an earlier call is never hit).
+__device__ __forceinline__ int4 ld_na_v4(const int4* p) {
+    int4 v;
+    asm volatile("ld.global.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+    return v;
+}
+
 __device__ __forceinline__ uint64_t global_timer_ns() {
     uint64_t t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t;
 }

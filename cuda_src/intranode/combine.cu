@@ -10,6 +10,7 @@
 //
 // Slot layout: [x: H * 2 bytes][row weight: float][topk_weights: k float]
 #include <cuda_bf16.h>
+#include "common/bf16.cuh"
 #include "common/ptx.cuh"
 #include "common/timeout.cuh"
 #include "intranode/args.cuh"
@@ -17,24 +18,6 @@
 
 namespace cupyep {
 namespace intranode {
-
-__device__ __forceinline__ void accumulate_bf16x8(float (&acc)[8], const int4& v, float w) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(h[i]);
-        acc[2 * i] = fmaf(w, f.x, acc[2 * i]);
-        acc[2 * i + 1] = fmaf(w, f.y, acc[2 * i + 1]);
-    }
-}
-
-__device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
-    int4 out;
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-    return out;
-}
 
 template <int kNumRanks, int kNumThreads, int kL2>
 __global__ void __launch_bounds__(kNumThreads, 1) combine(CombineArgs a) {
@@ -117,7 +100,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(CombineArgs a) {
                 float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
                 for (int d = 0; d < R; ++d)
-                    if (valid[d]) accumulate_bf16x8(acc, ld_ring_v4(reinterpret_cast<const int4*>(slots[d]) + i), ws[d]);
+                    if (valid[d]) fma_bf16x8(acc, ld_ring_v4(reinterpret_cast<const int4*>(slots[d]) + i), ws[d]);
                 copy.store_out(out + i, pack_bf16x8(acc));
             }
             if (a.combined_topk_weights) {

@@ -27,6 +27,7 @@
 //     w[r, j] * y[recv_expert_row[r, j]]), accumulated in FP32, rounded to
 //     nearest even; zero for rows without a local slot.
 #include <cuda_bf16.h>
+#include "common/bf16.cuh"
 #include "common/types.cuh"
 #include "common/ptx.cuh"
 #include "common/timeout.cuh"
@@ -188,24 +189,6 @@ __global__ void __launch_bounds__(kCopyThreads) expert_major_copy(ExpertMajorCop
     }
 }
 
-__device__ __forceinline__ void em_accumulate_bf16x8(float (&acc)[8], const int4& v, float w) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(h[i]);
-        acc[2 * i] = fmaf(w, f.x, acc[2 * i]);
-        acc[2 * i + 1] = fmaf(w, f.y, acc[2 * i + 1]);
-    }
-}
-
-__device__ __forceinline__ int4 em_pack_bf16x8(const float (&acc)[8]) {
-    int4 out;
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-    return out;
-}
-
 __global__ void __launch_bounds__(kReduceThreads) expert_major_reduce(ExpertMajorReduceArgs a) {
     const int lane = threadIdx.x % 32;
     const int64_t num_warps = (int64_t)gridDim.x * blockDim.x / 32;
@@ -233,14 +216,14 @@ __global__ void __launch_bounds__(kReduceThreads) expert_major_reduce(ExpertMajo
                 const int j = __ffs(m) - 1;
                 const int row = __shfl_sync(0xffffffffu, my_row, j);
                 const float wj = __shfl_sync(0xffffffffu, my_w, j);
-                if (active) em_accumulate_bf16x8(acc, ld_nc_na_v4(a.y + (int64_t)row * w + c), wj);
+                if (active) fma_bf16x8(acc, ld_nc_na_v4(a.y + (int64_t)row * w + c), wj);
             }
             for (int j = 32; j < k; ++j) {  // top-k above 32: the rest of the slots
                 const int row = rows[j];
                 if (row < 0 || row >= cap) continue;
-                if (active) em_accumulate_bf16x8(acc, ld_nc_na_v4(a.y + (int64_t)row * w + c), weights ? weights[j] : 1.f);
+                if (active) fma_bf16x8(acc, ld_nc_na_v4(a.y + (int64_t)row * w + c), weights ? weights[j] : 1.f);
             }
-            if (active) st_na_v4(out + c, em_pack_bf16x8(acc));
+            if (active) st_na_v4(out + c, pack_bf16x8(acc));
         }
     }
 }

@@ -67,14 +67,8 @@ __device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int64_t n,
     for (; i < n; i += 32) store(dst + i, load(src + i));
 }
 
-// Reads of ring slots another rank wrote: coherent loads that never allocate
-// in L1, so no stale line of an earlier lap can be hit.
-__device__ __forceinline__ int4 ld_ring_v4(const int4* p) {
-    int4 v;
-    asm volatile("ld.global.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
-    return v;
-}
+// Reads of ring slots another rank wrote: no stale L1 line of an earlier lap.
+__device__ __forceinline__ int4 ld_ring_v4(const int4* p) { return ld_na_v4(p); }
 
 constexpr int kCopyUnroll = 4;
 

@@ -11,6 +11,7 @@
 // warp per (token, chunk) sums weight * row over the token's top-k slots, in
 // slot order, so the result is bitwise deterministic.
 #include <cuda_bf16.h>
+#include "common/bf16.cuh"
 #include "common/ptx.cuh"
 #include "common/timeout.cuh"
 #include "low_latency/args.cuh"
@@ -18,31 +19,6 @@
 
 namespace cupyep {
 namespace low_latency {
-
-__device__ __forceinline__ int4 ld_peer_v4(const int4* p) {
-    int4 v;
-    asm volatile("ld.global.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ void fma_bf16x8(float* acc, const int4& v, float w) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(h[i]);
-        acc[2 * i] = fmaf(w, f.x, acc[2 * i]);
-        acc[2 * i + 1] = fmaf(w, f.y, acc[2 * i + 1]);
-    }
-}
-
-__device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
-    int4 out;
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-    return out;
-}
 
 __device__ __forceinline__ void combine_body(const CombineArgs& a) {
     extern __shared__ int smem[];
@@ -127,8 +103,8 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                     if (e >= 0 && e < E) {
                         w[u] = __ldg(a.topk_weights + (int64_t)t * k + j);
                         const int4* p = recv + (((int64_t)t * a.max_topk + j) * H + elem0) / 8;
-                        v[u][0] = ld_peer_v4(p);
-                        v[u][1] = ld_peer_v4(p + 1);
+                        v[u][0] = ld_na_v4(p);
+                        v[u][1] = ld_na_v4(p + 1);
                     } else {
                         v[u][0] = v[u][1] = make_int4(0, 0, 0, 0);
                     }

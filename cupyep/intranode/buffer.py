@@ -108,13 +108,8 @@ class Buffer:
         return jit.load(spec)[spec.kernels[0]]
 
     def _check_resident(self, fn, cfg: Config, what: str) -> None:
-        per_sm = K.max_resident_blocks(fn, cfg.num_threads)
-        total = cfg.num_sms * self.group.ranks_per_gpu
-        if per_sm < 1 or total > per_sm * self.num_device_sms:
-            raise ValueError(
-                f"{what}: {self.group.ranks_per_gpu} ranks x num_sms={cfg.num_sms} blocks of {cfg.num_threads} threads "
-                f"cannot all be resident on {self.num_device_sms} SMs ({per_sm} such blocks per SM); the ranks "
-                f"wait on each other and would deadlock. Use num_sms <= {per_sm * self.num_device_sms // self.group.ranks_per_gpu // 2 * 2}")
+        jit.require_resident(what, jit.max_resident_blocks(fn, cfg.num_threads), cfg.num_sms, cfg.num_threads,
+                             self.group.ranks_per_gpu, self.num_device_sms, "num_sms", step=2)
 
     # ----------------------------------------------------------------- streams
     def _begin(self, previous_event):

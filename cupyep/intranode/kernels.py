@@ -108,9 +108,3 @@ def offsets_struct(layout) -> np.void:
                     dispatch_head=layout.counter(1), combine_tail=layout.counter(2),
                     combine_head=layout.counter(3), dispatch_ring=layout.dispatch_region,
                     combine_ring=layout.combine_region)
-
-
-def max_resident_blocks(function, num_threads: int, shared_bytes: int = 0) -> int:
-    """Blocks of ``function`` one SM can hold at once."""
-    from cupy.cuda import driver
-    return driver.occupancyMaxActiveBlocksPerMultiprocessor(function.kernel.ptr, num_threads, shared_bytes)

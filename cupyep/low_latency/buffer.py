@@ -87,17 +87,12 @@ class LowLatencyBuffer:
         return self.layout.nbytes
 
     def _check_resident(self) -> None:
-        from ..intranode.kernels import max_resident_blocks
         K.dispatch_smem(self.max_tokens, self.num_blocks, self.max_topk, self.num_experts, self.num_threads)
         # A call may use up to SMEM_BUDGET bytes (ids staged for a small top-k): check that.
-        per_sm = min(max_resident_blocks(self._dispatch_fn, self.num_threads, K.SMEM_BUDGET),
-                     max_resident_blocks(self._combine_fn, self.num_threads, K.combine_smem(self.num_experts)))
-        total = self.num_blocks * self.group.ranks_per_gpu
-        if per_sm < 1 or total > per_sm * self.num_device_sms:
-            raise ValueError(
-                f"{self.group.ranks_per_gpu} ranks x {self.num_blocks} blocks of {self.num_threads} threads cannot "
-                f"all be resident on {self.num_device_sms} SMs ({per_sm} per SM); ranks wait on each other and "
-                f"would deadlock. Use num_blocks <= {per_sm * self.num_device_sms // self.group.ranks_per_gpu}")
+        per_sm = min(jit.max_resident_blocks(self._dispatch_fn, self.num_threads, K.SMEM_BUDGET),
+                     jit.max_resident_blocks(self._combine_fn, self.num_threads, K.combine_smem(self.num_experts)))
+        jit.require_resident("low-latency kernels", per_sm, self.num_blocks, self.num_threads,
+                             self.group.ranks_per_gpu, self.num_device_sms, "num_blocks")
 
     # ---------------------------------------------------------------- helpers
     def _take_set(self):
@@ -209,19 +204,7 @@ class LowLatencyBuffer:
                     fp8=int(use_fp8), round_scale=int(round_scale), ue8m0=int(use_ue8m0), rank=self.rank,
                     guard=self._guard("low_latency_dispatch"))
 
-        def launch(phases, s, kernel_time=None):
-            a = jit.pack(K.DISPATCH_ARGS_DTYPE, **args, phases=phases)
-            if kernel_time is not None:
-                a["kernel_time"] = _time_ptr(kernel_time)
-            with s:
-                self._dispatch_fn((self.num_blocks,), (self.num_threads,), (a,), shared_mem=smem)
-
-        hook = None
-        if return_recv_hook:
-            launch(K.PHASE_SEND, stream)
-            hook = self._make_hook(lambda kt: launch(K.PHASE_RECV, cupy.cuda.get_current_stream(), kt))
-        else:
-            launch(K.PHASE_SEND | K.PHASE_RECV, stream)
+        hook = self._run(self._dispatch_fn, K.DISPATCH_ARGS_DTYPE, args, smem, stream, return_recv_hook)
         event = self._finish(stream, async_finish)
 
         slots = self.layout.slots
@@ -236,6 +219,24 @@ class LowLatencyBuffer:
                                   max_tokens=self.max_tokens, set_index=set_index, call=self._calls,
                                   buffer_id=id(self))
         return LowLatencyDispatchResult(recv_x, recv_scales, recv_count, handle, event, hook)
+
+    def _run(self, fn, dtype, args: dict, smem: int, stream, return_recv_hook: bool):
+        """Launch both halves of a kernel on ``stream``, or the send half now and
+        return the hook that launches the receive half on the then-current stream."""
+        import cupy
+
+        def launch(phases, s, kernel_time=None):
+            a = jit.pack(dtype, **args, phases=phases)
+            if kernel_time is not None:
+                a["kernel_time"] = _time_ptr(kernel_time)
+            with s:
+                fn((self.num_blocks,), (self.num_threads,), (a,), shared_mem=smem)
+
+        if not return_recv_hook:
+            launch(K.PHASE_SEND | K.PHASE_RECV, stream)
+            return None
+        launch(K.PHASE_SEND, stream)
+        return self._make_hook(lambda kt: launch(K.PHASE_RECV, cupy.cuda.get_current_stream(), kt))
 
     def _make_hook(self, run):
         state = {"done": False}
@@ -314,19 +315,7 @@ class LowLatencyBuffer:
                     guard=self._guard("low_latency_combine"))
         smem = K.combine_smem(self.num_experts)
 
-        def launch(phases, s, kernel_time=None):
-            a = jit.pack(K.COMBINE_ARGS_DTYPE, **args, phases=phases)
-            if kernel_time is not None:
-                a["kernel_time"] = _time_ptr(kernel_time)
-            with s:
-                self._combine_fn((self.num_blocks,), (self.num_threads,), (a,), shared_mem=smem)
-
-        hook = None
-        if return_recv_hook:
-            launch(K.PHASE_SEND, stream)
-            hook = self._make_hook(lambda kt: launch(K.PHASE_RECV, cupy.cuda.get_current_stream(), kt))
-        else:
-            launch(K.PHASE_SEND | K.PHASE_RECV, stream)
+        hook = self._run(self._combine_fn, K.COMBINE_ARGS_DTYPE, args, smem, stream, return_recv_hook)
         return LowLatencyCombineResult(out, self._finish(stream, async_finish), hook)
 
     # --------------------------------------------------------------- lifetime

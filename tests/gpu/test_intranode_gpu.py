@@ -46,6 +46,18 @@ def _expected(group, tokens, idx, w, hidden, expert_alignment=1):
     return res, mine, rows
 
 
+def _received_rows(res, hidden):
+    """Every rank's received rows as float32, rebuilt from the (source, token) tags."""
+    out = []
+    for r in res:
+        rows = np.empty((r.num_recv_tokens, hidden), dtype=np.float32)
+        for s in np.unique(r.recv_src_rank):
+            sel = r.recv_src_rank == s
+            rows[sel] = bf16_to_f32(payload_bf16(int(s), r.recv_src_idx[sel], hidden))
+        out.append(rows)
+    return out
+
+
 CASES = [
     # (seed, tokens per rank, hidden, routing, rank with zero tokens)
     (1, 256, 2048, "random", None),
@@ -90,18 +102,9 @@ def test_dispatch_combine_bf16(group, buf, seed, num_tokens, hidden, case, zero_
     # Combine: identity experts, weighted by a per-row factor, and the top-k weights.
     row_w = (1.0 + (out.handle.recv_src_idx.get() % 3)).astype(np.float32)
     comb = buf.combine(out.recv_x, out.handle, topk_weights=out.recv_topk_weights, row_weights=cupy.asarray(row_w))
-    rows_by_rank = [bf16_to_f32(exp_rows) if d == me else None for d in range(group.local_size)]
     # Reference combine needs every rank's rows: rebuild them from the tags.
-    recv = []
-    weights = []
-    for d in range(group.local_size):
-        r = res[d]
-        rows = np.empty((r.num_recv_tokens, x.shape[1]), dtype=np.float32)
-        for s in range(group.local_size):
-            sel = r.recv_src_rank == s
-            rows[sel] = bf16_to_f32(payload_bf16(s, r.recv_src_idx[sel], x.shape[1]))
-        recv.append(rows)
-        weights.append((1.0 + (r.recv_src_idx % 3)).astype(np.float32))
+    recv = _received_rows(res, x.shape[1])
+    weights = [(1.0 + (r.recv_src_idx % 3)).astype(np.float32) for r in res]
     expected = ref.intranode_combine(recv, res, tokens, weights=weights)[me]
     got = bf16_to_f32(comb.combined_x.get())
     diff = ref.calc_diff(got, expected) if got.size else 0.0
@@ -142,15 +145,7 @@ def test_l2_modes_top16_async(group, buf, l2_hints):
     assert all_ranks(group.comm, ok), f"dispatch with l2_hints={l2_hints}, top-{topk} differs from the reference"
     comb = buf.combine(out.recv_x, out.handle, topk_weights=out.recv_topk_weights, config=ccfg, async_finish=True)
     comb.event.current_stream_wait()
-    recv = []
-    for d in range(R):
-        r = res[d]
-        rows = np.empty((r.num_recv_tokens, hidden), dtype=np.float32)
-        for s in range(R):
-            sel = r.recv_src_rank == s
-            rows[sel] = bf16_to_f32(payload_bf16(s, r.recv_src_idx[sel], hidden))
-        recv.append(rows)
-    expected = ref.intranode_combine(recv, res, tokens)[me]
+    expected = ref.intranode_combine(_received_rows(res, hidden), res, tokens)[me]
     got = bf16_to_f32(comb.combined_x.get())
     diff = ref.calc_diff(got, expected)
     wdiff = float(np.abs(comb.combined_topk_weights.get() - ref.intranode_combine_topk_weights(res, tokens)[me]).max())
@@ -222,15 +217,7 @@ def test_worst_tokens_and_cuda_graph(group, buf):
         group.check_errors()
         res, exp, exp_rows = _expected(group, tokens, idx, w, hidden)
         n = exp.num_recv_tokens
-        recv = []
-        for d in range(R):
-            r = res[d]
-            rows = np.empty((r.num_recv_tokens, hidden), dtype=np.float32)
-            for s in range(R):
-                sel = r.recv_src_rank == s
-                rows[sel] = bf16_to_f32(payload_bf16(s, r.recv_src_idx[sel], hidden))
-            recv.append(rows)
-        expected = ref.intranode_combine(recv, res, tokens)[me]
+        expected = ref.intranode_combine(_received_rows(res, hidden), res, tokens)[me]
         diff = ref.calc_diff(bf16_to_f32(comb.combined_x.get()), expected)
         ok = np.array_equal(out.recv_x.get()[:n], exp_rows) and diff < 5e-6
         assert all_ranks(group.comm, ok), f"graph replay {it}: diff {diff}"
@@ -303,7 +290,7 @@ def test_fault_worst_token_overflow_is_an_error(group):
     import cupy
     import cupyep
     from cupyep import DeviceCapacityError
-    me, R = group.local_rank, group.local_size
+    me = group.local_rank
     tokens, idx, w, x = _inputs(group, 77, 64, 2048)
     b = cupyep.Buffer(group)
     try:

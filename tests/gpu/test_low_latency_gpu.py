@@ -171,7 +171,6 @@ def test_stress_1000_calls(group, llbuf):
     me, R = group.local_rank, group.local_size
     El = E // R
     x = cupy.asarray(tagged_x(me, MAX_TOKENS))
-    tag = bf16_to_f32(tagged_x(me, MAX_TOKENS))[:, -1]
     bad = cupy.zeros(4, dtype=np.int64)
     worst = cupy.zeros(1, dtype=np.float32)
     xf = cupy.asarray(bf16_to_f32(tagged_x(me, MAX_TOKENS)))
