@@ -135,6 +135,26 @@ def pack(dtype: np.dtype, **values) -> np.void:
     return a[()]
 
 
+def max_resident_blocks(function, num_threads: int, shared_bytes: int = 0) -> int:
+    """Blocks of a loaded kernel ``function`` one SM can hold at once."""
+    from cupy.cuda import driver
+    return driver.occupancyMaxActiveBlocksPerMultiprocessor(function.kernel.ptr, num_threads, shared_bytes)
+
+
+def require_resident(what: str, per_sm: int, blocks: int, num_threads: int, ranks_per_gpu: int, num_sms: int,
+                     knob: str, step: int = 1) -> None:
+    """ValueError unless ``ranks_per_gpu`` ranks x ``blocks`` blocks (``per_sm``
+    fit on one SM) can all be resident on ``num_sms`` SMs at once: kernels whose
+    blocks wait on other ranks' blocks would otherwise deadlock. ``knob`` names
+    the setting to lower (a multiple of ``step``)."""
+    if per_sm < 1 or blocks * ranks_per_gpu > per_sm * num_sms:
+        limit = per_sm * num_sms // max(1, ranks_per_gpu) // step * step
+        raise ValueError(
+            f"{what}: {ranks_per_gpu} ranks x {knob}={blocks} blocks of {num_threads} threads cannot all be "
+            f"resident on {num_sms} SMs ({per_sm} such blocks per SM); the ranks wait on each other and would "
+            f"deadlock. Use {knob} <= {limit}")
+
+
 # --- offline compile check -----------------------------------------------------
 
 _PTXAS_ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(\w+)'")
@@ -251,22 +271,3 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-
-def max_resident_blocks(function, num_threads: int, shared_bytes: int = 0) -> int:
-    """Blocks of a loaded kernel ``function`` one SM can hold at once."""
-    from cupy.cuda import driver
-    return driver.occupancyMaxActiveBlocksPerMultiprocessor(function.kernel.ptr, num_threads, shared_bytes)
-
-
-def require_resident(what: str, per_sm: int, blocks: int, num_threads: int, ranks_per_gpu: int, num_sms: int,
-                     knob: str, step: int = 1) -> None:
-    """ValueError unless ``ranks_per_gpu`` ranks x ``blocks`` blocks (``per_sm``
-    fit on one SM) can all be resident on ``num_sms`` SMs at once: kernels whose
-    blocks wait on other ranks' blocks would otherwise deadlock. ``knob`` names
-    the setting to lower (a multiple of ``step``)."""
-    if per_sm < 1 or blocks * ranks_per_gpu > per_sm * num_sms:
-        limit = per_sm * num_sms // max(1, ranks_per_gpu) // step * step
-        raise ValueError(
-            f"{what}: {ranks_per_gpu} ranks x {knob}={blocks} blocks of {num_threads} threads cannot all be "
-            f"resident on {num_sms} SMs ({per_sm} such blocks per SM); the ranks wait on each other and would "
-            f"deadlock. Use {knob} <= {limit}")

@@ -67,6 +67,7 @@ class LowLatencyBuffer:
         self.max_topk = max_topk
         self.layout = low_latency_layout(R, num_max_dispatch_tokens_per_rank, hidden, num_experts, max_topk)
         self.buffer = SymmetricBuffer(group, self.layout.nbytes)
+        self._set_structs = tuple(K.set_struct(s) for s in self.layout.sets)
         self.comm_stream = cupy.cuda.Stream(non_blocking=True)
         self._next_set = 0
         self._calls = 0
@@ -102,7 +103,11 @@ class LowLatencyBuffer:
         cur = self._next_set
         self._next_set ^= 1
         self._calls += 1
-        return cur, self.layout.sets[cur], self.layout.sets[cur ^ 1]
+        return cur, self.layout.sets[cur]
+
+    def _set_args(self, set_index: int) -> dict:
+        """The cur/next SetOffsets struct arguments of a call on ``set_index``."""
+        return dict(cur=self._set_structs[set_index], next=self._set_structs[set_index ^ 1])
 
     def _guard(self, kernel: str):
         return jit.pack(K.GUARD_DTYPE, **self.group.guard(kernel))
@@ -189,12 +194,12 @@ class LowLatencyBuffer:
             check(wait, "dispatch_wait_recv_cost_stats", np.int64, shape=(R,))
         groups, smem, stage = K.dispatch_smem(max(T, 1), self.num_blocks, k, self.num_experts, self.num_threads)
 
-        set_index, cur, nxt = self._take_set()
+        set_index, cur = self._take_set()
         stream = self._stream(async_finish)
         with stream:
             layout_count = cupy.empty((El, R), dtype=np.int32)
             recv_count = cupy.empty(El, dtype=np.int32)
-        args = dict(peers=self.buffer.peer_ptrs.data.ptr, cur=K.set_struct(cur), next=K.set_struct(nxt),
+        args = dict(peers=self.buffer.peer_ptrs.data.ptr, **self._set_args(set_index),
                     x=x.data.ptr, topk_idx=topk_idx.data.ptr, layout_count=layout_count.data.ptr,
                     recv_count=recv_count.data.ptr, cumulative_stats=0 if stats is None else stats.data.ptr,
                     wait_stats=0 if wait is None else wait.data.ptr, kernel_time=_time_ptr(kernel_time_ns),
@@ -301,12 +306,12 @@ class LowLatencyBuffer:
                 raise ValueError("x must be C-contiguous")
         if out is not None:
             out = check(as_cupy(out, "out"), "out", BF16, shape=(T, H))
-        set_index, cur, nxt = self._take_set()
+        set_index, cur = self._take_set()
         stream = self._stream(async_finish)
         with stream:
             if out is None:
                 out = cupy.empty((T, H), dtype=BF16)
-        args = dict(peers=self.buffer.peer_ptrs.data.ptr, cur=K.set_struct(cur), next=K.set_struct(nxt),
+        args = dict(peers=self.buffer.peer_ptrs.data.ptr, **self._set_args(set_index),
                     x=src.data.ptr, layout_count=handle.layout_count.data.ptr, recv_src=handle.recv_src.data.ptr,
                     topk_idx=topk_idx.data.ptr, topk_weights=topk_weights.data.ptr, out=out.data.ptr,
                     recv_slot=handle.recv_slot.data.ptr, kernel_time=_time_ptr(kernel_time_ns),
