@@ -38,6 +38,7 @@ def main():
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--threads", type=int, default=512)
+    p.add_argument("--no-flush", action="store_true", help="do not flush L2 before each timed call")
     p.add_argument("--sleep-us", type=float, default=400.0,
                    help="GPU sleep before each timed call, so host launch cost is not timed (0: time it)")
     args = p.parse_args()
@@ -80,7 +81,8 @@ def main():
         pairs = int((idx[me] >= 0).sum())
         base = {"bench": "low_latency", "ranks": R, "tokens": T, "hidden": H, "topk": args.topk,
                 "experts": args.experts, "max_tokens": args.max_tokens, "buffer_bytes": buf.num_bytes,
-                "num_blocks": buf.num_blocks, "num_threads": buf.num_threads, "copy_GBps": copy_bw / 1e9}
+                "num_blocks": buf.num_blocks, "num_threads": buf.num_threads, "copy_GBps": copy_bw / 1e9,
+                "l2_flush": not args.no_flush}
 
         def record(kind, event: Timing, kernel: Timing, bytes_to_peers):
             r = {**slowest(event, "event"), **slowest(kernel, "kernel")}
@@ -90,7 +92,8 @@ def main():
 
         def timed(call):
             fn = stamped(call)
-            ev = time_fn(fn, iters=args.iters, warmup=10, before=bar, hide_launch_us=args.sleep_us)
+            ev = time_fn(fn, iters=args.iters, warmup=10, flush=not args.no_flush, before=bar,
+                         hide_launch_us=args.sleep_us)
             return ev, kernel_timing()
 
         for use_fp8 in (True, False):
@@ -109,7 +112,8 @@ def main():
             st[:, 1] = 0
         for i in range(args.iters + 10):
             ev = [cupy.cuda.Event() for _ in range(8)]
-            flush_l2()
+            if not args.no_flush:
+                flush_l2()
             gpu_sleep(args.sleep_us)
             bar()
             ev[0].record()
