@@ -13,7 +13,7 @@ import numpy as np
 ERROR_SLOT_DTYPE = np.dtype([
     ("flag", np.int32), ("kernel", np.int32), ("rank", np.int32), ("peer", np.int32),
     ("phase", np.int32), ("block", np.int32), ("value", np.int64), ("expected", np.int64),
-])
+], align=True)
 
 # Kernel ids passed to kernels in their Guard, and the wait sites (phases) of
 # each kernel, indexed by the phase number the kernel reports.

@@ -14,7 +14,7 @@ from cupyep import errors, jit
 from cupyep.intranode import expert_major as EM
 from cupyep.intranode.results import DispatchHandle
 
-from test_host_logic import _assert_mirrors, _c_structs
+from cstructs import assert_mirrors, c_structs
 
 NUM_RANKS, NUM_EXPERTS, NUM_TOPK, HIDDEN = 4, 16, 4, 256
 NUM_LOCAL = NUM_EXPERTS // NUM_RANKS
@@ -214,21 +214,9 @@ MIRRORS = [
 ]
 
 
-@pytest.fixture
-def permute_structs(tmp_path, monkeypatch):
-    """The C structs of permute_args.cuh (and the Guard it embeds), parsed by
-    test_host_logic's parser from a copy of just those headers."""
-    import shutil
-    for rel in ("common/timeout.cuh", "intranode/permute_args.cuh"):
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(jit.CUDA_SRC / rel, tmp_path / rel)
-    monkeypatch.setattr(jit, "CUDA_SRC", tmp_path)
-    return _c_structs()
-
-
 @pytest.mark.parametrize("dtype,cname", MIRRORS, ids=[c for _, c in MIRRORS])
-def test_dtype_mirrors_c_struct(dtype, cname, permute_structs):
-    _assert_mirrors(dtype, cname, permute_structs)
+def test_dtype_mirrors_c_struct(dtype, cname):
+    assert_mirrors(dtype, cname, c_structs())
 
 
 def test_permute_structs_are_defined_once():

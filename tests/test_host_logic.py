@@ -23,6 +23,7 @@ from cupyep.intranode import layout as L
 from cupyep.low_latency import kernels as LLK
 from cupyep.intranode.config import (COUNTER_STRIDE, MAX_CHANNELS, Config, get_combine_config,
                                      get_dispatch_config)
+from cstructs import assert_mirrors, c_layout, c_structs
 
 REPO = Path(__file__).resolve().parents[1]
 RANKS = range(1, 9)
@@ -451,83 +452,6 @@ def test_error_slot_dtype():
 
 # -------------------------------------------------- C structs vs dtypes ---
 
-_C_SCALARS = {"int": (4, np.int32), "int32_t": (4, np.int32), "int64_t": (8, np.int64),
-              "uint64_t": (8, np.uint64), "float": (4, np.float32)}
-
-
-# Source folders whose structs live in their own namespace and may reuse names
-# of other folders: keyed as "folder::Name".
-_NAMESPACED = ("low_latency",)
-
-
-def _c_structs():
-    """Every ``struct Name { ... };`` of cuda_src: name -> [(field, type, is_pointer)]."""
-    structs = {}
-    for path in sorted(jit.CUDA_SRC.rglob("*")):
-        if path.suffix not in (".cu", ".cuh"):
-            continue
-        prefix = f"{path.parent.name}::" if path.parent.name in _NAMESPACED else ""
-        text = re.sub(r"/\*.*?\*/", "", re.sub(r"//[^\n]*", "", path.read_text()), flags=re.S)
-        for m in re.finditer(r"\bstruct\s+(\w+)\s*\{([^{}]*)\};", text):
-            fields = []
-            for decl in m.group(2).split(";"):
-                parts = [p.strip() for p in decl.strip().split(",")]
-                if not parts[0]:
-                    continue
-                first = re.match(r"^(.*?)(\w+)$", parts[0])
-                ctype = first.group(1).strip()
-                names = [first.group(2)] + parts[1:]
-                base = re.sub(r"\bconst\b|\*", " ", ctype).split()
-                assert len(base) == 1, f"{path}: cannot parse {decl!r}"
-                for name in names:
-                    assert re.fullmatch(r"\w+", name), f"{path}: cannot parse {decl!r}"
-                    fields.append((name, base[0], "*" in ctype))
-            name = prefix + m.group(1)
-            assert name not in structs, f"struct {name} defined twice"
-            structs[name] = fields
-    return structs
-
-
-def _resolve(ctype, within, structs):
-    """A field's struct type, looked up first in the namespace of the struct holding it."""
-    ns = within.rpartition("::")[0]
-    return f"{ns}::{ctype}" if ns and f"{ns}::{ctype}" in structs else ctype
-
-
-def _c_layout(name, structs):
-    """(size, align, [(field, offset, type, is_pointer)]) by the C rules for x86-64/CUDA."""
-    off, align, out = 0, 1, []
-    for field, ctype, is_ptr in structs[name]:
-        if is_ptr:
-            size, a = 8, 8
-        elif ctype in _C_SCALARS:
-            size = a = _C_SCALARS[ctype][0]
-        else:
-            size, a, _ = _c_layout(_resolve(ctype, name, structs), structs)
-        off = (off + a - 1) // a * a
-        out.append((field, off, ctype, is_ptr))
-        off += size
-        align = max(align, a)
-    return (off + align - 1) // align * align, align, out
-
-
-def _assert_mirrors(dtype, cname, structs, path=""):
-    size, _, fields = _c_layout(cname, structs)
-    where = path or cname
-    assert dtype.names == tuple(f for f, *_ in fields), f"{where}: field names/order differ from struct {cname}"
-    for field, offset, ctype, is_ptr in fields:
-        ftype, foff = dtype.fields[field][:2]
-        assert foff == offset, f"{where}.{field}: offset {foff}, C has {offset}"
-        if is_ptr:
-            assert ftype == np.uint64, f"{where}.{field}: pointer mirrored as {ftype}"
-        elif ctype in _C_SCALARS:
-            assert ftype == _C_SCALARS[ctype][1], f"{where}.{field}: {ctype} mirrored as {ftype}"
-        else:
-            assert ftype.names, f"{where}.{field}: struct {ctype} mirrored as {ftype}"
-            _assert_mirrors(ftype, _resolve(ctype, cname, structs), structs, f"{where}.{field}")
-    assert dtype.itemsize == size, f"{where}: itemsize {dtype.itemsize}, sizeof({cname}) = {size}"
-
-
 MIRRORS = [
     (errors.ERROR_SLOT_DTYPE, "ErrorSlot"),
     (barrier.GUARD_DTYPE, "Guard"),
@@ -546,29 +470,29 @@ MIRRORS = [
 
 @pytest.mark.parametrize("dtype,cname", MIRRORS, ids=[c for _, c in MIRRORS])
 def test_dtype_mirrors_c_struct(dtype, cname):
-    _assert_mirrors(dtype, cname, _c_structs())
+    assert_mirrors(dtype, cname, c_structs())
 
 
 def test_c_struct_parser_sees_the_error_slot():
     # Guards the parser itself: ErrorSlot as written in timeout.cuh.
-    structs = _c_structs()
+    structs = c_structs()
     assert [f for f, *_ in structs["ErrorSlot"]] == list(ERROR_SLOT_DTYPE.names)
-    assert _c_layout("ErrorSlot", structs)[0] == 40
-    assert _c_layout("Guard", structs)[0] == 24
+    assert c_layout("ErrorSlot", structs)[0] == 40
+    assert c_layout("Guard", structs)[0] == 24
     assert structs["BufferOffsets"][3:7] == [(n, "int64_t", False) for n in
                                               ("dispatch_tail", "dispatch_head", "combine_tail", "combine_head")]
 
 
 def test_mirror_check_catches_a_swapped_field():
-    structs = _c_structs()
+    structs = c_structs()
     swapped = np.dtype([("slot", np.uint64), ("timeout_ns", np.uint64), ("rank", np.int32),
                         ("kernel", np.int32)], align=True)
     with pytest.raises(AssertionError, match="names/order"):
-        _assert_mirrors(swapped, "Guard", structs)
+        assert_mirrors(swapped, "Guard", structs)
     narrow = np.dtype([("slot", np.uint64), ("timeout_ns", np.uint32), ("kernel", np.int32),
                        ("rank", np.int32)], align=True)
     with pytest.raises(AssertionError):
-        _assert_mirrors(narrow, "Guard", structs)
+        assert_mirrors(narrow, "Guard", structs)
 
 
 def _walk(dtype, base=0):

@@ -5,7 +5,6 @@ wait-site names of the device error slot. Nothing here needs a GPU except
 LowLatencyHandle.layout_begin, which skips without one."""
 
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,9 +14,9 @@ from cupyep.errors import KERNELS, CommTimeoutError, ERROR_SLOT_DTYPE, error_fro
 from cupyep.low_latency import kernels as K
 from cupyep.low_latency import layout as L
 from cupyep.low_latency.results import LowLatencyHandle
+from cstructs import assert_mirrors, c_layout, c_structs, strip_comments
 
 ARGS_CUH = jit.CUDA_SRC / "low_latency" / "args.cuh"
-TIMEOUT_CUH = jit.CUDA_SRC / "common" / "timeout.cuh"
 
 # (num_ranks, max_tokens, hidden, num_experts, max_topk)
 SIZES = [
@@ -304,104 +303,25 @@ def test_combine_smem():
 
 # ------------------------------------------------- C structs vs dtypes ---
 
-def _strip_comments(text):
-    return re.sub(r"/\*.*?\*/", "", re.sub(r"//[^\n]*", "", text), flags=re.S)
-
-
-def _parse_struct(path, name):
-    """[(field, base_type, is_pointer)] of ``struct name { ... };`` in ``path``."""
-    text = _strip_comments(Path(path).read_text())
-    m = re.search(rf"\bstruct\s+{name}\s*\{{([^{{}}]*)\}};", text)
-    assert m, f"struct {name} not found in {path}"
-    fields = []
-    for decl in m.group(1).split(";"):
-        decl = decl.strip()
-        if not decl:
-            continue
-        first, *rest = [p.strip() for p in decl.split(",")]
-        dm = re.fullmatch(r"(.*?)(\w+)", first, flags=re.S)
-        ctype = dm.group(1)
-        base = re.sub(r"\bconst\b|\*", " ", ctype).split()
-        assert len(base) == 1, f"cannot parse {decl!r}"
-        for fname in [dm.group(2)] + rest:
-            assert re.fullmatch(r"\w+", fname), f"cannot parse {decl!r}"
-            fields.append((fname, base[0], "*" in ctype))
-    return fields
-
-
-def _c_structs():
-    return {
-        "SetOffsets": _parse_struct(ARGS_CUH, "SetOffsets"),
-        "DispatchArgs": _parse_struct(ARGS_CUH, "DispatchArgs"),
-        "CombineArgs": _parse_struct(ARGS_CUH, "CombineArgs"),
-        "Guard": _parse_struct(TIMEOUT_CUH, "Guard"),
-    }
-
-
-_SCALARS = {"int": (4, np.int32), "int32_t": (4, np.int32), "uint32_t": (4, np.uint32), "float": (4, np.float32),
-            "int64_t": (8, np.int64), "uint64_t": (8, np.uint64), "uint8_t": (1, np.uint8)}
-
-
-def _c_layout(name, structs):
-    """(sizeof, alignof, {field: offset}) with natural alignment (pointers and
-    64-bit ints 8 bytes, int 4, a nested struct aligned to its widest member)."""
-    off, align, offsets = 0, 1, {}
-    for field, ctype, is_ptr in structs[name]:
-        if is_ptr:
-            size = a = 8
-        elif ctype in _SCALARS:
-            size = a = _SCALARS[ctype][0]
-        else:
-            size, a, _ = _c_layout(ctype, structs)
-        off = -(-off // a) * a
-        offsets[field] = off
-        off += size
-        align = max(align, a)
-    return -(-off // align) * align, align, offsets
-
-
 def test_struct_parser_reads_args_cuh():
-    structs = _c_structs()
-    assert [f for f, *_ in structs["SetOffsets"]] == list(L.FIELDS)
-    assert all(t == "int64_t" and not p for _, t, p in structs["SetOffsets"])
-    assert structs["DispatchArgs"][:4] == [("peers", "void", True), ("cur", "SetOffsets", False),
-                                           ("next", "SetOffsets", False), ("x", "int4", True)]
+    structs = c_structs()
+    SET, DISPATCH, COMBINE = ("low_latency::" + n for n in ("SetOffsets", "DispatchArgs", "CombineArgs"))
+    assert [f for f, *_ in structs[SET]] == list(L.FIELDS)
+    assert all(t == "int64_t" and not p for _, t, p in structs[SET])
+    assert structs[DISPATCH][:4] == [("peers", "void", True), ("cur", "SetOffsets", False),
+                                     ("next", "SetOffsets", False), ("x", "int4", True)]
     assert structs["Guard"] == [("slot", "ErrorSlot", True), ("timeout_ns", "uint64_t", False),
                                 ("kernel", "int", False), ("rank", "int", False)]
-    assert _c_layout("SetOffsets", structs)[:2] == (8 * len(L.FIELDS), 8)
-    assert _c_layout("Guard", structs)[:2] == (24, 8)
-    for name in ("DispatchArgs", "CombineArgs"):
-        size, align, offs = _c_layout(name, structs)
+    assert c_layout(SET, structs)[:2] == (8 * len(L.FIELDS), 8)
+    assert c_layout("Guard", structs)[:2] == (24, 8)
+    for name in (DISPATCH, COMBINE):
+        size, align, fields = c_layout(name, structs)
+        offs = {f: off for f, off, *_ in fields}
         assert align == 8 and size % 8 == 0
         assert (offs["peers"], offs["cur"], offs["next"]) == (0, 8, 8 + 8 * len(L.FIELDS))
         assert structs[name][-1] == ("guard", "Guard", False)
         assert offs["guard"] % 8 == 0 and size == offs["guard"] + 24
-
-
-MIRRORS = [(K.SET_DTYPE, "SetOffsets"), (K.DISPATCH_ARGS_DTYPE, "DispatchArgs"),
-           (K.COMBINE_ARGS_DTYPE, "CombineArgs"), (K.GUARD_DTYPE, "Guard")]
-
-
-def _check_mirror(dtype, cname, structs):
-    fields = structs[cname]
-    assert dtype.names == tuple(f for f, *_ in fields), f"{cname}: field names/order differ"
-    size, align, offsets = _c_layout(cname, structs)
-    assert dtype.itemsize == size, f"{cname}: itemsize {dtype.itemsize}, sizeof = {size}"
-    assert dtype.alignment == align, cname
-    for field, ctype, is_ptr in fields:
-        ftype, foff = dtype.fields[field][:2]
-        assert foff == offsets[field], f"{cname}.{field}: offset {foff}, C has {offsets[field]}"
-        if is_ptr:
-            assert ftype == np.uint64, f"{cname}.{field}: pointer as {ftype}"
-        elif ctype in _SCALARS:
-            assert ftype == _SCALARS[ctype][1], f"{cname}.{field}: {ctype} as {ftype}"
-        else:
-            _check_mirror(ftype, ctype, structs)
-
-
-@pytest.mark.parametrize("dtype,cname", MIRRORS, ids=[c for _, c in MIRRORS])
-def test_dtype_mirrors_args_cuh(dtype, cname):
-    _check_mirror(dtype, cname, _c_structs())
+    # The dtypes mirror these structs: tests/test_host_logic.py::test_dtype_mirrors_c_struct.
 
 
 def test_nested_dtypes_are_the_shared_ones():
@@ -413,18 +333,18 @@ def test_nested_dtypes_are_the_shared_ones():
 
 
 def test_mirror_check_can_fail():
-    structs = _c_structs()
+    structs = c_structs()
     swapped = jit.struct_dtype([(n, np.int64) for n in ("dispatch_flag", "dispatch_count") + L.FIELDS[2:]])
     with pytest.raises(AssertionError, match="names/order"):
-        _check_mirror(swapped, "SetOffsets", structs)
+        assert_mirrors(swapped, "low_latency::SetOffsets", structs)
     narrow = jit.struct_dtype([("slot", np.uint64), ("timeout_ns", np.uint32), ("kernel", np.int32),
                                ("rank", np.int32)])
     with pytest.raises(AssertionError):
-        _check_mirror(narrow, "Guard", structs)
+        assert_mirrors(narrow, "Guard", structs)
     # A dtype missing the trailing guard has the wrong field list.
     short = jit.struct_dtype([(n, K.COMBINE_ARGS_DTYPE.fields[n][0]) for n in K.COMBINE_ARGS_DTYPE.names[:-1]])
     with pytest.raises(AssertionError):
-        _check_mirror(short, "CombineArgs", structs)
+        assert_mirrors(short, "low_latency::CombineArgs", structs)
 
 
 def test_set_struct_packs_offsets_in_order():
@@ -443,7 +363,7 @@ def test_set_struct_packs_offsets_in_order():
 
 def _constexprs(path):
     return {m.group(1): int(m.group(2))
-            for m in re.finditer(r"constexpr\s+int\s+(\w+)\s*=\s*(-?\d+)\s*;", _strip_comments(path.read_text()))}
+            for m in re.finditer(r"constexpr\s+int\s+(\w+)\s*=\s*(-?\d+)\s*;", strip_comments(path.read_text()))}
 
 
 def test_constants_match_args_cuh():
@@ -481,7 +401,7 @@ def test_kernel_specs():
 @pytest.mark.parametrize("source,kernel,args", [("dispatch.cu", "dispatch", "DispatchArgs"),
                                                 ("combine.cu", "combine", "CombineArgs")])
 def test_kernel_templates_exist_in_sources(source, kernel, args):
-    text = _strip_comments((jit.CUDA_SRC / "low_latency" / source).read_text())
+    text = strip_comments((jit.CUDA_SRC / "low_latency" / source).read_text())
     assert re.search(r"namespace\s+cupyep\s*\{\s*namespace\s+low_latency\s*\{", text)
     pattern = (rf"template\s*<\s*int\s+\w+\s*>\s*__global__\s+void\s+"
                rf"(?:__launch_bounds__\s*\([^)]*\)\s*)?{kernel}\s*\(\s*{args}\s+\w+\s*\)")
@@ -506,10 +426,10 @@ def test_error_phases_match_wait_sites():
         assert "send completion" in phases[c["kWaitSendDone"]], kernel
         assert "flag" in phases[c["kWaitPeerFlag"]] and "send completion" not in phases[c["kWaitPeerFlag"]]
     # The wait sites in sync.cuh report those phases.
-    sync = _strip_comments((jit.CUDA_SRC / "low_latency" / "sync.cuh").read_text())
+    sync = strip_comments((jit.CUDA_SRC / "low_latency" / "sync.cuh").read_text())
     assert re.search(r"wait_geq\(done,[^;]*kWaitSendDone", sync)
     assert re.search(r"wait_nonzero\([^;]*kWaitPeerFlag", sync)
-    dispatch = _strip_comments((jit.CUDA_SRC / "low_latency" / "dispatch.cu").read_text())
+    dispatch = strip_comments((jit.CUDA_SRC / "low_latency" / "dispatch.cu").read_text())
     assert re.search(r"report_error\([^;]*kErrorBadInput, kBadExpertId", dispatch)
 
 
