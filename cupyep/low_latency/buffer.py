@@ -88,6 +88,7 @@ class LowLatencyBuffer:
         return self.layout.nbytes
 
     def _check_resident(self) -> None:
+        # Raises ValueError when the dispatch's shared memory cannot fit these sizes.
         K.dispatch_smem(self.max_tokens, self.num_blocks, self.max_topk, self.num_experts, self.num_threads)
         # A call may use up to SMEM_BUDGET bytes (ids staged for a small top-k): check that.
         per_sm = min(jit.max_resident_blocks(self._dispatch_fn, self.num_threads, K.SMEM_BUDGET),
