@@ -10,10 +10,14 @@ before the GPU reaches it), over --iters calls: median and p99 of the slowest
 rank. Two clocks: ``event_*`` spans the CUDA events around the call, which
 under MPS includes the time the launch waits to be scheduled; ``kernel_*``
 spans the kernel itself (first block start to last block end, %globaltimer
-stamps the kernels write), which is what a profiler such as Kineto reports. Also the send
-and receive halves in hook mode, the buffer bytes per rank, and efficiency =
-(2 x bytes written to peers by all ranks / copy bandwidth measured in this
-run) / time.
+stamps the kernels write), which is what a profiler such as Kineto reports.
+As all ranks share one %globaltimer, the stamps also give the ranks' start
+skew and ``after_last_start``, the call's latency once the last rank has
+started. Also the send and receive halves in hook mode, the buffer bytes per
+rank, and efficiency = (2 x bytes written to peers by all ranks / copy
+bandwidth measured in this run) / time. With ``--trace N``, N more calls of
+each kind record when every block reached each mark (kernels.TRACE_MARKS),
+summarised as when the first and the last rank got there.
 """
 import argparse
 
@@ -23,7 +27,9 @@ import cupyep
 from cupyep.barrier import GpuBarrier
 from cupyep.bench.copy import copy_bandwidth
 from cupyep.bench.report import JsonlWriter
-from cupyep.bench.timing import Timing, flush_l2, gpu_sleep, time_fn
+from cupyep.bench.stamps import cross_rank, trace_marks
+from cupyep.bench.timing import Timing, flush_l2, gpu_sleep
+from cupyep.low_latency.kernels import NUM_TRACE_SLOTS, TRACE_MARKS
 from cupyep.testing import global_routing, payload_bf16
 
 
@@ -39,6 +45,8 @@ def main():
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--threads", type=int, default=512)
     p.add_argument("--no-flush", action="store_true", help="do not flush L2 before each timed call")
+    p.add_argument("--no-hook", action="store_true", help="skip the hook-mode halves")
+    p.add_argument("--trace", type=int, default=0, help="calls of each kind to trace per block and mark")
     p.add_argument("--sleep-us", type=float, default=400.0,
                    help="GPU sleep before each timed call, so host launch cost is not timed (0: time it)")
     args = p.parse_args()
@@ -51,28 +59,33 @@ def main():
     buf = cupyep.LowLatencyBuffer(group, args.max_tokens, args.hidden, args.experts, num_blocks=args.num_blocks,
                                   num_threads=args.threads)
     bar = GpuBarrier(group)
-    H = args.hidden
+    H, warmup = args.hidden, 10
 
-    def slowest(t: Timing, prefix: str) -> dict:
-        return {f"{prefix}_median_us": group.comm.allreduce(t.median_s, op=MPI.MAX) * 1e6,
-                f"{prefix}_p99_us": group.comm.allreduce(t.p99_s, op=MPI.MAX) * 1e6, "n": t.n}
-
-    stamps = cupy.empty((args.iters + 10, 2), dtype=np.int64)
-
-    def stamped(call):
-        """fn() for time_fn: call i gets row i of `stamps` for its kernel times."""
-        stamps[:, 0] = np.iinfo(np.int64).max
-        stamps[:, 1] = 0
-        state = {"i": 0}
-
-        def fn():
-            call(stamps[state["i"]])
-            state["i"] += 1
-        return fn
-
-    def kernel_timing(first: int = 10) -> Timing:
-        s = stamps[first:].get()
-        return Timing.from_samples((s[:, 1] - s[:, 0]) * 1e-9)
+    def steps(calls, iters):
+        """Run ``iters`` rounds of ``calls`` (each call(i, stamp_row)), every call on
+        its own: L2 flush, GPU sleep, GPU barrier, then the call between events.
+        Returns per call (event Timing, [iters, 2] kernel stamps), warm-up dropped."""
+        stamps = [cupy.empty((warmup + iters, 2), dtype=np.int64) for _ in calls]
+        for st in stamps:
+            st[:, 0], st[:, 1] = np.iinfo(np.int64).max, 0
+        times = [[] for _ in calls]
+        for i in range(warmup + iters):
+            evs = []
+            for call, st in zip(calls, stamps):
+                if not args.no_flush:
+                    flush_l2()
+                gpu_sleep(args.sleep_us)
+                bar()
+                e = (cupy.cuda.Event(), cupy.cuda.Event())
+                e[0].record()
+                call(i, st[i])
+                e[1].record()
+                evs.append(e)
+            evs[-1][1].synchronize()
+            if i >= warmup:
+                for lst, (a, b) in zip(times, evs):
+                    lst.append(cupy.cuda.get_elapsed_time(a, b) * 1e-3)
+        return [(Timing.from_samples(t), st[warmup:].get()) for t, st in zip(times, stamps)]
 
     for T in args.tokens:
         idx, w = global_routing(T, [T] * R, args.experts, args.topk)
@@ -83,68 +96,64 @@ def main():
                 "experts": args.experts, "max_tokens": args.max_tokens, "buffer_bytes": buf.num_bytes,
                 "num_blocks": buf.num_blocks, "num_threads": buf.num_threads, "copy_GBps": copy_bw / 1e9,
                 "l2_flush": not args.no_flush}
+        fp8_row, bf16_row = H + H // 128 * 4 + 4 + 1, 2 * H + 4 + 1
 
-        def record(kind, event: Timing, kernel: Timing, bytes_to_peers):
-            r = {**slowest(event, "event"), **slowest(kernel, "kernel")}
+        def record(kind, timed, bytes_to_peers):
+            event, stamps = timed
+            everyone = np.stack(group.comm.allgather(stamps))          # [R, iters, 2]
+            kernel = Timing.from_samples((stamps[:, 1] - stamps[:, 0]) * 1e-9)
+            r = {f"{c}_{q}_us": group.comm.allreduce(getattr(t, f"{q}_s"), op=MPI.MAX) * 1e6
+                 for c, t in (("event", event), ("kernel", kernel)) for q in ("median", "p99")}
+            for name, v in cross_rank(everyone).items():
+                r.update({f"{name}_{q}": x_ for q, x_ in v.items()})
             total = group.comm.allreduce(bytes_to_peers)
-            out.write({**base, "kind": kind, **r, "bytes_to_peers": total,
+            out.write({**base, "kind": kind, **r, "n": event.n, "bytes_to_peers": total,
                        "efficiency": 2 * total / copy_bw / (r["kernel_median_us"] * 1e-6)})
 
-        def timed(call):
-            fn = stamped(call)
-            ev = time_fn(fn, iters=args.iters, warmup=10, flush=not args.no_flush, before=bar,
-                         hide_launch_us=args.sleep_us)
-            return ev, kernel_timing()
+        def dispatch(use_fp8):
+            return lambda i, st, **more: buf.dispatch(x, topk_idx, use_fp8=use_fp8, validate=False,
+                                                      kernel_time_ns=st, **more)
 
         for use_fp8 in (True, False):
-            row = (H + H // 128 * 4 + 4 + 1) if use_fp8 else (2 * H + 4 + 1)
-            ev, kt = timed(lambda t: buf.dispatch(x, topk_idx, use_fp8=use_fp8, validate=False, kernel_time_ns=t))
-            record("dispatch_fp8" if use_fp8 else "dispatch_bf16", ev, kt, pairs * row)
+            (timed,) = steps([dispatch(use_fp8)], args.iters)
+            record("dispatch_fp8" if use_fp8 else "dispatch_bf16", timed, pairs * (fp8_row if use_fp8 else bf16_row))
         res = buf.dispatch(x, topk_idx, use_fp8=False, validate=False)
         y = res.recv_x.copy()
-        ev, kt = timed(lambda t: buf.combine(y, topk_idx, topk_w, res.handle, kernel_time_ns=t))
-        record("combine", ev, kt, pairs * 2 * H)
+        handle = res.handle
 
-        # Hook mode: the send half and the receive half, each timed alone.
-        halves = {k: ([], cupy.empty((args.iters + 10, 2), dtype=np.int64)) for k in ("ds", "dr", "cs", "cr")}
-        for _, st in halves.values():
-            st[:, 0] = np.iinfo(np.int64).max
-            st[:, 1] = 0
-        for i in range(args.iters + 10):
-            ev = [cupy.cuda.Event() for _ in range(8)]
-            if not args.no_flush:
-                flush_l2()
-            gpu_sleep(args.sleep_us)
-            bar()
-            ev[0].record()
-            r = buf.dispatch(x, topk_idx, use_fp8=True, validate=False, return_recv_hook=True,
-                             kernel_time_ns=halves["ds"][1][i])
-            ev[1].record()
-            gpu_sleep(args.sleep_us)
-            bar()
-            ev[2].record()
-            r.hook(kernel_time_ns=halves["dr"][1][i])
-            ev[3].record()
-            gpu_sleep(args.sleep_us)
-            bar()
-            ev[4].record()
-            c = buf.combine(y, topk_idx, topk_w, r.handle, return_recv_hook=True, kernel_time_ns=halves["cs"][1][i])
-            ev[5].record()
-            gpu_sleep(args.sleep_us)
-            bar()
-            ev[6].record()
-            c.hook(kernel_time_ns=halves["cr"][1][i])
-            ev[7].record()
-            ev[7].synchronize()
-            if i >= 10:
-                for (lst, _), (a, b) in zip(halves.values(), ((0, 1), (2, 3), (4, 5), (6, 7))):
-                    lst.append(cupy.cuda.get_elapsed_time(ev[a], ev[b]) * 1e-3)
-        row = H + H // 128 * 4 + 4 + 1
-        for key, kind, nbytes in (("ds", "dispatch_fp8_send_half", pairs * row), ("dr", "dispatch_fp8_recv_half", 0),
-                                  ("cs", "combine_send_half", pairs * 2 * H), ("cr", "combine_recv_half", 0)):
-            lst, st = halves[key]
-            s_ = st[10:].get()
-            record(kind, Timing.from_samples(lst), Timing.from_samples((s_[:, 1] - s_[:, 0]) * 1e-9), nbytes)
+        def combine(i, st, **kw):
+            return buf.combine(y, topk_idx, topk_w, handle, kernel_time_ns=st, **kw)
+
+        (timed,) = steps([combine], args.iters)
+        record("combine", timed, pairs * 2 * H)
+
+        if not args.no_hook:
+            # Hook mode: the send half and the receive half, each timed alone.
+            pending = {}
+
+            def ds(i, st):
+                pending["d"] = buf.dispatch(x, topk_idx, use_fp8=True, validate=False, return_recv_hook=True,
+                                            kernel_time_ns=st)
+
+            def cs(i, st):
+                pending["c"] = buf.combine(y, topk_idx, topk_w, pending["d"].handle, return_recv_hook=True,
+                                           kernel_time_ns=st)
+
+            halves = steps([ds, lambda i, st: pending["d"].hook(kernel_time_ns=st),
+                            cs, lambda i, st: pending["c"].hook(kernel_time_ns=st)], args.iters)
+            for kind, timed, nbytes in zip(("dispatch_fp8_send_half", "dispatch_fp8_recv_half",
+                                            "combine_send_half", "combine_recv_half"), halves,
+                                           (pairs * fp8_row, 0, pairs * 2 * H, 0)):
+                record(kind, timed, nbytes)
+
+        if args.trace:
+            G = buf.num_blocks
+            for kind, call in (("dispatch_fp8", dispatch(True)), ("combine", combine)):
+                traces = cupy.zeros((warmup + args.trace, G, NUM_TRACE_SLOTS), dtype=np.int64)
+                steps([lambda i, st, call=call: call(i, st, trace=traces[i])], args.trace)
+                everyone = np.stack(group.comm.allgather(traces[warmup:].get()))  # [R, n, G, M]
+                out.write({**base, "kind": f"{kind}_trace", "n": args.trace,
+                           "marks": trace_marks(everyone, TRACE_MARKS)})
     buf.synchronize()
     bar.destroy()
     buf.destroy()

@@ -14,6 +14,7 @@ import pytest
 
 from cupyep import barrier, errors, jit, testing
 from cupyep.arrays import BF16, FP8, as_cupy, check
+from cupyep.bench.stamps import cross_rank, trace_marks
 from cupyep.bench.timing import Timing
 from cupyep.errors import (ERROR_SLOT_DTYPE, KERNEL_NAMES, KERNELS, CommTimeoutError, CupyepError,
                            error_from_slot, kernel_id)
@@ -644,6 +645,41 @@ def test_timing_as_us():
     assert us["n"] == 2
     assert us["median_us"] == pytest.approx(2.0) and us["max_us"] == pytest.approx(3.0)
     assert us["min_us"] == pytest.approx(1.0)
+
+
+def test_cross_rank_stamps():
+    # 2 ranks, 3 calls: rank 1 starts 5 us late in call 0, 1 us late in calls 1 and 2.
+    k = np.array([[[0, 10_000], [100_000, 108_000], [200_000, 209_000]],
+                  [[5_000, 12_000], [101_000, 110_000], [201_000, 207_000]]], dtype=np.int64)
+    c = cross_rank(k)
+    assert c["skew"]["median_us"] == pytest.approx(1.0)
+    assert c["span"]["median_us"] == pytest.approx(10.0)          # 12, 10, 9
+    assert c["after_last_start"]["median_us"] == pytest.approx(8.0)  # 7, 9, 8
+    assert c["skew"]["p99_us"] == pytest.approx(1.0 + 0.98 * 4.0)
+    with pytest.raises(ValueError):
+        cross_rank(k[..., :1])
+
+
+def test_trace_marks():
+    names = ("start", "sent", "end")
+    t = np.zeros((2, 2, 3, 4), dtype=np.int64)   # [R, n, G, M]
+    for call in range(2):
+        base = 1_000_000 * (call + 1)
+        # rank 0 starts at base, its blocks finish sending at +2/+3 us; rank 1 starts 1 us later.
+        t[0, call, :, 0] = base + np.array([0, 100, 200])
+        t[1, call, :, 0] = base + 1000
+        t[0, call, :, 1] = base + np.array([2000, 3000, 2500])
+        t[1, call, :, 1] = base + 4000 + 1000 * call
+        t[:, call, :, 2] = base + 6000
+    m = trace_marks(t, names)
+    assert m["start"] == {"first_rank_us": pytest.approx(0.2), "last_rank_us": pytest.approx(1.0)}
+    assert m["sent"]["first_rank_us"] == pytest.approx(3.0)
+    assert m["sent"]["last_rank_us"] == pytest.approx(4.5)      # median of 4 and 5
+    assert m["end"] == {"first_rank_us": pytest.approx(6.0), "last_rank_us": pytest.approx(6.0)}
+    t[..., 2] = 0                                                 # a mark nobody reached is left out
+    assert set(trace_marks(t, names)) == {"start", "sent"}
+    with pytest.raises(ValueError):
+        trace_marks(t[0], names)
 
 
 # ----------------------------------------------------------------- testing ---

@@ -372,6 +372,12 @@ def test_constants_match_args_cuh():
     assert c["kPhaseRecv"] == K.PHASE_RECV == 2
     assert c["kChunkElems"] == K.CHUNK_ELEMS
     assert K.DEFAULT_THREADS in K.THREAD_CHOICES
+    enum = re.search(r"enum\s+Mark\s*\{([^}]*)\}", strip_comments(ARGS_CUH.read_text())).group(1)
+    marks = dict((n, int(v)) for n, v in re.findall(r"(\w+)\s*=\s*(\d+)", enum))
+    assert marks.pop("kNumMarks") == K.NUM_TRACE_SLOTS
+    names = [re.sub(r"(?<!^)(?=[A-Z])", "_", n[len("kMark"):]).lower() for n in sorted(marks, key=marks.get)]
+    assert tuple(names) == K.TRACE_MARKS and sorted(marks.values()) == list(range(len(K.TRACE_MARKS)))
+    assert len(K.TRACE_MARKS) <= K.NUM_TRACE_SLOTS
     assert all(t % 32 == 0 and 32 <= t <= 1024 for t in K.THREAD_CHOICES)
 
 

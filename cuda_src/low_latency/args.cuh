@@ -54,6 +54,7 @@ struct DispatchArgs {
     int* cumulative_stats;   // [E_local] or null: += recv_count
     int64_t* wait_stats;     // [R] or null: += ns block 0 waited for each source
     int64_t* kernel_time;    // [2] or null: min start / max end %globaltimer over blocks
+    int64_t* trace;          // [G][kNumMarks] or null: %globaltimer of each block at each mark
     int num_tokens;
     int hidden;
     int num_topk;
@@ -83,6 +84,7 @@ struct CombineArgs {
     int4* out;                  // [T, H] BF16
     const uint8_t* recv_slot;   // [E_local, R * max] from the dispatch
     int64_t* kernel_time;       // [2] or null
+    int64_t* trace;             // [G][kNumMarks] or null
     int num_tokens;
     int hidden;
     int num_topk;
@@ -94,6 +96,27 @@ struct CombineArgs {
     int rank;
     Guard guard;
 };
+
+// Trace marks: with a trace array, thread 0 of block b writes %globaltimer to
+// trace[b][m] once the whole block reaches mark m (cupyep/low_latency/kernels.py
+// TRACE_MARKS names them). Marks add block barriers, so only traced calls pay.
+enum Mark {
+    kMarkStart = 0,     // send half entered
+    kMarkPrep = 1,      // positions (dispatch) / row prefix (combine) ready
+    kMarkSent = 2,      // this block's rows all issued
+    kMarkAllSent = 3,   // every block of this rank has sent (blocks b < R: waited for them)
+    kMarkFlagged = 4,   // flags of this block's destinations released
+    kMarkArrived = 5,   // receive half: every peer's flag seen
+    kMarkEnd = 6,       // receive half done
+    kNumMarks = 8
+};
+
+__device__ __forceinline__ void trace_mark(int64_t* trace, int m) {
+    if (trace) {
+        __syncthreads();
+        if (threadIdx.x == 0) trace[blockIdx.x * kNumMarks + m] = (int64_t)global_timer_ns();
+    }
+}
 
 // Profiling stamps: first block start and last block end, in %globaltimer ns.
 __device__ __forceinline__ void stamp_start(int64_t* t) {

@@ -30,6 +30,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
     void* mine = a.peers[a.rank];
 
     if (a.phases & kPhaseSend) {
+        trace_mark(a.trace, kMarkStart);
         clear_next_flags(mine, a.next, R);
         // prefix[p] = rows of pairs before p = (expert e, source s), p = e * R + s.
         const int P = El * R;
@@ -50,6 +51,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
             if (lane == 0) prefix[0] = 0;
         }
         __syncthreads();
+        trace_mark(a.trace, kMarkPrep);
         // A warp per received row (grid-strided): the row goes out in rounds of
         // kUnroll 16-byte words per lane, all loads of a round in flight at once.
         constexpr int kUnroll = 8;
@@ -76,13 +78,17 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                     if (i0 + u * 32 < row_int4) st_na_v4(dst + i0 + u * 32, v[u]);
             }
         }
+        trace_mark(a.trace, kMarkSent);
         if (!finish_sends(at<int>(mine, a.cur.done) + 1, a.guard, R)) return;
+        trace_mark(a.trace, kMarkAllSent);
         for (int dst = b; dst < R; dst += G)
             if (threadIdx.x == 0) st_release_sys(at<int>(a.peers[dst], a.cur.combine_flag) + a.rank, 1);
+        trace_mark(a.trace, kMarkFlagged);
     }
 
     if (a.phases & kPhaseRecv) {
         if (!wait_peer_flags(at<int>(mine, a.cur.combine_flag), R, a.guard, nullptr)) return;
+        trace_mark(a.trace, kMarkArrived);
         const int4* recv = at<int4>(mine, a.cur.combine_recv);
         constexpr int kBatch = 4;
         for (int64_t item = (int64_t)b * num_warps + warp; item < (int64_t)T * num_chunks; item += (int64_t)G * num_warps) {
@@ -126,6 +132,7 @@ template <int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1) combine(CombineArgs a) {
     stamp_start(a.kernel_time);
     combine_body(a);
+    if (a.phases & kPhaseRecv) trace_mark(a.trace, kMarkEnd);
     stamp_end(a.kernel_time);
 }
 

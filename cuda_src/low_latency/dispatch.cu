@@ -37,6 +37,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
     void* mine = a.peers[a.rank];
 
     if (a.phases & kPhaseSend) {
+        trace_mark(a.trace, kMarkStart);
         clear_next_flags(mine, a.next, R);
         const int NG = a.num_groups;
         const int Tb = (T + G - 1) / G;           // own tokens, at most
@@ -90,6 +91,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
             if (e >= 0) own_pos[i] += cnt[own_grp[i / k] * E + e];
         }
         __syncthreads();
+        trace_mark(a.trace, kMarkPrep);
 
         // Rows: a warp per (token, chunk of 512 channels); lane owns 16 channels.
         const int num_chunks = (H + kChunkElems - 1) / kChunkElems;
@@ -155,17 +157,21 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
             }
         }
 
+        trace_mark(a.trace, kMarkSent);
         if (!finish_sends(at<int>(mine, a.cur.done), a.guard, R)) return;
+        trace_mark(a.trace, kMarkAllSent);
         for (int dst = b; dst < R; dst += G) {
             int* counts = at<int>(a.peers[dst], a.cur.dispatch_count);
             for (int le = threadIdx.x; le < El; le += blockDim.x) counts[le * R + a.rank] = total[dst * El + le];
             __syncthreads();
             if (threadIdx.x == 0) st_release_sys(at<int>(a.peers[dst], a.cur.dispatch_flag) + a.rank, 1);
         }
+        trace_mark(a.trace, kMarkFlagged);
     }
 
     if (a.phases & kPhaseRecv) {
         if (!wait_peer_flags(at<int>(mine, a.cur.dispatch_flag), R, a.guard, a.wait_stats)) return;
+        trace_mark(a.trace, kMarkArrived);
         const int* counts = at<int>(mine, a.cur.dispatch_count);
         __shared__ int s_sum;
         for (int le = b; le < El; le += G) {
@@ -189,6 +195,7 @@ template <int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1) dispatch(DispatchArgs a) {
     stamp_start(a.kernel_time);
     dispatch_body(a);
+    if (a.phases & kPhaseRecv) trace_mark(a.trace, kMarkEnd);
     stamp_end(a.kernel_time);
 }
 

@@ -87,6 +87,12 @@ class LowLatencyBuffer:
     def num_bytes(self) -> int:
         return self.layout.nbytes
 
+    def _profile_args(self, kernel_time_ns, trace) -> dict:
+        """kernel_time / trace pointers of a call (checked before the call takes a set)."""
+        if trace is not None:
+            check(as_cupy(trace, "trace"), "trace", np.int64, shape=(self.num_blocks, K.NUM_TRACE_SLOTS))
+        return dict(kernel_time=_time_ptr(kernel_time_ns), trace=0 if trace is None else trace.data.ptr)
+
     def _check_resident(self) -> None:
         # Raises ValueError when the dispatch's shared memory cannot fit these sizes.
         K.dispatch_smem(self.max_tokens, self.num_blocks, self.max_topk, self.num_experts, self.num_threads)
@@ -154,7 +160,7 @@ class LowLatencyBuffer:
     def dispatch(self, x, topk_idx, *, use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
                  cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
                  async_finish: bool = False, return_recv_hook: bool = False, validate: bool = True,
-                 kernel_time_ns=None) -> LowLatencyDispatchResult:
+                 kernel_time_ns=None, trace=None) -> LowLatencyDispatchResult:
         """Send every (token, expert) pair to the expert's rank.
 
         Arguments:
@@ -171,6 +177,9 @@ class LowLatencyBuffer:
             kernel_time_ns: optional [2] int64 device array, for profiling: the kernel(s) lower
                 element 0 to their first block's start and raise element 1 to their last block's
                 end (%globaltimer ns); initialise it to [2**63 - 1, 0].
+            trace: optional [num_blocks, 8] int64 device array, for profiling: trace[b, m] is
+                the %globaltimer ns at which block b reached mark m (kernels.TRACE_MARKS; both
+                halves write it in hook mode). Tracing adds block barriers.
 
         Returns:
             LowLatencyDispatchResult (recv_x is a view valid until the next dispatch).
@@ -194,6 +203,7 @@ class LowLatencyBuffer:
         if wait is not None:
             check(wait, "dispatch_wait_recv_cost_stats", np.int64, shape=(R,))
         groups, smem, stage = K.dispatch_smem(max(T, 1), self.num_blocks, k, self.num_experts, self.num_threads)
+        profile = self._profile_args(kernel_time_ns, trace)
 
         set_index, cur = self._take_set()
         stream = self._stream(async_finish)
@@ -203,7 +213,7 @@ class LowLatencyBuffer:
         args = dict(peers=self.buffer.peer_ptrs.data.ptr, **self._set_args(set_index),
                     x=x.data.ptr, topk_idx=topk_idx.data.ptr, layout_count=layout_count.data.ptr,
                     recv_count=recv_count.data.ptr, cumulative_stats=0 if stats is None else stats.data.ptr,
-                    wait_stats=0 if wait is None else wait.data.ptr, kernel_time=_time_ptr(kernel_time_ns),
+                    wait_stats=0 if wait is None else wait.data.ptr, **profile,
                     num_tokens=T, hidden=H, num_topk=k, num_experts=self.num_experts, num_ranks=R,
                     max_tokens=self.max_tokens, max_topk=self.max_topk, num_groups=groups,
                     stage_ids=int(stage),
@@ -272,7 +282,7 @@ class LowLatencyBuffer:
 
     def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, *, zero_copy: bool = False,
                 async_finish: bool = False, return_recv_hook: bool = False, out=None,
-                validate: bool = False, kernel_time_ns=None) -> LowLatencyCombineResult:
+                validate: bool = False, kernel_time_ns=None, trace=None) -> LowLatencyCombineResult:
         """Return expert outputs to their tokens and reduce with the top-k weights.
 
         Arguments:
@@ -283,7 +293,7 @@ class LowLatencyBuffer:
             handle: the dispatch's LowLatencyHandle.
             zero_copy: read the expert outputs from get_next_combine_buffer().
             out: optional [T, H] uint16 output array.
-            async_finish, return_recv_hook, kernel_time_ns: as in dispatch.
+            async_finish, return_recv_hook, kernel_time_ns, trace: as in dispatch.
 
         Returns:
             LowLatencyCombineResult with combined_x [T, H] uint16 (BF16).
@@ -307,6 +317,7 @@ class LowLatencyBuffer:
                 raise ValueError("x must be C-contiguous")
         if out is not None:
             out = check(as_cupy(out, "out"), "out", BF16, shape=(T, H))
+        profile = self._profile_args(kernel_time_ns, trace)
         set_index, cur = self._take_set()
         stream = self._stream(async_finish)
         with stream:
@@ -315,7 +326,7 @@ class LowLatencyBuffer:
         args = dict(peers=self.buffer.peer_ptrs.data.ptr, **self._set_args(set_index),
                     x=src.data.ptr, layout_count=handle.layout_count.data.ptr, recv_src=handle.recv_src.data.ptr,
                     topk_idx=topk_idx.data.ptr, topk_weights=topk_weights.data.ptr, out=out.data.ptr,
-                    recv_slot=handle.recv_slot.data.ptr, kernel_time=_time_ptr(kernel_time_ns),
+                    recv_slot=handle.recv_slot.data.ptr, **profile,
                     num_tokens=T, hidden=H, num_topk=k, num_experts=self.num_experts, num_ranks=R,
                     max_tokens=self.max_tokens, max_topk=self.max_topk, rank=self.rank,
                     guard=self._guard("low_latency_combine"))

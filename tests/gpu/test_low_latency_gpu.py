@@ -164,6 +164,44 @@ def test_hook_zero_copy_ue8m0(group, llbuf):
     assert all_ranks(group.comm, diff < 9e-4 and not np.isnan(got).any()), diff
 
 
+@pytest.mark.parametrize("hook", [False, True])
+def test_profiling_stamps(group, llbuf, hook):
+    """kernel_time_ns and trace: results stay exact, every block reaches every
+    mark in order, and the kernel stamps bracket the marks."""
+    import cupy
+    from cupyep.low_latency.kernels import NUM_TRACE_SLOTS, TRACE_MARKS
+    me, R = group.local_rank, group.local_size
+    tokens = [MAX_TOKENS] * R
+    idx, w = _routing(group, 41 + hook, tokens)
+    xs = [tagged_x(r, MAX_TOKENS) for r in range(R)]
+    G, M = llbuf.num_blocks, len(TRACE_MARKS)
+    ok = True
+    for what in ("dispatch", "combine"):
+        kt = cupy.array([np.iinfo(np.int64).max, 0], dtype=np.int64)
+        tr = cupy.zeros((G, NUM_TRACE_SLOTS), dtype=np.int64)
+        if what == "dispatch":
+            res = llbuf.dispatch(cupy.asarray(xs[me]), cupy.asarray(idx[me]), use_fp8=False,
+                                 return_recv_hook=hook, kernel_time_ns=kt if not hook else None, trace=tr)
+            if hook:
+                res.hook(kernel_time_ns=kt)
+            ok &= _check_dispatch(group, res, tokens, idx, False, xs)[0]
+        else:
+            comb = llbuf.combine(res.recv_x.copy(), cupy.asarray(idx[me]), cupy.asarray(w[me]), res.handle,
+                                 return_recv_hook=hook, kernel_time_ns=kt if not hook else None, trace=tr)
+            if hook:
+                comb.hook(kernel_time_ns=kt)
+            got = bf16_to_f32(comb.combined_x.get())
+            ok &= ref.calc_diff(got, _combine_expected(xs[me], idx[me], w[me])) < 1e-5
+        t, k = tr.get()[:, :M], kt.get()
+        ok &= bool((t > 0).all() and (np.diff(t, axis=1) >= 0).all() and (t[:, -1] <= k[1]).all())
+        if not hook:  # one launch: its first block starts no later than any start mark
+            ok &= bool(k[0] <= t[:, 0].min())
+    assert all_ranks(group.comm, ok)
+    with pytest.raises(ValueError, match="trace"):
+        llbuf.dispatch(cupy.asarray(xs[me]), cupy.asarray(idx[me]), trace=cupy.zeros((G + 1, NUM_TRACE_SLOTS),
+                                                                                     dtype=np.int64))
+
+
 def test_stress_1000_calls(group, llbuf):
     """1000 dispatch/combine pairs with new routing every call, alternating
     FP8/BF16; counts, sources and row tags checked on the device every call."""

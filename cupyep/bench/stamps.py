@@ -1,0 +1,64 @@
+"""Summaries of the %globaltimer stamps kernels write while profiled.
+
+All ranks of one GPU read the same %globaltimer, so stamps of different
+ranks can be compared: how far apart the ranks' kernels started, and how
+long the call took once the last rank had started.
+
+Inputs are int64 nanoseconds gathered from every rank:
+
+* ``kernel`` stamps: [R, n, 2], per rank and call the first block's start and
+  the last block's end;
+* ``trace`` stamps: [R, n, G, M], per rank, call, block and mark the time the
+  block reached the mark (0 where a mark was not reached).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def _median_p99(a) -> dict:
+    a = np.asarray(a, dtype=np.float64) * 1e-3
+    return {"median_us": float(np.median(a)), "p99_us": float(np.percentile(a, 99))}
+
+
+def cross_rank(kernel) -> dict:
+    """Per call over ranks, from [R, n, 2] kernel stamps:
+
+    * ``skew``: last rank's start minus first rank's start;
+    * ``span``: last rank's end minus first rank's start;
+    * ``after_last_start``: last rank's end minus last rank's start (the
+      call's own latency once every rank has launched).
+
+    Returns {name: {"median_us", "p99_us"}}.
+    """
+    k = np.asarray(kernel, dtype=np.int64)
+    if k.ndim != 3 or k.shape[2] != 2:
+        raise ValueError(f"kernel stamps must be [R, n, 2], got {k.shape}")
+    first, last, end = k[:, :, 0].min(0), k[:, :, 0].max(0), k[:, :, 1].max(0)
+    return {"skew": _median_p99(last - first), "span": _median_p99(end - first),
+            "after_last_start": _median_p99(end - last)}
+
+
+def trace_marks(trace, names) -> dict:
+    """When the ranks reached each mark, from [R, n, G, M] trace stamps.
+
+    Per call, a rank reaches mark m when its last block does; times count from
+    the first rank's start (mark 0). Returns {name: {"first_rank_us",
+    "last_rank_us"}}, medians over calls of the first and the last rank to
+    reach the mark; marks no block reached are left out.
+    """
+    t = np.asarray(trace, dtype=np.int64)
+    if t.ndim != 4 or t.shape[3] < len(names):
+        raise ValueError(f"trace stamps must be [R, n, G, >= {len(names)}], got {t.shape}")
+    starts = np.where(t[..., 0] > 0, t[..., 0], np.iinfo(np.int64).max)
+    t0 = starts.min(axis=(0, 2))                              # [n]
+    out = {}
+    for m, name in enumerate(names):
+        mark = t[..., m]                                      # [R, n, G]
+        if not (mark > 0).any():
+            continue
+        reached = mark.max(axis=2)                            # [R, n]: the rank's last block
+        reached = np.where(reached > 0, reached - t0[None, :], np.nan)
+        out[name] = {"first_rank_us": float(np.nanmedian(np.nanmin(reached, axis=0))) * 1e-3,
+                     "last_rank_us": float(np.nanmedian(np.nanmax(reached, axis=0))) * 1e-3}
+    return out
