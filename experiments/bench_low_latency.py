@@ -28,7 +28,7 @@ from cupyep.barrier import GpuBarrier
 from cupyep.bench.copy import copy_bandwidth
 from cupyep.bench.report import JsonlWriter
 from cupyep.bench.stamps import cross_rank, trace_marks
-from cupyep.bench.timing import Timing, flush_l2, gpu_sleep
+from cupyep.bench.timing import FLUSH_MODES, Timing, flush_l2, gpu_sleep
 from cupyep.low_latency.kernels import NUM_TRACE_SLOTS, TRACE_MARKS
 from cupyep.testing import global_routing, payload_bf16
 
@@ -44,7 +44,10 @@ def main():
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--threads", type=int, default=512)
-    p.add_argument("--no-flush", action="store_true", help="do not flush L2 before each timed call")
+    p.add_argument("--flush", choices=FLUSH_MODES, default="write",
+                   help="how L2 is flushed before each timed call (timing.flush_l2)")
+    p.add_argument("--back-to-back", action="store_true",
+                   help="also time dispatch/combine pairs issued back to back, with no flush or barrier between calls")
     p.add_argument("--no-hook", action="store_true", help="skip the hook-mode halves")
     p.add_argument("--trace", type=int, default=0, help="calls of each kind to trace per block and mark")
     p.add_argument("--sleep-us", type=float, default=400.0,
@@ -72,8 +75,7 @@ def main():
         for i in range(warmup + iters):
             evs = []
             for call, st in zip(calls, stamps):
-                if not args.no_flush:
-                    flush_l2()
+                flush_l2(mode=args.flush)
                 gpu_sleep(args.sleep_us)
                 bar()
                 e = (cupy.cuda.Event(), cupy.cuda.Event())
@@ -95,7 +97,7 @@ def main():
         base = {"bench": "low_latency", "ranks": R, "tokens": T, "hidden": H, "topk": args.topk,
                 "experts": args.experts, "max_tokens": args.max_tokens, "buffer_bytes": buf.num_bytes,
                 "num_blocks": buf.num_blocks, "num_threads": buf.num_threads, "copy_GBps": copy_bw / 1e9,
-                "l2_flush": not args.no_flush}
+                "l2_flush": args.flush}
         fp8_row, bf16_row = H + H // 128 * 4 + 4 + 1, 2 * H + 4 + 1
 
         def record(kind, timed, bytes_to_peers):
@@ -126,6 +128,27 @@ def main():
 
         (timed,) = steps([combine], args.iters)
         record("combine", timed, pairs * 2 * H)
+
+        if args.back_to_back:
+            # Steady state: pairs of calls queued behind one sleep and barrier per round of
+            # 20, so the GPU runs them back to back as a decode loop would.
+            rounds, per = max(1, args.iters // 20), 20
+            st_d, st_c = (cupy.empty((rounds * per, 2), dtype=np.int64) for _ in range(2))
+            for st in (st_d, st_c):
+                st[:, 0], st[:, 1] = np.iinfo(np.int64).max, 0
+            for r_ in range(rounds + 1):  # round 0 warms up
+                gpu_sleep(args.sleep_us * 10)
+                bar()
+                for i in range(per):
+                    row = (r_ - 1) * per + i
+                    d = buf.dispatch(x, topk_idx, use_fp8=True, validate=False,
+                                     kernel_time_ns=st_d[row] if r_ else None)
+                    buf.combine(y, topk_idx, topk_w, d.handle, kernel_time_ns=st_c[row] if r_ else None)
+            buf.synchronize()
+            for kind, st, nbytes in (("dispatch_fp8_back_to_back", st_d, pairs * fp8_row),
+                                     ("combine_back_to_back", st_c, pairs * 2 * H)):
+                s_ = st.get()
+                record(kind, (Timing.from_samples((s_[:, 1] - s_[:, 0]) * 1e-9), s_), nbytes)
 
         if not args.no_hook:
             # Hook mode: the send half and the receive half, each timed alone.

@@ -32,14 +32,17 @@ struct Guard {
     int rank;
 };
 
-__device__ __forceinline__ bool host_error_raised(const Guard& g) {
-    return ld_volatile(&g.slot->flag) != 0;
-}
-
 // Error kinds in ErrorSlot::flag.
 constexpr int kErrorTimeout = 1;
 constexpr int kErrorCapacity = 3;   // more rows than a buffer holds
 constexpr int kErrorBadInput = 4;   // e.g. an expert id out of range found on the device
+
+// Another waiter of this rank timed out: stop waiting too. Bad input and
+// capacity errors do not stop waits: the kernels that report them skip the
+// offending rows and finish the protocol, so peers are never left waiting.
+__device__ __forceinline__ bool peer_wait_timed_out(const Guard& g) {
+    return ld_volatile(&g.slot->flag) == kErrorTimeout;
+}
 
 __device__ __noinline__ void report_error(Guard g, int kind, int phase, int peer, int64_t value, int64_t expected) {
     if (atomicCAS(&g.slot->flag, 0, 2) == 0) {  // 2: being written
@@ -61,7 +64,7 @@ __device__ __forceinline__ void report_timeout(Guard g, int phase, int peer, int
 
 // Spin until *p >= expected (wrap-safe int compare), acquire semantics.
 // Returns false after reporting a timeout, or when another waiter of this rank
-// already reported one (so one failure stops every block quickly).
+// already reported one (so one timeout stops every block quickly).
 __device__ __forceinline__ bool wait_geq(const int* p, int expected, const Guard& g, int phase, int peer) {
     int v = ld_acquire_sys(p);
     if (v - expected >= 0) return true;
@@ -74,7 +77,7 @@ __device__ __forceinline__ bool wait_geq(const int* p, int expected, const Guard
                 report_timeout(g, phase, peer, v, expected);
                 return false;
             }
-            if (host_error_raised(g)) return false;
+            if (peer_wait_timed_out(g)) return false;
         }
     }
 }
@@ -92,7 +95,7 @@ __device__ __forceinline__ bool wait_geq(const int64_t* p, int64_t expected, con
                 report_timeout(g, phase, peer, v, expected);
                 return false;
             }
-            if (host_error_raised(g)) return false;
+            if (peer_wait_timed_out(g)) return false;
         }
     }
 }
@@ -111,7 +114,7 @@ __device__ __forceinline__ int wait_nonzero(const int* p, const Guard& g, int ph
                 report_timeout(g, phase, peer, 0, 1);
                 return 0;
             }
-            if (host_error_raised(g)) return 0;
+            if (peer_wait_timed_out(g)) return 0;
         }
     }
 }

@@ -29,6 +29,85 @@
 namespace cupyep {
 namespace low_latency {
 
+constexpr int kBatch = 4;  // items a warp has in flight: their loads are issued together
+
+// Load the BF16 chunks of items first, first + stride, ... (kBatch of them) of
+// this block's tokens (t = b + tl * G); lanes past the hidden size load zeros.
+__device__ __forceinline__ void load_batch(const DispatchArgs& a, int4 (&v)[kBatch][2], int first, int stride,
+                                           int num_items, int num_chunks, int b, int G, int lane) {
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+        const int item = first + u * stride;
+        const int tl = item / num_chunks, elem0 = (item % num_chunks) * kChunkElems + lane * 16;
+        v[u][0] = v[u][1] = make_int4(0, 0, 0, 0);
+        if (item < num_items && elem0 < a.hidden) {
+            const int4* src = a.x + ((int64_t)(b + tl * G) * a.hidden + elem0) / 8;
+            v[u][0] = ld_nc_na_v4(src);
+            v[u][1] = ld_nc_na_v4(src + 1);
+        }
+    }
+}
+
+// Cast one item (token tl of this block, chunk ch) to FP8 if asked and store it
+// to each of the token's experts; lane 0 of chunk 0 also writes the row's
+// source token and slot.
+__device__ __forceinline__ void send_item(const DispatchArgs& a, const int* own_e, const int* own_pos, int tl, int ch,
+                                          int b, int G, int lane, const int4 (&v)[2]) {
+    const int R = a.num_ranks, El = a.num_experts / R, k = a.num_topk, H = a.hidden, t = b + tl * G;
+    const int elem0 = ch * kChunkElems + lane * 16;
+    const bool active = elem0 < H;
+    const int64_t row_bytes = a.fp8 ? H : 2 * (int64_t)H;
+    const int ns = H / 128;
+    int4 q = v[0];
+    float scale = 0.f;
+    if (a.fp8) {
+        float f[16];
+        const __nv_bfloat162* h0 = reinterpret_cast<const __nv_bfloat162*>(&v[0]);
+        const __nv_bfloat162* h1 = reinterpret_cast<const __nv_bfloat162*>(&v[1]);
+        float amax = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 p = __bfloat1622float2(h0[i]), r = __bfloat1622float2(h1[i]);
+            f[2 * i] = p.x; f[2 * i + 1] = p.y; f[8 + 2 * i] = r.x; f[8 + 2 * i + 1] = r.y;
+        }
+#pragma unroll
+        for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(f[i]));
+#pragma unroll
+        for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        scale = fp8_scale(amax, a.round_scale);
+        const float inv = 1.f / scale;
+        q.x = (int)pack_e4m3x4(f[0] * inv, f[1] * inv, f[2] * inv, f[3] * inv);
+        q.y = (int)pack_e4m3x4(f[4] * inv, f[5] * inv, f[6] * inv, f[7] * inv);
+        q.z = (int)pack_e4m3x4(f[8] * inv, f[9] * inv, f[10] * inv, f[11] * inv);
+        q.w = (int)pack_e4m3x4(f[12] * inv, f[13] * inv, f[14] * inv, f[15] * inv);
+    }
+    for (int j = 0; j < k; ++j) {
+        const int e = own_e[tl * k + j];
+        if (e < 0) continue;
+        const int dst = e / El, le = e % El;
+        const int64_t row = ((int64_t)le * R + a.rank) * a.max_tokens + own_pos[tl * k + j];
+        void* peer = a.peers[dst];
+        if (active) {
+            char* base = at<char>(peer, a.cur.recv_x) + row * row_bytes;
+            if (a.fp8) {
+                st_na_v4(reinterpret_cast<int4*>(base + elem0), q);
+                if (lane % 8 == 0) {
+                    if (a.ue8m0) at<uint8_t>(peer, a.cur.recv_scales)[row * ns + elem0 / 128] = (uint8_t)ue8m0_byte(scale);
+                    else at<float>(peer, a.cur.recv_scales)[row * ns + elem0 / 128] = scale;
+                }
+            } else {
+                int4* d = reinterpret_cast<int4*>(base + 2 * (int64_t)elem0);
+                st_na_v4(d, v[0]);
+                st_na_v4(d + 1, v[1]);
+            }
+        }
+        if (ch == 0 && lane == 0) {
+            at<int>(peer, a.cur.recv_src)[row] = t;
+            at<uint8_t>(peer, a.cur.recv_slot)[row] = (uint8_t)j;
+        }
+    }
+}
+
 __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
     extern __shared__ int smem[];
     const int R = a.num_ranks, E = a.num_experts, El = E / R, T = a.num_tokens, k = a.num_topk, H = a.hidden;
@@ -38,6 +117,13 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
 
     if (a.phases & kPhaseSend) {
         trace_mark(a.trace, kMarkStart);
+        // The first batch of this warp's rows is loaded before the position
+        // scan, so their latency hides behind it.
+        const int num_chunks = (H + kChunkElems - 1) / kChunkElems;
+        const int n_own = b < T ? (T - b + G - 1) / G : 0;
+        const int num_items = n_own * num_chunks;
+        int4 v[kBatch][2];
+        load_batch(a, v, warp, num_warps, num_items, num_chunks, b, G, lane);
         clear_next_flags(mine, a.next, R);
         const int NG = a.num_groups;
         const int Tb = (T + G - 1) / G;           // own tokens, at most
@@ -85,7 +171,6 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
             total[e] = run;
         }
         __syncthreads();
-        const int n_own = b < T ? (T - b + G - 1) / G : 0;
         for (int i = threadIdx.x; i < n_own * k; i += blockDim.x) {
             const int e = own_e[i];
             if (e >= 0) own_pos[i] += cnt[own_grp[i / k] * E + e];
@@ -93,67 +178,16 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
         __syncthreads();
         trace_mark(a.trace, kMarkPrep);
 
-        // Rows: a warp per (token, chunk of 512 channels); lane owns 16 channels.
-        const int num_chunks = (H + kChunkElems - 1) / kChunkElems;
-        const int64_t row_bytes = a.fp8 ? H : 2 * (int64_t)H;
-        const int ns = H / 128;
-        for (int item = warp; item < n_own * num_chunks; item += num_warps) {
-            const int tl = item / num_chunks, ch = item % num_chunks, t = b + tl * G;
-            const int elem0 = ch * kChunkElems + lane * 16;
-            const bool active = elem0 < H;
-            int4 v0 = make_int4(0, 0, 0, 0), v1 = v0;
-            if (active) {
-                const int4* src = a.x + ((int64_t)t * H + elem0) / 8;
-                v0 = ld_nc_na_v4(src);
-                v1 = ld_nc_na_v4(src + 1);
+        // Rows: a warp per (token, chunk of 512 channels) item; lane owns 16 channels.
+        for (int first = warp;; first += kBatch * num_warps) {
+            if (first != warp) {
+                if (first >= num_items) break;
+                load_batch(a, v, first, num_warps, num_items, num_chunks, b, G, lane);
             }
-            int4 q = v0;
-            float scale = 0.f;
-            if (a.fp8) {
-                float f[16];
-                const __nv_bfloat162* h0 = reinterpret_cast<const __nv_bfloat162*>(&v0);
-                const __nv_bfloat162* h1 = reinterpret_cast<const __nv_bfloat162*>(&v1);
-                float amax = 0.f;
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const float2 p = __bfloat1622float2(h0[i]), r = __bfloat1622float2(h1[i]);
-                    f[2 * i] = p.x; f[2 * i + 1] = p.y; f[8 + 2 * i] = r.x; f[8 + 2 * i + 1] = r.y;
-                }
-#pragma unroll
-                for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(f[i]));
-#pragma unroll
-                for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-                scale = fp8_scale(amax, a.round_scale);
-                const float inv = 1.f / scale;
-                q.x = (int)pack_e4m3x4(f[0] * inv, f[1] * inv, f[2] * inv, f[3] * inv);
-                q.y = (int)pack_e4m3x4(f[4] * inv, f[5] * inv, f[6] * inv, f[7] * inv);
-                q.z = (int)pack_e4m3x4(f[8] * inv, f[9] * inv, f[10] * inv, f[11] * inv);
-                q.w = (int)pack_e4m3x4(f[12] * inv, f[13] * inv, f[14] * inv, f[15] * inv);
-            }
-            for (int j = 0; j < k; ++j) {
-                const int e = own_e[tl * k + j];
-                if (e < 0) continue;
-                const int dst = e / El, le = e % El;
-                const int64_t row = ((int64_t)le * R + a.rank) * a.max_tokens + own_pos[tl * k + j];
-                void* peer = a.peers[dst];
-                if (active) {
-                    char* base = at<char>(peer, a.cur.recv_x) + row * row_bytes;
-                    if (a.fp8) {
-                        st_na_v4(reinterpret_cast<int4*>(base + elem0), q);
-                        if (lane % 8 == 0) {
-                            if (a.ue8m0) at<uint8_t>(peer, a.cur.recv_scales)[row * ns + elem0 / 128] = (uint8_t)ue8m0_byte(scale);
-                            else at<float>(peer, a.cur.recv_scales)[row * ns + elem0 / 128] = scale;
-                        }
-                    } else {
-                        int4* d = reinterpret_cast<int4*>(base + 2 * (int64_t)elem0);
-                        st_na_v4(d, v0);
-                        st_na_v4(d + 1, v1);
-                    }
-                }
-                if (ch == 0 && lane == 0) {
-                    at<int>(peer, a.cur.recv_src)[row] = t;
-                    at<uint8_t>(peer, a.cur.recv_slot)[row] = (uint8_t)j;
-                }
+            for (int u = 0; u < kBatch; ++u) {
+                const int item = first + u * num_warps;
+                if (item < num_items) send_item(a, own_e, own_pos, item / num_chunks, item % num_chunks, b, G, lane, v[u]);
             }
         }
 

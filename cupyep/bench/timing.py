@@ -48,13 +48,28 @@ class Timing:
 _flush_buf = None
 
 
-def flush_l2(nbytes: int = 256 << 20) -> None:
-    """Overwrite a buffer larger than L2 so the next run starts cold."""
+FLUSH_MODES = ("write", "read", "none")
+
+
+def flush_l2(nbytes: int = 256 << 20, mode: str = "write") -> None:
+    """Evict L2 so the next run starts cold, by touching a buffer larger than L2.
+
+    ``mode``: "write" overwrites it (L2 is left full of dirty lines, as after
+    a kernel that wrote much); "read" sums it (L2 is left full of clean lines,
+    as after a weight-streaming GEMM); "none" does nothing.
+    """
     import cupy
     global _flush_buf
+    if mode not in FLUSH_MODES:
+        raise ValueError(f"flush mode must be one of {FLUSH_MODES}, got {mode!r}")
+    if mode == "none":
+        return
     if _flush_buf is None or _flush_buf.nbytes < nbytes:
-        _flush_buf = cupy.empty(nbytes, dtype=np.uint8)
-    _flush_buf.fill(0)
+        _flush_buf = cupy.zeros(nbytes, dtype=np.uint8)
+    if mode == "write":
+        _flush_buf.fill(0)
+    else:
+        _flush_buf.view(np.int64).sum()
 
 
 def time_fn(fn, iters: int = 50, warmup: int = 5, flush: bool = True, before=None,
