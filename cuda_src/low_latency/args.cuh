@@ -14,10 +14,10 @@
 //   recv_src        [E_local][R * max] int32 source token index of each row
 //   recv_slot       [E_local][R * max] uint8 top-k slot of each row in its token
 //   combine_send    [E_local][R * max][H] BF16 (zero-copy combine input)
-//   combine_recv    [max][max_topk][H] BF16: the output for my token t's slot j at [t][j]
-// (combine_recv is indexed by token and slot rather than by expert, so a
-// rank's combine footprint is max * max_topk rows instead of E * max: the
-// pages a call touches, not only its bytes, bound its speed.)
+//   combine_recv    [max_topk][max][H] BF16: the output for my token t's slot j at [j][t]
+// (combine_recv is indexed by slot and token rather than by expert, so a
+// rank's combine footprint is k * max contiguous rows instead of E * max:
+// the pages a call touches, not only its bytes, bound its speed.)
 // Source r's tokens for local expert e sit at rows [r * max, r * max + count)
 // of expert e, in ascending token order (positions are prefix counts over the
 // source's tokens, so the layout is deterministic).

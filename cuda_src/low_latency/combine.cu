@@ -5,7 +5,7 @@
 // Send half (the expert side): the received rows of this rank, listed by
 // (local expert, source) pair from the dispatch's layout counts, are spread
 // over all warps of the grid, a warp per row; the row for slot j of token t
-// of source s goes to [t][j] of s's combine_recv region. Then the send
+// of source s goes to [j][t] of s's combine_recv region. Then the send
 // counter and one flag per source.
 // Receive half (the token side): wait for every expert rank's flag, then a
 // warp per (token, chunk) sums weight * row over the token's top-k slots, in
@@ -67,7 +67,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
             const int64_t slot = (int64_t)le * slots + (int64_t)s * a.max_tokens + (r - prefix[lo]);
             const int t = __ldg(a.recv_src + slot), j = __ldg(a.recv_slot + slot);
             const int4* src = a.x + slot * row_int4;
-            int4* dst = at<int4>(a.peers[s], a.cur.combine_recv) + ((int64_t)t * a.max_topk + j) * row_int4;
+            int4* dst = at<int4>(a.peers[s], a.cur.combine_recv) + ((int64_t)j * a.max_tokens + t) * row_int4;
             for (int64_t i0 = lane; i0 < row_int4; i0 += 32 * kUnroll) {
                 int4 v[kUnroll];
 #pragma unroll
@@ -108,7 +108,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                     w[u] = 0.f;
                     if (e >= 0 && e < E) {
                         w[u] = __ldg(a.topk_weights + (int64_t)t * k + j);
-                        const int4* p = recv + (((int64_t)t * a.max_topk + j) * H + elem0) / 8;
+                        const int4* p = recv + (((int64_t)j * a.max_tokens + t) * H + elem0) / 8;
                         v[u][0] = ld_na_v4(p);
                         v[u][1] = ld_na_v4(p + 1);
                     } else {

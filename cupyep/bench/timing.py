@@ -48,7 +48,8 @@ class Timing:
 _flush_buf = None
 
 
-FLUSH_MODES = ("write", "read", "none")
+FLUSH_MODES = ("write", "read", "pages", "none")
+PAGE_BYTES = 2 << 20
 
 
 def flush_l2(nbytes: int = 256 << 20, mode: str = "write") -> None:
@@ -56,7 +57,9 @@ def flush_l2(nbytes: int = 256 << 20, mode: str = "write") -> None:
 
     ``mode``: "write" overwrites it (L2 is left full of dirty lines, as after
     a kernel that wrote much); "read" sums it (L2 is left full of clean lines,
-    as after a weight-streaming GEMM); "none" does nothing.
+    as after a weight-streaming GEMM); "pages" touches one word in each 2 MB
+    page of a buffer 16 times larger (evicts address translations, hardly any
+    data); "none" does nothing.
     """
     import cupy
     global _flush_buf
@@ -64,12 +67,16 @@ def flush_l2(nbytes: int = 256 << 20, mode: str = "write") -> None:
         raise ValueError(f"flush mode must be one of {FLUSH_MODES}, got {mode!r}")
     if mode == "none":
         return
-    if _flush_buf is None or _flush_buf.nbytes < nbytes:
-        _flush_buf = cupy.zeros(nbytes, dtype=np.uint8)
-    if mode == "write":
-        _flush_buf.fill(0)
+    size = nbytes * 16 if mode == "pages" else nbytes
+    if _flush_buf is None or _flush_buf.nbytes < size:
+        _flush_buf = None
+        _flush_buf = cupy.zeros(size, dtype=np.uint8)
+    if mode == "pages":
+        _flush_buf[:size].view(np.int32)[::PAGE_BYTES // 4] += 1
+    elif mode == "write":
+        _flush_buf[:nbytes].fill(0)
     else:
-        _flush_buf.view(np.int64).sum()
+        _flush_buf[:nbytes].view(np.int64).sum()
 
 
 def time_fn(fn, iters: int = 50, warmup: int = 5, flush: bool = True, before=None,

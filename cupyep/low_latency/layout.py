@@ -14,11 +14,11 @@ of the set the next call uses. One set, with ``El = E / R`` local experts,
     recv_src       [El][R * M] int32  source token of each row
     recv_slot      [El][R * M] uint8  top-k slot of each row within its token
     combine_send   [El][R * M][H] BF16  zero-copy combine input
-    combine_recv   [M][K][H] BF16     output for slot j of my token t at [t][j]
+    combine_recv   [K][M][H] BF16     output for slot j of my token t at [j][t]
 
 with ``K = max_topk``. Every region starts on a 128-byte boundary. The
-combine receive region is indexed by (token, slot), not by expert, so it
-spans M * K rows instead of E * M: calls touch far fewer pages, which on one
+combine receive region is indexed by (slot, token), not by expert, so a call
+with top-k touches the first k * M rows instead of E * M: calls touch far fewer pages, which on one
 GPU shared by many ranks matters as much as the bytes moved.
 """
 from __future__ import annotations
