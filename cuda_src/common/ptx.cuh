@@ -90,12 +90,6 @@ __device__ __forceinline__ int4 ld_na_v4(const int4* p) {
     return v;
 }
 
-// Bring the line at p into L2 ahead of its use; this also walks the page
-// tables for its address, so a later access to that page finds it translated.
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-    asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
-}
-
 __device__ __forceinline__ uint64_t global_timer_ns() {
     uint64_t t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t;
 }

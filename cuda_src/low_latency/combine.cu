@@ -20,23 +20,6 @@
 namespace cupyep {
 namespace low_latency {
 
-// Received row r (0-based over all pairs): its (local expert, source) pair is
-// the last p with prefix[p] <= r, p = e * R + s.
-struct RowRef {
-    int64_t slot;  // row within [E_local][R * max]
-    int source;
-};
-
-__device__ __forceinline__ RowRef row_ref(const int* prefix, int P, int R, int r, int64_t slots, int max_tokens) {
-    int lo = 0, hi = P;
-    while (hi - lo > 1) {
-        const int mid = (lo + hi) / 2;
-        if (prefix[mid] <= r) lo = mid; else hi = mid;
-    }
-    const int le = lo / R, s = lo % R;
-    return {(int64_t)le * slots + (int64_t)s * max_tokens + (r - prefix[lo]), s};
-}
-
 __device__ __forceinline__ void combine_body(const CombineArgs& a) {
     extern __shared__ int smem[];
     const int R = a.num_ranks, E = a.num_experts, El = E / R, T = a.num_tokens, k = a.num_topk, H = a.hidden;
@@ -71,26 +54,20 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
         trace_mark(a.trace, kMarkPrep);
         // A warp per received row (grid-strided): the row goes out in rounds of
         // kUnroll 16-byte words per lane, all loads of a round in flight at once.
-        // Lane i first touches the source and destination of the warp's i-th
-        // row, so the page walks of all its rows overlap.
         constexpr int kUnroll = 8;
         const int64_t row_int4 = H / 8;
         const int num_rows = prefix[P];
-        const int first = b * num_warps + warp, stride = G * num_warps;
-        {
-            const int r = first + lane * stride;
-            if (r < num_rows) {
-                const RowRef x = row_ref(prefix, P, R, r, slots, a.max_tokens);
-                const int t = __ldg(a.recv_src + x.slot), j = __ldg(a.recv_slot + x.slot);
-                prefetch_l2(a.x + x.slot * row_int4);
-                prefetch_l2(at<int4>(a.peers[x.source], a.cur.combine_recv) + ((int64_t)j * a.max_tokens + t) * row_int4);
+        for (int r = b * num_warps + warp; r < num_rows; r += G * num_warps) {
+            int lo = 0, hi = P;  // last pair p with prefix[p] <= r
+            while (hi - lo > 1) {
+                const int mid = (lo + hi) / 2;
+                if (prefix[mid] <= r) lo = mid; else hi = mid;
             }
-        }
-        for (int r = first; r < num_rows; r += stride) {
-            const RowRef x = row_ref(prefix, P, R, r, slots, a.max_tokens);
-            const int t = __ldg(a.recv_src + x.slot), j = __ldg(a.recv_slot + x.slot);
-            const int4* src = a.x + x.slot * row_int4;
-            int4* dst = at<int4>(a.peers[x.source], a.cur.combine_recv) + ((int64_t)j * a.max_tokens + t) * row_int4;
+            const int le = lo / R, s = lo % R;
+            const int64_t slot = (int64_t)le * slots + (int64_t)s * a.max_tokens + (r - prefix[lo]);
+            const int t = __ldg(a.recv_src + slot), j = __ldg(a.recv_slot + slot);
+            const int4* src = a.x + slot * row_int4;
+            int4* dst = at<int4>(a.peers[s], a.cur.combine_recv) + ((int64_t)j * a.max_tokens + t) * row_int4;
             for (int64_t i0 = lane; i0 < row_int4; i0 += 32 * kUnroll) {
                 int4 v[kUnroll];
 #pragma unroll

@@ -124,16 +124,6 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
         const int num_items = n_own * num_chunks;
         int4 v[kBatch][2];
         load_batch(a, v, warp, num_warps, num_items, num_chunks, b, G, lane);
-        // Touch the start of every destination region of this block's tokens,
-        // so the page walks of those (mostly distinct) pages overlap the scan
-        // instead of stalling the row stores one by one.
-        const int64_t row_bytes = a.fp8 ? H : 2 * (int64_t)H;
-        for (int i = threadIdx.x; i < n_own * k; i += blockDim.x) {
-            const int e = (int)__ldg(a.topk_idx + (int64_t)(b + (i / k) * G) * k + i % k);
-            if (e >= 0 && e < E)
-                prefetch_l2(at<char>(a.peers[e / El], a.cur.recv_x) +
-                            ((int64_t)(e % El) * R + a.rank) * a.max_tokens * row_bytes);
-        }
         clear_next_flags(mine, a.next, R);
         const int NG = a.num_groups;
         const int Tb = (T + G - 1) / G;           // own tokens, at most
