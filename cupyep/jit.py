@@ -142,13 +142,14 @@ def max_resident_blocks(function, num_threads: int, shared_bytes: int = 0) -> in
 
 
 def require_resident(what: str, per_sm: int, blocks: int, num_threads: int, ranks_per_gpu: int, num_sms: int,
-                     knob: str, step: int = 1) -> None:
+                     knob: str, step: int = 1, spare: int = 0) -> None:
     """ValueError unless ``ranks_per_gpu`` ranks x ``blocks`` blocks (``per_sm``
-    fit on one SM) can all be resident on ``num_sms`` SMs at once: kernels whose
-    blocks wait on other ranks' blocks would otherwise deadlock. ``knob`` names
-    the setting to lower (a multiple of ``step``)."""
-    if per_sm < 1 or blocks * ranks_per_gpu > per_sm * num_sms:
-        limit = per_sm * num_sms // max(1, ranks_per_gpu) // step * step
+    fit on one SM), plus ``spare`` more, can all be resident on ``num_sms`` SMs
+    at once: kernels whose blocks wait on other ranks' blocks would otherwise
+    deadlock (``spare``: room kept for blocks that do not wait, so they always
+    progress). ``knob`` names the setting to lower (a multiple of ``step``)."""
+    if per_sm < 1 or blocks * ranks_per_gpu + spare > per_sm * num_sms:
+        limit = (per_sm * num_sms - spare) // max(1, ranks_per_gpu) // step * step
         raise ValueError(
             f"{what}: {ranks_per_gpu} ranks x {knob}={blocks} blocks of {num_threads} threads cannot all be "
             f"resident on {num_sms} SMs ({per_sm} such blocks per SM); the ranks wait on each other and would "

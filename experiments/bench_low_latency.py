@@ -43,6 +43,7 @@ def main():
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--num-waiters", type=int, default=None)
     p.add_argument("--threads", type=int, default=512)
     p.add_argument("--flush", choices=FLUSH_MODES, default="write",
                    help="how L2 is flushed before each timed call (timing.flush_l2)")
@@ -60,7 +61,7 @@ def main():
     R, me = group.local_size, group.local_rank
     copy_bw = group.comm.bcast(copy_bandwidth(2 << 30) if me == 0 else 0.0)
     buf = cupyep.LowLatencyBuffer(group, args.max_tokens, args.hidden, args.experts, num_blocks=args.num_blocks,
-                                  num_threads=args.threads)
+                                  num_waiters=args.num_waiters, num_threads=args.threads)
     bar = GpuBarrier(group)
     H, warmup = args.hidden, 10
 
@@ -96,7 +97,7 @@ def main():
         pairs = int((idx[me] >= 0).sum())
         base = {"bench": "low_latency", "ranks": R, "tokens": T, "hidden": H, "topk": args.topk,
                 "experts": args.experts, "max_tokens": args.max_tokens, "buffer_bytes": buf.num_bytes,
-                "num_blocks": buf.num_blocks, "num_threads": buf.num_threads, "copy_GBps": copy_bw / 1e9,
+                "num_blocks": buf.num_blocks, "num_waiters": buf.num_waiters, "num_threads": buf.num_threads, "copy_GBps": copy_bw / 1e9,
                 "l2_flush": args.flush}
         fp8_row, bf16_row = H + H // 128 * 4 + 4 + 1, 2 * H + 4 + 1
 

@@ -744,3 +744,7 @@ def test_require_resident():
         jit.require_resident("dispatch", 1, 18, 512, 8, 132, "num_sms", step=2)
     with pytest.raises(ValueError, match="Use num_blocks <= 0"):
         jit.require_resident("ll", 0, 1, 1024, 2, 132, "num_blocks")
+    # Room for one block that does not wait: 8 x 16 + 4 fit, 8 x 16 + 5 do not.
+    jit.require_resident("ll", 1, 16, 512, 8, 132, "num_waiters", spare=4)
+    with pytest.raises(ValueError, match="Use num_waiters <= 15"):
+        jit.require_resident("ll", 1, 16, 512, 8, 132, "num_waiters", spare=5)

@@ -296,6 +296,15 @@ def test_dispatch_smem_raises_when_one_group_does_not_fit():
         K.dispatch_smem(2, 1, 1, 5886, 512)
 
 
+def test_check_waiters():
+    assert K.check_waiters(None, 16, 8) == 16
+    assert K.check_waiters(8, 64, 8) == 8 and K.check_waiters(np.int64(3), 4, 2) == 3
+    assert K.check_waiters(2, 2, 8) == 2          # fewer blocks than ranks: every block owns flags
+    for bad in (7, 65, 0, True, 8.0, "8"):
+        with pytest.raises(ValueError, match="num_waiters"):
+            K.check_waiters(bad, 64, 8)
+
+
 def test_combine_smem():
     assert K.combine_smem(256) == 4 * 257
     assert K.combine_smem(1) == 8

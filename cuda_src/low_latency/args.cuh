@@ -68,6 +68,7 @@ struct DispatchArgs {
     int round_scale;         // 1: power-of-two scales
     int ue8m0;               // 1: scales stored as UE8M0 bytes
     int phases;              // kPhaseSend | kPhaseRecv
+    int num_waiters;         // blocks b < num_waiters also wait and receive; the rest only send
     int rank;
     Guard guard;
 };
@@ -93,6 +94,7 @@ struct CombineArgs {
     int max_tokens;
     int max_topk;
     int phases;
+    int num_waiters;
     int rank;
     Guard guard;
 };

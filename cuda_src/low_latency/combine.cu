@@ -7,9 +7,9 @@
 // over all warps of the grid, a warp per row; the row for slot j of token t
 // of source s goes to [j][t] of s's combine_recv region. Then the send
 // counter and one flag per source.
-// Receive half (the token side): wait for every expert rank's flag, then a
-// warp per (token, chunk) sums weight * row over the token's top-k slots, in
-// slot order, so the result is bitwise deterministic.
+// Receive half (the token side, blocks b < num_waiters): wait for every expert
+// rank's flag, then a warp per (token, chunk) sums weight * row over the
+// token's top-k slots, in slot order, so the result is bitwise deterministic.
 #include <cuda_bf16.h>
 #include "common/bf16.cuh"
 #include "common/ptx.cuh"
@@ -87,11 +87,13 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
     }
 
     if (a.phases & kPhaseRecv) {
+        if (b >= a.num_waiters) return;  // a sender only
         if (!wait_peer_flags(at<int>(mine, a.cur.combine_flag), R, a.guard, nullptr)) return;
         trace_mark(a.trace, kMarkArrived);
         const int4* recv = at<int4>(mine, a.cur.combine_recv);
         constexpr int kBatch = 4;
-        for (int64_t item = (int64_t)b * num_warps + warp; item < (int64_t)T * num_chunks; item += (int64_t)G * num_warps) {
+        for (int64_t item = (int64_t)b * num_warps + warp; item < (int64_t)T * num_chunks;
+             item += (int64_t)a.num_waiters * num_warps) {
             const int t = (int)(item / num_chunks), ch = (int)(item % num_chunks);
             const int elem0 = ch * kChunkElems + lane * 16;
             if (elem0 >= H) continue;
@@ -132,7 +134,7 @@ template <int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1) combine(CombineArgs a) {
     stamp_start(a.kernel_time);
     combine_body(a);
-    if (a.phases & kPhaseRecv) trace_mark(a.trace, kMarkEnd);
+    if ((a.phases & kPhaseRecv) && (int)blockIdx.x < a.num_waiters) trace_mark(a.trace, kMarkEnd);
     stamp_end(a.kernel_time);
 }
 

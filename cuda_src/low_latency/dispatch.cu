@@ -18,7 +18,8 @@
 //      scale group) and stores it to each of the token's experts;
 //   4. arrives on the send counter; blocks b < R then write destination b's
 //      per-expert counts and set its flag (sync.cuh).
-// Receive half: wait for every source's flag, then publish counts and stats.
+// Receive half (blocks b < num_waiters): wait for every source's flag, then
+// publish counts and stats.
 #include <cuda_bf16.h>
 #include "common/fp8.cuh"
 #include "common/ptx.cuh"
@@ -204,11 +205,12 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
     }
 
     if (a.phases & kPhaseRecv) {
+        if (b >= a.num_waiters) return;  // a sender only
         if (!wait_peer_flags(at<int>(mine, a.cur.dispatch_flag), R, a.guard, a.wait_stats)) return;
         trace_mark(a.trace, kMarkArrived);
         const int* counts = at<int>(mine, a.cur.dispatch_count);
         __shared__ int s_sum;
-        for (int le = b; le < El; le += G) {
+        for (int le = b; le < El; le += a.num_waiters) {
             if (threadIdx.x == 0) s_sum = 0;
             __syncthreads();
             for (int r = threadIdx.x; r < R; r += blockDim.x) {
@@ -229,7 +231,7 @@ template <int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1) dispatch(DispatchArgs a) {
     stamp_start(a.kernel_time);
     dispatch_body(a);
-    if (a.phases & kPhaseRecv) trace_mark(a.trace, kMarkEnd);
+    if ((a.phases & kPhaseRecv) && (int)blockIdx.x < a.num_waiters) trace_mark(a.trace, kMarkEnd);
     stamp_end(a.kernel_time);
 }
 

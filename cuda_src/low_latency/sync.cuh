@@ -3,7 +3,11 @@
 // Send side: every block writes its rows with plain stores to the peers, then
 // arrives on this rank's `done` counter with a release; the blocks that own a
 // destination wait for all arrivals (acquire), write that destination's
-// metadata and set its flag with a release store. The receive side acquires the
+// metadata and set its flag with a release store. Only the first num_waiters
+// blocks (which include the destination owners) wait at all: the others exit
+// once their rows are out, so a grid may have more blocks than can be resident
+// with every other rank's; the host checks that the waiters of all ranks
+// sharing a GPU fit with room to spare. The receive side acquires the
 // flag. Release/acquire are cumulative through the block barriers, so every
 // row any block of the sender wrote is visible once the flag is.
 //

@@ -36,14 +36,19 @@ class LowLatencyBuffer:
         hidden: hidden size (multiple of 128) every call uses.
         num_experts: E, divisible by the number of ranks.
         max_topk: largest top-k any call uses (sizes the combine receive region).
-        num_blocks: blocks per kernel (default: this rank's share of the GPU's SMs).
+        num_blocks: blocks that send (default: this rank's share of the GPU's SMs).
+        num_waiters: how many of them also wait for the peers and receive (default:
+            all of them); the rest exit once their rows are out. The waiters of all
+            ranks sharing a GPU must be resident together (checked), so with
+            num_waiters below num_blocks a call may use more blocks than its share.
         num_threads: threads per block, one of kernels.THREAD_CHOICES.
 
     Collective: create, call and destroy it on every rank in the same order.
     """
 
     def __init__(self, group, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int, *,
-                 max_topk: int = 16, num_blocks: int | None = None, num_threads: int = K.DEFAULT_THREADS):
+                 max_topk: int = 16, num_blocks: int | None = None, num_waiters: int | None = None,
+                 num_threads: int = K.DEFAULT_THREADS):
         import cupy
         group.require_gpu("cupyep.LowLatencyBuffer")
         if group.num_nodes > 1:
@@ -63,6 +68,7 @@ class LowLatencyBuffer:
         self.num_blocks = int(num_blocks or budget)
         if self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_waiters = K.check_waiters(num_waiters, self.num_blocks, R)
         self.num_threads = num_threads
         self.max_topk = max_topk
         self.layout = low_latency_layout(R, num_max_dispatch_tokens_per_rank, hidden, num_experts, max_topk)
@@ -99,8 +105,11 @@ class LowLatencyBuffer:
         # A call may use up to SMEM_BUDGET bytes (ids staged for a small top-k): check that.
         per_sm = min(jit.max_resident_blocks(self._dispatch_fn, self.num_threads, K.SMEM_BUDGET),
                      jit.max_resident_blocks(self._combine_fn, self.num_threads, K.combine_smem(self.num_experts)))
-        jit.require_resident("low-latency kernels", per_sm, self.num_blocks, self.num_threads,
-                             self.group.ranks_per_gpu, self.num_device_sms, "num_blocks")
+        # Only the waiters wait; when some blocks only send, one more block per GPU
+        # must fit beside all waiters so that those senders always make progress.
+        jit.require_resident("low-latency kernels", per_sm, self.num_waiters, self.num_threads,
+                             self.group.ranks_per_gpu, self.num_device_sms, "num_waiters",
+                             spare=int(self.num_blocks > self.num_waiters))
 
     # ---------------------------------------------------------------- helpers
     def _take_set(self):
@@ -242,11 +251,13 @@ class LowLatencyBuffer:
         import cupy
 
         def launch(phases, s, kernel_time=None):
-            a = jit.pack(dtype, **args, phases=phases)
+            a = jit.pack(dtype, **args, phases=phases, num_waiters=self.num_waiters)
             if kernel_time is not None:
                 a["kernel_time"] = _time_ptr(kernel_time)
+            # A receive half alone runs on the waiters only.
+            blocks = self.num_blocks if phases & K.PHASE_SEND else self.num_waiters
             with s:
-                fn((self.num_blocks,), (self.num_threads,), (a,), shared_mem=smem)
+                fn((blocks,), (self.num_threads,), (a,), shared_mem=smem)
 
         if not return_recv_hook:
             launch(K.PHASE_SEND | K.PHASE_RECV, stream)

@@ -30,13 +30,13 @@ DISPATCH_ARGS_DTYPE = jit.struct_dtype([
     ("layout_count", u64), ("recv_count", u64), ("cumulative_stats", u64), ("wait_stats", u64),
     ("kernel_time", u64), ("trace", u64), ("num_tokens", i32), ("hidden", i32), ("num_topk", i32),
     ("num_experts", i32), ("num_ranks", i32), ("max_tokens", i32), ("max_topk", i32), ("num_groups", i32), ("stage_ids", i32), ("fp8", i32), ("round_scale", i32), ("ue8m0", i32),
-    ("phases", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
+    ("phases", i32), ("num_waiters", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
 COMBINE_ARGS_DTYPE = jit.struct_dtype([
     ("peers", u64), ("cur", SET_DTYPE), ("next", SET_DTYPE), ("x", u64), ("layout_count", u64),
     ("recv_src", u64), ("topk_idx", u64), ("topk_weights", u64), ("out", u64), ("recv_slot", u64),
     ("kernel_time", u64), ("trace", u64), ("num_tokens", i32), ("hidden", i32), ("num_topk", i32),
-    ("num_experts", i32), ("num_ranks", i32), ("max_tokens", i32), ("max_topk", i32), ("phases", i32), ("rank", i32),
-    ("guard", GUARD_DTYPE)])
+    ("num_experts", i32), ("num_ranks", i32), ("max_tokens", i32), ("max_topk", i32), ("phases", i32), ("num_waiters", i32),
+    ("rank", i32), ("guard", GUARD_DTYPE)])
 
 
 def dispatch_spec(num_threads: int = DEFAULT_THREADS) -> jit.KernelSpec:
@@ -83,6 +83,18 @@ def dispatch_smem(num_tokens: int, num_blocks: int, num_topk: int, num_experts: 
                          f"{num_experts} experts, top-{num_topk} and {tb} tokens per block; the budget is "
                          f"{SMEM_BUDGET}: use fewer experts or more blocks")
     return groups, fixed + 4 * num_experts * groups, stage
+
+
+def check_waiters(num_waiters, num_blocks: int, num_ranks: int) -> int:
+    """The number of waiting blocks: ``num_waiters`` (default ``num_blocks``), at
+    least the min(R, num_blocks) blocks that own a destination's flag and at
+    most ``num_blocks``; ValueError otherwise."""
+    w = num_blocks if num_waiters is None else num_waiters
+    low = min(num_ranks, num_blocks)
+    if isinstance(w, bool) or not isinstance(w, (int, np.integer)) or not low <= w <= num_blocks:
+        raise ValueError(f"num_waiters must be an int in [{low}, num_blocks={num_blocks}] (the blocks that own "
+                         f"a destination's flag wait too), got {num_waiters!r}")
+    return int(w)
 
 
 def combine_smem(num_experts: int) -> int:

@@ -202,6 +202,46 @@ def test_profiling_stamps(group, llbuf, hook):
                                                                                      dtype=np.int64))
 
 
+@pytest.mark.parametrize("hook", [False, True])
+def test_senders_beyond_waiters(group, llbuf, hook):
+    """A grid three times the rank's share, of which only some blocks wait: exact
+    dispatch (FP8 and BF16) and combine, and the senders' trace ends at 'flagged'."""
+    import cupy
+    import cupyep
+    from cupyep.low_latency.kernels import NUM_TRACE_SLOTS, TRACE_MARKS
+    me, R = group.local_rank, group.local_size
+    G = 3 * llbuf.num_blocks
+    W = max(min(R, G), llbuf.num_blocks // 2)
+    b = cupyep.LowLatencyBuffer(group, MAX_TOKENS, H, E, num_blocks=G, num_waiters=W)
+    try:
+        tokens = [MAX_TOKENS - 3 * (r % 2) for r in range(R)]
+        ok = True
+        for use_fp8 in (True, False):
+            idx, w = _routing(group, 51 + use_fp8 + 2 * hook, tokens)
+            xs = [tagged_x(r, tokens[r]) for r in range(R)]
+            tr = cupy.zeros((G, NUM_TRACE_SLOTS), dtype=np.int64)
+            res = b.dispatch(cupy.asarray(xs[me]), cupy.asarray(idx[me]), use_fp8=use_fp8, return_recv_hook=hook,
+                             trace=tr)
+            if hook:
+                res.hook()
+            ok &= _check_dispatch(group, res, tokens, idx, use_fp8, xs)[0]
+            t = tr.get()
+            flagged = TRACE_MARKS.index("flagged")
+            ok &= bool((t[:, :flagged + 1] > 0).all() and (t[:W, flagged + 1:len(TRACE_MARKS)] > 0).all()
+                       and (t[W:, flagged + 1:] == 0).all())
+            comb = b.combine(_expert_outputs(res, use_fp8), cupy.asarray(idx[me]), cupy.asarray(w[me]), res.handle,
+                             return_recv_hook=hook)
+            if hook:
+                comb.hook()
+            got = bf16_to_f32(comb.combined_x.get())
+            ok &= ref.calc_diff(got, _combine_expected(xs[me], idx[me], w[me])) < (9e-4 if use_fp8 else 1e-5)
+        assert all_ranks(group.comm, ok)
+    finally:
+        b.synchronize()
+        group.comm.Barrier()
+        b.destroy()
+
+
 def test_stress_1000_calls(group, llbuf):
     """1000 dispatch/combine pairs with new routing every call, alternating
     FP8/BF16; counts, sources and row tags checked on the device every call."""
