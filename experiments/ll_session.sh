@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Low-latency GPU tests at the given rank counts, then the benchmark at 8 ranks.
-#   OUT=dir bash experiments/ll_session.sh [ranks...]
+# One device-machine session for low-latency mode: the whole GPU test suite
+# at 2, 4 and 8 ranks, then the low-latency benchmark at 2, 4 and 8 ranks
+# (isolated cold calls, hook halves, back to back, and a per-block trace).
+# Logs and JSONL go to $OUT.
+#   OUT=dir bash experiments/ll_session.sh
 export PYTHONPATH=$PWD
 OUT=${OUT:-results/session}
 mkdir -p "$OUT"
-for n in ${@:-2 8}; do
-  timeout 240 python3 -m cupyep.launch -n $n --timeout 230 -- -m pytest -m gpu -x -q --color=no -p no:cacheprovider \
-    tests/gpu/test_low_latency_gpu.py > "$OUT/ll_tests_$n.log" 2>&1
-  echo "ll tests $n ranks rc=$?"; grep -E "passed|failed|Error" "$OUT/ll_tests_$n.log" | sort | uniq -c | head -8
+timeout 450 python3 -m cupyep.gpu_tests --ranks 2 4 8 --timeout 150 > "$OUT/gpu_tests.log" 2>&1; echo "gpu_tests rc=$?"
+grep -E "passed|failed|== " "$OUT/gpu_tests.log" | sort | uniq -c | head -20
+for n in 8 4 2; do
+  timeout 80 python3 -m cupyep.launch -n $n --timeout 75 experiments/bench_low_latency.py --iters 200 --back-to-back \
+    --trace 20 --out "$OUT/low_latency.jsonl" 2>&1 | grep -c bench
 done
