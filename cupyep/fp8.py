@@ -39,7 +39,7 @@ def per_token_cast_to_fp8(x, round_scale: bool = False):
     warps = T * (H // 128)
     if warps:
         threads = 256
-        jit.load(CAST_SPEC)["cupyep::per_token_cast_to_fp8"](
+        jit.kernel(CAST_SPEC)(
             ((warps * 32 + threads - 1) // threads,), (threads,),
             (x, out, scales, np.int64(T), np.int32(H), np.int32(bool(round_scale))))
     return out, scales

@@ -119,6 +119,13 @@ def load(spec: KernelSpec, group=None) -> Module:
     return mod
 
 
+def kernel(spec: KernelSpec, group=None):
+    """The kernel function of a single-kernel ``spec`` (loaded as by :func:`load`)."""
+    if len(spec.kernels) != 1:
+        raise ValueError(f"{spec.name} has {len(spec.kernels)} kernels; look one up in jit.load(spec)")
+    return load(spec, group)[spec.kernels[0]]
+
+
 # --- kernel argument structs -------------------------------------------------
 
 def struct_dtype(fields: list[tuple[str, object]]) -> np.dtype:

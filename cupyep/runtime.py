@@ -203,7 +203,7 @@ def init(comm=None, ranks_per_node: int | None = None, timeout_s: float = DEFAUL
     rank, size = comm.Get_rank(), comm.Get_size()
 
     host = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    host_rank, host_size = host.Get_rank(), host.Get_size()
+    host_rank = host.Get_rank()
     host_leader = host.allreduce(rank, op=MPI.MIN)
     host_of_rank = comm.allgather(host_leader)
 

@@ -13,3 +13,6 @@ for n in 8 4 2; do
   timeout 80 python3 -m cupyep.launch -n $n --timeout 75 experiments/bench_low_latency.py --iters 200 --back-to-back \
     --trace 20 --out "$OUT/low_latency.jsonl" 2>&1 | grep -c bench
 done
+# Large grid with few waiters at 8 ranks: each rank's send half alone is short, the ranks run one after another.
+timeout 80 python3 -m cupyep.launch -n 8 --timeout 75 experiments/bench_low_latency.py --tokens 128 --iters 200 \
+  --num-blocks 132 --num-waiters 8 --trace 20 --out "$OUT/low_latency_grid.jsonl" 2>&1 | grep -c bench

@@ -5,6 +5,7 @@
 // warp is the leader: it owns the ring counters, and group members
 // synchronise with a named barrier (id g + 1).
 #pragma once
+#include "common/copy.cuh"
 #include "common/ptx.cuh"
 #include "common/timeout.cuh"
 #include "intranode/args.cuh"
@@ -50,21 +51,6 @@ __device__ __forceinline__ bool send_stream(const WarpGroup& g, void* receiver, 
         if (g.leader()) st_release_sys(tail, base + i0 + m);
     }
     return true;
-}
-
-// Warp copies of `n` int4 words with kUnroll independent 16-byte loads in
-// flight per lane (memory-level parallelism is what bounds a copy warp).
-template <int kUnroll, typename Load, typename Store>
-__device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int64_t n, int lane, Load&& load, Store&& store) {
-    int64_t i = lane;
-    for (; i + (kUnroll - 1) * 32 < n; i += kUnroll * 32) {
-        int4 v[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) v[u] = load(src + i + u * 32);
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) store(dst + i + u * 32, v[u]);
-    }
-    for (; i < n; i += 32) store(dst + i, load(src + i));
 }
 
 // Reads of ring slots another rank wrote: no stale L1 line of an earlier lap.

@@ -12,6 +12,7 @@
 // token's top-k slots, in slot order, so the result is bitwise deterministic.
 #include <cuda_bf16.h>
 #include "common/bf16.cuh"
+#include "common/copy.cuh"
 #include "common/ptx.cuh"
 #include "common/timeout.cuh"
 #include "low_latency/args.cuh"
@@ -68,15 +69,8 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
             const int t = __ldg(a.recv_src + slot), j = __ldg(a.recv_slot + slot);
             const int4* src = a.x + slot * row_int4;
             int4* dst = at<int4>(a.peers[s], a.cur.combine_recv) + ((int64_t)j * a.max_tokens + t) * row_int4;
-            for (int64_t i0 = lane; i0 < row_int4; i0 += 32 * kUnroll) {
-                int4 v[kUnroll];
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u)
-                    if (i0 + u * 32 < row_int4) v[u] = ld_nc_na_v4(src + i0 + u * 32);
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u)
-                    if (i0 + u * 32 < row_int4) st_na_v4(dst + i0 + u * 32, v[u]);
-            }
+            warp_copy<kUnroll, true>(dst, src, row_int4, lane, [](const int4* p) { return ld_nc_na_v4(p); },
+                               [](int4* p, const int4& v) { st_na_v4(p, v); });
         }
         trace_mark(a.trace, kMarkSent);
         if (!finish_sends(at<int>(mine, a.cur.done) + 1, a.guard, R)) return;

@@ -24,7 +24,7 @@ def device_copy(src, dst, num_blocks: int | None = None, threads: int = 512) -> 
     if dst.nbytes != n or n % 16:
         raise ValueError(f"device_copy needs equal sizes that are multiples of 16 bytes, got {n} and {dst.nbytes}")
     blocks = num_blocks or cupy.cuda.Device().attributes["MultiProcessorCount"] * 2
-    jit.load(COPY_SPEC)["cupyep::copy_kernel"]((blocks,), (threads,), (src, dst, np.int64(n // 16)))
+    jit.kernel(COPY_SPEC)((blocks,), (threads,), (src, dst, np.int64(n // 16)))
 
 
 def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20, num_blocks: int | None = None) -> float:
@@ -35,5 +35,4 @@ def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20, num_blocks: int | Non
     dst = cupy.empty_like(src)
     from .timing import time_fn
     t = time_fn(lambda: device_copy(src, dst, num_blocks), iters=iters, warmup=3, flush=False)
-    del src, dst
     return 2 * (nbytes // 16 * 16) / t.median_s

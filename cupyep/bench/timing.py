@@ -22,7 +22,7 @@ def kernel_specs() -> list[jit.KernelSpec]:
 
 def gpu_sleep(us: float) -> None:
     """Enqueue a kernel that keeps the current stream busy for ``us`` microseconds."""
-    jit.load(SLEEP_SPEC)["cupyep::gpu_sleep"]((1,), (32,), (np.uint64(int(us * 1000)),))
+    jit.kernel(SLEEP_SPEC)((1,), (32,), (np.uint64(int(us * 1000)),))
 
 
 @dataclass(frozen=True)

@@ -104,9 +104,6 @@ class Buffer:
         """Bytes per rank a Buffer needs for these sizes and configs."""
         return size_hint(num_ranks, hidden, num_topk, dispatch_config, combine_config)
 
-    def _kernel(self, spec):
-        return jit.load(spec)[spec.kernels[0]]
-
     def _check_resident(self, fn, cfg: Config, what: str) -> None:
         jit.require_resident(what, jit.max_resident_blocks(fn, cfg.num_threads), cfg.num_sms, cfg.num_threads,
                              self.group.ranks_per_gpu, self.num_device_sms, "num_sms", step=2)
@@ -162,7 +159,6 @@ class Buffer:
         Returns:
             LayoutResult.
         """
-        import cupy
         topk_idx = self._check_topk_idx(topk_idx, num_experts, validate)
         self._begin(previous_event)
         res = self._layout(topk_idx, num_experts)
@@ -182,7 +178,7 @@ class Buffer:
                                 num_tokens_per_expert=K.ptr(per_expert), is_token_in_rank=K.ptr(in_rank),
                                 num_tokens=T, num_topk=k, num_experts=num_experts, num_ranks=R,
                                 guard=self._guard("intranode_layout"))
-                self._kernel(K.layout_spec())(((T + K.LAYOUT_THREADS - 1) // K.LAYOUT_THREADS,), (K.LAYOUT_THREADS,),
+                jit.kernel(K.layout_spec())(((T + K.LAYOUT_THREADS - 1) // K.LAYOUT_THREADS,), (K.LAYOUT_THREADS,),
                                               (args,), shared_mem=4 * (R + num_experts))
         return LayoutResult(per_rank, per_expert, in_rank)
 
@@ -276,7 +272,7 @@ class Buffer:
         if expert_major:
             EM.check_expert_major_request(topk_idx, expert_alignment)
         rs = ring_set(self.layout, "dispatch", H, k, fp8, cfg)
-        dispatch_fn = self._kernel(K.dispatch_spec_for(R, cfg))
+        dispatch_fn = jit.kernel(K.dispatch_spec_for(R, cfg))
         self._check_resident(dispatch_fn, cfg, "dispatch")
         C = cfg.num_channels
 
@@ -364,7 +360,7 @@ class Buffer:
             host_counts=0 if worst else self._host_counts_ptr, num_tokens=T, num_experts=num_experts,
             num_channels=C, expert_alignment=alignment, capacity=num_worst_tokens if worst else INT_MAX,
             rank=self.rank, guard=self._guard("intranode_notify"))
-        self._kernel(K.notify_spec(R))((1,), (K.NOTIFY_THREADS,), (args,), shared_mem=4 * R * (C + 1))
+        jit.kernel(K.notify_spec(R))((1,), (K.NOTIFY_THREADS,), (args,), shared_mem=4 * R * (C + 1))
         if worst:
             n_recv, counts = -1, []
         else:
@@ -442,7 +438,7 @@ class Buffer:
             raise ValueError(f"combine config has {cfg.num_channels} channels (num_sms={cfg.num_sms}) but the dispatch "
                              f"used {handle.num_channels}: use num_sms={2 * handle.num_channels}")
         rs = ring_set(self.layout, "combine", H, k, False, cfg)
-        fn = self._kernel(K.combine_spec_for(R, cfg))
+        fn = jit.kernel(K.combine_spec_for(R, cfg))
         self._check_resident(fn, cfg, "combine")
         self._begin(previous_event)
         with self.comm_stream:

@@ -78,8 +78,8 @@ class LowLatencyBuffer:
         self._next_set = 0
         self._calls = 0
         self._pending_hook = None
-        self._dispatch_fn = jit.load(K.dispatch_spec(num_threads), group)[K.dispatch_spec(num_threads).kernels[0]]
-        self._combine_fn = jit.load(K.combine_spec(num_threads), group)[K.combine_spec(num_threads).kernels[0]]
+        self._dispatch_fn = jit.kernel(K.dispatch_spec(num_threads), group)
+        self._combine_fn = jit.kernel(K.combine_spec(num_threads), group)
         self._check_resident()
 
     # ------------------------------------------------------------------ sizes

@@ -290,7 +290,7 @@ def test_expert_major_worst_tokens_and_cuda_graph(group, buf, alignment):
 
 def test_expert_major_bad_input_raises_before_launch(group, buf):
     import cupy
-    R, me = group.local_size, group.local_rank
+    me = group.local_rank
     tokens, idx, w = _routing(group, 51, 64, 8)
     x = cupy.asarray(payload_bf16(me, np.arange(64), 2048))
     out = buf.dispatch(x, cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=NUM_EXPERTS, expert_major=True)

@@ -8,7 +8,6 @@ similarity bound of REFERENCE.md, twice for determinism.
 import numpy as np
 import pytest
 
-import cupyep
 from cupyep import reference as ref
 from cupyep.fp8 import per_token_cast_to_fp8
 from cupyep.testing import all_ranks, bf16_to_f32, global_routing, payload_bf16
@@ -225,7 +224,6 @@ def test_worst_tokens_and_cuda_graph(group, buf):
 
 def test_bad_input_raises_before_launch(group, buf):
     import cupy
-    me = group.local_rank
     x = cupy.zeros((4, 2048), dtype=np.uint16)
     idx = cupy.zeros((4, NUM_TOPK), dtype=np.int64)
     with pytest.raises(ValueError, match="must be uint16"):

@@ -25,7 +25,6 @@ def test_ipc_read_write_every_peer(group):
 
 
 def test_barrier_1000_times(group):
-    import cupy
     with GpuBarrier(group) as bar:
         for _ in range(1000):
             bar()
