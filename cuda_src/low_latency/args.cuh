@@ -131,5 +131,15 @@ __device__ __forceinline__ void stamp_end(int64_t* t) {
     }
 }
 
+// A kernel's profiling frame around its body: start stamp, the end mark of the
+// blocks that received, end stamp (all no-ops without the profiling arrays).
+template <typename Args, typename Body>
+__device__ __forceinline__ void profiled(const Args& a, Body&& body) {
+    stamp_start(a.kernel_time);
+    body();
+    if ((a.phases & kPhaseRecv) && (int)blockIdx.x < a.num_waiters) trace_mark(a.trace, kMarkEnd);
+    stamp_end(a.kernel_time);
+}
+
 }  // namespace low_latency
 }  // namespace cupyep

@@ -126,10 +126,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
 
 template <int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1) combine(CombineArgs a) {
-    stamp_start(a.kernel_time);
-    combine_body(a);
-    if ((a.phases & kPhaseRecv) && (int)blockIdx.x < a.num_waiters) trace_mark(a.trace, kMarkEnd);
-    stamp_end(a.kernel_time);
+    profiled(a, [&] { combine_body(a); });
 }
 
 }  // namespace low_latency

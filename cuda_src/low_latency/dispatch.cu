@@ -229,10 +229,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
 
 template <int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1) dispatch(DispatchArgs a) {
-    stamp_start(a.kernel_time);
-    dispatch_body(a);
-    if ((a.phases & kPhaseRecv) && (int)blockIdx.x < a.num_waiters) trace_mark(a.trace, kMarkEnd);
-    stamp_end(a.kernel_time);
+    profiled(a, [&] { dispatch_body(a); });
 }
 
 }  // namespace low_latency
