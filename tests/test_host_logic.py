@@ -626,6 +626,21 @@ def test_thread_choices_cover_default_configs():
         assert get_combine_config(r).num_threads in K.THREAD_CHOICES
 
 
+def test_wheel_ships_every_package_and_kernel_source():
+    """pyproject lists every Python package under cupyep/, and its package-data
+    glob (one folder deep) reaches every kernel source, so a non-editable
+    install has all of them."""
+    import tomllib
+    conf = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(conf["packages"])
+    found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "cupyep").rglob("__init__.py")}
+    assert found <= listed, f"missing from pyproject packages: {sorted(found - listed)}"
+    assert conf["package-dir"]["cupyep.cuda_src"] == "cuda_src"
+    globs = conf["package-data"]["cupyep.cuda_src"]
+    sources = [p.relative_to(jit.CUDA_SRC) for p in jit.CUDA_SRC.rglob("*") if p.suffix in (".cu", ".cuh")]
+    assert sources and all(any(s.match(g) and len(s.parts) == len(Path(g).parts) for g in globs) for s in sources)
+
+
 # ------------------------------------------------------------------ timing ---
 
 def test_timing_from_samples():
