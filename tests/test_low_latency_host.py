@@ -53,7 +53,7 @@ def _documented_sizes(R, M, H, E, K):
         "recv_src": rows * 4,
         "recv_slot": rows,                 # uint8
         "combine_send": rows * 2 * H,
-        "combine_recv": M * K * 2 * H,     # [M][K][H] BF16, by (token, slot)
+        "combine_recv": M * K * 2 * H,     # [K][M][H] BF16, by (slot, token)
     }
 
 
