@@ -142,6 +142,11 @@ def pack(dtype: np.dtype, **values) -> np.void:
     return a[()]
 
 
+def ptr(a) -> int:
+    """Device pointer of a CuPy array for a struct field, or 0 (null) for None."""
+    return 0 if a is None else a.data.ptr
+
+
 def max_resident_blocks(function, num_threads: int, shared_bytes: int = 0) -> int:
     """Blocks of a loaded kernel ``function`` one SM can hold at once."""
     from cupy.cuda import driver

@@ -752,6 +752,13 @@ def test_f32_to_bf16_rounds_to_nearest_even():
     assert testing.f32_to_bf16(v).dtype == np.uint16
 
 
+def test_ptr():
+    class Arr:
+        class data:
+            ptr = 0xABC0
+    assert jit.ptr(None) == 0 and jit.ptr(Arr()) == 0xABC0
+
+
 def test_require_resident():
     jit.require_resident("x", per_sm=1, blocks=16, num_threads=512, ranks_per_gpu=8, num_sms=132, knob="num_sms")
     with pytest.raises(ValueError, match=r"dispatch: 8 ranks x num_sms=18 blocks of 512 threads cannot all be "

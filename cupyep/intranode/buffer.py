@@ -174,8 +174,8 @@ class Buffer:
             per_expert = cupy.zeros(num_experts, dtype=np.int32)
             in_rank = cupy.empty((T, R), dtype=np.bool_)
             if T:
-                args = jit.pack(K.LAYOUT_ARGS_DTYPE, topk_idx=K.ptr(topk_idx), num_tokens_per_rank=K.ptr(per_rank),
-                                num_tokens_per_expert=K.ptr(per_expert), is_token_in_rank=K.ptr(in_rank),
+                args = jit.pack(K.LAYOUT_ARGS_DTYPE, topk_idx=jit.ptr(topk_idx), num_tokens_per_rank=jit.ptr(per_rank),
+                                num_tokens_per_expert=jit.ptr(per_expert), is_token_in_rank=jit.ptr(in_rank),
                                 num_tokens=T, num_topk=k, num_experts=num_experts, num_ranks=R,
                                 guard=self._guard("intranode_layout"))
                 jit.kernel(K.layout_spec())(((T + K.LAYOUT_THREADS - 1) // K.LAYOUT_THREADS,), (K.LAYOUT_THREADS,),
@@ -303,12 +303,12 @@ class Buffer:
             if handle.recv_src_idx is None:
                 handle = _replace(handle, recv_src_idx=recv_src_idx)
             args = jit.pack(
-                K.DISPATCH_ARGS_DTYPE, peers=K.ptr(self.buffer.peer_ptrs), rs=K.ring_struct(rs), x=K.ptr(x),
-                x_scales=K.ptr(x_scales), topk_idx=K.ptr(topk_idx), topk_weights=K.ptr(topk_weights),
-                send_list=K.ptr(handle.send_list), send_channel_prefix=K.ptr(handle.send_channel_prefix),
-                recv_channel_prefix=K.ptr(handle.recv_channel_prefix), recv_rank_offset=K.ptr(handle.recv_rank_offset),
-                recv_x=K.ptr(recv_x), recv_x_scales=K.ptr(recv_scales), recv_topk_idx=K.ptr(recv_topk_idx),
-                recv_topk_weights=K.ptr(recv_topk_weights), recv_src_idx=K.ptr(recv_src_idx), num_tokens=T,
+                K.DISPATCH_ARGS_DTYPE, peers=jit.ptr(self.buffer.peer_ptrs), rs=K.ring_struct(rs), x=jit.ptr(x),
+                x_scales=jit.ptr(x_scales), topk_idx=jit.ptr(topk_idx), topk_weights=jit.ptr(topk_weights),
+                send_list=jit.ptr(handle.send_list), send_channel_prefix=jit.ptr(handle.send_channel_prefix),
+                recv_channel_prefix=jit.ptr(handle.recv_channel_prefix), recv_rank_offset=jit.ptr(handle.recv_rank_offset),
+                recv_x=jit.ptr(recv_x), recv_x_scales=jit.ptr(recv_scales), recv_topk_idx=jit.ptr(recv_topk_idx),
+                recv_topk_weights=jit.ptr(recv_topk_weights), recv_src_idx=jit.ptr(recv_src_idx), num_tokens=T,
                 num_scales=H // 128 if fp8 else 0, num_topk=k, num_local_experts=num_experts // R, num_channels=C,
                 capacity=N, rank=self.rank, guard=self._guard("intranode_dispatch"))
             dispatch_fn((2 * C,), (cfg.num_threads,), (args,))
@@ -352,11 +352,11 @@ class Buffer:
         if not worst:
             self._host_counts[:1 + E_local] = -1
         args = jit.pack(
-            K.NOTIFY_ARGS_DTYPE, peers=K.ptr(self.buffer.peer_ptrs), off=K.offsets_struct(self.layout),
-            is_token_in_rank=K.ptr(in_rank), num_tokens_per_rank=K.ptr(per_rank),
-            num_tokens_per_expert=K.ptr(per_expert), send_head=K.ptr(send_head), send_list=K.ptr(send_list),
-            send_channel_prefix=K.ptr(send_cp), recv_channel_prefix=K.ptr(recv_cp), recv_rank_offset=K.ptr(recv_off),
-            rank_prefix_matrix=K.ptr(rpm), num_recv_tokens_per_expert=K.ptr(recv_per_expert),
+            K.NOTIFY_ARGS_DTYPE, peers=jit.ptr(self.buffer.peer_ptrs), off=K.offsets_struct(self.layout),
+            is_token_in_rank=jit.ptr(in_rank), num_tokens_per_rank=jit.ptr(per_rank),
+            num_tokens_per_expert=jit.ptr(per_expert), send_head=jit.ptr(send_head), send_list=jit.ptr(send_list),
+            send_channel_prefix=jit.ptr(send_cp), recv_channel_prefix=jit.ptr(recv_cp), recv_rank_offset=jit.ptr(recv_off),
+            rank_prefix_matrix=jit.ptr(rpm), num_recv_tokens_per_expert=jit.ptr(recv_per_expert),
             host_counts=0 if worst else self._host_counts_ptr, num_tokens=T, num_experts=num_experts,
             num_channels=C, expert_alignment=alignment, capacity=num_worst_tokens if worst else INT_MAX,
             rank=self.rank, guard=self._guard("intranode_notify"))
@@ -449,11 +449,11 @@ class Buffer:
             combined = cupy.empty((T, H), dtype=BF16)
             combined_w = cupy.empty((T, k), dtype=np.float32) if topk_weights is not None else None
             args = jit.pack(
-                K.COMBINE_ARGS_DTYPE, peers=K.ptr(self.buffer.peer_ptrs), rs=K.ring_struct(rs), x=K.ptr(x),
-                row_weights=K.ptr(row_weights), recv_topk_weights=K.ptr(topk_weights),
-                send_head=K.ptr(handle.send_head), recv_channel_prefix=K.ptr(handle.recv_channel_prefix),
-                recv_rank_offset=K.ptr(handle.recv_rank_offset), combined_x=K.ptr(combined),
-                combined_topk_weights=K.ptr(combined_w), num_tokens=T, num_topk=k, num_channels=cfg.num_channels,
+                K.COMBINE_ARGS_DTYPE, peers=jit.ptr(self.buffer.peer_ptrs), rs=K.ring_struct(rs), x=jit.ptr(x),
+                row_weights=jit.ptr(row_weights), recv_topk_weights=jit.ptr(topk_weights),
+                send_head=jit.ptr(handle.send_head), recv_channel_prefix=jit.ptr(handle.recv_channel_prefix),
+                recv_rank_offset=jit.ptr(handle.recv_rank_offset), combined_x=jit.ptr(combined),
+                combined_topk_weights=jit.ptr(combined_w), num_tokens=T, num_topk=k, num_channels=cfg.num_channels,
                 rank=self.rank, guard=self._guard("intranode_combine"))
             fn((2 * cfg.num_channels,), (cfg.num_threads,), (args,))
         return CombineResult(combined, combined_w, self._end(async_finish), reduced)

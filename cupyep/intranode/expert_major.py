@@ -196,10 +196,6 @@ class ExpertMajorOutput:
     num_expert_rows: int
 
 
-def _ptr(a) -> int:
-    return 0 if a is None else a.data.ptr
-
-
 def _grid(work: int, per_block: int, num_sms: int) -> int:
     return max(1, min((work + per_block - 1) // per_block, 4 * max(1, num_sms)))
 
@@ -235,19 +231,19 @@ def build(recv_x, recv_x_scales, recv_topk_idx, num_recv_ptr: int, num_local_exp
     expert_x = cupy.empty((M, H), dtype=recv_x.dtype)
     expert_x_scales = None if recv_x_scales is None else cupy.empty((M, recv_x_scales.shape[1]), dtype=np.float32)
     if N * k:
-        args = jit.pack(COUNT_ARGS_DTYPE, recv_topk_idx=_ptr(recv_topk_idx), num_recv=num_recv_ptr,
-                        expert_counts=_ptr(counts), recv_expert_row=_ptr(recv_expert_row), num_rows=N, num_topk=k,
+        args = jit.pack(COUNT_ARGS_DTYPE, recv_topk_idx=jit.ptr(recv_topk_idx), num_recv=num_recv_ptr,
+                        expert_counts=jit.ptr(counts), recv_expert_row=jit.ptr(recv_expert_row), num_rows=N, num_topk=k,
                         num_local_experts=E)
         fns[COUNT_KERNEL]((_grid(N * k, COUNT_THREADS, num_sms),), (COUNT_THREADS,), (args,), shared_mem=4 * E)
-    args = jit.pack(MAP_ARGS_DTYPE, recv_topk_idx=_ptr(recv_topk_idx), num_recv=num_recv_ptr,
-                    expert_counts=_ptr(counts), expert_offsets=_ptr(expert_offsets),
-                    recv_expert_row=_ptr(recv_expert_row), expert_src_row=_ptr(expert_src_row), num_rows=N,
+    args = jit.pack(MAP_ARGS_DTYPE, recv_topk_idx=jit.ptr(recv_topk_idx), num_recv=num_recv_ptr,
+                    expert_counts=jit.ptr(counts), expert_offsets=jit.ptr(expert_offsets),
+                    recv_expert_row=jit.ptr(recv_expert_row), expert_src_row=jit.ptr(expert_src_row), num_rows=N,
                     num_topk=k, num_local_experts=E, expert_alignment=expert_alignment, capacity=M, guard=guard)
     fns[MAP_KERNEL]((E,), (MAP_THREADS,), (args,))
     if M:
-        args = jit.pack(COPY_ARGS_DTYPE, x=_ptr(recv_x), x_scales=_ptr(recv_x_scales),
-                        expert_src_row=_ptr(expert_src_row), expert_offsets=_ptr(expert_offsets),
-                        expert_x=_ptr(expert_x), expert_x_scales=_ptr(expert_x_scales),
+        args = jit.pack(COPY_ARGS_DTYPE, x=jit.ptr(recv_x), x_scales=jit.ptr(recv_x_scales),
+                        expert_src_row=jit.ptr(expert_src_row), expert_offsets=jit.ptr(expert_offsets),
+                        expert_x=jit.ptr(expert_x), expert_x_scales=jit.ptr(expert_x_scales),
                         x_int4=recv_x.dtype.itemsize * H // 16,
                         num_scales=0 if recv_x_scales is None else recv_x_scales.shape[1],
                         num_local_experts=E, capacity=M)
@@ -276,8 +272,8 @@ def reduce(y, recv_expert_row, pair_weights, num_recv_ptr: int, num_sms: int):
     N, k = recv_expert_row.shape
     out = cupy.empty((N, H), dtype=BF16)
     if N:
-        args = jit.pack(REDUCE_ARGS_DTYPE, y=_ptr(y), recv_expert_row=_ptr(recv_expert_row),
-                        pair_weights=_ptr(pair_weights), num_recv=num_recv_ptr, out=_ptr(out), x_int4=2 * H // 16,
+        args = jit.pack(REDUCE_ARGS_DTYPE, y=jit.ptr(y), recv_expert_row=jit.ptr(recv_expert_row),
+                        pair_weights=jit.ptr(pair_weights), num_recv=num_recv_ptr, out=jit.ptr(out), x_int4=2 * H // 16,
                         num_rows=N, num_topk=k, capacity=M)
         jit.load(permute_spec())[REDUCE_KERNEL]((_grid(N, REDUCE_THREADS // 32, num_sms),), (REDUCE_THREADS,), (args,))
     return out

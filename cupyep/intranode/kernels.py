@@ -92,11 +92,6 @@ def kernel_specs() -> list[jit.KernelSpec]:
     return specs
 
 
-def ptr(a) -> int:
-    """Device pointer of a cupy array, or 0 for None."""
-    return 0 if a is None else a.data.ptr
-
-
 def ring_struct(rs) -> np.void:
     return jit.pack(RING_DTYPE, ring=rs.offset, counter_tail=rs.counter_tail, counter_head=rs.counter_head,
                     slot_bytes=rs.slot_bytes, x_bytes=rs.x_bytes, depth=rs.depth, chunk=rs.chunk)

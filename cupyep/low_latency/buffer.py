@@ -21,10 +21,10 @@ from .results import LowLatencyCombineResult, LowLatencyDispatchResult, LowLaten
 
 
 def _time_ptr(kernel_time_ns) -> int:
-    if kernel_time_ns is None:
-        return 0
-    check(kernel_time_ns, "kernel_time_ns", np.int64, shape=(2,))
-    return kernel_time_ns.data.ptr
+    t = as_cupy(kernel_time_ns, "kernel_time_ns")
+    if t is not None:
+        check(t, "kernel_time_ns", np.int64, shape=(2,))
+    return jit.ptr(t)
 
 
 class LowLatencyBuffer:
@@ -95,9 +95,10 @@ class LowLatencyBuffer:
 
     def _profile_args(self, kernel_time_ns, trace) -> dict:
         """kernel_time / trace pointers of a call (checked before the call takes a set)."""
+        trace = as_cupy(trace, "trace")
         if trace is not None:
-            check(as_cupy(trace, "trace"), "trace", np.int64, shape=(self.num_blocks, K.NUM_TRACE_SLOTS))
-        return dict(kernel_time=_time_ptr(kernel_time_ns), trace=0 if trace is None else trace.data.ptr)
+            check(trace, "trace", np.int64, shape=(self.num_blocks, K.NUM_TRACE_SLOTS))
+        return dict(kernel_time=_time_ptr(kernel_time_ns), trace=jit.ptr(trace))
 
     def _check_resident(self) -> None:
         # Raises ValueError when the dispatch's shared memory cannot fit these sizes.
@@ -221,8 +222,8 @@ class LowLatencyBuffer:
             recv_count = cupy.empty(El, dtype=np.int32)
         args = dict(peers=self.buffer.peer_ptrs.data.ptr, **self._set_args(set_index),
                     x=x.data.ptr, topk_idx=topk_idx.data.ptr, layout_count=layout_count.data.ptr,
-                    recv_count=recv_count.data.ptr, cumulative_stats=0 if stats is None else stats.data.ptr,
-                    wait_stats=0 if wait is None else wait.data.ptr, **profile,
+                    recv_count=recv_count.data.ptr, cumulative_stats=jit.ptr(stats),
+                    wait_stats=jit.ptr(wait), **profile,
                     num_tokens=T, hidden=H, num_topk=k, num_experts=self.num_experts, num_ranks=R,
                     max_tokens=self.max_tokens, max_topk=self.max_topk, num_groups=groups,
                     stage_ids=int(stage),
