@@ -37,6 +37,7 @@ CUDA_SRC = (_PKG / "cuda_src") if (_PKG / "cuda_src").is_dir() else (_PKG.parent
 SPEC_MODULES = (
     "cupyep.barrier",
     "cupyep.bench.copy",
+    "cupyep.bench.scatter",
     "cupyep.bench.timing",
     "cupyep.fp8",
     "cupyep.intranode.kernels",

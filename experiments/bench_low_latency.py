@@ -3,8 +3,9 @@
     python -m cupyep.launch -n 8 experiments/bench_low_latency.py --out results/low_latency.jsonl
 
 Shape: T tokens per rank (128, and 1), hidden 7168, top-8 of 256 experts with
-some -1 slots, FP8 dispatch (plus BF16), BF16 combine. Every call is timed on
-its own between GPU barriers that line the ranks up (CUDA events, L2 flushed
+some -1 slots, FP8 dispatch (plus BF16), BF16 combine. Calls alternate
+dispatch, combine as in a decode loop, and every call is timed on its own
+between GPU barriers that line the ranks up (CUDA events, L2 flushed
 first, and a GPU sleep ahead of it so that the host has queued the call
 before the GPU reaches it), over --iters calls: median and p99 of the slowest
 rank. Two clocks: ``event_*`` spans the CUDA events around the call, which
@@ -17,7 +18,8 @@ started. Also the send and receive halves in hook mode, the buffer bytes per
 rank, and efficiency = (2 x bytes written to peers by all ranks / copy
 bandwidth measured in this run) / time. With ``--trace N``, N more calls of
 each kind record when every block reached each mark (kernels.TRACE_MARKS),
-summarised as when the first and the last rank got there.
+summarised as when the first and the last rank got there. ``--scatter-probe``
+adds the bare row scatter (cupyep/bench/scatter.py) over the same arrays.
 """
 import argparse
 
@@ -27,6 +29,7 @@ import cupyep
 from cupyep.barrier import GpuBarrier
 from cupyep.bench.copy import copy_bandwidth
 from cupyep.bench.report import JsonlWriter
+from cupyep.bench.scatter import pattern_rows, scatter
 from cupyep.bench.stamps import cross_rank, trace_marks
 from cupyep.bench.timing import FLUSH_MODES, Timing, flush_l2, gpu_sleep
 from cupyep.low_latency.kernels import NUM_TRACE_SLOTS, TRACE_MARKS
@@ -50,6 +53,9 @@ def main():
     p.add_argument("--back-to-back", action="store_true",
                    help="also time dispatch/combine pairs issued back to back, with no flush or barrier between calls")
     p.add_argument("--no-hook", action="store_true", help="skip the hook-mode halves")
+    p.add_argument("--scatter-probe", action="store_true",
+                   help="also time the bare scatter kernel (cupyep/bench/scatter.py) moving the same rows between "
+                        "the same arrays: BF16 dispatch rows into recv_x, combine rows into combine_recv")
     p.add_argument("--trace", type=int, default=0, help="calls of each kind to trace per block and mark")
     p.add_argument("--sleep-us", type=float, default=400.0,
                    help="GPU sleep before each timed call, so host launch cost is not timed (0: time it)")
@@ -113,22 +119,43 @@ def main():
             out.write({**base, "kind": kind, **r, "n": event.n, "bytes_to_peers": total,
                        "efficiency": 2 * total / copy_bw / (r["kernel_median_us"] * 1e-6)})
 
-        def dispatch(use_fp8):
-            return lambda i, st, **more: buf.dispatch(x, topk_idx, use_fp8=use_fp8, validate=False,
-                                                      kernel_time_ns=st, **more)
+        pending = {}
 
-        for use_fp8 in (True, False):
-            (timed,) = steps([dispatch(use_fp8)], args.iters)
-            record("dispatch_fp8" if use_fp8 else "dispatch_bf16", timed, pairs * (fp8_row if use_fp8 else bf16_row))
-        res = buf.dispatch(x, topk_idx, use_fp8=False, validate=False)
-        y = res.recv_x.copy()
-        handle = res.handle
+        def dispatch(use_fp8):
+            def call(i, st, **more):
+                pending["d"] = buf.dispatch(x, topk_idx, use_fp8=use_fp8, validate=False, kernel_time_ns=st, **more)
+            return call
 
         def combine(i, st, **kw):
-            return buf.combine(y, topk_idx, topk_w, handle, kernel_time_ns=st, **kw)
+            return buf.combine(y, topk_idx, topk_w, pending["d"].handle, kernel_time_ns=st, **kw)
 
-        (timed,) = steps([combine], args.iters)
-        record("combine", timed, pairs * 2 * H)
+        # Identity expert outputs in the dispatch's row layout (the same for FP8 and BF16).
+        y = buf.dispatch(x, topk_idx, use_fp8=False, validate=False).recv_x.copy()
+        # Calls alternate dispatch, combine as in a decode loop (each timed on its own), so each
+        # kind writes the data copy it wrote last time (layout.CallSchedule).
+        for use_fp8 in (True, False):
+            timed_d, timed_c = steps([dispatch(use_fp8), combine], args.iters)
+            record("dispatch_fp8" if use_fp8 else "dispatch_bf16", timed_d, pairs * (fp8_row if use_fp8 else bf16_row))
+            if use_fp8:
+                record("combine", timed_c, pairs * 2 * H)
+
+        if args.scatter_probe:
+            # The data movement alone, from the same arrays into this buffer: what the kernels
+            # would take if rows were all they moved. Combine rows also into the two copies in
+            # turn, as calls of one kind back to back would.
+            s0, s1 = buf.layout.sets
+            cases = (("scatter_dispatch_rows_bf16", "dispatch_expert_major", x, (s0.recv_x,)),
+                     ("scatter_combine_rows", "combine_slot_token", y, (s0.combine_recv,)),
+                     ("scatter_combine_rows_both_copies", "combine_slot_token", y, (s0.combine_recv, s1.combine_recv)))
+            for kind, pattern, src, offsets in cases:
+                rows = [cupy.asarray(a) for a in pattern_rows(pattern, idx, me, args.experts, args.max_tokens)]
+
+                def probe(i, st, rows=rows, src=src, offsets=offsets):
+                    scatter(buf.buffer.peer_ptrs.data.ptr, offsets[i % len(offsets)], src, *rows, 2 * H, st,
+                            buf.num_blocks, group)
+
+                (timed,) = steps([probe], args.iters)
+                record(kind, timed, int(rows[0].size) * 2 * H)
 
         if args.back_to_back:
             # Steady state: pairs of calls queued behind one sleep and barrier per round of
@@ -153,8 +180,6 @@ def main():
 
         if not args.no_hook:
             # Hook mode: the send half and the receive half, each timed alone.
-            pending = {}
-
             def ds(i, st):
                 pending["d"] = buf.dispatch(x, topk_idx, use_fp8=True, validate=False, return_recv_hook=True,
                                             kernel_time_ns=st)
@@ -172,10 +197,13 @@ def main():
 
         if args.trace:
             G = buf.num_blocks
-            for kind, call in (("dispatch_fp8", dispatch(True)), ("combine", combine)):
-                traces = cupy.zeros((warmup + args.trace, G, NUM_TRACE_SLOTS), dtype=np.int64)
-                steps([lambda i, st, call=call: call(i, st, trace=traces[i])], args.trace)
-                everyone = np.stack(group.comm.allgather(traces[warmup:].get()))  # [R, n, G, M]
+            traces = {k: cupy.zeros((warmup + args.trace, G, NUM_TRACE_SLOTS), dtype=np.int64)
+                      for k in ("dispatch_fp8", "combine")}
+            d_fp8 = dispatch(True)
+            steps([lambda i, st: d_fp8(i, st, trace=traces["dispatch_fp8"][i]),
+                   lambda i, st: combine(i, st, trace=traces["combine"][i])], args.trace)
+            for kind, tr in traces.items():
+                everyone = np.stack(group.comm.allgather(tr[warmup:].get()))  # [R, n, G, M]
                 out.write({**base, "kind": f"{kind}_trace", "n": args.trace,
                            "marks": trace_marks(everyone, TRACE_MARKS)})
     buf.synchronize()

@@ -488,3 +488,51 @@ def test_error_kind_picks_the_exception(flag, cls):
     assert isinstance(err, CommTimeoutError) == (flag == 1)
     text = str(err)
     assert (("timeout" in text) == (flag == 1)) and "(counter 300, expected 256)" in text
+
+
+# --- call schedule: which signals and which data copy each call uses ----------
+
+def test_schedule_decode_loop_reuses_one_copy_per_kind():
+    from cupyep.low_latency.layout import CallSchedule
+    s = CallSchedule()
+    got = [s.take(k) for k in ("dispatch", "combine") * 3]
+    assert [g[0] for g in got] == [0, 1, 0, 1, 0, 1]   # signals alternate with every call
+    assert [g[1] for g in got] == [0] * 6              # data: one copy per kind
+    assert [g[2] for g in got] == [1, 2, 3, 4, 5, 6]
+
+
+def test_schedule_switches_copy_for_back_to_back_calls_of_one_kind():
+    from cupyep.low_latency.layout import CallSchedule
+    s = CallSchedule()
+    kinds = ["dispatch", "dispatch", "combine", "combine", "dispatch", "combine", "combine", "combine"]
+    regions = []
+    for k in kinds:
+        assert s.peek(k) == (s.region[k] ^ 1 if s.last_kind == k else s.region[k])
+        regions.append(s.take(k)[1])
+    assert regions == [0, 1, 0, 1, 1, 1, 0, 1]
+
+
+def test_schedule_knows_when_a_dispatch_was_overwritten():
+    from cupyep.low_latency.layout import CallSchedule
+    s = CallSchedule()
+    _, r1, c1 = s.take("dispatch")
+    _, r2, c2 = s.take("dispatch")         # the other copy: the first dispatch still holds
+    assert s.holds("dispatch", r1, c1) and s.holds("dispatch", r2, c2)
+    s.take("combine")
+    _, r3, c3 = s.take("dispatch")         # after a combine: reuses the second dispatch's copy
+    assert r3 == r2 and not s.holds("dispatch", r2, c2) and s.holds("dispatch", r1, c1)
+    with pytest.raises(ValueError, match="call kind"):
+        s.peek("notify")
+
+
+def test_call_offsets_mix_signals_and_data_of_two_sets():
+    from cupyep.low_latency.layout import DATA_FIELDS, FIELDS, FLAG_FIELDS, call_offsets
+    lay = L.low_latency_layout(4, 16, 256, 16, 8)
+    off = call_offsets(lay, 1, 0, 1)
+    for n in FLAG_FIELDS:
+        assert getattr(off, n) == getattr(lay.sets[1], n)
+    for n in DATA_FIELDS["dispatch"]:
+        assert getattr(off, n) == getattr(lay.sets[0], n)
+    for n in DATA_FIELDS["combine"]:
+        assert getattr(off, n) == getattr(lay.sets[1], n)
+    assert set(FLAG_FIELDS) | set(DATA_FIELDS["dispatch"]) | set(DATA_FIELDS["combine"]) == set(FIELDS)

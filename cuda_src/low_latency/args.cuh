@@ -2,9 +2,11 @@
 // order, by a NumPy struct dtype in cupyep/low_latency/kernels.py.
 //
 // A rank's symmetric buffer holds two sets (cupyep/low_latency/layout.py has
-// the byte offsets); successive calls alternate between them, and every call
-// clears the flags of the set the next call uses, so no clean launch is ever
-// needed. One set:
+// the byte offsets). The signals (counts, flags, done) of successive calls
+// alternate between them, and every call clears the flags of the set the next
+// call uses, so no clean launch is ever needed; which copy of the data a call
+// uses is the host's choice (layout.CallSchedule), passed in `cur` like the
+// signals. One set:
 //   dispatch_count  [E_local][R] int32   tokens source r sent to local expert e
 //   dispatch_flag   [R] int32            1: source r's rows and counts are all written
 //   combine_flag    [R] int32            1: expert rank r's rows for me are all written

@@ -1,8 +1,9 @@
 """Low-latency dispatch and combine between the ranks of one node.
 
 :class:`LowLatencyBuffer` owns a symmetric IPC buffer of two sets (see
-:mod:`cupyep.low_latency.layout`). Each call takes the next set, so results
-of a dispatch stay valid until the next dispatch. Kernels run on the caller's
+:mod:`cupyep.low_latency.layout`). Signals alternate between the sets with
+every call; data regions follow :class:`~cupyep.low_latency.layout.CallSchedule`,
+so results of a dispatch stay valid until the next dispatch. Kernels run on the caller's
 current stream (or on a communication stream with ``async_finish``), never
 wait on the host, and can be captured in CUDA graphs. Every wait on a peer is
 bounded by ``group.timeout_s`` and reported as ``CommTimeoutError``.
@@ -16,7 +17,7 @@ from ..arrays import BF16, as_cupy, check
 from ..ipc import SymmetricBuffer
 from ..intranode.results import EventHandle
 from . import kernels as K
-from .layout import check_sizes, low_latency_layout
+from .layout import CallSchedule, call_offsets, check_sizes, low_latency_layout
 from .results import LowLatencyCombineResult, LowLatencyDispatchResult, LowLatencyHandle
 
 
@@ -73,10 +74,9 @@ class LowLatencyBuffer:
         self.max_topk = max_topk
         self.layout = low_latency_layout(R, num_max_dispatch_tokens_per_rank, hidden, num_experts, max_topk)
         self.buffer = SymmetricBuffer(group, self.layout.nbytes)
-        self._set_structs = tuple(K.set_struct(s) for s in self.layout.sets)
+        self._structs = {}
         self.comm_stream = cupy.cuda.Stream(non_blocking=True)
-        self._next_set = 0
-        self._calls = 0
+        self._schedule = CallSchedule()
         self._pending_hook = None
         self._dispatch_fn = jit.kernel(K.dispatch_spec(num_threads), group)
         self._combine_fn = jit.kernel(K.combine_spec(num_threads), group)
@@ -113,18 +113,21 @@ class LowLatencyBuffer:
                              spare=int(self.num_blocks > self.num_waiters))
 
     # ---------------------------------------------------------------- helpers
-    def _take_set(self):
+    def _take_set(self, kind: str):
+        """Take the signals and data copy of the next call of ``kind`` (CallSchedule).
+        Returns (data copy, call number, offsets, cur/next SetOffsets struct arguments)."""
         if self._pending_hook is not None:
             raise ValueError("the receive hook of the previous low-latency call has not run yet; call it before "
                              "starting another dispatch or combine on this buffer")
-        cur = self._next_set
-        self._next_set ^= 1
-        self._calls += 1
-        return cur, self.layout.sets[cur]
-
-    def _set_args(self, set_index: int) -> dict:
-        """The cur/next SetOffsets struct arguments of a call on ``set_index``."""
-        return dict(cur=self._set_structs[set_index], next=self._set_structs[set_index ^ 1])
+        sched = self._schedule
+        signal_set, region, call = sched.take(kind)
+        key = (signal_set, sched.region["dispatch"], sched.region["combine"])
+        if key not in self._structs:
+            self._structs[key] = K.set_struct(call_offsets(self.layout, *key))
+        nxt = (signal_set ^ 1,) + key[1:]  # the next call's signals: only its flags are cleared
+        if nxt not in self._structs:
+            self._structs[nxt] = K.set_struct(call_offsets(self.layout, *nxt))
+        return region, call, call_offsets(self.layout, *key), dict(cur=self._structs[key], next=self._structs[nxt])
 
     def _guard(self, kernel: str):
         return jit.pack(K.GUARD_DTYPE, **self.group.guard(kernel))
@@ -215,12 +218,12 @@ class LowLatencyBuffer:
         groups, smem, stage = K.dispatch_smem(max(T, 1), self.num_blocks, k, self.num_experts, self.num_threads)
         profile = self._profile_args(kernel_time_ns, trace)
 
-        set_index, cur = self._take_set()
+        region, call, cur, sets = self._take_set("dispatch")
         stream = self._stream(async_finish)
         with stream:
             layout_count = cupy.empty((El, R), dtype=np.int32)
             recv_count = cupy.empty(El, dtype=np.int32)
-        args = dict(peers=self.buffer.peer_ptrs.data.ptr, **self._set_args(set_index),
+        args = dict(peers=self.buffer.peer_ptrs.data.ptr, **sets,
                     x=x.data.ptr, topk_idx=topk_idx.data.ptr, layout_count=layout_count.data.ptr,
                     recv_count=recv_count.data.ptr, cumulative_stats=jit.ptr(stats),
                     wait_stats=jit.ptr(wait), **profile,
@@ -242,7 +245,7 @@ class LowLatencyBuffer:
         handle = LowLatencyHandle(layout_count=layout_count, recv_src=self.buffer.view(cur.recv_src, (El, slots), np.int32),
                                   recv_slot=self.buffer.view(cur.recv_slot, (El, slots), np.uint8),
                                   num_tokens=T, num_topk=k, hidden=H, num_experts=self.num_experts,
-                                  max_tokens=self.max_tokens, set_index=set_index, call=self._calls,
+                                  max_tokens=self.max_tokens, set_index=region, call=call,
                                   buffer_id=id(self))
         return LowLatencyDispatchResult(recv_x, recv_scales, recv_count, handle, event, hook)
 
@@ -285,12 +288,15 @@ class LowLatencyBuffer:
         """[E_local, R * max_tokens, H] uint16 (BF16) view the next combine reads
         when called with ``zero_copy=True``: write expert outputs straight here."""
         self._check_handle(handle)
-        s = self.layout.sets[self._next_set]
+        s = self.layout.sets[self._schedule.peek("combine")]
         return self.buffer.view(s.combine_send, (self.num_local_experts, self.layout.slots, self.hidden), BF16)
 
     def _check_handle(self, handle) -> None:
         if not isinstance(handle, LowLatencyHandle) or handle.buffer_id != id(self):
             raise ValueError("expected a LowLatencyHandle made by this LowLatencyBuffer")
+        if not self._schedule.holds("dispatch", handle.set_index, handle.call):
+            raise ValueError(f"the rows of this handle's dispatch (call {handle.call}) have been overwritten by a "
+                             f"later dispatch (a dispatch's rows are valid until the next dispatch)")
 
     def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, *, zero_copy: bool = False,
                 async_finish: bool = False, return_recv_hook: bool = False, out=None,
@@ -330,12 +336,12 @@ class LowLatencyBuffer:
         if out is not None:
             out = check(as_cupy(out, "out"), "out", BF16, shape=(T, H))
         profile = self._profile_args(kernel_time_ns, trace)
-        set_index, cur = self._take_set()
+        _, _, _, sets = self._take_set("combine")
         stream = self._stream(async_finish)
         with stream:
             if out is None:
                 out = cupy.empty((T, H), dtype=BF16)
-        args = dict(peers=self.buffer.peer_ptrs.data.ptr, **self._set_args(set_index),
+        args = dict(peers=self.buffer.peer_ptrs.data.ptr, **sets,
                     x=src.data.ptr, layout_count=handle.layout_count.data.ptr, recv_src=handle.recv_src.data.ptr,
                     topk_idx=topk_idx.data.ptr, topk_weights=topk_weights.data.ptr, out=out.data.ptr,
                     recv_slot=handle.recv_slot.data.ptr, **profile,

@@ -1,8 +1,9 @@
 """Where everything lives in a low-latency rank's symmetric buffer.
 
-The buffer holds two identical sets; calls alternate between them (each
-dispatch and each combine takes the next set), and every call clears the flags
-of the set the next call uses. One set, with ``El = E / R`` local experts,
+The buffer holds two identical sets. Signals alternate between them with
+every call (each call clears the flags of the set the next call uses); the
+data regions of each kind of call are chosen by :class:`CallSchedule`, which
+reuses one copy until two calls of the same kind follow each other. One set, with ``El = E / R`` local experts,
 ``M = max_tokens`` (num_max_dispatch_tokens_per_rank) and hidden ``H``::
 
     dispatch_count [El][R] int32      tokens source r sent to local expert e
@@ -139,3 +140,64 @@ def low_latency_layout(num_ranks: int, max_tokens: int, hidden: int, num_experts
 def size_hint(num_ranks: int, max_tokens: int, hidden: int, num_experts: int, max_topk: int = 16) -> int:
     """Bytes per rank of a LowLatencyBuffer for these sizes."""
     return low_latency_layout(num_ranks, max_tokens, hidden, num_experts, max_topk).nbytes
+
+
+FLAG_FIELDS = ("dispatch_count", "dispatch_flag", "combine_flag", "done")
+DATA_FIELDS = {"dispatch": ("recv_x", "recv_scales", "recv_src", "recv_slot"),
+               "combine": ("combine_send", "combine_recv")}
+
+
+class CallSchedule:
+    """Which set's signals and which copy of the data each call uses.
+
+    Signals (``FLAG_FIELDS``) alternate with every call, so each call can clear
+    the next call's flags. Each kind of call (dispatch, combine) keeps writing
+    the same one of its two data copies and switches to the other only when two
+    calls of that kind follow each other, so back-to-back calls of one kind
+    never overwrite rows a peer may still be reading. In a decode loop
+    (dispatch, combine, dispatch, ...) this is the same as alternating the sets
+    per call. It is safe: a peer's next dispatch into my rows starts only after
+    that peer saw my flags of the combine in between, which my stream issued
+    after I used the rows. The schedule also records which call last wrote each
+    copy, so a combine can reject a handle whose rows a later dispatch has
+    overwritten (:meth:`holds`).
+
+    All ranks make the same calls in the same order, so they agree on every
+    choice. ``take`` returns (signal set, data copy, call number).
+    """
+
+    def __init__(self):
+        self.calls = 0
+        self.last_kind = None
+        self.region = {"dispatch": 0, "combine": 0}
+        self.writer = {}  # (kind, copy) -> number of the call that last wrote it
+
+    def peek(self, kind: str) -> int:
+        """Data copy the next call of ``kind`` will use."""
+        if kind not in DATA_FIELDS:
+            raise ValueError(f"call kind must be one of {tuple(DATA_FIELDS)}, got {kind!r}")
+        r = self.region[kind]
+        return r ^ 1 if self.last_kind == kind else r
+
+    def take(self, kind: str) -> tuple[int, int, int]:
+        region = self.peek(kind)
+        signal_set = self.calls % 2
+        self.calls += 1
+        self.region[kind] = region
+        self.last_kind = kind
+        self.writer[(kind, region)] = self.calls
+        return signal_set, region, self.calls
+
+    def holds(self, kind: str, region: int, call: int) -> bool:
+        """True while copy ``region`` of ``kind`` still holds the data of call ``call``."""
+        return self.writer.get((kind, region)) == call
+
+
+def call_offsets(layout: LowLatencyLayout, signal_set: int, dispatch_region: int, combine_region: int) -> SetLayout:
+    """A SetLayout whose signals come from set ``signal_set`` and whose data
+    come from the sets a CallSchedule chose for each kind."""
+    import dataclasses
+    sets = layout.sets
+    fields = {n: getattr(sets[dispatch_region], n) for n in DATA_FIELDS["dispatch"]}
+    fields.update({n: getattr(sets[combine_region], n) for n in DATA_FIELDS["combine"]})
+    return dataclasses.replace(sets[signal_set], **fields)

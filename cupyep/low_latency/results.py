@@ -15,7 +15,7 @@ class LowLatencyHandle:
         recv_src: [E_local, R * max_tokens] int32 device view: source token of each row.
         recv_slot: [E_local, R * max_tokens] uint8 device view: top-k slot of each row in its token.
         num_tokens: T of this rank's dispatch (combine returns [T, H]).
-        set_index: buffer set the dispatch used.
+        set_index: the copy of the dispatch data (0 or 1) the dispatch wrote (layout.CallSchedule).
         call: sequence number of the dispatch on its buffer.
     """
     layout_count: object

@@ -287,6 +287,51 @@ def test_stress_1000_calls(group, llbuf):
     assert all_ranks(group.comm, not counts.any() and wd < 9e-4), (counts.tolist(), wd)
 
 
+@pytest.mark.parametrize("pattern", ["ddcc", "dcc", "dcdc"])
+def test_call_sequences(group, llbuf, pattern):
+    """Dispatches and combines in every order the data copies allow (layout.CallSchedule):
+    two dispatches then their combines newest first, one dispatch combined twice, and the
+    decode loop; each dispatch is checked exactly and each combine against x * sum(w)."""
+    import cupy
+    me, R = group.local_rank, group.local_size
+    xs = [tagged_x(r, MAX_TOKENS) for r in range(R)]
+    x = cupy.asarray(xs[me])
+    pending, ok, bad = [], True, []
+    for it, step in enumerate(pattern * 3):
+        if step == "d":
+            T = 1 + (it * 53) % MAX_TOKENS
+            idx, w = _routing(group, 500 + it, [T] * R)
+            res = llbuf.dispatch(x[:T], cupy.asarray(idx[me]), use_fp8=False)
+            good, why = _check_dispatch(group, res, [T] * R, idx, False, [a[:T] for a in xs])
+            ok &= good
+            bad += why
+            pending.append((res.handle, _expert_outputs(res, False), idx, w, T))
+        else:
+            handle, y, idx, w, T = pending[-1] if pattern == "dcc" else pending.pop()
+            comb = llbuf.combine(y, cupy.asarray(idx[me]), cupy.asarray(w[me]), handle)
+            got = bf16_to_f32(comb.combined_x.get())
+            diff = ref.calc_diff(got, _combine_expected(xs[me][:T], idx[me], w[me]))
+            good = diff < 1e-5 and not np.isnan(got).any()
+            ok &= good
+            if not good:
+                bad.append(("combine", it, diff))
+    assert all_ranks(group.comm, ok), bad[:5]
+
+
+def test_overwritten_handle_is_rejected(group, llbuf):
+    import cupy
+    me, R = group.local_rank, group.local_size
+    idx, w = _routing(group, 77, [8] * R)
+    x = cupy.asarray(tagged_x(me, 8))
+    first = llbuf.dispatch(x, cupy.asarray(idx[me]), use_fp8=False)
+    y = _expert_outputs(first, False)
+    llbuf.combine(y, cupy.asarray(idx[me]), cupy.asarray(w[me]), first.handle)
+    llbuf.dispatch(x, cupy.asarray(idx[me]), use_fp8=False)  # after a combine: writes the first dispatch's copy again
+    with pytest.raises(ValueError, match="overwritten by a later dispatch"):
+        llbuf.combine(y, cupy.asarray(idx[me]), cupy.asarray(w[me]), first.handle)
+    llbuf.synchronize()
+
+
 def test_cuda_graph_replay(group, llbuf):
     import cupy
     me, R = group.local_rank, group.local_size

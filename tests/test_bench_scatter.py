@@ -1,0 +1,38 @@
+"""Host-side checks of the scatter probe's row patterns (cupyep.bench.scatter)."""
+import numpy as np
+import pytest
+
+from cupyep.bench.scatter import PATTERNS, pattern_rows, rows_needed
+from cupyep.testing import global_routing
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("R,E", [(2, 16), (4, 32), (8, 64)])
+def test_every_row_lands_once_inside_the_arrays(pattern, R, E):
+    T, k, M = 24, 4, 32
+    idx, _ = global_routing(3, [T] * R, E, k)
+    n_src, n_dst = rows_needed(pattern, E, R, M, k)
+    pairs = sum(int((i >= 0).sum()) for i in idx)
+    seen = set()
+    for v in range(R):
+        s, d, r = pattern_rows(pattern, idx, v, E, M)
+        assert s.dtype == np.int32 and d.dtype == np.int32 and r.dtype == np.int64
+        assert len(s) == len(d) == len(r)
+        assert s.min(initial=0) >= 0 and s.max(initial=0) < n_src
+        assert d.min(initial=0) >= 0 and d.max(initial=0) < R
+        assert r.min(initial=0) >= 0 and r.max(initial=0) < n_dst
+        seen.update(zip(d.tolist(), r.tolist()))
+    assert len(seen) == pairs  # every (token, expert) pair once, no two on one destination row
+
+
+def test_dispatch_rows_go_to_the_expert_owner():
+    idx, _ = global_routing(5, [16] * 4, 32, 4)
+    s, d, r = pattern_rows("dispatch_expert_major", idx, 2, 32, 16)
+    t, j = np.nonzero(idx[2] >= 0)
+    assert (s == t).all() and (d == idx[2][t, j] // 8).all()
+    assert ((r // 16) % 4 == 2).all()  # (le * R + s) * M + pos: the source's column
+
+
+def test_unknown_pattern_is_rejected():
+    with pytest.raises(ValueError, match="unknown pattern"):
+        rows_needed("nope", 32, 4, 16, 4)
