@@ -12,8 +12,8 @@ rank. Two clocks: ``event_*`` spans the CUDA events around the call, which
 under MPS includes the time the launch waits to be scheduled; ``kernel_*``
 spans the kernel itself (first block start to last block end, %globaltimer
 stamps the kernels write), which is what a profiler such as Kineto reports.
-As all ranks share one %globaltimer, the stamps also give the ranks' start
-skew and ``after_last_start``, the call's latency once the last rank has
+When all ranks share one GPU (and so one %globaltimer), the stamps also give
+the ranks' start skew and ``after_last_start``, the call's latency once the last rank has
 started. Also the send and receive halves in hook mode, the buffer bytes per
 rank, and efficiency = (2 x bytes written to peers by all ranks / copy
 bandwidth measured in this run) / time. With ``--trace N``, N more calls of
@@ -113,8 +113,9 @@ def main():
             kernel = Timing.from_samples((stamps[:, 1] - stamps[:, 0]) * 1e-9)
             r = {f"{c}_{q}_us": group.comm.allreduce(getattr(t, f"{q}_s"), op=MPI.MAX) * 1e6
                  for c, t in (("event", event), ("kernel", kernel)) for q in ("median", "p99")}
-            for name, v in cross_rank(everyone).items():
-                r.update({f"{name}_{q}": x_ for q, x_ in v.items()})
+            if group.ranks_per_gpu == R:  # %globaltimer is per GPU: cross-rank stamps only on one GPU
+                for name, v in cross_rank(everyone).items():
+                    r.update({f"{name}_{q}": x_ for q, x_ in v.items()})
             total = group.comm.allreduce(bytes_to_peers)
             out.write({**base, "kind": kind, **r, "n": event.n, "bytes_to_peers": total,
                        "efficiency": 2 * total / copy_bw / (r["kernel_median_us"] * 1e-6)})
