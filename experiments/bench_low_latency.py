@@ -157,6 +157,25 @@ def main():
 
                 (timed,) = steps([probe], args.iters)
                 record(kind, timed, int(rows[0].size) * 2 * H)
+            # Decode order with the bare scatter: FP8-sized dispatch rows, then BF16 combine
+            # rows, in turn, for the current layouts and for layouts that touch fewer pages.
+            pairs_ = (("current", "dispatch_expert_major", "combine_slot_token"),
+                      ("source_major", "dispatch_source_major", "combine_slot_token"),
+                      ("slot_major", "dispatch_slot_major", "combine_slot_token"),
+                      ("packed", "dispatch_packed", "combine_packed_src"))
+            for name, dpat, cpat in pairs_:
+                rows_d = [cupy.asarray(a) for a in pattern_rows(dpat, idx, me, args.experts, args.max_tokens)]
+                rows_c = [cupy.asarray(a) for a in pattern_rows(cpat, idx, me, args.experts, args.max_tokens)]
+
+                def probe_d(i, st, rows=rows_d):
+                    scatter(buf.buffer.peer_ptrs.data.ptr, s0.recv_x, x, *rows, H, st, buf.num_blocks, group)
+
+                def probe_c(i, st, rows=rows_c):
+                    scatter(buf.buffer.peer_ptrs.data.ptr, s0.combine_recv, y, *rows, 2 * H, st, buf.num_blocks, group)
+
+                t_d, t_c = steps([probe_d, probe_c], args.iters)
+                record(f"scatter_in_turn_{name}_dispatch_fp8_rows", t_d, int(rows_d[0].size) * H)
+                record(f"scatter_in_turn_{name}_combine_rows", t_c, int(rows_c[0].size) * 2 * H)
 
         if args.back_to_back:
             # Steady state: pairs of calls queued behind one sleep and barrier per round of
