@@ -32,6 +32,7 @@ from cupyep.bench.report import JsonlWriter
 from cupyep.bench.scatter import pattern_rows, scatter
 from cupyep.bench.stamps import cross_rank, trace_marks
 from cupyep.bench.timing import FLUSH_MODES, Timing, flush_l2, gpu_sleep
+from cupyep.low_latency import kernels as K
 from cupyep.low_latency.kernels import NUM_TRACE_SLOTS, TRACE_MARKS
 from cupyep.testing import global_routing, payload_bf16
 
@@ -158,20 +159,32 @@ def main():
                 (timed,) = steps([probe], args.iters)
                 record(kind, timed, int(rows[0].size) * 2 * H)
             # Decode order with the bare scatter: FP8-sized dispatch rows, then BF16 combine
-            # rows, in turn, for the current layouts and for layouts that touch fewer pages.
-            pairs_ = (("current", "dispatch_expert_major", "combine_slot_token"),
-                      ("source_major", "dispatch_source_major", "combine_slot_token"),
-                      ("slot_major", "dispatch_slot_major", "combine_slot_token"),
-                      ("packed", "dispatch_packed", "combine_packed_src"))
-            for name, dpat, cpat in pairs_:
+            # rows, in turn, for the current layouts and for layouts that touch fewer pages;
+            # then the current layouts plus, one at a time, what the kernels do besides rows
+            # (per-row source/slot tags into recv_src / recv_slot, the kernels' dynamic
+            # shared memory).
+            d_smem = K.dispatch_smem(T, buf.num_blocks, args.topk, args.experts, buf.num_threads)[1]
+            c_smem = K.combine_smem(args.experts)
+            rows_total = buf.num_local_experts * buf.layout.slots
+            pairs_ = (("current", "dispatch_expert_major", "combine_slot_token", False, False),
+                      ("source_major", "dispatch_source_major", "combine_slot_token", False, False),
+                      ("slot_major", "dispatch_slot_major", "combine_slot_token", False, False),
+                      ("packed", "dispatch_packed", "combine_packed_src", False, False),
+                      ("current_tags", "dispatch_expert_major", "combine_slot_token", True, False),
+                      ("current_smem", "dispatch_expert_major", "combine_slot_token", False, True),
+                      ("current_tags_smem", "dispatch_expert_major", "combine_slot_token", True, True))
+            for name, dpat, cpat, tags, smem in pairs_:
                 rows_d = [cupy.asarray(a) for a in pattern_rows(dpat, idx, me, args.experts, args.max_tokens)]
                 rows_c = [cupy.asarray(a) for a in pattern_rows(cpat, idx, me, args.experts, args.max_tokens)]
+                meta = dict(meta_offset=s0.recv_src, meta_rows=rows_total) if tags else {}
 
-                def probe_d(i, st, rows=rows_d):
-                    scatter(buf.buffer.peer_ptrs.data.ptr, s0.recv_x, x, *rows, H, st, buf.num_blocks, group)
+                def probe_d(i, st, rows=rows_d, meta=meta, sm=d_smem if smem else 0):
+                    scatter(buf.buffer.peer_ptrs.data.ptr, s0.recv_x, x, *rows, H, st, buf.num_blocks, group,
+                            smem_bytes=sm, **meta)
 
-                def probe_c(i, st, rows=rows_c):
-                    scatter(buf.buffer.peer_ptrs.data.ptr, s0.combine_recv, y, *rows, 2 * H, st, buf.num_blocks, group)
+                def probe_c(i, st, rows=rows_c, sm=c_smem if smem else 0):
+                    scatter(buf.buffer.peer_ptrs.data.ptr, s0.combine_recv, y, *rows, 2 * H, st, buf.num_blocks,
+                            group, smem_bytes=sm)
 
                 t_d, t_c = steps([probe_d, probe_c], args.iters)
                 record(f"scatter_in_turn_{name}_dispatch_fp8_rows", t_d, int(rows_d[0].size) * H)

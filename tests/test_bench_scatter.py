@@ -36,3 +36,13 @@ def test_dispatch_rows_go_to_the_expert_owner():
 def test_unknown_pattern_is_rejected():
     with pytest.raises(ValueError, match="unknown pattern"):
         rows_needed("nope", 32, 4, 16, 4)
+
+
+def test_scatter_rejects_bad_sizes_before_launch():
+    from cupyep.bench.scatter import scatter
+    with pytest.raises(ValueError, match="multiple of 16"):
+        scatter(0, 0, None, None, None, None, 100, None, 1)
+    with pytest.raises(ValueError, match="meta_rows"):
+        scatter(0, 0, None, None, None, None, 128, None, 1, meta_offset=256, meta_rows=0)
+    with pytest.raises(ValueError, match="smem_bytes"):
+        scatter(0, 0, None, None, None, None, 128, None, 1, smem_bytes=1 << 20)

@@ -120,12 +120,24 @@ def pattern_rows(pattern: str, topk_idx: list, rank: int, num_experts: int, max_
 
 
 def scatter(peers_ptr: int, offset: int, src, src_row, dst_peer, dst_row, row_bytes: int, stamp,
-            num_blocks: int, group=None) -> None:
+            num_blocks: int, group=None, meta_offset: int = 0, meta_rows: int = 0, smem_bytes: int = 0) -> None:
     """Launch the scatter of ``len(src_row)`` rows (cupy int32/int32/int64
     arrays) with ``num_blocks`` blocks of 512 threads; ``stamp`` is int64 [2]
-    (min start, max end; initialise to (int64 max, 0))."""
+    (min start, max end; initialise to (int64 max, 0)).
+
+    What the low-latency kernels do besides moving rows can be added one
+    piece at a time: ``meta_offset`` (> 0) also writes a 4-byte and a 1-byte
+    tag per row into a side region of ``meta_rows`` entries (more than any
+    destination row) at that offset of the destination buffer (as recv_src /
+    recv_slot); ``smem_bytes`` launches
+    with that much (unused) dynamic shared memory."""
     if row_bytes % 16:
         raise ValueError(f"row_bytes must be a multiple of 16, got {row_bytes}")
+    if meta_offset < 0 or (meta_offset and meta_rows <= 0):
+        raise ValueError(f"meta_offset must be >= 0, and with meta_offset meta_rows (> every destination row) "
+                         f"must be positive, got {meta_offset} and {meta_rows}")
+    if not 0 <= smem_bytes <= 48 * 1024:
+        raise ValueError(f"smem_bytes must be in [0, 49152], got {smem_bytes}")
     jit.kernel(SCATTER_SPEC, group)((num_blocks,), (512,), (
         np.uint64(peers_ptr), np.int64(offset), src, src_row, dst_peer, dst_row, np.int32(len(src_row)),
-        np.int32(row_bytes // 16), stamp))
+        np.int32(row_bytes // 16), np.int64(meta_offset), np.int64(meta_rows), stamp), shared_mem=smem_bytes)
