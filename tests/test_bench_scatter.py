@@ -46,3 +46,20 @@ def test_scatter_rejects_bad_sizes_before_launch():
         scatter(0, 0, None, None, None, None, 128, None, 1, meta_offset=256, meta_rows=0)
     with pytest.raises(ValueError, match="smem_bytes"):
         scatter(0, 0, None, None, None, None, 128, None, 1, smem_bytes=1 << 20)
+
+
+def test_pages_touched_counts_every_page_of_every_row():
+    from cupyep.bench.scatter import pages_touched
+    MB = 1 << 20
+    # Two rows of 1.5 MB: the second straddles pages 1 and 2; both on rank 0.
+    rows = (np.array([0, 1]), np.array([0, 0]), np.array([0, 1]))
+    assert pages_touched(rows, 3 * MB // 2) == (2, 2)
+    assert pages_touched(rows, 3 * MB // 2, page_bytes=MB) == (3, 3)
+    # The same destination rows on two ranks are distinct pages.
+    rows2 = (np.array([0, 0]), np.array([0, 1]), np.array([0, 0]))
+    assert pages_touched(rows2, 4096)[1] == 2
+    # Packing touches far fewer destination pages than the expert-major layout.
+    idx, _ = global_routing(128, [128] * 8, 256, 8)
+    em = pages_touched(pattern_rows("dispatch_expert_major", idx, 0, 256, 128), 7168)[1]
+    pk = pages_touched(pattern_rows("dispatch_packed", idx, 0, 256, 128), 7168)[1]
+    assert pk * 8 < em

@@ -141,3 +141,22 @@ def scatter(peers_ptr: int, offset: int, src, src_row, dst_peer, dst_row, row_by
     jit.kernel(SCATTER_SPEC, group)((num_blocks,), (512,), (
         np.uint64(peers_ptr), np.int64(offset), src, src_row, dst_peer, dst_row, np.int32(len(src_row)),
         np.int32(row_bytes // 16), np.int64(meta_offset), np.int64(meta_rows), stamp), shared_mem=smem_bytes)
+
+
+def pages_touched(rows, row_bytes: int, page_bytes: int = 2 << 20, dst_offset: int = 0) -> tuple[int, int]:
+    """(source pages, destination pages) one rank's ``rows`` (src_row, dst_rank,
+    dst_row as from :func:`pattern_rows`) touch, counting a row's every page:
+    source pages of its own array, destination pages as distinct (rank, page)
+    pairs of regions starting ``dst_offset`` bytes into each peer's buffer."""
+    import numpy as np
+    src_row, dst_rank, dst_row = (np.asarray(a, dtype=np.int64) for a in rows)
+    span = (row_bytes + page_bytes - 1) // page_bytes + 1  # pages one row can straddle
+
+    def pages(start):
+        first, last = start // page_bytes, (start + row_bytes - 1) // page_bytes
+        return np.unique(np.concatenate([np.minimum(first + i, last) for i in range(span)]))
+
+    src = pages(src_row * row_bytes)
+    dst_start = dst_offset + dst_row * row_bytes
+    dst = {(int(r), int(p)) for r in np.unique(dst_rank) for p in pages(dst_start[dst_rank == r])}
+    return int(src.size), len(dst)
