@@ -30,7 +30,7 @@ from cupyep.barrier import GpuBarrier
 from cupyep.bench.copy import copy_bandwidth
 from cupyep.bench.report import JsonlWriter
 from cupyep.bench.scatter import pattern_rows, scatter
-from cupyep.bench.stamps import cross_rank, trace_marks
+from cupyep.bench.stamps import cross_rank, kernel_seconds, new_kernel_stamps, trace_marks
 from cupyep.bench.timing import FLUSH_MODES, Timing, flush_l2, gpu_sleep
 from cupyep.low_latency import kernels as K
 from cupyep.low_latency.kernels import NUM_TRACE_SLOTS, TRACE_MARKS
@@ -76,9 +76,7 @@ def main():
         """Run ``iters`` rounds of ``calls`` (each call(i, stamp_row)), every call on
         its own: L2 flush, GPU sleep, GPU barrier, then the call between events.
         Returns per call (event Timing, [iters, 2] kernel stamps), warm-up dropped."""
-        stamps = [cupy.empty((warmup + iters, 2), dtype=np.int64) for _ in calls]
-        for st in stamps:
-            st[:, 0], st[:, 1] = np.iinfo(np.int64).max, 0
+        stamps = [new_kernel_stamps(warmup + iters) for _ in calls]
         times = [[] for _ in calls]
         for i in range(warmup + iters):
             evs = []
@@ -111,7 +109,7 @@ def main():
         def record(kind, timed, bytes_to_peers):
             event, stamps = timed
             everyone = np.stack(group.comm.allgather(stamps))          # [R, iters, 2]
-            kernel = Timing.from_samples((stamps[:, 1] - stamps[:, 0]) * 1e-9)
+            kernel = Timing.from_samples(kernel_seconds(stamps))
             r = {f"{c}_{q}_us": group.comm.allreduce(getattr(t, f"{q}_s"), op=MPI.MAX) * 1e6
                  for c, t in (("event", event), ("kernel", kernel)) for q in ("median", "p99")}
             if group.ranks_per_gpu == R:  # %globaltimer is per GPU: cross-rank stamps only on one GPU
@@ -194,9 +192,7 @@ def main():
             # Steady state: pairs of calls queued behind one sleep and barrier per round of
             # 20, so the GPU runs them back to back as a decode loop would.
             rounds, per = max(1, args.iters // 20), 20
-            st_d, st_c = (cupy.empty((rounds * per, 2), dtype=np.int64) for _ in range(2))
-            for st in (st_d, st_c):
-                st[:, 0], st[:, 1] = np.iinfo(np.int64).max, 0
+            st_d, st_c = new_kernel_stamps(rounds * per), new_kernel_stamps(rounds * per)
             for r_ in range(rounds + 1):  # round 0 warms up
                 gpu_sleep(args.sleep_us * 10)
                 bar()
@@ -209,7 +205,7 @@ def main():
             for kind, st, nbytes in (("dispatch_fp8_back_to_back", st_d, pairs * fp8_row),
                                      ("combine_back_to_back", st_c, pairs * 2 * H)):
                 s_ = st.get()
-                record(kind, (Timing.from_samples((s_[:, 1] - s_[:, 0]) * 1e-9), s_), nbytes)
+                record(kind, (Timing.from_samples(kernel_seconds(s_)), s_), nbytes)
 
         if not args.no_hook:
             # Hook mode: the send half and the receive half, each timed alone.

@@ -24,7 +24,7 @@ from cupyep.barrier import GpuBarrier
 from cupyep.bench.copy import copy_bandwidth
 from cupyep.bench.report import JsonlWriter
 from cupyep.bench.scatter import PATTERNS, pattern_rows, rows_needed, scatter
-from cupyep.bench.stamps import cross_rank
+from cupyep.bench.stamps import cross_rank, kernel_seconds, new_kernel_stamps
 from cupyep.bench.timing import FLUSH_MODES, flush_l2, gpu_sleep
 from cupyep.ipc import SymmetricBuffer
 from cupyep.testing import global_routing
@@ -83,8 +83,7 @@ def main():
         for row_bytes in row_sizes:
             for blocks in args.blocks:
                 for flush, sets in ((f, n) for f in args.flush for n in args.sets):
-                    stamps = cupy.empty((warmup + args.iters, 2), dtype=np.int64)
-                    stamps[:, 0], stamps[:, 1] = np.iinfo(np.int64).max, 0
+                    stamps = new_kernel_stamps(warmup + args.iters)
                     for i in range(warmup + args.iters):
                         flush_l2(mode=flush)
                         gpu_sleep(200)
@@ -93,7 +92,7 @@ def main():
                     cupy.cuda.get_current_stream().synchronize()
                     st = stamps[warmup:].get()
                     everyone = np.stack(group.comm.allgather(st))
-                    kernel = group.comm.allreduce(float(np.median(st[:, 1] - st[:, 0])) * 1e-3, op=MPI.MAX)
+                    kernel = group.comm.allreduce(float(np.median(kernel_seconds(st))) * 1e6, op=MPI.MAX)
                     moved = group.comm.allreduce(2 * len(s_row) * row_bytes)
                     cr = cross_rank(everyone)
                     after = cr["after_last_start"]["median_us"]

@@ -770,3 +770,11 @@ def test_require_resident():
     jit.require_resident("ll", 1, 16, 512, 8, 132, "num_waiters", spare=4)
     with pytest.raises(ValueError, match="Use num_waiters <= 15"):
         jit.require_resident("ll", 1, 16, 512, 8, 132, "num_waiters", spare=5)
+
+
+def test_kernel_seconds_of_stamps():
+    from cupyep.bench.stamps import kernel_seconds
+    st = np.array([[[1000, 4000], [0, 2500]]], dtype=np.int64)
+    assert np.allclose(kernel_seconds(st), [[3e-6, 2.5e-6]])
+    with pytest.raises(ValueError, match="dimension of 2"):
+        kernel_seconds(np.zeros((3, 3), dtype=np.int64))

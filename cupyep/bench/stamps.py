@@ -16,6 +16,23 @@ from __future__ import annotations
 import numpy as np
 
 
+def new_kernel_stamps(n: int):
+    """Device int64 [n, 2] for n profiled calls: column 0 starts at the int64
+    maximum (the kernels atomicMin their start into it), column 1 at 0 (atomicMax end)."""
+    import cupy
+    st = cupy.empty((n, 2), dtype=np.int64)
+    st[:, 0], st[:, 1] = np.iinfo(np.int64).max, 0
+    return st
+
+
+def kernel_seconds(kernel) -> np.ndarray:
+    """Durations in seconds, end minus start, of [..., 2] kernel stamps (host array)."""
+    k = np.asarray(kernel, dtype=np.int64)
+    if k.shape[-1] != 2:
+        raise ValueError(f"kernel stamps must end in a dimension of 2, got {k.shape}")
+    return (k[..., 1] - k[..., 0]) * 1e-9
+
+
 def _median_p99(a) -> dict:
     a = np.asarray(a, dtype=np.float64) * 1e-3
     return {"median_us": float(np.median(a)), "p99_us": float(np.percentile(a, 99))}
