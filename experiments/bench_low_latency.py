@@ -54,6 +54,9 @@ def main():
     p.add_argument("--back-to-back", action="store_true",
                    help="also time dispatch/combine pairs issued back to back, with no flush or barrier between calls")
     p.add_argument("--no-hook", action="store_true", help="skip the hook-mode halves")
+    p.add_argument("--ablate", nargs="+", default=[], choices=sorted(K.ABLATIONS),
+                   help="also time dispatch/combine in decode order with each of these parts of the work "
+                        "skipped (LowLatencyBuffer.ablate; profiling only, results are wrong)")
     p.add_argument("--scatter-probe", action="store_true",
                    help="also time the bare scatter kernel (cupyep/bench/scatter.py) moving the same rows between "
                         "the same arrays: BF16 dispatch rows into recv_x, combine rows into combine_recv")
@@ -138,6 +141,15 @@ def main():
             record("dispatch_fp8" if use_fp8 else "dispatch_bf16", timed_d, pairs * (fp8_row if use_fp8 else bf16_row))
             if use_fp8:
                 record("combine", timed_c, pairs * 2 * H)
+
+        for name in args.ablate:
+            # The same calls with one part of the work skipped: what that part costs.
+            buf.ablate = K.ablation_bits([name])
+            timed_d, timed_c = steps([dispatch(True), combine], args.iters)
+            buf.ablate = 0
+            record(f"dispatch_fp8_ablate_{name}", timed_d, pairs * fp8_row)
+            if name == "rows":
+                record(f"combine_ablate_{name}", timed_c, pairs * 2 * H)
 
         if args.scatter_probe:
             # The data movement alone, from the same arrays into this buffer: what the kernels

@@ -5,6 +5,7 @@ wait-site names of the device error slot. Nothing here needs a GPU except
 LowLatencyHandle.layout_begin, which skips without one."""
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -536,3 +537,12 @@ def test_call_offsets_mix_signals_and_data_of_two_sets():
     for n in DATA_FIELDS["combine"]:
         assert getattr(off, n) == getattr(lay.sets[1], n)
     assert set(FLAG_FIELDS) | set(DATA_FIELDS["dispatch"]) | set(DATA_FIELDS["combine"]) == set(FIELDS)
+
+
+def test_ablation_bits_mirror_the_kernel_constants():
+    src = (Path(jit.CUDA_SRC) / "low_latency" / "args.cuh").read_text()
+    consts = {m.group(1).lower(): int(m.group(2)) for m in re.finditer(r"constexpr int kAblate(\w+) = (\d+);", src)}
+    assert consts == K.ABLATIONS
+    assert K.ablation_bits([]) == 0 and K.ablation_bits(["rows", "scales"]) == 5
+    with pytest.raises(ValueError, match="unknown ablation"):
+        K.ablation_bits(["flags"])

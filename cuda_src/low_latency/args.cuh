@@ -35,6 +35,14 @@ constexpr int kPhaseSend = 1;
 constexpr int kPhaseRecv = 2;
 constexpr int kChunkElems = 512;  // hidden elements a warp moves per work item (16 per lane)
 
+// Ablations (DispatchArgs / CombineArgs::ablate), for profiling only: parts of
+// a call's work that are skipped, so that their cost can be measured. The
+// protocol (counts, flags, waits) always runs; the results are wrong.
+// Mirrored by cupyep/low_latency/kernels.py ABLATIONS.
+constexpr int kAblateRows = 1;    // row payloads are not stored (dispatch and combine)
+constexpr int kAblateTags = 2;    // dispatch: recv_src / recv_slot are not stored
+constexpr int kAblateScales = 4;  // dispatch: FP8 scales are not stored
+
 // Wait sites, indexed as in cupyep/errors.py KERNELS["low_latency_*"].
 constexpr int kWaitSendDone = 0;  // this rank's blocks finishing their sends
 constexpr int kWaitPeerFlag = 1;  // a peer's flag
@@ -72,6 +80,7 @@ struct DispatchArgs {
     int phases;              // kPhaseSend | kPhaseRecv
     int num_waiters;         // blocks b < num_waiters also wait and receive; the rest only send
     int rank;
+    int ablate;              // kAblate* bits (profiling only; 0 for real calls)
     Guard guard;
 };
 
@@ -98,6 +107,7 @@ struct CombineArgs {
     int phases;
     int num_waiters;
     int rank;
+    int ablate;                 // kAblate* bits (profiling only; 0 for real calls)
     Guard guard;
 };
 

@@ -69,8 +69,9 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
             const int t = __ldg(a.recv_src + slot), j = __ldg(a.recv_slot + slot);
             const int4* src = a.x + slot * row_int4;
             int4* dst = at<int4>(a.peers[s], a.cur.combine_recv) + ((int64_t)j * a.max_tokens + t) * row_int4;
-            warp_copy<kUnroll, true>(dst, src, row_int4, lane, [](const int4* p) { return ld_nc_na_v4(p); },
-                               [](int4* p, const int4& v) { st_na_v4(p, v); });
+            if (!(a.ablate & kAblateRows))
+                warp_copy<kUnroll, true>(dst, src, row_int4, lane, [](const int4* p) { return ld_nc_na_v4(p); },
+                                         [](int4* p, const int4& v) { st_na_v4(p, v); });
         }
         trace_mark(a.trace, kMarkSent);
         if (!finish_sends(at<int>(mine, a.cur.done) + 1, a.guard, R)) return;

@@ -91,18 +91,18 @@ __device__ __forceinline__ void send_item(const DispatchArgs& a, const int* own_
         if (active) {
             char* base = at<char>(peer, a.cur.recv_x) + row * row_bytes;
             if (a.fp8) {
-                st_na_v4(reinterpret_cast<int4*>(base + elem0), q);
-                if (lane % 8 == 0) {
+                if (!(a.ablate & kAblateRows)) st_na_v4(reinterpret_cast<int4*>(base + elem0), q);
+                if (lane % 8 == 0 && !(a.ablate & kAblateScales)) {
                     if (a.ue8m0) at<uint8_t>(peer, a.cur.recv_scales)[row * ns + elem0 / 128] = (uint8_t)ue8m0_byte(scale);
                     else at<float>(peer, a.cur.recv_scales)[row * ns + elem0 / 128] = scale;
                 }
-            } else {
+            } else if (!(a.ablate & kAblateRows)) {
                 int4* d = reinterpret_cast<int4*>(base + 2 * (int64_t)elem0);
                 st_na_v4(d, v[0]);
                 st_na_v4(d + 1, v[1]);
             }
         }
-        if (ch == 0 && lane == 0) {
+        if (ch == 0 && lane == 0 && !(a.ablate & kAblateTags)) {
             at<int>(peer, a.cur.recv_src)[row] = t;
             at<uint8_t>(peer, a.cur.recv_slot)[row] = (uint8_t)j;
         }

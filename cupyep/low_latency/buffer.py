@@ -45,6 +45,11 @@ class LowLatencyBuffer:
         num_threads: threads per block, one of kernels.THREAD_CHOICES.
 
     Collective: create, call and destroy it on every rank in the same order.
+
+    Attribute ``ablate`` (default 0), for profiling only: kernels.ablation_bits
+    of parts of the work the following calls skip (row payloads, source tags,
+    FP8 scales), so that their cost can be timed; the protocol still runs, the
+    results are wrong. Set it on every rank alike.
     """
 
     def __init__(self, group, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int, *,
@@ -78,6 +83,7 @@ class LowLatencyBuffer:
         self.comm_stream = cupy.cuda.Stream(non_blocking=True)
         self._schedule = CallSchedule()
         self._pending_hook = None
+        self.ablate = 0
         self._dispatch_fn = jit.kernel(K.dispatch_spec(num_threads), group)
         self._combine_fn = jit.kernel(K.combine_spec(num_threads), group)
         self._check_resident()
@@ -255,7 +261,7 @@ class LowLatencyBuffer:
         import cupy
 
         def launch(phases, s, kernel_time=None):
-            a = jit.pack(dtype, **args, phases=phases, num_waiters=self.num_waiters)
+            a = jit.pack(dtype, **args, phases=phases, num_waiters=self.num_waiters, ablate=self.ablate)
             if kernel_time is not None:
                 a["kernel_time"] = _time_ptr(kernel_time)
             # A receive half alone runs on the waiters only.

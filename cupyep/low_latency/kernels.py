@@ -20,6 +20,21 @@ DEFAULT_THREADS = 512
 CHUNK_ELEMS = 512
 SMEM_BUDGET = 46 * 1024  # dynamic shared memory a block may use (below the 48 KiB default)
 
+# Ablations (args.cuh kAblate*), for profiling only: parts of the work a call
+# skips so that their cost can be measured; results are wrong while any is set.
+ABLATIONS = {"rows": 1, "tags": 2, "scales": 4}
+
+
+def ablation_bits(names) -> int:
+    """The kAblate* bits of ablation ``names`` (an iterable of ABLATIONS keys)."""
+    bits = 0
+    for n in names:
+        if n not in ABLATIONS:
+            raise ValueError(f"unknown ablation {n!r}; one of {tuple(ABLATIONS)}")
+        bits |= ABLATIONS[n]
+    return bits
+
+
 # Trace marks (args.cuh enum Mark): trace[b][m] is when block b reached mark m.
 TRACE_MARKS = ("start", "prep", "sent", "all_sent", "flagged", "arrived", "end")
 NUM_TRACE_SLOTS = 8
@@ -30,13 +45,13 @@ DISPATCH_ARGS_DTYPE = jit.struct_dtype([
     ("layout_count", u64), ("recv_count", u64), ("cumulative_stats", u64), ("wait_stats", u64),
     ("kernel_time", u64), ("trace", u64), ("num_tokens", i32), ("hidden", i32), ("num_topk", i32),
     ("num_experts", i32), ("num_ranks", i32), ("max_tokens", i32), ("max_topk", i32), ("num_groups", i32), ("stage_ids", i32), ("fp8", i32), ("round_scale", i32), ("ue8m0", i32),
-    ("phases", i32), ("num_waiters", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
+    ("phases", i32), ("num_waiters", i32), ("rank", i32), ("ablate", i32), ("guard", GUARD_DTYPE)])
 COMBINE_ARGS_DTYPE = jit.struct_dtype([
     ("peers", u64), ("cur", SET_DTYPE), ("next", SET_DTYPE), ("x", u64), ("layout_count", u64),
     ("recv_src", u64), ("topk_idx", u64), ("topk_weights", u64), ("out", u64), ("recv_slot", u64),
     ("kernel_time", u64), ("trace", u64), ("num_tokens", i32), ("hidden", i32), ("num_topk", i32),
     ("num_experts", i32), ("num_ranks", i32), ("max_tokens", i32), ("max_topk", i32), ("phases", i32), ("num_waiters", i32),
-    ("rank", i32), ("guard", GUARD_DTYPE)])
+    ("rank", i32), ("ablate", i32), ("guard", GUARD_DTYPE)])
 
 
 def dispatch_spec(num_threads: int = DEFAULT_THREADS) -> jit.KernelSpec:

@@ -332,6 +332,29 @@ def test_overwritten_handle_is_rejected(group, llbuf):
     llbuf.synchronize()
 
 
+def test_ablations_keep_the_protocol(group, llbuf):
+    """With every ablation set the calls still complete with the right counts
+    (only payloads are skipped); cleared, calls are exact again."""
+    import cupy
+    from cupyep.low_latency import kernels as K
+    me, R = group.local_rank, group.local_size
+    idx, w = _routing(group, 91, [32] * R)
+    xs = [tagged_x(r, 32) for r in range(R)]
+    x = cupy.asarray(xs[me])
+    llbuf.ablate = K.ablation_bits(K.ABLATIONS)
+    try:
+        res = llbuf.dispatch(x, cupy.asarray(idx[me]))
+        y = cupy.zeros((E // R, R * MAX_TOKENS, H), dtype=np.uint16)
+        llbuf.combine(y, cupy.asarray(idx[me]), cupy.asarray(w[me]), res.handle)
+        want = ref.low_latency_dispatch(xs, idx, E, MAX_TOKENS)[me].layout_count.astype(np.int32)
+        ok = np.array_equal(res.handle.layout_count.get(), want)
+    finally:
+        llbuf.ablate = 0
+    res = llbuf.dispatch(x, cupy.asarray(idx[me]), use_fp8=False)
+    good, bad = _check_dispatch(group, res, [32] * R, idx, False, xs)
+    assert all_ranks(group.comm, ok and good), bad
+
+
 def test_cuda_graph_replay(group, llbuf):
     import cupy
     me, R = group.local_rank, group.local_size
