@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import jit
+from ..reference.low_latency import slot_in_region
 
 SCATTER_SPEC = jit.KernelSpec(name="bench_scatter", source="bench/scatter.cu", kernels=("cupyep::scatter_rows",))
 
@@ -39,20 +40,6 @@ PATTERNS = ("dispatch_expert_major", "dispatch_source_major", "dispatch_slot_maj
 
 def kernel_specs() -> list[jit.KernelSpec]:
     return [SCATTER_SPEC]
-
-
-def _positions(idx: np.ndarray, num_experts: int) -> np.ndarray:
-    """[T, k] int64: for each (t, j) with an expert, how many earlier tokens of
-    this rank picked the same expert (-1 where the slot is empty)."""
-    pos = np.full(idx.shape, -1, dtype=np.int64)
-    seen = np.zeros(num_experts, dtype=np.int64)
-    for t in range(idx.shape[0]):
-        for j in range(idx.shape[1]):
-            e = idx[t, j]
-            if e >= 0:
-                pos[t, j] = seen[e]
-                seen[e] += 1
-    return pos
 
 
 def rows_needed(pattern: str, num_experts: int, num_ranks: int, max_tokens: int, num_topk: int) -> tuple[int, int]:
@@ -74,7 +61,7 @@ def pattern_rows(pattern: str, topk_idx: list, rank: int, num_experts: int, max_
     if num_experts % R:
         raise ValueError(f"{num_experts} experts do not split over {R} ranks")
     El = num_experts // R
-    pos = [_positions(np.asarray(i), num_experts) for i in topk_idx]
+    pos = [slot_in_region(np.asarray(i), num_experts) for i in topk_idx]
     src, dst, row = [], [], []
     if pattern.startswith("dispatch"):
         s, idx, p = rank, np.asarray(topk_idx[rank]), pos[rank]
@@ -148,7 +135,6 @@ def pages_touched(rows, row_bytes: int, page_bytes: int = 2 << 20, dst_offset: i
     dst_row as from :func:`pattern_rows`) touch, counting a row's every page:
     source pages of its own array, destination pages as distinct (rank, page)
     pairs of regions starting ``dst_offset`` bytes into each peer's buffer."""
-    import numpy as np
     src_row, dst_rank, dst_row = (np.asarray(a, dtype=np.int64) for a in rows)
     span = (row_bytes + page_bytes - 1) // page_bytes + 1  # pages one row can straddle
 

@@ -128,12 +128,16 @@ class LowLatencyBuffer:
         sched = self._schedule
         signal_set, region, call = sched.take(kind)
         key = (signal_set, sched.region["dispatch"], sched.region["combine"])
+        cur, cur_struct = self._call_offsets(key)
+        _, next_struct = self._call_offsets((signal_set ^ 1,) + key[1:])  # the next call: only its flags are cleared
+        return region, call, cur, dict(cur=cur_struct, next=next_struct)
+
+    def _call_offsets(self, key):
+        """(SetLayout, packed SetOffsets struct) of layout.call_offsets(*key), made once per key."""
         if key not in self._structs:
-            self._structs[key] = K.set_struct(call_offsets(self.layout, *key))
-        nxt = (signal_set ^ 1,) + key[1:]  # the next call's signals: only its flags are cleared
-        if nxt not in self._structs:
-            self._structs[nxt] = K.set_struct(call_offsets(self.layout, *nxt))
-        return region, call, call_offsets(self.layout, *key), dict(cur=self._structs[key], next=self._structs[nxt])
+            offsets = call_offsets(self.layout, *key)
+            self._structs[key] = (offsets, K.set_struct(offsets))
+        return self._structs[key]
 
     def _guard(self, kernel: str):
         return jit.pack(K.GUARD_DTYPE, **self.group.guard(kernel))

@@ -68,7 +68,7 @@ def _check_distinct_experts(topk_idx: np.ndarray, src_rank: int) -> None:
         )
 
 
-def _slot_in_region(topk_idx: np.ndarray, num_experts: int) -> np.ndarray:
+def slot_in_region(topk_idx: np.ndarray, num_experts: int) -> np.ndarray:
     """Position of each (token, slot) among the source's tokens of that expert.
 
     Arguments:
@@ -144,7 +144,7 @@ def low_latency_dispatch(
 
     for src in range(num_ranks):
         idx = topk_idx[src]
-        position = _slot_in_region(idx, num_experts)
+        position = slot_in_region(idx, num_experts)
         tokens, slots = np.nonzero(idx >= 0)
         experts = idx[tokens, slots]
         dst_of = experts // num_local_experts
@@ -224,7 +224,7 @@ def low_latency_combine(
 
     combined = []
     for src, idx in enumerate(topk_idx):
-        position = _slot_in_region(idx, num_experts)
+        position = slot_in_region(idx, num_experts)
         acc = np.zeros((idx.shape[0], hidden), dtype=np.float64)
         for j in range(idx.shape[1]):  # one slot at a time: tokens are unique within it
             experts = idx[:, j]

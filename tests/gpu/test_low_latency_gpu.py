@@ -262,7 +262,7 @@ def test_stress_1000_calls(group, llbuf):
         exp_src = np.full((El, R * MAX_TOKENS), -1, dtype=np.int32)
         exp_cnt = np.zeros((El, R), dtype=np.int32)
         for s in range(R):
-            pos = ref.low_latency._slot_in_region(idx[s], E)
+            pos = ref.low_latency.slot_in_region(idx[s], E)
             t_, j_ = np.nonzero((idx[s] >= 0) & (idx[s] // El == me))
             le = idx[s][t_, j_] % El
             exp_src[le, s * MAX_TOKENS + pos[t_, j_]] = t_
