@@ -61,17 +61,25 @@ class SymmetricBuffer:
             self._release()
             raise
 
-    def view(self, offset: int, shape, dtype, peer: int | None = None):
-        """A cupy array over ``[offset, offset + size)`` of this rank's buffer
-        (or of node-local rank ``peer``'s buffer)."""
+    def view(self, offset: int, shape, dtype, peer: int | None = None, strides=None):
+        """A cupy array of ``shape`` starting ``offset`` bytes into this rank's
+        buffer (or node-local rank ``peer``'s), C-contiguous or with byte
+        ``strides`` (non-negative); every element must lie inside the buffer."""
         import cupy
         dtype = np.dtype(dtype)
-        n = int(np.prod(shape)) * dtype.itemsize
+        shape = tuple(int(d) for d in shape)
+        if strides is None:
+            n = int(np.prod(shape)) * dtype.itemsize
+        else:
+            strides = tuple(int(s) for s in strides)
+            if len(strides) != len(shape) or min(strides, default=0) < 0:
+                raise ValueError(f"strides {strides} do not fit shape {shape}")
+            n = 0 if 0 in shape else sum((d - 1) * s for d, s in zip(shape, strides)) + dtype.itemsize
         if offset < 0 or offset + n > self.nbytes:
             raise ValueError(f"view [{offset}, {offset + n}) outside the {self.nbytes}-byte buffer")
         base = self.ptr if peer is None else self.peer_ptr_list[peer]
         mem = cupy.cuda.UnownedMemory(base + offset, n, self, device_id=cupy.cuda.Device().id)
-        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
+        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0), strides=strides)
 
     def _release(self) -> None:
         import cupy

@@ -148,8 +148,9 @@ def main():
             timed_d, timed_c = steps([dispatch(True), combine], args.iters)
             buf.ablate = 0
             record(f"dispatch_fp8_ablate_{name}", timed_d, pairs * fp8_row)
-            if name == "rows":
-                record(f"combine_ablate_{name}", timed_c, pairs * 2 * H)
+            # The combine skips rows itself under "rows"; otherwise it runs whole, after the lighter dispatch.
+            record(f"combine_ablate_{name}" if name == "rows" else f"combine_after_ablate_{name}", timed_c,
+                   pairs * 2 * H)
 
         if args.scatter_probe:
             # The data movement alone, from the same arrays into this buffer: what the kernels
@@ -173,7 +174,7 @@ def main():
             # then the current layouts plus, one at a time, what the kernels do besides rows
             # (per-row source/slot tags into recv_src / recv_slot, the kernels' dynamic
             # shared memory).
-            d_smem = K.dispatch_smem(T, buf.num_blocks, args.topk, args.experts, buf.num_threads)[1]
+            d_smem = K.dispatch_smem(T, buf.num_blocks, args.topk, args.experts, buf.num_threads).bytes
             c_smem = K.combine_smem(args.experts)
             rows_total = buf.num_local_experts * buf.layout.slots
             pairs_ = (("current", "dispatch_expert_major", "combine_slot_token", False, False),
@@ -186,7 +187,7 @@ def main():
             for name, dpat, cpat, tags, smem in pairs_:
                 rows_d = [cupy.asarray(a) for a in pattern_rows(dpat, idx, me, args.experts, args.max_tokens)]
                 rows_c = [cupy.asarray(a) for a in pattern_rows(cpat, idx, me, args.experts, args.max_tokens)]
-                meta = dict(meta_offset=s0.recv_src, meta_rows=rows_total) if tags else {}
+                meta = dict(meta_offset=s0.combine_send, meta_rows=rows_total) if tags else {}  # a region the probes leave free
 
                 def probe_d(i, st, rows=rows_d, meta=meta, sm=d_smem if smem else 0):
                     scatter(buf.buffer.peer_ptrs.data.ptr, s0.recv_x, x, *rows, H, st, buf.num_blocks, group,
@@ -199,6 +200,15 @@ def main():
                 t_d, t_c = steps([probe_d, probe_c], args.iters)
                 record(f"scatter_in_turn_{name}_dispatch_fp8_rows", t_d, int(rows_d[0].size) * H)
                 record(f"scatter_in_turn_{name}_combine_rows", t_c, int(rows_c[0].size) * 2 * H)
+                if name == "current":
+                    # Each kernel in turn with the other kind's bare rows: whether a kernel's
+                    # extra time is its own or comes from what the call before it left.
+                    t_d, t_c = steps([dispatch(True), probe_c], args.iters)
+                    record("cross_dispatch_fp8_kernel", t_d, pairs * fp8_row)
+                    record("cross_combine_rows_after_kernel", t_c, int(rows_c[0].size) * 2 * H)
+                    t_d, t_c = steps([probe_d, combine], args.iters)
+                    record("cross_dispatch_fp8_rows_before_kernel", t_d, int(rows_d[0].size) * H)
+                    record("cross_combine_kernel_after_rows", t_c, pairs * 2 * H)
 
         if args.back_to_back:
             # Steady state: pairs of calls queued behind one sleep and barrier per round of

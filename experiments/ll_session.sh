@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
 # One device-machine session for low-latency mode, within one 10-minute
-# command: the low-latency benchmark at 8, 4 and 2 ranks (isolated cold calls,
-# hook halves, back to back, per-block traces; at 8 ranks also the bare row
-# scatter over the same arrays), the low-latency GPU tests at 8 ranks, then the
-# whole GPU suite at 2 ranks. Logs and JSONL go to $OUT.
+# command: the low-latency benchmark at 8, 4 and 2 ranks (isolated calls in
+# decode order, hook halves, back to back, per-block traces), the low-latency
+# GPU tests at 8 ranks, then the whole GPU suite at 2 ranks. Logs and JSONL go
+# to $OUT. (experiments/ll_bisect.sh has the ablations and the bare row scatter.)
 #   OUT=dir bash experiments/ll_session.sh
 export PYTHONPATH=$PWD
 OUT=${OUT:-results/session}
 mkdir -p "$OUT"
 for n in 8 4 2; do
-  extra=""; [ $n = 8 ] && extra="--scatter-probe"
-  timeout 80 python3 -m cupyep.launch -n $n --timeout 75 experiments/bench_low_latency.py --iters 200 --back-to-back \
-    --trace 20 $extra --out "$OUT/low_latency.jsonl" 2>&1 | grep -c bench
+  timeout 100 python3 -m cupyep.launch -n $n --timeout 95 experiments/bench_low_latency.py --iters 200 --back-to-back \
+    --trace 20 --out "$OUT/low_latency.jsonl" 2>&1 | grep -c bench
 done
 timeout 170 python3 -m cupyep.gpu_tests --ranks 8 -k low_latency --timeout 165 > "$OUT/gpu_tests_ll8.log" 2>&1
 echo "low-latency tests at 8 ranks rc=$?"; grep -E "passed|failed" "$OUT/gpu_tests_ll8.log" | tail -1

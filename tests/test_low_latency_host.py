@@ -49,17 +49,35 @@ def _documented_sizes(R, M, H, E, K):
         "dispatch_flag": 4 * R,
         "combine_flag": 4 * R,
         "done": 16,
-        "recv_x": rows * 2 * H,
-        "recv_scales": rows * (H // 128) * 4,
-        "recv_src": rows * 4,
-        "recv_slot": rows,                 # uint8
+        "recv_x": rows * (2 * H + 16),     # BF16 messages: row, then a 16-byte tag
         "combine_send": rows * 2 * H,
-        "combine_recv": M * K * 2 * H,     # [K][M][H] BF16, by (slot, token)
+        "combine_recv": R * M * min(K, El) * 2 * H,  # [R][M * min(K, El)][H] BF16
     }
 
 
-DOC_ORDER = ("dispatch_count", "dispatch_flag", "combine_flag", "done", "recv_x", "recv_scales", "recv_src",
-             "recv_slot", "combine_send", "combine_recv")
+DOC_ORDER = ("dispatch_count", "dispatch_flag", "combine_flag", "done", "recv_x", "combine_send", "combine_recv")
+
+
+@pytest.mark.parametrize("H", [128, 384, 640, 4096, 7168])
+def test_message_layout(H):
+    ns = H // 128
+    pad16 = lambda n: -(-n // 16) * 16
+    assert L.message_layout(H, fp8=False) == (2 * H, 2 * H, 2 * H + 16)
+    assert L.message_layout(H, fp8=True) == (H, H + pad16(4 * ns), H + pad16(4 * ns) + 16)
+    assert L.message_layout(H, fp8=True, ue8m0=True) == (H, H + pad16(ns), H + pad16(ns) + 16)
+    for m in (L.message_layout(H, False), L.message_layout(H, True), L.message_layout(H, True, True)):
+        # Every part 16-byte aligned (int4 stores), the BF16 message the largest (sizes recv_x).
+        assert m.scales % 16 == 0 and m.tag % 16 == 0 and m.nbytes == m.tag + L.TAG_BYTES
+        assert m.nbytes <= L.message_layout(H, False).nbytes
+    # The device mirror computes the same (args.cuh message_layout).
+    src = strip_comments(ARGS_CUH.read_text())
+    assert "fp8 ? ((hidden / 128) * (ue8m0 ? 1 : 4) + 15) / 16 * 16 : 0" in src
+    assert "return {payload, payload + scales, payload + scales + 16};" in src
+
+
+def test_return_rows():
+    # A token sends at most min(max_topk, El) rows to one rank.
+    assert L.return_rows(128, 8, 32) == 1024 and L.return_rows(128, 8, 4) == 512 and L.return_rows(3, 1, 9) == 3
 
 
 def test_fields_in_documented_order():
@@ -118,12 +136,11 @@ def test_buffer_views_fit_their_regions(R, M, H, E, K):
     lay = L.low_latency_layout(R, M, H, E, K)
     El, slots = E // R, R * M
     views = {
-        "recv_x": El * slots * H * 2,               # BF16 rows
-        "recv_scales": El * slots * (H // 128) * 4,  # float32 scales
-        "recv_src": El * slots * 4,
-        "recv_slot": El * slots,                     # uint8
+        # every kind of message: its last row's tag ends inside
+        "recv_x": max(El * slots * m.nbytes for m in (L.message_layout(H, False), L.message_layout(H, True),
+                                                       L.message_layout(H, True, True))),
         "combine_send": El * slots * H * 2,
-        "combine_recv": (M * K) * H * 2,             # row t * K + j, j < K
+        "combine_recv": R * L.return_rows(M, K, El) * H * 2,  # row r * return_rows + i
         "dispatch_count": El * R * 4,
         "dispatch_flag": R * 4,
         "combine_flag": R * 4,
@@ -140,20 +157,19 @@ def test_layout_deepseek_decode_numbers():
     El = E // R                      # 32 local experts
     rows = El * R * M                # 32768 rows per set
     per_set = (_ceil128(4 * El * R) + 3 * 128  # counts, two flag arrays and done, each padded to 128
-               + rows * 2 * H + rows * (H // 128) * 4 + rows * 4 + rows + rows * 2 * H + M * K * 2 * H)
+               + rows * (2 * H + 16) + rows * 2 * H + R * M * K * 2 * H)
     lay = L.low_latency_layout(R, M, H, E)  # max_topk defaults to 16
     assert lay.max_topk == K
     assert lay.sets[0].end == per_set
-    assert lay.nbytes == 2 * per_set == 1_952_779_008
-    assert 1.9e9 < lay.nbytes < 2.0e9
+    assert lay.nbytes == 2 * per_set == 2_349_861_632
+    assert 2.3e9 < lay.nbytes < 2.4e9
     s = lay.sets[0]
     assert (s.dispatch_count, s.dispatch_flag, s.combine_flag, s.done, s.recv_x) == (0, 1024, 1152, 1280, 1408)
-    assert s.recv_scales - s.recv_x == rows * 2 * H == 469_762_048
-    assert s.recv_slot - s.recv_src == rows * 4 and s.combine_send - s.recv_slot == rows
+    assert s.combine_send - s.recv_x == rows * (2 * H + 16) == 470_286_336
     assert s.combine_recv - s.combine_send == rows * 2 * H
-    assert s.end - s.combine_recv == M * K * 2 * H == 29_360_128
+    assert s.end - s.combine_recv == R * M * K * 2 * H == 234_881_024
     # Top-8 needs half the combine receive rows.
-    assert L.size_hint(R, M, H, E, 8) == lay.nbytes - 2 * M * 8 * 2 * H
+    assert L.size_hint(R, M, H, E, 8) == lay.nbytes - 2 * R * M * 8 * 2 * H
     from cupyep.low_latency import LowLatencyBuffer
     assert LowLatencyBuffer.size_hint(R, M, H, E) == lay.nbytes
     assert LowLatencyBuffer.size_hint(R, M, H, E, 8) == L.size_hint(R, M, H, E, 8)
@@ -164,8 +180,10 @@ def test_layout_grows_with_every_size():
     assert L.size_hint(4, 17, 256, 16, 4) > base
     assert L.size_hint(4, 16, 384, 16, 4) > base
     assert L.size_hint(4, 16, 256, 20, 4) > base
-    assert L.size_hint(4, 16, 256, 16, 5) == base + 2 * 16 * 256 * 2  # one more [M][H] BF16 slot per set
-    # Rows per set are El * R * M = E * M whatever R, so R moves only the padded flag arrays.
+    # One less top-k slot: R * M fewer BF16 combine rows per set; beyond El (4) more slots add nothing.
+    assert L.size_hint(4, 16, 256, 16, 3) == base - 2 * 4 * 16 * 256 * 2
+    assert L.size_hint(4, 16, 256, 16, 5) == base
+    # Dispatch rows per set are E * M whatever R; combine rows R * M * min(K, E / R): equal here.
     assert L.size_hint(8, 16, 256, 16, 4) == base
     assert L.size_hint(64, 16, 256, 64, 4) > L.size_hint(4, 16, 256, 64, 4)  # 4 * 64 bytes of flags > 128
 
@@ -215,9 +233,9 @@ SMEM_CASES = [(t, b, k, e)
 
 
 def _fixed_bytes(T, blocks, k, E):
-    """cnt is added per group; this is total [E] + own_e, own_pos [Tb][k] + own_grp [Tb]."""
+    """cnt is added per group; this is total, seg [E] + own_e, own_pos [Tb][k] + own_grp [Tb]."""
     Tb = -(-T // blocks)
-    return 4 * (E + 2 * Tb * k + Tb)
+    return 4 * (2 * E + 2 * Tb * k + Tb)
 
 
 @pytest.mark.parametrize("threads", K.THREAD_CHOICES)
@@ -241,7 +259,7 @@ def test_dispatch_smem_plan(threads):
         staged_cases += stage
         assert 1 <= groups <= warps, case
         assert nbytes <= K.SMEM_BUDGET, case
-        # cnt [groups][E] + total [E] + own_e, own_pos [Tb][k] + own_grp [Tb] (+ ids [T][k]), int32.
+        # cnt [groups][E] + total, seg [E] + own_e, own_pos [Tb][k] + own_grp [Tb] (+ ids [T][k]), int32.
         assert nbytes == fixed + 4 * groups * E + (ids if stage else 0), case
         # As many groups as fit: one per warp, or one more would overflow.
         assert groups == warps or nbytes + 4 * E > K.SMEM_BUDGET, case
@@ -252,14 +270,14 @@ def test_dispatch_smem_plan(threads):
 
 def test_dispatch_smem_examples():
     # Decode: 128 tokens over 132 blocks (one token per block), top-8, 256 experts: ids staged.
-    fixed = 4 * (256 + 2 * 8 + 1)
+    fixed = 4 * (2 * 256 + 2 * 8 + 1)
     assert K.dispatch_smem(128, 132, 8, 256, 512) == (16, fixed + 4 * 128 * 8 + 4 * 16 * 256, True)
     assert K.dispatch_smem(128, 132, 8, 256, 1024) == (32, fixed + 4 * 128 * 8 + 4 * 32 * 256, True)
-    # 2048 experts, 1024 threads: ids plus 8 groups would not fit, so no staging; 4 groups fit.
+    # 2048 experts, 1024 threads: ids plus 8 groups would not fit, so no staging; 3 groups fit.
     g, nbytes, stage = K.dispatch_smem(128, 132, 8, 2048, 1024)
     assert not stage
-    assert g == (K.SMEM_BUDGET - 4 * (2048 + 17)) // (4 * 2048) == 4
-    assert nbytes == 4 * (2048 + 17 + 4 * 2048)
+    assert g == (K.SMEM_BUDGET - 4 * (2 * 2048 + 17)) // (4 * 2048) == 3
+    assert nbytes == 4 * (2 * 2048 + 17 + 3 * 2048)
     assert K.SMEM_BUDGET < 48 * 1024
 
 
@@ -290,11 +308,11 @@ def test_dispatch_smem_raises_when_one_group_does_not_fit():
     # Too many tokens per block for top-32 even with few experts.
     with pytest.raises(ValueError, match=r"top-32 and 512 tokens per block"):
         K.dispatch_smem(512, 1, 32, 8, 512)
-    # At the edge (T=2, one block, top-1: Tb = 2): 4 * (2E + 6) == 47104 for E = 5885.
-    assert 4 * (2 * 5885 + 6) == K.SMEM_BUDGET
-    assert K.dispatch_smem(2, 1, 1, 5885, 512) == (1, K.SMEM_BUDGET, False)
-    with pytest.raises(ValueError, match="5886 experts"):
-        K.dispatch_smem(2, 1, 1, 5886, 512)
+    # At the edge (T=2, one block, top-1: Tb = 2): one group needs 4 * (3E + 6) <= 47104, E <= 3923.
+    assert 4 * (3 * 3923 + 6) <= K.SMEM_BUDGET < 4 * (3 * 3924 + 6)
+    assert K.dispatch_smem(2, 1, 1, 3923, 512) == (1, 4 * (3 * 3923 + 6), False)
+    with pytest.raises(ValueError, match="3924 experts"):
+        K.dispatch_smem(2, 1, 1, 3924, 512)
 
 
 def test_check_waiters():
@@ -307,8 +325,8 @@ def test_check_waiters():
 
 
 def test_combine_smem():
-    assert K.combine_smem(256) == 4 * 257
-    assert K.combine_smem(1) == 8
+    assert K.combine_smem(256) == 4 * (2 * 256 + 1)  # prefix [E + 1], colprefix [E]
+    assert K.combine_smem(1) == 12
 
 
 # ------------------------------------------------- C structs vs dtypes ---
@@ -471,6 +489,7 @@ def test_handle_layout_begin():
         pytest.skip("no CUDA GPU")
     El, R, M = 3, 4, 16
     h = LowLatencyHandle(layout_count=cupy.zeros((El, R), dtype=np.int32), recv_src=None, recv_slot=None,
+                         combine_pos=None,
                          num_tokens=5, num_topk=2, hidden=128, num_experts=El * R, max_tokens=M, set_index=0,
                          call=1, buffer_id=0)
     begin = cupy.asnumpy(h.layout_begin)

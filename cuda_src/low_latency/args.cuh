@@ -11,18 +11,16 @@
 //   dispatch_flag   [R] int32            1: source r's rows and counts are all written
 //   combine_flag    [R] int32            1: expert rank r's rows for me are all written
 //   done            [4] int32            this rank's blocks that finished sending (local)
-//   recv_x          [E_local][R * max] rows of row_bytes (FP8: H bytes, BF16: 2H)
-//   recv_scales     [E_local][R * max][H / 128] float32 (UE8M0: uint8 bytes)
-//   recv_src        [E_local][R * max] int32 source token index of each row
-//   recv_slot       [E_local][R * max] uint8 top-k slot of each row in its token
+//   recv_x          [E_local][R * max] messages (message_layout): payload, FP8 scales, tag
 //   combine_send    [E_local][R * max][H] BF16 (zero-copy combine input)
-//   combine_recv    [max_topk][max][H] BF16: the output for my token t's slot j at [j][t]
-// (combine_recv is indexed by slot and token rather than by expert, so a
-// rank's combine footprint is k * max contiguous rows instead of E * max:
-// the pages a call touches, not only its bytes, bound its speed.)
+//   combine_recv    [R][max * min(max_topk, E_local)][H] BF16: expert rank r's rows for my
+//                   tokens, in the order of my dispatch's rows to r (DispatchArgs::combine_pos)
 // Source r's tokens for local expert e sit at rows [r * max, r * max + count)
 // of expert e, in ascending token order (positions are prefix counts over the
-// source's tokens, so the layout is deterministic).
+// source's tokens, so the layout is deterministic). A row's scales and tag
+// travel inside its message, and the combine returns each expert rank's rows
+// packed, so that a call writes few distinct pages of a peer's buffer
+// (cupyep/low_latency/layout.py).
 #pragma once
 #include "common/types.cuh"
 #include "common/timeout.cuh"
@@ -50,8 +48,26 @@ constexpr int kBadExpertId = 2;   // not a wait: an expert id outside [-1, E) (d
 
 struct SetOffsets {
     int64_t dispatch_count, dispatch_flag, combine_flag, done;
-    int64_t recv_x, recv_scales, recv_src, recv_slot, combine_send, combine_recv;
+    int64_t recv_x, combine_send, combine_recv;
 };
+
+// Byte offsets within one dispatch message and its size: payload (H bytes FP8
+// or 2H BF16) at 0, FP8 scales (H / 128 float32 or UE8M0 bytes, padded to 16)
+// at `scales`, a 16-byte tag (int32 source token, uint8 top-k slot) at `tag`.
+// Mirrored by cupyep/low_latency/layout.py message_layout.
+struct Message {
+    int64_t scales, tag, bytes;
+};
+__device__ __forceinline__ Message message_layout(int hidden, int fp8, int ue8m0) {
+    const int64_t payload = fp8 ? hidden : 2 * (int64_t)hidden;
+    const int64_t scales = fp8 ? ((hidden / 128) * (ue8m0 ? 1 : 4) + 15) / 16 * 16 : 0;
+    return {payload, payload + scales, payload + scales + 16};
+}
+
+// Rows of one expert rank's range in combine_recv.
+__device__ __forceinline__ int64_t return_rows(int max_tokens, int max_topk, int num_local_experts) {
+    return (int64_t)max_tokens * min(max_topk, num_local_experts);
+}
 
 struct DispatchArgs {
     void* const* peers;
@@ -61,6 +77,7 @@ struct DispatchArgs {
     const int64_t* topk_idx; // [T, k], distinct experts per row, -1 for none
     int* layout_count;       // [E_local, R] out: rows of (expert, source)
     int* recv_count;         // [E_local] out: rows per local expert
+    int* combine_pos;        // [T, k] out: row of (t, j) in the range its expert rank returns to me
     int* cumulative_stats;   // [E_local] or null: += recv_count
     int64_t* wait_stats;     // [R] or null: += ns block 0 waited for each source
     int64_t* kernel_time;    // [2] or null: min start / max end %globaltimer over blocks
@@ -90,11 +107,11 @@ struct CombineArgs {
     SetOffsets next;
     const int4* x;              // [E_local, R * max, H] BF16 expert outputs
     const int* layout_count;    // [E_local, R] from the dispatch
-    const int* recv_src;        // [E_local, R * max] from the dispatch
+    const int* combine_pos;     // [T, k] from the dispatch
     const int64_t* topk_idx;    // [T, k] the dispatched routing
     const float* topk_weights;  // [T, k]
     int4* out;                  // [T, H] BF16
-    const uint8_t* recv_slot;   // [E_local, R * max] from the dispatch
+    int64_t x_row_bytes;        // bytes between rows of x (a multiple of 16)
     int64_t* kernel_time;       // [2] or null
     int64_t* trace;             // [G][kNumMarks] or null
     int num_tokens;

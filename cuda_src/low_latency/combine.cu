@@ -4,15 +4,17 @@
 // Grid: G blocks; send and receive halves as in dispatch.cu.
 // Send half (the expert side): the received rows of this rank, listed by
 // (local expert, source) pair from the dispatch's layout counts, are spread
-// over all warps of the grid, a warp per row; the row for slot j of token t
-// of source s goes to [j][t] of s's combine_recv region. Then the send
-// counter and one flag per source.
+// over all warps of the grid, a warp per row. Source s's rows go, in (expert,
+// position) order, to my range of s's combine_recv: the order in which s's
+// dispatch listed its rows to me, so s finds the row of its (token, slot) at
+// the dispatch's combine_pos. Then the send counter and one flag per source.
 // Receive half (the token side, blocks b < num_waiters): wait for every expert
 // rank's flag, then a warp per (token, chunk) sums weight * row over the
 // token's top-k slots, in slot order, so the result is bitwise deterministic.
 #include <cuda_bf16.h>
 #include "common/bf16.cuh"
 #include "common/copy.cuh"
+#include "common/scan.cuh"
 #include "common/ptx.cuh"
 #include "common/timeout.cuh"
 #include "low_latency/args.cuh"
@@ -21,6 +23,7 @@
 namespace cupyep {
 namespace low_latency {
 
+template <int kNumThreads>
 __device__ __forceinline__ void combine_body(const CombineArgs& a) {
     extern __shared__ int smem[];
     const int R = a.num_ranks, E = a.num_experts, El = E / R, T = a.num_tokens, k = a.num_topk, H = a.hidden;
@@ -33,30 +36,28 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
     if (a.phases & kPhaseSend) {
         trace_mark(a.trace, kMarkStart);
         clear_next_flags(mine, a.next, R);
-        // prefix[p] = rows of pairs before p = (expert e, source s), p = e * R + s.
+        // prefix[p] = rows of pairs before p = (expert e, source s), p = e * R + s;
+        // colprefix[p] = rows of source s for my experts before e (where pair p's rows
+        // start in my range of s's combine_recv).
         const int P = El * R;
-        int* prefix = smem;  // [P + 1]
+        int* prefix = smem;              // [P + 1]
+        int* colprefix = prefix + P + 1;  // [P]
+        // Warp 0 scans all pairs; warps 1.. scan each source's pairs (stride R).
         if (warp == 0) {
-            int run = 0;
-            for (int p0 = 0; p0 < P; p0 += 32) {
-                const int p = p0 + lane;
-                int v = p < P ? __ldg(a.layout_count + p) : 0;
-#pragma unroll
-                for (int o = 1; o < 32; o <<= 1) {
-                    const int u = __shfl_up_sync(0xffffffffu, v, o);
-                    if (lane >= o) v += u;
-                }
-                if (p < P) prefix[p + 1] = run + v;
-                run += __shfl_sync(0xffffffffu, v, 31);
-            }
-            if (lane == 0) prefix[0] = 0;
+            const int total = warp_exclusive_scan(P, lane, [&](int p) { return __ldg(a.layout_count + p); },
+                                                  [&](int p, int v) { prefix[p] = v; });
+            if (lane == 0) prefix[P] = total;
         }
+        for (int s = warp - 1; s >= 0 && s < R; s += num_warps - 1)
+            warp_exclusive_scan(El, lane, [&](int le) { return __ldg(a.layout_count + le * R + s); },
+                                [&](int le, int v) { colprefix[le * R + s] = v; });
         __syncthreads();
         trace_mark(a.trace, kMarkPrep);
         // A warp per received row (grid-strided): the row goes out in rounds of
         // kUnroll 16-byte words per lane, all loads of a round in flight at once.
         constexpr int kUnroll = 8;
         const int64_t row_int4 = H / 8;
+        const int64_t ret_rows = return_rows(a.max_tokens, a.max_topk, El);
         const int num_rows = prefix[P];
         for (int r = b * num_warps + warp; r < num_rows; r += G * num_warps) {
             int lo = 0, hi = P;  // last pair p with prefix[p] <= r
@@ -64,11 +65,10 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                 const int mid = (lo + hi) / 2;
                 if (prefix[mid] <= r) lo = mid; else hi = mid;
             }
-            const int le = lo / R, s = lo % R;
-            const int64_t slot = (int64_t)le * slots + (int64_t)s * a.max_tokens + (r - prefix[lo]);
-            const int t = __ldg(a.recv_src + slot), j = __ldg(a.recv_slot + slot);
-            const int4* src = a.x + slot * row_int4;
-            int4* dst = at<int4>(a.peers[s], a.cur.combine_recv) + ((int64_t)j * a.max_tokens + t) * row_int4;
+            const int le = lo / R, s = lo % R, q = r - prefix[lo];
+            const int64_t slot = (int64_t)le * slots + (int64_t)s * a.max_tokens + q;
+            const int4* src = reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) + slot * a.x_row_bytes);
+            int4* dst = at<int4>(a.peers[s], a.cur.combine_recv) + ((int64_t)a.rank * ret_rows + colprefix[lo] + q) * row_int4;
             if (!(a.ablate & kAblateRows))
                 warp_copy<kUnroll, true>(dst, src, row_int4, lane, [](const int4* p) { return ld_nc_na_v4(p); },
                                          [](int4* p, const int4& v) { st_na_v4(p, v); });
@@ -86,7 +86,10 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
         if (!wait_peer_flags(at<int>(mine, a.cur.combine_flag), R, a.guard, nullptr)) return;
         trace_mark(a.trace, kMarkArrived);
         const int4* recv = at<int4>(mine, a.cur.combine_recv);
-        constexpr int kBatch = 4;
+        const int64_t ret_rows = return_rows(a.max_tokens, a.max_topk, El);
+        // Slots whose chunks a warp has in flight: all of a top-8 at 512 threads (128
+        // registers), half at 1024 (64 registers).
+        constexpr int kBatch = kNumThreads <= 512 ? 8 : 4;
         for (int64_t item = (int64_t)b * num_warps + warp; item < (int64_t)T * num_chunks;
              item += (int64_t)a.num_waiters * num_warps) {
             const int t = (int)(item / num_chunks), ch = (int)(item % num_chunks);
@@ -105,7 +108,8 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                     w[u] = 0.f;
                     if (e >= 0 && e < E) {
                         w[u] = __ldg(a.topk_weights + (int64_t)t * k + j);
-                        const int4* p = recv + (((int64_t)j * a.max_tokens + t) * H + elem0) / 8;
+                        const int64_t row = (int64_t)(e / El) * ret_rows + __ldg(a.combine_pos + (int64_t)t * k + j);
+                        const int4* p = recv + (row * H + elem0) / 8;
                         v[u][0] = ld_na_v4(p);
                         v[u][1] = ld_na_v4(p + 1);
                     } else {
@@ -127,7 +131,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
 
 template <int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1) combine(CombineArgs a) {
-    profiled(a, [&] { combine_body(a); });
+    profiled(a, [&] { combine_body<kNumThreads>(a); });
 }
 
 }  // namespace low_latency

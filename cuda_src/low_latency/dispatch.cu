@@ -15,7 +15,9 @@
 //      decode sizes and needs no atomics, so the layout is deterministic;
 //   3. moves its tokens: a warp takes (token, 512-channel chunk) items, loads
 //      the BF16 chunk once, casts it to FP8 if asked (8 lanes per 128-channel
-//      scale group) and stores it to each of the token's experts;
+//      scale group) and stores it, with its scales, into the message of each
+//      of the token's experts (args.cuh message_layout); chunk 0 also writes
+//      the message's tag;
 //   4. arrives on the send counter; blocks b < R then write destination b's
 //      per-expert counts and set its flag (sync.cuh).
 // Receive half (blocks b < num_waiters): wait for every source's flag, then
@@ -23,6 +25,7 @@
 #include <cuda_bf16.h>
 #include "common/fp8.cuh"
 #include "common/ptx.cuh"
+#include "common/scan.cuh"
 #include "common/timeout.cuh"
 #include "low_latency/args.cuh"
 #include "low_latency/sync.cuh"
@@ -50,15 +53,14 @@ __device__ __forceinline__ void load_batch(const DispatchArgs& a, int4 (&v)[kBat
 }
 
 // Cast one item (token tl of this block, chunk ch) to FP8 if asked and store it
-// to each of the token's experts; lane 0 of chunk 0 also writes the row's
-// source token and slot.
+// to the message of each of the token's experts; lane 0 of chunk 0 also writes
+// the message's tag (source token and slot).
 __device__ __forceinline__ void send_item(const DispatchArgs& a, const int* own_e, const int* own_pos, int tl, int ch,
                                           int b, int G, int lane, const int4 (&v)[2]) {
     const int R = a.num_ranks, El = a.num_experts / R, k = a.num_topk, H = a.hidden, t = b + tl * G;
     const int elem0 = ch * kChunkElems + lane * 16;
     const bool active = elem0 < H;
-    const int64_t row_bytes = a.fp8 ? H : 2 * (int64_t)H;
-    const int ns = H / 128;
+    const Message m = message_layout(H, a.fp8, a.ue8m0);
     int4 q = v[0];
     float scale = 0.f;
     if (a.fp8) {
@@ -88,13 +90,13 @@ __device__ __forceinline__ void send_item(const DispatchArgs& a, const int* own_
         const int dst = e / El, le = e % El;
         const int64_t row = ((int64_t)le * R + a.rank) * a.max_tokens + own_pos[tl * k + j];
         void* peer = a.peers[dst];
+        char* base = at<char>(peer, a.cur.recv_x) + row * m.bytes;
         if (active) {
-            char* base = at<char>(peer, a.cur.recv_x) + row * row_bytes;
             if (a.fp8) {
                 if (!(a.ablate & kAblateRows)) st_na_v4(reinterpret_cast<int4*>(base + elem0), q);
                 if (lane % 8 == 0 && !(a.ablate & kAblateScales)) {
-                    if (a.ue8m0) at<uint8_t>(peer, a.cur.recv_scales)[row * ns + elem0 / 128] = (uint8_t)ue8m0_byte(scale);
-                    else at<float>(peer, a.cur.recv_scales)[row * ns + elem0 / 128] = scale;
+                    if (a.ue8m0) reinterpret_cast<uint8_t*>(base + m.scales)[elem0 / 128] = (uint8_t)ue8m0_byte(scale);
+                    else reinterpret_cast<float*>(base + m.scales)[elem0 / 128] = scale;
                 }
             } else if (!(a.ablate & kAblateRows)) {
                 int4* d = reinterpret_cast<int4*>(base + 2 * (int64_t)elem0);
@@ -102,10 +104,8 @@ __device__ __forceinline__ void send_item(const DispatchArgs& a, const int* own_
                 st_na_v4(d + 1, v[1]);
             }
         }
-        if (ch == 0 && lane == 0 && !(a.ablate & kAblateTags)) {
-            at<int>(peer, a.cur.recv_src)[row] = t;
-            at<uint8_t>(peer, a.cur.recv_slot)[row] = (uint8_t)j;
-        }
+        if (ch == 0 && lane == 0 && !(a.ablate & kAblateTags))
+            *reinterpret_cast<int2*>(base + m.tag) = make_int2(t, j);  // source token; slot in the low byte
     }
 }
 
@@ -130,7 +130,8 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
         const int Tb = (T + G - 1) / G;           // own tokens, at most
         int* cnt = smem;                          // [NG][E]
         int* total = cnt + NG * E;                // [E]
-        int* own_e = total + E;                   // [Tb][k] global expert, -1 for none
+        int* seg = total + E;                     // [E] rows to e's rank for experts before e
+        int* own_e = seg + E;                     // [Tb][k] global expert, -1 for none
         int* own_pos = own_e + Tb * k;            // [Tb][k] row within (expert, this source)
         int* own_grp = own_pos + Tb * k;          // [Tb] token group
         int* ids = own_grp + Tb;                  // [T][k] staged expert ids (when a.stage_ids)
@@ -172,9 +173,16 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
             total[e] = run;
         }
         __syncthreads();
+        for (int d = warp; d < R; d += num_warps)  // a warp per destination rank
+            warp_exclusive_scan(El, lane, [&](int le) { return total[d * El + le]; },
+                                [&](int le, int v) { seg[d * El + le] = v; });
+        __syncthreads();
+        // Final positions; (t, j)'s row in the range its expert rank returns to me
+        // in the combine: my rows to that rank in (expert, position) order.
         for (int i = threadIdx.x; i < n_own * k; i += blockDim.x) {
             const int e = own_e[i];
             if (e >= 0) own_pos[i] += cnt[own_grp[i / k] * E + e];
+            a.combine_pos[(int64_t)(b + (i / k) * G) * k + i % k] = e >= 0 ? seg[e] + own_pos[i] : -1;
         }
         __syncthreads();
         trace_mark(a.trace, kMarkPrep);

@@ -17,7 +17,7 @@ from ..arrays import BF16, as_cupy, check
 from ..ipc import SymmetricBuffer
 from ..intranode.results import EventHandle
 from . import kernels as K
-from .layout import CallSchedule, call_offsets, check_sizes, low_latency_layout
+from .layout import CallSchedule, call_offsets, check_sizes, low_latency_layout, message_layout
 from .results import LowLatencyCombineResult, LowLatencyDispatchResult, LowLatencyHandle
 
 
@@ -225,7 +225,7 @@ class LowLatencyBuffer:
         wait = as_cupy(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats")
         if wait is not None:
             check(wait, "dispatch_wait_recv_cost_stats", np.int64, shape=(R,))
-        groups, smem, stage = K.dispatch_smem(max(T, 1), self.num_blocks, k, self.num_experts, self.num_threads)
+        plan = K.dispatch_smem(max(T, 1), self.num_blocks, k, self.num_experts, self.num_threads)
         profile = self._profile_args(kernel_time_ns, trace)
 
         region, call, cur, sets = self._take_set("dispatch")
@@ -233,27 +233,32 @@ class LowLatencyBuffer:
         with stream:
             layout_count = cupy.empty((El, R), dtype=np.int32)
             recv_count = cupy.empty(El, dtype=np.int32)
+            combine_pos = cupy.empty((T, k), dtype=np.int32)
         args = dict(peers=self.buffer.peer_ptrs.data.ptr, **sets,
                     x=x.data.ptr, topk_idx=topk_idx.data.ptr, layout_count=layout_count.data.ptr,
-                    recv_count=recv_count.data.ptr, cumulative_stats=jit.ptr(stats),
+                    recv_count=recv_count.data.ptr, combine_pos=combine_pos.data.ptr, cumulative_stats=jit.ptr(stats),
                     wait_stats=jit.ptr(wait), **profile,
                     num_tokens=T, hidden=H, num_topk=k, num_experts=self.num_experts, num_ranks=R,
-                    max_tokens=self.max_tokens, max_topk=self.max_topk, num_groups=groups,
-                    stage_ids=int(stage),
+                    max_tokens=self.max_tokens, max_topk=self.max_topk, num_groups=plan.num_groups,
+                    stage_ids=int(plan.stage_ids),
                     fp8=int(use_fp8), round_scale=int(round_scale), ue8m0=int(use_ue8m0), rank=self.rank,
                     guard=self._guard("low_latency_dispatch"))
 
-        hook = self._run(self._dispatch_fn, K.DISPATCH_ARGS_DTYPE, args, smem, stream, return_recv_hook)
+        hook = self._run(self._dispatch_fn, K.DISPATCH_ARGS_DTYPE, args, plan.bytes, stream, return_recv_hook)
         event = self._finish(stream, async_finish)
 
-        slots = self.layout.slots
-        xdt = np.uint8 if use_fp8 else BF16
-        recv_x = self.buffer.view(cur.recv_x, (El, slots, H), xdt)
-        recv_scales = None
-        if use_fp8:
-            recv_scales = self.buffer.view(cur.recv_scales, (El, slots, H // 128), np.uint8 if use_ue8m0 else np.float32)
-        handle = LowLatencyHandle(layout_count=layout_count, recv_src=self.buffer.view(cur.recv_src, (El, slots), np.int32),
-                                  recv_slot=self.buffer.view(cur.recv_slot, (El, slots), np.uint8),
+        # Strided views of the messages (layout.message_layout).
+        slots, m = self.layout.slots, message_layout(H, use_fp8, use_ue8m0)
+
+        def part(offset, shape, dtype):
+            item = np.dtype(dtype).itemsize
+            return self.buffer.view(cur.recv_x + offset, shape, dtype,
+                                    strides=(slots * m.nbytes, m.nbytes, item)[:len(shape)])
+
+        recv_x = part(0, (El, slots, H), np.uint8 if use_fp8 else BF16)
+        recv_scales = part(m.scales, (El, slots, H // 128), np.uint8 if use_ue8m0 else np.float32) if use_fp8 else None
+        handle = LowLatencyHandle(layout_count=layout_count, recv_src=part(m.tag, (El, slots), np.int32),
+                                  recv_slot=part(m.tag + 4, (El, slots), np.uint8), combine_pos=combine_pos,
                                   num_tokens=T, num_topk=k, hidden=H, num_experts=self.num_experts,
                                   max_tokens=self.max_tokens, set_index=region, call=call,
                                   buffer_id=id(self))
@@ -315,7 +320,9 @@ class LowLatencyBuffer:
 
         Arguments:
             x: [E_local, R * max_tokens, H] uint16 (BF16) expert outputs, rows as
-                the dispatch laid them out; ignored (may be None) with zero_copy.
+                the dispatch laid them out: C-contiguous, or with any row stride
+                that is a multiple of 16 bytes (a BF16 dispatch's recv_x works as
+                is); ignored (may be None) with zero_copy.
             topk_idx: [T, k] int64, the routing that was dispatched.
             topk_weights: [T, k] float32.
             handle: the dispatch's LowLatencyHandle.
@@ -340,9 +347,12 @@ class LowLatencyBuffer:
             if x is not None and (as_cupy(x, "x").data.ptr != src.data.ptr):
                 raise ValueError("zero_copy reads get_next_combine_buffer(); pass x=None or that buffer")
         else:
-            src = check(as_cupy(x, "x"), "x", BF16, shape=shape)
-            if not src.flags.c_contiguous:
-                raise ValueError("x must be C-contiguous")
+            src = check(as_cupy(x, "x"), "x", BF16, shape=shape, contiguous=False)
+            st = src.strides
+            if st[2] != 2 or st[1] % 16 or st[1] < 2 * H or st[0] != shape[1] * st[1]:
+                raise ValueError(f"x must have contiguous rows of H BF16 values, a row stride that is a multiple of "
+                                 f"16 bytes and no gaps between experts (a C-contiguous array or a dispatch's "
+                                 f"recv_x); its strides are {st}")
         if out is not None:
             out = check(as_cupy(out, "out"), "out", BF16, shape=(T, H))
         profile = self._profile_args(kernel_time_ns, trace)
@@ -352,9 +362,9 @@ class LowLatencyBuffer:
             if out is None:
                 out = cupy.empty((T, H), dtype=BF16)
         args = dict(peers=self.buffer.peer_ptrs.data.ptr, **sets,
-                    x=src.data.ptr, layout_count=handle.layout_count.data.ptr, recv_src=handle.recv_src.data.ptr,
-                    topk_idx=topk_idx.data.ptr, topk_weights=topk_weights.data.ptr, out=out.data.ptr,
-                    recv_slot=handle.recv_slot.data.ptr, **profile,
+                    x=src.data.ptr, layout_count=handle.layout_count.data.ptr,
+                    combine_pos=handle.combine_pos.data.ptr, topk_idx=topk_idx.data.ptr,
+                    topk_weights=topk_weights.data.ptr, out=out.data.ptr, x_row_bytes=src.strides[1], **profile,
                     num_tokens=T, hidden=H, num_topk=k, num_experts=self.num_experts, num_ranks=R,
                     max_tokens=self.max_tokens, max_topk=self.max_topk, rank=self.rank,
                     guard=self._guard("low_latency_combine"))

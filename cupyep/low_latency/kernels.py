@@ -6,6 +6,8 @@ arguments, so any hidden size (multiple of 128) and any top-k work.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from .. import jit
@@ -42,13 +44,14 @@ NUM_TRACE_SLOTS = 8
 SET_DTYPE = jit.struct_dtype([(n, i64) for n in FIELDS])
 DISPATCH_ARGS_DTYPE = jit.struct_dtype([
     ("peers", u64), ("cur", SET_DTYPE), ("next", SET_DTYPE), ("x", u64), ("topk_idx", u64),
-    ("layout_count", u64), ("recv_count", u64), ("cumulative_stats", u64), ("wait_stats", u64),
+    ("layout_count", u64), ("recv_count", u64), ("combine_pos", u64), ("cumulative_stats", u64),
+    ("wait_stats", u64),
     ("kernel_time", u64), ("trace", u64), ("num_tokens", i32), ("hidden", i32), ("num_topk", i32),
     ("num_experts", i32), ("num_ranks", i32), ("max_tokens", i32), ("max_topk", i32), ("num_groups", i32), ("stage_ids", i32), ("fp8", i32), ("round_scale", i32), ("ue8m0", i32),
     ("phases", i32), ("num_waiters", i32), ("rank", i32), ("ablate", i32), ("guard", GUARD_DTYPE)])
 COMBINE_ARGS_DTYPE = jit.struct_dtype([
     ("peers", u64), ("cur", SET_DTYPE), ("next", SET_DTYPE), ("x", u64), ("layout_count", u64),
-    ("recv_src", u64), ("topk_idx", u64), ("topk_weights", u64), ("out", u64), ("recv_slot", u64),
+    ("combine_pos", u64), ("topk_idx", u64), ("topk_weights", u64), ("out", u64), ("x_row_bytes", i64),
     ("kernel_time", u64), ("trace", u64), ("num_tokens", i32), ("hidden", i32), ("num_topk", i32),
     ("num_experts", i32), ("num_ranks", i32), ("max_tokens", i32), ("max_topk", i32), ("phases", i32), ("num_waiters", i32),
     ("rank", i32), ("ablate", i32), ("guard", GUARD_DTYPE)])
@@ -74,19 +77,26 @@ def set_struct(s) -> np.void:
     return jit.pack(SET_DTYPE, **{n: getattr(s, n) for n in FIELDS})
 
 
-def dispatch_smem(num_tokens: int, num_blocks: int, num_topk: int, num_experts: int,
-                  num_threads: int) -> tuple[int, int, bool]:
-    """(num_groups, bytes, stage_ids) of the dispatch kernel's shared memory.
+class DispatchSmem(NamedTuple):
+    """The dispatch kernel's shared-memory plan (see :func:`dispatch_smem`)."""
+    num_groups: int  # token groups of the position scan
+    bytes: int       # dynamic shared memory per block
+    stage_ids: bool  # routing ids copied to shared memory before the scan
 
-    Layout: cnt [num_groups][E], total [E], own_e / own_pos [Tb][k], own_grp
-    [Tb], then (when stage_ids) the routing ids [T][k], all int32, with
+
+def dispatch_smem(num_tokens: int, num_blocks: int, num_topk: int, num_experts: int,
+                  num_threads: int) -> DispatchSmem:
+    """The dispatch kernel's shared-memory plan for a call.
+
+    Layout: cnt [num_groups][E], total [E], seg [E], own_e / own_pos [Tb][k],
+    own_grp [Tb], then (when stage_ids) the routing ids [T][k], all int32, with
     Tb = ceil(T / blocks). The ids are staged when that still leaves room for
     one scan group per 4 warps; num_groups (token groups of the position
     scan) is then as many warps as fit in SMEM_BUDGET. Raises ValueError if
     even one group does not fit.
     """
     tb = (num_tokens + num_blocks - 1) // num_blocks
-    fixed = 4 * (num_experts + 2 * tb * num_topk + tb)
+    fixed = 4 * (2 * num_experts + 2 * tb * num_topk + tb)
     staged = 4 * num_tokens * num_topk
     warps = num_threads // 32
     stage = fixed + staged + 4 * num_experts * max(1, warps // 4) <= SMEM_BUDGET
@@ -97,7 +107,7 @@ def dispatch_smem(num_tokens: int, num_blocks: int, num_topk: int, num_experts: 
         raise ValueError(f"low-latency dispatch needs {fixed + 4 * num_experts} bytes of shared memory for "
                          f"{num_experts} experts, top-{num_topk} and {tb} tokens per block; the budget is "
                          f"{SMEM_BUDGET}: use fewer experts or more blocks")
-    return groups, fixed + 4 * num_experts * groups, stage
+    return DispatchSmem(groups, fixed + 4 * num_experts * groups, stage)
 
 
 def check_waiters(num_waiters, num_blocks: int, num_ranks: int) -> int:
@@ -113,5 +123,7 @@ def check_waiters(num_waiters, num_blocks: int, num_ranks: int) -> int:
 
 
 def combine_smem(num_experts: int) -> int:
-    """Bytes of the combine kernel's shared memory: the [E + 1] row prefix."""
-    return 4 * (num_experts + 1)
+    """Bytes of the combine kernel's shared memory: the [E + 1] row prefix over
+    (local expert, source) pairs and the [E] offsets of each pair's rows in its
+    source's return range (int32)."""
+    return 4 * (2 * num_experts + 1)

@@ -3,34 +3,65 @@
 The buffer holds two identical sets. Signals alternate between them with
 every call (each call clears the flags of the set the next call uses); the
 data regions of each kind of call are chosen by :class:`CallSchedule`, which
-reuses one copy until two calls of the same kind follow each other. One set, with ``El = E / R`` local experts,
-``M = max_tokens`` (num_max_dispatch_tokens_per_rank) and hidden ``H``::
+reuses one copy until two calls of the same kind follow each other. One set,
+with ``El = E / R`` local experts, ``M = max_tokens``
+(num_max_dispatch_tokens_per_rank) and hidden ``H``::
 
     dispatch_count [El][R] int32      tokens source r sent to local expert e
     dispatch_flag  [R] int32          source r finished its dispatch rows
     combine_flag   [R] int32          expert rank r finished its combine rows
     done           [4] int32          this rank's blocks that finished sending
-    recv_x         [El][R * M] rows: H bytes (FP8) or 2H bytes (BF16); sized for BF16
-    recv_scales    [El][R * M][H / 128] float32 (or UE8M0 bytes)
-    recv_src       [El][R * M] int32  source token of each row
-    recv_slot      [El][R * M] uint8  top-k slot of each row within its token
+    recv_x         [El][R * M] messages of D bytes (see message_layout), sized for BF16
     combine_send   [El][R * M][H] BF16  zero-copy combine input
-    combine_recv   [K][M][H] BF16     output for slot j of my token t at [j][t]
+    combine_recv   [R][M * Kc][H] BF16  rows expert rank r returns to me
 
-with ``K = max_topk``. Every region starts on a 128-byte boundary. The
-combine receive region is indexed by (slot, token), not by expert, so a call
-with top-k touches the first k * M rows instead of E * M: calls touch far fewer pages, which on one
-GPU shared by many ranks matters as much as the bytes moved.
+with ``Kc = min(max_topk, El)`` (a token sends at most that many rows to one
+rank). Every region starts on a 128-byte boundary.
+
+A dispatch message is one row with everything the receiver gets about it:
+the payload (H bytes FP8 or 2H bytes BF16), for FP8 its H / 128 scales
+(float32, or UE8M0 bytes) padded to 16 bytes, then a 16-byte tag (int32
+source token, uint8 top-k slot). ``recv_x``, its scales and the handle's
+source tags are strided views of these messages.
+
+Both layouts keep the pages a call writes in a peer's buffer few: with
+several ranks on one GPU, each rank reaches its peers through its own
+mappings, and the number of distinct pages a call touches there costs as
+much as its bytes. So a row's scales and tag travel inside the row instead
+of in regions of their own, and the combine returns an expert rank's rows
+for me packed into one range (in the order of my dispatch's rows to it,
+``LowLatencyHandle.combine_pos``) instead of scattering them by token.
 """
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 ALIGN = 128
-FIELDS = ("dispatch_count", "dispatch_flag", "combine_flag", "done", "recv_x", "recv_scales", "recv_src",
-          "recv_slot", "combine_send", "combine_recv")
-MAX_TOPK = 255  # recv_slot is one byte
+FIELDS = ("dispatch_count", "dispatch_flag", "combine_flag", "done", "recv_x", "combine_send", "combine_recv")
+MAX_TOPK = 255  # a message's tag holds the top-k slot in one byte
+TAG_BYTES = 16
+
+
+class MessageLayout(NamedTuple):
+    """Byte offsets within one dispatch message, and its size (``nbytes``)."""
+    scales: int  # the FP8 scales (after the payload; equal to tag for BF16)
+    tag: int     # int32 source token, then uint8 top-k slot
+    nbytes: int
+
+
+def message_layout(hidden: int, fp8: bool, ue8m0: bool = False) -> MessageLayout:
+    """Where a dispatch message of this kind keeps its parts (mirrored by
+    ``message_layout`` in cuda_src/low_latency/args.cuh)."""
+    payload = hidden if fp8 else 2 * hidden
+    scales = (((hidden // 128) * (1 if ue8m0 else 4) + 15) // 16 * 16) if fp8 else 0
+    return MessageLayout(payload, payload + scales, payload + scales + TAG_BYTES)
+
+
+def return_rows(max_tokens: int, max_topk: int, num_local_experts: int) -> int:
+    """Rows of one expert rank's range in combine_recv: M * min(max_topk, El)."""
+    return max_tokens * min(max_topk, num_local_experts)
 
 
 def _align(n: int) -> int:
@@ -45,9 +76,6 @@ class SetLayout:
     combine_flag: int
     done: int
     recv_x: int
-    recv_scales: int
-    recv_src: int
-    recv_slot: int
     combine_send: int
     combine_recv: int
     end: int
@@ -119,12 +147,9 @@ def low_latency_layout(num_ranks: int, max_tokens: int, hidden: int, num_experts
         "dispatch_flag": 4 * R,
         "combine_flag": 4 * R,
         "done": 16,
-        "recv_x": rows * 2 * H,
-        "recv_scales": rows * (H // 128) * 4,
-        "recv_src": rows * 4,
-        "recv_slot": rows,
+        "recv_x": rows * message_layout(H, False).nbytes,
         "combine_send": rows * 2 * H,
-        "combine_recv": M * max_topk * 2 * H,
+        "combine_recv": R * return_rows(M, max_topk, El) * 2 * H,
     }
     sets = []
     offset = 0
@@ -143,7 +168,7 @@ def size_hint(num_ranks: int, max_tokens: int, hidden: int, num_experts: int, ma
 
 
 FLAG_FIELDS = ("dispatch_count", "dispatch_flag", "combine_flag", "done")
-DATA_FIELDS = {"dispatch": ("recv_x", "recv_scales", "recv_src", "recv_slot"),
+DATA_FIELDS = {"dispatch": ("recv_x",),
                "combine": ("combine_send", "combine_recv")}
 
 

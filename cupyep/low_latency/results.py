@@ -12,8 +12,13 @@ class LowLatencyHandle:
     Attributes:
         layout_count: [E_local, R] int32 device array: rows of (local expert e,
             source r), which occupy rows [r * max_tokens, r * max_tokens + count).
-        recv_src: [E_local, R * max_tokens] int32 device view: source token of each row.
-        recv_slot: [E_local, R * max_tokens] uint8 device view: top-k slot of each row in its token.
+        recv_src: [E_local, R * max_tokens] int32 device view (strided, into the
+            messages): source token of each row.
+        recv_slot: [E_local, R * max_tokens] uint8 device view (strided): top-k slot
+            of each row in its token.
+        combine_pos: [T, k] int32 device array: the row of (token, slot) in the
+            range its expert rank returns to this rank in the combine (-1 for
+            empty slots).
         num_tokens: T of this rank's dispatch (combine returns [T, H]).
         set_index: the copy of the dispatch data (0 or 1) the dispatch wrote (layout.CallSchedule).
         call: sequence number of the dispatch on its buffer.
@@ -21,6 +26,7 @@ class LowLatencyHandle:
     layout_count: object
     recv_src: object
     recv_slot: object
+    combine_pos: object
     num_tokens: int
     num_topk: int
     hidden: int
@@ -44,10 +50,12 @@ class LowLatencyDispatchResult:
 
     Attributes:
         recv_x: [E_local, R * max_tokens, H] uint8 (FP8 e4m3 bits) or uint16 (BF16 bits),
-            a view of the buffer: valid until the next dispatch on this buffer
-            (copy it to keep it longer). Rows outside the layout ranges are stale.
+            a strided view of the buffer's messages (rows are contiguous; the row
+            stride is layout.message_layout(...).nbytes): valid until the next
+            dispatch on this buffer (copy it to keep it longer). Rows outside the
+            layout ranges are stale.
         recv_x_scales: [E_local, R * max_tokens, H / 128] float32 (uint8 UE8M0
-            exponents with use_ue8m0), a view like recv_x; None for BF16.
+            exponents with use_ue8m0), a strided view like recv_x; None for BF16.
         recv_count: [E_local] int32 device array: rows per local expert.
         handle: LowLatencyHandle for combine.
         event: EventHandle when async_finish, else None.

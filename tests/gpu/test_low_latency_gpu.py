@@ -417,6 +417,12 @@ def test_bad_input(group, llbuf):
                       idx[:, :4].copy(), cupy.zeros((4, 4), np.float32), res.handle)
     with pytest.raises(ValueError, match="shape"):
         llbuf.combine(cupy.zeros((1, 2, H), np.uint16), idx, cupy.zeros((4, K), np.float32), res.handle)
+    El, S = E // group.local_size, group.local_size * MAX_TOKENS
+    for bad in (cupy.zeros((El, S, H + 1), np.uint16)[:, :, :H],       # row stride not a multiple of 16 bytes
+                cupy.zeros((El, H, S), np.uint16).transpose(0, 2, 1),  # rows not contiguous
+                cupy.zeros((2 * El, S, H), np.uint16)[::2]):           # gaps between experts
+        with pytest.raises(ValueError, match="row stride"):
+            llbuf.combine(bad, idx, cupy.zeros((4, K), np.float32), res.handle)
     # The skipped combine left the peers' flags untouched: run it so all ranks stay in step.
     llbuf.combine(res.recv_x, idx, cupy.ones((4, K), np.float32), res.handle)
     group.comm.Barrier()
