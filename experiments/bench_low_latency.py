@@ -31,7 +31,7 @@ from cupyep.bench.copy import copy_bandwidth
 from cupyep.bench.report import JsonlWriter
 from cupyep.bench.scatter import pattern_rows, scatter
 from cupyep.bench.stamps import cross_rank, kernel_seconds, new_kernel_stamps, trace_marks
-from cupyep.bench.timing import FLUSH_MODES, Timing, flush_l2, gpu_sleep
+from cupyep.bench.timing import FLUSH_MODES, Timing, gpu_sleep, timed_rounds
 from cupyep.low_latency import kernels as K
 from cupyep.low_latency.kernels import NUM_TRACE_SLOTS, TRACE_MARKS
 from cupyep.testing import global_routing, payload_bf16
@@ -76,27 +76,8 @@ def main():
     H, warmup = args.hidden, 10
 
     def steps(calls, iters):
-        """Run ``iters`` rounds of ``calls`` (each call(i, stamp_row)), every call on
-        its own: L2 flush, GPU sleep, GPU barrier, then the call between events.
-        Returns per call (event Timing, [iters, 2] kernel stamps), warm-up dropped."""
-        stamps = [new_kernel_stamps(warmup + iters) for _ in calls]
-        times = [[] for _ in calls]
-        for i in range(warmup + iters):
-            evs = []
-            for call, st in zip(calls, stamps):
-                flush_l2(mode=args.flush)
-                gpu_sleep(args.sleep_us)
-                bar()
-                e = (cupy.cuda.Event(), cupy.cuda.Event())
-                e[0].record()
-                call(i, st[i])
-                e[1].record()
-                evs.append(e)
-            evs[-1][1].synchronize()
-            if i >= warmup:
-                for lst, (a, b) in zip(times, evs):
-                    lst.append(cupy.cuda.get_elapsed_time(a, b) * 1e-3)
-        return [(Timing.from_samples(t), st[warmup:].get()) for t, st in zip(times, stamps)]
+        """Each call (call(i, stamp_row)) on its own, lined up across ranks by the GPU barrier."""
+        return timed_rounds(calls, iters, warmup, args.flush, args.sleep_us, before=bar)
 
     for T in args.tokens:
         idx, w = global_routing(T, [T] * R, args.experts, args.topk)

@@ -24,8 +24,8 @@ from cupyep.barrier import GpuBarrier
 from cupyep.bench.copy import copy_bandwidth
 from cupyep.bench.report import JsonlWriter
 from cupyep.bench.scatter import PATTERNS, pattern_rows, rows_needed, scatter
-from cupyep.bench.stamps import cross_rank, kernel_seconds, new_kernel_stamps
-from cupyep.bench.timing import FLUSH_MODES, flush_l2, gpu_sleep
+from cupyep.bench.stamps import cross_rank, kernel_seconds
+from cupyep.bench.timing import FLUSH_MODES, timed_rounds
 from cupyep.ipc import SymmetricBuffer
 from cupyep.testing import global_routing
 
@@ -83,14 +83,11 @@ def main():
         for row_bytes in row_sizes:
             for blocks in args.blocks:
                 for flush, sets in ((f, n) for f in args.flush for n in args.sets):
-                    stamps = new_kernel_stamps(warmup + args.iters)
-                    for i in range(warmup + args.iters):
-                        flush_l2(mode=flush)
-                        gpu_sleep(200)
-                        bar()
-                        scatter(dst.peer_ptrs.data.ptr, (i % sets) * region, src, *dev, row_bytes, stamps[i], blocks * per, group)
-                    cupy.cuda.get_current_stream().synchronize()
-                    st = stamps[warmup:].get()
+                    def call(i, stamp, sets=sets, row_bytes=row_bytes, blocks=blocks):
+                        scatter(dst.peer_ptrs.data.ptr, (i % sets) * region, src, *dev, row_bytes, stamp,
+                                blocks * per, group)
+
+                    ((_, st),) = timed_rounds([call], args.iters, warmup, flush, sleep_us=200, before=bar)
                     everyone = np.stack(group.comm.allgather(st))
                     kernel = group.comm.allreduce(float(np.median(kernel_seconds(st))) * 1e6, op=MPI.MAX)
                     moved = group.comm.allreduce(2 * len(s_row) * row_bytes)

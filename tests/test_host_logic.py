@@ -464,6 +464,7 @@ MIRRORS = [
     (K.DISPATCH_ARGS_DTYPE, "DispatchArgs"),
     (K.COMBINE_ARGS_DTYPE, "CombineArgs"),
     (LLK.SET_DTYPE, "low_latency::SetOffsets"),
+    (LLK.CALL_DTYPE, "low_latency::CallArgs"),
     (LLK.DISPATCH_ARGS_DTYPE, "low_latency::DispatchArgs"),
     (LLK.COMBINE_ARGS_DTYPE, "low_latency::CombineArgs"),
 ]

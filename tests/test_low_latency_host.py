@@ -333,29 +333,33 @@ def test_combine_smem():
 
 def test_struct_parser_reads_args_cuh():
     structs = c_structs()
-    SET, DISPATCH, COMBINE = ("low_latency::" + n for n in ("SetOffsets", "DispatchArgs", "CombineArgs"))
+    SET, CALL, DISPATCH, COMBINE = ("low_latency::" + n
+                                    for n in ("SetOffsets", "CallArgs", "DispatchArgs", "CombineArgs"))
     assert [f for f, *_ in structs[SET]] == list(L.FIELDS)
     assert all(t == "int64_t" and not p for _, t, p in structs[SET])
-    assert structs[DISPATCH][:4] == [("peers", "void", True), ("cur", "SetOffsets", False),
-                                     ("next", "SetOffsets", False), ("x", "int4", True)]
+    assert structs[CALL][:3] == [("peers", "void", True), ("cur", "SetOffsets", False), ("next", "SetOffsets", False)]
+    for name in (DISPATCH, COMBINE):  # the shared part first, then the kernel's own fields
+        assert structs[name][:2] == [("c", "CallArgs", False), ("x", "int4", True)]
     assert structs["Guard"] == [("slot", "ErrorSlot", True), ("timeout_ns", "uint64_t", False),
                                 ("kernel", "int", False), ("rank", "int", False)]
     assert c_layout(SET, structs)[:2] == (8 * len(L.FIELDS), 8)
     assert c_layout("Guard", structs)[:2] == (24, 8)
+    size, align, fields = c_layout(CALL, structs)
+    offs = {f: off for f, off, *_ in fields}
+    assert align == 8 and size % 8 == 0
+    assert (offs["peers"], offs["cur"], offs["next"]) == (0, 8, 8 + 8 * len(L.FIELDS))
+    assert structs[CALL][-1] == ("guard", "Guard", False)
+    assert offs["guard"] % 8 == 0 and size == offs["guard"] + 24
     for name in (DISPATCH, COMBINE):
-        size, align, fields = c_layout(name, structs)
-        offs = {f: off for f, off, *_ in fields}
-        assert align == 8 and size % 8 == 0
-        assert (offs["peers"], offs["cur"], offs["next"]) == (0, 8, 8 + 8 * len(L.FIELDS))
-        assert structs[name][-1] == ("guard", "Guard", False)
-        assert offs["guard"] % 8 == 0 and size == offs["guard"] + 24
+        assert c_layout(name, structs)[2][1][1] == size  # x right after the shared part
     # The dtypes mirror these structs: tests/test_host_logic.py::test_dtype_mirrors_c_struct.
 
 
 def test_nested_dtypes_are_the_shared_ones():
     for d in (K.DISPATCH_ARGS_DTYPE, K.COMBINE_ARGS_DTYPE):
-        assert d.fields["cur"][0] == K.SET_DTYPE and d.fields["next"][0] == K.SET_DTYPE
-        assert d.fields["guard"][0] == barrier.GUARD_DTYPE
+        assert d.fields["c"][0] == K.CALL_DTYPE
+    assert K.CALL_DTYPE.fields["cur"][0] == K.SET_DTYPE and K.CALL_DTYPE.fields["next"][0] == K.SET_DTYPE
+    assert K.CALL_DTYPE.fields["guard"][0] == barrier.GUARD_DTYPE
     assert K.SET_DTYPE.names == L.FIELDS
     assert K.SET_DTYPE.itemsize == 8 * len(L.FIELDS)
 
@@ -370,9 +374,9 @@ def test_mirror_check_can_fail():
     with pytest.raises(AssertionError):
         assert_mirrors(narrow, "Guard", structs)
     # A dtype missing the trailing guard has the wrong field list.
-    short = jit.struct_dtype([(n, K.COMBINE_ARGS_DTYPE.fields[n][0]) for n in K.COMBINE_ARGS_DTYPE.names[:-1]])
+    short = jit.struct_dtype([(n, K.CALL_DTYPE.fields[n][0]) for n in K.CALL_DTYPE.names[:-1]])
     with pytest.raises(AssertionError):
-        assert_mirrors(short, "low_latency::CombineArgs", structs)
+        assert_mirrors(short, "low_latency::CallArgs", structs)
 
 
 def test_set_struct_packs_offsets_in_order():
@@ -382,11 +386,12 @@ def test_set_struct_packs_offsets_in_order():
         assert v.dtype == K.SET_DTYPE
         raw = np.frombuffer(v.tobytes(), np.int64)
         assert raw.tolist() == [getattr(s, n) for n in L.FIELDS]
-    a = jit.pack(K.DISPATCH_ARGS_DTYPE, cur=K.set_struct(lay.sets[0]), next=K.set_struct(lay.sets[1]),
-                 num_groups=5, phases=K.PHASE_SEND | K.PHASE_RECV)
-    assert int(a["next"]["dispatch_count"]) == lay.sets[0].end
-    assert int(a["cur"]["combine_recv"]) == lay.sets[0].combine_recv
-    assert int(a["num_groups"]) == 5 and int(a["phases"]) == 3
+    c = jit.pack(K.CALL_DTYPE, cur=K.set_struct(lay.sets[0]), next=K.set_struct(lay.sets[1]),
+                 phases=K.PHASE_SEND | K.PHASE_RECV)
+    a = jit.pack(K.DISPATCH_ARGS_DTYPE, c=c, num_groups=5)
+    assert int(a["c"]["next"]["dispatch_count"]) == lay.sets[0].end
+    assert int(a["c"]["cur"]["combine_recv"]) == lay.sets[0].combine_recv
+    assert int(a["num_groups"]) == 5 and int(a["c"]["phases"]) == 3
 
 
 def _constexprs(path):

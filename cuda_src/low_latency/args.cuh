@@ -33,7 +33,7 @@ constexpr int kPhaseSend = 1;
 constexpr int kPhaseRecv = 2;
 constexpr int kChunkElems = 512;  // hidden elements a warp moves per work item (16 per lane)
 
-// Ablations (DispatchArgs / CombineArgs::ablate), for profiling only: parts of
+// Ablations (CallArgs::ablate), for profiling only: parts of
 // a call's work that are skipped, so that their cost can be measured. The
 // protocol (counts, flags, waits) always runs; the results are wrong.
 // Mirrored by cupyep/low_latency/kernels.py ABLATIONS.
@@ -69,31 +69,21 @@ __device__ __forceinline__ int64_t return_rows(int max_tokens, int max_topk, int
     return (int64_t)max_tokens * min(max_topk, num_local_experts);
 }
 
-struct DispatchArgs {
-    void* const* peers;
+// What every low-latency launch carries, dispatch or combine (DispatchArgs::c,
+// CombineArgs::c).
+struct CallArgs {
+    void* const* peers;      // [R] every rank's buffer base (mine included)
     SetOffsets cur;          // the set this call uses
     SetOffsets next;         // the set the next call uses: its flags are cleared here
-    const int4* x;           // [T, H] BF16
-    const int64_t* topk_idx; // [T, k], distinct experts per row, -1 for none
-    int* layout_count;       // [E_local, R] out: rows of (expert, source)
-    int* recv_count;         // [E_local] out: rows per local expert
-    int* combine_pos;        // [T, k] out: row of (t, j) in the range its expert rank returns to me
-    int* cumulative_stats;   // [E_local] or null: += recv_count
-    int64_t* wait_stats;     // [R] or null: += ns block 0 waited for each source
     int64_t* kernel_time;    // [2] or null: min start / max end %globaltimer over blocks
     int64_t* trace;          // [G][kNumMarks] or null: %globaltimer of each block at each mark
-    int num_tokens;
+    int num_tokens;          // T of this rank
     int hidden;
     int num_topk;
     int num_experts;
     int num_ranks;
     int max_tokens;
     int max_topk;
-    int num_groups;          // token groups of the position scan (shared memory [num_groups][E])
-    int stage_ids;           // 1: copy topk_idx to shared memory (as int32) before the scan
-    int fp8;                 // 1: cast to e4m3 with per-128 scales
-    int round_scale;         // 1: power-of-two scales
-    int ue8m0;               // 1: scales stored as UE8M0 bytes
     int phases;              // kPhaseSend | kPhaseRecv
     int num_waiters;         // blocks b < num_waiters also wait and receive; the rest only send
     int rank;
@@ -101,10 +91,24 @@ struct DispatchArgs {
     Guard guard;
 };
 
+struct DispatchArgs {
+    CallArgs c;
+    const int4* x;           // [T, H] BF16
+    const int64_t* topk_idx; // [T, k], distinct experts per row, -1 for none
+    int* layout_count;       // [E_local, R] out: rows of (expert, source)
+    int* recv_count;         // [E_local] out: rows per local expert
+    int* combine_pos;        // [T, k] out: row of (t, j) in the range its expert rank returns to me
+    int* cumulative_stats;   // [E_local] or null: += recv_count
+    int64_t* wait_stats;     // [R] or null: += ns block 0 waited for each source
+    int num_groups;          // token groups of the position scan (shared memory [num_groups][E])
+    int stage_ids;           // 1: copy topk_idx to shared memory (as int32) before the scan
+    int fp8;                 // 1: cast to e4m3 with per-128 scales
+    int round_scale;         // 1: power-of-two scales
+    int ue8m0;               // 1: scales stored as UE8M0 bytes
+};
+
 struct CombineArgs {
-    void* const* peers;
-    SetOffsets cur;
-    SetOffsets next;
+    CallArgs c;
     const int4* x;              // [E_local, R * max, H] BF16 expert outputs
     const int* layout_count;    // [E_local, R] from the dispatch
     const int* combine_pos;     // [T, k] from the dispatch
@@ -112,20 +116,6 @@ struct CombineArgs {
     const float* topk_weights;  // [T, k]
     int4* out;                  // [T, H] BF16
     int64_t x_row_bytes;        // bytes between rows of x (a multiple of 16)
-    int64_t* kernel_time;       // [2] or null
-    int64_t* trace;             // [G][kNumMarks] or null
-    int num_tokens;
-    int hidden;
-    int num_topk;
-    int num_experts;
-    int num_ranks;
-    int max_tokens;
-    int max_topk;
-    int phases;
-    int num_waiters;
-    int rank;
-    int ablate;                 // kAblate* bits (profiling only; 0 for real calls)
-    Guard guard;
 };
 
 // Trace marks: with a trace array, thread 0 of block b writes %globaltimer to
@@ -162,12 +152,12 @@ __device__ __forceinline__ void stamp_end(int64_t* t) {
 
 // A kernel's profiling frame around its body: start stamp, the end mark of the
 // blocks that received, end stamp (all no-ops without the profiling arrays).
-template <typename Args, typename Body>
-__device__ __forceinline__ void profiled(const Args& a, Body&& body) {
-    stamp_start(a.kernel_time);
+template <typename Body>
+__device__ __forceinline__ void profiled(const CallArgs& c, Body&& body) {
+    stamp_start(c.kernel_time);
     body();
-    if ((a.phases & kPhaseRecv) && (int)blockIdx.x < a.num_waiters) trace_mark(a.trace, kMarkEnd);
-    stamp_end(a.kernel_time);
+    if ((c.phases & kPhaseRecv) && (int)blockIdx.x < c.num_waiters) trace_mark(c.trace, kMarkEnd);
+    stamp_end(c.kernel_time);
 }
 
 }  // namespace low_latency

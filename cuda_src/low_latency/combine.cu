@@ -26,16 +26,16 @@ namespace low_latency {
 template <int kNumThreads>
 __device__ __forceinline__ void combine_body(const CombineArgs& a) {
     extern __shared__ int smem[];
-    const int R = a.num_ranks, E = a.num_experts, El = E / R, T = a.num_tokens, k = a.num_topk, H = a.hidden;
+    const int R = a.c.num_ranks, E = a.c.num_experts, El = E / R, T = a.c.num_tokens, k = a.c.num_topk, H = a.c.hidden;
     const int G = gridDim.x, b = blockIdx.x;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
     const int num_chunks = (H + kChunkElems - 1) / kChunkElems;
-    const int64_t slots = (int64_t)R * a.max_tokens;  // rows per local expert
-    void* mine = a.peers[a.rank];
+    const int64_t slots = (int64_t)R * a.c.max_tokens;  // rows per local expert
+    void* mine = a.c.peers[a.c.rank];
 
-    if (a.phases & kPhaseSend) {
-        trace_mark(a.trace, kMarkStart);
-        clear_next_flags(mine, a.next, R);
+    if (a.c.phases & kPhaseSend) {
+        trace_mark(a.c.trace, kMarkStart);
+        clear_next_flags(mine, a.c.next, R);
         // prefix[p] = rows of pairs before p = (expert e, source s), p = e * R + s;
         // colprefix[p] = rows of source s for my experts before e (where pair p's rows
         // start in my range of s's combine_recv).
@@ -52,12 +52,12 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
             warp_exclusive_scan(El, lane, [&](int le) { return __ldg(a.layout_count + le * R + s); },
                                 [&](int le, int v) { colprefix[le * R + s] = v; });
         __syncthreads();
-        trace_mark(a.trace, kMarkPrep);
+        trace_mark(a.c.trace, kMarkPrep);
         // A warp per received row (grid-strided): the row goes out in rounds of
         // kUnroll 16-byte words per lane, all loads of a round in flight at once.
         constexpr int kUnroll = 8;
         const int64_t row_int4 = H / 8;
-        const int64_t ret_rows = return_rows(a.max_tokens, a.max_topk, El);
+        const int64_t ret_rows = return_rows(a.c.max_tokens, a.c.max_topk, El);
         const int num_rows = prefix[P];
         for (int r = b * num_warps + warp; r < num_rows; r += G * num_warps) {
             int lo = 0, hi = P;  // last pair p with prefix[p] <= r
@@ -66,32 +66,32 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                 if (prefix[mid] <= r) lo = mid; else hi = mid;
             }
             const int le = lo / R, s = lo % R, q = r - prefix[lo];
-            const int64_t slot = (int64_t)le * slots + (int64_t)s * a.max_tokens + q;
+            const int64_t slot = (int64_t)le * slots + (int64_t)s * a.c.max_tokens + q;
             const int4* src = reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) + slot * a.x_row_bytes);
-            int4* dst = at<int4>(a.peers[s], a.cur.combine_recv) + ((int64_t)a.rank * ret_rows + colprefix[lo] + q) * row_int4;
-            if (!(a.ablate & kAblateRows))
+            int4* dst = at<int4>(a.c.peers[s], a.c.cur.combine_recv) + ((int64_t)a.c.rank * ret_rows + colprefix[lo] + q) * row_int4;
+            if (!(a.c.ablate & kAblateRows))
                 warp_copy<kUnroll, true>(dst, src, row_int4, lane, [](const int4* p) { return ld_nc_na_v4(p); },
                                          [](int4* p, const int4& v) { st_na_v4(p, v); });
         }
-        trace_mark(a.trace, kMarkSent);
-        if (!finish_sends(at<int>(mine, a.cur.done) + 1, a.guard, R)) return;
-        trace_mark(a.trace, kMarkAllSent);
+        trace_mark(a.c.trace, kMarkSent);
+        if (!finish_sends(at<int>(mine, a.c.cur.done) + 1, a.c.guard, R)) return;
+        trace_mark(a.c.trace, kMarkAllSent);
         for (int dst = b; dst < R; dst += G)
-            if (threadIdx.x == 0) st_release_sys(at<int>(a.peers[dst], a.cur.combine_flag) + a.rank, 1);
-        trace_mark(a.trace, kMarkFlagged);
+            if (threadIdx.x == 0) st_release_sys(at<int>(a.c.peers[dst], a.c.cur.combine_flag) + a.c.rank, 1);
+        trace_mark(a.c.trace, kMarkFlagged);
     }
 
-    if (a.phases & kPhaseRecv) {
-        if (b >= a.num_waiters) return;  // a sender only
-        if (!wait_peer_flags(at<int>(mine, a.cur.combine_flag), R, a.guard, nullptr)) return;
-        trace_mark(a.trace, kMarkArrived);
-        const int4* recv = at<int4>(mine, a.cur.combine_recv);
-        const int64_t ret_rows = return_rows(a.max_tokens, a.max_topk, El);
+    if (a.c.phases & kPhaseRecv) {
+        if (b >= a.c.num_waiters) return;  // a sender only
+        if (!wait_peer_flags(at<int>(mine, a.c.cur.combine_flag), R, a.c.guard, nullptr)) return;
+        trace_mark(a.c.trace, kMarkArrived);
+        const int4* recv = at<int4>(mine, a.c.cur.combine_recv);
+        const int64_t ret_rows = return_rows(a.c.max_tokens, a.c.max_topk, El);
         // Slots whose chunks a warp has in flight: all of a top-8 at 512 threads (128
         // registers), half at 1024 (64 registers).
         constexpr int kBatch = kNumThreads <= 512 ? 8 : 4;
         for (int64_t item = (int64_t)b * num_warps + warp; item < (int64_t)T * num_chunks;
-             item += (int64_t)a.num_waiters * num_warps) {
+             item += (int64_t)a.c.num_waiters * num_warps) {
             const int t = (int)(item / num_chunks), ch = (int)(item % num_chunks);
             const int elem0 = ch * kChunkElems + lane * 16;
             if (elem0 >= H) continue;
@@ -131,7 +131,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
 
 template <int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1) combine(CombineArgs a) {
-    profiled(a, [&] { combine_body<kNumThreads>(a); });
+    profiled(a.c, [&] { combine_body<kNumThreads>(a); });
 }
 
 }  // namespace low_latency

@@ -44,8 +44,8 @@ __device__ __forceinline__ void load_batch(const DispatchArgs& a, int4 (&v)[kBat
         const int item = first + u * stride;
         const int tl = item / num_chunks, elem0 = (item % num_chunks) * kChunkElems + lane * 16;
         v[u][0] = v[u][1] = make_int4(0, 0, 0, 0);
-        if (item < num_items && elem0 < a.hidden) {
-            const int4* src = a.x + ((int64_t)(b + tl * G) * a.hidden + elem0) / 8;
+        if (item < num_items && elem0 < a.c.hidden) {
+            const int4* src = a.x + ((int64_t)(b + tl * G) * a.c.hidden + elem0) / 8;
             v[u][0] = ld_nc_na_v4(src);
             v[u][1] = ld_nc_na_v4(src + 1);
         }
@@ -57,7 +57,7 @@ __device__ __forceinline__ void load_batch(const DispatchArgs& a, int4 (&v)[kBat
 // the message's tag (source token and slot).
 __device__ __forceinline__ void send_item(const DispatchArgs& a, const int* own_e, const int* own_pos, int tl, int ch,
                                           int b, int G, int lane, const int4 (&v)[2]) {
-    const int R = a.num_ranks, El = a.num_experts / R, k = a.num_topk, H = a.hidden, t = b + tl * G;
+    const int R = a.c.num_ranks, El = a.c.num_experts / R, k = a.c.num_topk, H = a.c.hidden, t = b + tl * G;
     const int elem0 = ch * kChunkElems + lane * 16;
     const bool active = elem0 < H;
     const Message m = message_layout(H, a.fp8, a.ue8m0);
@@ -88,36 +88,36 @@ __device__ __forceinline__ void send_item(const DispatchArgs& a, const int* own_
         const int e = own_e[tl * k + j];
         if (e < 0) continue;
         const int dst = e / El, le = e % El;
-        const int64_t row = ((int64_t)le * R + a.rank) * a.max_tokens + own_pos[tl * k + j];
-        void* peer = a.peers[dst];
-        char* base = at<char>(peer, a.cur.recv_x) + row * m.bytes;
+        const int64_t row = ((int64_t)le * R + a.c.rank) * a.c.max_tokens + own_pos[tl * k + j];
+        void* peer = a.c.peers[dst];
+        char* base = at<char>(peer, a.c.cur.recv_x) + row * m.bytes;
         if (active) {
             if (a.fp8) {
-                if (!(a.ablate & kAblateRows)) st_na_v4(reinterpret_cast<int4*>(base + elem0), q);
-                if (lane % 8 == 0 && !(a.ablate & kAblateScales)) {
+                if (!(a.c.ablate & kAblateRows)) st_na_v4(reinterpret_cast<int4*>(base + elem0), q);
+                if (lane % 8 == 0 && !(a.c.ablate & kAblateScales)) {
                     if (a.ue8m0) reinterpret_cast<uint8_t*>(base + m.scales)[elem0 / 128] = (uint8_t)ue8m0_byte(scale);
                     else reinterpret_cast<float*>(base + m.scales)[elem0 / 128] = scale;
                 }
-            } else if (!(a.ablate & kAblateRows)) {
+            } else if (!(a.c.ablate & kAblateRows)) {
                 int4* d = reinterpret_cast<int4*>(base + 2 * (int64_t)elem0);
                 st_na_v4(d, v[0]);
                 st_na_v4(d + 1, v[1]);
             }
         }
-        if (ch == 0 && lane == 0 && !(a.ablate & kAblateTags))
+        if (ch == 0 && lane == 0 && !(a.c.ablate & kAblateTags))
             *reinterpret_cast<int2*>(base + m.tag) = make_int2(t, j);  // source token; slot in the low byte
     }
 }
 
 __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
     extern __shared__ int smem[];
-    const int R = a.num_ranks, E = a.num_experts, El = E / R, T = a.num_tokens, k = a.num_topk, H = a.hidden;
+    const int R = a.c.num_ranks, E = a.c.num_experts, El = E / R, T = a.c.num_tokens, k = a.c.num_topk, H = a.c.hidden;
     const int G = gridDim.x, b = blockIdx.x;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
-    void* mine = a.peers[a.rank];
+    void* mine = a.c.peers[a.c.rank];
 
-    if (a.phases & kPhaseSend) {
-        trace_mark(a.trace, kMarkStart);
+    if (a.c.phases & kPhaseSend) {
+        trace_mark(a.c.trace, kMarkStart);
         // The first batch of this warp's rows is loaded before the position
         // scan, so their latency hides behind it.
         const int num_chunks = (H + kChunkElems - 1) / kChunkElems;
@@ -125,7 +125,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
         const int num_items = n_own * num_chunks;
         int4 v[kBatch][2];
         load_batch(a, v, warp, num_warps, num_items, num_chunks, b, G, lane);
-        clear_next_flags(mine, a.next, R);
+        clear_next_flags(mine, a.c.next, R);
         const int NG = a.num_groups;
         const int Tb = (T + G - 1) / G;           // own tokens, at most
         int* cnt = smem;                          // [NG][E]
@@ -147,7 +147,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
                     const int j = j0 + lane;
                     int e = j >= k ? -1 : a.stage_ids ? ids[t * k + j] : (int)__ldg(a.topk_idx + (int64_t)t * k + j);
                     if (e >= E || e < -1) {
-                        report_error(a.guard, kErrorBadInput, kBadExpertId, -1, e, E);
+                        report_error(a.c.guard, kErrorBadInput, kBadExpertId, -1, e, E);
                         e = -1;
                     }
                     const int c = e >= 0 ? cnt[warp * E + e] : 0;
@@ -185,7 +185,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
             a.combine_pos[(int64_t)(b + (i / k) * G) * k + i % k] = e >= 0 ? seg[e] + own_pos[i] : -1;
         }
         __syncthreads();
-        trace_mark(a.trace, kMarkPrep);
+        trace_mark(a.c.trace, kMarkPrep);
 
         // Rows: a warp per (token, chunk of 512 channels) item; lane owns 16 channels.
         for (int first = warp;; first += kBatch * num_warps) {
@@ -200,25 +200,25 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
             }
         }
 
-        trace_mark(a.trace, kMarkSent);
-        if (!finish_sends(at<int>(mine, a.cur.done), a.guard, R)) return;
-        trace_mark(a.trace, kMarkAllSent);
+        trace_mark(a.c.trace, kMarkSent);
+        if (!finish_sends(at<int>(mine, a.c.cur.done), a.c.guard, R)) return;
+        trace_mark(a.c.trace, kMarkAllSent);
         for (int dst = b; dst < R; dst += G) {
-            int* counts = at<int>(a.peers[dst], a.cur.dispatch_count);
-            for (int le = threadIdx.x; le < El; le += blockDim.x) counts[le * R + a.rank] = total[dst * El + le];
+            int* counts = at<int>(a.c.peers[dst], a.c.cur.dispatch_count);
+            for (int le = threadIdx.x; le < El; le += blockDim.x) counts[le * R + a.c.rank] = total[dst * El + le];
             __syncthreads();
-            if (threadIdx.x == 0) st_release_sys(at<int>(a.peers[dst], a.cur.dispatch_flag) + a.rank, 1);
+            if (threadIdx.x == 0) st_release_sys(at<int>(a.c.peers[dst], a.c.cur.dispatch_flag) + a.c.rank, 1);
         }
-        trace_mark(a.trace, kMarkFlagged);
+        trace_mark(a.c.trace, kMarkFlagged);
     }
 
-    if (a.phases & kPhaseRecv) {
-        if (b >= a.num_waiters) return;  // a sender only
-        if (!wait_peer_flags(at<int>(mine, a.cur.dispatch_flag), R, a.guard, a.wait_stats)) return;
-        trace_mark(a.trace, kMarkArrived);
-        const int* counts = at<int>(mine, a.cur.dispatch_count);
+    if (a.c.phases & kPhaseRecv) {
+        if (b >= a.c.num_waiters) return;  // a sender only
+        if (!wait_peer_flags(at<int>(mine, a.c.cur.dispatch_flag), R, a.c.guard, a.wait_stats)) return;
+        trace_mark(a.c.trace, kMarkArrived);
+        const int* counts = at<int>(mine, a.c.cur.dispatch_count);
         __shared__ int s_sum;
-        for (int le = b; le < El; le += a.num_waiters) {
+        for (int le = b; le < El; le += a.c.num_waiters) {
             if (threadIdx.x == 0) s_sum = 0;
             __syncthreads();
             for (int r = threadIdx.x; r < R; r += blockDim.x) {
@@ -237,7 +237,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
 
 template <int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1) dispatch(DispatchArgs a) {
-    profiled(a, [&] { dispatch_body(a); });
+    profiled(a.c, [&] { dispatch_body(a); });
 }
 
 }  // namespace low_latency

@@ -107,3 +107,39 @@ def time_fn(fn, iters: int = 50, warmup: int = 5, flush: bool = True, before=Non
         ends[i].record()
     ends[-1].synchronize()
     return Timing.from_samples([cupy.cuda.get_elapsed_time(s, e) * 1e-3 for s, e in zip(starts, ends)])
+
+
+def timed_rounds(calls, iters: int, warmup: int = 10, flush: str = "write", sleep_us: float = 400.0,
+                 before=None) -> list:
+    """Run ``warmup + iters`` rounds of ``calls``, each call on its own: an L2
+    flush (``flush``: a FLUSH_MODES mode), a GPU sleep of ``sleep_us`` (so the
+    host has queued the call before the GPU reaches it), ``before()`` (e.g. a
+    GPU barrier lining all ranks up), then ``call(i, stamp_row)`` between CUDA
+    events, where ``stamp_row`` is that call's int64 [2] kernel-stamp row
+    (stamps.new_kernel_stamps) for the kernel to fill.
+
+    Returns, per call, (event Timing, host int64 [iters, 2] kernel stamps),
+    warm-up rounds dropped.
+    """
+    import cupy
+    from .stamps import new_kernel_stamps
+    stamps = [new_kernel_stamps(warmup + iters) for _ in calls]
+    times = [[] for _ in calls]
+    for i in range(warmup + iters):
+        evs = []
+        for call, st in zip(calls, stamps):
+            flush_l2(mode=flush)
+            if sleep_us:
+                gpu_sleep(sleep_us)
+            if before:
+                before()
+            e = (cupy.cuda.Event(), cupy.cuda.Event())
+            e[0].record()
+            call(i, st[i])
+            e[1].record()
+            evs.append(e)
+        evs[-1][1].synchronize()
+        if i >= warmup:
+            for lst, (a, b) in zip(times, evs):
+                lst.append(cupy.cuda.get_elapsed_time(a, b) * 1e-3)
+    return [(Timing.from_samples(t), st[warmup:].get()) for t, st in zip(times, stamps)]

@@ -106,6 +106,12 @@ class LowLatencyBuffer:
             check(trace, "trace", np.int64, shape=(self.num_blocks, K.NUM_TRACE_SLOTS))
         return dict(kernel_time=_time_ptr(kernel_time_ns), trace=jit.ptr(trace))
 
+    def _call_args(self, kernel: str, sets: dict, profile: dict, num_tokens: int, num_topk: int) -> dict:
+        """The CallArgs fields of a call (args.cuh) but its phases, waiters and ablations."""
+        return dict(peers=self.buffer.peer_ptrs.data.ptr, **sets, **profile, num_tokens=num_tokens,
+                    hidden=self.hidden, num_topk=num_topk, num_experts=self.num_experts, num_ranks=self.num_ranks,
+                    max_tokens=self.max_tokens, max_topk=self.max_topk, rank=self.rank, guard=self._guard(kernel))
+
     def _check_resident(self) -> None:
         # Raises ValueError when the dispatch's shared memory cannot fit these sizes.
         K.dispatch_smem(self.max_tokens, self.num_blocks, self.max_topk, self.num_experts, self.num_threads)
@@ -234,17 +240,14 @@ class LowLatencyBuffer:
             layout_count = cupy.empty((El, R), dtype=np.int32)
             recv_count = cupy.empty(El, dtype=np.int32)
             combine_pos = cupy.empty((T, k), dtype=np.int32)
-        args = dict(peers=self.buffer.peer_ptrs.data.ptr, **sets,
-                    x=x.data.ptr, topk_idx=topk_idx.data.ptr, layout_count=layout_count.data.ptr,
+        call_args = self._call_args("low_latency_dispatch", sets, profile, T, k)
+        args = dict(x=x.data.ptr, topk_idx=topk_idx.data.ptr, layout_count=layout_count.data.ptr,
                     recv_count=recv_count.data.ptr, combine_pos=combine_pos.data.ptr, cumulative_stats=jit.ptr(stats),
-                    wait_stats=jit.ptr(wait), **profile,
-                    num_tokens=T, hidden=H, num_topk=k, num_experts=self.num_experts, num_ranks=R,
-                    max_tokens=self.max_tokens, max_topk=self.max_topk, num_groups=plan.num_groups,
-                    stage_ids=int(plan.stage_ids),
-                    fp8=int(use_fp8), round_scale=int(round_scale), ue8m0=int(use_ue8m0), rank=self.rank,
-                    guard=self._guard("low_latency_dispatch"))
+                    wait_stats=jit.ptr(wait), num_groups=plan.num_groups, stage_ids=int(plan.stage_ids),
+                    fp8=int(use_fp8), round_scale=int(round_scale), ue8m0=int(use_ue8m0))
 
-        hook = self._run(self._dispatch_fn, K.DISPATCH_ARGS_DTYPE, args, plan.bytes, stream, return_recv_hook)
+        hook = self._run(self._dispatch_fn, K.DISPATCH_ARGS_DTYPE, call_args, args, plan.bytes, stream,
+                         return_recv_hook)
         event = self._finish(stream, async_finish)
 
         # Strided views of the messages (layout.message_layout).
@@ -264,15 +267,16 @@ class LowLatencyBuffer:
                                   buffer_id=id(self))
         return LowLatencyDispatchResult(recv_x, recv_scales, recv_count, handle, event, hook)
 
-    def _run(self, fn, dtype, args: dict, smem: int, stream, return_recv_hook: bool):
+    def _run(self, fn, dtype, call_args: dict, args: dict, smem: int, stream, return_recv_hook: bool):
         """Launch both halves of a kernel on ``stream``, or the send half now and
         return the hook that launches the receive half on the then-current stream."""
         import cupy
 
         def launch(phases, s, kernel_time=None):
-            a = jit.pack(dtype, **args, phases=phases, num_waiters=self.num_waiters, ablate=self.ablate)
+            c = dict(call_args, phases=phases, num_waiters=self.num_waiters, ablate=self.ablate)
             if kernel_time is not None:
-                a["kernel_time"] = _time_ptr(kernel_time)
+                c["kernel_time"] = _time_ptr(kernel_time)
+            a = jit.pack(dtype, c=jit.pack(K.CALL_DTYPE, **c), **args)
             # A receive half alone runs on the waiters only.
             blocks = self.num_blocks if phases & K.PHASE_SEND else self.num_waiters
             with s:
@@ -335,7 +339,7 @@ class LowLatencyBuffer:
         """
         import cupy
         self._check_handle(handle)
-        El, R, H, T = self.num_local_experts, self.num_ranks, self.hidden, handle.num_tokens
+        El, H, T = self.num_local_experts, self.hidden, handle.num_tokens
         shape = (El, self.layout.slots, H)
         topk_idx = self._check_routing(topk_idx, T, validate)
         k = topk_idx.shape[1]
@@ -361,16 +365,13 @@ class LowLatencyBuffer:
         with stream:
             if out is None:
                 out = cupy.empty((T, H), dtype=BF16)
-        args = dict(peers=self.buffer.peer_ptrs.data.ptr, **sets,
-                    x=src.data.ptr, layout_count=handle.layout_count.data.ptr,
+        call_args = self._call_args("low_latency_combine", sets, profile, T, k)
+        args = dict(x=src.data.ptr, layout_count=handle.layout_count.data.ptr,
                     combine_pos=handle.combine_pos.data.ptr, topk_idx=topk_idx.data.ptr,
-                    topk_weights=topk_weights.data.ptr, out=out.data.ptr, x_row_bytes=src.strides[1], **profile,
-                    num_tokens=T, hidden=H, num_topk=k, num_experts=self.num_experts, num_ranks=R,
-                    max_tokens=self.max_tokens, max_topk=self.max_topk, rank=self.rank,
-                    guard=self._guard("low_latency_combine"))
+                    topk_weights=topk_weights.data.ptr, out=out.data.ptr, x_row_bytes=src.strides[1])
         smem = K.combine_smem(self.num_experts)
 
-        hook = self._run(self._combine_fn, K.COMBINE_ARGS_DTYPE, args, smem, stream, return_recv_hook)
+        hook = self._run(self._combine_fn, K.COMBINE_ARGS_DTYPE, call_args, args, smem, stream, return_recv_hook)
         return LowLatencyCombineResult(out, self._finish(stream, async_finish), hook)
 
     # --------------------------------------------------------------- lifetime

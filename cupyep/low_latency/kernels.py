@@ -42,19 +42,18 @@ TRACE_MARKS = ("start", "prep", "sent", "all_sent", "flagged", "arrived", "end")
 NUM_TRACE_SLOTS = 8
 
 SET_DTYPE = jit.struct_dtype([(n, i64) for n in FIELDS])
+CALL_DTYPE = jit.struct_dtype([
+    ("peers", u64), ("cur", SET_DTYPE), ("next", SET_DTYPE), ("kernel_time", u64), ("trace", u64),
+    ("num_tokens", i32), ("hidden", i32), ("num_topk", i32), ("num_experts", i32), ("num_ranks", i32),
+    ("max_tokens", i32), ("max_topk", i32), ("phases", i32), ("num_waiters", i32), ("rank", i32), ("ablate", i32),
+    ("guard", GUARD_DTYPE)])
 DISPATCH_ARGS_DTYPE = jit.struct_dtype([
-    ("peers", u64), ("cur", SET_DTYPE), ("next", SET_DTYPE), ("x", u64), ("topk_idx", u64),
-    ("layout_count", u64), ("recv_count", u64), ("combine_pos", u64), ("cumulative_stats", u64),
-    ("wait_stats", u64),
-    ("kernel_time", u64), ("trace", u64), ("num_tokens", i32), ("hidden", i32), ("num_topk", i32),
-    ("num_experts", i32), ("num_ranks", i32), ("max_tokens", i32), ("max_topk", i32), ("num_groups", i32), ("stage_ids", i32), ("fp8", i32), ("round_scale", i32), ("ue8m0", i32),
-    ("phases", i32), ("num_waiters", i32), ("rank", i32), ("ablate", i32), ("guard", GUARD_DTYPE)])
+    ("c", CALL_DTYPE), ("x", u64), ("topk_idx", u64), ("layout_count", u64), ("recv_count", u64),
+    ("combine_pos", u64), ("cumulative_stats", u64), ("wait_stats", u64), ("num_groups", i32), ("stage_ids", i32),
+    ("fp8", i32), ("round_scale", i32), ("ue8m0", i32)])
 COMBINE_ARGS_DTYPE = jit.struct_dtype([
-    ("peers", u64), ("cur", SET_DTYPE), ("next", SET_DTYPE), ("x", u64), ("layout_count", u64),
-    ("combine_pos", u64), ("topk_idx", u64), ("topk_weights", u64), ("out", u64), ("x_row_bytes", i64),
-    ("kernel_time", u64), ("trace", u64), ("num_tokens", i32), ("hidden", i32), ("num_topk", i32),
-    ("num_experts", i32), ("num_ranks", i32), ("max_tokens", i32), ("max_topk", i32), ("phases", i32), ("num_waiters", i32),
-    ("rank", i32), ("ablate", i32), ("guard", GUARD_DTYPE)])
+    ("c", CALL_DTYPE), ("x", u64), ("layout_count", u64), ("combine_pos", u64), ("topk_idx", u64),
+    ("topk_weights", u64), ("out", u64), ("x_row_bytes", i64)])
 
 
 def dispatch_spec(num_threads: int = DEFAULT_THREADS) -> jit.KernelSpec:
