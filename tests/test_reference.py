@@ -533,3 +533,30 @@ def test_metrics():
     with pytest.raises(ValueError):
         ref.calc_diff(x, x[:2])
 
+
+
+@pytest.mark.parametrize("num_ranks,num_experts,num_topk", [(1, 4, 2), (2, 8, 3), (4, 16, 4), (8, 256, 8), (3, 9, 5)])
+def test_return_position_matches_loops(num_ranks, num_experts, num_topk):
+    rng = np.random.default_rng(num_ranks * 100 + num_topk)
+    T, El = 37, num_experts // num_ranks
+    idx = np.stack([rng.permutation(num_experts)[:num_topk] for _ in range(T)]).astype(np.int64)
+    idx[rng.random(idx.shape) < 0.2] = -1
+    got = ref.low_latency.return_position(idx, num_experts, num_ranks)
+    assert got.shape == idx.shape and got.dtype == np.int64
+    # Loops: each rank's rows listed by (local expert, token), numbered in that order.
+    want = np.full(idx.shape, -1, dtype=np.int64)
+    for r in range(num_ranks):
+        n = 0
+        for e in range(r * El, (r + 1) * El):
+            for t in range(T):
+                for j in np.nonzero(idx[t] == e)[0]:
+                    want[t, j] = n
+                    n += 1
+        mine = (idx >= 0) & (idx // El == r)
+        assert sorted(got[mine].tolist()) == list(range(n))  # a packed range, no gaps or repeats
+    assert np.array_equal(got, want)
+
+
+def test_return_position_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="multiple of num_ranks"):
+        ref.low_latency.return_position(np.zeros((1, 1), np.int64), 10, 3)

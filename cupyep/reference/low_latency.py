@@ -25,7 +25,8 @@ import numpy as np
 
 from .layout import validate_rank_inputs
 
-__all__ = ["LowLatencyDispatchResult", "low_latency_dispatch", "low_latency_combine"]
+__all__ = ["LowLatencyDispatchResult", "low_latency_dispatch", "low_latency_combine", "return_position",
+           "slot_in_region"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,36 @@ def slot_in_region(topk_idx: np.ndarray, num_experts: int) -> np.ndarray:
     position[order] = np.arange(experts.size) - starts[experts[order]]
     result = np.full(topk_idx.shape, -1, dtype=np.int64)
     result[tokens, slots] = position
+    return result
+
+
+def return_position(topk_idx: np.ndarray, num_experts: int, num_ranks: int) -> np.ndarray:
+    """Where each (token, slot) of one source comes back in the combine.
+
+    An expert rank returns a source's rows as one packed range, in the order
+    the source's dispatch listed its rows to that rank: by local expert, then
+    by position within the expert's region (ascending token).
+
+    Arguments:
+        topk_idx: [num_tokens, num_topk] int64 of this source, distinct experts per row or -1.
+        num_experts: E, divisible by num_ranks.
+        num_ranks: R.
+
+    Returns:
+        [num_tokens, num_topk] int64: the row of (t, j) within the range rank
+        topk_idx[t, j] // (E / R) returns to this source (the source's rows to
+        that rank for experts before topk_idx[t, j], plus slot_in_region), -1
+        for -1 slots.
+    """
+    topk_idx = np.asarray(topk_idx)
+    if num_ranks < 1 or num_experts % num_ranks:
+        raise ValueError(f"num_experts={num_experts} must be a positive multiple of num_ranks={num_ranks}")
+    num_local = num_experts // num_ranks
+    valid = topk_idx >= 0
+    counts = np.bincount(topk_idx[valid], minlength=num_experts).reshape(num_ranks, num_local)
+    before = (np.cumsum(counts, axis=1) - counts).reshape(-1)  # rows to the same rank for earlier experts
+    result = slot_in_region(topk_idx, num_experts)
+    result[valid] += before[topk_idx[valid]]
     return result
 
 

@@ -69,6 +69,8 @@ def _check_dispatch(group, res, tokens, idx, use_fp8, xs):
     counts = res.handle.layout_count.get()
     ok = np.array_equal(counts, mine.layout_count.astype(np.int32))
     ok &= np.array_equal(res.recv_count.get(), mine.recv_count)
+    # Where this rank's (token, slot) rows will come back in the combine.
+    ok &= np.array_equal(res.handle.combine_pos.get(), ref.low_latency.return_position(idx[me], E, R))
     src = res.handle.recv_src.get()
     recv = res.recv_x.get()
     scales = None if res.recv_x_scales is None else res.recv_x_scales.get()
