@@ -60,6 +60,8 @@ def main():
     p.add_argument("--scatter-probe", action="store_true",
                    help="also time the bare scatter kernel (cupyep/bench/scatter.py) moving the same rows between "
                         "the same arrays: BF16 dispatch rows into recv_x, combine rows into combine_recv")
+    p.add_argument("--zero-copy", action="store_true",
+                   help="also time zero-copy combines, pushing and pulling (combine(..., zero_copy=True, pull=...))")
     p.add_argument("--trace", type=int, default=0, help="calls of each kind to trace per block and mark")
     p.add_argument("--sleep-us", type=float, default=400.0,
                    help="GPU sleep before each timed call, so host launch cost is not timed (0: time it)")
@@ -122,6 +124,18 @@ def main():
             record("dispatch_fp8" if use_fp8 else "dispatch_bf16", timed_d, pairs * (fp8_row if use_fp8 else bf16_row))
             if use_fp8:
                 record("combine", timed_c, pairs * 2 * H)
+
+        if args.zero_copy:
+            # Zero-copy combines, the owners pulling the rows or the expert ranks pushing them. In
+            # decode order every combine uses one data copy, so its buffer is filled once.
+            d0 = buf.dispatch(x, topk_idx, use_fp8=True, validate=False)
+            buf.get_next_combine_buffer(d0.handle)[...] = y
+            for pull in (False, True):
+                def zc(i, st, pull=pull):
+                    return buf.combine(None, topk_idx, topk_w, pending["d"].handle, zero_copy=True, pull=pull,
+                                       kernel_time_ns=st)
+                timed_d, timed_c = steps([dispatch(True), zc], args.iters)
+                record("combine_zero_copy_pull" if pull else "combine_zero_copy", timed_c, pairs * 2 * H)
 
         for name in args.ablate:
             # The same calls with one part of the work skipped: what that part costs.

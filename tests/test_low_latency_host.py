@@ -494,7 +494,7 @@ def test_handle_layout_begin():
         pytest.skip("no CUDA GPU")
     El, R, M = 3, 4, 16
     h = LowLatencyHandle(layout_count=cupy.zeros((El, R), dtype=np.int32), recv_src=None, recv_slot=None,
-                         combine_pos=None,
+                         combine_pos=None, slot_pos=None,
                          num_tokens=5, num_topk=2, hidden=128, num_experts=El * R, max_tokens=M, set_index=0,
                          call=1, buffer_id=0)
     begin = cupy.asnumpy(h.layout_begin)

@@ -98,6 +98,7 @@ struct DispatchArgs {
     int* layout_count;       // [E_local, R] out: rows of (expert, source)
     int* recv_count;         // [E_local] out: rows per local expert
     int* combine_pos;        // [T, k] out: row of (t, j) in the range its expert rank returns to me
+    int* slot_pos;           // [T, k] out: row of (t, j) within its (expert, me) region at the expert's rank
     int* cumulative_stats;   // [E_local] or null: += recv_count
     int64_t* wait_stats;     // [R] or null: += ns block 0 waited for each source
     int num_groups;          // token groups of the position scan (shared memory [num_groups][E])
@@ -112,10 +113,12 @@ struct CombineArgs {
     const int4* x;              // [E_local, R * max, H] BF16 expert outputs
     const int* layout_count;    // [E_local, R] from the dispatch
     const int* combine_pos;     // [T, k] from the dispatch
+    const int* slot_pos;        // [T, k] from the dispatch
     const int64_t* topk_idx;    // [T, k] the dispatched routing
     const float* topk_weights;  // [T, k]
     int4* out;                  // [T, H] BF16
     int64_t x_row_bytes;        // bytes between rows of x (a multiple of 16)
+    int pull;                   // 1: owners read the expert outputs from the expert ranks' combine_send
 };
 
 // Trace marks: with a trace array, thread 0 of block b writes %globaltimer to

@@ -11,6 +11,15 @@
 // Receive half (the token side, blocks b < num_waiters): wait for every expert
 // rank's flag, then a warp per (token, chunk) sums weight * row over the
 // token's top-k slots, in slot order, so the result is bitwise deterministic.
+//
+// Pull (CombineArgs::pull, zero-copy only): the expert outputs already sit in
+// every expert rank's combine_send, where the owner knows each of its rows
+// (its dispatch put (t, j) at row slot_pos of region (expert, me)). The send
+// half then only releases the flags, and the owners read the rows from the
+// expert ranks' buffers as they reduce: one read and no write per row instead
+// of a read, a write and a read. A rank's next writes to combine_send come
+// after its next dispatch, which completes only once every owner has started
+// that dispatch, i.e. has finished this reduce.
 #include <cuda_bf16.h>
 #include "common/bf16.cuh"
 #include "common/copy.cuh"
@@ -33,7 +42,14 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
     const int64_t slots = (int64_t)R * a.c.max_tokens;  // rows per local expert
     void* mine = a.c.peers[a.c.rank];
 
-    if (a.c.phases & kPhaseSend) {
+    if ((a.c.phases & kPhaseSend) && a.pull) {
+        // Nothing to move: the outputs were written by earlier work in stream order.
+        trace_mark(a.c.trace, kMarkStart);
+        clear_next_flags(mine, a.c.next, R);
+        for (int dst = b; dst < R; dst += G)
+            if (threadIdx.x == 0) st_release_sys(at<int>(a.c.peers[dst], a.c.cur.combine_flag) + a.c.rank, 1);
+        trace_mark(a.c.trace, kMarkFlagged);
+    } else if (a.c.phases & kPhaseSend) {
         trace_mark(a.c.trace, kMarkStart);
         clear_next_flags(mine, a.c.next, R);
         // prefix[p] = rows of pairs before p = (expert e, source s), p = e * R + s;
@@ -108,8 +124,15 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                     w[u] = 0.f;
                     if (e >= 0 && e < E) {
                         w[u] = __ldg(a.topk_weights + (int64_t)t * k + j);
-                        const int64_t row = (int64_t)(e / El) * ret_rows + __ldg(a.combine_pos + (int64_t)t * k + j);
-                        const int4* p = recv + (row * H + elem0) / 8;
+                        const int4* p;
+                        if (a.pull) {
+                            const int64_t row = ((int64_t)(e % El) * R + a.c.rank) * a.c.max_tokens +
+                                                __ldg(a.slot_pos + (int64_t)t * k + j);
+                            p = at<int4>(a.c.peers[e / El], a.c.cur.combine_send) + (row * H + elem0) / 8;
+                        } else {
+                            const int64_t row = (int64_t)(e / El) * ret_rows + __ldg(a.combine_pos + (int64_t)t * k + j);
+                            p = recv + (row * H + elem0) / 8;
+                        }
                         v[u][0] = ld_na_v4(p);
                         v[u][1] = ld_na_v4(p + 1);
                     } else {

@@ -182,7 +182,9 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
         for (int i = threadIdx.x; i < n_own * k; i += blockDim.x) {
             const int e = own_e[i];
             if (e >= 0) own_pos[i] += cnt[own_grp[i / k] * E + e];
-            a.combine_pos[(int64_t)(b + (i / k) * G) * k + i % k] = e >= 0 ? seg[e] + own_pos[i] : -1;
+            const int64_t tj = (int64_t)(b + (i / k) * G) * k + i % k;
+            a.combine_pos[tj] = e >= 0 ? seg[e] + own_pos[i] : -1;
+            a.slot_pos[tj] = e >= 0 ? own_pos[i] : -1;
         }
         __syncthreads();
         trace_mark(a.c.trace, kMarkPrep);

@@ -240,9 +240,11 @@ class LowLatencyBuffer:
             layout_count = cupy.empty((El, R), dtype=np.int32)
             recv_count = cupy.empty(El, dtype=np.int32)
             combine_pos = cupy.empty((T, k), dtype=np.int32)
+            slot_pos = cupy.empty((T, k), dtype=np.int32)
         call_args = self._call_args("low_latency_dispatch", sets, profile, T, k)
         args = dict(x=x.data.ptr, topk_idx=topk_idx.data.ptr, layout_count=layout_count.data.ptr,
-                    recv_count=recv_count.data.ptr, combine_pos=combine_pos.data.ptr, cumulative_stats=jit.ptr(stats),
+                    recv_count=recv_count.data.ptr, combine_pos=combine_pos.data.ptr,
+                    slot_pos=slot_pos.data.ptr, cumulative_stats=jit.ptr(stats),
                     wait_stats=jit.ptr(wait), num_groups=plan.num_groups, stage_ids=int(plan.stage_ids),
                     fp8=int(use_fp8), round_scale=int(round_scale), ue8m0=int(use_ue8m0))
 
@@ -262,6 +264,7 @@ class LowLatencyBuffer:
         recv_scales = part(m.scales, (El, slots, H // 128), np.uint8 if use_ue8m0 else np.float32) if use_fp8 else None
         handle = LowLatencyHandle(layout_count=layout_count, recv_src=part(m.tag, (El, slots), np.int32),
                                   recv_slot=part(m.tag + 4, (El, slots), np.uint8), combine_pos=combine_pos,
+                                  slot_pos=slot_pos,
                                   num_tokens=T, num_topk=k, hidden=H, num_experts=self.num_experts,
                                   max_tokens=self.max_tokens, set_index=region, call=call,
                                   buffer_id=id(self))
@@ -318,7 +321,7 @@ class LowLatencyBuffer:
                              f"later dispatch (a dispatch's rows are valid until the next dispatch)")
 
     def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, *, zero_copy: bool = False,
-                async_finish: bool = False, return_recv_hook: bool = False, out=None,
+                pull: bool = False, async_finish: bool = False, return_recv_hook: bool = False, out=None,
                 validate: bool = False, kernel_time_ns=None, trace=None) -> LowLatencyCombineResult:
         """Return expert outputs to their tokens and reduce with the top-k weights.
 
@@ -331,6 +334,14 @@ class LowLatencyBuffer:
             topk_weights: [T, k] float32.
             handle: the dispatch's LowLatencyHandle.
             zero_copy: read the expert outputs from get_next_combine_buffer().
+            pull: with zero_copy, each token's owner reads its rows straight from
+                the expert ranks' combine buffers while it reduces, instead of the
+                expert ranks writing them into the owners' buffers first (one
+                read per row instead of a read, a write and a read). Every rank
+                must pass the same value. A rank's combine buffer is next written
+                after its next dispatch, which completes only after every owner has
+                finished this combine, so the order dispatch, combine, dispatch on
+                one stream per rank keeps the rows valid while they are read.
             out: optional [T, H] uint16 output array.
             async_finish, return_recv_hook, kernel_time_ns, trace: as in dispatch.
 
@@ -346,6 +357,8 @@ class LowLatencyBuffer:
         if k != handle.num_topk:
             raise ValueError(f"topk_idx has {k} columns, the dispatch had {handle.num_topk}")
         topk_weights = check(as_cupy(topk_weights, "topk_weights"), "topk_weights", np.float32, shape=(T, k))
+        if pull and not zero_copy:
+            raise ValueError("pull reads the expert outputs from the combine buffers: it needs zero_copy=True")
         if zero_copy:
             src = self.get_next_combine_buffer(handle)
             if x is not None and (as_cupy(x, "x").data.ptr != src.data.ptr):
@@ -367,8 +380,9 @@ class LowLatencyBuffer:
                 out = cupy.empty((T, H), dtype=BF16)
         call_args = self._call_args("low_latency_combine", sets, profile, T, k)
         args = dict(x=src.data.ptr, layout_count=handle.layout_count.data.ptr,
-                    combine_pos=handle.combine_pos.data.ptr, topk_idx=topk_idx.data.ptr,
-                    topk_weights=topk_weights.data.ptr, out=out.data.ptr, x_row_bytes=src.strides[1])
+                    combine_pos=handle.combine_pos.data.ptr, slot_pos=handle.slot_pos.data.ptr,
+                    topk_idx=topk_idx.data.ptr, topk_weights=topk_weights.data.ptr, out=out.data.ptr,
+                    x_row_bytes=src.strides[1], pull=int(bool(pull)))
         smem = K.combine_smem(self.num_experts)
 
         hook = self._run(self._combine_fn, K.COMBINE_ARGS_DTYPE, call_args, args, smem, stream, return_recv_hook)

@@ -49,11 +49,11 @@ CALL_DTYPE = jit.struct_dtype([
     ("guard", GUARD_DTYPE)])
 DISPATCH_ARGS_DTYPE = jit.struct_dtype([
     ("c", CALL_DTYPE), ("x", u64), ("topk_idx", u64), ("layout_count", u64), ("recv_count", u64),
-    ("combine_pos", u64), ("cumulative_stats", u64), ("wait_stats", u64), ("num_groups", i32), ("stage_ids", i32),
+    ("combine_pos", u64), ("slot_pos", u64), ("cumulative_stats", u64), ("wait_stats", u64), ("num_groups", i32), ("stage_ids", i32),
     ("fp8", i32), ("round_scale", i32), ("ue8m0", i32)])
 COMBINE_ARGS_DTYPE = jit.struct_dtype([
-    ("c", CALL_DTYPE), ("x", u64), ("layout_count", u64), ("combine_pos", u64), ("topk_idx", u64),
-    ("topk_weights", u64), ("out", u64), ("x_row_bytes", i64)])
+    ("c", CALL_DTYPE), ("x", u64), ("layout_count", u64), ("combine_pos", u64), ("slot_pos", u64),
+    ("topk_idx", u64), ("topk_weights", u64), ("out", u64), ("x_row_bytes", i64), ("pull", i32)])
 
 
 def dispatch_spec(num_threads: int = DEFAULT_THREADS) -> jit.KernelSpec:

@@ -19,6 +19,9 @@ class LowLatencyHandle:
         combine_pos: [T, k] int32 device array: the row of (token, slot) in the
             range its expert rank returns to this rank in the combine (-1 for
             empty slots).
+        slot_pos: [T, k] int32 device array: the row of (token, slot) within
+            its (expert, this rank) region of the expert rank's rows (-1 for
+            empty slots); a pulling combine reads the outputs from there.
         num_tokens: T of this rank's dispatch (combine returns [T, H]).
         set_index: the copy of the dispatch data (0 or 1) the dispatch wrote (layout.CallSchedule).
         call: sequence number of the dispatch on its buffer.
@@ -27,6 +30,7 @@ class LowLatencyHandle:
     recv_src: object
     recv_slot: object
     combine_pos: object
+    slot_pos: object
     num_tokens: int
     num_topk: int
     hidden: int
