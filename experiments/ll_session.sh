@@ -10,7 +10,7 @@ OUT=${OUT:-results/session}
 mkdir -p "$OUT"
 for n in 8 4 2; do
   timeout 100 python3 -m cupyep.launch -n $n --timeout 95 experiments/bench_low_latency.py --iters 200 --back-to-back \
-    --trace 20 --out "$OUT/low_latency.jsonl" 2>&1 | grep -c bench
+    --trace 20 --zero-copy --out "$OUT/low_latency.jsonl" 2>&1 | grep -c bench
 done
 timeout 170 python3 -m cupyep.gpu_tests --ranks 8 -k low_latency --timeout 165 > "$OUT/gpu_tests_ll8.log" 2>&1
 echo "low-latency tests at 8 ranks rc=$?"; grep -E "passed|failed" "$OUT/gpu_tests_ll8.log" | tail -1
