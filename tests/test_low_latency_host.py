@@ -537,6 +537,22 @@ def test_schedule_switches_copy_for_back_to_back_calls_of_one_kind():
     assert regions == [0, 1, 0, 1, 1, 1, 0, 1]
 
 
+def test_schedule_never_reuses_a_copy_in_the_next_call():
+    # What the pulling zero-copy combine relies on: peers read a rank's combine copy during
+    # a combine, and that copy is written again only for a combine at least two calls
+    # later. The call in between completes only once every rank has flagged it, which each
+    # rank does after finishing the earlier combine, so no peer still reads the copy.
+    from cupyep.low_latency.layout import CallSchedule
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        s, last_use = CallSchedule(), {}
+        kinds = [str(k) for k in rng.choice(["dispatch", "combine"], size=int(rng.integers(1, 30)))]
+        for i, k in enumerate(kinds):
+            region = s.take(k)[1]
+            assert last_use.get((k, region), -2) < i - 1, (kinds, i)
+            last_use[(k, region)] = i
+
+
 def test_schedule_knows_when_a_dispatch_was_overwritten():
     from cupyep.low_latency.layout import CallSchedule
     s = CallSchedule()

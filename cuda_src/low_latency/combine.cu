@@ -17,9 +17,10 @@
 // (its dispatch put (t, j) at row slot_pos of region (expert, me)). The send
 // half then only releases the flags, and the owners read the rows from the
 // expert ranks' buffers as they reduce: one read and no write per row instead
-// of a read, a write and a read. A rank's next writes to combine_send come
-// after its next dispatch, which completes only once every owner has started
-// that dispatch, i.e. has finished this reduce.
+// of a read, a write and a read. This copy of combine_send is written again
+// only for a call at least two calls later (layout.CallSchedule); the call in
+// between completes only once every rank has flagged it, which each rank does
+// after finishing this reduce.
 #include <cuda_bf16.h>
 #include "common/bf16.cuh"
 #include "common/copy.cuh"

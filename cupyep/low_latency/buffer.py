@@ -338,10 +338,12 @@ class LowLatencyBuffer:
                 the expert ranks' combine buffers while it reduces, instead of the
                 expert ranks writing them into the owners' buffers first (one
                 read per row instead of a read, a write and a read). Every rank
-                must pass the same value. A rank's combine buffer is next written
-                after its next dispatch, which completes only after every owner has
-                finished this combine, so the order dispatch, combine, dispatch on
-                one stream per rank keeps the rows valid while they are read.
+                must pass the same value. The copy of the combine buffer a call
+                reads is handed out again (get_next_combine_buffer) only after
+                another call on this buffer, which completes only once every owner
+                has finished this combine; so rows stay valid while they are read
+                as long as each rank issues its calls, and its writes to the
+                combine buffer, on one stream in call order.
             out: optional [T, H] uint16 output array.
             async_finish, return_recv_hook, kernel_time_ns, trace: as in dispatch.
 
