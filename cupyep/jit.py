@@ -38,6 +38,7 @@ SPEC_MODULES = (
     "cupyep.barrier",
     "cupyep.bench.copy",
     "cupyep.bench.scatter",
+    "cupyep.bench.skew",
     "cupyep.bench.timing",
     "cupyep.fp8",
     "cupyep.intranode.kernels",

@@ -5,18 +5,22 @@
 Shape: T tokens per rank (128, and 1), hidden 7168, top-8 of 256 experts with
 some -1 slots, FP8 dispatch (plus BF16), BF16 combine. Calls alternate
 dispatch, combine as in a decode loop, and every call is timed on its own
-between GPU barriers that line the ranks up (CUDA events, L2 flushed
-first, and a GPU sleep ahead of it so that the host has queued the call
-before the GPU reaches it), over --iters calls: median and p99 of the slowest
-rank. Two clocks: ``event_*`` spans the CUDA events around the call, which
+right after a GPU barrier that lines the ranks up (L2 flushed first, and a
+GPU sleep ahead of it so that the host has queued the call before the GPU
+reaches it), over --iters calls: median and p99 of the slowest rank. Two
+clocks: ``event_*`` spans CUDA events around the barrier and the call, which
 under MPS includes the time the launch waits to be scheduled; ``kernel_*``
 spans the kernel itself (first block start to last block end, %globaltimer
 stamps the kernels write), which is what a profiler such as Kineto reports.
-When all ranks share one GPU (and so one %globaltimer), the stamps also give
-the ranks' start skew and ``after_last_start``, the call's latency once the last rank has
-started. Also the send and receive halves in hook mode, the buffer bytes per
-rank, and efficiency = (2 x bytes written to peers by all ranks / copy
-bandwidth measured in this run) / time. With ``--trace N``, N more calls of
+With --programmatic-launch the kernels are resident before the barrier ends
+and start counting when it does. When all ranks share one GPU (and so one
+%globaltimer), the stamps also give the ranks' start skew and
+``after_last_start``, the call's latency once the last rank has started.
+Combines pull by default ("combine", "combine_zero_copy"); "*_push" kinds
+push. Also the send and receive halves in hook mode, the buffer bytes per
+rank, and efficiency = (2 x bytes moved between ranks by all ranks, written
+into peers or, for pulling combines, read from them / copy bandwidth
+measured in this run) / time. With ``--trace N``, N more calls of
 each kind record when every block reached each mark (kernels.TRACE_MARKS),
 summarised as when the first and the last rank got there. ``--scatter-probe``
 adds the bare row scatter (cupyep/bench/scatter.py) over the same arrays.
@@ -61,7 +65,11 @@ def main():
                    help="also time the bare scatter kernel (cupyep/bench/scatter.py) moving the same rows between "
                         "the same arrays: BF16 dispatch rows into recv_x, combine rows into combine_recv")
     p.add_argument("--zero-copy", action="store_true",
-                   help="also time zero-copy combines, pushing and pulling (combine(..., zero_copy=True, pull=...))")
+                   help="also time zero-copy combines, pulling and pushing (combine(..., zero_copy=True, pull=...))")
+    p.add_argument("--programmatic-launch", action="store_true",
+                   help="launch the kernels as programmatic dependents (LowLatencyBuffer(programmatic_launch=True)): "
+                        "resident while the GPU barrier ahead of each timed call runs, so kernel_* counts from "
+                        "the barrier's end")
     p.add_argument("--trace", type=int, default=0, help="calls of each kind to trace per block and mark")
     p.add_argument("--sleep-us", type=float, default=400.0,
                    help="GPU sleep before each timed call, so host launch cost is not timed (0: time it)")
@@ -73,7 +81,8 @@ def main():
     R, me = group.local_size, group.local_rank
     copy_bw = group.comm.bcast(copy_bandwidth(2 << 30) if me == 0 else 0.0)
     buf = cupyep.LowLatencyBuffer(group, args.max_tokens, args.hidden, args.experts, num_blocks=args.num_blocks,
-                                  num_waiters=args.num_waiters, num_threads=args.threads)
+                                  num_waiters=args.num_waiters, num_threads=args.threads,
+                                  programmatic_launch=args.programmatic_launch)
     bar = GpuBarrier(group)
     H, warmup = args.hidden, 10
 
@@ -89,7 +98,7 @@ def main():
         base = {"bench": "low_latency", "ranks": R, "tokens": T, "hidden": H, "topk": args.topk,
                 "experts": args.experts, "max_tokens": args.max_tokens, "buffer_bytes": buf.num_bytes,
                 "num_blocks": buf.num_blocks, "num_waiters": buf.num_waiters, "num_threads": buf.num_threads, "copy_GBps": copy_bw / 1e9,
-                "l2_flush": args.flush}
+                "l2_flush": args.flush, "programmatic_launch": args.programmatic_launch}
         fp8_row, bf16_row = H + H // 128 * 4 + 4 + 1, 2 * H + 4 + 1
 
         def record(kind, timed, bytes_to_peers):
@@ -119,23 +128,26 @@ def main():
         y = buf.dispatch(x, topk_idx, use_fp8=False, validate=False).recv_x.copy()
         # Calls alternate dispatch, combine as in a decode loop (each timed on its own), so each
         # kind writes the data copy it wrote last time (layout.CallSchedule).
+        # "combine" is the default, pulling combine; "combine_push" the expert ranks pushing rows.
         for use_fp8 in (True, False):
             timed_d, timed_c = steps([dispatch(use_fp8), combine], args.iters)
             record("dispatch_fp8" if use_fp8 else "dispatch_bf16", timed_d, pairs * (fp8_row if use_fp8 else bf16_row))
             if use_fp8:
                 record("combine", timed_c, pairs * 2 * H)
+        timed_d, timed_c = steps([dispatch(True), lambda i, st: combine(i, st, pull=False)], args.iters)
+        record("combine_push", timed_c, pairs * 2 * H)
 
         if args.zero_copy:
-            # Zero-copy combines, the owners pulling the rows or the expert ranks pushing them. In
+            # Zero-copy combines, the owners pulling the rows (default) or the expert ranks pushing them. In
             # decode order every combine uses one data copy, so its buffer is filled once.
             d0 = buf.dispatch(x, topk_idx, use_fp8=True, validate=False)
             buf.get_next_combine_buffer(d0.handle)[...] = y
-            for pull in (False, True):
+            for pull in (True, False):
                 def zc(i, st, pull=pull):
                     return buf.combine(None, topk_idx, topk_w, pending["d"].handle, zero_copy=True, pull=pull,
                                        kernel_time_ns=st)
                 timed_d, timed_c = steps([dispatch(True), zc], args.iters)
-                record("combine_zero_copy_pull" if pull else "combine_zero_copy", timed_c, pairs * 2 * H)
+                record("combine_zero_copy" if pull else "combine_zero_copy_push", timed_c, pairs * 2 * H)
 
         for name in args.ablate:
             # The same calls with one part of the work skipped: what that part costs.

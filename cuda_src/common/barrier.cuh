@@ -15,6 +15,15 @@ __host__ __device__ constexpr int64_t barrier_region_bytes(int num_ranks) {
     return ((int64_t)(num_ranks + 1) * 4 + 127) / 128 * 128;
 }
 
+// Kernel argument of a barrier launch; mirrors cupyep/barrier.py: BARRIER_ARGS_DTYPE.
+struct BarrierArgs {
+    void* const* peers;  // [num_ranks] device pointers to each rank's buffer base
+    int64_t offset;      // byte offset of the barrier region in every buffer
+    int rank;
+    int num_ranks;
+    Guard guard;
+};
+
 // Called by every thread of ONE block. Returns false on timeout.
 // NOTES: the st_release on the peer's arrive slot orders every store this rank
 // made before the barrier (including stores into peers' buffers, after the

@@ -90,6 +90,14 @@ __device__ __forceinline__ int4 ld_na_v4(const int4* p) {
     return v;
 }
 
+// Programmatic dependent launch (sm_90). pdl_wait: block until the kernels this
+// one depends on have finished and their memory is visible; a no-op unless
+// this kernel was launched as a programmatic dependent (cupyep.driver).
+// pdl_launch_dependents: let the next kernel in the stream, if launched as a
+// programmatic dependent, start now (it still waits in pdl_wait for this one).
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
 __device__ __forceinline__ uint64_t global_timer_ns() {
     uint64_t t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t;
 }

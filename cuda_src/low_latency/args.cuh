@@ -153,10 +153,12 @@ __device__ __forceinline__ void stamp_end(int64_t* t) {
     }
 }
 
-// A kernel's profiling frame around its body: start stamp, the end mark of the
+// A kernel's frame around its body: the wait for the work ahead (programmatic
+// dependent launch), start stamp, the end mark of the
 // blocks that received, end stamp (all no-ops without the profiling arrays).
 template <typename Body>
 __device__ __forceinline__ void profiled(const CallArgs& c, Body&& body) {
+    pdl_wait();  // launched as a programmatic dependent: the work ahead has ended here
     stamp_start(c.kernel_time);
     body();
     if ((c.phases & kPhaseRecv) && (int)blockIdx.x < c.num_waiters) trace_mark(c.trace, kMarkEnd);

@@ -12,12 +12,13 @@
 // rank's flag, then a warp per (token, chunk) sums weight * row over the
 // token's top-k slots, in slot order, so the result is bitwise deterministic.
 //
-// Pull (CombineArgs::pull, zero-copy only): the expert outputs already sit in
-// every expert rank's combine_send, where the owner knows each of its rows
-// (its dispatch put (t, j) at row slot_pos of region (expert, me)). The send
-// half then only releases the flags, and the owners read the rows from the
-// expert ranks' buffers as they reduce: one read and no write per row instead
-// of a read, a write and a read. This copy of combine_send is written again
+// Pull (CombineArgs::pull): the expert outputs sit in every expert rank's
+// combine_send, where the owner knows each of its rows (its dispatch put (t, j)
+// at row slot_pos of region (expert, me)), and the owners read them from the
+// expert ranks' buffers as they reduce. With zero-copy they are there already
+// and the send half only releases the flags; otherwise it first copies x into
+// its own combine_send, slot for slot (local writes, which cost far less than
+// writes into peers' pages). A row is read remotely once, never written remotely. This copy of combine_send is written again
 // only for a call at least two calls later (layout.CallSchedule); the call in
 // between completes only once every rank has flagged it, which each rank does
 // after finishing this reduce.
@@ -43,56 +44,57 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
     const int64_t slots = (int64_t)R * a.c.max_tokens;  // rows per local expert
     void* mine = a.c.peers[a.c.rank];
 
-    if ((a.c.phases & kPhaseSend) && a.pull) {
-        // Nothing to move: the outputs were written by earlier work in stream order.
+    if (a.c.phases & kPhaseSend) {
         trace_mark(a.c.trace, kMarkStart);
         clear_next_flags(mine, a.c.next, R);
-        for (int dst = b; dst < R; dst += G)
-            if (threadIdx.x == 0) st_release_sys(at<int>(a.c.peers[dst], a.c.cur.combine_flag) + a.c.rank, 1);
-        trace_mark(a.c.trace, kMarkFlagged);
-    } else if (a.c.phases & kPhaseSend) {
-        trace_mark(a.c.trace, kMarkStart);
-        clear_next_flags(mine, a.c.next, R);
-        // prefix[p] = rows of pairs before p = (expert e, source s), p = e * R + s;
-        // colprefix[p] = rows of source s for my experts before e (where pair p's rows
-        // start in my range of s's combine_recv).
-        const int P = El * R;
-        int* prefix = smem;              // [P + 1]
-        int* colprefix = prefix + P + 1;  // [P]
-        // Warp 0 scans all pairs; warps 1.. scan each source's pairs (stride R).
-        if (warp == 0) {
-            const int total = warp_exclusive_scan(P, lane, [&](int p) { return __ldg(a.layout_count + p); },
-                                                  [&](int p, int v) { prefix[p] = v; });
-            if (lane == 0) prefix[P] = total;
-        }
-        for (int s = warp - 1; s >= 0 && s < R; s += num_warps - 1)
-            warp_exclusive_scan(El, lane, [&](int le) { return __ldg(a.layout_count + le * R + s); },
-                                [&](int le, int v) { colprefix[le * R + s] = v; });
-        __syncthreads();
-        trace_mark(a.c.trace, kMarkPrep);
-        // A warp per received row (grid-strided): the row goes out in rounds of
-        // kUnroll 16-byte words per lane, all loads of a round in flight at once.
-        constexpr int kUnroll = 8;
-        const int64_t row_int4 = H / 8;
-        const int64_t ret_rows = return_rows(a.c.max_tokens, a.c.max_topk, El);
-        const int num_rows = prefix[P];
-        for (int r = b * num_warps + warp; r < num_rows; r += G * num_warps) {
-            int lo = 0, hi = P;  // last pair p with prefix[p] <= r
-            while (hi - lo > 1) {
-                const int mid = (lo + hi) / 2;
-                if (prefix[mid] <= r) lo = mid; else hi = mid;
+        int4* local_send = at<int4>(mine, a.c.cur.combine_send);
+        // Pulled from where they are (zero-copy): no rows to move, only flags to release.
+        if (!(a.pull && a.x == local_send)) {
+            // prefix[p] = rows of pairs before p = (expert e, source s), p = e * R + s;
+            // colprefix[p] = rows of source s for my experts before e (where pair p's rows
+            // start in my range of s's combine_recv).
+            const int P = El * R;
+            int* prefix = smem;              // [P + 1]
+            int* colprefix = prefix + P + 1;  // [P]
+            // Warp 0 scans all pairs; warps 1.. scan each source's pairs (stride R).
+            if (warp == 0) {
+                const int total = warp_exclusive_scan(P, lane, [&](int p) { return __ldg(a.layout_count + p); },
+                                                      [&](int p, int v) { prefix[p] = v; });
+                if (lane == 0) prefix[P] = total;
             }
-            const int le = lo / R, s = lo % R, q = r - prefix[lo];
-            const int64_t slot = (int64_t)le * slots + (int64_t)s * a.c.max_tokens + q;
-            const int4* src = reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) + slot * a.x_row_bytes);
-            int4* dst = at<int4>(a.c.peers[s], a.c.cur.combine_recv) + ((int64_t)a.c.rank * ret_rows + colprefix[lo] + q) * row_int4;
-            if (!(a.c.ablate & kAblateRows))
-                warp_copy<kUnroll, true>(dst, src, row_int4, lane, [](const int4* p) { return ld_nc_na_v4(p); },
-                                         [](int4* p, const int4& v) { st_na_v4(p, v); });
+            for (int s = warp - 1; s >= 0 && s < R; s += num_warps - 1)
+                warp_exclusive_scan(El, lane, [&](int le) { return __ldg(a.layout_count + le * R + s); },
+                                    [&](int le, int v) { colprefix[le * R + s] = v; });
+            __syncthreads();
+            trace_mark(a.c.trace, kMarkPrep);
+            // A warp per received row (grid-strided): the row goes out in rounds of
+            // kUnroll 16-byte words per lane, all loads of a round in flight at once.
+            // Pushed: into my range of the owner's combine_recv; pulled: into the same
+            // slot of my own combine_send.
+            constexpr int kUnroll = 8;
+            const int64_t row_int4 = H / 8;
+            const int64_t ret_rows = return_rows(a.c.max_tokens, a.c.max_topk, El);
+            const int num_rows = prefix[P];
+            for (int r = b * num_warps + warp; r < num_rows; r += G * num_warps) {
+                int lo = 0, hi = P;  // last pair p with prefix[p] <= r
+                while (hi - lo > 1) {
+                    const int mid = (lo + hi) / 2;
+                    if (prefix[mid] <= r) lo = mid; else hi = mid;
+                }
+                const int le = lo / R, s = lo % R, q = r - prefix[lo];
+                const int64_t slot = (int64_t)le * slots + (int64_t)s * a.c.max_tokens + q;
+                const int4* src = reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) + slot * a.x_row_bytes);
+                int4* dst = a.pull ? local_send + slot * row_int4
+                                   : at<int4>(a.c.peers[s], a.c.cur.combine_recv) +
+                                         ((int64_t)a.c.rank * ret_rows + colprefix[lo] + q) * row_int4;
+                if (!(a.c.ablate & kAblateRows))
+                    warp_copy<kUnroll, true>(dst, src, row_int4, lane, [](const int4* p) { return ld_nc_na_v4(p); },
+                                             [](int4* p, const int4& v) { st_na_v4(p, v); });
+            }
+            trace_mark(a.c.trace, kMarkSent);
+            if (!finish_sends(at<int>(mine, a.c.cur.done) + 1, a.c.guard, R)) return;
+            trace_mark(a.c.trace, kMarkAllSent);
         }
-        trace_mark(a.c.trace, kMarkSent);
-        if (!finish_sends(at<int>(mine, a.c.cur.done) + 1, a.c.guard, R)) return;
-        trace_mark(a.c.trace, kMarkAllSent);
         for (int dst = b; dst < R; dst += G)
             if (threadIdx.x == 0) st_release_sys(at<int>(a.c.peers[dst], a.c.cur.combine_flag) + a.c.rank, 1);
         trace_mark(a.c.trace, kMarkFlagged);

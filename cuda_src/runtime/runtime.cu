@@ -5,16 +5,10 @@
 
 namespace cupyep {
 
-struct BarrierArgs {
-    void* const* peers;  // [num_ranks] device pointers to each rank's buffer base
-    int64_t offset;      // byte offset of the barrier region in every buffer
-    int rank;
-    int num_ranks;
-    Guard guard;
-};
-
-// One barrier per launch (one block).
+// One barrier per launch (one block). A kernel launched after it as a
+// programmatic dependent may become resident at once (it waits in pdl_wait).
 __global__ void barrier_kernel(BarrierArgs a) {
+    pdl_launch_dependents();
     barrier_block(a.peers, a.offset, a.rank, a.num_ranks, a.guard, /*phase=*/0);
 }
 

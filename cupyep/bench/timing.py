@@ -114,9 +114,12 @@ def timed_rounds(calls, iters: int, warmup: int = 10, flush: str = "write", slee
     """Run ``warmup + iters`` rounds of ``calls``, each call on its own: an L2
     flush (``flush``: a FLUSH_MODES mode), a GPU sleep of ``sleep_us`` (so the
     host has queued the call before the GPU reaches it), ``before()`` (e.g. a
-    GPU barrier lining all ranks up), then ``call(i, stamp_row)`` between CUDA
-    events, where ``stamp_row`` is that call's int64 [2] kernel-stamp row
-    (stamps.new_kernel_stamps) for the kernel to fill.
+    GPU barrier lining all ranks up), then ``call(i, stamp_row)``, where
+    ``stamp_row`` is that call's int64 [2] kernel-stamp row
+    (stamps.new_kernel_stamps) for the kernel to fill. CUDA events span
+    ``before()`` and the call: an event recorded between them would hold the
+    call's launch back (under MPS by about 15 us at 8 ranks, and it defeats
+    programmatic launch; results/launch_skew.jsonl).
 
     Returns, per call, (event Timing, host int64 [iters, 2] kernel stamps),
     warm-up rounds dropped.
@@ -131,10 +134,10 @@ def timed_rounds(calls, iters: int, warmup: int = 10, flush: str = "write", slee
             flush_l2(mode=flush)
             if sleep_us:
                 gpu_sleep(sleep_us)
-            if before:
-                before()
             e = (cupy.cuda.Event(), cupy.cuda.Event())
             e[0].record()
+            if before:
+                before()
             call(i, st[i])
             e[1].record()
             evs.append(e)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import jit
+from .. import driver, jit
 from ..arrays import BF16, as_cupy, check
 from ..ipc import SymmetricBuffer
 from ..intranode.results import EventHandle
@@ -43,6 +43,11 @@ class LowLatencyBuffer:
             ranks sharing a GPU must be resident together (checked), so with
             num_waiters below num_blocks a call may use more blocks than its share.
         num_threads: threads per block, one of kernels.THREAD_CHOICES.
+        programmatic_launch: launch every kernel as a programmatic dependent of
+            the work ahead of it in the stream (cupyep.driver): its blocks are
+            resident, waiting on the GPU, when that work ends, instead of being
+            launched then. Pays off when the kernel ahead calls
+            ``griddepcontrol.launch_dependents`` early (GpuBarrier does).
 
     Collective: create, call and destroy it on every rank in the same order.
 
@@ -54,7 +59,7 @@ class LowLatencyBuffer:
 
     def __init__(self, group, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int, *,
                  max_topk: int = 16, num_blocks: int | None = None, num_waiters: int | None = None,
-                 num_threads: int = K.DEFAULT_THREADS):
+                 num_threads: int = K.DEFAULT_THREADS, programmatic_launch: bool = False):
         import cupy
         group.require_gpu("cupyep.LowLatencyBuffer")
         if group.num_nodes > 1:
@@ -77,6 +82,7 @@ class LowLatencyBuffer:
         self.num_waiters = K.check_waiters(num_waiters, self.num_blocks, R)
         self.num_threads = num_threads
         self.max_topk = max_topk
+        self.programmatic_launch = bool(programmatic_launch)
         self.layout = low_latency_layout(R, num_max_dispatch_tokens_per_rank, hidden, num_experts, max_topk)
         self.buffer = SymmetricBuffer(group, self.layout.nbytes)
         self._structs = {}
@@ -282,8 +288,11 @@ class LowLatencyBuffer:
             a = jit.pack(dtype, c=jit.pack(K.CALL_DTYPE, **c), **args)
             # A receive half alone runs on the waiters only.
             blocks = self.num_blocks if phases & K.PHASE_SEND else self.num_waiters
-            with s:
-                fn((blocks,), (self.num_threads,), (a,), shared_mem=smem)
+            if self.programmatic_launch:
+                driver.launch(fn, blocks, self.num_threads, (a,), shared_mem=smem, stream=s, programmatic=True)
+            else:
+                with s:
+                    fn((blocks,), (self.num_threads,), (a,), shared_mem=smem)
 
         if not return_recv_hook:
             launch(K.PHASE_SEND | K.PHASE_RECV, stream)
@@ -321,7 +330,7 @@ class LowLatencyBuffer:
                              f"later dispatch (a dispatch's rows are valid until the next dispatch)")
 
     def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, *, zero_copy: bool = False,
-                pull: bool = False, async_finish: bool = False, return_recv_hook: bool = False, out=None,
+                pull: bool = True, async_finish: bool = False, return_recv_hook: bool = False, out=None,
                 validate: bool = False, kernel_time_ns=None, trace=None) -> LowLatencyCombineResult:
         """Return expert outputs to their tokens and reduce with the top-k weights.
 
@@ -334,16 +343,18 @@ class LowLatencyBuffer:
             topk_weights: [T, k] float32.
             handle: the dispatch's LowLatencyHandle.
             zero_copy: read the expert outputs from get_next_combine_buffer().
-            pull: with zero_copy, each token's owner reads its rows straight from
-                the expert ranks' combine buffers while it reduces, instead of the
-                expert ranks writing them into the owners' buffers first (one
-                read per row instead of a read, a write and a read). Every rank
-                must pass the same value. The copy of the combine buffer a call
-                reads is handed out again (get_next_combine_buffer) only after
-                another call on this buffer, which completes only once every owner
-                has finished this combine; so rows stay valid while they are read
-                as long as each rank issues its calls, and its writes to the
-                combine buffer, on one stream in call order.
+            pull: each token's owner reads its rows from the expert ranks' combine
+                buffers while it reduces (default), instead of the expert ranks
+                writing them into the owners' buffers first (pull=False, push).
+                A row is then read remotely once and never written remotely;
+                without zero_copy the expert rank first copies x into its own
+                combine buffer, a local copy. Every rank must pass the same
+                value. The copy of the combine buffer a call reads is handed out
+                again (get_next_combine_buffer) only after another call on this
+                buffer, which completes only once every owner has finished this
+                combine; so rows stay valid while they are read as long as each
+                rank issues its calls, and its writes to the combine buffer, on
+                one stream in call order.
             out: optional [T, H] uint16 output array.
             async_finish, return_recv_hook, kernel_time_ns, trace: as in dispatch.
 
@@ -359,8 +370,6 @@ class LowLatencyBuffer:
         if k != handle.num_topk:
             raise ValueError(f"topk_idx has {k} columns, the dispatch had {handle.num_topk}")
         topk_weights = check(as_cupy(topk_weights, "topk_weights"), "topk_weights", np.float32, shape=(T, k))
-        if pull and not zero_copy:
-            raise ValueError("pull reads the expert outputs from the combine buffers: it needs zero_copy=True")
         if zero_copy:
             src = self.get_next_combine_buffer(handle)
             if x is not None and (as_cupy(x, "x").data.ptr != src.data.ptr):

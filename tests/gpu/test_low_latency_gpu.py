@@ -168,10 +168,11 @@ def test_hook_zero_copy_ue8m0(group, llbuf):
 
 
 @pytest.mark.parametrize("hook", [False, True])
-def test_zero_copy_pull(group, llbuf, hook):
-    """Owners reading the outputs from the expert ranks' combine buffers give the
-    reference result, bit for bit what the pushing combine gives, over repeated
-    dispatch/combine rounds with uneven token counts."""
+def test_pull_and_push(group, llbuf, hook):
+    """Owners pulling the outputs from the expert ranks' combine buffers (from x
+    copied there, or written there as zero-copy) give the reference result, bit
+    for bit what the pushing combines give, over repeated dispatch/combine
+    rounds with uneven token counts."""
     import cupy
     me, R = group.local_rank, group.local_size
     tokens = [MAX_TOKENS - 5 * r for r in range(R)]
@@ -183,17 +184,18 @@ def test_zero_copy_pull(group, llbuf, hook):
         y = res.recv_x.copy()
         outs = []
         for pull in (True, False):
-            llbuf.get_next_combine_buffer(res.handle)[...] = y
-            comb = llbuf.combine(None, i_me, w_me, res.handle, zero_copy=True, pull=pull, return_recv_hook=hook)
-            if hook:
-                comb.hook()
-            outs.append(comb.combined_x.get())
+            for zero_copy in (True, False):
+                if zero_copy:
+                    llbuf.get_next_combine_buffer(res.handle)[...] = y
+                comb = llbuf.combine(None if zero_copy else y, i_me, w_me, res.handle, zero_copy=zero_copy,
+                                     pull=pull, return_recv_hook=hook)
+                if hook:
+                    comb.hook()
+                outs.append(comb.combined_x.get())
         got = bf16_to_f32(outs[0])
         diff = ref.calc_diff(got, _combine_expected(xs[me], idx[me], w[me]))
-        same = np.array_equal(outs[0], outs[1])
+        same = all(np.array_equal(outs[0], o) for o in outs[1:])
         assert all_ranks(group.comm, diff < 1e-5 and same and not np.isnan(got).any()), (it, diff, same)
-    with pytest.raises(ValueError, match="zero_copy"):
-        llbuf.combine(y, i_me, w_me, res.handle, pull=True)
 
 
 @pytest.mark.parametrize("hook", [False, True])
@@ -419,6 +421,61 @@ def test_cuda_graph_replay(group, llbuf):
         ok, bad = _check_dispatch(group, res, [T] * R, idx, False, xs)
         diff = ref.calc_diff(bf16_to_f32(comb.combined_x.get()), _combine_expected(xs[me], idx[me], w[me]))
         assert all_ranks(group.comm, ok and diff < 1e-5), (it, bad, diff)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_programmatic_launch(group, llbuf, graph):
+    """Kernels launched as programmatic dependents of a GPU barrier (which lets
+    them become resident early), plainly and inside a replayed CUDA graph."""
+    import cupy
+    from cupyep.barrier import GpuBarrier
+    me, R = group.local_rank, group.local_size
+    T = MAX_TOKENS
+    bar = GpuBarrier(group)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    x_in = cupy.asarray(tagged_x(me, T))
+    idx_in = cupy.empty((T, K), dtype=np.int64)
+    w_in = cupy.empty((T, K), dtype=np.float32)
+    xs = [tagged_x(r, T) for r in range(R)]
+    llbuf.programmatic_launch = True
+    try:
+        use_fp8 = not graph  # (the FP8 identity experts copy a table to the GPU: not capturable)
+
+        def step():
+            bar(stream)
+            res = llbuf.dispatch(x_in, idx_in, use_fp8=use_fp8, validate=False)
+            y = _expert_outputs(res, use_fp8)
+            bar(stream)
+            return res, llbuf.combine(y, idx_in, w_in, res.handle)
+
+        with stream:
+            if graph:
+                idx, w = _routing(group, 700, [T] * R)
+                idx_in.set(idx[me]); w_in.set(w[me])
+                step()
+                stream.synchronize()
+                group.comm.Barrier()
+                stream.begin_capture()
+                res, comb = step()
+                g = stream.end_capture()
+            for it in range(4):
+                idx, w = _routing(group, 710 + it, [T] * R)
+                idx_in.set(idx[me]); w_in.set(w[me])
+                stream.synchronize()
+                if graph:
+                    g.launch(stream)
+                else:
+                    res, comb = step()
+                stream.synchronize()
+                group.check_errors()
+                ok, bad = _check_dispatch(group, res, [T] * R, idx, use_fp8, xs)
+                got = bf16_to_f32(comb.combined_x.get())
+                diff = ref.calc_diff(got, _combine_expected(xs[me], idx[me], w[me]))
+                assert all_ranks(group.comm, ok and diff < (9e-4 if use_fp8 else 1e-5) and not np.isnan(got).any()), (it, bad, diff)
+    finally:
+        llbuf.programmatic_launch = False
+        stream.synchronize()
+        bar.destroy()
 
 
 def test_bad_input(group, llbuf):

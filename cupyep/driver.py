@@ -1,0 +1,84 @@
+"""Kernel launches through the CUDA driver's ``cuLaunchKernelEx``, for what
+CuPy's launch cannot ask for: programmatic dependent launch (PDL).
+
+A kernel launched with ``programmatic=True`` may start before the kernel
+ahead of it in the stream has finished, once that kernel has executed
+``griddepcontrol.launch_dependents`` (``pdl_launch_dependents`` in
+``cuda_src/common/ptx.cuh``) in every block, or has ended. The dependent
+must call ``pdl_wait`` before it touches anything the earlier kernel
+writes. What PDL saves is the launch: the dependent's blocks are already
+resident when the earlier kernel ends. Launches stay capturable in CUDA
+graphs (the dependency becomes a programmatic edge).
+
+Arguments are passed as for CuPy: a tuple of NumPy scalars (structured
+``np.void`` structs included), each copied by value.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _AttrValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_char * 64), ("value", ctypes.c_int)]
+
+
+class _Attr(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _AttrValue)]
+
+
+class _Config(ctypes.Structure):
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_Attr)), ("num_attrs", ctypes.c_uint)]
+
+
+assert ctypes.sizeof(_Attr) == 72 and ctypes.sizeof(_Config) == 56
+
+_lib = None
+
+
+def _driver():
+    global _lib
+    if _lib is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p,
+                                         ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p)]
+        lib.cuLaunchKernelEx.restype = ctypes.c_int
+        _lib = lib
+    return _lib
+
+
+def _dims(d) -> tuple[int, int, int]:
+    d = tuple(int(v) for v in (d if isinstance(d, (tuple, list)) else (d,)))
+    if not 1 <= len(d) <= 3 or min(d) < 1:
+        raise ValueError(f"launch dimensions must be 1 to 3 positive ints, got {d}")
+    return d + (1,) * (3 - len(d))
+
+
+def launch(function, grid, block, args: tuple, shared_mem: int = 0, stream=None, programmatic: bool = False) -> None:
+    """Launch ``function`` (a ``cupy.RawKernel``, as ``jit.load`` gives, or a
+    ``cupy.cuda.Function``)
+    on ``stream`` (default: the current CuPy stream).
+
+    ``args``: NumPy scalars or structured scalars, in the kernel's parameter
+    order. ``programmatic``: launch as a programmatic dependent of the work
+    ahead of it in the stream (the kernel must ``pdl_wait`` first).
+    Raises RuntimeError with the driver's error code if the launch fails.
+    """
+    import cupy
+    s = stream if stream is not None else cupy.cuda.get_current_stream()
+    blobs = [ctypes.create_string_buffer(np.asarray(a).tobytes(), max(np.asarray(a).nbytes, 1)) for a in args]
+    params = (ctypes.c_void_p * max(len(blobs), 1))(*[ctypes.cast(b, ctypes.c_void_p) for b in blobs])
+    attrs = (_Attr * 1)()
+    attrs[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attrs[0].value.value = 1
+    cfg = _Config(grid=(ctypes.c_uint * 3)(*_dims(grid)), block=(ctypes.c_uint * 3)(*_dims(block)),
+                  shared_mem=int(shared_mem), stream=ctypes.c_void_p(s.ptr),
+                  attrs=attrs if programmatic else None, num_attrs=1 if programmatic else 0)
+    fn = function.kernel if hasattr(function, "kernel") else function  # RawKernel: its Function on this device
+    rc = _driver().cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(fn.ptr), params, None)
+    if rc != 0:
+        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {rc}")
