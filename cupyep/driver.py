@@ -37,6 +37,10 @@ class _Config(ctypes.Structure):
 
 assert ctypes.sizeof(_Attr) == 72 and ctypes.sizeof(_Config) == 56
 
+_PROGRAMMATIC = (_Attr * 1)()
+_PROGRAMMATIC[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_PROGRAMMATIC[0].value.value = 1
+
 _lib = None
 
 
@@ -70,14 +74,11 @@ def launch(function, grid, block, args: tuple, shared_mem: int = 0, stream=None,
     """
     import cupy
     s = stream if stream is not None else cupy.cuda.get_current_stream()
-    blobs = [ctypes.create_string_buffer(np.asarray(a).tobytes(), max(np.asarray(a).nbytes, 1)) for a in args]
+    blobs = [ctypes.create_string_buffer(np.asarray(a).tobytes()) for a in args]
     params = (ctypes.c_void_p * max(len(blobs), 1))(*[ctypes.cast(b, ctypes.c_void_p) for b in blobs])
-    attrs = (_Attr * 1)()
-    attrs[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attrs[0].value.value = 1
     cfg = _Config(grid=(ctypes.c_uint * 3)(*_dims(grid)), block=(ctypes.c_uint * 3)(*_dims(block)),
                   shared_mem=int(shared_mem), stream=ctypes.c_void_p(s.ptr),
-                  attrs=attrs if programmatic else None, num_attrs=1 if programmatic else 0)
+                  attrs=_PROGRAMMATIC if programmatic else None, num_attrs=1 if programmatic else 0)
     fn = function.kernel if hasattr(function, "kernel") else function  # RawKernel: its Function on this device
     rc = _driver().cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(fn.ptr), params, None)
     if rc != 0:

@@ -9,8 +9,9 @@
 // dispatch listed its rows to me, so s finds the row of its (token, slot) at
 // the dispatch's combine_pos. Then the send counter and one flag per source.
 // Receive half (the token side, blocks b < num_waiters): wait for every expert
-// rank's flag, then a warp per (token, chunk) sums weight * row over the
-// token's top-k slots, in slot order, so the result is bitwise deterministic.
+// rank's flag, then each warp takes a run of (token, chunk) items and sums
+// weight * row over the token's top-k slots, in slot order, so the result is
+// bitwise deterministic.
 //
 // Pull (CombineArgs::pull): the expert outputs sit in every expert rank's
 // combine_send, where the owner knows each of its rows (its dispatch put (t, j)
@@ -106,14 +107,38 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
         trace_mark(a.c.trace, kMarkArrived);
         const int4* recv = at<int4>(mine, a.c.cur.combine_recv);
         const int64_t ret_rows = return_rows(a.c.max_tokens, a.c.max_topk, El);
+        // Where slot j of token t's row starts (null for an empty slot), and its weight.
+        auto slot_row = [&](int t, int j, float& w) -> const int4* {
+            const int e = (int)__ldg(a.topk_idx + (int64_t)t * k + j);
+            w = 0.f;
+            if (e < 0 || e >= E) return nullptr;
+            w = __ldg(a.topk_weights + (int64_t)t * k + j);
+            if (a.pull) {
+                const int64_t row = ((int64_t)(e % El) * R + a.c.rank) * a.c.max_tokens +
+                                    __ldg(a.slot_pos + (int64_t)t * k + j);
+                return at<int4>(a.c.peers[e / El], a.c.cur.combine_send) + row * H / 8;
+            }
+            return recv + ((int64_t)(e / El) * ret_rows + __ldg(a.combine_pos + (int64_t)t * k + j)) * H / 8;
+        };
         // Slots whose chunks a warp has in flight: all of a top-8 at 512 threads (128
         // registers), half at 1024 (64 registers).
         constexpr int kBatch = kNumThreads <= 512 ? 8 : 4;
-        for (int64_t item = (int64_t)b * num_warps + warp; item < (int64_t)T * num_chunks;
-             item += (int64_t)a.c.num_waiters * num_warps) {
+        // Each warp takes a contiguous run of (token, chunk) items, so it looks a
+        // token's slots up once: lane j holds slot j's row and weight (slots from 32 on,
+        // for a top-k above 32, are looked up per item), handed out by shuffles.
+        const int64_t num_items = (int64_t)T * num_chunks;
+        const int64_t num_workers = (int64_t)a.c.num_waiters * num_warps, worker = (int64_t)b * num_warps + warp;
+        int cached_t = -1;
+        const int4* lane_row = nullptr;
+        float lane_w = 0.f;
+        for (int64_t item = num_items * worker / num_workers; item < num_items * (worker + 1) / num_workers; ++item) {
             const int t = (int)(item / num_chunks), ch = (int)(item % num_chunks);
+            if (t != cached_t) {  // warp-uniform
+                cached_t = t;
+                lane_row = lane < k ? slot_row(t, lane, lane_w) : nullptr;
+            }
             const int elem0 = ch * kChunkElems + lane * 16;
-            if (elem0 >= H) continue;
+            const bool active = elem0 < H;  // every lane stays for the shuffles
             float acc[16];
 #pragma unroll
             for (int i = 0; i < 16; ++i) acc[i] = 0.f;
@@ -123,23 +148,21 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
 #pragma unroll
                 for (int u = 0; u < kBatch; ++u) {
                     const int j = j0 + u;
-                    const int e = j < k ? (int)__ldg(a.topk_idx + (int64_t)t * k + j) : -1;
+                    const int4* p = nullptr;
                     w[u] = 0.f;
-                    if (e >= 0 && e < E) {
-                        w[u] = __ldg(a.topk_weights + (int64_t)t * k + j);
-                        const int4* p;
-                        if (a.pull) {
-                            const int64_t row = ((int64_t)(e % El) * R + a.c.rank) * a.c.max_tokens +
-                                                __ldg(a.slot_pos + (int64_t)t * k + j);
-                            p = at<int4>(a.c.peers[e / El], a.c.cur.combine_send) + (row * H + elem0) / 8;
-                        } else {
-                            const int64_t row = (int64_t)(e / El) * ret_rows + __ldg(a.combine_pos + (int64_t)t * k + j);
-                            p = recv + (row * H + elem0) / 8;
-                        }
-                        v[u][0] = ld_na_v4(p);
-                        v[u][1] = ld_na_v4(p + 1);
+                    if (j < 32) {
+                        p = reinterpret_cast<const int4*>(
+                            __shfl_sync(0xffffffffu, reinterpret_cast<long long>(lane_row), j));
+                        w[u] = __shfl_sync(0xffffffffu, lane_w, j);
+                    } else if (j < k) {
+                        p = slot_row(t, j, w[u]);
+                    }
+                    if (j < k && p != nullptr && active) {
+                        v[u][0] = ld_na_v4(p + elem0 / 8);
+                        v[u][1] = ld_na_v4(p + elem0 / 8 + 1);
                     } else {
                         v[u][0] = v[u][1] = make_int4(0, 0, 0, 0);
+                        w[u] = 0.f;
                     }
                 }
 #pragma unroll
@@ -148,9 +171,11 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                     fma_bf16x8(acc + 8, v[u][1], w[u]);
                 }
             }
-            int4* out = a.out + ((int64_t)t * H + elem0) / 8;
-            out[0] = pack_bf16x8(acc);
-            out[1] = pack_bf16x8(acc + 8);
+            if (active) {
+                int4* out = a.out + ((int64_t)t * H + elem0) / 8;
+                out[0] = pack_bf16x8(acc);
+                out[1] = pack_bf16x8(acc + 8);
+            }
         }
     }
 }
