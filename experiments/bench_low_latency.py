@@ -124,6 +124,8 @@ def main():
         def combine(i, st, **kw):
             return buf.combine(y, topk_idx, topk_w, pending["d"].handle, kernel_time_ns=st, **kw)
 
+        d_fp8 = dispatch(True)
+
         # Identity expert outputs in the dispatch's row layout (the same for FP8 and BF16).
         y = buf.dispatch(x, topk_idx, use_fp8=False, validate=False).recv_x.copy()
         # Calls alternate dispatch, combine as in a decode loop (each timed on its own), so each
@@ -134,7 +136,7 @@ def main():
             record("dispatch_fp8" if use_fp8 else "dispatch_bf16", timed_d, pairs * (fp8_row if use_fp8 else bf16_row))
             if use_fp8:
                 record("combine", timed_c, pairs * 2 * H)
-        timed_d, timed_c = steps([dispatch(True), lambda i, st: combine(i, st, pull=False)], args.iters)
+        timed_d, timed_c = steps([d_fp8, lambda i, st: combine(i, st, pull=False)], args.iters)
         record("combine_push", timed_c, pairs * 2 * H)
 
         if args.zero_copy:
@@ -146,13 +148,13 @@ def main():
                 def zc(i, st, pull=pull):
                     return buf.combine(None, topk_idx, topk_w, pending["d"].handle, zero_copy=True, pull=pull,
                                        kernel_time_ns=st)
-                timed_d, timed_c = steps([dispatch(True), zc], args.iters)
+                timed_d, timed_c = steps([d_fp8, zc], args.iters)
                 record("combine_zero_copy" if pull else "combine_zero_copy_push", timed_c, pairs * 2 * H)
 
         for name in args.ablate:
             # The same calls with one part of the work skipped: what that part costs.
             buf.ablate = K.ablation_bits([name])
-            timed_d, timed_c = steps([dispatch(True), combine], args.iters)
+            timed_d, timed_c = steps([d_fp8, combine], args.iters)
             buf.ablate = 0
             record(f"dispatch_fp8_ablate_{name}", timed_d, pairs * fp8_row)
             # The combine skips rows itself under "rows"; otherwise it runs whole, after the lighter dispatch.
@@ -210,7 +212,7 @@ def main():
                 if name == "current":
                     # Each kernel in turn with the other kind's bare rows: whether a kernel's
                     # extra time is its own or comes from what the call before it left.
-                    t_d, t_c = steps([dispatch(True), probe_c], args.iters)
+                    t_d, t_c = steps([d_fp8, probe_c], args.iters)
                     record("cross_dispatch_fp8_kernel", t_d, pairs * fp8_row)
                     record("cross_combine_rows_after_kernel", t_c, int(rows_c[0].size) * 2 * H)
                     t_d, t_c = steps([probe_d, combine], args.iters)
@@ -238,15 +240,11 @@ def main():
 
         if not args.no_hook:
             # Hook mode: the send half and the receive half, each timed alone.
-            def ds(i, st):
-                pending["d"] = buf.dispatch(x, topk_idx, use_fp8=True, validate=False, return_recv_hook=True,
-                                            kernel_time_ns=st)
-
             def cs(i, st):
-                pending["c"] = buf.combine(y, topk_idx, topk_w, pending["d"].handle, return_recv_hook=True,
-                                           kernel_time_ns=st)
+                pending["c"] = combine(i, st, return_recv_hook=True)
 
-            halves = steps([ds, lambda i, st: pending["d"].hook(kernel_time_ns=st),
+            halves = steps([lambda i, st: d_fp8(i, st, return_recv_hook=True),
+                            lambda i, st: pending["d"].hook(kernel_time_ns=st),
                             cs, lambda i, st: pending["c"].hook(kernel_time_ns=st)], args.iters)
             for kind, timed, nbytes in zip(("dispatch_fp8_send_half", "dispatch_fp8_recv_half",
                                             "combine_send_half", "combine_recv_half"), halves,
@@ -257,7 +255,6 @@ def main():
             G = buf.num_blocks
             traces = {k: cupy.zeros((warmup + args.trace, G, NUM_TRACE_SLOTS), dtype=np.int64)
                       for k in ("dispatch_fp8", "combine")}
-            d_fp8 = dispatch(True)
             steps([lambda i, st: d_fp8(i, st, trace=traces["dispatch_fp8"][i]),
                    lambda i, st: combine(i, st, trace=traces["combine"][i])], args.trace)
             for kind, tr in traces.items():

@@ -18,11 +18,11 @@
 // at row slot_pos of region (expert, me)), and the owners read them from the
 // expert ranks' buffers as they reduce. With zero-copy they are there already
 // and the send half only releases the flags; otherwise it first copies x into
-// its own combine_send, slot for slot (local writes, which cost far less than
-// writes into peers' pages). A row is read remotely once, never written remotely. This copy of combine_send is written again
-// only for a call at least two calls later (layout.CallSchedule); the call in
-// between completes only once every rank has flagged it, which each rank does
-// after finishing this reduce.
+// its own combine_send, slot for slot (local writes: no peer pages touched). A
+// row is read remotely once, never written remotely. This copy of combine_send
+// is written again only for a call at least two calls later
+// (layout.CallSchedule); the call in between completes only once every rank
+// has flagged it, which each rank does after finishing this reduce.
 #include <cuda_bf16.h>
 #include "common/bf16.cuh"
 #include "common/copy.cuh"
