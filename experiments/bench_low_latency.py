@@ -183,7 +183,7 @@ def main():
             # then the current layouts plus, one at a time, what the kernels do besides rows
             # (per-row source/slot tags into recv_src / recv_slot, the kernels' dynamic
             # shared memory).
-            d_smem = K.dispatch_smem(T, buf.num_blocks, args.topk, args.experts, buf.num_threads).bytes
+            d_smem = K.dispatch_smem(T, buf.num_blocks, args.topk, args.experts).bytes
             c_smem = K.combine_smem(args.experts)
             rows_total = buf.num_local_experts * buf.layout.slots
             pairs_ = (("current", "dispatch_expert_major", "combine_slot_token", False, False),

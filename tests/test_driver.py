@@ -28,3 +28,41 @@ def test_dims(dims, expected):
 def test_bad_dims(dims):
     with pytest.raises(ValueError, match="launch dimensions"):
         driver._dims(dims)
+
+
+def test_launch_passes_config_and_arguments(monkeypatch):
+    """What reaches cuLaunchKernelEx: dimensions, shared memory, stream, the PDL
+    attribute, and each argument's bytes (a fake driver records them)."""
+    import numpy as np
+    seen = {}
+
+    class FakeDriver:
+        @staticmethod
+        def cuLaunchKernelEx(cfg_ref, fn, params, extra):
+            cfg = cfg_ref._obj
+            seen.update(grid=tuple(cfg.grid), block=tuple(cfg.block), smem=cfg.shared_mem, stream=cfg.stream,
+                        num_attrs=cfg.num_attrs, fn=fn,
+                        args=[ctypes.string_at(params[0], 8), ctypes.string_at(params[1], 4)])
+            if cfg.num_attrs:
+                seen["attr"] = (cfg.attrs[0].id, cfg.attrs[0].value.value)
+            return seen.get("rc", 0)
+
+    class Stream:
+        ptr = 0x1234
+
+    class Function:
+        ptr = 0x99
+
+    monkeypatch.setattr(driver, "_lib", FakeDriver)
+    driver.launch(Function(), (4, 2), 256, (np.int64(7), np.float32(1.5)), shared_mem=1024, stream=Stream(),
+                  programmatic=True)
+    assert seen["grid"] == (4, 2, 1) and seen["block"] == (256, 1, 1) and seen["smem"] == 1024
+    assert seen["stream"] == 0x1234 and seen["fn"] == 0x99 and seen["num_attrs"] == 1
+    assert seen["attr"] == (driver.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)
+    assert seen["args"] == [np.int64(7).tobytes(), np.float32(1.5).tobytes()]
+    # A plain launch carries no attribute; a failing one raises with the driver's code.
+    driver.launch(Function(), 1, 32, (np.int64(0), np.float32(0)), stream=Stream())
+    assert seen["num_attrs"] == 0
+    seen["rc"] = 1
+    with pytest.raises(RuntimeError, match="CUresult 1"):
+        driver.launch(Function(), 1, 32, (np.int64(0), np.float32(0)), stream=Stream())

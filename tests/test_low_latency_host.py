@@ -233,86 +233,70 @@ SMEM_CASES = [(t, b, k, e)
 
 
 def _fixed_bytes(T, blocks, k, E):
-    """cnt is added per group; this is total, seg [E] + own_e, own_pos [Tb][k] + own_grp [Tb]."""
+    """The masks are added per word; this is total, seg [E] + own_e, own_pos [Tb][k]."""
     Tb = -(-T // blocks)
-    return 4 * (2 * E + 2 * Tb * k + Tb)
+    return 4 * (2 * E + 2 * Tb * k)
 
 
-@pytest.mark.parametrize("threads", K.THREAD_CHOICES)
-def test_dispatch_smem_plan(threads):
-    warps = threads // 32
-    fits = raises = staged_cases = 0
+def test_dispatch_smem_plan():
+    fits = raises = windows = 0
     for T, blocks, k, E in SMEM_CASES:
-        case = (T, blocks, k, E, threads)
-        fixed, ids = _fixed_bytes(T, blocks, k, E), 4 * T * k
-        # Ids are staged when one scan group per 4 warps still fits next to them.
-        expect_stage = fixed + ids + 4 * E * max(1, warps // 4) <= K.SMEM_BUDGET
-        if not expect_stage and fixed + 4 * E > K.SMEM_BUDGET:
+        case = (T, blocks, k, E)
+        fixed = _fixed_bytes(T, blocks, k, E)
+        if fixed + 4 * E > K.SMEM_BUDGET:
             raises += 1
             with pytest.raises(ValueError, match="shared memory"):
-                K.dispatch_smem(T, blocks, k, E, threads)
+                K.dispatch_smem(T, blocks, k, E)
             continue
         fits += 1
-        groups, nbytes, stage = K.dispatch_smem(T, blocks, k, E, threads)
-        assert isinstance(groups, int) and isinstance(nbytes, int), case
-        assert stage == expect_stage, case
-        staged_cases += stage
-        assert 1 <= groups <= warps, case
-        assert nbytes <= K.SMEM_BUDGET, case
-        # cnt [groups][E] + total, seg [E] + own_e, own_pos [Tb][k] + own_grp [Tb] (+ ids [T][k]), int32.
-        assert nbytes == fixed + 4 * groups * E + (ids if stage else 0), case
-        # As many groups as fit: one per warp, or one more would overflow.
-        assert groups == warps or nbytes + 4 * E > K.SMEM_BUDGET, case
-        if stage:
-            assert groups >= max(1, warps // 4), case
-    assert fits > 50 and raises > 0 and 0 < staged_cases < fits  # every branch exercised
+        words, nbytes = K.dispatch_smem(T, blocks, k, E)
+        assert isinstance(words, int) and isinstance(nbytes, int), case
+        assert 1 <= words <= -(-T // 32), case
+        assert nbytes == fixed + 4 * E * words <= K.SMEM_BUDGET, case
+        # As many words as fit: all T in one window, or one more word would overflow.
+        assert words == -(-T // 32) or nbytes + 4 * E > K.SMEM_BUDGET, case
+        windows += words < -(-T // 32)
+    assert fits > 50 and raises > 0 and windows > 0  # every branch exercised
 
 
 def test_dispatch_smem_examples():
-    # Decode: 128 tokens over 132 blocks (one token per block), top-8, 256 experts: ids staged.
-    fixed = 4 * (2 * 256 + 2 * 8 + 1)
-    assert K.dispatch_smem(128, 132, 8, 256, 512) == (16, fixed + 4 * 128 * 8 + 4 * 16 * 256, True)
-    assert K.dispatch_smem(128, 132, 8, 256, 1024) == (32, fixed + 4 * 128 * 8 + 4 * 32 * 256, True)
-    # 2048 experts, 1024 threads: ids plus 8 groups would not fit, so no staging; 3 groups fit.
-    g, nbytes, stage = K.dispatch_smem(128, 132, 8, 2048, 1024)
-    assert not stage
-    assert g == (K.SMEM_BUDGET - 4 * (2 * 2048 + 17)) // (4 * 2048) == 3
-    assert nbytes == 4 * (2 * 2048 + 17 + 3 * 2048)
+    # Decode: 128 tokens over 16 blocks (8 per block), top-8, 256 experts: one window of 4 words.
+    assert K.dispatch_smem(128, 16, 8, 256) == (4, 4 * (2 * 256 + 2 * 8 * 8) + 4 * 256 * 4)
+    # One token: one word per expert.
+    assert K.dispatch_smem(1, 16, 8, 256) == (1, 4 * (2 * 256 + 2 * 8) + 4 * 256)
+    # 4096 tokens, 2048 experts: windows of 3 words (96 tokens) fit next to the fixed part.
+    words, nbytes = K.dispatch_smem(4096, 132, 8, 2048)
+    assert words == (K.SMEM_BUDGET - 4 * (2 * 2048 + 2 * 32 * 8)) // (4 * 2048) == 3
+    assert nbytes == 4 * (2 * 2048 + 2 * 32 * 8 + 3 * 2048)
     assert K.SMEM_BUDGET < 48 * 1024
 
 
 @pytest.mark.parametrize("T,blocks,k", [(1, 1, 1), (128, 132, 8), (256, 24, 8), (64, 8, 32), (128, 8, 32)])
-@pytest.mark.parametrize("threads", K.THREAD_CHOICES)
-def test_dispatch_smem_more_experts_fewer_groups(T, blocks, k, threads):
-    # Groups never grow with E while the staging decision stays the same (dropping
-    # the staged ids frees memory, so groups may jump up where staging stops).
+def test_dispatch_smem_more_experts_fewer_words(T, blocks, k):
+    # Window words never grow with E; with few experts the whole T fits in one window.
     prev = None
     for E in range(8, 8200, 8):
         try:
-            g, _, stage = K.dispatch_smem(T, blocks, k, E, threads)
+            words, _ = K.dispatch_smem(T, blocks, k, E)
         except ValueError:
             break
-        if prev is not None and prev[1] == stage:
-            assert g <= prev[0], (E, g, prev)
         if prev is not None:
-            assert not (stage and not prev[1]), f"staging resumes at E={E}"
-        prev = (g, stage)
-    # Few experts: one group per warp; many: strictly fewer.
-    assert K.dispatch_smem(T, blocks, k, 8, threads)[0] == threads // 32
-    assert K.dispatch_smem(1, 1, 1, 2048, threads)[0] < threads // 32
+            assert words <= prev, (E, words, prev)
+        prev = words
+    assert K.dispatch_smem(T, blocks, k, 8)[0] == -(-T // 32)
 
 
-def test_dispatch_smem_raises_when_one_group_does_not_fit():
+def test_dispatch_smem_raises_when_one_word_does_not_fit():
     with pytest.raises(ValueError, match=r"16384 experts.*budget is 47104"):
-        K.dispatch_smem(128, 132, 8, 16384, 512)
+        K.dispatch_smem(128, 132, 8, 16384)
     # Too many tokens per block for top-32 even with few experts.
-    with pytest.raises(ValueError, match=r"top-32 and 512 tokens per block"):
-        K.dispatch_smem(512, 1, 32, 8, 512)
-    # At the edge (T=2, one block, top-1: Tb = 2): one group needs 4 * (3E + 6) <= 47104, E <= 3923.
-    assert 4 * (3 * 3923 + 6) <= K.SMEM_BUDGET < 4 * (3 * 3924 + 6)
-    assert K.dispatch_smem(2, 1, 1, 3923, 512) == (1, 4 * (3 * 3923 + 6), False)
-    with pytest.raises(ValueError, match="3924 experts"):
-        K.dispatch_smem(2, 1, 1, 3924, 512)
+    with pytest.raises(ValueError, match=r"top-32 and 1024 tokens per block"):
+        K.dispatch_smem(1024, 1, 32, 8)
+    # At the edge (T=2, one block, top-1: Tb = 2): one word needs 4 * (3E + 4) <= 47104, E <= 3924.
+    assert 4 * (3 * 3924 + 4) <= K.SMEM_BUDGET < 4 * (3 * 3925 + 4)
+    assert K.dispatch_smem(2, 1, 1, 3924) == (1, 4 * (3 * 3924 + 4))
+    with pytest.raises(ValueError, match="3925 experts"):
+        K.dispatch_smem(2, 1, 1, 3925)
 
 
 def test_check_waiters():
@@ -388,10 +372,10 @@ def test_set_struct_packs_offsets_in_order():
         assert raw.tolist() == [getattr(s, n) for n in L.FIELDS]
     c = jit.pack(K.CALL_DTYPE, cur=K.set_struct(lay.sets[0]), next=K.set_struct(lay.sets[1]),
                  phases=K.PHASE_SEND | K.PHASE_RECV)
-    a = jit.pack(K.DISPATCH_ARGS_DTYPE, c=c, num_groups=5)
+    a = jit.pack(K.DISPATCH_ARGS_DTYPE, c=c, mask_words=5)
     assert int(a["c"]["next"]["dispatch_count"]) == lay.sets[0].end
     assert int(a["c"]["cur"]["combine_recv"]) == lay.sets[0].combine_recv
-    assert int(a["num_groups"]) == 5 and int(a["c"]["phases"]) == 3
+    assert int(a["mask_words"]) == 5 and int(a["c"]["phases"]) == 3
 
 
 def _constexprs(path):

@@ -101,8 +101,7 @@ struct DispatchArgs {
     int* slot_pos;           // [T, k] out: row of (t, j) within its (expert, me) region at the expert's rank
     int* cumulative_stats;   // [E_local] or null: += recv_count
     int64_t* wait_stats;     // [R] or null: += ns block 0 waited for each source
-    int num_groups;          // token groups of the position scan (shared memory [num_groups][E])
-    int stage_ids;           // 1: copy topk_idx to shared memory (as int32) before the scan
+    int mask_words;          // 32-token words per expert of the position scan's window (shared [E][mask_words])
     int fp8;                 // 1: cast to e4m3 with per-128 scales
     int round_scale;         // 1: power-of-two scales
     int ue8m0;               // 1: scales stored as UE8M0 bytes

@@ -7,12 +7,12 @@
 //   1. clears the next set's flags;
 //   2. computes the row position of every (token, slot) of its own tokens
 //      (t = b, b + G, ...): the number of earlier tokens of this rank that
-//      picked the same expert. The ids are first staged in shared memory
-//      when they fit. Warp g of the first num_groups warps counts a
-//      contiguous token range into shared counters cnt[g][E]; an exclusive
-//      scan over g turns those into offsets. Every block does this for all
-//      tokens (it needs the counts of earlier tokens), which is cheap at
-//      decode sizes and needs no atomics, so the layout is deterministic;
+//      picked the same expert. For a window of up to 32 * mask_words tokens,
+//      every (token, slot) sets its token's bit in a per-expert bitmask in
+//      shared memory; positions are popcounts of the bits below the token,
+//      plus the earlier windows' totals. Every block does this for all tokens
+//      (it needs the counts of earlier tokens), which is cheap at decode sizes,
+//      and OR commutes, so the layout is deterministic;
 //   3. moves its tokens: a warp takes (token, 512-channel chunk) items, loads
 //      the BF16 chunk once, casts it to FP8 if asked (8 lanes per 128-channel
 //      scale group) and stores it, with its scales, into the message of each
@@ -126,53 +126,51 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
         int4 v[kBatch][2];
         load_batch(a, v, warp, num_warps, num_items, num_chunks, b, G, lane);
         clear_next_flags(mine, a.c.next, R);
-        const int NG = a.num_groups;
+        const int W = a.mask_words;               // 32-token mask words per expert per window
         const int Tb = (T + G - 1) / G;           // own tokens, at most
-        int* cnt = smem;                          // [NG][E]
-        int* total = cnt + NG * E;                // [E]
+        int* total = smem;                        // [E] rows to e (after the windows so far)
         int* seg = total + E;                     // [E] rows to e's rank for experts before e
         int* own_e = seg + E;                     // [Tb][k] global expert, -1 for none
         int* own_pos = own_e + Tb * k;            // [Tb][k] row within (expert, this source)
-        int* own_grp = own_pos + Tb * k;          // [Tb] token group
-        int* ids = own_grp + Tb;                  // [T][k] staged expert ids (when a.stage_ids)
-        for (int i = threadIdx.x; i < NG * E; i += blockDim.x) cnt[i] = 0;
-        if (a.stage_ids)
-            for (int i = threadIdx.x; i < T * k; i += blockDim.x) ids[i] = (int)__ldg(a.topk_idx + i);
-        __syncthreads();
-        if (warp < NG) {
-            const int t0 = (int)((int64_t)T * warp / NG), t1 = (int)((int64_t)T * (warp + 1) / NG);
-            for (int t = t0; t < t1; ++t) {
-                const bool own = t % G == b;
-                for (int j0 = 0; j0 < k; j0 += 32) {
-                    const int j = j0 + lane;
-                    int e = j >= k ? -1 : a.stage_ids ? ids[t * k + j] : (int)__ldg(a.topk_idx + (int64_t)t * k + j);
-                    if (e >= E || e < -1) {
-                        report_error(a.c.guard, kErrorBadInput, kBadExpertId, -1, e, E);
-                        e = -1;
-                    }
-                    const int c = e >= 0 ? cnt[warp * E + e] : 0;
-                    __syncwarp();
-                    if (e >= 0) cnt[warp * E + e] = c + 1;  // experts of a row are distinct
-                    __syncwarp();
-                    if (own && j < k) {
-                        own_e[(t / G) * k + j] = e;
-                        own_pos[(t / G) * k + j] = c;
-                    }
+        unsigned* mask = reinterpret_cast<unsigned*>(own_pos + Tb * k);  // [E][W] tokens of the window per expert
+        for (int e = threadIdx.x; e < E; e += blockDim.x) total[e] = 0;
+        // Token windows of 32 * W: each (token, slot) sets its token's bit in its expert's
+        // mask (OR commutes, so the result does not depend on the order); a token's row
+        // for expert e is then the count of e's tokens before it: popcounts of the bits
+        // below it plus the earlier windows' total.
+        for (int t0 = 0; t0 < T; t0 += 32 * W) {
+            const int nt = min(T - t0, 32 * W);
+            for (int i = threadIdx.x; i < E * W; i += blockDim.x) mask[i] = 0u;
+            __syncthreads();
+            for (int i = threadIdx.x; i < nt * k; i += blockDim.x) {
+                const int t = t0 + i / k, j = i % k;
+                int e = (int)__ldg(a.topk_idx + (int64_t)t * k + j);
+                if (e >= E || e < -1) {
+                    report_error(a.c.guard, kErrorBadInput, kBadExpertId, -1, e, E);
+                    e = -1;
                 }
-                if (own && lane == 0) own_grp[t / G] = warp;
+                if (e >= 0) atomicOr(mask + e * W + (t - t0) / 32, 1u << ((t - t0) % 32));
+                if (t % G == b) own_e[(t / G) * k + j] = e;
             }
-        }
-        __syncthreads();
-        for (int e = threadIdx.x; e < E; e += blockDim.x) {
-            int run = 0;
-            for (int g = 0; g < NG; ++g) {
-                const int v = cnt[g * E + e];
-                cnt[g * E + e] = run;
-                run += v;
+            __syncthreads();
+            for (int i = threadIdx.x; i < n_own * k; i += blockDim.x) {
+                const int tw = b + (i / k) * G - t0;
+                if (tw < 0 || tw >= nt) continue;
+                const int e = own_e[i];
+                if (e < 0) continue;
+                const unsigned* me_mask = mask + e * W;
+                int c = total[e];
+                for (int w = 0; w < tw / 32; ++w) c += __popc(me_mask[w]);
+                own_pos[i] = c + __popc(me_mask[tw / 32] & ((1u << (tw % 32)) - 1u));
             }
-            total[e] = run;
+            __syncthreads();
+            for (int e = threadIdx.x; e < E; e += blockDim.x) {
+                int c = 0;
+                for (int w = 0; w < W; ++w) c += __popc(mask[e * W + w]);
+                total[e] += c;
+            }
+            __syncthreads();
         }
-        __syncthreads();
         for (int d = warp; d < R; d += num_warps)  // a warp per destination rank
             warp_exclusive_scan(El, lane, [&](int le) { return total[d * El + le]; },
                                 [&](int le, int v) { seg[d * El + le] = v; });
@@ -181,7 +179,6 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
         // in the combine: my rows to that rank in (expert, position) order.
         for (int i = threadIdx.x; i < n_own * k; i += blockDim.x) {
             const int e = own_e[i];
-            if (e >= 0) own_pos[i] += cnt[own_grp[i / k] * E + e];
             const int64_t tj = (int64_t)(b + (i / k) * G) * k + i % k;
             a.combine_pos[tj] = e >= 0 ? seg[e] + own_pos[i] : -1;
             a.slot_pos[tj] = e >= 0 ? own_pos[i] : -1;

@@ -120,8 +120,8 @@ class LowLatencyBuffer:
 
     def _check_resident(self) -> None:
         # Raises ValueError when the dispatch's shared memory cannot fit these sizes.
-        K.dispatch_smem(self.max_tokens, self.num_blocks, self.max_topk, self.num_experts, self.num_threads)
-        # A call may use up to SMEM_BUDGET bytes (ids staged for a small top-k): check that.
+        K.dispatch_smem(self.max_tokens, self.num_blocks, self.max_topk, self.num_experts)
+        # A call may use up to SMEM_BUDGET bytes (wider token windows for a small top-k): check that.
         per_sm = min(jit.max_resident_blocks(self._dispatch_fn, self.num_threads, K.SMEM_BUDGET),
                      jit.max_resident_blocks(self._combine_fn, self.num_threads, K.combine_smem(self.num_experts)))
         # Only the waiters wait; when some blocks only send, one more block per GPU
@@ -237,7 +237,7 @@ class LowLatencyBuffer:
         wait = as_cupy(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats")
         if wait is not None:
             check(wait, "dispatch_wait_recv_cost_stats", np.int64, shape=(R,))
-        plan = K.dispatch_smem(max(T, 1), self.num_blocks, k, self.num_experts, self.num_threads)
+        plan = K.dispatch_smem(max(T, 1), self.num_blocks, k, self.num_experts)
         profile = self._profile_args(kernel_time_ns, trace)
 
         region, call, cur, sets = self._take_set("dispatch")
@@ -251,7 +251,7 @@ class LowLatencyBuffer:
         args = dict(x=x.data.ptr, topk_idx=topk_idx.data.ptr, layout_count=layout_count.data.ptr,
                     recv_count=recv_count.data.ptr, combine_pos=combine_pos.data.ptr,
                     slot_pos=slot_pos.data.ptr, cumulative_stats=jit.ptr(stats),
-                    wait_stats=jit.ptr(wait), num_groups=plan.num_groups, stage_ids=int(plan.stage_ids),
+                    wait_stats=jit.ptr(wait), mask_words=plan.mask_words,
                     fp8=int(use_fp8), round_scale=int(round_scale), ue8m0=int(use_ue8m0))
 
         hook = self._run(self._dispatch_fn, K.DISPATCH_ARGS_DTYPE, call_args, args, plan.bytes, stream,

@@ -49,7 +49,7 @@ CALL_DTYPE = jit.struct_dtype([
     ("guard", GUARD_DTYPE)])
 DISPATCH_ARGS_DTYPE = jit.struct_dtype([
     ("c", CALL_DTYPE), ("x", u64), ("topk_idx", u64), ("layout_count", u64), ("recv_count", u64),
-    ("combine_pos", u64), ("slot_pos", u64), ("cumulative_stats", u64), ("wait_stats", u64), ("num_groups", i32), ("stage_ids", i32),
+    ("combine_pos", u64), ("slot_pos", u64), ("cumulative_stats", u64), ("wait_stats", u64), ("mask_words", i32),
     ("fp8", i32), ("round_scale", i32), ("ue8m0", i32)])
 COMBINE_ARGS_DTYPE = jit.struct_dtype([
     ("c", CALL_DTYPE), ("x", u64), ("layout_count", u64), ("combine_pos", u64), ("slot_pos", u64),
@@ -78,35 +78,27 @@ def set_struct(s) -> np.void:
 
 class DispatchSmem(NamedTuple):
     """The dispatch kernel's shared-memory plan (see :func:`dispatch_smem`)."""
-    num_groups: int  # token groups of the position scan
+    mask_words: int  # 32-token words per expert in a window of the position scan
     bytes: int       # dynamic shared memory per block
-    stage_ids: bool  # routing ids copied to shared memory before the scan
 
 
-def dispatch_smem(num_tokens: int, num_blocks: int, num_topk: int, num_experts: int,
-                  num_threads: int) -> DispatchSmem:
+def dispatch_smem(num_tokens: int, num_blocks: int, num_topk: int, num_experts: int) -> DispatchSmem:
     """The dispatch kernel's shared-memory plan for a call.
 
-    Layout: cnt [num_groups][E], total [E], seg [E], own_e / own_pos [Tb][k],
-    own_grp [Tb], then (when stage_ids) the routing ids [T][k], all int32, with
-    Tb = ceil(T / blocks). The ids are staged when that still leaves room for
-    one scan group per 4 warps; num_groups (token groups of the position
-    scan) is then as many warps as fit in SMEM_BUDGET. Raises ValueError if
-    even one group does not fit.
+    Layout: total [E], seg [E], own_e / own_pos [Tb][k], then the token
+    window's bitmasks [E][mask_words], all 32-bit, with Tb = ceil(T / blocks).
+    A window holds as many tokens (32 per word) as fit in SMEM_BUDGET, at most
+    all T; more tokens take more windows. Raises ValueError if not even one
+    word per expert fits.
     """
     tb = (num_tokens + num_blocks - 1) // num_blocks
-    fixed = 4 * (2 * num_experts + 2 * tb * num_topk + tb)
-    staged = 4 * num_tokens * num_topk
-    warps = num_threads // 32
-    stage = fixed + staged + 4 * num_experts * max(1, warps // 4) <= SMEM_BUDGET
-    if stage:
-        fixed += staged
-    groups = min(warps, (SMEM_BUDGET - fixed) // (4 * num_experts))
-    if groups < 1:
+    fixed = 4 * (2 * num_experts + 2 * tb * num_topk)
+    words = min((num_tokens + 31) // 32, (SMEM_BUDGET - fixed) // (4 * num_experts))
+    if words < 1:
         raise ValueError(f"low-latency dispatch needs {fixed + 4 * num_experts} bytes of shared memory for "
                          f"{num_experts} experts, top-{num_topk} and {tb} tokens per block; the budget is "
                          f"{SMEM_BUDGET}: use fewer experts or more blocks")
-    return DispatchSmem(groups, fixed + 4 * num_experts * groups, stage)
+    return DispatchSmem(words, fixed + 4 * num_experts * words)
 
 
 def check_waiters(num_waiters, num_blocks: int, num_ranks: int) -> int:

@@ -61,7 +61,7 @@ def _expert_outputs(res, use_fp8, ue8m0=False):
     return bits.astype(np.uint16)
 
 
-def _check_dispatch(group, res, tokens, idx, use_fp8, xs):
+def _check_dispatch(group, res, tokens, idx, use_fp8, xs, E=E, MAX_TOKENS=MAX_TOKENS):
     """Exact per-(expert, source) comparison with the reference dispatch."""
     me, R = group.local_rank, group.local_size
     refs = ref.low_latency_dispatch(xs, idx, E, MAX_TOKENS)
@@ -165,6 +165,34 @@ def test_hook_zero_copy_ue8m0(group, llbuf):
     got = bf16_to_f32(comb.combined_x.get())
     diff = ref.calc_diff(got, _combine_expected(xs[me], idx[me], w[me]))
     assert all_ranks(group.comm, diff < 9e-4 and not np.isnan(got).any()), diff
+
+
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_position_windows(group, use_fp8):
+    """Many experts and tokens: the dispatch's position scan takes several token
+    windows (kernels.dispatch_smem), and every range still equals the reference."""
+    import cupy
+    import cupyep
+    from cupyep.low_latency import kernels as LK
+    me, R = group.local_rank, group.local_size
+    E2, H2, M2 = 2048, 256, 256
+    buf = cupyep.LowLatencyBuffer(group, M2, H2, E2)
+    try:
+        assert LK.dispatch_smem(M2, buf.num_blocks, K, E2).mask_words * 32 < M2  # more than one window
+        tokens = [M2 - 3 * r for r in range(R)]
+        idx, w = global_routing(90 + use_fp8, tokens, E2, K)
+        xs = [tagged_x(r, tokens[r], H2) for r in range(R)]
+        res = buf.dispatch(cupy.asarray(xs[me]), cupy.asarray(idx[me]), use_fp8=use_fp8)
+        ok, bad = _check_dispatch(group, res, tokens, idx, use_fp8, xs, E=E2, MAX_TOKENS=M2)
+        assert all_ranks(group.comm, ok), bad
+        y = _expert_outputs(res, use_fp8)
+        got = bf16_to_f32(buf.combine(y, cupy.asarray(idx[me]), cupy.asarray(w[me]), res.handle).combined_x.get())
+        diff = ref.calc_diff(got, _combine_expected(xs[me], idx[me], w[me]))
+        assert all_ranks(group.comm, diff < (9e-4 if use_fp8 else 1e-5) and not np.isnan(got).any()), diff
+    finally:
+        buf.synchronize()
+        group.comm.Barrier()
+        buf.destroy()
 
 
 @pytest.mark.parametrize("hook", [False, True])
