@@ -1,5 +1,6 @@
 """Kernel launches through the CUDA driver's ``cuLaunchKernelEx``, for what
-CuPy's launch cannot ask for: programmatic dependent launch (PDL).
+CuPy's launch cannot ask for: programmatic dependent launch (PDL); and the
+driver's peer-link attributes.
 
 A kernel launched with ``programmatic=True`` may start before the kernel
 ahead of it in the stream has finished, once that kernel has executed
@@ -44,6 +45,9 @@ _PROGRAMMATIC[0].value.value = 1
 _lib = None
 
 
+CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED = 3
+
+
 def _driver():
     global _lib
     if _lib is None:
@@ -51,6 +55,11 @@ def _driver():
         lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p,
                                          ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p)]
         lib.cuLaunchKernelEx.restype = ctypes.c_int
+        lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+        lib.cuDeviceGet.restype = ctypes.c_int
+        lib.cuDeviceGetP2PAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int,
+                                                ctypes.c_int]
+        lib.cuDeviceGetP2PAttribute.restype = ctypes.c_int
         _lib = lib
     return _lib
 
@@ -94,3 +103,30 @@ def launch(function, grid, block, args: tuple, shared_mem: int = 0, stream=None,
     rc = _driver().cuLaunchKernelEx(ctypes.byref(cfg), fn.ptr, params, None)
     if rc != 0:
         raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {rc}")
+
+
+def programmatic_supported() -> bool:
+    """Whether the current device can take programmatic dependent launches
+    (compute capability 9.0 or newer)."""
+    import cupy
+    return int(cupy.cuda.Device().compute_capability) >= 90
+
+
+def peer_native_atomics(device: int, peer: int) -> bool:
+    """Whether atomic operations of device ``device`` on memory of device ``peer``
+    (ordinals as CUDA sees them) are native over their link; True for one device."""
+    if device == peer:
+        return True
+    lib = _driver()
+    handles = []
+    for ordinal in (device, peer):
+        h = ctypes.c_int()
+        rc = lib.cuDeviceGet(ctypes.byref(h), int(ordinal))
+        if rc != 0:
+            raise RuntimeError(f"cuDeviceGet({ordinal}) failed with CUresult {rc}")
+        handles.append(h.value)
+    value = ctypes.c_int()
+    rc = lib.cuDeviceGetP2PAttribute(ctypes.byref(value), CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED, *handles)
+    if rc != 0:
+        raise RuntimeError(f"cuDeviceGetP2PAttribute({device}, {peer}) failed with CUresult {rc}")
+    return bool(value.value)

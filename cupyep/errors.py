@@ -25,11 +25,11 @@ KERNELS: dict[str, tuple[str, ...]] = {
                            "dispatch queue data (receiver waits for sender tail)"),
     "intranode_combine": ("combine queue space (sender waits for receiver head)",
                           "combine queue data (receiver waits for sender tail)"),
-    "low_latency_dispatch": ("dispatch send completion (blocks of this rank)",
-                             "dispatch flag (receiver waits for a source's rows and counts)",
+    "low_latency_dispatch": ("dispatch flag (receiver waits for a source's rows and counts; "
+                             "counter: blocks arrived, expected: blocks announced)",
                              "routing check (expert id outside [-1, E))"),
-    "low_latency_combine": ("combine send completion (blocks of this rank)",
-                            "combine flag (token owner waits for an expert rank's rows)"),
+    "low_latency_combine": ("combine flag (token owner waits for an expert rank's rows; "
+                            "counter: blocks arrived, expected: blocks announced)",),
     "intranode_expert_major": ("expert-major rows exceed their capacity",),
     "intranode_layout": ("routing check (expert id outside [-1, E))",),
 }

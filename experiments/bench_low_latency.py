@@ -12,15 +12,17 @@ clocks: ``event_*`` spans CUDA events around the barrier and the call, which
 under MPS includes the time the launch waits to be scheduled; ``kernel_*``
 spans the kernel itself (first block start to last block end, %globaltimer
 stamps the kernels write), which is what a profiler such as Kineto reports.
-With --programmatic-launch the kernels are resident before the barrier ends
-and start counting when it does. When all ranks share one GPU (and so one
+The kernels are launched as programmatic dependents (unless --plain-launch),
+so they are resident before the barrier ends and start counting when it does. When all ranks share one GPU (and so one
 %globaltimer), the stamps also give the ranks' start skew and
 ``after_last_start``, the call's latency once the last rank has started.
-Combines pull by default ("combine", "combine_zero_copy"); "*_push" kinds
-push. Also the send and receive halves in hook mode, the buffer bytes per
-rank, and efficiency = (2 x bytes moved between ranks by all ranks, written
-into peers or, for pulling combines, read from them / copy bandwidth
-measured in this run) / time. With ``--trace N``, N more calls of
+The default combine pushes the rows ("combine"; "combine_pull": the expert
+ranks copy them into their own buffers and the owners pull them); the
+zero-copy combine pulls by default ("combine_zero_copy";
+"combine_zero_copy_push"). Also the send and receive halves in hook mode,
+the buffer bytes per rank, and efficiency = (2 x bytes moved between ranks
+by all ranks, written into peers or, for pulling combines, read from them /
+copy bandwidth measured in this run) / time. With ``--trace N``, N more calls of
 each kind record when every block reached each mark (kernels.TRACE_MARKS),
 summarised as when the first and the last rank got there. ``--scatter-probe``
 adds the bare row scatter (cupyep/bench/scatter.py) over the same arrays.
@@ -66,10 +68,10 @@ def main():
                         "the same arrays: BF16 dispatch rows into recv_x, combine rows into combine_recv")
     p.add_argument("--zero-copy", action="store_true",
                    help="also time zero-copy combines, pulling and pushing (combine(..., zero_copy=True, pull=...))")
-    p.add_argument("--programmatic-launch", action="store_true",
-                   help="launch the kernels as programmatic dependents (LowLatencyBuffer(programmatic_launch=True)): "
-                        "resident while the GPU barrier ahead of each timed call runs, so kernel_* counts from "
-                        "the barrier's end")
+    p.add_argument("--plain-launch", action="store_true",
+                   help="launch the kernels plainly (LowLatencyBuffer(programmatic_launch=False)); by default "
+                        "they are programmatic dependents where the GPU supports it, resident while the GPU "
+                        "barrier ahead of each timed call runs, so kernel_* counts from the barrier's end")
     p.add_argument("--trace", type=int, default=0, help="calls of each kind to trace per block and mark")
     p.add_argument("--sleep-us", type=float, default=400.0,
                    help="GPU sleep before each timed call, so host launch cost is not timed (0: time it)")
@@ -82,7 +84,7 @@ def main():
     copy_bw = group.comm.bcast(copy_bandwidth(2 << 30) if me == 0 else 0.0)
     buf = cupyep.LowLatencyBuffer(group, args.max_tokens, args.hidden, args.experts, num_blocks=args.num_blocks,
                                   num_waiters=args.num_waiters, num_threads=args.threads,
-                                  programmatic_launch=args.programmatic_launch)
+                                  programmatic_launch=False if args.plain_launch else None)
     bar = GpuBarrier(group)
     H, warmup = args.hidden, 10
 
@@ -98,7 +100,7 @@ def main():
         base = {"bench": "low_latency", "ranks": R, "tokens": T, "hidden": H, "topk": args.topk,
                 "experts": args.experts, "max_tokens": args.max_tokens, "buffer_bytes": buf.num_bytes,
                 "num_blocks": buf.num_blocks, "num_waiters": buf.num_waiters, "num_threads": buf.num_threads, "copy_GBps": copy_bw / 1e9,
-                "l2_flush": args.flush, "programmatic_launch": args.programmatic_launch}
+                "l2_flush": args.flush, "programmatic_launch": buf.programmatic_launch}
         fp8_row, bf16_row = H + H // 128 * 4 + 4 + 1, 2 * H + 4 + 1
 
         def record(kind, timed, bytes_to_peers):
@@ -130,14 +132,14 @@ def main():
         y = buf.dispatch(x, topk_idx, use_fp8=False, validate=False).recv_x.copy()
         # Calls alternate dispatch, combine as in a decode loop (each timed on its own), so each
         # kind writes the data copy it wrote last time (layout.CallSchedule).
-        # "combine" is the default, pulling combine; "combine_push" the expert ranks pushing rows.
+        # "combine" is the default, pushing combine; "combine_pull" copies, then the owners pull.
         for use_fp8 in (True, False):
             timed_d, timed_c = steps([dispatch(use_fp8), combine], args.iters)
             record("dispatch_fp8" if use_fp8 else "dispatch_bf16", timed_d, pairs * (fp8_row if use_fp8 else bf16_row))
             if use_fp8:
                 record("combine", timed_c, pairs * 2 * H)
-        timed_d, timed_c = steps([d_fp8, lambda i, st: combine(i, st, pull=False)], args.iters)
-        record("combine_push", timed_c, pairs * 2 * H)
+        timed_d, timed_c = steps([d_fp8, lambda i, st: combine(i, st, pull=True)], args.iters)
+        record("combine_pull", timed_c, pairs * 2 * H)
 
         if args.zero_copy:
             # Zero-copy combines, the owners pulling the rows (default) or the expert ranks pushing them. In

@@ -66,3 +66,33 @@ def test_launch_passes_config_and_arguments(monkeypatch):
     seen["rc"] = 1
     with pytest.raises(RuntimeError, match="CUresult 1"):
         driver.launch(Function(), 1, 32, (np.int64(0), np.float32(0)), stream=Stream())
+
+
+def test_peer_native_atomics_asks_the_driver(monkeypatch):
+    """cuDeviceGet for both ordinals, then the native-atomics P2P attribute of
+    the pair; one device needs no query; a driver error raises."""
+    calls = []
+
+    class FakeDriver:
+        rc = 0
+
+        @staticmethod
+        def cuDeviceGet(handle, ordinal):
+            handle._obj.value = 100 + ordinal
+            return 0
+
+        @classmethod
+        def cuDeviceGetP2PAttribute(cls, value, attr, dev, peer):
+            calls.append((attr, dev, peer))
+            value._obj.value = int(peer == 101)
+            return cls.rc
+
+    monkeypatch.setattr(driver, "_driver", lambda: FakeDriver)
+    assert driver.peer_native_atomics(0, 1) is True
+    assert driver.peer_native_atomics(1, 2) is False
+    assert driver.peer_native_atomics(3, 3) is True
+    assert calls == [(driver.CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED, 100, 101),
+                     (driver.CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED, 101, 102)]
+    FakeDriver.rc = 101
+    with pytest.raises(RuntimeError, match="cuDeviceGetP2PAttribute"):
+        driver.peer_native_atomics(0, 1)

@@ -48,14 +48,13 @@ def _documented_sizes(R, M, H, E, K):
         "dispatch_count": 4 * El * R,
         "dispatch_flag": 4 * R,
         "combine_flag": 4 * R,
-        "done": 16,
         "recv_x": rows * (2 * H + 16),     # BF16 messages: row, then a 16-byte tag
         "combine_send": rows * 2 * H,
         "combine_recv": R * M * min(K, El) * 2 * H,  # [R][M * min(K, El)][H] BF16
     }
 
 
-DOC_ORDER = ("dispatch_count", "dispatch_flag", "combine_flag", "done", "recv_x", "combine_send", "combine_recv")
+DOC_ORDER = ("dispatch_count", "dispatch_flag", "combine_flag", "recv_x", "combine_send", "combine_recv")
 
 
 @pytest.mark.parametrize("H", [128, 384, 640, 4096, 7168])
@@ -144,7 +143,6 @@ def test_buffer_views_fit_their_regions(R, M, H, E, K):
         "dispatch_count": El * R * 4,
         "dispatch_flag": R * 4,
         "combine_flag": R * 4,
-        "done": 4 * 4,
     }
     for s in lay.sets:
         bounds = [getattr(s, n) for n in DOC_ORDER] + [s.end]
@@ -156,15 +154,15 @@ def test_layout_deepseek_decode_numbers():
     R, M, H, E, K = 8, 128, 7168, 256, 16
     El = E // R                      # 32 local experts
     rows = El * R * M                # 32768 rows per set
-    per_set = (_ceil128(4 * El * R) + 3 * 128  # counts, two flag arrays and done, each padded to 128
+    per_set = (_ceil128(4 * El * R) + 2 * 128  # counts and two flag arrays, each padded to 128
                + rows * (2 * H + 16) + rows * 2 * H + R * M * K * 2 * H)
     lay = L.low_latency_layout(R, M, H, E)  # max_topk defaults to 16
     assert lay.max_topk == K
     assert lay.sets[0].end == per_set
-    assert lay.nbytes == 2 * per_set == 2_349_861_632
+    assert lay.nbytes == 2 * per_set == 2_349_861_376
     assert 2.3e9 < lay.nbytes < 2.4e9
     s = lay.sets[0]
-    assert (s.dispatch_count, s.dispatch_flag, s.combine_flag, s.done, s.recv_x) == (0, 1024, 1152, 1280, 1408)
+    assert (s.dispatch_count, s.dispatch_flag, s.combine_flag, s.recv_x) == (0, 1024, 1152, 1280)
     assert s.combine_send - s.recv_x == rows * (2 * H + 16) == 470_286_336
     assert s.combine_recv - s.combine_send == rows * 2 * H
     assert s.end - s.combine_recv == R * M * K * 2 * H == 234_881_024
@@ -299,18 +297,33 @@ def test_dispatch_smem_raises_when_one_word_does_not_fit():
         K.dispatch_smem(2, 1, 1, 3925)
 
 
+def test_check_peer_atomics():
+    asked = []
+
+    def links(a, b):
+        asked.append((a, b))
+        return {a, b} != {0, 2}  # GPUs 0 and 2: a PCIe link without peer atomics
+
+    K.check_peer_atomics([0, 0, 0, 0], links)           # one GPU under MPS: nothing to ask
+    assert asked == []
+    K.check_peer_atomics([0, 1, 0, 1], links)
+    assert sorted(asked) == [(0, 1), (1, 0)]
+    with pytest.raises(RuntimeError, match=r"\(0, 2\), \(2, 0\)"):
+        K.check_peer_atomics([0, 1, 2, 3], links)
+
+
 def test_check_waiters():
-    assert K.check_waiters(None, 16, 8) == 16
-    assert K.check_waiters(8, 64, 8) == 8 and K.check_waiters(np.int64(3), 4, 2) == 3
-    assert K.check_waiters(2, 2, 8) == 2          # fewer blocks than ranks: every block owns flags
-    for bad in (7, 65, 0, True, 8.0, "8"):
+    assert K.check_waiters(None, 16) == 16
+    assert K.check_waiters(8, 64) == 8 and K.check_waiters(np.int64(3), 4) == 3
+    assert K.check_waiters(1, 64) == 1         # the send side never waits: one waiter is enough
+    for bad in (65, 0, -1, True, 8.0, "8"):
         with pytest.raises(ValueError, match="num_waiters"):
-            K.check_waiters(bad, 64, 8)
+            K.check_waiters(bad, 64)
 
 
 def test_combine_smem():
-    assert K.combine_smem(256) == 4 * (2 * 256 + 1)  # prefix [E + 1], colprefix [E]
-    assert K.combine_smem(1) == 12
+    assert K.combine_smem(256) == 4 * (3 * 256 + 1)  # counts [E], prefix [E + 1], colprefix [E]
+    assert K.combine_smem(1) == 16
 
 
 # ------------------------------------------------- C structs vs dtypes ---
@@ -441,28 +454,26 @@ def test_low_latency_specs_registered():
 
 def test_error_phases_match_wait_sites():
     c = _constexprs(ARGS_CUH)
-    assert (c["kWaitSendDone"], c["kWaitPeerFlag"], c["kBadExpertId"]) == (0, 1, 2)
-    assert len(KERNELS["low_latency_dispatch"]) == 3 and "expert id" in KERNELS["low_latency_dispatch"][2]
-    assert len(KERNELS["low_latency_combine"]) == 2
+    assert (c["kWaitPeerFlag"], c["kBadExpertId"]) == (0, 1)
+    assert len(KERNELS["low_latency_dispatch"]) == 2 and "expert id" in KERNELS["low_latency_dispatch"][1]
+    assert len(KERNELS["low_latency_combine"]) == 1
     for kernel in ("low_latency_dispatch", "low_latency_combine"):
-        phases = KERNELS[kernel]
-        assert "send completion" in phases[c["kWaitSendDone"]], kernel
-        assert "flag" in phases[c["kWaitPeerFlag"]] and "send completion" not in phases[c["kWaitPeerFlag"]]
-    # The wait sites in sync.cuh report those phases.
+        assert "flag" in KERNELS[kernel][c["kWaitPeerFlag"]], kernel
+    # The only wait site in sync.cuh reports that phase; the send side never waits.
     sync = strip_comments((jit.CUDA_SRC / "low_latency" / "sync.cuh").read_text())
-    assert re.search(r"wait_geq\(done,[^;]*kWaitSendDone", sync)
-    assert re.search(r"wait_nonzero\([^;]*kWaitPeerFlag", sync)
+    assert re.search(r"wait_until\((?:(?!wait_until).)*?kWaitPeerFlag, r\)", sync, re.S)
+    assert len(re.findall(r"wait_(until|geq)\(", sync)) == 1
     dispatch = strip_comments((jit.CUDA_SRC / "low_latency" / "dispatch.cu").read_text())
     assert re.search(r"report_error\([^;]*kErrorBadInput, kBadExpertId", dispatch)
 
 
 def test_error_from_slot_low_latency_phase_names():
     slot = np.zeros(1, ERROR_SLOT_DTYPE)[0]
-    for field, value in dict(flag=1, kernel=kernel_id("low_latency_combine"), rank=2, peer=5, phase=1).items():
+    for field, value in dict(flag=1, kernel=kernel_id("low_latency_combine"), rank=2, peer=5, phase=0).items():
         slot[field] = value
     err = error_from_slot(slot, 1.0)
     assert isinstance(err, CommTimeoutError)
-    assert err.kernel == "low_latency_combine" and err.phase == KERNELS["low_latency_combine"][1]
+    assert err.kernel == "low_latency_combine" and err.phase == KERNELS["low_latency_combine"][0]
     assert err.peer == 5 and "combine flag" in str(err)
     slot["kernel"], slot["phase"], slot["peer"] = kernel_id("low_latency_dispatch"), 0, -1
     err = error_from_slot(slot, 1.0)

@@ -1,9 +1,9 @@
 // Bounded device waits.
 //
-// Every spin-wait in cupyep goes through `wait_geq` (or checks `Guard::expired`
-// itself). The budget is wall-clock nanoseconds read from %globaltimer, which,
-// unlike clock64(), does not depend on the SM clock (boost, throttling) nor on
-// which SM a block migrates to. On timeout the first waiter to notice writes a
+// Every spin-wait in cupyep goes through `wait_until`. The budget is
+// wall-clock nanoseconds read from %globaltimer, which, unlike clock64(), does
+// not depend on the SM clock (boost, throttling) nor on which SM a block
+// migrates to. On timeout the first waiter to notice writes a
 // record into the host-visible ErrorSlot (mapped pinned memory, so the host can
 // read it even after the kernel has stopped) and the waiting block returns.
 // The host turns that record into cupyep.errors.CommTimeoutError.
@@ -62,61 +62,40 @@ __device__ __forceinline__ void report_timeout(Guard g, int phase, int peer, int
     report_error(g, kErrorTimeout, phase, peer, value, expected);
 }
 
-// Spin until *p >= expected (wrap-safe int compare), acquire semantics.
-// Returns false after reporting a timeout, or when another waiter of this rank
-// already reported one (so one timeout stops every block quickly).
+// Spin until done(*p), acquire semantics. Returns false after reporting a
+// timeout, with the (value, expected) pair report(v) makes of the last value
+// seen, or when another waiter of this rank already reported one (so one
+// timeout stops every block quickly). T is int or int64_t.
+template <typename T, typename Done, typename Report>
+__device__ __forceinline__ bool wait_until(const T* p, Done&& done, Report&& report, const Guard& g, int phase,
+                                           int peer) {
+    T v = ld_acquire_sys(p);
+    if (done(v)) return true;
+    const uint64_t start = global_timer_ns();
+    for (uint32_t iter = 1;; ++iter) {
+        v = ld_acquire_sys(p);
+        if (done(v)) return true;
+        if ((iter & 1023u) == 0) {
+            if (global_timer_ns() - start > g.timeout_ns) {
+                const longlong2 r = report(v);
+                report_timeout(g, phase, peer, r.x, r.y);
+                return false;
+            }
+            if (peer_wait_timed_out(g)) return false;
+        }
+    }
+}
+
+// Spin until *p >= expected (wrap-safe for int counters).
 __device__ __forceinline__ bool wait_geq(const int* p, int expected, const Guard& g, int phase, int peer) {
-    int v = ld_acquire_sys(p);
-    if (v - expected >= 0) return true;
-    const uint64_t start = global_timer_ns();
-    for (uint32_t iter = 1;; ++iter) {
-        v = ld_acquire_sys(p);
-        if (v - expected >= 0) return true;
-        if ((iter & 1023u) == 0) {
-            if (global_timer_ns() - start > g.timeout_ns) {
-                report_timeout(g, phase, peer, v, expected);
-                return false;
-            }
-            if (peer_wait_timed_out(g)) return false;
-        }
-    }
+    return wait_until(
+        p, [=](int v) { return v - expected >= 0; }, [=](int v) { return make_longlong2(v, expected); }, g, phase,
+        peer);
 }
-
-// 64-bit counter version: spin until *p >= expected.
 __device__ __forceinline__ bool wait_geq(const int64_t* p, int64_t expected, const Guard& g, int phase, int peer) {
-    int64_t v = ld_acquire_sys(p);
-    if (v >= expected) return true;
-    const uint64_t start = global_timer_ns();
-    for (uint32_t iter = 1;; ++iter) {
-        v = ld_acquire_sys(p);
-        if (v >= expected) return true;
-        if ((iter & 1023u) == 0) {
-            if (global_timer_ns() - start > g.timeout_ns) {
-                report_timeout(g, phase, peer, v, expected);
-                return false;
-            }
-            if (peer_wait_timed_out(g)) return false;
-        }
-    }
-}
-
-// Same for a value that must become exactly nonzero (signals encoded so that
-// zero means "not arrived"). Returns the observed value, or 0 on timeout.
-__device__ __forceinline__ int wait_nonzero(const int* p, const Guard& g, int phase, int peer) {
-    int v = ld_acquire_sys(p);
-    if (v != 0) return v;
-    const uint64_t start = global_timer_ns();
-    for (uint32_t iter = 1;; ++iter) {
-        v = ld_acquire_sys(p);
-        if (v != 0) return v;
-        if ((iter & 1023u) == 0) {
-            if (global_timer_ns() - start > g.timeout_ns) {
-                report_timeout(g, phase, peer, 0, 1);
-                return 0;
-            }
-            if (peer_wait_timed_out(g)) return 0;
-        }
-    }
+    return wait_until(
+        p, [=](int64_t v) { return v >= expected; }, [=](int64_t v) { return make_longlong2(v, expected); }, g,
+        phase, peer);
 }
 
 }  // namespace cupyep

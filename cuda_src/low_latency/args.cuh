@@ -2,15 +2,14 @@
 // order, by a NumPy struct dtype in cupyep/low_latency/kernels.py.
 //
 // A rank's symmetric buffer holds two sets (cupyep/low_latency/layout.py has
-// the byte offsets). The signals (counts, flags, done) of successive calls
+// the byte offsets). The signals (counts, flags) of successive calls
 // alternate between them, and every call clears the flags of the set the next
 // call uses, so no clean launch is ever needed; which copy of the data a call
 // uses is the host's choice (layout.CallSchedule), passed in `cur` like the
 // signals. One set:
 //   dispatch_count  [E_local][R] int32   tokens source r sent to local expert e
-//   dispatch_flag   [R] int32            1: source r's rows and counts are all written
-//   combine_flag    [R] int32            1: expert rank r's rows for me are all written
-//   done            [4] int32            this rank's blocks that finished sending (local)
+//   dispatch_flag   [R] int32            arrivals of source r's blocks (sync.cuh): rows and counts written
+//   combine_flag    [R] int32            arrivals of expert rank r's blocks (sync.cuh): my rows written
 //   recv_x          [E_local][R * max] messages (message_layout): payload, FP8 scales, tag
 //   combine_send    [E_local][R * max][H] BF16 (zero-copy combine input)
 //   combine_recv    [R][max * min(max_topk, E_local)][H] BF16: expert rank r's rows for my
@@ -42,12 +41,11 @@ constexpr int kAblateTags = 2;    // dispatch: recv_src / recv_slot are not stor
 constexpr int kAblateScales = 4;  // dispatch: FP8 scales are not stored
 
 // Wait sites, indexed as in cupyep/errors.py KERNELS["low_latency_*"].
-constexpr int kWaitSendDone = 0;  // this rank's blocks finishing their sends
-constexpr int kWaitPeerFlag = 1;  // a peer's flag
-constexpr int kBadExpertId = 2;   // not a wait: an expert id outside [-1, E) (dispatch)
+constexpr int kWaitPeerFlag = 0;  // a peer's flag
+constexpr int kBadExpertId = 1;   // not a wait: an expert id outside [-1, E) (dispatch)
 
 struct SetOffsets {
-    int64_t dispatch_count, dispatch_flag, combine_flag, done;
+    int64_t dispatch_count, dispatch_flag, combine_flag;
     int64_t recv_x, combine_send, combine_recv;
 };
 
@@ -127,10 +125,9 @@ enum Mark {
     kMarkStart = 0,     // send half entered
     kMarkPrep = 1,      // positions (dispatch) / row prefix (combine) ready
     kMarkSent = 2,      // this block's rows all issued
-    kMarkAllSent = 3,   // every block of this rank has sent (blocks b < R: waited for them)
-    kMarkFlagged = 4,   // flags of this block's destinations released
-    kMarkArrived = 5,   // receive half: every peer's flag seen
-    kMarkEnd = 6,       // receive half done
+    kMarkFlagged = 3,   // this block arrived on every destination's flag
+    kMarkArrived = 4,   // receive half: every peer's flag complete
+    kMarkEnd = 5,       // receive half done
     kNumMarks = 8
 };
 

@@ -3,11 +3,13 @@
 //
 // Grid: G blocks; send and receive halves as in dispatch.cu.
 // Send half (the expert side): the received rows of this rank, listed by
-// (local expert, source) pair from the dispatch's layout counts, are spread
-// over all warps of the grid, a warp per row. Source s's rows go, in (expert,
-// position) order, to my range of s's combine_recv: the order in which s's
-// dispatch listed its rows to me, so s finds the row of its (token, slot) at
-// the dispatch's combine_pos. Then the send counter and one flag per source.
+// (local expert, source) pair from the dispatch's layout counts, are cut into
+// pieces of 4 KiB that are spread over all warps of the grid (so a few rows
+// still keep many warps busy). Source s's rows go, in (expert, position)
+// order, to my range of s's combine_recv: the order in which s's dispatch
+// listed its rows to me, so s finds the row of its (token, slot) at the
+// dispatch's combine_pos. Then every block arrives on every source's flag
+// (sync.cuh).
 // Receive half (the token side, blocks b < num_waiters): wait for every expert
 // rank's flag, then each warp takes a run of (token, chunk) items and sums
 // weight * row over the token's top-k slots, in slot order, so the result is
@@ -17,7 +19,7 @@
 // combine_send, where the owner knows each of its rows (its dispatch put (t, j)
 // at row slot_pos of region (expert, me)), and the owners read them from the
 // expert ranks' buffers as they reduce. With zero-copy they are there already
-// and the send half only releases the flags; otherwise it first copies x into
+// and the send half only sets the flags (block 0 arrives alone); otherwise it first copies x into
 // its own combine_send, slot for slot (local writes: no peer pages touched). A
 // row is read remotely once, never written remotely. This copy of combine_send
 // is written again only for a call at least two calls later
@@ -49,34 +51,40 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
         trace_mark(a.c.trace, kMarkStart);
         clear_next_flags(mine, a.c.next, R);
         int4* local_send = at<int4>(mine, a.c.cur.combine_send);
-        // Pulled from where they are (zero-copy): no rows to move, only flags to release.
-        if (!(a.pull && a.x == local_send)) {
+        // Pulled from where they are (zero-copy): no rows to move, only flags to set.
+        const bool moves_rows = !(a.pull && a.x == local_send);
+        if (moves_rows) {
             // prefix[p] = rows of pairs before p = (expert e, source s), p = e * R + s;
-            // colprefix[p] = rows of source s for my experts before e (where pair p's rows
-            // start in my range of s's combine_recv).
+            // colprefix[p] (pushed only) = rows of source s for my experts before e (where
+            // pair p's rows start in my range of s's combine_recv).
             const int P = El * R;
-            int* prefix = smem;              // [P + 1]
+            int* count = smem;                // [P] the dispatch's layout counts, loaded once by the block
+            int* prefix = count + P;          // [P + 1]
             int* colprefix = prefix + P + 1;  // [P]
+            for (int p = threadIdx.x; p < P; p += blockDim.x) count[p] = __ldg(a.layout_count + p);
+            __syncthreads();
             // Warp 0 scans all pairs; warps 1.. scan each source's pairs (stride R).
             if (warp == 0) {
-                const int total = warp_exclusive_scan(P, lane, [&](int p) { return __ldg(a.layout_count + p); },
+                const int total = warp_exclusive_scan(P, lane, [&](int p) { return count[p]; },
                                                       [&](int p, int v) { prefix[p] = v; });
                 if (lane == 0) prefix[P] = total;
             }
-            for (int s = warp - 1; s >= 0 && s < R; s += num_warps - 1)
-                warp_exclusive_scan(El, lane, [&](int le) { return __ldg(a.layout_count + le * R + s); },
+            for (int s = warp - 1; !a.pull && s >= 0 && s < R; s += num_warps - 1)
+                warp_exclusive_scan(El, lane, [&](int le) { return count[le * R + s]; },
                                     [&](int le, int v) { colprefix[le * R + s] = v; });
             __syncthreads();
             trace_mark(a.c.trace, kMarkPrep);
-            // A warp per received row (grid-strided): the row goes out in rounds of
-            // kUnroll 16-byte words per lane, all loads of a round in flight at once.
+            // A warp per piece of kPiece 16-byte words of a received row (grid-strided):
+            // one round of kUnroll words per lane, all loads in flight at once.
             // Pushed: into my range of the owner's combine_recv; pulled: into the same
             // slot of my own combine_send.
-            constexpr int kUnroll = 8;
+            constexpr int kUnroll = 8, kPiece = kUnroll * 32;
             const int64_t row_int4 = H / 8;
+            const int pieces = (int)((row_int4 + kPiece - 1) / kPiece);
             const int64_t ret_rows = return_rows(a.c.max_tokens, a.c.max_topk, El);
-            const int num_rows = prefix[P];
-            for (int r = b * num_warps + warp; r < num_rows; r += G * num_warps) {
+            const int64_t num_pieces = (int64_t)prefix[P] * pieces;
+            for (int64_t item = (int64_t)b * num_warps + warp; item < num_pieces; item += (int64_t)G * num_warps) {
+                const int r = (int)(item / pieces), piece = (int)(item % pieces);
                 int lo = 0, hi = P;  // last pair p with prefix[p] <= r
                 while (hi - lo > 1) {
                     const int mid = (lo + hi) / 2;
@@ -84,20 +92,19 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                 }
                 const int le = lo / R, s = lo % R, q = r - prefix[lo];
                 const int64_t slot = (int64_t)le * slots + (int64_t)s * a.c.max_tokens + q;
-                const int4* src = reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) + slot * a.x_row_bytes);
-                int4* dst = a.pull ? local_send + slot * row_int4
-                                   : at<int4>(a.c.peers[s], a.c.cur.combine_recv) +
-                                         ((int64_t)a.c.rank * ret_rows + colprefix[lo] + q) * row_int4;
+                const int64_t first = (int64_t)piece * kPiece;
+                const int4* src = reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) + slot * a.x_row_bytes) + first;
+                int4* dst = (a.pull ? local_send + slot * row_int4
+                                    : at<int4>(a.c.peers[s], a.c.cur.combine_recv) +
+                                          ((int64_t)a.c.rank * ret_rows + colprefix[lo] + q) * row_int4) + first;
                 if (!(a.c.ablate & kAblateRows))
-                    warp_copy<kUnroll, true>(dst, src, row_int4, lane, [](const int4* p) { return ld_nc_na_v4(p); },
+                    warp_copy<kUnroll, true>(dst, src, min((int64_t)kPiece, row_int4 - first), lane,
+                                             [](const int4* p) { return ld_nc_na_v4(p); },
                                              [](int4* p, const int4& v) { st_na_v4(p, v); });
             }
             trace_mark(a.c.trace, kMarkSent);
-            if (!finish_sends(at<int>(mine, a.c.cur.done) + 1, a.c.guard, R)) return;
-            trace_mark(a.c.trace, kMarkAllSent);
         }
-        for (int dst = b; dst < R; dst += G)
-            if (threadIdx.x == 0) st_release_sys(at<int>(a.c.peers[dst], a.c.cur.combine_flag) + a.c.rank, 1);
+        arrive(a.c.peers, a.c.cur.combine_flag, a.c.rank, R, moves_rows ? G : 1);
         trace_mark(a.c.trace, kMarkFlagged);
     }
 

@@ -18,8 +18,8 @@
 //      scale group) and stores it, with its scales, into the message of each
 //      of the token's experts (args.cuh message_layout); chunk 0 also writes
 //      the message's tag;
-//   4. arrives on the send counter; blocks b < R then write destination b's
-//      per-expert counts and set its flag (sync.cuh).
+//   4. writes the per-expert counts of the destinations it owns (d % G == b)
+//      and arrives on every destination's flag (sync.cuh).
 // Receive half (blocks b < num_waiters): wait for every source's flag, then
 // publish counts and stats.
 #include <cuda_bf16.h>
@@ -118,15 +118,23 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
 
     if (a.c.phases & kPhaseSend) {
         trace_mark(a.c.trace, kMarkStart);
-        // The first batch of this warp's rows is loaded before the position
-        // scan, so their latency hides behind it.
+        const int W = a.mask_words;               // 32-token mask words per expert per window
+        // This thread's first expert ids are loaded first, then the first batch of
+        // this warp's rows, so the rows' latency hides behind the position scan
+        // and the ids do not queue behind the rows.
+        constexpr int kIdsAhead = 4;
+        int ids_ahead[kIdsAhead];
+#pragma unroll
+        for (int u = 0; u < kIdsAhead; ++u) {
+            const int i = threadIdx.x + u * blockDim.x;  // (t, j) = (i / k, i % k) of the first window
+            ids_ahead[u] = i < min(T, 32 * W) * k ? (int)__ldg(a.topk_idx + i) : -1;
+        }
         const int num_chunks = (H + kChunkElems - 1) / kChunkElems;
         const int n_own = b < T ? (T - b + G - 1) / G : 0;
         const int num_items = n_own * num_chunks;
         int4 v[kBatch][2];
         load_batch(a, v, warp, num_warps, num_items, num_chunks, b, G, lane);
         clear_next_flags(mine, a.c.next, R);
-        const int W = a.mask_words;               // 32-token mask words per expert per window
         const int Tb = (T + G - 1) / G;           // own tokens, at most
         int* total = smem;                        // [E] rows to e (after the windows so far)
         int* seg = total + E;                     // [E] rows to e's rank for experts before e
@@ -142,9 +150,16 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
             const int nt = min(T - t0, 32 * W);
             for (int i = threadIdx.x; i < E * W; i += blockDim.x) mask[i] = 0u;
             __syncthreads();
-            for (int i = threadIdx.x; i < nt * k; i += blockDim.x) {
+            for (int u = 0, i = threadIdx.x; i < nt * k; ++u, i += blockDim.x) {
                 const int t = t0 + i / k, j = i % k;
-                int e = (int)__ldg(a.topk_idx + (int64_t)t * k + j);
+                int e = -1;
+                if (t0 == 0 && u < kIdsAhead) {
+#pragma unroll
+                    for (int q = 0; q < kIdsAhead; ++q)
+                        if (q == u) e = ids_ahead[q];
+                } else {
+                    e = (int)__ldg(a.topk_idx + (int64_t)t * k + j);
+                }
                 if (e >= E || e < -1) {
                     report_error(a.c.guard, kErrorBadInput, kBadExpertId, -1, e, E);
                     e = -1;
@@ -200,14 +215,11 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
         }
 
         trace_mark(a.c.trace, kMarkSent);
-        if (!finish_sends(at<int>(mine, a.c.cur.done), a.c.guard, R)) return;
-        trace_mark(a.c.trace, kMarkAllSent);
         for (int dst = b; dst < R; dst += G) {
             int* counts = at<int>(a.c.peers[dst], a.c.cur.dispatch_count);
             for (int le = threadIdx.x; le < El; le += blockDim.x) counts[le * R + a.c.rank] = total[dst * El + le];
-            __syncthreads();
-            if (threadIdx.x == 0) st_release_sys(at<int>(a.c.peers[dst], a.c.cur.dispatch_flag) + a.c.rank, 1);
         }
+        arrive(a.c.peers, a.c.cur.dispatch_flag, a.c.rank, R, G);
         trace_mark(a.c.trace, kMarkFlagged);
     }
 

@@ -1,20 +1,27 @@
 // Flag protocol of the low-latency kernels (see args.cuh for the buffer sets).
 //
-// Send side: every block writes its rows with plain stores to the peers, then
-// arrives on this rank's `done` counter with a release; the blocks that own a
-// destination wait for all arrivals (acquire), write that destination's
-// metadata and set its flag with a release store. Only the first num_waiters
-// blocks (which include the destination owners) wait at all: the others exit
-// once their rows are out, so a grid may have more blocks than can be resident
-// with every other rank's; the host checks that the waiters of all ranks
-// sharing a GPU fit with room to spare. The receive side acquires the
-// flag. Release/acquire are cumulative through the block barriers, so every
-// row any block of the sender wrote is visible once the flag is.
+// Send side: every block writes its rows with plain stores to the peers and
+// then arrives on each destination's flag for this rank with a release add
+// (`arrive`). The flag counts arrivals; block 0 adds the number of arriving
+// blocks in the high half as well, so a flag is complete when its low half
+// equals its high half, and zero still means "nothing arrived". A block
+// arrives after a block barrier, so its release covers the rows every thread
+// of the block wrote; the receive side acquires the flag. There is no wait on
+// the send side: no block depends on another block of its own rank, so a grid
+// may have more blocks than can be resident with every other rank's. Only the
+// first num_waiters blocks wait (for the peers' flags), and the host checks
+// that the waiters of all ranks sharing a GPU fit with room to spare. The
+// adds are atomics on peer memory, so the host also checks that the ranks'
+// GPUs take each other's atomics natively (kernels.check_peer_atomics). The
+// alternative without them, each block counting itself on a local counter
+// and the last one storing the flags, measured 2-3 us slower per call
+// (results/low_latency_last_block.jsonl).
 //
-// Flags are cleared one call ahead: a call clears the flags of the set the
-// next call uses. A peer writes those flags only during the next call, after
-// it has seen this call's flags from this rank, which this rank sets after the
-// clear, so the clear always lands first.
+// Flags are cleared one call ahead: block 0 of a call clears the flags of the
+// set the next call uses. A peer writes those flags only during the next call,
+// after it has seen this call's flag from this rank complete, which needs block
+// 0's arrival, which block 0 makes after the clear; so the clear always lands
+// first.
 #pragma once
 #include "common/ptx.cuh"
 #include "common/timeout.cuh"
@@ -28,31 +35,38 @@ __device__ __forceinline__ T* at(void* base, int64_t offset) {
     return reinterpret_cast<T*>(static_cast<char*>(base) + offset);
 }
 
-// Zero the next set's flags and done counters (grid-strided).
+// Block 0 zeroes the next set's flags.
 __device__ __forceinline__ void clear_next_flags(void* mine, const SetOffsets& next, int num_ranks) {
+    if (blockIdx.x != 0) return;
     int* dispatch_flag = at<int>(mine, next.dispatch_flag);
     int* combine_flag = at<int>(mine, next.combine_flag);
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < num_ranks; i += gridDim.x * blockDim.x) {
+    for (int i = threadIdx.x; i < num_ranks; i += blockDim.x) {
         dispatch_flag[i] = 0;
         combine_flag[i] = 0;
     }
-    if (blockIdx.x == 0 && threadIdx.x < 4) at<int>(mine, next.done)[threadIdx.x] = 0;
 }
 
-// Arrive on this rank's send counter; blocks that own a destination (b < R)
-// also wait for all gridDim.x arrivals. Returns false after a timeout.
-__device__ __forceinline__ bool finish_sends(int* done, const Guard& guard, int num_ranks) {
-    __shared__ int s_ok;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        atomic_add_release_sys(done, 1);
-        s_ok = (int)blockIdx.x >= num_ranks || wait_geq(done, (int)gridDim.x, guard, kWaitSendDone, -1);
-    }
-    __syncthreads();
-    return s_ok;
+// The value block b adds to a flag when num_blocks blocks arrive.
+__device__ __forceinline__ int arrival(int b, int num_blocks) { return 1 + (b == 0 ? num_blocks << 16 : 0); }
+
+// Whether a flag holds every arrival its sender announced (see above).
+__device__ __forceinline__ bool arrivals_complete(int v) {
+    return v != 0 && (v & 0xffff) == ((unsigned)v >> 16);
 }
 
-// Wait (every block) until all R peers have set this rank's flag in `flags`.
+// Blocks b < num_blocks (every block that wrote rows, or just block 0 when there
+// were none) arrive on flags[rank] of every peer's buffer at byte offset
+// flag_offset, after a block barrier so that the release covers the block's rows.
+__device__ __forceinline__ void arrive(void* const* peers, int64_t flag_offset, int rank, int num_ranks,
+                                       int num_blocks) {
+    __syncthreads();
+    if ((int)blockIdx.x >= num_blocks) return;
+    const int v = arrival(blockIdx.x, num_blocks);
+    for (int dst = threadIdx.x; dst < num_ranks; dst += blockDim.x)
+        atomic_add_release_sys(at<int>(peers[dst], flag_offset) + rank, v);
+}
+
+// Wait (every block) until all R peers' flags in `flags` are complete.
 // Block 0 adds the nanoseconds it waited for each peer to wait_stats.
 __device__ __forceinline__ bool wait_peer_flags(const int* flags, int num_ranks, const Guard& guard,
                                                 int64_t* wait_stats) {
@@ -61,7 +75,11 @@ __device__ __forceinline__ bool wait_peer_flags(const int* flags, int num_ranks,
     __syncthreads();
     for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
         const uint64_t t0 = global_timer_ns();
-        if (!wait_nonzero(flags + r, guard, kWaitPeerFlag, r)) s_fail = 1;
+        // A timeout reports (blocks arrived, blocks announced; 0 before block 0 arrived).
+        if (!wait_until(
+                flags + r, [](int v) { return arrivals_complete(v); },
+                [](int v) { return make_longlong2(v & 0xffff, (unsigned)v >> 16); }, guard, kWaitPeerFlag, r))
+            s_fail = 1;
         else if (wait_stats && blockIdx.x == 0)
             atomicAdd(reinterpret_cast<unsigned long long*>(wait_stats + r),
                       (unsigned long long)(global_timer_ns() - t0));

@@ -7,10 +7,9 @@ else one per GPU) through ``cupyep.launch`` (which starts CUDA MPS when ranks
 share a GPU), runs ``experiments/bench_normal.py`` at the standard shape
 (4096 tokens per rank, hidden 7168, top-8 of 256 experts) and plots the
 result, then ``experiments/bench_low_latency.py`` (128 and 1 tokens per rank,
-pushed and zero-copy combines included, kernels launched as programmatic
-dependents). Without a GPU it runs the same
-experiment at a small size on the NumPy reference, labelled as such in the output and the plot, so that the
-toolkit can be seen working anywhere.
+pulled and zero-copy combines included). Without a GPU it runs the same
+experiment at a small size on the NumPy reference, labelled as such in the
+output and the plot, so that the toolkit can be seen working anywhere.
 """
 from __future__ import annotations
 
@@ -91,7 +90,7 @@ def main(argv=None) -> int:
     ll_jsonl = out / "low_latency.jsonl"
     for n in ranks:
         for script, dest, extra in (("bench_normal.py", jsonl, []),
-                                    ("bench_low_latency.py", ll_jsonl, ["--zero-copy", "--programmatic-launch"])):
+                                    ("bench_low_latency.py", ll_jsonl, ["--zero-copy"])):
             cmd = [sys.executable, "-m", "cupyep.launch", "-n", str(n), "--timeout", "600", "--",
                    str(ROOT / "experiments" / script), "--out", str(dest), *extra]
             print("==", " ".join(cmd), flush=True)

@@ -83,9 +83,11 @@ def time_fn(fn, iters: int = 50, warmup: int = 5, flush: bool = True, before=Non
             hide_launch_us: float = 0.0) -> Timing:
     """Time ``fn()`` (which enqueues GPU work on the current stream).
 
-    ``before()`` runs untimed before each call (e.g. a barrier that lines all
-    ranks up); with ``flush`` the L2 is flushed before each call as well; with
-    ``hide_launch_us`` a sleep kernel of that length precedes ``before()``.
+    ``before()`` runs before each call (e.g. a barrier that lines all ranks
+    up) and, as in :func:`timed_rounds`, inside the events: an event recorded
+    between it and the call would hold the call's launch back. With ``flush``
+    the L2 is flushed before each call as well; with ``hide_launch_us`` a sleep
+    kernel of that length precedes ``before()``.
     """
     import cupy
     for _ in range(warmup):
@@ -100,9 +102,9 @@ def time_fn(fn, iters: int = 50, warmup: int = 5, flush: bool = True, before=Non
             flush_l2()
         if hide_launch_us:
             gpu_sleep(hide_launch_us)
+        starts[i].record()
         if before:
             before()
-        starts[i].record()
         fn()
         ends[i].record()
     ends[-1].synchronize()

@@ -46,8 +46,10 @@ class LowLatencyBuffer:
         programmatic_launch: launch every kernel as a programmatic dependent of
             the work ahead of it in the stream (cupyep.driver): its blocks are
             resident, waiting on the GPU, when that work ends, instead of being
-            launched then. Pays off when the kernel ahead calls
+            launched then; most of all when the kernel ahead calls
             ``griddepcontrol.launch_dependents`` early (GpuBarrier does).
+            Default (None): wherever the GPU supports it (compute capability
+            9.0 on); False launches plainly. Attribute of the same name.
 
     Collective: create, call and destroy it on every rank in the same order.
 
@@ -59,7 +61,7 @@ class LowLatencyBuffer:
 
     def __init__(self, group, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int, *,
                  max_topk: int = 16, num_blocks: int | None = None, num_waiters: int | None = None,
-                 num_threads: int = K.DEFAULT_THREADS, programmatic_launch: bool = False):
+                 num_threads: int = K.DEFAULT_THREADS, programmatic_launch: bool | None = None):
         import cupy
         group.require_gpu("cupyep.LowLatencyBuffer")
         if group.num_nodes > 1:
@@ -79,10 +81,14 @@ class LowLatencyBuffer:
         self.num_blocks = int(num_blocks or budget)
         if self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        self.num_waiters = K.check_waiters(num_waiters, self.num_blocks, R)
+        self.num_waiters = K.check_waiters(num_waiters, self.num_blocks)
         self.num_threads = num_threads
         self.max_topk = max_topk
-        self.programmatic_launch = bool(programmatic_launch)
+        self.programmatic_launch = (driver.programmatic_supported() if programmatic_launch is None
+                                    else bool(programmatic_launch))
+        devices = group.node_comm.allgather(group.device_id)
+        K.check_peer_atomics(devices, driver.peer_native_atomics)
+        self._one_gpu = len(set(devices)) == 1  # every local rank on this GPU (under MPS)
         self.layout = low_latency_layout(R, num_max_dispatch_tokens_per_rank, hidden, num_experts, max_topk)
         self.buffer = SymmetricBuffer(group, self.layout.nbytes)
         self._structs = {}
@@ -330,7 +336,7 @@ class LowLatencyBuffer:
                              f"later dispatch (a dispatch's rows are valid until the next dispatch)")
 
     def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, *, zero_copy: bool = False,
-                pull: bool = True, async_finish: bool = False, return_recv_hook: bool = False, out=None,
+                pull: bool | None = None, async_finish: bool = False, return_recv_hook: bool = False, out=None,
                 validate: bool = False, kernel_time_ns=None, trace=None) -> LowLatencyCombineResult:
         """Return expert outputs to their tokens and reduce with the top-k weights.
 
@@ -344,12 +350,15 @@ class LowLatencyBuffer:
             handle: the dispatch's LowLatencyHandle.
             zero_copy: read the expert outputs from get_next_combine_buffer().
             pull: each token's owner reads its rows from the expert ranks' combine
-                buffers while it reduces (default), instead of the expert ranks
-                writing them into the owners' buffers first (pull=False, push).
-                A row is then read remotely once and never written remotely;
-                without zero_copy the expert rank first copies x into its own
-                combine buffer, a local copy. Every rank must pass the same
-                value. The copy of the combine buffer a call reads is handed out
+                buffers while it reduces, instead of the expert ranks writing
+                them into the owners' buffers first (push). A row is then read
+                remotely once and never written remotely; without zero_copy the
+                expert rank first copies x into its own combine buffer, a local
+                copy. Default (None): pull with zero_copy when all ranks share
+                one GPU, push otherwise: the faster of each pair as measured
+                (results/low_latency.jsonl; across NVLink, remote reads are
+                slower than remote writes: results/low_latency_2gpus.jsonl).
+                Every rank must pass the same value. The copy of the combine buffer a call reads is handed out
                 again (get_next_combine_buffer) only after another call on this
                 buffer, which completes only once every owner has finished this
                 combine; so rows stay valid while they are read as long as each
@@ -393,7 +402,7 @@ class LowLatencyBuffer:
         args = dict(x=src.data.ptr, layout_count=handle.layout_count.data.ptr,
                     combine_pos=handle.combine_pos.data.ptr, slot_pos=handle.slot_pos.data.ptr,
                     topk_idx=topk_idx.data.ptr, topk_weights=topk_weights.data.ptr, out=out.data.ptr,
-                    x_row_bytes=src.strides[1], pull=int(bool(pull)))
+                    x_row_bytes=src.strides[1], pull=int(zero_copy and self._one_gpu if pull is None else bool(pull)))
         smem = K.combine_smem(self.num_experts)
 
         hook = self._run(self._combine_fn, K.COMBINE_ARGS_DTYPE, call_args, args, smem, stream, return_recv_hook)

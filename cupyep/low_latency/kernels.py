@@ -38,7 +38,7 @@ def ablation_bits(names) -> int:
 
 
 # Trace marks (args.cuh enum Mark): trace[b][m] is when block b reached mark m.
-TRACE_MARKS = ("start", "prep", "sent", "all_sent", "flagged", "arrived", "end")
+TRACE_MARKS = ("start", "prep", "sent", "flagged", "arrived", "end")
 NUM_TRACE_SLOTS = 8
 
 SET_DTYPE = jit.struct_dtype([(n, i64) for n in FIELDS])
@@ -101,20 +101,32 @@ def dispatch_smem(num_tokens: int, num_blocks: int, num_topk: int, num_experts: 
     return DispatchSmem(words, fixed + 4 * num_experts * words)
 
 
-def check_waiters(num_waiters, num_blocks: int, num_ranks: int) -> int:
-    """The number of waiting blocks: ``num_waiters`` (default ``num_blocks``), at
-    least the min(R, num_blocks) blocks that own a destination's flag and at
-    most ``num_blocks``; ValueError otherwise."""
+def check_waiters(num_waiters, num_blocks: int) -> int:
+    """The number of waiting blocks: ``num_waiters`` (default ``num_blocks``),
+    from 1 to ``num_blocks`` (the send side never waits, so any block may be a
+    sender only); ValueError otherwise."""
     w = num_blocks if num_waiters is None else num_waiters
-    low = min(num_ranks, num_blocks)
-    if isinstance(w, bool) or not isinstance(w, (int, np.integer)) or not low <= w <= num_blocks:
-        raise ValueError(f"num_waiters must be an int in [{low}, num_blocks={num_blocks}] (the blocks that own "
-                         f"a destination's flag wait too), got {num_waiters!r}")
+    if isinstance(w, bool) or not isinstance(w, (int, np.integer)) or not 1 <= w <= num_blocks:
+        raise ValueError(f"num_waiters must be an int in [1, num_blocks={num_blocks}], got {num_waiters!r}")
     return int(w)
 
 
+def check_peer_atomics(devices, native_atomics) -> None:
+    """The low-latency kernels add to counters in peers' buffers (sync.cuh), so
+    the GPUs of every two local ranks must take each other's atomics natively:
+    always true on one GPU and over NVLink, not over every PCIe link.
+    ``devices``: each local rank's CUDA device (every rank passes the same
+    list, so all ranks agree); ``native_atomics(device, peer)``: the link
+    attribute (cupyep.driver.peer_native_atomics). RuntimeError otherwise."""
+    pairs = sorted({(a, b) for a in set(devices) for b in set(devices) if a != b and not native_atomics(a, b)})
+    if pairs:
+        raise RuntimeError(f"low-latency mode needs native atomics between the ranks' GPUs; these (GPU, peer GPU) "
+                           f"pairs have none: {pairs} (e.g. a PCIe link without peer atomics). Put the ranks on "
+                           "one GPU (MPS) or on NVLink-connected GPUs")
+
+
 def combine_smem(num_experts: int) -> int:
-    """Bytes of the combine kernel's shared memory: the [E + 1] row prefix over
-    (local expert, source) pairs and the [E] offsets of each pair's rows in its
-    source's return range (int32)."""
-    return 4 * (2 * num_experts + 1)
+    """Bytes of the combine kernel's shared memory: the [E] rows of each (local
+    expert, source) pair, their [E + 1] prefix, and the [E] offsets of each
+    pair's rows in its source's return range (int32)."""
+    return 4 * (3 * num_experts + 1)

@@ -8,9 +8,8 @@ with ``El = E / R`` local experts, ``M = max_tokens``
 (num_max_dispatch_tokens_per_rank) and hidden ``H``::
 
     dispatch_count [El][R] int32      tokens source r sent to local expert e
-    dispatch_flag  [R] int32          source r finished its dispatch rows
-    combine_flag   [R] int32          expert rank r finished its combine rows
-    done           [4] int32          this rank's blocks that finished sending
+    dispatch_flag  [R] int32          arrivals of source r's blocks: its dispatch rows are written
+    combine_flag   [R] int32          arrivals of expert rank r's blocks: its combine rows are written
     recv_x         [El][R * M] messages of D bytes (see message_layout), sized for BF16
     combine_send   [El][R * M][H] BF16  zero-copy combine input
     combine_recv   [R][M * Kc][H] BF16  rows expert rank r returns to me
@@ -39,7 +38,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 ALIGN = 128
-FIELDS = ("dispatch_count", "dispatch_flag", "combine_flag", "done", "recv_x", "combine_send", "combine_recv")
+FIELDS = ("dispatch_count", "dispatch_flag", "combine_flag", "recv_x", "combine_send", "combine_recv")
 MAX_TOPK = 255  # a message's tag holds the top-k slot in one byte
 TAG_BYTES = 16
 
@@ -74,7 +73,6 @@ class SetLayout:
     dispatch_count: int
     dispatch_flag: int
     combine_flag: int
-    done: int
     recv_x: int
     combine_send: int
     combine_recv: int
@@ -146,7 +144,6 @@ def low_latency_layout(num_ranks: int, max_tokens: int, hidden: int, num_experts
         "dispatch_count": 4 * El * R,
         "dispatch_flag": 4 * R,
         "combine_flag": 4 * R,
-        "done": 16,
         "recv_x": rows * message_layout(H, False).nbytes,
         "combine_send": rows * 2 * H,
         "combine_recv": R * return_rows(M, max_topk, El) * 2 * H,
@@ -167,7 +164,7 @@ def size_hint(num_ranks: int, max_tokens: int, hidden: int, num_experts: int, ma
     return low_latency_layout(num_ranks, max_tokens, hidden, num_experts, max_topk).nbytes
 
 
-FLAG_FIELDS = ("dispatch_count", "dispatch_flag", "combine_flag", "done")
+FLAG_FIELDS = ("dispatch_count", "dispatch_flag", "combine_flag")
 DATA_FIELDS = {"dispatch": ("recv_x",),
                "combine": ("combine_send", "combine_recv")}
 

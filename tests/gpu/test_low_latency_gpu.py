@@ -266,14 +266,15 @@ def test_profiling_stamps(group, llbuf, hook):
 
 @pytest.mark.parametrize("hook", [False, True])
 def test_senders_beyond_waiters(group, llbuf, hook):
-    """A grid three times the rank's share, of which only some blocks wait: exact
-    dispatch (FP8 and BF16) and combine, and the senders' trace ends at 'flagged'."""
+    """A grid three times the rank's share, of which only some blocks wait (a
+    single one with the hook): exact dispatch (FP8 and BF16) and combine, and the
+    senders' trace ends at 'flagged'."""
     import cupy
     import cupyep
     from cupyep.low_latency.kernels import NUM_TRACE_SLOTS, TRACE_MARKS
     me, R = group.local_rank, group.local_size
     G = 3 * llbuf.num_blocks
-    W = max(min(R, G), llbuf.num_blocks // 2)
+    W = 1 if hook else max(min(R, G), llbuf.num_blocks // 2)
     b = cupyep.LowLatencyBuffer(group, MAX_TOKENS, H, E, num_blocks=G, num_waiters=W)
     try:
         tokens = [MAX_TOKENS - 3 * (r % 2) for r in range(R)]
@@ -451,10 +452,12 @@ def test_cuda_graph_replay(group, llbuf):
         assert all_ranks(group.comm, ok and diff < 1e-5), (it, bad, diff)
 
 
+@pytest.mark.parametrize("programmatic", [False, True])
 @pytest.mark.parametrize("graph", [False, True])
-def test_programmatic_launch(group, llbuf, graph):
-    """Kernels launched as programmatic dependents of a GPU barrier (which lets
-    them become resident early), plainly and inside a replayed CUDA graph."""
+def test_launch_modes(group, llbuf, graph, programmatic):
+    """Kernels launched plainly or as programmatic dependents of a GPU barrier
+    (which lets them become resident early), eagerly and inside a replayed CUDA
+    graph."""
     import cupy
     from cupyep.barrier import GpuBarrier
     me, R = group.local_rank, group.local_size
@@ -465,7 +468,8 @@ def test_programmatic_launch(group, llbuf, graph):
     idx_in = cupy.empty((T, K), dtype=np.int64)
     w_in = cupy.empty((T, K), dtype=np.float32)
     xs = [tagged_x(r, T) for r in range(R)]
-    llbuf.programmatic_launch = True
+    default = llbuf.programmatic_launch
+    llbuf.programmatic_launch = programmatic
     try:
         use_fp8 = not graph  # (the FP8 identity experts copy a table to the GPU: not capturable)
 
@@ -501,7 +505,7 @@ def test_programmatic_launch(group, llbuf, graph):
                 diff = ref.calc_diff(got, _combine_expected(xs[me], idx[me], w[me]))
                 assert all_ranks(group.comm, ok and diff < (9e-4 if use_fp8 else 1e-5) and not np.isnan(got).any()), (it, bad, diff)
     finally:
-        llbuf.programmatic_launch = False
+        llbuf.programmatic_launch = default
         stream.synchronize()
         bar.destroy()
 
