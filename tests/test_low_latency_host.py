@@ -312,6 +312,14 @@ def test_check_peer_atomics():
         K.check_peer_atomics([0, 1, 2, 3], links)
 
 
+def test_check_blocks():
+    assert K.check_blocks(None, 16) == 16 and K.check_blocks(np.int64(48), 16) == 48
+    assert K.check_blocks(K.MAX_BLOCKS, 16) == K.MAX_BLOCKS
+    for bad in (0, -1, K.MAX_BLOCKS + 1, True, 4.0, "8"):
+        with pytest.raises(ValueError, match="num_blocks"):
+            K.check_blocks(bad, 16)
+
+
 def test_check_waiters():
     assert K.check_waiters(None, 16) == 16
     assert K.check_waiters(8, 64) == 8 and K.check_waiters(np.int64(3), 4) == 3

@@ -46,7 +46,7 @@ __device__ __forceinline__ void clear_next_flags(void* mine, const SetOffsets& n
     }
 }
 
-// The value block b adds to a flag when num_blocks blocks arrive.
+// The value block b adds to a flag when num_blocks (<= kernels.MAX_BLOCKS) blocks arrive.
 __device__ __forceinline__ int arrival(int b, int num_blocks) { return 1 + (b == 0 ? num_blocks << 16 : 0); }
 
 // Whether a flag holds every arrival its sender announced (see above).

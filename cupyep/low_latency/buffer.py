@@ -78,9 +78,7 @@ class LowLatencyBuffer:
         dev = cupy.cuda.Device()
         self.num_device_sms = dev.attributes["MultiProcessorCount"]
         budget = max(1, self.num_device_sms // max(1, group.ranks_per_gpu))
-        self.num_blocks = int(num_blocks or budget)
-        if self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = K.check_blocks(num_blocks, budget)
         self.num_waiters = K.check_waiters(num_waiters, self.num_blocks)
         self.num_threads = num_threads
         self.max_topk = max_topk

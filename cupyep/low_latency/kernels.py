@@ -101,6 +101,18 @@ def dispatch_smem(num_tokens: int, num_blocks: int, num_topk: int, num_experts: 
     return DispatchSmem(words, fixed + 4 * num_experts * words)
 
 
+MAX_BLOCKS = 0x7FFF  # a flag holds the arriving blocks' count in 15 bits (sync.cuh)
+
+
+def check_blocks(num_blocks, default: int) -> int:
+    """The number of sending blocks: ``num_blocks`` (default ``default``), an
+    int from 1 to MAX_BLOCKS; ValueError otherwise."""
+    g = default if num_blocks is None else num_blocks
+    if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or not 1 <= g <= MAX_BLOCKS:
+        raise ValueError(f"num_blocks must be an int in [1, {MAX_BLOCKS}], got {num_blocks!r}")
+    return int(g)
+
+
 def check_waiters(num_waiters, num_blocks: int) -> int:
     """The number of waiting blocks: ``num_waiters`` (default ``num_blocks``),
     from 1 to ``num_blocks`` (the send side never waits, so any block may be a
