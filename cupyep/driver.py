@@ -64,6 +64,12 @@ def _driver():
     return _lib
 
 
+def _check(rc: int, call: str) -> None:
+    """RuntimeError naming ``call`` unless the driver returned CUDA_SUCCESS."""
+    if rc != 0:
+        raise RuntimeError(f"{call} failed with CUresult {rc}")
+
+
 def _dims(d) -> tuple[int, int, int]:
     if isinstance(d, int) and d >= 1:
         return d, 1, 1
@@ -100,9 +106,7 @@ def launch(function, grid, block, args: tuple, shared_mem: int = 0, stream=None,
     blobs = [ctypes.create_string_buffer(a.tobytes()) for a in args]
     params = (ctypes.c_void_p * max(len(blobs), 1))(*[ctypes.addressof(b) for b in blobs])
     fn = function.kernel if hasattr(function, "kernel") else function  # RawKernel: its Function on this device
-    rc = _driver().cuLaunchKernelEx(ctypes.byref(cfg), fn.ptr, params, None)
-    if rc != 0:
-        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {rc}")
+    _check(_driver().cuLaunchKernelEx(ctypes.byref(cfg), fn.ptr, params, None), "cuLaunchKernelEx")
 
 
 def programmatic_supported() -> bool:
@@ -121,12 +125,9 @@ def peer_native_atomics(device: int, peer: int) -> bool:
     handles = []
     for ordinal in (device, peer):
         h = ctypes.c_int()
-        rc = lib.cuDeviceGet(ctypes.byref(h), int(ordinal))
-        if rc != 0:
-            raise RuntimeError(f"cuDeviceGet({ordinal}) failed with CUresult {rc}")
+        _check(lib.cuDeviceGet(ctypes.byref(h), int(ordinal)), f"cuDeviceGet({ordinal})")
         handles.append(h.value)
     value = ctypes.c_int()
-    rc = lib.cuDeviceGetP2PAttribute(ctypes.byref(value), CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED, *handles)
-    if rc != 0:
-        raise RuntimeError(f"cuDeviceGetP2PAttribute({device}, {peer}) failed with CUresult {rc}")
+    _check(lib.cuDeviceGetP2PAttribute(ctypes.byref(value), CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED, *handles),
+           f"cuDeviceGetP2PAttribute({device}, {peer})")
     return bool(value.value)
