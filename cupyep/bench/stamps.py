@@ -1,8 +1,9 @@
 """Summaries of the %globaltimer stamps kernels write while profiled.
 
 All ranks of one GPU read the same %globaltimer, so stamps of different
-ranks on one GPU can be compared (different GPUs' timers are not aligned): how far apart the ranks' kernels started, and how
-long the call took once the last rank had started.
+ranks on one GPU can be compared (different GPUs' timers are not aligned):
+how far apart the ranks' kernels started, and how long the call took once
+the last rank had started.
 
 Inputs are int64 nanoseconds gathered from every rank:
 

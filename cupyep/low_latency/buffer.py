@@ -356,12 +356,12 @@ class LowLatencyBuffer:
                 one GPU, push otherwise: the faster of each pair as measured
                 (results/low_latency.jsonl; across NVLink, remote reads are
                 slower than remote writes: results/low_latency_2gpus.jsonl).
-                Every rank must pass the same value. The copy of the combine buffer a call reads is handed out
-                again (get_next_combine_buffer) only after another call on this
-                buffer, which completes only once every owner has finished this
-                combine; so rows stay valid while they are read as long as each
-                rank issues its calls, and its writes to the combine buffer, on
-                one stream in call order.
+                Every rank must pass the same value. The copy of the combine
+                buffer a call reads is handed out again (get_next_combine_buffer)
+                only after another call on this buffer, which completes only
+                once every owner has finished this combine; so rows stay valid
+                while they are read as long as each rank issues its calls, and
+                its writes to the combine buffer, on one stream in call order.
             out: optional [T, H] uint16 output array.
             async_finish, return_recv_hook, kernel_time_ns, trace: as in dispatch.
 
