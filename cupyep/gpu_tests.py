@@ -3,17 +3,50 @@
     python -m cupyep.gpu_tests [--ranks 2 4 8] [-k EXPR] [--timeout 900]
 
 For each rank count it runs ``python -m cupyep.launch -n N -- -m pytest -m gpu
-tests/gpu``; the launcher starts CUDA MPS when ranks share a GPU. Exits
-non-zero if any run fails.
+tests/gpu``; the launcher starts CUDA MPS when ranks share a GPU. Each rank
+count's line gives pytest's counts (every rank prints its own summary; the
+last one is reported), and a run where every test skipped says "skipped",
+not "passed".
+
+Exit status: 0 when every run passed; 0 as well, after the line "skipped: no
+GPU", on a machine without a CUDA GPU (nothing is launched); 1 when a run
+failed, ran no test or skipped every test.
 """
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+NO_GPU_MESSAGE = "skipped: no GPU (python -m cupyep.gpu_tests needs a CUDA GPU; none found)"
+_OUTCOME = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)\b")
+_SUMMARY = re.compile(r"\bin [\d.]+s\b")
+
+
+def pytest_counts(output: str) -> dict[str, int]:
+    """Outcome counts of the last pytest summary line in ``output``
+    (e.g. ``3 passed, 2 skipped in 1.2s``), "error" for "errors"; {} if none."""
+    counts: dict[str, int] = {}
+    for line in output.splitlines():
+        found = _OUTCOME.findall(line)
+        if found and _SUMMARY.search(line):
+            counts = {("error" if kind.startswith("error") else kind): int(n) for n, kind in found}
+    return counts
+
+
+def verdict(rc: int, counts: dict[str, int]) -> tuple[str, bool]:
+    """(what one rank count's run did, whether it counts as a failure)."""
+    detail = ", ".join(f"{n} {k}" for k, n in counts.items())
+    if rc == 5:
+        return "no tests ran (pytest status 5)", True
+    if rc:
+        return f"FAILED (status {rc}{'; ' + detail if detail else ''})", True
+    if counts.get("skipped") and not counts.get("passed"):
+        return f"skipped: every test skipped ({detail})", True
+    return f"passed ({detail})" if detail else "passed", False
 
 
 def main(argv=None) -> int:
@@ -23,6 +56,10 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per rank count")
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = p.parse_args(argv)
+    from .runtime import gpu_count
+    if gpu_count() == 0:
+        print(NO_GPU_MESSAGE, flush=True)
+        return 0
     failed = []
     for n in args.ranks:
         cmd = [sys.executable, "-m", "cupyep.launch", "-n", str(n), "--timeout", str(int(args.timeout)), "--",
@@ -31,12 +68,20 @@ def main(argv=None) -> int:
             cmd += ["-k", args.k]
         cmd += args.pytest_args
         print(f"== GPU tests with {n} ranks: {' '.join(cmd)}", flush=True)
-        rc = subprocess.call(cmd, cwd=ROOT)
-        print(f"== {n} ranks: {'passed' if rc == 0 else f'FAILED (status {rc})'}", flush=True)
-        if rc:
+        lines = []
+        with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              bufsize=1) as proc:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                lines.append(line)
+            rc = proc.wait()
+        sys.stdout.flush()
+        what, bad = verdict(rc, pytest_counts("".join(lines)))
+        print(f"== {n} ranks: {what}", flush=True)
+        if bad:
             failed.append(n)
     if failed:
-        print(f"GPU tests failed at {failed} ranks", file=sys.stderr)
+        print(f"GPU tests failed, ran nothing or skipped everything at {failed} ranks", file=sys.stderr)
     return 1 if failed else 0
 
 

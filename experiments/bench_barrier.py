@@ -12,6 +12,7 @@ import numpy as np
 
 import cupyep
 from cupyep.barrier import GpuBarrier
+from cupyep.bench import require_gpu
 from cupyep.bench.copy import copy_bandwidth, device_copy
 from cupyep.bench.report import JsonlWriter
 from cupyep.bench.timing import time_fn
@@ -19,6 +20,7 @@ from cupyep.ipc import SymmetricBuffer
 
 
 def main():
+    require_gpu(__file__)
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="results/barrier.jsonl")
     p.add_argument("--iters", type=int, default=1000)

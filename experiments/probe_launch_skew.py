@@ -16,12 +16,14 @@ import numpy as np
 
 import cupyep
 from cupyep.barrier import GpuBarrier
+from cupyep.bench import require_gpu
 from cupyep.bench.report import JsonlWriter
 from cupyep.bench.skew import barrier_then_stamp
 from cupyep.bench.timing import gpu_sleep
 
 
 def main():
+    require_gpu(__file__)
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="results/launch_skew.jsonl")
     p.add_argument("--iters", type=int, default=200)

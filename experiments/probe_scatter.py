@@ -21,6 +21,7 @@ import numpy as np
 
 import cupyep
 from cupyep.barrier import GpuBarrier
+from cupyep.bench import require_gpu
 from cupyep.bench.copy import copy_bandwidth
 from cupyep.bench.report import JsonlWriter
 from cupyep.bench.scatter import PATTERNS, pattern_rows, rows_needed, scatter
@@ -31,6 +32,7 @@ from cupyep.testing import global_routing
 
 
 def main():
+    require_gpu(__file__)
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="results/probe_scatter.jsonl")
     p.add_argument("--tokens", type=int, default=128)

@@ -1,1 +1,31 @@
-"""Benchmark utilities: the copy-bandwidth roofline, event timing, JSON output."""
+"""Benchmark utilities: the copy-bandwidth roofline, event timing, JSON output,
+the naive baseline (``naive``), figures (``plots``), multi-run tables
+(``summary``) and the main job (``main``)."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+NO_GPU_STATUS = 2
+_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+
+
+def require_gpu(script: str) -> None:
+    """Exit with status 2 and one line on stderr when no CUDA GPU is visible.
+
+    For the top of an experiment's ``main()``, before anything touches CUDA:
+    ``require_gpu(__file__)``. ``script`` is named relative to the repository
+    when it lies inside it. Under a launcher only rank 0 prints the line; every
+    rank exits.
+    """
+    from ..runtime import gpu_count
+    if gpu_count() > 0:
+        return
+    path = Path(script).resolve()
+    name = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else script
+    if all(os.environ.get(v, "0") == "0" for v in _RANK_VARS):
+        print(f"{name} needs a CUDA GPU; none found (run python -m cupyep.bench for the CPU reference run)",
+              file=sys.stderr, flush=True)
+    sys.exit(NO_GPU_STATUS)

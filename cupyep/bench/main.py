@@ -1,30 +1,46 @@
 """The main job: the dispatch/combine benchmark on whatever this machine has.
 
-    python -m cupyep.bench.main [--ranks N] [--out results/main]
+    python -m cupyep.bench.main [--ranks N ...] [--out results/main]
+
+Every run writes a fresh folder ``<out>/<UTC time, YYYYmmddTHHMMSSZ>/``
+holding ``manifest.json`` (the command, the git commit, the environment, and
+each benchmark command with its exit status), the results
+(``normal.jsonl``, ``low_latency.jsonl``, ``naive.jsonl``) and the figures
+(``normal.png``, ``low_latency.png``, from ``cupyep.bench.plots``); it ends
+with a table (kind, ranks, median time, GB/s per rank, speed-up over the
+naive baseline). ``python -m cupyep.bench.summary`` compares several runs.
 
 With GPUs it launches N ranks (default: 2, 4 and 8 when there is one GPU,
 else one per GPU) through ``cupyep.launch`` (which starts CUDA MPS when ranks
-share a GPU), runs ``experiments/bench_normal.py`` at the standard shape
-(4096 tokens per rank, hidden 7168, top-8 of 256 experts) and plots the
-result, then ``experiments/bench_low_latency.py`` (128 and 1 tokens per rank,
-pulled and zero-copy combines included). Without a GPU it runs the same
-experiment at a small size on the NumPy reference, labelled as such in the
-output and the plot, so that the toolkit can be seen working anywhere.
+share a GPU) and runs, at each rank count, ``experiments/bench_normal.py``
+(4096 tokens per rank, hidden 7168, top-8 of 256 experts),
+``experiments/bench_low_latency.py --zero-copy`` (128 and 1 tokens per rank)
+and ``experiments/bench_naive.py`` (the naive baseline at 4096, 128 and 1
+tokens). A benchmark that fails does not stop the others; the job's status is
+then the first failure's. Without a GPU it runs the normal-mode experiment at
+a small size on the NumPy reference, labelled as such in the output and the
+plot, so that the toolkit can be seen working anywhere.
 """
 from __future__ import annotations
 
-import argparse
 import json
+import os
+import platform
+import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+BENCHES = (("bench_normal.py", "normal.jsonl", []),
+           ("bench_low_latency.py", "low_latency.jsonl", ["--zero-copy"]),
+           ("bench_naive.py", "naive.jsonl", []))
 
 
 def reference_run(num_ranks: int, num_tokens: int, hidden: int, out: Path) -> list[dict]:
-    """Dispatch + combine of every rank on the NumPy reference (CPU)."""
+    """Dispatch + combine of every rank on the NumPy reference (CPU); appends
+    one record per kind to ``out`` and returns them."""
     import numpy as np
 
     from .. import reference as ref
@@ -49,59 +65,111 @@ def reference_run(num_ranks: int, num_tokens: int, hidden: int, out: Path) -> li
     return records
 
 
-def plot(records: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    kinds = sorted({r["kind"] for r in records})
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ranks = sorted({r["ranks"] for r in records})
-    width = 0.8 / max(1, len(kinds))
-    for i, kind in enumerate(kinds):
-        vals = [next((r["rank_GBps"] for r in records if r["kind"] == kind and r["ranks"] == n), 0) for n in ranks]
-        ax.bar([j + i * width for j in range(len(ranks))], vals, width, label=kind)
-    ax.set_xticks([j + width * (len(kinds) - 1) / 2 for j in range(len(ranks))], [f"{n} ranks" for n in ranks])
-    ax.set_ylabel("GB/s per rank (received bytes / time)")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+def new_run_dir(parent: Path) -> Path:
+    """A folder ``parent/<UTC time>/`` that did not exist (``-2``, ``-3``, ...
+    appended when one run already took this second)."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    parent.mkdir(parents=True, exist_ok=True)
+    for i in range(1, 1000):
+        path = parent / (stamp if i == 1 else f"{stamp}-{i}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"cannot make a fresh run folder for {stamp} in {parent}")
+
+
+def _git(*args) -> str | None:
+    try:
+        res = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return res.stdout.strip() if res.returncode == 0 else None
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except Exception:
+        return None
+
+
+def environment(ngpu: int) -> dict:
+    """Where the run happens: host, Python, package versions, GPUs, CUDA and cupyep variables."""
+    env = {"host": platform.node(), "platform": platform.platform(), "python": sys.version.split()[0],
+           "executable": sys.executable, "gpus": ngpu,
+           **{m: _version(m) for m in ("numpy", "cupy", "mpi4py", "matplotlib")},
+           "variables": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("CUDA_", "CUPYEP_"))}}
+    try:
+        res = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        if res.returncode == 0:
+            env["nvidia_smi"] = [line.strip() for line in res.stdout.splitlines() if line.strip()]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return env
+
+
+def _write_manifest(run_dir: Path, manifest: dict) -> None:
+    (run_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 def main(argv=None) -> int:
+    import argparse
+
     from ..runtime import gpu_count
+    from . import plots, summary
     p = argparse.ArgumentParser(prog="python -m cupyep.bench.main", description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=None)
-    p.add_argument("--out", default="results/main")
+    p.add_argument("--out", default="results/main", help="parent folder of the run folders")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    jsonl = out / "normal.jsonl"
+    run_dir = new_run_dir(Path(args.out))
     ngpu = gpu_count()
+    commit = _git("rev-parse", "HEAD")
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    manifest = {"command": shlex.join([sys.executable, "-m", "cupyep.bench", *argv]), "argv": sys.argv,
+                "cwd": os.getcwd(), "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "git_commit": commit, "git_dirty": None if status is None else bool(status),
+                "environment": environment(ngpu), "runs": []}
+    _write_manifest(run_dir, manifest)
+    print(f"run folder: {run_dir}", flush=True)
+    rc_first = 0
     if ngpu == 0:
         print("no CUDA GPU found: running the small-size experiment on the NumPy reference (CPU), not the kernels")
-        records = [r for n in (args.ranks or [2, 4]) for r in reference_run(n, 256, 1024, jsonl)]
-        for r in records:
-            print(json.dumps(r))
-        plot(records, out / "normal.png", "NumPy reference on the CPU (no GPU): small size, not kernel speed")
-        print(f"wrote {jsonl} and {out / 'normal.png'}")
-        return 0
-    ranks = args.ranks or ([2, 4, 8] if ngpu == 1 else [ngpu])
-    ll_jsonl = out / "low_latency.jsonl"
-    for n in ranks:
-        for script, dest, extra in (("bench_normal.py", jsonl, []),
-                                    ("bench_low_latency.py", ll_jsonl, ["--zero-copy"])):
-            cmd = [sys.executable, "-m", "cupyep.launch", "-n", str(n), "--timeout", "600", "--",
-                   str(ROOT / "experiments" / script), "--out", str(dest), *extra]
-            print("==", " ".join(cmd), flush=True)
-            rc = subprocess.call(cmd)
-            if rc:
-                return rc
-    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
-    plot([r for r in records if not r.get("sweep")], out / "normal.png",
-         f"cupyep normal mode, {records[-1].get('env', {}).get('gpu', 'GPU')}")
-    print(f"wrote {jsonl}, {out / 'normal.png'} and {ll_jsonl}")
-    return 0
+        manifest["backend"] = "numpy-reference (no GPU)"
+        for n in args.ranks or [2, 4]:
+            t0 = time.monotonic()
+            for r in reference_run(n, 256, 1024, run_dir / "normal.jsonl"):
+                print(json.dumps(r))
+            manifest["runs"].append({"what": f"reference_run(num_ranks={n}, num_tokens=256, hidden=1024)",
+                                     "status": 0, "seconds": round(time.monotonic() - t0, 3)})
+    else:
+        ranks = args.ranks or ([2, 4, 8] if ngpu == 1 else [ngpu])
+        for n in ranks:
+            for script, dest, extra in BENCHES:
+                cmd = [sys.executable, "-m", "cupyep.launch", "-n", str(n), "--timeout", "600", "--",
+                       str(ROOT / "experiments" / script), "--out", str(run_dir / dest), *extra]
+                print("==", " ".join(cmd), flush=True)
+                t0 = time.monotonic()
+                rc = subprocess.call(cmd)
+                manifest["runs"].append({"command": cmd, "status": rc, "seconds": round(time.monotonic() - t0, 1)})
+                _write_manifest(run_dir, manifest)
+                if rc:
+                    print(f"== {script} at {n} ranks failed (status {rc}); going on with the others", flush=True)
+                    rc_first = rc_first or rc
+    figures = plots.plot_run(run_dir)
+    rows = summary.summarize([summary.load_run(run_dir)])
+    manifest.update(finished_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), status=rc_first,
+                    files=sorted(p.name for p in run_dir.iterdir() if p.name != "manifest.json"))
+    _write_manifest(run_dir, manifest)
+    if rows:
+        print()
+        print(summary.format_table(rows, columns=summary.RUN_COLUMNS))
+    print(f"\nwrote {run_dir}: {', '.join(manifest['files'] + ['manifest.json'])}"
+          + ("" if figures else " (no figure: no results)"))
+    return rc_first
 
 
 if __name__ == "__main__":
