@@ -26,12 +26,29 @@ copy bandwidth measured in this run) / time. With ``--trace N``, N more calls of
 each kind record when every block reached each mark (kernels.TRACE_MARKS),
 summarised as when the first and the last rank got there. ``--scatter-probe``
 adds the bare row scatter (cupyep/bench/scatter.py) over the same arrays.
+
+``--timing both`` (the default; ``strict`` leaves it out) also times on DeepEP's own
+boundary (its bench_kineto and test_low_latency): a GPU sleep (its large
+GEMM) and a barrier ahead of a period, so that every host has queued its
+calls before the GPU reaches them, then --deepep-iters calls back to back with no flush or barrier
+between them, a warm-up period first; single calls as dispatch then combine;
+hook mode as send half, a host-side gap (--host-gap-ms; DeepEP computes a
+GEMM on the CPU there), receive half, for dispatch and then combine, so the
+GPU is idle between the halves and L2 keeps what the send half wrote (a
+host barrier after the gap stands for the CPU GEMM taking about as long on
+every rank, so no receive half starts before every send half is out). Each
+rank's kernel durations (stamps, as above); records carry "timing":
+"deepep", the slowest rank's median as ``kernel_median_us`` and the mean
+over ranks of each rank's median and mean (``kernel_rank_median_mean_us``,
+``kernel_rank_mean_mean_us``: DeepEP averages each rank's calls).
 """
 import argparse
+import time
 
 import numpy as np
 
 import cupyep
+from cupyep.bench import require_gpu
 from cupyep.barrier import GpuBarrier
 from cupyep.bench.copy import copy_bandwidth
 from cupyep.bench.report import JsonlWriter
@@ -73,9 +90,16 @@ def main():
                         "they are programmatic dependents where the GPU supports it, resident while the GPU "
                         "barrier ahead of each timed call runs, so kernel_* counts from the barrier's end")
     p.add_argument("--trace", type=int, default=0, help="calls of each kind to trace per block and mark")
+    p.add_argument("--timing", choices=("strict", "both"), default="both",
+                   help="strict: each call on its own after a flush and a barrier (slowest rank); "
+                        "both: also on DeepEP's boundary, calls back to back (see the module docstring)")
+    p.add_argument("--deepep-iters", type=int, default=30, help="calls per period on DeepEP's boundary")
+    p.add_argument("--host-gap-ms", type=float, default=2.0,
+                   help="host-side gap between a hook call's send and receive halves on DeepEP's boundary")
     p.add_argument("--sleep-us", type=float, default=400.0,
                    help="GPU sleep before each timed call, so host launch cost is not timed (0: time it)")
     args = p.parse_args()
+    require_gpu(__file__)
     import cupy
     from mpi4py import MPI
     group = cupyep.init()
@@ -100,7 +124,7 @@ def main():
         base = {"bench": "low_latency", "ranks": R, "tokens": T, "hidden": H, "topk": args.topk,
                 "experts": args.experts, "max_tokens": args.max_tokens, "buffer_bytes": buf.num_bytes,
                 "num_blocks": buf.num_blocks, "num_waiters": buf.num_waiters, "num_threads": buf.num_threads, "copy_GBps": copy_bw / 1e9,
-                "l2_flush": args.flush, "programmatic_launch": buf.programmatic_launch}
+                "l2_flush": args.flush, "programmatic_launch": buf.programmatic_launch, "timing": "strict"}
         fp8_row, bf16_row = H + H // 128 * 4 + 4 + 1, 2 * H + 4 + 1
 
         def record(kind, timed, bytes_to_peers):
@@ -239,6 +263,64 @@ def main():
                                      ("combine_back_to_back", st_c, pairs * 2 * H)):
                 s_ = st.get()
                 record(kind, (Timing.from_samples(kernel_seconds(s_)), s_), nbytes)
+
+        if args.timing == "both":
+            # DeepEP's boundary: a barrier per period, then calls back to back, each rank's own times.
+            n, gap = args.deepep_iters, args.host_gap_ms * 1e-3
+
+            def record_deepep(kind, st, nbytes):
+                dur = kernel_seconds(st.get())
+                meds = group.comm.allgather(float(np.median(dur)))
+                means = group.comm.allgather(float(np.mean(dur)))
+                total = group.comm.allreduce(nbytes)
+                out.write({**base, "kind": kind, "timing": "deepep", "n": n, "host_gap_ms": args.host_gap_ms,
+                           "kernel_median_us": max(meds) * 1e6, "kernel_rank_median_mean_us": np.mean(meds) * 1e6,
+                           "kernel_rank_mean_mean_us": np.mean(means) * 1e6,
+                           "kernel_rank_medians_us": [m * 1e6 for m in meds], "bytes_to_peers": total,
+                           "efficiency": 2 * total / copy_bw / max(meds)})
+
+            def period(body, names):
+                stamps = {k: new_kernel_stamps(n) for k in names}
+                for live in (False, True):  # a warm-up period, then the recorded one
+                    # bench_kineto's large GEMM and all-reduce: the GPU is busy while every host
+                    # queues its calls, then the ranks start together.
+                    buf.synchronize()
+                    group.comm.Barrier()
+                    gpu_sleep(args.sleep_us * n)
+                    bar()
+                    for i in range(n):
+                        body(lambda k: stamps[k][i] if live else None)
+                buf.synchronize()
+                return stamps
+
+            def single(st):
+                d = buf.dispatch(x, topk_idx, use_fp8=True, validate=False, kernel_time_ns=st("d"))
+                buf.combine(y, topk_idx, topk_w, d.handle, kernel_time_ns=st("c"))
+
+            def gap_then_align():
+                # The work between the halves (DeepEP: a GEMM on the CPU, about as long on every
+                # rank): every send half is out before any rank starts its receive half.
+                time.sleep(gap)
+                group.comm.Barrier()
+
+            def hooked(st):
+                d = buf.dispatch(x, topk_idx, use_fp8=True, validate=False, return_recv_hook=True,
+                                 kernel_time_ns=st("ds"))
+                gap_then_align()
+                d.hook(kernel_time_ns=st("dr"))
+                c = buf.combine(y, topk_idx, topk_w, d.handle, return_recv_hook=True, kernel_time_ns=st("cs"))
+                gap_then_align()
+                c.hook(kernel_time_ns=st("cr"))
+
+            st = period(single, ("d", "c"))
+            record_deepep("dispatch_fp8", st["d"], pairs * fp8_row)
+            record_deepep("combine", st["c"], pairs * 2 * H)
+            if not args.no_hook:
+                st = period(hooked, ("ds", "dr", "cs", "cr"))
+                for key, kind, nbytes in (("ds", "dispatch_fp8_send_half", pairs * fp8_row),
+                                          ("dr", "dispatch_fp8_recv_half", 0),
+                                          ("cs", "combine_send_half", pairs * 2 * H), ("cr", "combine_recv_half", 0)):
+                    record_deepep(kind, st[key], nbytes)
 
         if not args.no_hook:
             # Hook mode: the send half and the receive half, each timed alone.

@@ -7,6 +7,15 @@ per call: median time, per-rank GB/s as DeepEP counts it (received rows x
 row bytes / time), and efficiency = (2 x bytes received by all ranks / copy
 bandwidth measured in this run by the plain copy kernel) / time. Combine
 counts the same bytes as BF16 dispatch.
+
+Two timing boundaries (``--timing``), each record saying which in "timing":
+"strict" times every call on its own after an L2 flush and a GPU barrier
+that lines the ranks up, and reports the slowest rank's median; "deepep"
+times as DeepEP's own benchmark does: one barrier, then calls back to back
+with no flush or barrier between them, each rank's median of its own calls
+("time_us" is then the slowest rank's, "rank_mean_us" the mean over ranks).
+The sweep (``--sweep``) runs queue depth x chunk x threads x SMs for the
+kinds in ``--sweep-kinds``.
 """
 import argparse
 from dataclasses import asdict, replace
@@ -14,6 +23,7 @@ from dataclasses import asdict, replace
 import numpy as np
 
 import cupyep
+from cupyep.bench import require_gpu
 from cupyep.barrier import GpuBarrier
 from cupyep.bench.copy import copy_bandwidth
 from cupyep.bench.report import JsonlWriter
@@ -35,9 +45,15 @@ def main():
     p.add_argument("--depths", type=int, nargs="+", default=[8, 16, 32, 64, 128])
     p.add_argument("--chunks", type=int, nargs="+", default=[2, 4, 8, 16])
     p.add_argument("--threads", type=int, nargs="+", default=[512, 768])
+    p.add_argument("--sms", type=int, nargs="+", default=[None],
+                   help="num_sms values to sweep (default: the config's own)")
+    p.add_argument("--sweep-kinds", nargs="+", default=["dispatch_bf16", "combine_bf16"],
+                   choices=["dispatch_bf16", "dispatch_fp8", "combine_bf16"])
+    p.add_argument("--timing", choices=["strict", "deepep", "both"], default="both")
     p.add_argument("--l2", type=int, nargs="+", default=None,
                    help="L2 modes (Config.l2_hints) to run; default: the configs' own")
     args = p.parse_args()
+    require_gpu(__file__)
     import cupy
     from mpi4py import MPI
     group = cupyep.init()
@@ -50,13 +66,14 @@ def main():
     x = cupy.asarray(payload_bf16(me, np.arange(args.tokens), args.hidden))
     x_fp8 = per_token_cast_to_fp8(x)
     topk_idx, topk_w = cupy.asarray(idx[me]), cupy.asarray(w[me])
-    buf_bytes = cupyep.Buffer.size_hint(R, args.hidden, args.topk,
-                                        Config(num_sms=48, queue_depth=max(args.depths)),
-                                        Config(num_sms=48, queue_depth=max(args.depths)))
+    most = Config(num_sms=max([48] + [m for m in args.sms if m]), queue_depth=max(args.depths))
+    buf_bytes = cupyep.Buffer.size_hint(R, args.hidden, args.topk, most, most)
     buf = cupyep.Buffer(group, buf_bytes)
     bar = GpuBarrier(group)
 
-    def run(kind, dcfg, ccfg):
+    def run(kind, dcfg, ccfg, timing="strict"):
+        if kind == "combine_bf16":  # a combine runs on its dispatch's channels
+            dcfg = replace(dcfg, num_sms=ccfg.num_sms)
         first = buf.dispatch(x, topk_idx, topk_w, num_experts=args.experts, config=dcfg)
         n = first.recv_x.shape[0]
         if kind == "dispatch_bf16":
@@ -72,37 +89,49 @@ def main():
             y = first.recv_x
             fn = lambda: buf.combine(y, first.handle, config=ccfg)
             row = 2 * args.hidden
-        t = time_fn(fn, iters=args.iters, warmup=3, before=bar)
+        if timing == "strict":
+            t = time_fn(fn, iters=args.iters, warmup=3, before=bar)
+        else:  # DeepEP's boundary: one barrier, then calls back to back
+            fn()
+            bar()
+            t = time_fn(fn, iters=args.iters, warmup=0, flush=False)
         buf.synchronize()
         t_max = group.comm.allreduce(t.median_s, op=MPI.MAX)
         recv_bytes = n * row
         total = group.comm.allreduce(recv_bytes)
-        return {"bench": "normal", "kind": kind, "ranks": R, "tokens": args.tokens, "hidden": args.hidden,
-                "topk": args.topk, "experts": args.experts, "time_us": t_max * 1e6,
+        return {"bench": "normal", "kind": kind, "timing": timing, "ranks": R, "tokens": args.tokens,
+                "hidden": args.hidden, "topk": args.topk, "experts": args.experts, "time_us": t_max * 1e6,
+                "rank_mean_us": group.comm.allreduce(t.median_s) / R * 1e6,
                 "rank_GBps": group.comm.allreduce(recv_bytes / t.median_s) / R / 1e9,
                 "efficiency": 2 * total / copy_bw / t_max, "copy_GBps": copy_bw / 1e9,
                 "dispatch_config": asdict(dcfg), "combine_config": asdict(ccfg)}
 
     dcfg0, ccfg0 = buf.default_dispatch_config(), buf.default_combine_config()
+    fcfg0 = buf.default_dispatch_config(fp8=True)
+    def with_l2(cfg, l2):
+        return cfg if l2 is None else replace(cfg, l2_hints=l2)
+
     for l2 in args.l2 or [None]:
-        dcfg = dcfg0 if l2 is None else replace(dcfg0, l2_hints=l2)
-        ccfg = ccfg0 if l2 is None else replace(ccfg0, l2_hints=l2)
-        for kind in ("dispatch_bf16", "dispatch_fp8", "dispatch_bf16_notify", "combine_bf16"):
-            out.write(run(kind, dcfg, ccfg))
+        dcfg, fcfg, ccfg = with_l2(dcfg0, l2), with_l2(fcfg0, l2), with_l2(ccfg0, l2)
+        for timing in (("strict", "deepep") if args.timing == "both" else (args.timing,)):
+            for kind in ("dispatch_bf16", "dispatch_fp8", "dispatch_bf16_notify", "combine_bf16"):
+                out.write(run(kind, fcfg if kind == "dispatch_fp8" else dcfg, ccfg, timing))
     if args.sweep:
         for threads, l2 in ((t, l2) for t in args.threads for l2 in (args.l2 or [None])):
-            dcfg = dcfg0 if l2 is None else replace(dcfg0, l2_hints=l2)
-            ccfg = ccfg0 if l2 is None else replace(ccfg0, l2_hints=l2)
+            dcfg, fcfg, ccfg = with_l2(dcfg0, l2), with_l2(fcfg0, l2), with_l2(ccfg0, l2)
             warps = threads // 32
-            for depth in args.depths:
-                for chunk in args.chunks:
-                    if chunk > depth:
-                        continue
-                    d = replace(dcfg, queue_depth=depth, chunk_size=chunk, num_threads=threads)
-                    out.write({**run("dispatch_bf16", d, ccfg), "sweep": True})
-                    if depth >= warps + chunk:
-                        c = replace(ccfg, queue_depth=depth, chunk_size=chunk, num_threads=threads)
-                        out.write({**run("combine_bf16", dcfg, c), "sweep": True})
+            for sms, depth, chunk in ((m, d, c) for m in args.sms for d in args.depths for c in args.chunks):
+                if chunk > depth or (sms is not None and sms > buf.sm_budget):
+                    continue
+                sm = {} if sms is None else {"num_sms": sms}
+                for kind in args.sweep_kinds:
+                    if kind.startswith("dispatch"):
+                        d = replace(fcfg if kind == "dispatch_fp8" else dcfg, queue_depth=depth, chunk_size=chunk,
+                                    num_threads=threads, **sm)
+                        out.write({**run(kind, d, ccfg), "sweep": True})
+                    elif depth >= warps + chunk:
+                        c = replace(ccfg, queue_depth=depth, chunk_size=chunk, num_threads=threads, **sm)
+                        out.write({**run(kind, dcfg, c), "sweep": True})
     bar.destroy()
     buf.destroy()
     group.destroy()

@@ -4,8 +4,9 @@
 // Grid: G blocks; send and receive halves as in dispatch.cu.
 // Send half (the expert side): the received rows of this rank, listed by
 // (local expert, source) pair from the dispatch's layout counts, are cut into
-// pieces of 4 KiB that are spread over all warps of the grid (so a few rows
-// still keep many warps busy). Source s's rows go, in (expert, position)
+// pieces of 8 KiB, or of 4 KiB when there are too few pieces of 8 KiB for every
+// warp of the grid, spread over all warps (so a few rows still keep many warps
+// busy, and many rows keep 8 KiB per warp in flight). Source s's rows go, in (expert, position)
 // order, to my range of s's combine_recv: the order in which s's dispatch
 // listed its rows to me, so s finds the row of its (token, slot) at the
 // dispatch's combine_pos. Then every block arrives on every source's flag
@@ -36,6 +37,11 @@
 
 namespace cupyep {
 namespace low_latency {
+
+template <int N>
+struct Unroll {
+    static constexpr int kValue = N;
+};
 
 template <int kNumThreads>
 __device__ __forceinline__ void combine_body(const CombineArgs& a) {
@@ -74,34 +80,44 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                                     [&](int le, int v) { colprefix[le * R + s] = v; });
             __syncthreads();
             trace_mark(a.c.trace, kMarkPrep);
-            // A warp per piece of kPiece 16-byte words of a received row (grid-strided):
-            // one round of kUnroll words per lane, all loads in flight at once.
-            // Pushed: into my range of the owner's combine_recv; pulled: into the same
-            // slot of my own combine_send.
-            constexpr int kUnroll = 8, kPiece = kUnroll * 32;
-            const int64_t row_int4 = H / 8;
-            const int pieces = (int)((row_int4 + kPiece - 1) / kPiece);
-            const int64_t ret_rows = return_rows(a.c.max_tokens, a.c.max_topk, El);
-            const int64_t num_pieces = (int64_t)prefix[P] * pieces;
-            for (int64_t item = (int64_t)b * num_warps + warp; item < num_pieces; item += (int64_t)G * num_warps) {
-                const int r = (int)(item / pieces), piece = (int)(item % pieces);
-                int lo = 0, hi = P;  // last pair p with prefix[p] <= r
-                while (hi - lo > 1) {
-                    const int mid = (lo + hi) / 2;
-                    if (prefix[mid] <= r) lo = mid; else hi = mid;
+            // Pieces of 8 KiB (16 words per lane in one round) when they keep every warp
+            // busy, else of 4 KiB, so that a few rows still spread over many warps.
+            const int64_t row_int4 = H / 8, ret_rows = return_rows(a.c.max_tokens, a.c.max_topk, El);
+            const int64_t big_pieces = (int64_t)prefix[P] * ((row_int4 + 16 * 32 - 1) / (16 * 32));
+            auto copy_rows = [&](auto unroll) {
+                // A warp per piece of kPiece 16-byte words of a received row (grid-strided):
+                // one round of kUnroll words per lane, all loads in flight at once.
+                // Pushed: into my range of the owner's combine_recv; pulled: into the same
+                // slot of my own combine_send.
+                constexpr int kUnroll = decltype(unroll)::kValue, kPiece = kUnroll * 32;
+                const int pieces = (int)((row_int4 + kPiece - 1) / kPiece);
+                const int64_t num_pieces = (int64_t)prefix[P] * pieces;
+                for (int64_t item = (int64_t)b * num_warps + warp; item < num_pieces; item += (int64_t)G * num_warps) {
+                    const int r = (int)(item / pieces), piece = (int)(item % pieces);
+                    int lo = 0, hi = P;  // last pair p with prefix[p] <= r
+                    while (hi - lo > 1) {
+                        const int mid = (lo + hi) / 2;
+                        if (prefix[mid] <= r) lo = mid; else hi = mid;
+                    }
+                    const int le = lo / R, s = lo % R, q = r - prefix[lo];
+                    const int64_t slot = (int64_t)le * slots + (int64_t)s * a.c.max_tokens + q;
+                    const int64_t first = (int64_t)piece * kPiece;
+                    const int4* src =
+                        reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) + slot * a.x_row_bytes) + first;
+                    int4* dst = (a.pull ? local_send + slot * row_int4
+                                        : at<int4>(a.c.peers[s], a.c.cur.combine_recv) +
+                                              ((int64_t)a.c.rank * ret_rows + colprefix[lo] + q) * row_int4) + first;
+                    if (!(a.c.ablate & kAblateRows))
+                        warp_copy<kUnroll, true>(dst, src, min((int64_t)kPiece, row_int4 - first), lane,
+                                                 [](const int4* p) { return ld_nc_na_v4(p); },
+                                                 [](int4* p, const int4& v) { st_na_v4(p, v); });
                 }
-                const int le = lo / R, s = lo % R, q = r - prefix[lo];
-                const int64_t slot = (int64_t)le * slots + (int64_t)s * a.c.max_tokens + q;
-                const int64_t first = (int64_t)piece * kPiece;
-                const int4* src = reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) + slot * a.x_row_bytes) + first;
-                int4* dst = (a.pull ? local_send + slot * row_int4
-                                    : at<int4>(a.c.peers[s], a.c.cur.combine_recv) +
-                                          ((int64_t)a.c.rank * ret_rows + colprefix[lo] + q) * row_int4) + first;
-                if (!(a.c.ablate & kAblateRows))
-                    warp_copy<kUnroll, true>(dst, src, min((int64_t)kPiece, row_int4 - first), lane,
-                                             [](const int4* p) { return ld_nc_na_v4(p); },
-                                             [](int4* p, const int4& v) { st_na_v4(p, v); });
-            }
+            };
+            // (16 words per lane need the registers of 512 threads per block, not 1024.)
+            if (kNumThreads <= 512 && big_pieces >= (int64_t)G * num_warps)
+                copy_rows(Unroll<kNumThreads <= 512 ? 16 : 8>{});
+            else
+                copy_rows(Unroll<8>{});
             trace_mark(a.c.trace, kMarkSent);
         }
         arrive(a.c.peers, a.c.cur.combine_flag, a.c.rank, R, moves_rows ? G : 1);
@@ -110,42 +126,57 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
 
     if (a.c.phases & kPhaseRecv) {
         if (b >= a.c.num_waiters) return;  // a sender only
-        if (!wait_peer_flags(at<int>(mine, a.c.cur.combine_flag), R, a.c.guard, nullptr)) return;
-        trace_mark(a.c.trace, kMarkArrived);
         const int4* recv = at<int4>(mine, a.c.cur.combine_recv);
         const int64_t ret_rows = return_rows(a.c.max_tokens, a.c.max_topk, El);
         // Where slot j of token t's row starts (null for an empty slot), and its weight.
+        // The three loads are independent (none waits for another's value), and none
+        // reads what the peers write, so they may run before the flags are in.
         auto slot_row = [&](int t, int j, float& w) -> const int4* {
-            const int e = (int)__ldg(a.topk_idx + (int64_t)t * k + j);
+            const int64_t tj = (int64_t)t * k + j;
+            const int e = (int)__ldg(a.topk_idx + tj);
+            const float wt = __ldg(a.topk_weights + tj);
+            const int pos = __ldg((a.pull ? a.slot_pos : a.combine_pos) + tj);
             w = 0.f;
             if (e < 0 || e >= E) return nullptr;
-            w = __ldg(a.topk_weights + (int64_t)t * k + j);
-            if (a.pull) {
-                const int64_t row = ((int64_t)(e % El) * R + a.c.rank) * a.c.max_tokens +
-                                    __ldg(a.slot_pos + (int64_t)t * k + j);
-                return at<int4>(a.c.peers[e / El], a.c.cur.combine_send) + row * H / 8;
-            }
-            return recv + ((int64_t)(e / El) * ret_rows + __ldg(a.combine_pos + (int64_t)t * k + j)) * H / 8;
+            w = wt;
+            if (a.pull)
+                return at<int4>(a.c.peers[e / El], a.c.cur.combine_send) +
+                       (((int64_t)(e % El) * R + a.c.rank) * a.c.max_tokens + pos) * H / 8;
+            return recv + ((int64_t)(e / El) * ret_rows + pos) * H / 8;
         };
         // Slots whose chunks a warp has in flight: all of a top-8 at 512 threads (128
         // registers), half at 1024 (64 registers).
         constexpr int kBatch = kNumThreads <= 512 ? 8 : 4;
+        constexpr int kChunkWords = kChunkElems / 8;  // int4 words of a chunk: lane owns lane and lane + 32
         // Each warp takes a contiguous run of (token, chunk) items, so it looks a
         // token's slots up once: lane j holds slot j's row and weight (slots from 32 on,
-        // for a top-k above 32, are looked up per item), handed out by shuffles.
+        // for a top-k above 32, are looked up per item), handed out by shuffles. The
+        // next token's lookup is issued when a token starts, so a warp whose run
+        // crosses tokens does not wait for it; the first one is issued before the flags.
         const int64_t num_items = (int64_t)T * num_chunks;
         const int64_t num_workers = (int64_t)a.c.num_waiters * num_warps, worker = (int64_t)b * num_warps + warp;
-        int cached_t = -1;
+        const int64_t item_begin = num_items * worker / num_workers, item_end = num_items * (worker + 1) / num_workers;
+        int cached_t = item_begin < item_end ? (int)(item_begin / num_chunks) : -1;
         const int4* lane_row = nullptr;
         float lane_w = 0.f;
-        for (int64_t item = num_items * worker / num_workers; item < num_items * (worker + 1) / num_workers; ++item) {
+        if (cached_t >= 0 && lane < k) lane_row = slot_row(cached_t, lane, lane_w);
+        const int last_t = item_begin < item_end ? (int)((item_end - 1) / num_chunks) : -1;
+        const int4* next_row = nullptr;
+        float next_w = 0.f;
+        if (cached_t >= 0 && cached_t < last_t && lane < k) next_row = slot_row(cached_t + 1, lane, next_w);
+        if (!wait_peer_flags(at<int>(mine, a.c.cur.combine_flag), R, a.c.guard, nullptr)) return;
+        trace_mark(a.c.trace, kMarkArrived);
+        const int row_words = H / 8;
+        for (int64_t item = item_begin; item < item_end; ++item) {
             const int t = (int)(item / num_chunks), ch = (int)(item % num_chunks);
-            if (t != cached_t) {  // warp-uniform
+            if (t != cached_t) {  // warp-uniform: the next token, looked up ahead
                 cached_t = t;
-                lane_row = lane < k ? slot_row(t, lane, lane_w) : nullptr;
+                lane_row = next_row, lane_w = next_w;
+                next_row = nullptr, next_w = 0.f;
+                if (t < last_t && lane < k) next_row = slot_row(t + 1, lane, next_w);
             }
-            const int elem0 = ch * kChunkElems + lane * 16;
-            const bool active = elem0 < H;  // every lane stays for the shuffles
+            const int w0 = ch * kChunkWords + lane, w1 = w0 + 32;
+            const bool active0 = w0 < row_words, active1 = w1 < row_words;  // every lane stays for the shuffles
             float acc[16];
 #pragma unroll
             for (int i = 0; i < 16; ++i) acc[i] = 0.f;
@@ -164,13 +195,10 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                     } else if (j < k) {
                         p = slot_row(t, j, w[u]);
                     }
-                    if (j < k && p != nullptr && active) {
-                        v[u][0] = ld_na_v4(p + elem0 / 8);
-                        v[u][1] = ld_na_v4(p + elem0 / 8 + 1);
-                    } else {
-                        v[u][0] = v[u][1] = make_int4(0, 0, 0, 0);
-                        w[u] = 0.f;
-                    }
+                    const bool some = j < k && p != nullptr;
+                    v[u][0] = some && active0 ? ld_na_v4(p + w0) : make_int4(0, 0, 0, 0);
+                    v[u][1] = some && active1 ? ld_na_v4(p + w1) : make_int4(0, 0, 0, 0);
+                    if (!some) w[u] = 0.f;
                 }
 #pragma unroll
                 for (int u = 0; u < kBatch; ++u) {
@@ -178,11 +206,9 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                     fma_bf16x8(acc + 8, v[u][1], w[u]);
                 }
             }
-            if (active) {
-                int4* out = a.out + ((int64_t)t * H + elem0) / 8;
-                out[0] = pack_bf16x8(acc);
-                out[1] = pack_bf16x8(acc + 8);
-            }
+            int4* out = a.out + (int64_t)t * row_words;
+            if (active0) out[w0] = pack_bf16x8(acc);
+            if (active1) out[w1] = pack_bf16x8(acc + 8);
         }
     }
 }

@@ -71,9 +71,17 @@ _DISPATCH = {
     4: Config(num_sms=32, chunk_size=2, queue_depth=8, l2_hints=2),
     8: Config(num_sms=16, chunk_size=2, queue_depth=8, l2_hints=2),
 }
+# FP8 rows (H + H / 128 * 4 bytes) are half as long as BF16 ones: the same
+# queue then carries half the bytes per step, and longer chunks in deeper
+# rings pay (4 ranks, T = 4096: 833 -> 504 us; results/normal_fp8_sweep.jsonl).
+_DISPATCH_FP8 = {
+    2: Config(num_sms=64, chunk_size=16, queue_depth=64, l2_hints=2),
+    4: Config(num_sms=32, chunk_size=8, queue_depth=32, l2_hints=2),
+    8: Config(num_sms=16, chunk_size=4, queue_depth=16, l2_hints=2),
+}
 _COMBINE = {
     2: Config(num_sms=48, chunk_size=4, queue_depth=32, l2_hints=2),
-    4: Config(num_sms=32, chunk_size=8, queue_depth=32, l2_hints=2),
+    4: Config(num_sms=32, chunk_size=4, queue_depth=32, l2_hints=2),
     8: Config(num_sms=16, chunk_size=4, queue_depth=32),
 }
 
@@ -88,10 +96,11 @@ def _pick(table: dict, num_ranks: int, sm_budget: int | None) -> Config:
     return cfg
 
 
-def get_dispatch_config(num_ranks: int, sm_budget: int | None = None) -> Config:
+def get_dispatch_config(num_ranks: int, sm_budget: int | None = None, fp8: bool = False) -> Config:
     """Default dispatch config for ``num_ranks`` ranks per node, capped at
-    ``sm_budget`` SMs (a GPU's SMs divided by the ranks sharing it)."""
-    return _pick(_DISPATCH, num_ranks, sm_budget)
+    ``sm_budget`` SMs (a GPU's SMs divided by the ranks sharing it), for BF16
+    rows or (``fp8``) FP8 rows with their scales."""
+    return _pick(_DISPATCH_FP8 if fp8 else _DISPATCH, num_ranks, sm_budget)
 
 
 def get_combine_config(num_ranks: int, sm_budget: int | None = None) -> Config:
