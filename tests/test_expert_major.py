@@ -357,3 +357,12 @@ def test_combine_pair_weights_with_rank_major_x_raises(fake_buffer):
         fake_buffer.combine(np.zeros((7, 256), np.uint16), h)
     with pytest.raises(ValueError, match="needs a handle"):
         fake_buffer.combine(np.zeros((6, 256), np.uint16), _handle(fake_buffer, expert_map=False), expert_major=True)
+
+
+@pytest.mark.parametrize("alignment", [0, -4, 2.5])
+def test_dispatch_rejects_bad_expert_alignment(fake_buffer, alignment):
+    x = np.zeros((4, 256), np.uint16)
+    with pytest.raises(ValueError, match="expert_alignment must be an integer >= 1"):
+        fake_buffer.dispatch(x, np.zeros((4, 2), np.int64), num_experts=8, expert_alignment=alignment)
+    with pytest.raises(ValueError, match="expert_alignment must be an integer >= 1"):
+        fake_buffer.dispatch(x, handle=_handle(fake_buffer), expert_alignment=alignment)

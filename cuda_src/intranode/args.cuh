@@ -65,7 +65,7 @@ struct NotifyArgs {
     int* recv_rank_offset;              // [R + 1] out: first row of each source's block
     int* rank_prefix_matrix;            // [R, R] out
     int* num_recv_tokens_per_expert;    // [E_local] out (aligned)
-    int* host_counts;                   // mapped host [1 + E_local]: num_recv_tokens, per-expert (aligned); may be null
+    int* host_counts;                   // mapped host [1 + E_local]: num_recv_tokens, per-expert (unaligned); may be null
     int num_tokens;
     int num_experts;
     int num_channels;
@@ -88,7 +88,7 @@ struct DispatchArgs {
     const int* recv_rank_offset;    // [R + 1]
     int4* recv_x;                   // [N, x_bytes / 16]
     float* recv_x_scales;           // [N, num_scales] or null
-    int64_t* recv_topk_idx;         // [N, k]
+    int64_t* recv_topk_idx;         // [N, k] or null
     float* recv_topk_weights;       // [N, k] or null
     int* recv_src_idx;              // [N]
     int num_tokens;
@@ -96,7 +96,7 @@ struct DispatchArgs {
     int num_topk;
     int num_local_experts;
     int num_channels;
-    int capacity;                   // rows of the receive arrays
+    int capacity;                   // rows of the receive arrays; rows past recv_rank_offset[R] are padding
     int rank;
     Guard guard;
 };

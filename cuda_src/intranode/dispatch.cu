@@ -8,6 +8,16 @@
 //
 // Slot layout: [x: x_bytes][src_idx: int][topk_idx: k int (global ids)]
 //              [topk_weights: k float][x_scales: num_scales float]
+//
+// Worst-token mode (capacity > received count): the sender blocks, once
+// their rows are out, fill this rank's receive rows past the count, a thread
+// per entry: recv_src_idx and recv_topk_idx -1, recv_topk_weights 0. recv_x and
+// recv_x_scales rows there are not written. The count is recv_rank_offset[R],
+// which notify (or the dispatch that made a cached handle) wrote earlier on
+// this stream, so the fill needs no host and replays correctly in a CUDA
+// graph; no ring row lands at or past it, so the fill and the receivers never
+// write the same entry. (In the senders it costs no registers: placed in the
+// receivers it made the 80-register specialisations spill.)
 #include "common/ptx.cuh"
 #include "common/timeout.cuh"
 #include "intranode/args.cuh"
@@ -15,6 +25,22 @@
 
 namespace cupyep {
 namespace intranode {
+
+// Rows [count, capacity) of this rank's receive arrays (none unless
+// worst-token mode): ids and sources -1, weights 0. Called by threads
+// [0, num_threads) of block `block` of `num_blocks`.
+__device__ __forceinline__ void fill_padding_rows(const DispatchArgs& a, int num_ranks, int block, int num_blocks,
+                                                  int num_threads) {
+    const int64_t cap = a.capacity, k = a.num_topk;
+    const int64_t n = max(0, min(a.recv_rank_offset[num_ranks], a.capacity));  // overflow: nothing to fill
+    const int64_t first = (int64_t)block * num_threads + threadIdx.x, stride = (int64_t)num_blocks * num_threads;
+    for (int64_t r = n + first; r < cap; r += stride) a.recv_src_idx[r] = -1;
+    if (a.recv_topk_idx == nullptr) return;
+    for (int64_t i = n * k + first; i < cap * k; i += stride) {  // consecutive threads, consecutive entries
+        a.recv_topk_idx[i] = -1;
+        if (a.recv_topk_weights) a.recv_topk_weights[i] = 0.f;
+    }
+}
 
 template <int kNumRanks, int kNumThreads, int kL2>
 __global__ void __launch_bounds__(kNumThreads, 1) dispatch(DispatchArgs a) {
@@ -72,6 +98,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(DispatchArgs a) {
                             for (int j = lane + 64; j < ns; j += 32) fmeta[1 + 2 * k + j] = a.x_scales[(int64_t)t * ns + j];
                         }
                     });
+        fill_padding_rows(a, R, c, C, wpg * R * 32);  // the warps that reach here
         return;
     }
 

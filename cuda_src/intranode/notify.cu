@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(1024, 1) notify(NotifyArgs a) {
         for (int s = 0; s < R; ++s) acc += mine[s * ni + R + e];
         const int aligned = (acc + a.expert_alignment - 1) / a.expert_alignment * a.expert_alignment;
         a.num_recv_tokens_per_expert[e] = aligned;
-        if (a.host_counts) a.host_counts[1 + e] = aligned;
+        if (a.host_counts) a.host_counts[1 + e] = acc;  // unaligned: the host aligns (also for cached calls)
     }
     if (threadIdx.x == 0) {
         int acc = 0;

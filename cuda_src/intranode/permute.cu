@@ -6,8 +6,9 @@
 // contiguous per-expert blocks: block e starts at expert_offsets[e] and has
 // round_up(count_e, A) rows; inside it, pairs are ordered by received row,
 // then slot (cupyep.reference.expert_major_order), then come the padding rows.
-// Rows from expert_offsets[E_local] to M_cap (worst-token mode only) are
-// marked -1 in expert_src_row and not written in expert_x.
+// Rows from expert_offsets[E_local] to M_cap (M_cap a bound: worst-token mode,
+// cached dispatch) are marked -1 in expert_src_row and not written in
+// expert_x / expert_x_scales (no recv_expert_row entry points there).
 //
 //  1. expert_major_count  grid: any (grid-stride over the N * k slots), block
 //     kCountThreads, dynamic shared memory E_local ints. Counts pairs per

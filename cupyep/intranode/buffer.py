@@ -51,6 +51,23 @@ def check_hidden(hidden: int) -> None:
         raise ValueError(f"hidden size must be a positive multiple of 128, got {hidden}")
 
 
+def aligned_expert_counts(recv_expert_counts, expert_alignment: int) -> list[int] | None:
+    """DispatchResult.num_recv_tokens_per_expert from a handle's host counts.
+
+    Arguments:
+        recv_expert_counts: E_local ints, (row, slot) pairs per local expert before
+            alignment (DispatchHandle.recv_expert_counts), or None (worst-token mode).
+        expert_alignment: A >= 1.
+
+    Returns:
+        list of E_local ints, each rounded up to a multiple of A; None when the
+        counts are None (never an empty list for unknown counts).
+    """
+    if recv_expert_counts is None:
+        return None
+    return [-(-int(c) // expert_alignment) * expert_alignment for c in recv_expert_counts]
+
+
 class Buffer:
     """Normal-mode dispatch/combine between the ranks of one node.
 
@@ -203,7 +220,11 @@ class Buffer:
                 LayoutResult's arrays, to skip recomputing the layout.
             num_worst_tokens: if > 0, size the output for this many rows and
                 never wait on the host for counts (CUDA-graph capturable);
-                more received rows raise an error, never a silent drop.
+                more received rows raise an error, never a silent drop. Rows past
+                the received count are padding: recv_topk_idx and recv_src_idx -1,
+                recv_topk_weights 0, recv_x and recv_x_scales not written (see
+                DispatchResult). With a handle, the handle's mode decides and this
+                argument is ignored.
             expert_alignment: round num_recv_tokens_per_expert up to a multiple.
             config: dispatch Config (default: tuned for this rank count).
             previous_event: EventHandle/cupy Event the communication stream waits for
@@ -216,14 +237,20 @@ class Buffer:
                 fills the result's expert_x, expert_x_scales, expert_offsets and
                 expert_src_row and the handle's recv_expert_row, for a grouped GEMM
                 and for combine of expert-major outputs. M_cap rows: the exact
-                sum(num_recv_tokens_per_expert) when the counts reach the host;
-                in worst-token mode (and cached dispatch) the bound
+                sum(num_recv_tokens_per_expert) after a notify pass that brings the
+                counts to the host; in worst-token mode and in cached dispatch (which
+                does not count this call's topk_idx) the bound
                 N * min(k, E_local) + E_local * (expert_alignment - 1), N =
                 num_worst_tokens (or the handle's rows), with no host wait (CUDA-graph
                 capturable). See cupyep.intranode.expert_major.
 
         Returns:
-            DispatchResult.
+            DispatchResult. num_recv_tokens_per_expert is a list of E_local ints
+            whenever the counts reach the host: after a notify pass without
+            worst-token mode, and in a cached dispatch whose handle came from
+            one (the counts of that routing, aligned to this call's
+            expert_alignment); None in worst-token mode and for a cached
+            dispatch with a worst-token handle.
         """
         import cupy
         if isinstance(x, tuple):
@@ -245,8 +272,8 @@ class Buffer:
             raise ValueError("x_scales is only for FP8 (uint8) x")
         R = self.num_ranks
         cfg = (config or self.default_dispatch_config()).validate(R)
-        if expert_alignment < 1:
-            raise ValueError(f"expert_alignment must be >= 1, got {expert_alignment}")
+        if int(expert_alignment) != expert_alignment or expert_alignment < 1:
+            raise ValueError(f"expert_alignment must be an integer >= 1, got {expert_alignment!r}")
         if num_worst_tokens < 0:
             raise ValueError(f"num_worst_tokens must be >= 0, got {num_worst_tokens}")
 
@@ -290,10 +317,12 @@ class Buffer:
                                                   "num_tokens_per_expert", np.int32, shape=(num_experts,))
                     is_token_in_rank = check(as_cupy(is_token_in_rank, "is_token_in_rank"), "is_token_in_rank",
                                              np.bool_, shape=(T, R))
-                handle, per_expert = self._notify(T, H, num_experts, num_tokens_per_rank, num_tokens_per_expert,
-                                                  is_token_in_rank, C, expert_alignment, num_worst_tokens)
+                handle = self._notify(T, H, num_experts, num_tokens_per_rank, num_tokens_per_expert,
+                                      is_token_in_rank, C, expert_alignment, num_worst_tokens)
+                notified = True
             else:
-                per_expert = []
+                notified = False  # cached: expert-major sizes for the bound (this topk_idx is not counted)
+            per_expert = aligned_expert_counts(handle.recv_expert_counts, expert_alignment)
             N = handle.num_worst_tokens or handle.num_recv_tokens
             recv_x = cupy.empty((N, H), dtype=x.dtype)
             recv_scales = cupy.empty((N, H // 128), dtype=np.float32) if fp8 else None
@@ -312,8 +341,8 @@ class Buffer:
                 num_scales=H // 128 if fp8 else 0, num_topk=k, num_local_experts=num_experts // R, num_channels=C,
                 capacity=N, rank=self.rank, guard=self._guard("intranode_dispatch"))
             dispatch_fn((2 * C,), (cfg.num_threads,), (args,))
-            em = self._expert_major(handle, per_expert, recv_x, recv_scales, recv_topk_idx, num_experts,
-                                    expert_alignment) if expert_major else None
+            em = self._expert_major(handle, per_expert if notified else None, recv_x, recv_scales,
+                                    recv_topk_idx, num_experts, expert_alignment) if expert_major else None
             if em is not None:
                 handle = _replace(handle, recv_expert_row=em.recv_expert_row, num_expert_rows=em.num_expert_rows)
             elif handle.recv_expert_row is not None:  # a cached handle's map may not fit this routing
@@ -326,13 +355,13 @@ class Buffer:
         return result
 
     def _expert_major(self, handle, per_expert, recv_x, recv_scales, recv_topk_idx, num_experts, alignment):
-        """Expert-major layout of this dispatch's output (on the communication stream)."""
+        """Expert-major layout of this dispatch's output (on the communication stream).
+
+        per_expert: this call's aligned host counts (exact M_cap), or None (the bound)."""
         R = self.num_ranks
         E_local = num_experts // R
         worst = handle.num_worst_tokens > 0
-        # Counts reach the host only from a notify pass without worst-token mode.
-        m_cap = EM.expert_rows_capacity(per_expert or None, recv_x.shape[0], recv_topk_idx.shape[1], E_local,
-                                        alignment)
+        m_cap = EM.expert_rows_capacity(per_expert, recv_x.shape[0], recv_topk_idx.shape[1], E_local, alignment)
         num_recv_ptr = handle.recv_rank_offset.data.ptr + 4 * R if worst else 0  # device count: recv_rank_offset[R]
         return EM.build(recv_x, recv_scales, recv_topk_idx, num_recv_ptr, E_local, alignment, m_cap,
                         self._guard("intranode_expert_major"), self.num_device_sms)
@@ -362,19 +391,19 @@ class Buffer:
             rank=self.rank, guard=self._guard("intranode_notify"))
         jit.kernel(K.notify_spec(R))((1,), (K.NOTIFY_THREADS,), (args,), shared_mem=4 * R * (C + 1))
         if worst:
-            n_recv, counts = -1, []
+            n_recv, counts = -1, None
         else:
             ev = cupy.cuda.Event(disable_timing=True)
             ev.record(self.comm_stream)
             self.group.wait(ev, "intranode_notify", "host wait for receive counts")
             n_recv = int(self._host_counts[0])
-            counts = [int(c) for c in self._host_counts[1:1 + E_local]]
+            counts = tuple(int(c) for c in self._host_counts[1:1 + E_local])  # unaligned
         handle = DispatchHandle(rank_prefix_matrix=rpm, recv_channel_prefix=recv_cp, recv_rank_offset=recv_off,
                                 recv_src_idx=None, is_token_in_rank=in_rank, send_head=send_head,
                                 send_list=send_list, send_channel_prefix=send_cp, num_recv_tokens=n_recv,
                                 num_worst_tokens=num_worst_tokens, num_tokens=T, hidden=H, num_experts=num_experts,
-                                num_channels=C, buffer_id=id(self))
-        return handle, counts
+                                num_channels=C, buffer_id=id(self), recv_expert_counts=counts)
+        return handle
 
     def _check_handle(self, handle: DispatchHandle, num_tokens: int) -> None:
         if not isinstance(handle, DispatchHandle):

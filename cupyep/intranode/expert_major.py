@@ -22,9 +22,17 @@ Layout (exactly ``cupyep.reference.expert_major_order(result, E_local, A)``):
 - ``recv_expert_row`` [N, k] int32: expert-major row of pair (row, slot), -1
   for slots of other ranks (and, in worst-token mode, rows past the count).
 - ``expert_x`` [M_cap, H] (dtype of x): ``recv_x[expert_src_row[m]]``, zero
-  for padding rows; ``expert_x_scales`` [M_cap, H / 128] float32 likewise.
-  Rows at or after ``expert_offsets[E_local]`` (worst-token mode only) are
-  not written.
+  for the padding rows inside the blocks; ``expert_x_scales`` [M_cap, H / 128]
+  float32 likewise. Rows at or after ``expert_offsets[E_local]`` (only when
+  M_cap is the bound below) are not written: their contents are unspecified,
+  and zeroing them would write up to M_cap rows per call, most of them
+  never used. ``expert_src_row`` marks them -1 and no ``recv_expert_row``
+  entry points there, so neither the reduce nor a grouped GEMM that follows
+  ``expert_offsets`` reads them.
+
+Every padding entry of the index arrays is -1, in worst-token mode too: the
+dispatch fills ``recv_topk_idx`` rows past the received count with -1, and
+the kernels here only read rows before the count.
 
 M_cap: with counts known on the host (normal mode) the exact
 ``sum(num_recv_tokens_per_expert)`` (aligned counts); otherwise (worst-token
@@ -181,11 +189,12 @@ class ExpertMajorOutput:
     """Device arrays of one expert-major layout (see the module docstring).
 
     Attributes:
-        expert_x: [M_cap, H], dtype of recv_x.
-        expert_x_scales: [M_cap, H / 128] float32 or None.
+        expert_x: [M_cap, H], dtype of recv_x; padding rows inside the blocks zero,
+            rows at or after expert_offsets[E_local] not written.
+        expert_x_scales: [M_cap, H / 128] float32 or None; rows as expert_x's.
         expert_offsets: [E_local + 1] int32.
-        expert_src_row: [M_cap] int32.
-        recv_expert_row: [N, k] int32.
+        expert_src_row: [M_cap] int32, -1 for every padding row.
+        recv_expert_row: [N, k] int32, -1 for non-local slots and rows past the count.
         num_expert_rows: M_cap.
     """
     expert_x: object

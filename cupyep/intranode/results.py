@@ -1,7 +1,7 @@
 """Named results of normal-mode dispatch and combine."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class EventHandle:
@@ -40,6 +40,10 @@ class DispatchHandle:
         recv_expert_row: [N, k] int32, expert-major row of each (row, slot) pair, -1 for
             slots of other ranks; None unless dispatch ran with expert_major=True.
         num_expert_rows: M_cap, rows of the expert-major arrays (0 without expert_major).
+        recv_expert_counts: tuple of E_local host ints, the (row, slot) pairs of each
+            local expert this routing delivers, before alignment (what a cached dispatch
+            aligns for its num_recv_tokens_per_expert); None in worst-token mode,
+            where the counts never reach the host.
     """
     rank_prefix_matrix: object
     recv_channel_prefix: object
@@ -59,6 +63,7 @@ class DispatchHandle:
     # Expert-major layout (dispatch(..., expert_major=True)); see cupyep.intranode.expert_major.
     recv_expert_row: object = None
     num_expert_rows: int = 0
+    recv_expert_counts: tuple | None = None
 
 
 @dataclass
@@ -71,24 +76,38 @@ class DispatchResult:
         recv_topk_idx: [N, k] int64 local expert ids, -1 for slots of other ranks (None in cached mode
             without topk_idx).
         recv_topk_weights: [N, k] float32, 0 where recv_topk_idx is -1 (None without weights).
-        num_recv_tokens_per_expert: list[int], per local expert, aligned to expert_alignment
-            (empty in worst-token mode, where the host never waits for counts).
+        num_recv_tokens_per_expert: list of E_local ints, the (row, slot) pairs of each local
+            expert, each rounded up to expert_alignment; a cached dispatch gives those of the
+            handle's routing (aligned to this call's expert_alignment). None in worst-token
+            mode (also for a cached dispatch with a worst-token handle): the host never
+            waits for the counts.
         handle: DispatchHandle for combine and cached dispatch.
         event: EventHandle recorded after the dispatch on the communication stream.
 
+    Worst-token mode (num_worst_tokens = N > 0): rows at or after the received count
+    (``handle.recv_rank_offset[R]``, on the device) are padding: recv_topk_idx and
+    ``handle.recv_src_idx`` hold -1 there and recv_topk_weights 0, filled by the dispatch
+    kernel itself (no host work, also in a CUDA-graph replay and with a cached handle).
+    recv_x and recv_x_scales padding rows are not written: their contents are unspecified
+    (zeroing them would write every padding row on every call); skip them by their
+    -1 ids.
+
     With ``expert_major=True`` (see cupyep.intranode.expert_major; None otherwise):
         expert_x: [M_cap, H], dtype of recv_x: the (row, local expert) pairs in
-            per-expert blocks; padding rows are zero.
-        expert_x_scales: [M_cap, H / 128] float32 for FP8 (padding rows zero), else None.
+            per-expert blocks; alignment padding rows inside the blocks are zero; rows
+            at or after expert_offsets[E_local] (M_cap is a bound: worst-token mode and
+            cached dispatch) are not written, their contents unspecified.
+        expert_x_scales: [M_cap, H / 128] float32 for FP8, else None; rows as expert_x's.
         expert_offsets: [E_local + 1] int32 device array: block e is rows
             [expert_offsets[e], expert_offsets[e + 1]), a multiple of expert_alignment long.
-        expert_src_row: [M_cap] int32: recv_x row of each expert-major row, -1 for padding.
+        expert_src_row: [M_cap] int32: recv_x row of each expert-major row, -1 for every
+            padding row (inside the blocks and at or after expert_offsets[E_local]).
     """
     recv_x: object
     recv_x_scales: object
     recv_topk_idx: object
     recv_topk_weights: object
-    num_recv_tokens_per_expert: list = field(default_factory=list)
+    num_recv_tokens_per_expert: list | None = None
     handle: DispatchHandle | None = None
     event: EventHandle | None = None
     expert_x: object = None
@@ -107,7 +126,8 @@ class CombineResult:
         event: EventHandle recorded after the combine.
         expert_reduced_x: [N, H] uint16 (BF16 bits) when x was expert-major: the
             per-received-row reduction of the expert outputs that was combined
-            (kept here so a captured CUDA graph's temporary stays alive); else None.
+            (kept here so a captured CUDA graph's temporary stays alive; in
+            worst-token mode rows at or after the received count are not written); else None.
     """
     combined_x: object
     combined_topk_weights: object

@@ -8,6 +8,8 @@ Dispatch sends each token once to every rank that owns at least one of its
 experts. Rows received by rank ``d`` are ordered by source rank, then by
 source token index; the rows from source ``s`` occupy
 ``[rank_prefix_matrix[s - 1, d], rank_prefix_matrix[s, d])`` (0 for s = 0).
+A worst-token dispatch (``num_worst_tokens``) returns more rows:
+:func:`worst_token_rows` gives them, padding included.
 
 Combine accumulates in float64 (every product ``weight * value`` of float32
 factors is exact there) and rounds once to float32, so the result does not
@@ -27,7 +29,9 @@ from .layout import check_num_experts, get_dispatch_layout, validate_rank_inputs
 __all__ = [
     "IntranodeDispatchResult",
     "ExpertMajorLayout",
+    "WorstTokenRows",
     "intranode_dispatch",
+    "worst_token_rows",
     "intranode_combine",
     "intranode_combine_topk_weights",
     "expert_major_order",
@@ -173,6 +177,53 @@ def intranode_dispatch(
             )
         )
     return results
+
+
+@dataclass(frozen=True)
+class WorstTokenRows:
+    """The per-row outputs of a worst-token dispatch (num_worst_tokens = N rows).
+
+    Rows [0, num_recv_tokens) are the result's; the rows after them are
+    padding with fixed contents. recv_x and recv_x_scales padding rows are
+    unspecified (the GPU does not write them), so they are not here.
+
+    Attributes:
+        recv_topk_idx: [N, num_topk] int64, -1 in padding rows.
+        recv_topk_weights: [N, num_topk] float32, 0 in padding rows (None without weights).
+        recv_src_idx: [N] int32, -1 in padding rows.
+    """
+
+    recv_topk_idx: np.ndarray
+    recv_topk_weights: Optional[np.ndarray]
+    recv_src_idx: np.ndarray
+
+
+def worst_token_rows(result: IntranodeDispatchResult, num_worst_tokens: int) -> WorstTokenRows:
+    """What a dispatch with ``num_worst_tokens`` returns per row, padding included.
+
+    Arguments:
+        result: IntranodeDispatchResult of one rank.
+        num_worst_tokens: N >= result.num_recv_tokens (more received rows are an
+            error on the GPU, DeviceCapacityError).
+
+    Returns:
+        WorstTokenRows.
+    """
+    n = result.num_recv_tokens
+    if not isinstance(num_worst_tokens, (int, np.integer)) or num_worst_tokens < n:
+        raise ValueError(f"num_worst_tokens must be an integer >= the {n} received rows, got {num_worst_tokens!r}")
+
+    def pad(a, fill):
+        out = np.full((int(num_worst_tokens),) + a.shape[1:], fill, dtype=a.dtype)
+        out[:n] = a
+        return out
+
+    weights = result.recv_topk_weights
+    return WorstTokenRows(
+        recv_topk_idx=pad(result.recv_topk_idx, -1),
+        recv_topk_weights=None if weights is None else pad(weights, 0),
+        recv_src_idx=pad(result.recv_src_idx, -1),
+    )
 
 
 def _rows_by_source(

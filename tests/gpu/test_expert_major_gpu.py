@@ -12,6 +12,7 @@ import pytest
 
 from cupyep import reference as ref
 from cupyep.fp8 import per_token_cast_to_fp8
+from cupyep.reference.intranode import worst_token_rows
 from cupyep.testing import all_ranks, bf16_to_f32, f32_to_bf16, global_routing, payload_bf16
 
 pytestmark = pytest.mark.gpu
@@ -134,13 +135,16 @@ def test_expert_major_dispatch_bf16(group, buf, seed, num_tokens, hidden, num_to
     })
     assert all_ranks(group.comm, all(checks.values())), {k: v for k, v in checks.items() if not v}
 
-    # Cached dispatch: M_cap is the bound for N rows; the layout is the same.
+    # Cached dispatch: M_cap is the bound for N rows; the layout is the same, and
+    # so are the per-expert counts (those of the handle's routing).
     cached = buf.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), handle=out.handle, expert_alignment=alignment,
                           expert_major=True)
     E_local = NUM_EXPERTS // R
     bound = exp.num_recv_tokens * min(num_topk, E_local) + E_local * (alignment - 1)
     checks = _layout_checks(cached, exp, lay, num_topk)
     checks.update({
+        "counts": out.num_recv_tokens_per_expert == exp.num_recv_tokens_per_expert,
+        "cached_counts": cached.num_recv_tokens_per_expert == exp.num_recv_tokens_per_expert,
         "cached_m_cap": cached.expert_x.shape[0] == bound,
         "cached_expert_x": np.array_equal(cached.expert_x[:m].get(), expert_x),
     })
@@ -229,6 +233,11 @@ def test_combine_from_expert_major(group, buf, seed, num_tokens, hidden, num_top
 
 @pytest.mark.parametrize("alignment", [1, 128])
 def test_expert_major_worst_tokens_and_cuda_graph(group, buf, alignment):
+    """Worst-token expert-major dispatch in a CUDA graph: every padding entry
+    (recv_topk_idx / weights / recv_src_idx rows past the count, alignment
+    padding rows of expert_x, expert_src_row and recv_expert_row past the
+    layout) is rewritten by each replay over poisoned outputs; a cached call
+    with the worst-token handle gives the same."""
     import cupy
     seed, num_tokens, hidden, num_topk = 41, 128, 2048, 8
     R, me = group.local_size, group.local_rank
@@ -253,14 +262,26 @@ def test_expert_major_worst_tokens_and_cuda_graph(group, buf, alignment):
         exp, lay = res[me], lays[me]
         rows = _payload_rows(exp, R, hidden)
         m = int(lay.expert_offsets[-1])
+        pad = worst_token_rows(exp, worst)
         checks = _layout_checks(out, exp, lay, num_topk)
         checks["m_cap"] = out.expert_x.shape == (m_cap, hidden) and out.handle.num_expert_rows == m_cap
         checks["expert_x"] = np.array_equal(out.expert_x.get()[:m], _expert_major_rows(rows, lay))
-        ys = [_expert_major_rows(_payload_rows(r, R, hidden), l) for r, l in zip(res, lays)]
-        expected, _ = _expected_combine(res, lays, ys, tokens, num_topk, me, pair_weights=True)
-        diff = ref.calc_diff(bf16_to_f32(comb.combined_x.get()), expected)
-        checks["combine"] = diff < 5e-6
-        assert all_ranks(group.comm, all(checks.values())), (it, diff, {k: v for k, v in checks.items() if not v})
+        checks["recv_topk_idx"] = np.array_equal(out.recv_topk_idx.get(), pad.recv_topk_idx)
+        checks["recv_topk_weights"] = np.array_equal(out.recv_topk_weights.get(), pad.recv_topk_weights)
+        checks["recv_src_idx"] = np.array_equal(out.handle.recv_src_idx.get(), pad.recv_src_idx)
+        checks["counts_none"] = out.num_recv_tokens_per_expert is None
+        if comb is not None:
+            ys = [_expert_major_rows(_payload_rows(r, R, hidden), l) for r, l in zip(res, lays)]
+            expected, _ = _expected_combine(res, lays, ys, tokens, num_topk, me, pair_weights=True)
+            diff = ref.calc_diff(bf16_to_f32(comb.combined_x.get()), expected)
+            checks["combine"] = diff < 5e-6
+        assert all_ranks(group.comm, all(checks.values())), (it, {k: v for k, v in checks.items() if not v})
+
+    def poison(out):
+        """0xA5 bytes over the outputs: ids neither -1 nor valid, nonzero finite BF16 rows."""
+        for a in (out.recv_topk_idx, out.recv_topk_weights, out.handle.recv_src_idx, out.expert_x,
+                  out.expert_src_row, out.handle.recv_expert_row):
+            cupy.cuda.runtime.memsetAsync(a.data.ptr, 0xA5, a.nbytes, stream.ptr)
 
     def load(it):
         tokens, idx, w = _routing(group, seed + it, num_tokens, num_topk)
@@ -273,6 +294,11 @@ def test_expert_major_worst_tokens_and_cuda_graph(group, buf, alignment):
         out, comb = step()  # warm-up outside the graph (also compiles)
         stream.synchronize()
         check(out, comb, 0)
+        # A cached call with the worst-token handle, over its poisoned recv_src_idx.
+        poison(out)
+        cached = buf.dispatch(x_in, idx_in, w_in, handle=out.handle, expert_alignment=alignment, expert_major=True)
+        stream.synchronize()
+        check(cached, None, 0)
         group.comm.Barrier()
         stream.begin_capture()
         out, comb = step()
@@ -280,6 +306,7 @@ def test_expert_major_worst_tokens_and_cuda_graph(group, buf, alignment):
     for it in range(1, 4):
         with stream:
             load(it)
+            poison(out)  # the replay must rewrite every padding entry (the tail of expert_x is not read)
             stream.synchronize()
             group.comm.Barrier()
             graph.launch(stream)

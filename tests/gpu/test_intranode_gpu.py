@@ -10,6 +10,7 @@ import pytest
 
 from cupyep import reference as ref
 from cupyep.fp8 import per_token_cast_to_fp8
+from cupyep.reference.intranode import worst_token_rows
 from cupyep.testing import all_ranks, bf16_to_f32, global_routing, payload_bf16
 
 pytestmark = pytest.mark.gpu
@@ -94,9 +95,22 @@ def test_dispatch_combine_bf16(group, buf, seed, num_tokens, hidden, case, zero_
     }
     assert all_ranks(group.comm, all(checks.values())), {k: v for k, v in checks.items() if not v}
 
-    # Cached dispatch reuses the handle and must give identical results.
+    # Cached dispatch reuses the handle and must give identical results; its
+    # per-expert counts are the handle's routing's, aligned to the cached call's
+    # expert_alignment (never an empty list).
     cached = buf.dispatch(cupy.asarray(x), handle=out.handle)
-    assert all_ranks(group.comm, np.array_equal(cached.recv_x.get(), exp_rows)), "cached dispatch differs"
+    counts_a1 = _expected(group, tokens, idx, w, hidden, expert_alignment=1)[1].num_recv_tokens_per_expert
+    cached_k = buf.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), cupy.asarray(w[me]), handle=out.handle,
+                            expert_alignment=4)
+    checks = {
+        "cached recv_x": np.array_equal(cached.recv_x.get(), exp_rows),
+        "cached counts": cached.num_recv_tokens_per_expert == counts_a1,
+        "cached topk recv_x": np.array_equal(cached_k.recv_x.get(), exp_rows),
+        "cached topk recv_topk_idx": np.array_equal(cached_k.recv_topk_idx.get(), exp.recv_topk_idx),
+        "cached topk recv_topk_weights": np.array_equal(cached_k.recv_topk_weights.get(), exp.recv_topk_weights),
+        "cached topk counts": cached_k.num_recv_tokens_per_expert == exp.num_recv_tokens_per_expert,
+    }
+    assert all_ranks(group.comm, all(checks.values())), {k: v for k, v in checks.items() if not v}
 
     # Combine: identity experts, weighted by a per-row factor, and the top-k weights.
     row_w = (1.0 + (out.handle.recv_src_idx.get() % 3)).astype(np.float32)
@@ -176,7 +190,48 @@ def test_dispatch_fp8(group, buf):
     assert all_ranks(group.comm, ok), "FP8 dispatch differs from the reference"
 
 
+POISON = 0xA5  # garbage byte: int64 / int32 entries that are neither -1 nor ids, float weights that are not 0
+
+
+def _poison_pool(stream, sizes):
+    """Leave garbage where the next allocations on ``stream`` come from: blocks
+    of each of ``sizes`` bytes (a few of each), filled with POISON bytes and
+    freed back to CuPy's pool."""
+    import cupy
+    with stream:
+        junk = [cupy.full(int(b), POISON, dtype=np.uint8) for b in sizes for _ in range(3)]
+        stream.synchronize()
+    del junk
+
+
+def _poison(stream, *arrays):
+    """Overwrite ``arrays`` with POISON bytes on ``stream`` (e.g. a graph's outputs before a replay)."""
+    import cupy
+    for a in arrays:
+        cupy.cuda.runtime.memsetAsync(a.data.ptr, POISON, a.nbytes, stream.ptr)
+
+
+def _worst_rows_checks(out, exp, exp_rows, worst):
+    """Name -> bool: a worst-token dispatch against the reference, every row of
+    recv_topk_idx / recv_topk_weights / recv_src_idx exactly (padding -1, 0, -1),
+    the valid rows of recv_x."""
+    pad = worst_token_rows(exp, worst)
+    n = exp.num_recv_tokens
+    return {
+        "shapes": out.recv_x.shape[0] == out.recv_topk_idx.shape[0] == out.handle.recv_src_idx.shape[0] == worst,
+        "recv_x": np.array_equal(out.recv_x.get()[:n], exp_rows),
+        "recv_topk_idx": np.array_equal(out.recv_topk_idx.get(), pad.recv_topk_idx),
+        "recv_topk_weights": np.array_equal(out.recv_topk_weights.get(), pad.recv_topk_weights),
+        "recv_src_idx": np.array_equal(out.handle.recv_src_idx.get(), pad.recv_src_idx),
+        "rank_prefix_matrix": np.array_equal(out.handle.rank_prefix_matrix.get(), exp.rank_prefix_matrix),
+        "counts_none": out.num_recv_tokens_per_expert is None,
+    }
+
+
 def test_worst_tokens_and_cuda_graph(group, buf):
+    """Worst-token mode: padding rows hold -1 ids / sources and 0 weights
+    whatever the memory held before (a poisoned pool, poisoned graph outputs,
+    a cached handle), outside and inside a CUDA graph."""
     import cupy
     seed, num_tokens, hidden = 11, 128, 2048
     R, me = group.local_size, group.local_rank
@@ -194,13 +249,21 @@ def test_worst_tokens_and_cuda_graph(group, buf):
     with stream:
         tokens, idx, w, x = _inputs(group, seed, num_tokens, hidden)
         x_in.set(x); idx_in.set(idx[me]); w_in.set(w[me])
+        _poison_pool(buf.comm_stream, [worst * NUM_TOPK * 8, worst * NUM_TOPK * 4, worst * 4])
         out, comb = step()  # warm-up outside the graph (also compiles)
         stream.synchronize()
         res, exp, exp_rows = _expected(group, tokens, idx, w, hidden)
-        n = exp.num_recv_tokens
-        ok = (out.recv_x.shape[0] == worst and np.array_equal(out.recv_x.get()[:n], exp_rows)
-              and np.array_equal(out.handle.rank_prefix_matrix.get(), exp.rank_prefix_matrix))
-        assert all_ranks(group.comm, ok), "worst-token dispatch differs"
+        checks = _worst_rows_checks(out, exp, exp_rows, worst)
+        assert all_ranks(group.comm, all(checks.values())), {k: v for k, v in checks.items() if not v}
+
+        # Cached dispatch with the worst-token handle: the handle's recv_src_idx is
+        # written again (poisoned first), fresh outputs come from a poisoned pool.
+        _poison(stream, out.handle.recv_src_idx)
+        _poison_pool(buf.comm_stream, [out.recv_topk_idx.nbytes, out.recv_topk_weights.nbytes])
+        cached = buf.dispatch(x_in, idx_in, w_in, handle=out.handle)
+        stream.synchronize()
+        checks = _worst_rows_checks(cached, exp, exp_rows, worst)
+        assert all_ranks(group.comm, all(checks.values())), {f"cached {k}": v for k, v in checks.items() if not v}
         group.comm.Barrier()
         stream.begin_capture()
         out, comb = step()
@@ -209,17 +272,19 @@ def test_worst_tokens_and_cuda_graph(group, buf):
         tokens, idx, w, x = _inputs(group, seed + 100 + it, num_tokens, hidden)
         with stream:
             x_in.set(x); idx_in.set(idx[me]); w_in.set(w[me])
+            # The replay must rewrite every padding entry, not inherit them.
+            _poison(stream, out.recv_topk_idx, out.recv_topk_weights, out.handle.recv_src_idx)
             stream.synchronize()
             group.comm.Barrier()
             graph.launch(stream)
             stream.synchronize()
         group.check_errors()
         res, exp, exp_rows = _expected(group, tokens, idx, w, hidden)
-        n = exp.num_recv_tokens
         expected = ref.intranode_combine(_received_rows(res, hidden), res, tokens)[me]
         diff = ref.calc_diff(bf16_to_f32(comb.combined_x.get()), expected)
-        ok = np.array_equal(out.recv_x.get()[:n], exp_rows) and diff < 5e-6
-        assert all_ranks(group.comm, ok), f"graph replay {it}: diff {diff}"
+        checks = _worst_rows_checks(out, exp, exp_rows, worst)
+        checks["combine"] = diff < 5e-6
+        assert all_ranks(group.comm, all(checks.values())), (it, diff, {k: v for k, v in checks.items() if not v})
 
 
 def test_bad_input_raises_before_launch(group, buf):
