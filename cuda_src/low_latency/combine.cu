@@ -38,10 +38,11 @@
 namespace cupyep {
 namespace low_latency {
 
+// A copy's unroll as a type, for a generic lambda: Unroll<N>{} -> unroll_of == N.
 template <int N>
-struct Unroll {
-    static constexpr int kValue = N;
-};
+struct Unroll {};
+template <int N>
+__device__ constexpr int unroll_of(Unroll<N>) { return N; }
 
 template <int kNumThreads>
 __device__ __forceinline__ void combine_body(const CombineArgs& a) {
@@ -89,7 +90,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                 // one round of kUnroll words per lane, all loads in flight at once.
                 // Pushed: into my range of the owner's combine_recv; pulled: into the same
                 // slot of my own combine_send.
-                constexpr int kUnroll = decltype(unroll)::kValue, kPiece = kUnroll * 32;
+                constexpr int kUnroll = unroll_of(decltype(unroll){}), kPiece = kUnroll * 32;
                 const int pieces = (int)((row_int4 + kPiece - 1) / kPiece);
                 const int64_t num_pieces = (int64_t)prefix[P] * pieces;
                 for (int64_t item = (int64_t)b * num_warps + warp; item < num_pieces; item += (int64_t)G * num_warps) {

@@ -13,7 +13,7 @@ and every wait is bounded by ``group.timeout_s`` (``CommTimeoutError``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -93,8 +93,9 @@ class Buffer:
         dev = cupy.cuda.Device()
         self.num_device_sms = dev.attributes["MultiProcessorCount"]
         self.sm_budget = self.num_device_sms // max(1, group.ranks_per_gpu)
-        num_bytes = int(num_bytes or size_hint(self.num_ranks, dispatch_config=self.default_dispatch_config(),
-                                               combine_config=self.default_combine_config()))
+        num_bytes = int(num_bytes or max(size_hint(self.num_ranks, dispatch_config=self.default_dispatch_config(fp8),
+                                                   combine_config=self.default_combine_config())
+                                         for fp8 in (False, True)))
         self.layout = buffer_layout(self.num_ranks, num_bytes)
         self.buffer = SymmetricBuffer(group, num_bytes)
         self.comm_stream = cupy.cuda.Stream(non_blocking=True)
@@ -109,11 +110,15 @@ class Buffer:
         jit.load(K.combine_spec_for(self.num_ranks, self.default_combine_config()), group)
 
     # ------------------------------------------------------------------ config
-    def default_dispatch_config(self) -> Config:
-        return get_dispatch_config(self.num_ranks, self.sm_budget)
+    def default_dispatch_config(self, fp8: bool = False, handle: DispatchHandle | None = None) -> Config:
+        """The tuned dispatch config for this buffer's ranks and SM budget, for
+        BF16 or (``fp8``) FP8 rows; with a handle, on the handle's channels."""
+        return _on_channels(get_dispatch_config(self.num_ranks, self.sm_budget, fp8), handle)
 
-    def default_combine_config(self) -> Config:
-        return get_combine_config(self.num_ranks, self.sm_budget)
+    def default_combine_config(self, handle: DispatchHandle | None = None) -> Config:
+        """The tuned combine config; with a handle, on the handle's channels
+        (a combine runs on its dispatch's channels)."""
+        return _on_channels(get_combine_config(self.num_ranks, self.sm_budget), handle)
 
     @staticmethod
     def size_hint(num_ranks: int, hidden: int = 7168, num_topk: int = 16, dispatch_config: Config | None = None,
@@ -271,7 +276,7 @@ class Buffer:
         elif x_scales is not None:
             raise ValueError("x_scales is only for FP8 (uint8) x")
         R = self.num_ranks
-        cfg = (config or self.default_dispatch_config()).validate(R)
+        cfg = (config or self.default_dispatch_config(fp8, handle)).validate(R)
         if int(expert_alignment) != expert_alignment or expert_alignment < 1:
             raise ValueError(f"expert_alignment must be an integer >= 1, got {expert_alignment!r}")
         if num_worst_tokens < 0:
@@ -462,7 +467,7 @@ class Buffer:
         row_weights = as_cupy(row_weights, "row_weights")
         if row_weights is not None:
             check(row_weights, "row_weights", np.float32, shape=(N,))
-        cfg = (config or self.default_combine_config()).validate(R, combine=True)
+        cfg = (config or self.default_combine_config(handle)).validate(R, combine=True)
         if cfg.num_channels != handle.num_channels:
             raise ValueError(f"combine config has {cfg.num_channels} channels (num_sms={cfg.num_sms}) but the dispatch "
                              f"used {handle.num_channels}: use num_sms={2 * handle.num_channels}")
@@ -510,6 +515,11 @@ class Buffer:
 
     def __exit__(self, *exc):
         self.destroy()
+
+
+def _on_channels(cfg: Config, handle: DispatchHandle | None) -> Config:
+    """``cfg`` with the handle's channels (num_sms = 2 * handle.num_channels), if any."""
+    return cfg if handle is None else replace(cfg, num_sms=2 * handle.num_channels)
 
 
 def _replace(handle: DispatchHandle, **kw) -> DispatchHandle:
