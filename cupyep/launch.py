@@ -12,6 +12,21 @@ whole job when any rank raises) on this host, with ``CUPYEP_LAUNCHED=1``,
 ``NCCL_NVLS_ENABLE=0`` in every rank's environment.  When several ranks share
 a GPU it reuses or starts a CUDA MPS daemon (see ``cupyep.mps``).
 
+Every rank also gets ``CUPYEP_CALLS_DIR``, a private temporary directory in
+which each rank keeps its call record (``cupyep.calls``).  When the job
+fails, the launcher names the rank that ended first, how (signal or exit
+status, when it saw it) and the traced call it was in, e.g. ``rank 3 (pid
+4242) died (signal 9, SIGKILL) during LowLatencyBuffer.combine, call 1234 of
+that kind``, then where the other ranks were; on a timeout or an interrupt
+it says where every rank was.
+
+SIGINT, SIGTERM and SIGHUP (forwarded as SIGTERM) go to mpiexec's process
+group; a second one, or mpiexec still running ``INTERRUPT_GRACE_S`` seconds
+later, kills every rank.  However the job ends, processes still carrying
+this launch's ``CUPYEP_CALLS_DIR`` (ranks that outlived mpiexec, their
+children) are stopped, then the MPS daemon the launcher started, then its
+temporary directories are removed.
+
 Exit status: mpiexec's status; 124 on ``--timeout``; 128+signal when
 interrupted; 2 for launcher errors (bad arguments, no mpiexec, MPS needed but
 unavailable).  Nothing here imports CUDA or CuPy.
@@ -26,9 +41,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
-from . import mps
+from . import calls, mps
 
 __all__ = ["OPENMPI", "MPICH", "SAFETY_ENV", "LaunchError", "find_mpiexec",
            "detect_flavour", "mpiexec_flavour", "build_command",
@@ -44,6 +60,10 @@ OMPI_ROOT_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1",
 TIMEOUT_STATUS = 124
 ERROR_STATUS = 2
 PREFIX = "cupyep.launch"
+# Seconds mpiexec has to end after a forwarded signal before all is killed.
+INTERRUPT_GRACE_S = 5.0
+# Seconds between checks while mpiexec runs.
+POLL_S = 0.05
 
 
 class LaunchError(RuntimeError):
@@ -157,13 +177,16 @@ def mpiexec_env(flavour, env, is_root, base_env=None):
     return out
 
 
-def rank_env(ranks_per_node=None, mps_env=None):
+def rank_env(ranks_per_node=None, mps_env=None, calls_dir=None):
     """Variables every rank gets: CUPYEP_LAUNCHED=1, the NVLS safety
-    variables, CUPYEP_RANKS_PER_NODE when given, and the MPS variables."""
+    variables, CUPYEP_RANKS_PER_NODE when given, the MPS variables and
+    CUPYEP_CALLS_DIR when given."""
     env = {"CUPYEP_LAUNCHED": "1", **SAFETY_ENV}
     if ranks_per_node:
         env["CUPYEP_RANKS_PER_NODE"] = str(int(ranks_per_node))
     env.update(mps_env or {})
+    if calls_dir:
+        env[calls.ENV_VAR] = str(calls_dir)
     return env
 
 
@@ -321,40 +344,79 @@ def _kill_tree(proc, grace=3.0, tree=None):
         proc.wait(timeout=grace)
 
 
+def stop_marked(name, value, grace=2.0):
+    """Stop the processes whose initial environment holds ``name=value``
+    (``mps.processes_with_env``): SIGTERM, then SIGKILL for those alive
+    ``grace`` s later.  Returns how many there were."""
+    procs = mps.processes_with_env(name, value)
+    mps.stop_processes(procs, grace)
+    return len(procs)
+
+
+# Signals the launcher handles, and what it forwards to mpiexec for each.
+FORWARDED = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM,
+             signal.SIGHUP: signal.SIGTERM}
+
+
 class _SignalForwarder:
-    """SIGINT/SIGTERM handler: forwards to mpiexec's process group while it
-    runs (a repeated signal SIGKILLs the whole tree); raises ``_Interrupted``
-    before it starts so that cleanup (e.g. MPS stop) runs; ignores signals
-    after it ended (cleanup is running)."""
+    """SIGINT/SIGTERM/SIGHUP handler: forwards to mpiexec's process group
+    while it runs (SIGHUP as SIGTERM; a repeated signal SIGKILLs the whole
+    tree); raises ``_Interrupted`` before it starts so that cleanup (e.g. MPS
+    stop) runs; ignores signals after it ended (cleanup is running).  Inside
+    ``deferred()`` a signal is only noted and handled when the block ends,
+    so that starting MPS or mpiexec is never cut in half."""
 
     def __init__(self):
         self.proc = None
         self.finished = False
         self.signum = None
+        self.signal_time = None
         self.count = 0
         self.tree = []
+        self._deferring = False
+        self._pending = None
 
     def __call__(self, signum, frame):
+        if self._deferring:
+            if self._pending is None:
+                self._pending = signum
+            return
+        self._handle(signum)
+
+    def _handle(self, signum):
         self.signum = signum
         proc = self.proc
         if proc is not None and proc.returncode is None:
             self.count += 1
             if self.count == 1:
+                self.signal_time = time.monotonic()
                 self.tree = _descendants(proc.pid)
-                _signal_group(proc.pid, signum)
+                _signal_group(proc.pid, FORWARDED.get(signum, signum))
             else:
                 # no waiting in a handler: SIGKILL the group and the ranks
                 _signal_group(proc.pid, signal.SIGKILL)
-                _reap_tree(self.tree, 0.0)
+                _reap_tree(self.tree + _descendants(proc.pid), 0.0)
         elif not self.finished:
             self.finished = True  # raise once; let the cleanup run
             raise _Interrupted(signum)
 
     @contextlib.contextmanager
+    def deferred(self):
+        """Hold signals back for the body; handle the first one after it."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                self._handle(pending)
+
+    @contextlib.contextmanager
     def installed(self):
-        """Install as SIGINT/SIGTERM handler for the body, then restore."""
-        old = {s: signal.signal(s, self) for s in (signal.SIGINT,
-                                                   signal.SIGTERM)}
+        """Install as handler of the FORWARDED signals for the body, then
+        restore the previous handlers."""
+        old = {s: signal.signal(s, self) for s in FORWARDED}
         try:
             yield self
         finally:
@@ -366,28 +428,48 @@ def run_mpiexec(cmd, env, timeout=None, forwarder=None):
     """Run ``cmd`` in its own process group; return its exit status.
 
     Returns 124 (after killing everything) when ``timeout`` seconds pass,
-    128+N when mpiexec was killed by, or forwarded, signal N.  ``forwarder`` (a ``_SignalForwarder``
-    already installed) forwards SIGINT/SIGTERM to the group.
+    128+N when mpiexec was killed by, or forwarded, signal N.  ``forwarder``
+    (a ``_SignalForwarder`` already installed) forwards SIGINT/SIGTERM/SIGHUP
+    to the group; if mpiexec has not ended ``INTERRUPT_GRACE_S`` seconds
+    after the first, its group and every rank get SIGKILL.
     """
     fwd = forwarder or _SignalForwarder()
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    fwd.proc = proc
+    with fwd.deferred():  # a signal now is forwarded once fwd.proc is set
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        fwd.proc = proc
+    start = time.monotonic()
     try:
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            print(f"{PREFIX}: timeout: still running after {timeout:g} s; "
-                  "killing all ranks", file=sys.stderr, flush=True)
-            _kill_tree(proc)
-            return TIMEOUT_STATUS
+        while True:
+            try:
+                proc.wait(timeout=POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            if timeout is not None and now - start >= timeout:
+                print(f"{PREFIX}: timeout: still running after {timeout:g} s; "
+                      "killing all ranks", file=sys.stderr, flush=True)
+                _kill_tree(proc)
+                return TIMEOUT_STATUS
+            if (fwd.signal_time is not None
+                    and now - fwd.signal_time >= INTERRUPT_GRACE_S):
+                print(f"{PREFIX}: mpiexec still running {INTERRUPT_GRACE_S:g} s"
+                      " after the signal; killing all ranks", file=sys.stderr,
+                      flush=True)
+                _signal_group(proc.pid, signal.SIGKILL)
+                _reap_tree(fwd.tree + _descendants(proc.pid), 0.0)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=INTERRUPT_GRACE_S)
+                break
     finally:
         fwd.finished = True
         if proc.returncode is None:  # unexpected exception while waiting
             _kill_tree(proc, grace=1.0)
     if fwd.signum is not None:
         # mpiexec may exit before its ranks: give them a moment, then kill.
-        _reap_tree(fwd.tree, 5.0)
+        _reap_tree(fwd.tree, INTERRUPT_GRACE_S)
         return 128 + fwd.signum
+    rc = proc.returncode
     return 128 - rc if rc < 0 else rc
 
 
@@ -510,7 +592,7 @@ def main(argv=None):
               "capping MPS clients deadlocks kernels that wait on each other",
               file=sys.stderr)
     if opts.dry_run:
-        renv = rank_env(k, mps_env)
+        renv = rank_env(k, mps_env, "<private temp dir>")
         cmd = build_command(flavour, mpiexec, n, program, renv, is_root, slots)
         extra = OMPI_ROOT_ENV if flavour == OPENMPI and is_root else {}
         print(_summary(n, flavour, mpiexec, gpus, per_gpu,
@@ -527,27 +609,94 @@ def main(argv=None):
         print(shlex.join(cmd))
         return 0
     fwd = _SignalForwarder()
-    with fwd.installed():
-        try:
-            daemon = (mps.mps_daemon(os.environ) if need
-                      else contextlib.nullcontext({}))
-            with daemon as mps_env:
-                renv = rank_env(k, mps_env)
-                cmd = build_command(flavour, mpiexec, n, program, renv,
-                                    is_root, slots)
-                env = mpiexec_env(flavour, renv, is_root)
-                state = mps_state
-                if state == "started":
-                    state += f" ({mps_env[mps.PIPE_VAR]})"
-                print(_summary(n, flavour, mpiexec, gpus, per_gpu, state,
-                               opts.no_mps, k), file=sys.stderr, flush=True)
-                return run_mpiexec(cmd, env, opts.timeout, fwd)
-        except mps.MPSUnavailableError as exc:
-            return _error(exc)
-        except _Interrupted as exc:
-            print(f"{PREFIX}: interrupted by signal {exc.signum}",
-                  file=sys.stderr)
-            return 128 + exc.signum
+    try:
+        with fwd.installed(), contextlib.ExitStack() as stack:
+            try:
+                return _launch(stack, fwd, opts, flavour, mpiexec, n, k,
+                               program, is_root, slots, need, mps_state,
+                               gpus, per_gpu)
+            finally:
+                fwd.finished = True  # signals now arriving are ignored:
+                # the cleanup (stragglers, MPS, directories) is bounded
+    except mps.MPSUnavailableError as exc:
+        return _error(exc)
+    except _Interrupted as exc:
+        print(f"{PREFIX}: interrupted by signal {exc.signum}",
+              file=sys.stderr)
+        return 128 + exc.signum
+
+
+def _launch(stack, fwd, opts, flavour, mpiexec, n, k, program, is_root,
+            slots, need, mps_state, gpus, per_gpu):
+    """Start what the ranks need (cleanup on ``stack``), run mpiexec and
+    report; return the exit status."""
+    with fwd.deferred():  # MPS starts, or is stopped, as a whole
+        calls_dir = stack.enter_context(_private_dir("cupyep-calls-"))
+        if need:
+            mps_env = stack.enter_context(mps.mps_daemon(os.environ))
+        else:
+            mps_env = {}
+        # Runs before the two above on the way out: no process of the job
+        # may outlive it (nor hold MPS clients open while the daemon quits).
+        stack.callback(_stop_stragglers, calls_dir)
+    renv = rank_env(k, mps_env, calls_dir)
+    cmd = build_command(flavour, mpiexec, n, program, renv, is_root, slots)
+    env = mpiexec_env(flavour, renv, is_root)
+    state = mps_state
+    if state == "started":
+        state += f" ({mps_env[mps.PIPE_VAR]})"
+    print(_summary(n, flavour, mpiexec, gpus, per_gpu, state, opts.no_mps, k),
+          file=sys.stderr, flush=True)
+    try:
+        watcher = calls.EndWatcher(calls_dir).start()
+    except OSError as exc:  # the report then lacks the order of the ends
+        print(f"{PREFIX}: warning: not watching the ranks' ends: {exc}",
+              file=sys.stderr)
+        watcher = None
+    else:
+        stack.callback(watcher.stop)
+    rc = run_mpiexec(cmd, env, opts.timeout, fwd)
+    if rc != 0:
+        _report(fwd.signum, opts.timeout is not None and rc == TIMEOUT_STATUS,
+                watcher, calls_dir)
+    return rc
+
+
+@contextlib.contextmanager
+def _private_dir(prefix):
+    """A fresh temporary directory for the body, removed afterwards."""
+    base = tempfile.gettempdir()
+    if len(base) > 60 and os.path.isdir("/tmp"):
+        base = "/tmp"  # unix socket paths are limited to ~107 bytes
+    path = tempfile.mkdtemp(prefix=prefix, dir=base)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _stop_stragglers(calls_dir):
+    n = stop_marked(calls.ENV_VAR, calls_dir)
+    if n:
+        print(f"{PREFIX}: stopped {n} process(es) of the job still running "
+              "after mpiexec ended", file=sys.stderr, flush=True)
+
+
+def _report(signum, timed_out, watcher, calls_dir):
+    """After a failed job, say on stderr which rank ended it and where the
+    ranks were; after an interrupt or a timeout, where the ranks were."""
+    if watcher is not None:
+        watcher.settle()
+    if signum is not None or timed_out:
+        where = calls.where_report(calls.read_records(calls_dir))
+        when = (f"at signal {signum}" if signum is not None
+                else "at the timeout")
+        lines = [f"{when}, the ranks were: " + "; ".join(where)] if where else []
+    else:
+        lines = calls.failure_report(calls_dir,
+                                     watcher.ends if watcher else [])
+    for line in lines:
+        print(f"{PREFIX}: {line}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ Public API:
     mps_pipe_directory(env=None) -> str
     mps_is_running(env=None) -> bool
     mps_daemon(env=None)  (context manager yielding the env vars for clients)
+    processes_with_env(name, value) -> [(pid, start time)]
+    stop_processes(procs, grace, patience)
     MPSUnavailableError
 
 This module imports nothing from CUDA and creates no CUDA context.
@@ -17,6 +19,7 @@ This module imports nothing from CUDA and creates no CUDA context.
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -25,7 +28,7 @@ import time
 
 __all__ = ["CONTROL_BINARY", "DEFAULT_PIPE_DIRECTORY", "MPSUnavailableError",
            "MPS_NEEDED_REASON", "mps_pipe_directory", "mps_is_running",
-           "mps_daemon"]
+           "mps_daemon", "processes_with_env", "stop_processes"]
 
 CONTROL_BINARY = "nvidia-cuda-mps-control"
 DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"
@@ -116,6 +119,57 @@ def _wait_for(predicate, timeout, interval=0.02):
         time.sleep(interval)
 
 
+def _proc_start_time(pid):
+    """Start time of a live (non-zombie) ``pid`` from /proc, else None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in "ZX" else fields[19]
+
+
+def processes_with_env(name, value):
+    """(pid, start time) of the live processes, this one excepted, whose
+    initial environment holds ``name=value`` (Linux /proc; processes of
+    other users are unreadable and skipped)."""
+    needle = f"{name}={value}".encode()
+    me = os.getpid()
+    out = []
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return out
+    for pid in pids:
+        if pid == me:
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0"):
+            start = _proc_start_time(pid)
+            if start is not None:
+                out.append((pid, start))
+    return out
+
+
+def stop_processes(procs, grace=2.0, patience=0.0):
+    """Wait up to ``patience`` s for ``procs`` ((pid, start time) pairs) to
+    end by themselves, SIGTERM the rest, SIGKILL those alive ``grace`` s
+    later.  A pid counts only while its start time matches (no reused pid
+    is signalled)."""
+    def alive():
+        return [(p, t) for p, t in procs if _proc_start_time(p) == t]
+
+    for step, sig in ((patience, signal.SIGTERM), (grace, signal.SIGKILL)):
+        _wait_for(lambda: not alive(), step)
+        for pid, _ in alive():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+
+
 def _read_logs(log_dir, limit=2000):
     """Return the tail of the daemon's control.log, for error messages."""
     try:
@@ -127,7 +181,10 @@ def _read_logs(log_dir, limit=2000):
 
 def _quit_daemon(control, child_env, pipe_dir, timeout):
     """Send ``quit`` to the daemon (synchronous: it stops its servers), then
-    wait (bounded) until its pid file is gone, i.e. it has exited."""
+    wait (bounded) until its pid file is gone, i.e. it has exited.  Any
+    process still carrying the private ``CUDA_MPS_PIPE_DIRECTORY`` after
+    that (a daemon or server that did not quit; clients are gone by now)
+    gets ``timeout`` more seconds, then SIGTERM, then SIGKILL."""
     try:
         subprocess.run([control], input=b"quit\n", env=child_env,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -136,6 +193,8 @@ def _quit_daemon(control, child_env, pipe_dir, timeout):
         pass
     _wait_for(lambda: not _pid_file_alive(os.path.join(pipe_dir, PID_FILE)),
               timeout)
+    stop_processes(processes_with_env(PIPE_VAR, pipe_dir), grace=2.0,
+                   patience=timeout)
 
 
 @contextlib.contextmanager
@@ -151,7 +210,9 @@ def mps_daemon(env=None, start_timeout=10.0, stop_timeout=5.0):
     ``CUDA_MPS_PIPE_DIRECTORY`` and ``CUDA_MPS_LOG_DIRECTORY`` in a fresh
     temporary directory (they are yielded: pass them to every client); on exit
     (normal or exception) it is stopped with ``echo quit |
-    nvidia-cuda-mps-control`` and the directory removed.
+    nvidia-cuda-mps-control`` (what still runs with that pipe directory
+    ``stop_timeout`` seconds later is terminated, then killed) and the
+    directory removed.  Every step of the stop is bounded in time.
 
     Never sets ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``: capping clients deadlocks
     kernels that wait on each other.  Raises ``MPSUnavailableError`` when the

@@ -26,10 +26,14 @@ printf 'argv:%s pipe:%s log:%s atp:%s\\n' "$*" "$CUDA_MPS_PIPE_DIRECTORY" \\
     >> "$FAKE_MPS_LOG"
 if [ "$1" = "-d" ]; then
     [ -n "$FAKE_MPS_NO_PIPE" ] || mkfifo "$CUDA_MPS_PIPE_DIRECTORY/control"
+    if [ -n "$FAKE_MPS_STUBBORN" ]; then  # a server that never quits
+        sleep 300 < /dev/null > /dev/null 2>&1 &
+        echo $! > "$FAKE_MPS_LOG.server"
+    fi
     exit 0
 fi
 sed 's/^/stdin:/' >> "$FAKE_MPS_LOG"
-rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"
+[ -n "$FAKE_MPS_STUBBORN" ] || rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"
 """
 
 
@@ -318,6 +322,19 @@ def test_mps_daemon_cleanup_when_body_raises(fake_mps):
     assert not os.path.exists(os.path.dirname(pipe))
 
 
+def test_mps_daemon_stops_what_does_not_quit(fake_mps, monkeypatch):
+    monkeypatch.setenv("FAKE_MPS_STUBBORN", "1")
+    with mps.mps_daemon(stop_timeout=0.5) as env:
+        pipe = env["CUDA_MPS_PIPE_DIRECTORY"]
+        server = int(Path(str(fake_mps) + ".server").read_text())
+        assert _pid_alive(server)
+        assert [p for p, _ in mps.processes_with_env(
+            "CUDA_MPS_PIPE_DIRECTORY", pipe)] == [server]
+    assert "stdin:quit" in fake_mps.read_text().splitlines()
+    _assert_all_dead([server])
+    assert not os.path.exists(os.path.dirname(pipe))
+
+
 def test_mps_daemon_reuses_running(fake_mps, tmp_path):
     pipe = tmp_path / "existing"
     pipe.mkdir()
@@ -499,7 +516,8 @@ def test_fake_openmpi_command_and_status(tmp_path):
     seen = json.loads(out.read_text())
     argv = seen["argv"]
     assert argv[:2] == ["-n", "64"] and "--oversubscribe" in argv
-    assert argv[argv.index("-x") + 1] == "CUPYEP_LAUNCHED"
+    exported = [argv[i + 1] for i, a in enumerate(argv) if a == "-x"]
+    assert exported[:2] == ["CUPYEP_CALLS_DIR", "CUPYEP_LAUNCHED"]
     assert argv[-4:] == [sys.executable, "-m", "mpi4py",
                          str(SCRIPTS / "launch_env.py")]
     assert seen["env"]["CUPYEP_LAUNCHED"] == "1"
@@ -507,3 +525,57 @@ def test_fake_openmpi_command_and_status(tmp_path):
     root = os.geteuid() == 0
     assert (seen["env"]["OMPI_ALLOW_RUN_AS_ROOT"] == "1") == root
     assert (seen["env"]["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] == "1") == root
+
+
+def _processes_with(marker):
+    """Pids of live processes whose command line contains ``marker``."""
+    found = []
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if marker.encode() in cmdline and _pid_alive(pid):
+            found.append(pid)
+    return found
+
+
+@pytest.mark.skipif(DEFAULT_MPS_RUNNING, reason="a default MPS daemon runs")
+def test_ctrl_c_leaves_no_rank_daemon_or_temp_dir(fake_mps, tmp_path):
+    """SIGINT to the launcher's process group, as a terminal's Ctrl-C sends
+    it, while 8 ranks sleep (sharing one GPU: MPS started, here the fake)."""
+    marker = f"ctrl-c-{os.getpid()}-{time.monotonic_ns()}"
+    piddir = tmp_path / marker
+    piddir.mkdir()
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cupyep.launch", "-n", "8", "--gpus", "1",
+         str(SCRIPTS / "faults_sleep.py"), str(piddir)],
+        cwd=REPO, env=_clean_env(TMPDIR=str(tmpdir)), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        pids = _wait_pids(piddir, 8, timeout=60)
+        assert len(_processes_with(marker)) >= 8
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    _assert_all_dead(pids)
+    deadline = time.monotonic() + 5
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _processes_with(marker) == [], err
+    # The launcher said where the ranks were when it was interrupted (in
+    # FaultProbe.wait, which KeyboardInterrupt ended).
+    assert (f"cupyep.launch: at signal {int(signal.SIGINT)}, the ranks were: ranks 0-7: "
+            "after FaultProbe.wait raised, call 1 of that kind (exited)") in err.splitlines()
+    # MPS was stopped and every temporary directory removed.
+    log = fake_mps.read_text().splitlines()
+    pipe = log[0].split(" pipe:")[1].split(" log:")[0]
+    assert log[-1] == "stdin:quit"
+    assert not os.path.exists(os.path.dirname(pipe))
+    assert list(tmpdir.iterdir()) == []

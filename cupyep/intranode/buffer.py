@@ -19,6 +19,7 @@ import numpy as np
 
 from .. import jit
 from ..arrays import BF16, FP8, as_cupy, check
+from ..calls import traced_call
 from ..ipc import SymmetricBuffer
 from . import expert_major as EM
 from . import kernels as K
@@ -168,6 +169,7 @@ class Buffer:
                 raise ValueError(f"topk_idx holds expert ids in [{lo}, {hi}], outside [-1, {num_experts})")
         return topk_idx
 
+    @traced_call("Buffer.get_dispatch_layout")
     def get_dispatch_layout(self, topk_idx, num_experts: int, previous_event=None, async_finish: bool = False,
                             validate: bool = True) -> LayoutResult:
         """Token counts of this rank's routing.
@@ -205,6 +207,7 @@ class Buffer:
         return LayoutResult(per_rank, per_expert, in_rank)
 
     # ---------------------------------------------------------------- dispatch
+    @traced_call("Buffer.dispatch")
     def dispatch(self, x, topk_idx=None, topk_weights=None, *, x_scales=None, num_experts: int | None = None,
                  handle: DispatchHandle | None = None, num_tokens_per_rank=None, num_tokens_per_expert=None,
                  is_token_in_rank=None, num_worst_tokens: int = 0, expert_alignment: int = 1,
@@ -419,6 +422,7 @@ class Buffer:
             raise ValueError(f"handle was made for {handle.num_tokens} tokens, got {num_tokens}")
 
     # ----------------------------------------------------------------- combine
+    @traced_call("Buffer.combine")
     def combine(self, x, handle: DispatchHandle, topk_weights=None, *, row_weights=None, config: Config | None = None,
                 previous_event=None, async_finish: bool = False, pair_weights=None,
                 expert_major: bool | None = None) -> CombineResult:

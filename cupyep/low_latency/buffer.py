@@ -14,6 +14,7 @@ import numpy as np
 
 from .. import driver, jit
 from ..arrays import BF16, as_cupy, check
+from ..calls import traced_call
 from ..ipc import SymmetricBuffer
 from ..intranode.results import EventHandle
 from . import kernels as K
@@ -196,6 +197,7 @@ class LowLatencyBuffer:
         return topk_idx
 
     # --------------------------------------------------------------- dispatch
+    @traced_call("LowLatencyBuffer.dispatch")
     def dispatch(self, x, topk_idx, *, use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
                  cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
                  async_finish: bool = False, return_recv_hook: bool = False, validate: bool = True,
@@ -307,6 +309,7 @@ class LowLatencyBuffer:
     def _make_hook(self, run):
         state = {"done": False}
 
+        @traced_call("LowLatencyBuffer.hook")
         def hook(kernel_time_ns=None):
             """Run the receive half on the current stream (kernel_time_ns: as in dispatch, for this half)."""
             if state["done"]:
@@ -333,6 +336,7 @@ class LowLatencyBuffer:
             raise ValueError(f"the rows of this handle's dispatch (call {handle.call}) have been overwritten by a "
                              f"later dispatch (a dispatch's rows are valid until the next dispatch)")
 
+    @traced_call("LowLatencyBuffer.combine")
     def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, *, zero_copy: bool = False,
                 pull: bool | None = None, async_finish: bool = False, return_recv_hook: bool = False, out=None,
                 validate: bool = False, kernel_time_ns=None, trace=None) -> LowLatencyCombineResult:
