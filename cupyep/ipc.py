@@ -6,6 +6,10 @@ pool), the handles are exchanged with ``allgather``, and each rank opens its
 peers' buffers, whether they live on the same GPU (ranks sharing a GPU under
 MPS) or another one (P2P). ``peer_ptrs`` is a device array ``[local_size]``
 of ``uint64`` base pointers that kernels index by node-local rank.
+
+:func:`open_mappings` counts the peer mappings this process holds open
+(``cudaIpcOpenMemHandle`` not yet closed), so that tests can check that
+every buffer's destroy unmaps what it mapped.
 """
 from __future__ import annotations
 
@@ -13,6 +17,17 @@ import numpy as np
 
 _IPC_LAZY_ENABLE_PEER_ACCESS = 1
 ALIGNMENT = 256
+_open_mappings = 0  # peer mappings opened and not yet closed, in this process
+
+
+def open_mappings() -> int:
+    """Peer IPC mappings this process holds open (all SymmetricBuffers)."""
+    return _open_mappings
+
+
+def _count_mappings(delta: int) -> None:
+    global _open_mappings
+    _open_mappings += delta
 
 
 class SymmetricBuffer:
@@ -53,6 +68,7 @@ class SymmetricBuffer:
                 else:
                     p = rt.ipcOpenMemHandle(h, _IPC_LAZY_ENABLE_PEER_ACCESS)
                     self._opened.append(p)
+                    _count_mappings(1)
                     ptrs.append(p)
             self.peer_ptr_list = ptrs
             self.peer_ptrs = cupy.asarray(np.asarray(ptrs, dtype=np.uint64))
@@ -86,6 +102,7 @@ class SymmetricBuffer:
         rt = cupy.cuda.runtime
         for p in self._opened:
             rt.ipcCloseMemHandle(p)
+            _count_mappings(-1)
         self._opened = []
         if self.ptr:
             rt.free(self.ptr)
