@@ -25,6 +25,7 @@ printf 'argv:%s pipe:%s log:%s atp:%s\\n' "$*" "$CUDA_MPS_PIPE_DIRECTORY" \\
     "$CUDA_MPS_LOG_DIRECTORY" "${CUDA_MPS_ACTIVE_THREAD_PERCENTAGE:-unset}" \\
     >> "$FAKE_MPS_LOG"
 if [ "$1" = "-d" ]; then
+    [ -z "$FAKE_MPS_START_DELAY" ] || sleep "$FAKE_MPS_START_DELAY"
     [ -n "$FAKE_MPS_NO_PIPE" ] || mkfifo "$CUDA_MPS_PIPE_DIRECTORY/control"
     if [ -n "$FAKE_MPS_STUBBORN" ]; then  # a server that never quits
         sleep 300 < /dev/null > /dev/null 2>&1 &
@@ -579,3 +580,59 @@ def test_ctrl_c_leaves_no_rank_daemon_or_temp_dir(fake_mps, tmp_path):
     assert log[-1] == "stdin:quit"
     assert not os.path.exists(os.path.dirname(pipe))
     assert list(tmpdir.iterdir()) == []
+
+
+@pytest.mark.skipif(DEFAULT_MPS_RUNNING, reason="a default MPS daemon runs")
+def test_ctrl_c_while_mps_starts_stops_it(fake_mps, tmp_path, monkeypatch):
+    """A SIGINT while the daemon starts is held back until it is up; then the
+    launcher stops it and removes its directories without running mpiexec."""
+    monkeypatch.setenv("FAKE_MPS_START_DELAY", "1")
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cupyep.launch", "-n", "2", "--gpus", "1",
+         str(SCRIPTS / "launch_env.py")],
+        cwd=REPO, env=_clean_env(TMPDIR=str(tmpdir)), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while "argv:-d" not in fake_mps.read_text():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert "interrupted by signal 2" in err and "ranks via" not in err
+    assert "ENV " not in out
+    log = fake_mps.read_text().splitlines()
+    pipe = log[0].split(" pipe:")[1].split(" log:")[0]
+    assert log[-1] == "stdin:quit"
+    assert not os.path.exists(os.path.dirname(pipe))
+    assert list(tmpdir.iterdir()) == []
+
+
+def test_ctrl_c_kills_ranks_that_ignore_it(tmp_path):
+    """Ranks ignoring SIGINT and SIGTERM: INTERRUPT_GRACE_S after the
+    forwarded SIGINT the launcher kills them all."""
+    marker = f"ignore-{os.getpid()}-{time.monotonic_ns()}"
+    piddir = tmp_path / marker
+    piddir.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cupyep.launch", "-n", "4", "--gpus", "0",
+         str(SCRIPTS / "launch_ignore_signals.py"), str(piddir)],
+        cwd=REPO, env=_clean_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        pids = _wait_pids(piddir, 4, timeout=60)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=launch.INTERRUPT_GRACE_S + 25)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert "killing all ranks" in err
+    _assert_all_dead(pids)
+    assert _processes_with(marker) == []
