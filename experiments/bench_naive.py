@@ -3,11 +3,9 @@
     python -m cupyep.launch -n 8 experiments/bench_naive.py --out results/naive.jsonl
 
 What a user writes without custom kernels: counts exchanged over MPI, rows
-sorted by destination with CuPy; dispatch: one cudaMemcpyAsync per peer into
-a preallocated IPC staging buffer; combine: rows widened to FP32 and
-scatter-added (cupy.add.at) into their source rank's IPC region, one call
-per source; then stream sync + MPI barrier and the receiver's copy out of
-its staging (dispatch) or region (combine).
+sorted by destination with CuPy, one cudaMemcpyAsync per peer into a
+preallocated IPC staging buffer, stream sync + MPI barrier, then the
+receiver's copy (dispatch) or the owner's FP32 scatter-add (combine).
 Shapes: T tokens per rank (4096, 128 and 1), hidden 7168, top-8 of 256
 experts, BF16 rows. Per call: median and p99 of the slowest rank (CUDA
 events, L2 flushed before each call, a GPU barrier lining the ranks up),
