@@ -50,6 +50,9 @@ def main():
     p.add_argument("--sweep-kinds", nargs="+", default=["dispatch_bf16", "combine_bf16"],
                    choices=["dispatch_bf16", "dispatch_fp8", "combine_bf16"])
     p.add_argument("--timing", choices=["strict", "deepep", "both"], default="both")
+    p.add_argument("--kinds", nargs="+", default=["dispatch_bf16", "dispatch_fp8", "dispatch_bf16_notify", "combine_bf16"],
+                   choices=["dispatch_bf16", "dispatch_fp8", "dispatch_bf16_notify", "combine_bf16"],
+                   help="kinds timed with the default configs")
     p.add_argument("--l2", type=int, nargs="+", default=None,
                    help="L2 modes (Config.l2_hints) to run; default: the configs' own")
     args = p.parse_args()
@@ -114,7 +117,7 @@ def main():
     for l2 in args.l2 or [None]:
         dcfg, fcfg, ccfg = with_l2(dcfg0, l2), with_l2(fcfg0, l2), with_l2(ccfg0, l2)
         for timing in (("strict", "deepep") if args.timing == "both" else (args.timing,)):
-            for kind in ("dispatch_bf16", "dispatch_fp8", "dispatch_bf16_notify", "combine_bf16"):
+            for kind in args.kinds:
                 out.write(run(kind, fcfg if kind == "dispatch_fp8" else dcfg, ccfg, timing))
     if args.sweep:
         for threads, l2 in ((t, l2) for t in args.threads for l2 in (args.l2 or [None])):

@@ -7,11 +7,23 @@
 # threads per block, then
 # the normal-mode sweeps of FP8 dispatch and combine over SMs x depth x chunk
 # at 2, 4 and 8 ranks. Logs and JSONL go to $OUT. PART=ll or PART=normal
-# runs one half (each fits one 10-minute command).
-#   OUT=dir [LL_AB=VAR=value] [PART=ll|normal] bash experiments/perf_session.sh
+# runs one half (each fits one 10-minute command). PART=combine times the
+# normal-mode combine (both boundaries) at 4 and 8 ranks once per assignment
+# in $COMBINE_AB (e.g. "CUPYEP_COMBINE_WORDS=1 CUPYEP_COMBINE_WORDS=0"), into
+# normal_combine_<assignment>.jsonl.
+#   OUT=dir [LL_AB=VAR=value] [PART=ll|normal|combine] bash experiments/perf_session.sh
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-results/session}
 mkdir -p "$OUT"
+if [ "${PART:-all}" = combine ]; then
+  for v in ${COMBINE_AB:-X=0}; do
+    for n in 8 4; do
+      env $v timeout 100 python3 -m cupyep.launch -n $n --timeout 95 experiments/bench_normal.py --kinds combine_bf16 \
+        --out "$OUT/normal_combine_${v//=/_}.jsonl" 2>&1 | grep -c bench
+    done
+  done
+  exit 0
+fi
 if [ "${PART:-all}" != normal ]; then
 [ -n "${SKIP_TESTS:-}" ] || {
 timeout 150 python3 -m cupyep.gpu_tests --ranks 4 -k low_latency --timeout 145 > "$OUT/gpu_tests_ll4.log" 2>&1

@@ -19,6 +19,12 @@
 namespace cupyep {
 namespace intranode {
 
+// Row words per lane a receiving warp loads from every rank before summing:
+// kWords * R 16-byte loads in flight, within the registers kNumThreads leave.
+__host__ __device__ constexpr int combine_words(int num_ranks, int num_threads) {
+    return num_threads > 512 ? (num_ranks <= 4 ? 2 : 1) : (num_ranks <= 2 ? 4 : 2);
+}
+
 template <int kNumRanks, int kNumThreads, int kL2>
 __global__ void __launch_bounds__(kNumThreads, 1) combine(CombineArgs a) {
     constexpr int R = kNumRanks;
@@ -96,12 +102,28 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(CombineArgs a) {
                 ws[d] = __shfl_sync(0xffffffffu, w, d);
             }
             int4* out = a.combined_x + (int64_t)t * x_int4;
-            for (int64_t i = lane; i < x_int4; i += 32) {
-                float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            // kWords row words per lane, from every rank, are in flight at once before
+            // any is summed (the ring loads are ordered, so a loop that summed each word
+            // before loading the next waited a round trip per word).
+            constexpr int kWords = combine_words(R, kNumThreads);
+            for (int64_t i0 = lane; i0 < x_int4; i0 += 32 * kWords) {
+                int4 v[kWords][R];
 #pragma unroll
-                for (int d = 0; d < R; ++d)
-                    if (valid[d]) fma_bf16x8(acc, ld_ring_v4(reinterpret_cast<const int4*>(slots[d]) + i), ws[d]);
-                copy.store_out(out + i, pack_bf16x8(acc));
+                for (int u = 0; u < kWords; ++u)
+#pragma unroll
+                    for (int d = 0; d < R; ++d)
+                        v[u][d] = valid[d] && i0 + u * 32 < x_int4
+                                      ? ld_ring_v4(reinterpret_cast<const int4*>(slots[d]) + i0 + u * 32)
+                                      : make_int4(0, 0, 0, 0);
+#pragma unroll
+                for (int u = 0; u < kWords; ++u) {
+                    if (i0 + u * 32 >= x_int4) break;
+                    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                    for (int d = 0; d < R; ++d)
+                        if (valid[d]) fma_bf16x8(acc, v[u][d], ws[d]);
+                    copy.store_out(out + i0 + u * 32, pack_bf16x8(acc));
+                }
             }
             if (a.combined_topk_weights) {
                 for (int j = lane; j < k; j += 32) {
