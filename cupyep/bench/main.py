@@ -118,6 +118,7 @@ def _write_manifest(run_dir: Path, manifest: dict) -> None:
 def main(argv=None) -> int:
     import argparse
 
+    from .. import jit
     from ..runtime import gpu_count
     from . import plots, summary
     p = argparse.ArgumentParser(prog="python -m cupyep.bench.main", description=__doc__.split("\n\n")[0])
@@ -132,6 +133,8 @@ def main(argv=None) -> int:
     manifest = {"command": shlex.join([sys.executable, "-m", "cupyep.bench", *argv]), "argv": sys.argv,
                 "cwd": os.getcwd(), "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "git_commit": commit, "git_dirty": None if status is None else bool(status),
+                # What was measured, whatever the checkout's .git says: the kernels' sources.
+                "cuda_src_sha256": jit.source_hash(),
                 "environment": environment(ngpu), "runs": []}
     _write_manifest(run_dir, manifest)
     print(f"run folder: {run_dir}", flush=True)
