@@ -274,16 +274,6 @@ class _Interrupted(Exception):
         self.signum = signum
 
 
-def _proc_start_time(pid):
-    """Start time of a live (non-zombie) ``pid`` from /proc, else None."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] in "ZX" else fields[19]
-
-
 def _descendants(root):
     """(pid, start time) of all descendants of ``root`` (Linux /proc)."""
     children = {}
@@ -301,7 +291,7 @@ def _descendants(root):
     out, todo = [], [root]
     while todo:
         for pid in children.get(todo.pop(), []):
-            out.append((pid, _proc_start_time(pid)))
+            out.append((pid, mps.proc_start_time(pid)))
             todo.append(pid)
     return out
 
@@ -312,7 +302,7 @@ def _reap_tree(tree, grace):
     deadline = time.monotonic() + grace
     while True:
         alive = [(p, t) for p, t in tree
-                 if t is not None and _proc_start_time(p) == t]
+                 if t is not None and mps.proc_start_time(p) == t]
         if not alive or time.monotonic() >= deadline:
             break
         time.sleep(0.05)

@@ -119,7 +119,7 @@ def _wait_for(predicate, timeout, interval=0.02):
         time.sleep(interval)
 
 
-def _proc_start_time(pid):
+def proc_start_time(pid):
     """Start time of a live (non-zombie) ``pid`` from /proc, else None."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -149,7 +149,7 @@ def processes_with_env(name, value):
         except OSError:
             continue
         if needle in environ.split(b"\0"):
-            start = _proc_start_time(pid)
+            start = proc_start_time(pid)
             if start is not None:
                 out.append((pid, start))
     return out
@@ -161,7 +161,7 @@ def stop_processes(procs, grace=2.0, patience=0.0):
     later.  A pid counts only while its start time matches (no reused pid
     is signalled)."""
     def alive():
-        return [(p, t) for p, t in procs if _proc_start_time(p) == t]
+        return [(p, t) for p, t in procs if proc_start_time(p) == t]
 
     for step, sig in ((patience, signal.SIGTERM), (grace, signal.SIGKILL)):
         _wait_for(lambda: not alive(), step)
