@@ -33,6 +33,9 @@ from cupyep.intranode import Config
 from cupyep.testing import global_routing, payload_bf16
 
 
+KINDS = ("dispatch_bf16", "dispatch_fp8", "dispatch_bf16_notify", "combine_bf16")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="results/normal.jsonl")
@@ -50,8 +53,7 @@ def main():
     p.add_argument("--sweep-kinds", nargs="+", default=["dispatch_bf16", "combine_bf16"],
                    choices=["dispatch_bf16", "dispatch_fp8", "combine_bf16"])
     p.add_argument("--timing", choices=["strict", "deepep", "both"], default="both")
-    p.add_argument("--kinds", nargs="+", default=["dispatch_bf16", "dispatch_fp8", "dispatch_bf16_notify", "combine_bf16"],
-                   choices=["dispatch_bf16", "dispatch_fp8", "dispatch_bf16_notify", "combine_bf16"],
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS,
                    help="kinds timed with the default configs")
     p.add_argument("--l2", type=int, nargs="+", default=None,
                    help="L2 modes (Config.l2_hints) to run; default: the configs' own")
