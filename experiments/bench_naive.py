@@ -8,7 +8,10 @@ preallocated IPC staging buffer, stream sync + MPI barrier, then the
 receiver's copy (dispatch) or the owner's FP32 scatter-add (combine).
 Shapes: T tokens per rank (4096, 128 and 1), hidden 7168, top-8 of 256
 experts, BF16 rows. Per call: median and p99 of the slowest rank (CUDA
-events, L2 flushed before each call, a GPU barrier lining the ranks up),
+events; before each call the L2 flushed, the stream synchronized and an MPI
+barrier: the calls are host-synchronous, and a GPU barrier inside the events
+would charge each rank for the other ranks' concurrent flushes), the host
+wall time,
 per-rank GB/s as the normal-mode benchmark counts it (received rows x row
 bytes / time; combine counts the same bytes) and efficiency against the
 copy bandwidth measured in this run. Records: "bench": "naive", "kind":
@@ -19,7 +22,6 @@ import argparse
 import numpy as np
 
 import cupyep
-from cupyep.barrier import GpuBarrier
 from cupyep.bench import require_gpu
 from cupyep.bench.copy import copy_bandwidth
 from cupyep.bench.naive import NaiveBuffer, naive_records
@@ -35,25 +37,23 @@ def main():
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=int, default=30)
     args = p.parse_args()
     import cupy
     group = cupyep.init()
     out = JsonlWriter(args.out, group)
     R, me = group.local_size, group.local_rank
     copy_bw = group.comm.bcast(copy_bandwidth(2 << 30) if me == 0 else 0.0)
-    bar = GpuBarrier(group)
     buf = NaiveBuffer(group, args.hidden)
     for T in args.tokens:
         # The same routing as the normal (seed 0 at T = 4096) and low-latency (seed T) benchmarks.
         idx, _ = global_routing(0 if T == 4096 else T, [T] * R, args.experts, args.topk)
         x = cupy.asarray(payload_bf16(me, np.arange(T), args.hidden))
         topk_idx = cupy.asarray(idx[me])
-        for rec in naive_records(group, buf, bar, x, topk_idx, args.experts, args.iters, copy_bw):
+        for rec in naive_records(group, buf, x, topk_idx, args.experts, args.iters, copy_bw):
             out.write(rec)
     cupy.cuda.get_current_stream().synchronize()
     buf.destroy()
-    bar.destroy()
     group.destroy()
 
 

@@ -80,7 +80,8 @@ def _write_run(path: Path, normal_us, naive_us, ll_us, copy_GBps=4000.0):
             for tokens, (d, c) in naive_us.items():
                 for kind, t in (("dispatch", d), ("combine", c)):
                     f.write(json.dumps({"bench": "naive", "kind": kind, "ranks": ranks, "tokens": tokens,
-                                        "time_us": t, "rank_GBps": 10.0, "env": env}) + "\n")
+                                        "time_us": t, "rank_GBps": 10.0, "timing": "host_aligned",
+                                        "env": env}) + "\n")
     with (path / "low_latency.jsonl").open("w") as f:
         for ranks in (2, 8):
             for tokens, kinds in ll_us.items():

@@ -277,26 +277,28 @@ class NaiveBuffer:
         self.destroy()
 
 
-def naive_records(group, buf: NaiveBuffer, barrier, x, topk_idx, num_experts: int, iters: int,
+def naive_records(group, buf: NaiveBuffer, x, topk_idx, num_experts: int, iters: int,
                   copy_bw: float) -> list[dict]:
-    """Time the naive dispatch and combine (cupyep.bench.timing.time_fn, L2
-    flushed, ``barrier`` lining the ranks up inside the events) and return one
-    record per kind, in the keys of the other benchmarks: ``time_us`` (median
-    of the slowest rank), ``event_median_us``/``event_p99_us``, ``rank_GBps``
-    (received rows x row bytes / time, averaged over ranks; the combine counts
-    the same bytes), ``efficiency`` (2 x bytes received by all ranks / copy
-    bandwidth / time).
+    """Time the naive dispatch and combine and return one record per kind, in
+    the keys of the other benchmarks: ``time_us`` (median of the slowest
+    rank), ``event_median_us``/``event_p99_us``, ``wall_median_us`` (host
+    clock to the results on the stream), ``rank_GBps`` (received rows x row
+    bytes / time, averaged over ranks; the combine counts the same bytes),
+    ``efficiency`` (2 x bytes received by all ranks / copy bandwidth / time).
+
+    The calls synchronize with the host, so they are timed on a host-aligned
+    boundary (cupyep.bench.timing.time_host_synchronous): L2 flushed, then an
+    MPI barrier, before each call; ``"timing": "host_aligned"``.
 
     Arguments:
-        group: the rank group; buf: NaiveBuffer; barrier: a callable
-            enqueuing a GPU barrier (cupyep.barrier.GpuBarrier).
+        group: the rank group; buf: NaiveBuffer.
         x: cupy [T, H] uint16; topk_idx: cupy [T, k] int64.
         num_experts: E; iters: timed calls per kind; copy_bw: bytes/s of the
             copy kernel (read + write), the same on every rank.
     """
     from mpi4py import MPI
 
-    from .timing import time_fn
+    from .timing import time_host_synchronous
     R = group.local_size
     first = buf.dispatch(x, topk_idx, num_experts)
     y = first.recv_x
@@ -306,12 +308,13 @@ def naive_records(group, buf: NaiveBuffer, barrier, x, topk_idx, num_experts: in
     records = []
     for kind, fn in (("dispatch", lambda: buf.dispatch(x, topk_idx, num_experts)),
                      ("combine", lambda: buf.combine(y, first.handle))):
-        t = time_fn(fn, iters=iters, warmup=3, before=barrier)
+        t, wall = time_host_synchronous(fn, group.node_comm, iters=iters, warmup=3)
         t_max = group.comm.allreduce(t.median_s, op=MPI.MAX)
         records.append({
             "bench": "naive", "kind": kind, "ranks": R, "tokens": T, "hidden": buf.hidden, "topk": k,
             "experts": num_experts, "time_us": t_max * 1e6, "event_median_us": t_max * 1e6,
             "event_p99_us": group.comm.allreduce(t.p99_s, op=MPI.MAX) * 1e6, "n": t.n,
+            "wall_median_us": group.comm.allreduce(wall.median_s, op=MPI.MAX) * 1e6, "timing": "host_aligned",
             "rank_GBps": group.comm.allreduce(recv_bytes / t.median_s) / R / 1e9,
             "efficiency": 2 * total / copy_bw / t_max, "copy_GBps": copy_bw / 1e9,
             "staging_rows": buf.num_max_rows})

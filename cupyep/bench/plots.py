@@ -27,7 +27,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .summary import load_jsonl, record_time_us
+from .summary import DEFAULT_TIMINGS, load_jsonl, record_time_us
 
 NORMAL_KINDS = ("dispatch_bf16", "dispatch_fp8", "dispatch_bf16_notify", "combine_bf16")
 LOW_LATENCY_KINDS = ("dispatch_fp8", "dispatch_bf16", "combine", "combine_pull", "combine_zero_copy",
@@ -68,7 +68,7 @@ def _figure(ncols=1, width=7.5):
 
 
 def _strict(records):
-    return [r for r in records if r.get("timing") in (None, "strict") and not r.get("sweep")]
+    return [r for r in records if r.get("timing") in DEFAULT_TIMINGS and not r.get("sweep")]
 
 
 def normal_figure(records, naive=(), title: str | None = None):

@@ -11,7 +11,8 @@ baseline of the same ranks and tokens (naive "dispatch" for dispatch kinds,
 
 The time of a record (:func:`record_time_us`): ``time_us`` where present
 (normal mode and naive: CUDA events around the whole call, slowest rank's
-median), else ``kernel_median_us`` (low latency: the kernel itself, first
+median; the naive calls on a host-aligned boundary, ``"timing":
+"host_aligned"``), else ``kernel_median_us`` (low latency: the kernel itself, first
 block start to last block end, slowest rank's median). Low-latency records
 timed on another boundary (``"timing": "deepep"``) form kinds of their own,
 ``<kind> [deepep]``.
@@ -27,6 +28,9 @@ from pathlib import Path
 import numpy as np
 
 BENCH_ORDER = ("normal", "low_latency", "naive")
+# Each bench's default timing boundary: the kernels' strict one, and the
+# naive baseline's host-aligned one (its calls synchronize with the host).
+DEFAULT_TIMINGS = (None, "strict", "host_aligned")
 NOT_WHOLE_CALLS = ("half", "ablate", "scatter", "cross", "trace")
 
 
@@ -78,7 +82,7 @@ def kind_label(rec: dict) -> str:
     """The kind, with the timing boundary when it is not the bench's default."""
     k = str(rec.get("kind", "?"))
     timing = rec.get("timing")
-    return f"{k} [{timing}]" if timing not in (None, "strict") else k
+    return f"{k} [{timing}]" if timing not in DEFAULT_TIMINGS else k
 
 
 def naive_kind(kind: str) -> str | None:

@@ -111,6 +111,41 @@ def time_fn(fn, iters: int = 50, warmup: int = 5, flush: bool = True, before=Non
     return Timing.from_samples([cupy.cuda.get_elapsed_time(s, e) * 1e-3 for s, e in zip(starts, ends)])
 
 
+def time_host_synchronous(fn, comm, iters: int = 50, warmup: int = 3, flush: bool = True) -> tuple:
+    """Time ``fn()``, a call that synchronizes with the host itself (the naive
+    baseline: MPI exchanges and stream syncs inside the call).
+
+    Before each call: the L2 flush, a stream sync, then an MPI barrier on
+    ``comm``, so every rank starts the call at the same moment with its flush
+    done (a GPU barrier inside the events would charge each rank for the
+    other ranks' flushes, which run concurrently under MPS). CUDA events
+    span the call and a host clock spans the call plus a final stream sync.
+
+    Returns (event Timing, wall Timing).
+    """
+    import time
+
+    import cupy
+    stream = cupy.cuda.get_current_stream()
+    for _ in range(warmup):
+        fn()
+    events, walls = [], []
+    for _ in range(iters):
+        if flush:
+            flush_l2()
+        stream.synchronize()
+        comm.Barrier()
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        t0 = time.perf_counter()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        walls.append(time.perf_counter() - t0)
+        events.append(cupy.cuda.get_elapsed_time(start, end) * 1e-3)
+    return Timing.from_samples(events), Timing.from_samples(walls)
+
+
 def timed_rounds(calls, iters: int, warmup: int = 10, flush: str = "write", sleep_us: float = 400.0,
                  before=None) -> list:
     """Run ``warmup + iters`` rounds of ``calls``, each call on its own: an L2
