@@ -31,6 +31,12 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "low_latency_combine": ("combine flag (token owner waits for an expert rank's rows; "
                             "counter: blocks arrived, expected: blocks announced)",),
     "intranode_expert_major": ("expert-major rows exceed their capacity",),
+    "intranode_direct_dispatch": ("direct dispatch: receive pool free (sender waits for the receiver's ready)",
+                                  "direct dispatch: rows arrived (receiver waits for a source's rows)",
+                                  "direct dispatch: receive pool capacity"),
+    "intranode_direct_combine": ("direct combine: partial rows free (expert rank waits for the owner's ready)",
+                                 "direct combine: partials arrived (owner waits for an expert rank's rows)",
+                                 "direct combine: partial pool capacity"),
     "intranode_layout": ("routing check (expert id outside [-1, E))",),
 }
 KERNEL_NAMES: tuple[str, ...] = tuple(KERNELS)

@@ -42,6 +42,7 @@ SPEC_MODULES = (
     "cupyep.bench.timing",
     "cupyep.fp8",
     "cupyep.intranode.kernels",
+    "cupyep.intranode.direct",
     "cupyep.low_latency.kernels",
     "cupyep.intranode.expert_major",
 )

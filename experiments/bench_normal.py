@@ -16,6 +16,11 @@ with no flush or barrier between them, each rank's median of its own calls
 ("time_us" is then the slowest rank's, "rank_mean_us" the mean over ranks).
 The sweep (``--sweep``) runs queue depth x chunk x threads x SMs for the
 kinds in ``--sweep-kinds``.
+
+Transports (``--transports``, default both): the queue transport's kinds as
+above, the direct (one-copy) transport's as ``<kind>_direct`` with
+"transport": "direct" and its DirectConfig, with the default blocks and each
+of ``--direct-sms`` (SMs used against time).
 """
 import argparse
 from dataclasses import asdict, replace
@@ -30,6 +35,7 @@ from cupyep.bench.report import JsonlWriter
 from cupyep.bench.timing import time_fn
 from cupyep.fp8 import per_token_cast_to_fp8
 from cupyep.intranode import Config
+from cupyep.intranode.direct import DirectConfig
 from cupyep.testing import global_routing, payload_bf16
 
 
@@ -57,6 +63,9 @@ def main():
                    help="kinds timed with the default configs")
     p.add_argument("--l2", type=int, nargs="+", default=None,
                    help="L2 modes (Config.l2_hints) to run; default: the configs' own")
+    p.add_argument("--transports", nargs="+", default=["queue", "direct"], choices=["queue", "direct"])
+    p.add_argument("--direct-sms", type=int, nargs="*", default=[],
+                   help="blocks per rank of the direct transport to time besides its default")
     args = p.parse_args()
     require_gpu(__file__)
     import cupy
@@ -76,10 +85,12 @@ def main():
     buf = cupyep.Buffer(group, buf_bytes)
     bar = GpuBarrier(group)
 
-    def run(kind, dcfg, ccfg, timing="strict"):
-        if kind == "combine_bf16":  # a combine runs on its dispatch's channels
+    def run(kind, dcfg, ccfg, timing="strict", transport="queue"):
+        if transport == "direct":
+            ccfg = dcfg
+        elif kind == "combine_bf16":  # a combine runs on its dispatch's channels
             dcfg = replace(dcfg, num_sms=ccfg.num_sms)
-        first = buf.dispatch(x, topk_idx, topk_w, num_experts=args.experts, config=dcfg)
+        first = buf.dispatch(x, topk_idx, topk_w, num_experts=args.experts, config=dcfg, transport=transport)
         n = first.recv_x.shape[0]
         if kind == "dispatch_bf16":
             fn = lambda: buf.dispatch(x, handle=first.handle, config=dcfg)
@@ -88,7 +99,8 @@ def main():
             fn = lambda: buf.dispatch(x_fp8, handle=first.handle, config=dcfg)
             row = args.hidden + args.hidden // 128 * 4
         elif kind == "dispatch_bf16_notify":
-            fn = lambda: buf.dispatch(x, topk_idx, topk_w, num_experts=args.experts, config=dcfg, validate=False)
+            fn = lambda: buf.dispatch(x, topk_idx, topk_w, num_experts=args.experts, config=dcfg, validate=False,
+                                      transport=transport)
             row = 2 * args.hidden
         else:
             y = first.recv_x
@@ -104,7 +116,8 @@ def main():
         t_max = group.comm.allreduce(t.median_s, op=MPI.MAX)
         recv_bytes = n * row
         total = group.comm.allreduce(recv_bytes)
-        return {"bench": "normal", "kind": kind, "timing": timing, "ranks": R, "tokens": args.tokens,
+        return {"bench": "normal", "kind": kind if transport == "queue" else f"{kind}_direct", "transport": transport,
+                "timing": timing, "ranks": R, "tokens": args.tokens,
                 "hidden": args.hidden, "topk": args.topk, "experts": args.experts, "time_us": t_max * 1e6,
                 "rank_mean_us": group.comm.allreduce(t.median_s) / R * 1e6,
                 "rank_GBps": group.comm.allreduce(recv_bytes / t.median_s) / R / 1e9,
@@ -116,11 +129,20 @@ def main():
     def with_l2(cfg, l2):
         return cfg if l2 is None else replace(cfg, l2_hints=l2)
 
-    for l2 in args.l2 or [None]:
-        dcfg, fcfg, ccfg = with_l2(dcfg0, l2), with_l2(fcfg0, l2), with_l2(ccfg0, l2)
-        for timing in (("strict", "deepep") if args.timing == "both" else (args.timing,)):
+    timings = ("strict", "deepep") if args.timing == "both" else (args.timing,)
+    if "queue" in args.transports:
+        for l2 in args.l2 or [None]:
+            dcfg, fcfg, ccfg = with_l2(dcfg0, l2), with_l2(fcfg0, l2), with_l2(ccfg0, l2)
+            for timing in timings:
+                for kind in args.kinds:
+                    out.write(run(kind, fcfg if kind == "dispatch_fp8" else dcfg, ccfg, timing))
+    if "direct" in args.transports:
+        for timing in timings:
             for kind in args.kinds:
-                out.write(run(kind, fcfg if kind == "dispatch_fp8" else dcfg, ccfg, timing))
+                out.write(run(kind, DirectConfig(), None, timing, "direct"))
+        for sms in args.direct_sms:
+            for kind in args.kinds:
+                out.write({**run(kind, DirectConfig(num_sms=sms), None, "strict", "direct"), "sweep": True})
     if args.sweep:
         for threads, l2 in ((t, l2) for t in args.threads for l2 in (args.l2 or [None])):
             dcfg, fcfg, ccfg = with_l2(dcfg0, l2), with_l2(fcfg0, l2), with_l2(ccfg0, l2)

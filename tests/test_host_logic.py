@@ -19,6 +19,7 @@ from cupyep.bench.timing import Timing
 from cupyep.errors import (ERROR_SLOT_DTYPE, KERNEL_NAMES, KERNELS, CommTimeoutError, CupyepError,
                            error_from_slot, kernel_id)
 from cupyep.intranode import config as cfgmod
+from cupyep.intranode import direct as D
 from cupyep.intranode import kernels as K
 from cupyep.intranode import layout as L
 from cupyep.low_latency import kernels as LLK
@@ -463,6 +464,10 @@ MIRRORS = [
     (K.NOTIFY_ARGS_DTYPE, "NotifyArgs"),
     (K.DISPATCH_ARGS_DTYPE, "DispatchArgs"),
     (K.COMBINE_ARGS_DTYPE, "CombineArgs"),
+    (D.SYNC_DTYPE, "DirectSync"),
+    (D.RECV_LAYOUT_DTYPE, "DirectRecvLayout"),
+    (D.DISPATCH_ARGS_DTYPE, "DirectDispatchArgs"),
+    (D.COMBINE_ARGS_DTYPE, "DirectCombineArgs"),
     (LLK.SET_DTYPE, "low_latency::SetOffsets"),
     (LLK.CALL_DTYPE, "low_latency::CallArgs"),
     (LLK.DISPATCH_ARGS_DTYPE, "low_latency::DispatchArgs"),

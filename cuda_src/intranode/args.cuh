@@ -65,7 +65,8 @@ struct NotifyArgs {
     int* recv_rank_offset;              // [R + 1] out: first row of each source's block
     int* rank_prefix_matrix;            // [R, R] out
     int* num_recv_tokens_per_expert;    // [E_local] out (aligned)
-    int* host_counts;                   // mapped host [1 + E_local]: num_recv_tokens, per-expert (unaligned); may be null
+    int* host_counts;                   // mapped host [1 + E_local + R * R]: num_recv_tokens, per-expert (unaligned),
+                                        // count matrix [s][d]; may be null
     int num_tokens;
     int num_experts;
     int num_channels;

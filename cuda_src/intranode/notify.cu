@@ -8,6 +8,7 @@
 //     per-source channel offsets, the receive count and per-expert counts.
 // After this pass every receive offset is known, which is also all a one-copy
 // transport (senders writing straight into the receiver's output) needs.
+// With host_counts, the host also gets [1 + E_local + s * R + d]: rows s sends d.
 #include "common/ptx.cuh"
 #include "common/barrier.cuh"
 #include "intranode/args.cuh"
@@ -74,7 +75,12 @@ __global__ void __launch_bounds__(1024, 1) notify(NotifyArgs a) {
     const int* mine = reinterpret_cast<const int*>(static_cast<const char*>(a.peers[a.rank]) + a.off.notify);
     for (int j = threadIdx.x; j < R; j += blockDim.x) {
         int acc = 0;
-        for (int s = 0; s < R; ++s) { acc += mine[s * ni + j]; a.rank_prefix_matrix[s * R + j] = acc; }
+        for (int s = 0; s < R; ++s) {
+            acc += mine[s * ni + j];
+            a.rank_prefix_matrix[s * R + j] = acc;
+            // The whole count matrix for the host (the direct transport sizes its pools from it).
+            if (a.host_counts) a.host_counts[1 + E_local + s * R + j] = mine[s * ni + j];
+        }
     }
     for (int s = threadIdx.x; s < R; s += blockDim.x) {
         int* p = a.recv_channel_prefix + s * (C + 1);

@@ -4,8 +4,11 @@
 communication stream:
 
 - :meth:`Buffer.get_dispatch_layout`: token counts per rank / expert;
-- :meth:`Buffer.dispatch`: notify pass, then ring-queue transfer into a
-  compact ``recv_x`` ordered by source rank, then source token;
+- :meth:`Buffer.dispatch`: notify pass, then the transfer into a compact
+  ``recv_x`` ordered by source rank, then source token, over one of two
+  transports: ``"queue"`` (ring queues, the default: depth, chunk and SMs are
+  its knobs) or ``"direct"`` (senders write straight into the receivers'
+  output, which lives in IPC-registered pools; see cupyep.intranode.direct);
 - :meth:`Buffer.combine`: the reverse route, reduced in FP32 to BF16.
 
 Every public method validates its inputs (``ValueError`` before any launch),
@@ -21,6 +24,7 @@ from .. import jit
 from ..arrays import BF16, FP8, as_cupy, check
 from ..calls import traced_call
 from ..ipc import SymmetricBuffer
+from . import direct as D
 from . import expert_major as EM
 from . import kernels as K
 from .config import Config, get_combine_config, get_dispatch_config
@@ -28,6 +32,7 @@ from .layout import MAX_LOCAL_EXPERTS, buffer_layout, ring_set, size_hint
 from .results import CombineResult, DispatchHandle, DispatchResult, EventHandle
 
 MAX_EXPERTS = 8192
+TRANSPORTS = ("queue", "direct")
 INT_MAX = 2**31 - 1
 
 
@@ -100,10 +105,13 @@ class Buffer:
         self.layout = buffer_layout(self.num_ranks, num_bytes)
         self.buffer = SymmetricBuffer(group, num_bytes)
         self.comm_stream = cupy.cuda.Stream(non_blocking=True)
-        self._host_counts_ptr = cupy.cuda.runtime.hostAlloc(4 * (1 + MAX_LOCAL_EXPERTS), 2)
+        # Mapped host memory the notify pass writes: [1 + E_local + R * R] (see NotifyArgs).
+        n_counts = 1 + MAX_LOCAL_EXPERTS + self.num_ranks ** 2
+        self._host_counts_ptr = cupy.cuda.runtime.hostAlloc(4 * n_counts, 2)
         import ctypes
-        self._host_counts = np.frombuffer((ctypes.c_int32 * (1 + MAX_LOCAL_EXPERTS)).from_address(self._host_counts_ptr),
+        self._host_counts = np.frombuffer((ctypes.c_int32 * n_counts).from_address(self._host_counts_ptr),
                                           dtype=np.int32)
+        self._direct: D.DirectPools | None = None  # created by the first direct call (collective)
         # Compile the default specialisations once per node, collectively.
         jit.load(K.layout_spec(), group)
         jit.load(K.notify_spec(self.num_ranks), group)
@@ -212,7 +220,7 @@ class Buffer:
                  handle: DispatchHandle | None = None, num_tokens_per_rank=None, num_tokens_per_expert=None,
                  is_token_in_rank=None, num_worst_tokens: int = 0, expert_alignment: int = 1,
                  config: Config | None = None, previous_event=None, async_finish: bool = False,
-                 validate: bool = True, expert_major: bool = False) -> DispatchResult:
+                 validate: bool = True, expert_major: bool = False, transport: str | None = None) -> DispatchResult:
         """Send each token to every rank owning one of its experts.
 
         Arguments:
@@ -234,7 +242,8 @@ class Buffer:
                 DispatchResult). With a handle, the handle's mode decides and this
                 argument is ignored.
             expert_alignment: round num_recv_tokens_per_expert up to a multiple.
-            config: dispatch Config (default: tuned for this rank count).
+            config: dispatch Config of the queue transport (default: tuned for this
+                rank count), or a cupyep.intranode.direct.DirectConfig for the direct one.
             previous_event: EventHandle/cupy Event the communication stream waits for
                 (default: the current stream's work so far).
             async_finish: do not make the current stream wait for the result;
@@ -251,6 +260,12 @@ class Buffer:
                 N * min(k, E_local) + E_local * (expert_alignment - 1), N =
                 num_worst_tokens (or the handle's rows), with no host wait (CUDA-graph
                 capturable). See cupyep.intranode.expert_major.
+            transport: "queue" (default) or "direct"; with a handle, the handle's
+                (None: that one). Direct: the receive arrays (recv_x, recv_x_scales,
+                recv_topk_idx, recv_topk_weights, handle.recv_src_idx) are views of
+                this rank's receive pool, valid until the next direct dispatch of this
+                buffer; the pool grows (collectively) when a call needs more, and in
+                worst-token mode every rank must pass the same num_worst_tokens.
 
         Returns:
             DispatchResult. num_recv_tokens_per_expert is a list of E_local ints
@@ -279,7 +294,15 @@ class Buffer:
         elif x_scales is not None:
             raise ValueError("x_scales is only for FP8 (uint8) x")
         R = self.num_ranks
-        cfg = (config or self.default_dispatch_config(fp8, handle)).validate(R)
+        transport = self._transport(transport, handle)
+        if transport == "direct":
+            if config is not None and not isinstance(config, D.DirectConfig):
+                raise ValueError(f"the direct transport takes a DirectConfig, got {type(config).__name__}")
+            cfg = (config or D.DirectConfig()).validate()
+        else:
+            if isinstance(config, D.DirectConfig):
+                raise ValueError("a DirectConfig needs transport='direct'")
+            cfg = (config or self.default_dispatch_config(fp8, handle)).validate(R)
         if int(expert_alignment) != expert_alignment or expert_alignment < 1:
             raise ValueError(f"expert_alignment must be an integer >= 1, got {expert_alignment!r}")
         if num_worst_tokens < 0:
@@ -287,7 +310,7 @@ class Buffer:
 
         if handle is not None:
             self._check_handle(handle, T)
-            if cfg.num_channels != handle.num_channels:
+            if transport == "queue" and cfg.num_channels != handle.num_channels:
                 raise ValueError(f"config has {cfg.num_channels} channels, the handle was made with {handle.num_channels}")
             num_experts = handle.num_experts
             if topk_idx is not None:
@@ -306,6 +329,11 @@ class Buffer:
             check(topk_weights, "topk_weights", np.float32, shape=(T, k))
         if expert_major:
             EM.check_expert_major_request(topk_idx, expert_alignment)
+        if transport == "direct":
+            return self._dispatch_direct(x, x_scales, topk_idx, topk_weights, num_experts, handle,
+                                         (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank),
+                                         num_worst_tokens, expert_alignment, cfg, previous_event, async_finish,
+                                         expert_major)
         rs = ring_set(self.layout, "dispatch", H, k, fp8, cfg)
         dispatch_fn = jit.kernel(K.dispatch_spec_for(R, cfg))
         self._check_resident(dispatch_fn, cfg, "dispatch")
@@ -314,19 +342,9 @@ class Buffer:
         self._begin(previous_event)
         with self.comm_stream:
             if handle is None:
-                if is_token_in_rank is None or num_tokens_per_rank is None or num_tokens_per_expert is None:
-                    lay = self._layout(topk_idx, num_experts)
-                    num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank = \
-                        lay.num_tokens_per_rank, lay.num_tokens_per_expert, lay.is_token_in_rank
-                else:
-                    num_tokens_per_rank = check(as_cupy(num_tokens_per_rank, "num_tokens_per_rank"),
-                                                "num_tokens_per_rank", np.int32, shape=(R,))
-                    num_tokens_per_expert = check(as_cupy(num_tokens_per_expert, "num_tokens_per_expert"),
-                                                  "num_tokens_per_expert", np.int32, shape=(num_experts,))
-                    is_token_in_rank = check(as_cupy(is_token_in_rank, "is_token_in_rank"), "is_token_in_rank",
-                                             np.bool_, shape=(T, R))
-                handle = self._notify(T, H, num_experts, num_tokens_per_rank, num_tokens_per_expert,
-                                      is_token_in_rank, C, expert_alignment, num_worst_tokens)
+                routing = self._routing(topk_idx, num_experts, T,
+                                        (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank))
+                handle = self._notify(T, H, num_experts, *routing, C, expert_alignment, num_worst_tokens)
                 notified = True
             else:
                 notified = False  # cached: expert-major sizes for the bound (this topk_idx is not counted)
@@ -362,6 +380,149 @@ class Buffer:
             result.expert_offsets, result.expert_src_row = em.expert_offsets, em.expert_src_row
         return result
 
+    def _transport(self, transport: str | None, handle: DispatchHandle | None) -> str:
+        """The transport of a call: the handle's, else ``transport`` (default "queue")."""
+        if transport is not None and transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if handle is None:
+            return transport or "queue"
+        if transport is not None and transport != handle.transport:
+            raise ValueError(f"the handle was made by the {handle.transport} transport, not {transport!r}")
+        return handle.transport
+
+    def _routing(self, topk_idx, num_experts: int, T: int, arrays):
+        """(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank) of a
+        notified dispatch: the layout kernel's, or the caller's (checked) when
+        ``arrays`` holds all three. Runs on the communication stream."""
+        per_rank, per_expert, in_rank = arrays
+        if per_rank is None or per_expert is None or in_rank is None:
+            lay = self._layout(topk_idx, num_experts)
+            return lay.num_tokens_per_rank, lay.num_tokens_per_expert, lay.is_token_in_rank
+        R = self.num_ranks
+        return (check(as_cupy(per_rank, "num_tokens_per_rank"), "num_tokens_per_rank", np.int32, shape=(R,)),
+                check(as_cupy(per_expert, "num_tokens_per_expert"), "num_tokens_per_expert", np.int32,
+                      shape=(num_experts,)),
+                check(as_cupy(in_rank, "is_token_in_rank"), "is_token_in_rank", np.bool_, shape=(T, R)))
+
+    def _check_direct_resident(self, fn, cfg: D.DirectConfig, what: str) -> None:
+        """ValueError before launch unless every rank's blocks fit the GPU at
+        once (the default, at most this rank's SM budget, always does)."""
+        jit.require_resident(what, jit.max_resident_blocks(fn, cfg.num_threads), cfg.num_sms or self.sm_budget,
+                             cfg.num_threads, self.group.ranks_per_gpu, self.num_device_sms, "num_sms", step=1)
+
+    def _direct_pools(self) -> D.DirectPools:
+        if self._direct is None:
+            self._direct = D.DirectPools(self.group)
+        return self._direct
+
+    def _agreed_rows(self, rows: int) -> int:
+        """The most of ``rows`` over the node's ranks (worst-token mode, whose
+        counts never reach the host). Under graph capture no rank may talk to
+        the others: this rank's own number then, which the pool must already
+        hold (checked by the caller)."""
+        import cupy
+        if cupy.cuda.get_current_stream().is_capturing() or self.comm_stream.is_capturing():
+            return int(rows)
+        from mpi4py import MPI
+        return int(self.group.node_comm.allreduce(int(rows), op=MPI.MAX))
+
+    def _direct_pool(self, kind: str, nbytes: int):
+        """The ``kind`` pool holding ``nbytes``: grown collectively when it is
+        smaller, except under graph capture, where a pool too small is an error."""
+        import cupy
+        pools = self._direct_pools()
+        capturing = cupy.cuda.get_current_stream().is_capturing() or self.comm_stream.is_capturing()
+        if capturing and pools.nbytes(kind) < nbytes:
+            raise ValueError(f"the direct transport's {kind} pool holds {pools.nbytes(kind)} bytes, this call needs "
+                             f"{nbytes}: run the same call once outside graph capture first, so that it grows")
+        return pools.ensure(kind, nbytes)
+
+    def _dispatch_direct(self, x, x_scales, topk_idx, topk_weights, num_experts, handle, arrays, num_worst_tokens,
+                         expert_alignment, cfg, previous_event, async_finish, expert_major) -> DispatchResult:
+        """Dispatch over the direct transport (arguments checked by dispatch)."""
+        R, me = self.num_ranks, self.rank
+        T, H = x.shape
+        fp8 = x.dtype == FP8
+        k = topk_idx.shape[1] if topk_idx is not None else 0
+        ns = H // 128 if fp8 else 0
+        x_bytes = H * x.dtype.itemsize
+        fn = jit.kernel(D.dispatch_spec(R, cfg.num_threads))
+        self._check_direct_resident(fn, cfg, "direct dispatch")
+        self._begin(previous_event)
+        with self.comm_stream:
+            if handle is None:
+                routing = self._routing(topk_idx, num_experts, T, arrays)
+                handle = self._notify(T, H, num_experts, *routing, D.notify_channels(R), expert_alignment,
+                                      num_worst_tokens, transport="direct")
+                notified = True
+            else:
+                notified = False
+            N = handle.num_worst_tokens or handle.num_recv_tokens
+            if handle.counts is not None:
+                rows, rows_sent = max(N, int(handle.counts.sum(axis=0).max())), int(handle.counts[me].sum())
+            else:
+                rows, rows_sent = self._agreed_rows(N), T * R
+            shape = (x_bytes, ns, k, topk_idx is not None, topk_weights is not None)
+            pool = self._direct_pool("dispatch", D.recv_layout(rows, *shape).end)
+            lay = D.recv_layout(D.rows_that_fit(pool.nbytes, *shape), *shape)
+            recv_x = pool.view(lay.x, (N, H), x.dtype)
+            recv_scales = pool.view(lay.x_scales, (N, ns), np.float32) if fp8 else None
+            recv_topk_idx = pool.view(lay.topk_idx, (N, k), np.int64) if topk_idx is not None else None
+            recv_topk_weights = pool.view(lay.topk_weights, (N, k), np.float32) if topk_weights is not None else None
+            handle = _replace(handle, recv_src_idx=pool.view(lay.src_idx, (N,), np.int32))
+            blocks = cfg.num_sms or D.default_num_sms(self.sm_budget, rows_sent, cfg.num_threads)
+            pools = self._direct
+            args = jit.pack(
+                D.DISPATCH_ARGS_DTYPE, pools=jit.ptr(pool.peer_ptrs), syncs=jit.ptr(pools.sync.peer_ptrs),
+                sync=pools.sync_struct, out=lay.struct(), x=jit.ptr(x), x_scales=jit.ptr(x_scales),
+                topk_idx=jit.ptr(topk_idx), topk_weights=jit.ptr(topk_weights), send_list=jit.ptr(handle.send_list),
+                send_channel_prefix=jit.ptr(handle.send_channel_prefix),
+                rank_prefix_matrix=jit.ptr(handle.rank_prefix_matrix), recv_rank_offset=jit.ptr(handle.recv_rank_offset),
+                state=jit.ptr(pools.state), num_tokens=T, num_scales=ns, num_topk=k,
+                num_local_experts=num_experts // R, num_channels=handle.num_channels, capacity=N, rank=me,
+                guard=self._guard("intranode_direct_dispatch"))
+            fn((blocks,), (cfg.num_threads,), (args,))
+            per_expert = aligned_expert_counts(handle.recv_expert_counts, expert_alignment)
+            em = self._expert_major(handle, per_expert if notified else None, recv_x, recv_scales,
+                                    recv_topk_idx, num_experts, expert_alignment) if expert_major else None
+            if em is not None:
+                handle = _replace(handle, recv_expert_row=em.recv_expert_row, num_expert_rows=em.num_expert_rows)
+            elif handle.recv_expert_row is not None:
+                handle = _replace(handle, recv_expert_row=None, num_expert_rows=0)
+        event = self._end(async_finish)
+        result = DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle, event)
+        if em is not None:
+            result.expert_x, result.expert_x_scales = em.expert_x, em.expert_x_scales
+            result.expert_offsets, result.expert_src_row = em.expert_offsets, em.expert_src_row
+        return result
+
+    def _combine_direct(self, fn, cfg, x, handle, row_weights, topk_weights, combined, combined_w, N) -> None:
+        """Combine over the direct transport, on the communication stream:
+        each expert rank pushes its rows into the owners' partial rows, each
+        owner reduces them in rank order."""
+        R, me = self.num_ranks, self.rank
+        T, H = combined.shape
+        k = topk_weights.shape[1] if topk_weights is not None else 0
+        if handle.counts is not None:
+            rows = int(handle.counts.sum(axis=1).max())  # partial rows of the owner that sent the most
+        else:
+            rows = self._agreed_rows(T * R)  # a token goes at most once to each rank
+        pool = self._direct_pool("combine", D.combine_layout(rows, H, k)[2])
+        fit = D.combine_rows_that_fit(pool.nbytes, H, k)
+        partial_x, partial_meta, _ = D.combine_layout(fit, H, k)
+        blocks = cfg.num_sms or D.default_num_sms(self.sm_budget, max(N, T), cfg.num_threads)
+        pools = self._direct
+        args = jit.pack(
+            D.COMBINE_ARGS_DTYPE, pools=jit.ptr(pool.peer_ptrs), syncs=jit.ptr(pools.sync.peer_ptrs),
+            sync=pools.sync_struct, partial_x=partial_x, partial_meta=partial_meta, rows=fit, x=jit.ptr(x),
+            row_weights=jit.ptr(row_weights), recv_topk_weights=jit.ptr(topk_weights),
+            rank_prefix_matrix=jit.ptr(handle.rank_prefix_matrix), recv_rank_offset=jit.ptr(handle.recv_rank_offset),
+            send_head=jit.ptr(handle.send_head), send_channel_prefix=jit.ptr(handle.send_channel_prefix),
+            combined_x=jit.ptr(combined), combined_topk_weights=jit.ptr(combined_w), state=jit.ptr(pools.state),
+            num_tokens=T, x_int4=H * 2 // 16, num_topk=k, num_channels=handle.num_channels, rank=me,
+            guard=self._guard("intranode_direct_combine"))
+        fn((blocks,), (cfg.num_threads,), (args,))
+
     def _expert_major(self, handle, per_expert, recv_x, recv_scales, recv_topk_idx, num_experts, alignment):
         """Expert-major layout of this dispatch's output (on the communication stream).
 
@@ -374,7 +535,8 @@ class Buffer:
         return EM.build(recv_x, recv_scales, recv_topk_idx, num_recv_ptr, E_local, alignment, m_cap,
                         self._guard("intranode_expert_major"), self.num_device_sms)
 
-    def _notify(self, T, H, num_experts, per_rank, per_expert, in_rank, C, alignment, num_worst_tokens):
+    def _notify(self, T, H, num_experts, per_rank, per_expert, in_rank, C, alignment, num_worst_tokens,
+                transport: str = "queue"):
         import cupy
         R = self.num_ranks
         E_local = num_experts // R
@@ -387,7 +549,7 @@ class Buffer:
         recv_per_expert = cupy.empty(E_local, dtype=np.int32)
         worst = num_worst_tokens > 0
         if not worst:
-            self._host_counts[:1 + E_local] = -1
+            self._host_counts[:1 + E_local + R * R] = -1
         args = jit.pack(
             K.NOTIFY_ARGS_DTYPE, peers=jit.ptr(self.buffer.peer_ptrs), off=K.offsets_struct(self.layout),
             is_token_in_rank=jit.ptr(in_rank), num_tokens_per_rank=jit.ptr(per_rank),
@@ -399,18 +561,20 @@ class Buffer:
             rank=self.rank, guard=self._guard("intranode_notify"))
         jit.kernel(K.notify_spec(R))((1,), (K.NOTIFY_THREADS,), (args,), shared_mem=4 * R * (C + 1))
         if worst:
-            n_recv, counts = -1, None
+            n_recv, counts, matrix = -1, None, None
         else:
             ev = cupy.cuda.Event(disable_timing=True)
             ev.record(self.comm_stream)
             self.group.wait(ev, "intranode_notify", "host wait for receive counts")
             n_recv = int(self._host_counts[0])
             counts = tuple(int(c) for c in self._host_counts[1:1 + E_local])  # unaligned
+            matrix = self._host_counts[1 + E_local:1 + E_local + R * R].astype(np.int64).reshape(R, R)
         handle = DispatchHandle(rank_prefix_matrix=rpm, recv_channel_prefix=recv_cp, recv_rank_offset=recv_off,
                                 recv_src_idx=None, is_token_in_rank=in_rank, send_head=send_head,
                                 send_list=send_list, send_channel_prefix=send_cp, num_recv_tokens=n_recv,
                                 num_worst_tokens=num_worst_tokens, num_tokens=T, hidden=H, num_experts=num_experts,
-                                num_channels=C, buffer_id=id(self), recv_expert_counts=counts)
+                                num_channels=C, buffer_id=id(self), recv_expert_counts=counts, transport=transport,
+                                counts=matrix)
         return handle
 
     def _check_handle(self, handle: DispatchHandle, num_tokens: int) -> None:
@@ -471,13 +635,22 @@ class Buffer:
         row_weights = as_cupy(row_weights, "row_weights")
         if row_weights is not None:
             check(row_weights, "row_weights", np.float32, shape=(N,))
-        cfg = (config or self.default_combine_config(handle)).validate(R, combine=True)
-        if cfg.num_channels != handle.num_channels:
-            raise ValueError(f"combine config has {cfg.num_channels} channels (num_sms={cfg.num_sms}) but the dispatch "
-                             f"used {handle.num_channels}: use num_sms={2 * handle.num_channels}")
-        rs = ring_set(self.layout, "combine", H, k, False, cfg)
-        fn = jit.kernel(K.combine_spec_for(R, cfg))
-        self._check_resident(fn, cfg, "combine")
+        if handle.transport == "direct":
+            if config is not None and not isinstance(config, D.DirectConfig):
+                raise ValueError(f"the direct transport takes a DirectConfig, got {type(config).__name__}")
+            cfg = (config or D.DirectConfig()).validate()
+            fn = jit.kernel(D.combine_spec(R, cfg.num_threads))
+            self._check_direct_resident(fn, cfg, "direct combine")
+        else:
+            if isinstance(config, D.DirectConfig):
+                raise ValueError("a DirectConfig needs a handle of the direct transport")
+            cfg = (config or self.default_combine_config(handle)).validate(R, combine=True)
+            if cfg.num_channels != handle.num_channels:
+                raise ValueError(f"combine config has {cfg.num_channels} channels (num_sms={cfg.num_sms}) but the "
+                                 f"dispatch used {handle.num_channels}: use num_sms={2 * handle.num_channels}")
+            rs = ring_set(self.layout, "combine", H, k, False, cfg)
+            fn = jit.kernel(K.combine_spec_for(R, cfg))
+            self._check_resident(fn, cfg, "combine")
         self._begin(previous_event)
         with self.comm_stream:
             reduced = None
@@ -486,6 +659,9 @@ class Buffer:
                 x = reduced = EM.reduce(x, handle.recv_expert_row, pair_weights, num_recv_ptr, self.num_device_sms)
             combined = cupy.empty((T, H), dtype=BF16)
             combined_w = cupy.empty((T, k), dtype=np.float32) if topk_weights is not None else None
+            if handle.transport == "direct":
+                self._combine_direct(fn, cfg, x, handle, row_weights, topk_weights, combined, combined_w, N)
+                return CombineResult(combined, combined_w, self._end(async_finish), reduced)
             args = jit.pack(
                 K.COMBINE_ARGS_DTYPE, peers=jit.ptr(self.buffer.peer_ptrs), rs=K.ring_struct(rs), x=jit.ptr(x),
                 row_weights=jit.ptr(row_weights), recv_topk_weights=jit.ptr(topk_weights),
@@ -507,6 +683,9 @@ class Buffer:
     def destroy(self) -> None:
         """Collective: free the IPC buffer (after all ranks are done with it)."""
         import cupy
+        if self._direct is not None:
+            self._direct.destroy()
+            self._direct = None
         if self.buffer.alive:
             self.buffer.destroy()
         if self._host_counts_ptr:

@@ -44,6 +44,10 @@ class DispatchHandle:
             local expert this routing delivers, before alignment (what a cached dispatch
             aligns for its num_recv_tokens_per_expert); None in worst-token mode,
             where the counts never reach the host.
+        transport: "queue" or "direct", the transport of the dispatch that made the
+            handle; its combine and cached dispatches use the same one.
+        counts: numpy [R, R] int64 host count matrix, entry [s, d] = rows rank s sends
+            rank d (every rank has the same); None in worst-token mode.
     """
     rank_prefix_matrix: object
     recv_channel_prefix: object
@@ -64,6 +68,8 @@ class DispatchHandle:
     recv_expert_row: object = None
     num_expert_rows: int = 0
     recv_expert_counts: tuple | None = None
+    transport: str = "queue"
+    counts: object = None
 
 
 @dataclass

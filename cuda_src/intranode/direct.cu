@@ -1,0 +1,323 @@
+// Direct (one-copy) transport of normal mode: senders write rows straight
+// into the receivers' output arrays, which live in IPC-registered pools.
+//
+// Dispatch (grid: any number of blocks, all resident):
+//   1. Block 0 tells every rank that this rank's pool is free for this call
+//      (dispatch_ready, an epoch); every block waits until every destination
+//      has said so (its previous output may still be in use until then).
+//   2. The grid's warps take the (destination, position) pairs of this rank's
+//      send lists, a warp per row: row t of x goes to destination d's row
+//      rank_prefix_matrix[me - 1, d] + position, the order of the queue
+//      transport (source rank, then source token), with its scales, its
+//      top-k ids made local to d (-1 for other ranks' experts), weights (0
+//      there) and source index.
+//   3. Each block adds the rows it delivered to each destination to that
+//      destination's dispatch_arrived[me] (release); block 0 then waits until
+//      every source has delivered what the count matrix says, so the kernel's
+//      end means this rank's output is complete.
+//   Worst-token mode: rows past the received count get -1 ids and sources and
+//   0 weights (no host work, CUDA-graph safe).
+//
+// Combine (grid: any number of blocks, all resident):
+//   1. Block 0 tells every expert rank that this rank's combine pool is free
+//      for this call; every block waits until every owner has said so.
+//   2. Warps take this rank's received rows: row r from source s (position i
+//      in s's block) goes, with its row weight and top-k weights, to s's
+//      partial row sum(count[s, d < me]) + i: s's send order.
+//   3. Each block adds its delivered rows to combine_arrived[me] of each owner;
+//      every block waits until every expert rank has delivered its rows.
+//   4. Warps take this rank's tokens: the FP32 sum over ranks in rank order of
+//      weight * partial, rounded to BF16 (bitwise what the queue transport's
+//      combine computes), and the sum of the top-k weights.
+#include "common/bf16.cuh"
+#include "common/copy.cuh"
+#include "common/ptx.cuh"
+#include "common/timeout.cuh"
+#include "intranode/args.cuh"
+#include "intranode/direct_args.cuh"
+
+namespace cupyep {
+namespace intranode {
+
+__device__ __forceinline__ int64_t* direct_counter(void* base, int64_t offset, int index) {
+    return reinterpret_cast<int64_t*>(static_cast<char*>(base) + offset + (int64_t)index * kDirectSyncStride);
+}
+__device__ __forceinline__ void red_add_release_sys(int64_t* p, int64_t v) {
+    asm volatile("red.release.sys.global.add.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ int64_t ld_volatile64(const int64_t* p) {
+    return *reinterpret_cast<const volatile int64_t*>(p);
+}
+// Rows rank s sends to rank d, from the [R, R] rank prefix matrix (cumulative over sources).
+__device__ __forceinline__ int pair_count(const int* rpm, int num_ranks, int s, int d) {
+    return rpm[s * num_ranks + d] - (s > 0 ? rpm[(s - 1) * num_ranks + d] : 0);
+}
+// Channel of token t: the c with token_begin(c) <= t < token_begin(c + 1).
+__device__ __forceinline__ int channel_of(int t, int num_tokens, int num_channels) {
+    return (int)(((int64_t)(t + 1) * num_channels + num_tokens - 1) / num_tokens) - 1;
+}
+
+// Last block out of the grid advances the epoch (every block read it at its start).
+__device__ __forceinline__ bool last_block_out(int64_t* exited) {
+    __shared__ int s_last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        s_last = atomicAdd(reinterpret_cast<unsigned long long*>(exited), 1ull) == gridDim.x - 1;
+    }
+    __syncthreads();
+    return s_last != 0;
+}
+
+template <int kNumRanks, int kNumThreads>
+__global__ void __launch_bounds__(kNumThreads, 1) direct_dispatch(DirectDispatchArgs a) {
+    constexpr int R = kNumRanks;
+    constexpr int kWarps = kNumThreads / 32;
+    __shared__ int s_begin[R + 1];  // pair index where each destination's send list starts
+    __shared__ int s_row0[R];       // first row of my block at each destination
+    __shared__ int s_sent[R];       // rows this block delivered to each destination
+    __shared__ int64_t s_epoch;
+    __shared__ int s_fail;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int C = a.num_channels, T = a.num_tokens, k = a.num_topk, ns = a.num_scales;
+    const DirectRecvLayout& o = a.out;
+    if (threadIdx.x == 0) {
+        s_epoch = ld_volatile64(a.state + kDispatchEpoch) + 1;
+        s_fail = 0;
+        int acc = 0;
+        for (int d = 0; d < R; ++d) { s_begin[d] = acc; acc += a.send_channel_prefix[d * (C + 1) + C]; }
+        s_begin[R] = acc;
+    }
+    if (threadIdx.x < R) {
+        s_row0[threadIdx.x] = a.rank > 0 ? a.rank_prefix_matrix[(a.rank - 1) * R + threadIdx.x] : 0;
+        s_sent[threadIdx.x] = 0;
+    }
+    __syncthreads();
+    const int64_t epoch = s_epoch;
+
+    // 1. My pool is free for this call; wait until every destination's is.
+    if (blockIdx.x == 0 && threadIdx.x < R)
+        st_release_sys(direct_counter(a.syncs[threadIdx.x], a.sync.dispatch_ready, a.rank), epoch);
+    if (threadIdx.x < R &&
+        !wait_geq(direct_counter(a.syncs[a.rank], a.sync.dispatch_ready, threadIdx.x), epoch, a.guard, 0, threadIdx.x))
+        s_fail = 1;
+    __syncthreads();
+    if (s_fail) return;
+
+    // 2. A warp per (destination, position) pair.
+    const int64_t x_int4 = o.x_bytes / 16;
+    const int total = s_begin[R];
+    int d = 0, run = 0;
+    for (int j = blockIdx.x * kWarps + warp; j < total; j += gridDim.x * kWarps) {
+        int nd = d;
+        while (j >= s_begin[nd + 1]) ++nd;
+        if (nd != d) {
+            if (lane == 0 && run) atomicAdd(&s_sent[d], run);
+            d = nd;
+            run = 0;
+        }
+        ++run;  // counted even when skipped, so the receiver's wait completes
+        const int i = j - s_begin[d];
+        const int64_t row = (int64_t)s_row0[d] + i;
+        if (row >= o.rows) {  // the receiver's notify reported it in worst-token mode
+            if (lane == 0) report_error(a.guard, kErrorCapacity, 2, d, row + 1, o.rows);
+            continue;
+        }
+        const int t = __ldg(a.send_list + (int64_t)d * T + i);
+        char* pool = static_cast<char*>(a.pools[d]);
+        warp_copy<4, true>(reinterpret_cast<int4*>(pool + o.x + row * o.x_bytes), a.x + t * x_int4, x_int4, lane,
+                           [](const int4* p) { return ld_nc_na_v4(p); },
+                           [](int4* p, const int4& v) { st_na_v4(p, v); });
+        if (lane == 0) reinterpret_cast<int*>(pool + o.src_idx)[row] = t;
+        if (a.topk_idx) {
+            const int64_t lo = (int64_t)d * a.num_local_experts, hi = lo + a.num_local_experts;
+            int64_t* ids = reinterpret_cast<int64_t*>(pool + o.topk_idx) + row * k;
+            float* ws = o.topk_weights >= 0 ? reinterpret_cast<float*>(pool + o.topk_weights) + row * k : nullptr;
+            for (int q = lane; q < k; q += 32) {
+                const int64_t e = __ldg(a.topk_idx + (int64_t)t * k + q);
+                const bool local = e >= lo && e < hi;
+                ids[q] = local ? e - lo : -1;
+                if (ws) ws[q] = local ? __ldg(a.topk_weights + (int64_t)t * k + q) : 0.f;
+            }
+        }
+        if (a.x_scales) {
+            float* sc = reinterpret_cast<float*>(pool + o.x_scales) + row * ns;
+            for (int q = lane; q < ns; q += 32) sc[q] = __ldg(a.x_scales + (int64_t)t * ns + q);
+        }
+    }
+    if (lane == 0 && run) atomicAdd(&s_sent[d], run);
+
+    // Worst-token padding of my own arrays: rows [received, capacity).
+    {
+        char* mine = static_cast<char*>(a.pools[a.rank]);
+        const int64_t cap = min((int64_t)a.capacity, o.rows);
+        const int64_t n = max(0, min(a.recv_rank_offset[R], a.capacity));
+        const int64_t first = (int64_t)blockIdx.x * kNumThreads + threadIdx.x, stride = (int64_t)gridDim.x * kNumThreads;
+        for (int64_t r = n + first; r < cap; r += stride) reinterpret_cast<int*>(mine + o.src_idx)[r] = -1;
+        if (a.topk_idx)
+            for (int64_t q = n * k + first; q < cap * k; q += stride) {
+                reinterpret_cast<int64_t*>(mine + o.topk_idx)[q] = -1;
+                if (o.topk_weights >= 0) reinterpret_cast<float*>(mine + o.topk_weights)[q] = 0.f;
+            }
+    }
+
+    // 3. Publish this block's rows, then (block 0) wait for every source's.
+    __syncthreads();
+    if (threadIdx.x < R && s_sent[threadIdx.x]) {
+        fence_acq_rel_sys();
+        red_add_release_sys(direct_counter(a.syncs[threadIdx.x], a.sync.dispatch_arrived, a.rank), s_sent[threadIdx.x]);
+    }
+    if (blockIdx.x == 0 && threadIdx.x < R) {
+        const int s = threadIdx.x;
+        const int64_t want = ld_volatile64(a.state + kStateHeader + s) + pair_count(a.rank_prefix_matrix, R, s, a.rank);
+        if (wait_geq(direct_counter(a.syncs[a.rank], a.sync.dispatch_arrived, s), want, a.guard, 1, s))
+            a.state[kStateHeader + s] = want;
+    }
+    if (last_block_out(a.state + kDispatchExited) && threadIdx.x == 0) {
+        a.state[kDispatchExited] = 0;
+        a.state[kDispatchEpoch] = epoch;
+    }
+}
+
+template <int kNumRanks, int kNumThreads>
+__global__ void __launch_bounds__(kNumThreads, 1) direct_combine(DirectCombineArgs a) {
+    constexpr int R = kNumRanks;
+    constexpr int kWarps = kNumThreads / 32;
+    constexpr int kWords = R <= 4 ? 4 : 2;  // row words per lane and rank in flight before summing
+    __shared__ int s_dst0[R];   // first partial row of my rows at each owner
+    __shared__ int s_pbase[R];  // first partial row from each expert rank in my pool
+    __shared__ int s_sent[R];
+    __shared__ int64_t s_epoch;
+    __shared__ int s_fail;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int C = a.num_channels, T = a.num_tokens, k = a.num_topk, me = a.rank;
+    const int64_t x_int4 = a.x_int4, meta = 1 + k;
+    if (threadIdx.x == 0) {
+        s_epoch = ld_volatile64(a.state + kCombineEpoch) + 1;
+        s_fail = 0;
+        int acc = 0;
+        for (int d = 0; d < R; ++d) { s_pbase[d] = acc; acc += a.send_channel_prefix[d * (C + 1) + C]; }
+    }
+    if (threadIdx.x < R) {
+        const int s = threadIdx.x;
+        int acc = 0;
+        for (int d = 0; d < me; ++d) acc += pair_count(a.rank_prefix_matrix, R, s, d);
+        s_dst0[s] = acc;
+        s_sent[s] = 0;
+    }
+    __syncthreads();
+    const int64_t epoch = s_epoch;
+
+    // 1. My partial rows are free for this call; wait until every owner's are.
+    if (blockIdx.x == 0 && threadIdx.x < R)
+        st_release_sys(direct_counter(a.syncs[threadIdx.x], a.sync.combine_ready, me), epoch);
+    if (threadIdx.x < R &&
+        !wait_geq(direct_counter(a.syncs[me], a.sync.combine_ready, threadIdx.x), epoch, a.guard, 0, threadIdx.x))
+        s_fail = 1;
+    __syncthreads();
+    if (s_fail) return;
+
+    // 2. A warp per received row, to its owner.
+    const int n_recv = a.recv_rank_offset[R];
+    int s = 0, run = 0;
+    for (int r = blockIdx.x * kWarps + warp; r < n_recv; r += gridDim.x * kWarps) {
+        int ns_ = s;
+        while (r >= a.recv_rank_offset[ns_ + 1]) ++ns_;
+        if (ns_ != s) {
+            if (lane == 0 && run) atomicAdd(&s_sent[s], run);
+            s = ns_;
+            run = 0;
+        }
+        ++run;
+        const int64_t prow = (int64_t)s_dst0[s] + (r - a.recv_rank_offset[s]);
+        if (prow >= a.rows) {
+            if (lane == 0) report_error(a.guard, kErrorCapacity, 2, s, prow + 1, a.rows);
+            continue;
+        }
+        char* pool = static_cast<char*>(a.pools[s]);
+        warp_copy<4, true>(reinterpret_cast<int4*>(pool + a.partial_x) + prow * x_int4, a.x + (int64_t)r * x_int4,
+                           x_int4, lane, [](const int4* p) { return ld_nc_na_v4(p); },
+                           [](int4* p, const int4& v) { st_na_v4(p, v); });
+        float* m = reinterpret_cast<float*>(pool + a.partial_meta) + prow * meta;
+        if (lane == 0) m[0] = a.row_weights ? __ldg(a.row_weights + r) : 1.f;
+        if (a.recv_topk_weights)
+            for (int q = lane; q < k; q += 32) m[1 + q] = __ldg(a.recv_topk_weights + (int64_t)r * k + q);
+    }
+    if (lane == 0 && run) atomicAdd(&s_sent[s], run);
+
+    // 3. Publish; wait for every expert rank's rows.
+    __syncthreads();
+    if (threadIdx.x < R && s_sent[threadIdx.x]) {
+        fence_acq_rel_sys();
+        red_add_release_sys(direct_counter(a.syncs[threadIdx.x], a.sync.combine_arrived, me), s_sent[threadIdx.x]);
+    }
+    int64_t want = 0;
+    if (threadIdx.x < R) {
+        const int d = threadIdx.x;
+        want = ld_volatile64(a.state + kStateHeader + R + d) + a.send_channel_prefix[d * (C + 1) + C];
+        if (!wait_geq(direct_counter(a.syncs[me], a.sync.combine_arrived, d), want, a.guard, 1, d)) s_fail = 1;
+    }
+    __syncthreads();
+    if (!s_fail) {
+        // 4. A warp per token: lane d finds rank d's partial row.
+        const char* mine = static_cast<const char*>(a.pools[me]);
+        const int4* partials = reinterpret_cast<const int4*>(mine + a.partial_x);
+        const float* metas = reinterpret_cast<const float*>(mine + a.partial_meta);
+        for (int t = blockIdx.x * kWarps + warp; t < T; t += gridDim.x * kWarps) {
+            int64_t p = -1;
+            float w = 0.f;
+            if (lane < R) {
+                const int pos = a.send_head[(int64_t)t * R + lane];
+                if (pos >= 0) {
+                    const int c = channel_of(t, T, C);
+                    p = (int64_t)s_pbase[lane] + a.send_channel_prefix[lane * (C + 1) + c] + pos;
+                    w = metas[p * meta];
+                }
+            }
+            int64_t rows[R];
+            float ws[R];
+#pragma unroll
+            for (int d = 0; d < R; ++d) {
+                rows[d] = __shfl_sync(0xffffffffu, p, d);
+                ws[d] = __shfl_sync(0xffffffffu, w, d);
+            }
+            int4* out = a.combined_x + (int64_t)t * x_int4;
+            for (int64_t i0 = lane; i0 < x_int4; i0 += 32 * kWords) {
+                int4 v[kWords][R];
+#pragma unroll
+                for (int u = 0; u < kWords; ++u)
+#pragma unroll
+                    for (int d = 0; d < R; ++d)
+                        v[u][d] = rows[d] >= 0 && i0 + u * 32 < x_int4 ? ld_v4(partials + rows[d] * x_int4 + i0 + u * 32)
+                                                                      : make_int4(0, 0, 0, 0);
+#pragma unroll
+                for (int u = 0; u < kWords; ++u) {
+                    if (i0 + u * 32 >= x_int4) break;
+                    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                    for (int d = 0; d < R; ++d)
+                        if (rows[d] >= 0) fma_bf16x8(acc, v[u][d], ws[d]);
+                    st_na_v4(out + i0 + u * 32, pack_bf16x8(acc));
+                }
+            }
+            if (a.combined_topk_weights)
+                for (int q = lane; q < k; q += 32) {
+                    float sum = 0.f;
+#pragma unroll
+                    for (int d = 0; d < R; ++d)
+                        if (rows[d] >= 0) sum += metas[rows[d] * meta + 1 + q];
+                    a.combined_topk_weights[(int64_t)t * k + q] = sum;
+                }
+        }
+    }
+    if (last_block_out(a.state + kCombineExited) && threadIdx.x < R) {
+        if (!s_fail) a.state[kStateHeader + R + threadIdx.x] = want;
+        if (threadIdx.x == 0) {
+            a.state[kCombineExited] = 0;
+            a.state[kCombineEpoch] = epoch;
+        }
+    }
+}
+
+}  // namespace intranode
+}  // namespace cupyep

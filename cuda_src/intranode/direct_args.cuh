@@ -1,0 +1,96 @@
+// Argument structs of the direct (one-copy) transport of normal mode. Every
+// field is mirrored, in order, by a NumPy struct dtype in
+// cupyep/intranode/direct.py.
+//
+// Memory of every rank (all IPC-registered, the same sizes on every rank):
+//   sync buffer:   four [R] arrays of int64 counters, kDirectSyncStride bytes apart
+//                  (DirectSync gives their byte offsets);
+//   dispatch pool: the receive arrays of a dispatch (DirectRecvLayout), which
+//                  the senders write straight into;
+//   combine pool:  the partial rows expert ranks send back to a token's owner.
+// and, private to the rank, `state` (int64, kStateWords(R) words):
+//   [kDispatchEpoch] dispatch calls done, [kDispatchExited] blocks of the running
+//   dispatch that have exited, [kCombineEpoch], [kCombineExited] likewise for
+//   combine, then [R] rows received from each source over all dispatch calls,
+//   then [R] partial rows received from each expert rank over all combine calls.
+// Counters only grow across calls and epochs live on the device, so no cleaning
+// pass is needed and a CUDA graph replays correctly.
+#pragma once
+#include "common/types.cuh"
+#include "common/timeout.cuh"
+
+namespace cupyep {
+namespace intranode {
+
+constexpr int kDirectSyncStride = 64;
+constexpr int kDispatchEpoch = 0, kDispatchExited = 1, kCombineEpoch = 2, kCombineExited = 3, kStateHeader = 4;
+
+struct DirectSync {
+    int64_t dispatch_ready;    // in sender s's buffer, entry d: the latest dispatch call receiver d is ready for
+    int64_t dispatch_arrived;  // in receiver d's buffer, entry s: rows source s has delivered, all calls
+    int64_t combine_ready;     // in expert rank d's buffer, entry s: the latest combine call owner s is ready for
+    int64_t combine_arrived;   // in owner s's buffer, entry d: partial rows expert rank d has delivered, all calls
+};
+
+// Byte offsets of a dispatch's receive arrays in every rank's dispatch pool.
+struct DirectRecvLayout {
+    int64_t x;             // [rows, x_bytes]
+    int64_t x_scales;      // [rows, num_scales] float, or -1
+    int64_t topk_idx;      // [rows, k] int64, or -1
+    int64_t topk_weights;  // [rows, k] float, or -1
+    int64_t src_idx;       // [rows] int
+    int64_t x_bytes;       // payload bytes per row, a multiple of 16
+    int64_t rows;          // rows the pool holds for this layout
+};
+
+struct DirectDispatchArgs {
+    void* const* pools;              // [R] dispatch pool bases
+    void* const* syncs;              // [R] sync buffer bases
+    DirectSync sync;
+    DirectRecvLayout out;
+    const int4* x;                   // [T, x_bytes / 16]
+    const float* x_scales;           // [T, num_scales] or null
+    const int64_t* topk_idx;         // [T, k] or null
+    const float* topk_weights;       // [T, k] or null
+    const int* send_list;            // [R, T] from notify
+    const int* send_channel_prefix;  // [R, C + 1] from notify
+    const int* rank_prefix_matrix;   // [R, R] from notify
+    const int* recv_rank_offset;     // [R + 1] from notify
+    int64_t* state;                  // private, see above
+    int num_tokens;
+    int num_scales;
+    int num_topk;
+    int num_local_experts;
+    int num_channels;
+    int capacity;                    // rows of the receive arrays; rows past recv_rank_offset[R] are padding
+    int rank;
+    Guard guard;
+};
+
+struct DirectCombineArgs {
+    void* const* pools;              // [R] combine pool bases
+    void* const* syncs;              // [R] sync buffer bases
+    DirectSync sync;
+    int64_t partial_x;               // byte offset of the [rows, H * 2] BF16 partials in every combine pool
+    int64_t partial_meta;            // byte offset of the [rows, 1 + k] float row weight and topk weights
+    int64_t rows;                    // partial rows the pool holds
+    const int4* x;                   // [N, H * 2 / 16] one BF16 row per received row
+    const float* row_weights;        // [N] or null
+    const float* recv_topk_weights;  // [N, k] or null
+    const int* rank_prefix_matrix;   // [R, R] from dispatch
+    const int* recv_rank_offset;     // [R + 1] from dispatch
+    const int* send_head;            // [T, R] from dispatch
+    const int* send_channel_prefix;  // [R, C + 1] from dispatch
+    int4* combined_x;                // [T, H * 2 / 16]
+    float* combined_topk_weights;    // [T, k] or null
+    int64_t* state;                  // private, see above
+    int num_tokens;
+    int x_int4;
+    int num_topk;
+    int num_channels;
+    int rank;
+    Guard guard;
+};
+
+}  // namespace intranode
+}  // namespace cupyep

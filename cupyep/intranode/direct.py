@@ -1,0 +1,239 @@
+"""The direct (one-copy) transport of normal mode: its pools, layouts,
+argument structs and kernel specialisations (kernels: cuda_src/intranode/direct.cu).
+
+A sender writes each row straight into the receiver's output, so every
+received byte crosses HBM once (the queue transport moves it twice: into a
+ring, then out of it). The outputs live in IPC-registered pools, one per
+rank and kind, exchanged once and grown (collectively) when a call needs
+more; a dispatch's ``recv_x`` and its other receive arrays are views of this
+rank's dispatch pool, valid until the next direct dispatch of the buffer.
+
+Pools of every rank (the same sizes on every rank):
+
+- sync: four [R] arrays of int64 counters (:data:`SYNC_STRIDE` bytes apart):
+  dispatch ready / arrived, combine ready / arrived (see direct_args.cuh);
+- dispatch: the receive arrays of a call, laid out by :func:`recv_layout`;
+- combine: the partial rows an owner receives, laid out by :func:`combine_layout`.
+
+and ``state``, int64 [4 + 2R] private to the rank: the epochs and the
+cumulative row counts the kernels wait on.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import jit
+from ..barrier import GUARD_DTYPE
+from ..ipc import SymmetricBuffer
+
+u64, i64, i32 = np.uint64, np.int64, np.int32
+
+SYNC_STRIDE = 64       # bytes between counters (kDirectSyncStride)
+ALIGN = 256            # alignment of every array in a pool
+POOL_GRANULE = 2 << 20  # pools grow in multiples of this many bytes
+GROWTH = 1.25          # headroom when a pool grows
+THREADS = 512
+STATE_HEADER = 4       # kStateHeader
+
+SYNC_DTYPE = jit.struct_dtype([(n, i64) for n in (
+    "dispatch_ready", "dispatch_arrived", "combine_ready", "combine_arrived")])
+RECV_LAYOUT_DTYPE = jit.struct_dtype([(n, i64) for n in (
+    "x", "x_scales", "topk_idx", "topk_weights", "src_idx", "x_bytes", "rows")])
+DISPATCH_ARGS_DTYPE = jit.struct_dtype([
+    ("pools", u64), ("syncs", u64), ("sync", SYNC_DTYPE), ("out", RECV_LAYOUT_DTYPE), ("x", u64),
+    ("x_scales", u64), ("topk_idx", u64), ("topk_weights", u64), ("send_list", u64),
+    ("send_channel_prefix", u64), ("rank_prefix_matrix", u64), ("recv_rank_offset", u64), ("state", u64),
+    ("num_tokens", i32), ("num_scales", i32), ("num_topk", i32), ("num_local_experts", i32),
+    ("num_channels", i32), ("capacity", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
+COMBINE_ARGS_DTYPE = jit.struct_dtype([
+    ("pools", u64), ("syncs", u64), ("sync", SYNC_DTYPE), ("partial_x", i64), ("partial_meta", i64),
+    ("rows", i64), ("x", u64), ("row_weights", u64), ("recv_topk_weights", u64), ("rank_prefix_matrix", u64),
+    ("recv_rank_offset", u64), ("send_head", u64), ("send_channel_prefix", u64), ("combined_x", u64),
+    ("combined_topk_weights", u64), ("state", u64), ("num_tokens", i32), ("x_int4", i32), ("num_topk", i32),
+    ("num_channels", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
+
+
+def dispatch_spec(num_ranks: int, num_threads: int = THREADS) -> jit.KernelSpec:
+    return jit.KernelSpec(name=f"intranode_direct_dispatch_ranks_{num_ranks}_threads_{num_threads}",
+                          source="intranode/direct.cu",
+                          kernels=(f"cupyep::intranode::direct_dispatch<{num_ranks}, {num_threads}>",))
+
+
+def combine_spec(num_ranks: int, num_threads: int = THREADS) -> jit.KernelSpec:
+    return jit.KernelSpec(name=f"intranode_direct_combine_ranks_{num_ranks}_threads_{num_threads}",
+                          source="intranode/direct.cu",
+                          kernels=(f"cupyep::intranode::direct_combine<{num_ranks}, {num_threads}>",))
+
+
+def kernel_specs() -> list[jit.KernelSpec]:
+    """Specialisations the offline check compiles: 1 to 8 ranks."""
+    return [s for r in range(1, 9) for s in (dispatch_spec(r), combine_spec(r))]
+
+
+def notify_channels(num_ranks: int) -> int:
+    """Token slices the notify pass of a direct dispatch splits the tokens
+    into (it only shapes the send lists: one warp per (rank, slice))."""
+    return max(1, 32 // num_ranks)
+
+
+@dataclass(frozen=True)
+class DirectConfig:
+    """Knobs of the direct transport (identical on every rank of a call).
+
+    Attributes:
+        num_sms: blocks per rank (0: :func:`default_num_sms` of the call's shape).
+        num_threads: threads per block (THREADS is the compiled default).
+    """
+    num_sms: int = 0
+    num_threads: int = THREADS
+
+    def validate(self) -> "DirectConfig":
+        if self.num_sms < 0:
+            raise ValueError(f"num_sms must be >= 0 (0: from the shape), got {self.num_sms}")
+        if self.num_threads % 32 or not 32 <= self.num_threads <= 1024:
+            raise ValueError(f"num_threads must be a multiple of 32 in [32, 1024], got {self.num_threads}")
+        return self
+
+
+def default_num_sms(sm_budget: int, num_rows: int, num_threads: int = THREADS) -> int:
+    """Blocks for a direct call that moves ``num_rows`` rows: a warp per row
+    in flight, so no more blocks than ceil(rows / warps per block), and no
+    more than this rank's share of the GPU (``sm_budget``: its SMs divided by
+    the ranks sharing it). A copy needs every warp the rank may have to keep
+    enough bytes in flight for HBM, so the budget is the usual bound."""
+    warps = num_threads // 32
+    return max(1, min(int(sm_budget), math.ceil(max(num_rows, 1) / warps)))
+
+
+def _align(n: int) -> int:
+    return -(-int(n) // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class RecvLayout:
+    """Byte offsets of a dispatch's receive arrays in a dispatch pool (-1: absent)."""
+    x: int
+    x_scales: int
+    topk_idx: int
+    topk_weights: int
+    src_idx: int
+    x_bytes: int
+    rows: int
+    end: int
+
+    def struct(self) -> np.void:
+        return jit.pack(RECV_LAYOUT_DTYPE, x=self.x, x_scales=self.x_scales, topk_idx=self.topk_idx,
+                        topk_weights=self.topk_weights, src_idx=self.src_idx, x_bytes=self.x_bytes, rows=self.rows)
+
+
+def recv_layout(rows: int, x_bytes: int, num_scales: int, num_topk: int, with_idx: bool,
+                with_weights: bool) -> RecvLayout:
+    """Receive arrays for ``rows`` rows: x [rows, x_bytes], x_scales [rows,
+    num_scales] float32, topk_idx [rows, k] int64, topk_weights [rows, k]
+    float32, src_idx [rows] int32, each 256-byte aligned, in that order."""
+    if x_bytes <= 0 or x_bytes % 16:
+        raise ValueError(f"row bytes must be a positive multiple of 16, got {x_bytes}")
+    off = 0
+    x = off
+    off = _align(off + rows * x_bytes)
+    sc = off if num_scales else -1
+    off = _align(off + rows * num_scales * 4)
+    idx = off if with_idx else -1
+    off = _align(off + (rows * num_topk * 8 if with_idx else 0))
+    w = off if with_weights else -1
+    off = _align(off + (rows * num_topk * 4 if with_weights else 0))
+    src = off
+    off = _align(off + rows * 4)
+    return RecvLayout(x, sc, idx, w, src, int(x_bytes), int(rows), off)
+
+
+def rows_that_fit(nbytes: int, x_bytes: int, num_scales: int, num_topk: int, with_idx: bool,
+                  with_weights: bool) -> int:
+    """The most rows whose recv_layout fits ``nbytes``."""
+    per_row = x_bytes + 4 * num_scales + (8 * num_topk if with_idx else 0) + (4 * num_topk if with_weights else 0) + 4
+    rows = max(0, int(nbytes) // per_row)
+    while rows and recv_layout(rows, x_bytes, num_scales, num_topk, with_idx, with_weights).end > nbytes:
+        rows -= max(1, (recv_layout(rows, x_bytes, num_scales, num_topk, with_idx, with_weights).end - nbytes)
+                    // per_row)
+    return rows
+
+
+def combine_layout(rows: int, hidden: int, num_topk: int) -> tuple[int, int, int]:
+    """(partial_x, partial_meta, end) byte offsets of ``rows`` partial rows:
+    BF16 [rows, hidden], then float32 [rows, 1 + k] (row weight, top-k weights)."""
+    meta = _align(rows * hidden * 2)
+    return 0, meta, _align(meta + rows * (1 + num_topk) * 4)
+
+
+def combine_rows_that_fit(nbytes: int, hidden: int, num_topk: int) -> int:
+    per_row = hidden * 2 + 4 * (1 + num_topk)
+    rows = max(0, int(nbytes) // per_row)
+    while rows and combine_layout(rows, hidden, num_topk)[2] > nbytes:
+        rows -= 1
+    return rows
+
+
+def grown_size(nbytes: int) -> int:
+    """Bytes a pool that must hold ``nbytes`` is allocated with (headroom, granule)."""
+    return -(-int(nbytes * GROWTH) // POOL_GRANULE) * POOL_GRANULE
+
+
+class DirectPools:
+    """The direct transport's memory of one Buffer (collective, like the buffer).
+
+    Attributes:
+        sync: SymmetricBuffer of the counters.
+        dispatch, combine: SymmetricBuffer pools, or None before first use.
+        state: cupy int64 [4 + 2R], private.
+    """
+
+    def __init__(self, group):
+        import cupy
+        self.group = group
+        R = group.local_size
+        self.num_ranks = R
+        self.sync = SymmetricBuffer(group, _align(4 * R * SYNC_STRIDE))
+        self.sync_struct = jit.pack(SYNC_DTYPE, dispatch_ready=0, dispatch_arrived=R * SYNC_STRIDE,
+                                    combine_ready=2 * R * SYNC_STRIDE, combine_arrived=3 * R * SYNC_STRIDE)
+        self.state = cupy.zeros(STATE_HEADER + 2 * R, dtype=np.int64)
+        self.pools = {"dispatch": None, "combine": None}
+
+    def nbytes(self, kind: str) -> int:
+        pool = self.pools[kind]
+        return pool.nbytes if pool is not None else 0
+
+    def ensure(self, kind: str, nbytes: int) -> SymmetricBuffer:
+        """Collective: the ``kind`` pool, grown to hold ``nbytes`` if it is
+        smaller. Every rank must ask for the same ``nbytes`` (the callers
+        derive it from the count matrix every rank knows, or agree on it)."""
+        pool = self.pools[kind]
+        if pool is not None and pool.nbytes >= nbytes:
+            return pool
+        import cupy
+        size = grown_size(max(nbytes, 1))
+        cupy.cuda.runtime.deviceSynchronize()
+        free = cupy.cuda.runtime.memGetInfo()[0] + (pool.nbytes if pool is not None else 0)
+        oks = self.group.node_comm.allgather(free >= size)
+        if not all(oks):
+            short = [r for r, ok in enumerate(oks) if not ok]
+            raise MemoryError(f"the direct transport's {kind} pool needs {size} bytes on every rank "
+                              f"({nbytes} for this call); node-local rank(s) {short} lack the free device memory "
+                              f"(this rank: {free} bytes free)")
+        if pool is not None:
+            pool.destroy()
+            self.pools[kind] = None
+        self.pools[kind] = SymmetricBuffer(self.group, size)
+        return self.pools[kind]
+
+    def destroy(self) -> None:
+        """Collective: free every pool."""
+        for kind, pool in self.pools.items():
+            if pool is not None:
+                pool.destroy()
+                self.pools[kind] = None
+        if self.sync is not None and self.sync.alive:
+            self.sync.destroy()
+        self.sync = None

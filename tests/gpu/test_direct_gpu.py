@@ -1,0 +1,257 @@
+"""Normal mode's direct (one-copy) transport on the GPU: against the NumPy
+reference (dispatch exactly, combine within 5e-6 and bitwise deterministic)
+and bitwise against the queue transport on the same input; cached,
+worst-token inside a CUDA graph, FP8, expert-major, pool growth, bad input and
+a missing rank.
+"""
+import numpy as np
+import pytest
+
+from cupyep import reference as ref
+from cupyep.fp8 import per_token_cast_to_fp8
+from cupyep.testing import all_ranks, bf16_to_f32
+from test_intranode_gpu import CASES, NUM_EXPERTS, NUM_TOPK, _expected, _inputs, _poison, _received_rows, \
+    _worst_rows_checks
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def buf(group):
+    import cupyep
+    b = cupyep.Buffer(group)
+    yield b
+    b.destroy()
+
+
+def _host(out):
+    """Host copies of a dispatch's receive arrays (direct ones are pool views)."""
+    get = lambda a: None if a is None else a.get()  # noqa: E731
+    return {"recv_x": get(out.recv_x), "recv_x_scales": get(out.recv_x_scales),
+            "recv_topk_idx": get(out.recv_topk_idx), "recv_topk_weights": get(out.recv_topk_weights),
+            "recv_src_idx": get(out.handle.recv_src_idx)}
+
+
+def _same(a: dict, b: dict) -> dict:
+    return {k: (a[k] is None and b[k] is None) or (a[k] is not None and b[k] is not None and np.array_equal(a[k], b[k]))
+            for k in a}
+
+
+@pytest.mark.parametrize("seed,num_tokens,hidden,case,zero_rank", CASES)
+def test_direct_matches_reference_and_queue(group, buf, seed, num_tokens, hidden, case, zero_rank):
+    import cupy
+    tokens, idx, w, x = _inputs(group, seed, num_tokens, hidden, case, zero_rank)
+    me = group.local_rank
+    res, exp, exp_rows = _expected(group, tokens, idx, w, hidden, expert_alignment=4)
+    xs, ids, ws = cupy.asarray(x), cupy.asarray(idx[me]), cupy.asarray(w[me])
+
+    out = buf.dispatch(xs, ids, ws, num_experts=NUM_EXPERTS, expert_alignment=4, transport="direct")
+    got = _host(out)
+    checks = {
+        "transport": out.handle.transport == "direct",
+        "recv_x": np.array_equal(got["recv_x"], exp_rows),
+        "recv_topk_idx": np.array_equal(got["recv_topk_idx"], exp.recv_topk_idx),
+        "recv_topk_weights": np.array_equal(got["recv_topk_weights"], exp.recv_topk_weights),
+        "recv_src_idx": np.array_equal(got["recv_src_idx"], exp.recv_src_idx),
+        "rank_prefix_matrix": np.array_equal(out.handle.rank_prefix_matrix.get(), exp.rank_prefix_matrix),
+        "num_recv_tokens_per_expert": out.num_recv_tokens_per_expert == exp.num_recv_tokens_per_expert,
+    }
+    assert all_ranks(group.comm, all(checks.values())), {k: v for k, v in checks.items() if not v}
+
+    # Cached: the handle's transport, the same rows again.
+    cached = buf.dispatch(xs, ids, ws, handle=out.handle, expert_alignment=4)
+    same = _same(_host(cached), got)
+    assert all_ranks(group.comm, all(same.values())), {f"cached {k}": v for k, v in same.items() if not v}
+
+    # Combine: identity experts, a per-row factor and the top-k weights.
+    row_w = cupy.asarray((1.0 + (got["recv_src_idx"] % 3)).astype(np.float32))
+    comb = buf.combine(out.recv_x, out.handle, topk_weights=out.recv_topk_weights, row_weights=row_w)
+    weights = [(1.0 + (r.recv_src_idx % 3)).astype(np.float32) for r in res]
+    expected = ref.intranode_combine(_received_rows(res, hidden), res, tokens, weights=weights)[me]
+    cx = comb.combined_x.get()
+    diff = ref.calc_diff(bf16_to_f32(cx), expected) if cx.size else 0.0
+    exp_w = ref.intranode_combine_topk_weights(res, tokens)[me]
+    wdiff = float(np.abs(comb.combined_topk_weights.get() - exp_w).max()) if exp_w.size else 0.0
+    again = buf.combine(out.recv_x, out.handle, topk_weights=out.recv_topk_weights, row_weights=row_w)
+    ok = diff < 5e-6 and wdiff < 1e-6 and np.array_equal(again.combined_x.get(), cx)
+    assert all_ranks(group.comm, ok), ("combine", diff, wdiff)
+
+    # The queue transport on the same input: bitwise the same dispatch and combine.
+    q = buf.dispatch(xs, ids, ws, num_experts=NUM_EXPERTS, expert_alignment=4)
+    qcomb = buf.combine(q.recv_x, q.handle, topk_weights=q.recv_topk_weights, row_weights=row_w)
+    same = _same(_host(q), got)
+    same["combined_x"] = np.array_equal(qcomb.combined_x.get(), cx)
+    same["combined_topk_weights"] = np.array_equal(qcomb.combined_topk_weights.get(), comb.combined_topk_weights.get())
+    assert all_ranks(group.comm, all(same.values())), {f"queue {k}": v for k, v in same.items() if not v}
+
+
+def test_direct_fp8_bytes_and_scales(group, buf):
+    import cupy
+    tokens, idx, w, x = _inputs(group, 7, 512, 7168)
+    me = group.local_rank
+    x_fp8, scales = per_token_cast_to_fp8(cupy.asarray(x))
+    all_fp8 = group.comm.allgather((x_fp8.get(), scales.get()))
+    exp = ref.intranode_dispatch([a for a, _ in all_fp8], idx, NUM_EXPERTS, topk_weights=w,
+                                 x_scales=[s for _, s in all_fp8])[me]
+    out = buf.dispatch((x_fp8, scales), cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=NUM_EXPERTS,
+                       transport="direct")
+    got = _host(out)
+    ok = (np.array_equal(got["recv_x"], exp.recv_x) and np.array_equal(got["recv_x_scales"], exp.recv_x_scales)
+          and np.array_equal(got["recv_topk_idx"], exp.recv_topk_idx))
+    q = buf.dispatch((x_fp8, scales), cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=NUM_EXPERTS)
+    same = _same(_host(q), got)
+    assert all_ranks(group.comm, ok and all(same.values())), (ok, {k: v for k, v in same.items() if not v})
+
+
+def test_direct_worst_tokens_and_cuda_graph(group, buf):
+    """Worst-token mode on the direct transport: padding rows hold -1 / 0
+    whatever the pool held, eagerly, cached, and in CUDA-graph replays with
+    new routings (no host work in a replay)."""
+    import cupy
+    seed, num_tokens, hidden = 11, 128, 2048
+    R, me = group.local_size, group.local_rank
+    worst = num_tokens * R
+    stream = cupy.cuda.Stream(non_blocking=True)
+    x_in = cupy.empty((num_tokens, hidden), dtype=np.uint16)
+    idx_in = cupy.empty((num_tokens, NUM_TOPK), dtype=np.int64)
+    w_in = cupy.empty((num_tokens, NUM_TOPK), dtype=np.float32)
+
+    def step():
+        out = buf.dispatch(x_in, idx_in, w_in, num_experts=NUM_EXPERTS, num_worst_tokens=worst, validate=False,
+                           transport="direct")
+        return out, buf.combine(out.recv_x, out.handle)
+
+    with stream:
+        tokens, idx, w, x = _inputs(group, seed, num_tokens, hidden)
+        x_in.set(x); idx_in.set(idx[me]); w_in.set(w[me])
+        out, comb = step()
+        stream.synchronize()
+        _poison(stream, out.recv_topk_idx, out.recv_topk_weights, out.handle.recv_src_idx)
+        out, comb = step()  # the same pool, poisoned: every padding entry is written again
+        stream.synchronize()
+        res, exp, exp_rows = _expected(group, tokens, idx, w, hidden)
+        checks = _worst_rows_checks(out, exp, exp_rows, worst)
+        expected = ref.intranode_combine(_received_rows(res, hidden), res, tokens)[me]
+        checks["combine"] = ref.calc_diff(bf16_to_f32(comb.combined_x.get()), expected) < 5e-6
+        assert all_ranks(group.comm, all(checks.values())), {k: v for k, v in checks.items() if not v}
+        _poison(stream, out.recv_topk_idx, out.recv_topk_weights, out.handle.recv_src_idx)
+        cached = buf.dispatch(x_in, idx_in, w_in, handle=out.handle)
+        stream.synchronize()
+        checks = _worst_rows_checks(cached, exp, exp_rows, worst)
+        assert all_ranks(group.comm, all(checks.values())), {f"cached {k}": v for k, v in checks.items() if not v}
+        group.comm.Barrier()
+        stream.begin_capture()
+        out, comb = step()
+        graph = stream.end_capture()
+    for it in range(3):
+        tokens, idx, w, x = _inputs(group, seed + 100 + it, num_tokens, hidden)
+        with stream:
+            x_in.set(x); idx_in.set(idx[me]); w_in.set(w[me])
+            _poison(stream, out.recv_topk_idx, out.recv_topk_weights, out.handle.recv_src_idx)
+            stream.synchronize()
+            group.comm.Barrier()
+            graph.launch(stream)
+            stream.synchronize()
+        group.check_errors()
+        res, exp, exp_rows = _expected(group, tokens, idx, w, hidden)
+        expected = ref.intranode_combine(_received_rows(res, hidden), res, tokens)[me]
+        checks = _worst_rows_checks(out, exp, exp_rows, worst)
+        checks["combine"] = ref.calc_diff(bf16_to_f32(comb.combined_x.get()), expected) < 5e-6
+        assert all_ranks(group.comm, all(checks.values())), (it, {k: v for k, v in checks.items() if not v})
+
+
+def test_direct_expert_major_matches_queue(group, buf):
+    """expert_major=True on the direct transport: the same expert-major arrays,
+    and the same combine of expert-major outputs, as the queue transport."""
+    import cupy
+    tokens, idx, w, x = _inputs(group, 21, 300, 2048)
+    me = group.local_rank
+    xs, ids, ws = cupy.asarray(x), cupy.asarray(idx[me]), cupy.asarray(w[me])
+    outs, combs = {}, {}
+    for t in ("direct", "queue"):
+        out = buf.dispatch(xs, ids, ws, num_experts=NUM_EXPERTS, expert_alignment=8, expert_major=True, transport=t)
+        comb = buf.combine(out.expert_x, out.handle, pair_weights=out.recv_topk_weights)
+        outs[t] = {"expert_x": out.expert_x.get(), "expert_offsets": out.expert_offsets.get(),
+                   "expert_src_row": out.expert_src_row.get(), "counts": out.num_recv_tokens_per_expert}
+        combs[t] = comb.combined_x.get()
+    same = {k: (outs["direct"][k] == outs["queue"][k]) if k == "counts"
+            else np.array_equal(outs["direct"][k], outs["queue"][k]) for k in outs["queue"]}
+    same["combined_x"] = np.array_equal(combs["direct"], combs["queue"])
+    assert all_ranks(group.comm, all(same.values())), {k: v for k, v in same.items() if not v}
+
+
+def test_direct_pool_grows_and_stays(group, buf):
+    """The receive pool grows when a call needs more and is reused (not
+    reallocated) by smaller calls."""
+    import cupy
+    me = group.local_rank
+    sizes = []
+    for seed, T, H in ((31, 64, 2048), (32, 2048, 7168), (33, 64, 2048)):
+        tokens, idx, w, x = _inputs(group, seed, T, H)
+        out = buf.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), num_experts=NUM_EXPERTS, transport="direct")
+        exp_rows = _expected(group, tokens, idx, w, H)[2]
+        assert all_ranks(group.comm, np.array_equal(out.recv_x.get(), exp_rows)), (seed, T, H)
+        sizes.append(buf._direct.nbytes("dispatch"))
+    assert sizes[1] >= sizes[0] and sizes[2] == sizes[1], sizes
+    assert sizes[1] >= 2048 * 7168 * 2, sizes
+
+
+def test_direct_bad_input_raises_before_launch(group, buf):
+    import cupy
+    from cupyep.intranode.direct import DirectConfig
+    x = cupy.zeros((4, 2048), dtype=np.uint16)
+    idx = cupy.asarray(np.tile(np.arange(NUM_TOPK, dtype=np.int64), (4, 1)))
+    with pytest.raises(ValueError, match="transport must be one of"):
+        buf.dispatch(x, idx, num_experts=NUM_EXPERTS, transport="rdma")
+    with pytest.raises(ValueError, match="DirectConfig"):
+        buf.dispatch(x, idx, num_experts=NUM_EXPERTS, transport="direct", config=buf.default_dispatch_config())
+    with pytest.raises(ValueError, match="needs transport='direct'"):
+        buf.dispatch(x, idx, num_experts=NUM_EXPERTS, config=DirectConfig())
+    with pytest.raises(ValueError, match="num_sms"):
+        buf.dispatch(x, idx, num_experts=NUM_EXPERTS, transport="direct", config=DirectConfig(num_sms=-1))
+    with pytest.raises(ValueError, match="outside"):
+        buf.dispatch(x, idx + NUM_EXPERTS, num_experts=NUM_EXPERTS, transport="direct")
+    with pytest.raises(ValueError, match="deadlock"):
+        buf.dispatch(x, idx, num_experts=NUM_EXPERTS, transport="direct", config=DirectConfig(num_sms=100000))
+    out = buf.dispatch(x, idx, num_experts=NUM_EXPERTS, transport="direct")
+    with pytest.raises(ValueError, match="made by the direct transport"):
+        buf.dispatch(x, handle=out.handle, transport="queue")
+    with pytest.raises(ValueError, match="rows"):
+        buf.combine(cupy.zeros((out.recv_x.shape[0] + 1, 2048), dtype=np.uint16), out.handle)
+    with pytest.raises(ValueError, match="DirectConfig"):
+        buf.combine(out.recv_x, out.handle, config=buf.default_combine_config())
+    buf.synchronize()
+    group.comm.Barrier()
+
+
+def test_direct_fault_missing_rank_times_out_naming_it(group):
+    """A rank that skips a cached direct dispatch: the others raise
+    CommTimeoutError naming the direct dispatch and that rank."""
+    import time
+
+    import cupy
+    import cupyep
+    from cupyep import CommTimeoutError
+    if group.local_size < 2:
+        pytest.skip("needs two ranks")
+    missing = group.node_ranks[-1]
+    b = cupyep.Buffer(group)
+    try:
+        x = cupy.zeros((16, 2048), dtype=np.uint16)
+        idx = cupy.asarray(np.tile(np.arange(NUM_TOPK, dtype=np.int64) * 32 % NUM_EXPERTS, (16, 1)))
+        out = b.dispatch(x, idx, num_experts=NUM_EXPERTS, transport="direct")
+        b.synchronize()
+        group.comm.Barrier()
+        if group.rank != missing:
+            t0 = time.monotonic()
+            with pytest.raises(CommTimeoutError) as info:
+                b.dispatch(x, handle=out.handle)
+                b.synchronize()
+            elapsed = time.monotonic() - t0
+            group.error_slot.reset()
+            err = info.value
+            assert err.kernel == "intranode_direct_dispatch" and err.peer == missing, str(err)
+            assert elapsed < group.timeout_s + 5, elapsed
+        group.comm.Barrier()
+    finally:
+        b.destroy()

@@ -1,0 +1,94 @@
+"""Host side of the direct transport (cupyep.intranode.direct): pool layouts,
+the rows a pool holds, growth sizes, block counts and config checks; the
+kernel constants the layouts rely on."""
+import re
+
+import numpy as np
+import pytest
+
+from cupyep import jit
+from cupyep.intranode import direct as D
+from cupyep.intranode.buffer import Buffer
+
+
+@pytest.mark.parametrize("rows,x_bytes,ns,k,idx,w", [
+    (1, 256, 0, 8, True, True), (4096 * 8, 14336, 0, 8, True, True), (1000, 7168, 56, 8, True, True),
+    (77, 4096, 0, 0, False, False), (5, 4096, 32, 16, True, False), (0, 256, 0, 8, True, True)])
+def test_recv_layout_arrays_are_aligned_disjoint_and_in_order(rows, x_bytes, ns, k, idx, w):
+    lay = D.recv_layout(rows, x_bytes, ns, k, idx, w)
+    arrays = [("x", lay.x, rows * x_bytes), ("x_scales", lay.x_scales, rows * ns * 4),
+              ("topk_idx", lay.topk_idx, rows * k * 8), ("topk_weights", lay.topk_weights, rows * k * 4),
+              ("src_idx", lay.src_idx, rows * 4)]
+    present = [(n, o, b) for n, o, b in arrays if o >= 0]
+    assert (lay.x_scales >= 0) == bool(ns) and (lay.topk_idx >= 0) == idx and (lay.topk_weights >= 0) == w
+    for (_, o, b), (_, o2, _) in zip(present, present[1:]):
+        assert o % D.ALIGN == 0 and o + b <= o2
+    assert present[-1][1] + present[-1][2] <= lay.end and lay.end % D.ALIGN == 0
+    s = lay.struct()
+    assert s.dtype == D.RECV_LAYOUT_DTYPE and int(s["rows"]) == rows and int(s["x_bytes"]) == x_bytes
+
+
+def test_recv_layout_rejects_rows_that_are_not_16_byte_words():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        D.recv_layout(4, 100, 0, 8, True, True)
+
+
+@pytest.mark.parametrize("nbytes", [1 << 20, 5 << 20, 123456789, D.grown_size(4096 * 8 * 14400)])
+@pytest.mark.parametrize("shape", [(14336, 0, 8, True, True), (7168, 56, 8, True, True), (4096, 0, 0, False, False)])
+def test_rows_that_fit_is_the_most_that_fit(nbytes, shape):
+    rows = D.rows_that_fit(nbytes, *shape)
+    assert D.recv_layout(rows, *shape).end <= nbytes
+    assert D.recv_layout(rows + 1, *shape).end > nbytes
+
+
+@pytest.mark.parametrize("nbytes,hidden,k", [(1 << 20, 2048, 8), (7 << 22, 7168, 8), (1 << 24, 7168, 0)])
+def test_combine_layout_and_rows_that_fit(nbytes, hidden, k):
+    rows = D.combine_rows_that_fit(nbytes, hidden, k)
+    px, pm, end = D.combine_layout(rows, hidden, k)
+    assert px == 0 and pm >= rows * hidden * 2 and pm % D.ALIGN == 0 and end <= nbytes
+    assert end >= pm + rows * (1 + k) * 4
+    assert D.combine_layout(rows + 1, hidden, k)[2] > nbytes
+
+
+def test_grown_size_has_headroom_and_granule():
+    for n in (1, 1000, D.POOL_GRANULE, 470 << 20):
+        g = D.grown_size(n)
+        assert g >= n * D.GROWTH and g % D.POOL_GRANULE == 0
+
+
+def test_default_num_sms_is_bounded_by_rows_and_budget():
+    warps = D.THREADS // 32
+    assert D.default_num_sms(16, 4096 * 8) == 16
+    assert D.default_num_sms(66, 1) == 1 and D.default_num_sms(66, 0) == 1
+    assert D.default_num_sms(66, 5 * warps + 1) == 6
+
+
+def test_direct_config_validation():
+    assert D.DirectConfig().validate().num_threads == D.THREADS
+    with pytest.raises(ValueError, match="num_sms"):
+        D.DirectConfig(num_sms=-1).validate()
+    with pytest.raises(ValueError, match="num_threads"):
+        D.DirectConfig(num_threads=100).validate()
+
+
+def test_notify_channels_fill_the_notify_block():
+    for r in range(1, 9):
+        assert 1 <= D.notify_channels(r) and r * D.notify_channels(r) <= 32
+
+
+def test_transport_choice():
+    assert Buffer._transport(None, None, None) == "queue"
+    assert Buffer._transport(None, "direct", None) == "direct"
+    with pytest.raises(ValueError, match="transport must be one of"):
+        Buffer._transport(None, "nvshmem", None)
+
+
+def test_kernel_constants_match_the_host():
+    src = (jit.CUDA_SRC / "intranode" / "direct_args.cuh").read_text()
+    assert int(re.search(r"kDirectSyncStride = (\d+)", src).group(1)) == D.SYNC_STRIDE
+    assert int(re.search(r"kStateHeader = (\d+)", src).group(1)) == D.STATE_HEADER
+    kernel = (jit.CUDA_SRC / "intranode" / "direct.cu").read_text()
+    assert "direct_dispatch(DirectDispatchArgs" in kernel and "direct_combine(DirectCombineArgs" in kernel
+    assert all(s.source == "intranode/direct.cu" for s in D.kernel_specs())
+    assert len(D.kernel_specs()) == 16
+    assert D.SYNC_DTYPE.itemsize == 32 and np.dtype(D.DISPATCH_ARGS_DTYPE).itemsize > 0
