@@ -140,7 +140,7 @@ def main():
         for timing in timings:
             for kind in args.kinds:
                 out.write(run(kind, DirectConfig(), None, timing, "direct"))
-        for sms in args.direct_sms:
+        for sms in (m for m in args.direct_sms if m <= buf.sm_budget):  # more would not all be resident
             for kind in args.kinds:
                 out.write({**run(kind, DirectConfig(num_sms=sms), None, "strict", "direct"), "sweep": True})
     if args.sweep:

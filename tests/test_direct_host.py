@@ -92,3 +92,20 @@ def test_kernel_constants_match_the_host():
     assert all(s.source == "intranode/direct.cu" for s in D.kernel_specs())
     assert len(D.kernel_specs()) == 16
     assert D.SYNC_DTYPE.itemsize == 32 and np.dtype(D.DISPATCH_ARGS_DTYPE).itemsize > 0
+
+
+def test_pool_layouts_are_cached_per_pool_size():
+    pools = D.DirectPools.__new__(D.DirectPools)
+    pools.pools, pools._layouts = {"dispatch": None, "combine": None}, {}
+
+    class Fake:
+        nbytes = 64 << 20
+    pools.pools["dispatch"] = pools.pools["combine"] = Fake()
+    shape = (14336, 0, 8, True, True)
+    lay = pools.recv_layout(*shape)
+    assert lay is pools.recv_layout(*shape)
+    assert lay == D.recv_layout(D.rows_that_fit(64 << 20, *shape), *shape)
+    px, pm, rows = pools.combine_layout(7168, 8)
+    assert rows == D.combine_rows_that_fit(64 << 20, 7168, 8) and (px, pm) == D.combine_layout(rows, 7168, 8)[:2]
+    Fake.nbytes = 128 << 20  # a grown pool: a new layout
+    assert pools.recv_layout(*shape).rows > lay.rows

@@ -464,7 +464,7 @@ class Buffer:
                 rows, rows_sent = self._agreed_rows(N), T * R
             shape = (x_bytes, ns, k, topk_idx is not None, topk_weights is not None)
             pool = self._direct_pool("dispatch", D.recv_layout(rows, *shape).end)
-            lay = D.recv_layout(D.rows_that_fit(pool.nbytes, *shape), *shape)
+            lay = self._direct.recv_layout(*shape)
             recv_x = pool.view(lay.x, (N, H), x.dtype)
             recv_scales = pool.view(lay.x_scales, (N, ns), np.float32) if fp8 else None
             recv_topk_idx = pool.view(lay.topk_idx, (N, k), np.int64) if topk_idx is not None else None
@@ -508,8 +508,7 @@ class Buffer:
         else:
             rows = self._agreed_rows(T * R)  # a token goes at most once to each rank
         pool = self._direct_pool("combine", D.combine_layout(rows, H, k)[2])
-        fit = D.combine_rows_that_fit(pool.nbytes, H, k)
-        partial_x, partial_meta, _ = D.combine_layout(fit, H, k)
+        partial_x, partial_meta, fit = self._direct.combine_layout(H, k)
         blocks = cfg.num_sms or D.default_num_sms(self.sm_budget, max(N, T), cfg.num_threads)
         pools = self._direct
         args = jit.pack(
@@ -661,7 +660,9 @@ class Buffer:
             combined_w = cupy.empty((T, k), dtype=np.float32) if topk_weights is not None else None
             if handle.transport == "direct":
                 self._combine_direct(fn, cfg, x, handle, row_weights, topk_weights, combined, combined_w, N)
-                return CombineResult(combined, combined_w, self._end(async_finish), reduced)
+        if handle.transport == "direct":  # the caller's stream waits (or not) outside the communication stream
+            return CombineResult(combined, combined_w, self._end(async_finish), reduced)
+        with self.comm_stream:
             args = jit.pack(
                 K.COMBINE_ARGS_DTYPE, peers=jit.ptr(self.buffer.peer_ptrs), rs=K.ring_struct(rs), x=jit.ptr(x),
                 row_weights=jit.ptr(row_weights), recv_topk_weights=jit.ptr(topk_weights),

@@ -200,6 +200,23 @@ class DirectPools:
                                     combine_ready=2 * R * SYNC_STRIDE, combine_arrived=3 * R * SYNC_STRIDE)
         self.state = cupy.zeros(STATE_HEADER + 2 * R, dtype=np.int64)
         self.pools = {"dispatch": None, "combine": None}
+        self._layouts: dict = {}
+
+    def recv_layout(self, *shape) -> RecvLayout:
+        """recv_layout of the most rows the dispatch pool holds for ``shape``
+        (x_bytes, num_scales, num_topk, with_idx, with_weights); cached."""
+        key = ("dispatch", self.nbytes("dispatch"), shape)
+        if key not in self._layouts:
+            self._layouts[key] = recv_layout(rows_that_fit(self.nbytes("dispatch"), *shape), *shape)
+        return self._layouts[key]
+
+    def combine_layout(self, hidden: int, num_topk: int) -> tuple[int, int, int]:
+        """(partial_x, partial_meta, rows) of the combine pool for this row shape; cached."""
+        key = ("combine", self.nbytes("combine"), hidden, num_topk)
+        if key not in self._layouts:
+            rows = combine_rows_that_fit(self.nbytes("combine"), hidden, num_topk)
+            self._layouts[key] = (*combine_layout(rows, hidden, num_topk)[:2], rows)
+        return self._layouts[key]
 
     def nbytes(self, kind: str) -> int:
         pool = self.pools[kind]
