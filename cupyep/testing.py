@@ -4,7 +4,7 @@
   token, column), so any rank can compute what any received row must hold
   and a misrouted row or column is caught.
 - :func:`global_routing`: the seeded routing of every rank (every rank builds
-  the same), from :mod:`cupyep.reference`.
+  the same), from :mod:`cupyep.routing`.
 - :func:`all_ranks`: AND of a condition over the ranks, so that all ranks
   fail a test together instead of hanging in the next collective.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import reference
+from . import routing
 
 
 def payload_bf16(src_rank: int, tokens, hidden: int) -> np.ndarray:
@@ -47,20 +47,18 @@ def f32_to_bf16(x: np.ndarray) -> np.ndarray:
 
 
 def global_routing(seed: int, num_tokens_per_rank, num_experts: int, num_topk: int, case: str = "random"):
-    """Every rank's topk_idx and topk_weights (lists over ranks).
+    """Every rank's topk_idx and topk_weights (lists over ranks), from
+    :func:`cupyep.routing.make` with the kind's default parameters.
 
-    case: "random" (top-k of |randn| + 1 with some -1 slots), "one_expert"
-    (every token to expert 0, other slots -1).
+    case: "random" (kind "uniform": top-k of |randn| + 1 with some -1 slots),
+    "one_expert" (every token to expert 0, other slots -1) or another kind
+    of :data:`cupyep.routing.KINDS`.
+
+    Returns:
+        (list over ranks of [T_r, num_topk] int64, list over ranks of
+        [T_r, num_topk] float32, 0 in -1 slots).
     """
-    idx = reference.make_routing(seed, list(num_tokens_per_rank), num_experts, num_topk)
-    if case == "one_expert":
-        for a in idx:
-            a[:] = -1
-            if a.shape[0]:
-                a[:, 0] = 0
-    elif case != "random":
-        raise ValueError(f"unknown routing case {case!r}")
-    return idx, reference.make_weights(seed, idx)
+    return routing.make("uniform" if case == "random" else case, seed, num_tokens_per_rank, num_experts, num_topk)
 
 
 def all_ranks(comm, ok: bool) -> bool:

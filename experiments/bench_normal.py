@@ -40,6 +40,7 @@ from cupyep.testing import global_routing, payload_bf16
 
 
 KINDS = ("dispatch_bf16", "dispatch_fp8", "dispatch_bf16_notify", "combine_bf16")
+DIRECT_KINDS = ("combine_bf16_zero_copy",)  # kinds only the direct transport has, timed with it by default
 
 
 def main():
@@ -59,7 +60,7 @@ def main():
     p.add_argument("--sweep-kinds", nargs="+", default=["dispatch_bf16", "combine_bf16"],
                    choices=["dispatch_bf16", "dispatch_fp8", "combine_bf16"])
     p.add_argument("--timing", choices=["strict", "deepep", "both"], default="both")
-    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS,
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS + DIRECT_KINDS,
                    help="kinds timed with the default configs")
     p.add_argument("--l2", type=int, nargs="+", default=None,
                    help="L2 modes (Config.l2_hints) to run; default: the configs' own")
@@ -102,6 +103,11 @@ def main():
             fn = lambda: buf.dispatch(x, topk_idx, topk_w, num_experts=args.experts, config=dcfg, validate=False,
                                       transport=transport)
             row = 2 * args.hidden
+        elif kind == "combine_bf16_zero_copy":  # direct only: the owners read the outputs in place
+            y = buf.get_combine_buffer(first.handle)
+            y[...] = first.recv_x
+            fn = lambda: buf.combine(y, first.handle, config=ccfg, zero_copy=True)
+            row = 2 * args.hidden
         else:
             y = first.recv_x
             fn = lambda: buf.combine(y, first.handle, config=ccfg)
@@ -130,18 +136,20 @@ def main():
         return cfg if l2 is None else replace(cfg, l2_hints=l2)
 
     timings = ("strict", "deepep") if args.timing == "both" else (args.timing,)
+    queue_kinds = [k for k in args.kinds if k not in DIRECT_KINDS]
+    direct_kinds = args.kinds + [k for k in DIRECT_KINDS if k not in args.kinds and args.kinds == list(KINDS)]
     if "queue" in args.transports:
         for l2 in args.l2 or [None]:
             dcfg, fcfg, ccfg = with_l2(dcfg0, l2), with_l2(fcfg0, l2), with_l2(ccfg0, l2)
             for timing in timings:
-                for kind in args.kinds:
+                for kind in queue_kinds:
                     out.write(run(kind, fcfg if kind == "dispatch_fp8" else dcfg, ccfg, timing))
     if "direct" in args.transports:
         for timing in timings:
-            for kind in args.kinds:
+            for kind in direct_kinds:
                 out.write(run(kind, DirectConfig(), None, timing, "direct"))
         for sms in (m for m in args.direct_sms if m <= buf.sm_budget):  # more would not all be resident
-            for kind in args.kinds:
+            for kind in direct_kinds:
                 out.write({**run(kind, DirectConfig(num_sms=sms), None, "strict", "direct"), "sweep": True})
     if args.sweep:
         for threads, l2 in ((t, l2) for t in args.threads for l2 in (args.l2 or [None])):

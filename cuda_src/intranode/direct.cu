@@ -23,7 +23,9 @@
 //      for this call; every block waits until every owner has said so.
 //   2. Warps take this rank's received rows: row r from source s (position i
 //      in s's block) goes, with its row weight and top-k weights, to s's
-//      partial row sum(count[s, d < me]) + i: s's send order.
+//      partial row sum(count[s, d < me]) + i: s's send order. Zero-copy
+//      (zc_x >= 0): the rows stay where the caller wrote them, in this rank's
+//      pool, and only the weights are pushed; the owners read the rows there.
 //   3. Each block adds its delivered rows to combine_arrived[me] of each owner;
 //      every block waits until every expert rank has delivered its rows.
 //   4. Warps take this rank's tokens: the FP32 sum over ranks in rank order of
@@ -187,11 +189,15 @@ __global__ void __launch_bounds__(kNumThreads, 1) direct_combine(DirectCombineAr
     __shared__ int s_dst0[R];   // first partial row of my rows at each owner
     __shared__ int s_pbase[R];  // first partial row from each expert rank in my pool
     __shared__ int s_sent[R];
+    __shared__ int s_zrow0[R];  // zero-copy: first row of my tokens in each expert rank's outputs
+    __shared__ const int4* s_rows[R];  // where rank d's rows for my tokens are read
+    __shared__ int64_t s_meta_row[kWarps][R];  // per warp: the partial row (metadata) of its token from rank d
     __shared__ int64_t s_epoch;
     __shared__ int s_fail;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int C = a.num_channels, T = a.num_tokens, k = a.num_topk, me = a.rank;
-    const int64_t x_int4 = a.x_int4, meta = 1 + k;
+    const int64_t x_int4 = a.x_int4, meta = a.meta_stride;
+    const bool zero_copy = a.zc_x >= 0;
     if (threadIdx.x == 0) {
         s_epoch = ld_volatile64(a.state + kCombineEpoch) + 1;
         s_fail = 0;
@@ -204,6 +210,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) direct_combine(DirectCombineAr
         for (int d = 0; d < me; ++d) acc += pair_count(a.rank_prefix_matrix, R, s, d);
         s_dst0[s] = acc;
         s_sent[s] = 0;
+        s_zrow0[s] = me > 0 ? a.rank_prefix_matrix[(me - 1) * R + s] : 0;  // here s is an expert rank
+        s_rows[s] = zero_copy ? reinterpret_cast<const int4*>(static_cast<const char*>(a.pools[s]) + a.zc_x)
+                              : reinterpret_cast<const int4*>(static_cast<const char*>(a.pools[me]) + a.partial_x);
     }
     __syncthreads();
     const int64_t epoch = s_epoch;
@@ -235,9 +244,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) direct_combine(DirectCombineAr
             continue;
         }
         char* pool = static_cast<char*>(a.pools[s]);
-        warp_copy<4, true>(reinterpret_cast<int4*>(pool + a.partial_x) + prow * x_int4, a.x + (int64_t)r * x_int4,
-                           x_int4, lane, [](const int4* p) { return ld_nc_na_v4(p); },
-                           [](int4* p, const int4& v) { st_na_v4(p, v); });
+        if (!zero_copy)
+            warp_copy<4, true>(reinterpret_cast<int4*>(pool + a.partial_x) + prow * x_int4,
+                               a.x + (int64_t)r * x_int4, x_int4, lane, [](const int4* p) { return ld_nc_na_v4(p); },
+                               [](int4* p, const int4& v) { st_na_v4(p, v); });
         float* m = reinterpret_cast<float*>(pool + a.partial_meta) + prow * meta;
         if (lane == 0) m[0] = a.row_weights ? __ldg(a.row_weights + r) : 1.f;
         if (a.recv_topk_weights)
@@ -259,26 +269,31 @@ __global__ void __launch_bounds__(kNumThreads, 1) direct_combine(DirectCombineAr
     }
     __syncthreads();
     if (!s_fail) {
-        // 4. A warp per token: lane d finds rank d's partial row.
+        // 4. A warp per token: lane d finds rank d's row (its partial row here,
+        //    or, zero-copy, its output row in rank d's pool) and weight.
         const char* mine = static_cast<const char*>(a.pools[me]);
-        const int4* partials = reinterpret_cast<const int4*>(mine + a.partial_x);
         const float* metas = reinterpret_cast<const float*>(mine + a.partial_meta);
         for (int t = blockIdx.x * kWarps + warp; t < T; t += gridDim.x * kWarps) {
-            int64_t p = -1;
+            int64_t p = -1, src = -1;
             float w = 0.f;
             if (lane < R) {
                 const int pos = a.send_head[(int64_t)t * R + lane];
                 if (pos >= 0) {
                     const int c = channel_of(t, T, C);
-                    p = (int64_t)s_pbase[lane] + a.send_channel_prefix[lane * (C + 1) + c] + pos;
+                    const int64_t i = (int64_t)a.send_channel_prefix[lane * (C + 1) + c] + pos;
+                    p = s_pbase[lane] + i;
+                    src = zero_copy ? s_zrow0[lane] + i : p;
                     w = metas[p * meta];
                 }
             }
-            int64_t rows[R];
+            __syncwarp();  // the previous token's readers are done
+            if (lane < R) s_meta_row[warp][lane] = p;
+            __syncwarp();
+            int64_t srcs[R];
             float ws[R];
 #pragma unroll
             for (int d = 0; d < R; ++d) {
-                rows[d] = __shfl_sync(0xffffffffu, p, d);
+                srcs[d] = __shfl_sync(0xffffffffu, src, d);
                 ws[d] = __shfl_sync(0xffffffffu, w, d);
             }
             int4* out = a.combined_x + (int64_t)t * x_int4;
@@ -288,15 +303,15 @@ __global__ void __launch_bounds__(kNumThreads, 1) direct_combine(DirectCombineAr
                 for (int u = 0; u < kWords; ++u)
 #pragma unroll
                     for (int d = 0; d < R; ++d)
-                        v[u][d] = rows[d] >= 0 && i0 + u * 32 < x_int4 ? ld_v4(partials + rows[d] * x_int4 + i0 + u * 32)
-                                                                      : make_int4(0, 0, 0, 0);
+                        v[u][d] = srcs[d] >= 0 && i0 + u * 32 < x_int4
+                                      ? ld_v4(s_rows[d] + srcs[d] * x_int4 + i0 + u * 32) : make_int4(0, 0, 0, 0);
 #pragma unroll
                 for (int u = 0; u < kWords; ++u) {
                     if (i0 + u * 32 >= x_int4) break;
                     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
                     for (int d = 0; d < R; ++d)
-                        if (rows[d] >= 0) fma_bf16x8(acc, v[u][d], ws[d]);
+                        if (srcs[d] >= 0) fma_bf16x8(acc, v[u][d], ws[d]);
                     st_na_v4(out + i0 + u * 32, pack_bf16x8(acc));
                 }
             }
@@ -305,7 +320,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) direct_combine(DirectCombineAr
                     float sum = 0.f;
 #pragma unroll
                     for (int d = 0; d < R; ++d)
-                        if (rows[d] >= 0) sum += metas[rows[d] * meta + 1 + q];
+                        if (srcs[d] >= 0) sum += metas[s_meta_row[warp][d] * meta + 1 + q];
                     a.combined_topk_weights[(int64_t)t * k + q] = sum;
                 }
         }

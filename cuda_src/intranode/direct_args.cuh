@@ -72,8 +72,11 @@ struct DirectCombineArgs {
     void* const* syncs;              // [R] sync buffer bases
     DirectSync sync;
     int64_t partial_x;               // byte offset of the [rows, H * 2] BF16 partials in every combine pool
-    int64_t partial_meta;            // byte offset of the [rows, 1 + k] float row weight and topk weights
+    int64_t partial_meta;            // byte offset of the [rows, meta_stride] float row weight and topk weights
+    int64_t zc_x;                    // zero-copy: byte offset of every rank's [N, H * 2] expert outputs, which
+                                     // the owners read in place (x is this rank's); -1: rows are pushed
     int64_t rows;                    // partial rows the pool holds
+    int64_t meta_stride;             // floats per partial row's metadata, >= 1 + k
     const int4* x;                   // [N, H * 2 / 16] one BF16 row per received row
     const float* row_weights;        // [N] or null
     const float* recv_topk_weights;  // [N, k] or null

@@ -496,24 +496,80 @@ class Buffer:
             result.expert_offsets, result.expert_src_row = em.expert_offsets, em.expert_src_row
         return result
 
-    def _combine_direct(self, fn, cfg, x, handle, row_weights, topk_weights, combined, combined_w, N) -> None:
+    def _combine_rows(self, handle) -> tuple[int, int]:
+        """(the most rows any rank received in the handle's dispatch, the most
+        partial rows any owner receives back), the same on every rank."""
+        R = self.num_ranks
+        if handle.counts is not None:
+            return int(handle.counts.sum(axis=0).max()), int(handle.counts.sum(axis=1).max())
+        N = handle.num_worst_tokens
+        return self._agreed_rows(N), self._agreed_rows(handle.num_tokens * R)  # a token goes once to each rank
+
+    def _zero_copy_layout(self, handle, hidden: int) -> tuple[int, int, int]:
+        out_rows, meta_rows = self._combine_rows(handle)
+        return D.zero_copy_layout(out_rows, hidden, meta_rows)
+
+    @traced_call("Buffer.get_combine_buffer")
+    def get_combine_buffer(self, handle: DispatchHandle, hidden: int | None = None):
+        """Where to write the expert outputs of a direct dispatch for a
+        zero-copy combine (``combine(buf, handle, zero_copy=True)``).
+
+        Collective when the combine pool must grow (every rank calls it for
+        the same dispatch). The buffer is this rank's part of the combine
+        pool: write it after the dispatch that made ``handle`` and before
+        its combine; it is reused by the next zero-copy combine (one per
+        dispatch in flight).
+
+        Returns:
+            cupy [N, H] uint16 (BF16 bits), N the handle's received rows (or
+            num_worst_tokens), H ``hidden`` (default: the dispatch's).
+        """
+        if not isinstance(handle, DispatchHandle) or handle.buffer_id != id(self):
+            raise ValueError("get_combine_buffer needs a DispatchHandle made by this Buffer")
+        if handle.transport != "direct":
+            raise ValueError("a zero-copy combine needs a handle of the direct transport")
+        H = int(hidden or handle.hidden)
+        check_hidden(H)
+        zc_x, _, end = self._zero_copy_layout(handle, H)
+        pool = self._direct_pool("combine", end)
+        N = handle.num_worst_tokens or handle.num_recv_tokens
+        return pool.view(zc_x, (N, H), BF16)
+
+    def _check_zero_copy(self, x, handle, expert_major: bool, k: int) -> None:
+        if handle.transport != "direct":
+            raise ValueError("zero_copy needs a handle of the direct transport")
+        if expert_major:
+            raise ValueError("zero_copy takes one row per received row, not expert-major outputs")
+        if k > D.ZERO_COPY_MAX_TOPK:
+            raise ValueError(f"a zero-copy combine carries at most {D.ZERO_COPY_MAX_TOPK} top-k weights, got {k}")
+        pool = self._direct.pools["combine"] if self._direct is not None else None
+        zc_x, _, end = self._zero_copy_layout(handle, x.shape[1])
+        if pool is None or pool.nbytes < end or x.data.ptr != pool.ptr + zc_x:
+            raise ValueError("zero_copy needs x = get_combine_buffer(handle), written with the expert outputs")
+
+    def _combine_direct(self, fn, cfg, x, handle, row_weights, topk_weights, combined, combined_w, N,
+                        zero_copy: bool = False) -> None:
         """Combine over the direct transport, on the communication stream:
-        each expert rank pushes its rows into the owners' partial rows, each
-        owner reduces them in rank order."""
-        R, me = self.num_ranks, self.rank
+        each expert rank pushes its rows (zero-copy: only their weights) into
+        the owners' partial rows, each owner reduces them in rank order."""
+        me = self.rank
         T, H = combined.shape
         k = topk_weights.shape[1] if topk_weights is not None else 0
-        if handle.counts is not None:
-            rows = int(handle.counts.sum(axis=1).max())  # partial rows of the owner that sent the most
+        if zero_copy:
+            zc_x, partial_meta, _ = self._zero_copy_layout(handle, H)
+            pool, partial_x, fit, meta_stride = self._direct.pools["combine"], 0, self._combine_rows(handle)[1], \
+                1 + D.ZERO_COPY_MAX_TOPK
         else:
-            rows = self._agreed_rows(T * R)  # a token goes at most once to each rank
-        pool = self._direct_pool("combine", D.combine_layout(rows, H, k)[2])
-        partial_x, partial_meta, fit = self._direct.combine_layout(H, k)
+            rows = self._combine_rows(handle)[1]
+            pool = self._direct_pool("combine", D.combine_layout(rows, H, k)[2])
+            partial_x, partial_meta, fit = self._direct.combine_layout(H, k)
+            zc_x, meta_stride = -1, 1 + k
         blocks = cfg.num_sms or D.default_num_sms(self.sm_budget, max(N, T), cfg.num_threads)
         pools = self._direct
         args = jit.pack(
             D.COMBINE_ARGS_DTYPE, pools=jit.ptr(pool.peer_ptrs), syncs=jit.ptr(pools.sync.peer_ptrs),
-            sync=pools.sync_struct, partial_x=partial_x, partial_meta=partial_meta, rows=fit, x=jit.ptr(x),
+            sync=pools.sync_struct, partial_x=partial_x, partial_meta=partial_meta, zc_x=zc_x, rows=fit,
+            meta_stride=meta_stride, x=jit.ptr(x),
             row_weights=jit.ptr(row_weights), recv_topk_weights=jit.ptr(topk_weights),
             rank_prefix_matrix=jit.ptr(handle.rank_prefix_matrix), recv_rank_offset=jit.ptr(handle.recv_rank_offset),
             send_head=jit.ptr(handle.send_head), send_channel_prefix=jit.ptr(handle.send_channel_prefix),
@@ -588,7 +644,7 @@ class Buffer:
     @traced_call("Buffer.combine")
     def combine(self, x, handle: DispatchHandle, topk_weights=None, *, row_weights=None, config: Config | None = None,
                 previous_event=None, async_finish: bool = False, pair_weights=None,
-                expert_major: bool | None = None) -> CombineResult:
+                expert_major: bool | None = None, zero_copy: bool = False) -> CombineResult:
         """Send expert outputs back along the dispatch route and reduce them.
 
         Arguments:
@@ -606,6 +662,10 @@ class Buffer:
                 slots j, in slot order, of pair_weights[r, j] * x[recv_expert_row[r, j]]),
                 then combined as usual. None (default): expert-major exactly when the
                 handle has an expert-major map and x has M_cap rows.
+            zero_copy: direct transport only: x is this handle's
+                :meth:`get_combine_buffer`, where the caller wrote its outputs; each
+                token's owner reads the rows there (one pass over the rows instead of
+                a push and a read back). Same result, bitwise.
 
         Returns:
             CombineResult with combined_x [T, H] uint16 (BF16): for every token,
@@ -634,6 +694,8 @@ class Buffer:
         row_weights = as_cupy(row_weights, "row_weights")
         if row_weights is not None:
             check(row_weights, "row_weights", np.float32, shape=(N,))
+        if zero_copy:
+            self._check_zero_copy(x, handle, em, k)
         if handle.transport == "direct":
             if config is not None and not isinstance(config, D.DirectConfig):
                 raise ValueError(f"the direct transport takes a DirectConfig, got {type(config).__name__}")
@@ -659,7 +721,7 @@ class Buffer:
             combined = cupy.empty((T, H), dtype=BF16)
             combined_w = cupy.empty((T, k), dtype=np.float32) if topk_weights is not None else None
             if handle.transport == "direct":
-                self._combine_direct(fn, cfg, x, handle, row_weights, topk_weights, combined, combined_w, N)
+                self._combine_direct(fn, cfg, x, handle, row_weights, topk_weights, combined, combined_w, N, zero_copy)
         if handle.transport == "direct":  # the caller's stream waits (or not) outside the communication stream
             return CombineResult(combined, combined_w, self._end(async_finish), reduced)
         with self.comm_stream:

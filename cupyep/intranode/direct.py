@@ -13,7 +13,9 @@ Pools of every rank (the same sizes on every rank):
 - sync: four [R] arrays of int64 counters (:data:`SYNC_STRIDE` bytes apart):
   dispatch ready / arrived, combine ready / arrived (see direct_args.cuh);
 - dispatch: the receive arrays of a call, laid out by :func:`recv_layout`;
-- combine: the partial rows an owner receives, laid out by :func:`combine_layout`.
+- combine: the partial rows an owner receives, laid out by :func:`combine_layout`;
+  for a zero-copy combine, the caller's expert outputs (which the owners read
+  in place) and the pushed weights, laid out by :func:`zero_copy_layout`.
 
 and ``state``, int64 [4 + 2R] private to the rank: the epochs and the
 cumulative row counts the kernels wait on.
@@ -37,6 +39,7 @@ POOL_GRANULE = 2 << 20  # pools grow in multiples of this many bytes
 GROWTH = 1.25          # headroom when a pool grows
 THREADS = 512
 STATE_HEADER = 4       # kStateHeader
+ZERO_COPY_MAX_TOPK = 32  # top-k weights a zero-copy combine carries (its metadata stride is fixed)
 
 SYNC_DTYPE = jit.struct_dtype([(n, i64) for n in (
     "dispatch_ready", "dispatch_arrived", "combine_ready", "combine_arrived")])
@@ -50,7 +53,7 @@ DISPATCH_ARGS_DTYPE = jit.struct_dtype([
     ("num_channels", i32), ("capacity", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
 COMBINE_ARGS_DTYPE = jit.struct_dtype([
     ("pools", u64), ("syncs", u64), ("sync", SYNC_DTYPE), ("partial_x", i64), ("partial_meta", i64),
-    ("rows", i64), ("x", u64), ("row_weights", u64), ("recv_topk_weights", u64), ("rank_prefix_matrix", u64),
+    ("zc_x", i64), ("rows", i64), ("meta_stride", i64), ("x", u64), ("row_weights", u64), ("recv_topk_weights", u64), ("rank_prefix_matrix", u64),
     ("recv_rank_offset", u64), ("send_head", u64), ("send_channel_prefix", u64), ("combined_x", u64),
     ("combined_topk_weights", u64), ("state", u64), ("num_tokens", i32), ("x_int4", i32), ("num_topk", i32),
     ("num_channels", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
@@ -166,6 +169,14 @@ def combine_layout(rows: int, hidden: int, num_topk: int) -> tuple[int, int, int
     BF16 [rows, hidden], then float32 [rows, 1 + k] (row weight, top-k weights)."""
     meta = _align(rows * hidden * 2)
     return 0, meta, _align(meta + rows * (1 + num_topk) * 4)
+
+
+def zero_copy_layout(out_rows: int, hidden: int, meta_rows: int) -> tuple[int, int, int]:
+    """(zc_x, partial_meta, end) byte offsets of a zero-copy combine: the
+    caller's expert outputs, BF16 [out_rows, hidden], then float32 [meta_rows,
+    1 + ZERO_COPY_MAX_TOPK] (each owner's pushed row and top-k weights)."""
+    meta = _align(out_rows * hidden * 2)
+    return 0, meta, _align(meta + meta_rows * (1 + ZERO_COPY_MAX_TOPK) * 4)
 
 
 def combine_rows_that_fit(nbytes: int, hidden: int, num_topk: int) -> int:

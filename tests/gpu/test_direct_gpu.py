@@ -180,6 +180,49 @@ def test_direct_expert_major_matches_queue(group, buf):
     assert all_ranks(group.comm, all(same.values())), {k: v for k, v in same.items() if not v}
 
 
+@pytest.mark.parametrize("worst", [False, True])
+def test_direct_zero_copy_combine(group, buf, worst):
+    """combine(get_combine_buffer(handle), zero_copy=True), the owners reading
+    the expert outputs in place: bitwise the pushing combine, against the
+    reference, twice, and again after the next dispatch reuses the buffer."""
+    import cupy
+    R, me = group.local_size, group.local_rank
+    for it, (seed, T, H) in enumerate(((51, 300, 2048), (52, 1000, 7168))):
+        tokens, idx, w, x = _inputs(group, seed, T, H)
+        res = _expected(group, tokens, idx, w, H)[0]
+        kw = {"num_worst_tokens": T * R} if worst else {}
+        out = buf.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=NUM_EXPERTS,
+                           transport="direct", **kw)
+        zc = buf.get_combine_buffer(out.handle)
+        zc[...] = out.recv_x  # identity experts: the outputs are the received rows
+        n = res[me].num_recv_tokens
+        row_w = cupy.asarray((1.0 + (np.arange(zc.shape[0]) % 3)).astype(np.float32))
+        pushed = buf.combine(out.recv_x, out.handle, topk_weights=out.recv_topk_weights, row_weights=row_w)
+        pulled = buf.combine(zc, out.handle, topk_weights=out.recv_topk_weights, row_weights=row_w, zero_copy=True)
+        again = buf.combine(zc, out.handle, topk_weights=out.recv_topk_weights, row_weights=row_w, zero_copy=True)
+        weights = [(1.0 + (np.arange(r.num_recv_tokens) % 3)).astype(np.float32) for r in res]
+        expected = ref.intranode_combine(_received_rows(res, H), res, tokens, weights=weights)[me]
+        px = pulled.combined_x.get()
+        checks = {
+            "rows": zc.shape == (T * R if worst else n, H),
+            "same as push": np.array_equal(px, pushed.combined_x.get()),
+            "weights same as push": np.array_equal(pulled.combined_topk_weights.get(),
+                                                   pushed.combined_topk_weights.get()),
+            "deterministic": np.array_equal(again.combined_x.get(), px),
+            "reference": ref.calc_diff(bf16_to_f32(px), expected) < 5e-6,
+        }
+        assert all_ranks(group.comm, all(checks.values())), (it, {k: v for k, v in checks.items() if not v})
+    with pytest.raises(ValueError, match="get_combine_buffer"):
+        buf.combine(out.recv_x, out.handle, zero_copy=True)
+    q = buf.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), num_experts=NUM_EXPERTS)
+    with pytest.raises(ValueError, match="direct transport"):
+        buf.combine(q.recv_x, q.handle, zero_copy=True)
+    with pytest.raises(ValueError, match="direct transport"):
+        buf.get_combine_buffer(q.handle)
+    buf.synchronize()
+    group.comm.Barrier()
+
+
 def test_direct_pool_grows_and_stays(group, buf):
     """The receive pool grows when a call needs more and is reused (not
     reallocated) by smaller calls."""
