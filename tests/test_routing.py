@@ -46,6 +46,8 @@ def test_deterministic_and_seeded(kind, drop):
     assert not np.array_equal(_flat(w), _flat(w3))
     if kind != "one_expert" or drop:  # one_expert's ids do not depend on the seed without drops
         assert not np.array_equal(_flat(idx), _flat(idx3))
+        same = routing.make(kind, 11, [30, 30], E, K, drop_fraction=drop, **PARAMS[kind])[0]
+        assert not np.array_equal(same[0], same[1])  # each rank draws its own tokens
 
 
 def test_uniform_is_reference_routing():
