@@ -514,9 +514,8 @@ class Buffer:
         """Where to write the expert outputs of a direct dispatch for a
         zero-copy combine (``combine(buf, handle, zero_copy=True)``).
 
-        Collective when the combine pool must grow (every rank calls it for
-        the same dispatch). The buffer is this rank's part of the combine
-        pool: write it after the dispatch that made ``handle`` and before
+        Collective when the zero-copy pool must grow (every rank calls it
+        for the same dispatch). The buffer is this rank's part of that pool: write it after the dispatch that made ``handle`` and before
         its combine; it is reused by the next zero-copy combine (one per
         dispatch in flight).
 
@@ -531,7 +530,7 @@ class Buffer:
         H = int(hidden or handle.hidden)
         check_hidden(H)
         zc_x, _, end = self._zero_copy_layout(handle, H)
-        pool = self._direct_pool("combine", end)
+        pool = self._direct_pool("zero_copy", end)
         N = handle.num_worst_tokens or handle.num_recv_tokens
         return pool.view(zc_x, (N, H), BF16)
 
@@ -542,7 +541,7 @@ class Buffer:
             raise ValueError("zero_copy takes one row per received row, not expert-major outputs")
         if k > D.ZERO_COPY_MAX_TOPK:
             raise ValueError(f"a zero-copy combine carries at most {D.ZERO_COPY_MAX_TOPK} top-k weights, got {k}")
-        pool = self._direct.pools["combine"] if self._direct is not None else None
+        pool = self._direct.pools["zero_copy"] if self._direct is not None else None
         zc_x, _, end = self._zero_copy_layout(handle, x.shape[1])
         if pool is None or pool.nbytes < end or x.data.ptr != pool.ptr + zc_x:
             raise ValueError("zero_copy needs x = get_combine_buffer(handle), written with the expert outputs")
@@ -557,7 +556,7 @@ class Buffer:
         k = topk_weights.shape[1] if topk_weights is not None else 0
         if zero_copy:
             zc_x, partial_meta, _ = self._zero_copy_layout(handle, H)
-            pool, partial_x, fit, meta_stride = self._direct.pools["combine"], 0, self._combine_rows(handle)[1], \
+            pool, partial_x, fit, meta_stride = self._direct.pools["zero_copy"], 0, self._combine_rows(handle)[1], \
                 1 + D.ZERO_COPY_MAX_TOPK
         else:
             rows = self._combine_rows(handle)[1]

@@ -14,8 +14,10 @@ Pools of every rank (the same sizes on every rank):
   dispatch ready / arrived, combine ready / arrived (see direct_args.cuh);
 - dispatch: the receive arrays of a call, laid out by :func:`recv_layout`;
 - combine: the partial rows an owner receives, laid out by :func:`combine_layout`;
-  for a zero-copy combine, the caller's expert outputs (which the owners read
-  in place) and the pushed weights, laid out by :func:`zero_copy_layout`.
+- zero_copy: the caller's expert outputs of a zero-copy combine (which the
+  owners read in place) and the pushed weights, laid out by
+  :func:`zero_copy_layout` (its own pool, so a pushing combine never
+  overwrites outputs written for a zero-copy one).
 
 and ``state``, int64 [4 + 2R] private to the rank: the epochs and the
 cumulative row counts the kernels wait on.
@@ -197,7 +199,7 @@ class DirectPools:
 
     Attributes:
         sync: SymmetricBuffer of the counters.
-        dispatch, combine: SymmetricBuffer pools, or None before first use.
+        pools: {"dispatch", "combine", "zero_copy"}: SymmetricBuffer pools, or None before first use.
         state: cupy int64 [4 + 2R], private.
     """
 
@@ -210,7 +212,7 @@ class DirectPools:
         self.sync_struct = jit.pack(SYNC_DTYPE, dispatch_ready=0, dispatch_arrived=R * SYNC_STRIDE,
                                     combine_ready=2 * R * SYNC_STRIDE, combine_arrived=3 * R * SYNC_STRIDE)
         self.state = cupy.zeros(STATE_HEADER + 2 * R, dtype=np.int64)
-        self.pools = {"dispatch": None, "combine": None}
+        self.pools = {"dispatch": None, "combine": None, "zero_copy": None}
         self._layouts: dict = {}
 
     def recv_layout(self, *shape) -> RecvLayout:
