@@ -139,3 +139,26 @@ class CombineResult:
     combined_topk_weights: object
     event: EventHandle | None = None
     expert_reduced_x: object = None
+
+
+def check_hidden(hidden: int) -> None:
+    """ValueError unless ``hidden`` (H) is a positive multiple of 128 (the FP8 scale groups)."""
+    if hidden <= 0 or hidden % 128:
+        raise ValueError(f"hidden size must be a positive multiple of 128, got {hidden}")
+
+
+def aligned_expert_counts(recv_expert_counts, expert_alignment: int) -> list[int] | None:
+    """DispatchResult.num_recv_tokens_per_expert from a handle's host counts.
+
+    Arguments:
+        recv_expert_counts: E_local ints, (row, slot) pairs per local expert before
+            alignment (DispatchHandle.recv_expert_counts), or None (worst-token mode).
+        expert_alignment: A >= 1.
+
+    Returns:
+        list of E_local ints, each rounded up to a multiple of A; None when the
+        counts are None (never an empty list for unknown counts).
+    """
+    if recv_expert_counts is None:
+        return None
+    return [-(-int(c) // expert_alignment) * expert_alignment for c in recv_expert_counts]

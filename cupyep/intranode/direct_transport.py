@@ -1,0 +1,195 @@
+"""The direct (one-copy) transport's calls, as methods of
+:class:`cupyep.intranode.Buffer` (its base class): dispatch into the
+receivers' pools, the pushing and the zero-copy combine, and the pools'
+collective sizing. The layouts, pools and argument structs are in
+:mod:`cupyep.intranode.direct`; the kernels in cuda_src/intranode/direct.cu.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from .. import jit
+from ..arrays import BF16, FP8
+from ..calls import traced_call
+from . import direct as D
+from .results import DispatchHandle, DispatchResult, aligned_expert_counts, check_hidden
+
+
+class DirectTransport:
+    """Methods of Buffer for ``transport="direct"`` (they use the Buffer's
+    group, streams, notify pass and error guards)."""
+
+    def _check_direct_resident(self, fn, cfg: D.DirectConfig, what: str) -> None:
+        """ValueError before launch unless every rank's blocks fit the GPU at
+        once (the default, at most this rank's SM budget, always does)."""
+        jit.require_resident(what, jit.max_resident_blocks(fn, cfg.num_threads), cfg.num_sms or self.sm_budget,
+                             cfg.num_threads, self.group.ranks_per_gpu, self.num_device_sms, "num_sms", step=1)
+
+    def _direct_pools(self) -> D.DirectPools:
+        if self._direct is None:
+            self._direct = D.DirectPools(self.group)
+        return self._direct
+
+    def _agreed_rows(self, rows: int) -> int:
+        """The most of ``rows`` over the node's ranks (worst-token mode, whose
+        counts never reach the host). Under graph capture no rank may talk to
+        the others: this rank's own number then, which the pool must already
+        hold (checked by the caller)."""
+        import cupy
+        if cupy.cuda.get_current_stream().is_capturing() or self.comm_stream.is_capturing():
+            return int(rows)
+        from mpi4py import MPI
+        return int(self.group.node_comm.allreduce(int(rows), op=MPI.MAX))
+
+    def _direct_pool(self, kind: str, nbytes: int):
+        """The ``kind`` pool holding ``nbytes``: grown collectively when it is
+        smaller, except under graph capture, where a pool too small is an error."""
+        import cupy
+        pools = self._direct_pools()
+        capturing = cupy.cuda.get_current_stream().is_capturing() or self.comm_stream.is_capturing()
+        if capturing and pools.nbytes(kind) < nbytes:
+            raise ValueError(f"the direct transport's {kind} pool holds {pools.nbytes(kind)} bytes, this call needs "
+                             f"{nbytes}: run the same call once outside graph capture first, so that it grows")
+        return pools.ensure(kind, nbytes)
+
+    def _dispatch_direct(self, x, x_scales, topk_idx, topk_weights, num_experts, handle, arrays, num_worst_tokens,
+                         expert_alignment, cfg, previous_event, async_finish, expert_major) -> DispatchResult:
+        """Dispatch over the direct transport (arguments checked by dispatch)."""
+        R, me = self.num_ranks, self.rank
+        T, H = x.shape
+        fp8 = x.dtype == FP8
+        k = topk_idx.shape[1] if topk_idx is not None else 0
+        ns = H // 128 if fp8 else 0
+        x_bytes = H * x.dtype.itemsize
+        fn = jit.kernel(D.dispatch_spec(R, cfg.num_threads))
+        self._check_direct_resident(fn, cfg, "direct dispatch")
+        self._begin(previous_event)
+        with self.comm_stream:
+            if handle is None:
+                routing = self._routing(topk_idx, num_experts, T, arrays)
+                handle = self._notify(T, H, num_experts, *routing, D.notify_channels(R), expert_alignment,
+                                      num_worst_tokens, transport="direct")
+                notified = True
+            else:
+                notified = False
+            N = handle.num_worst_tokens or handle.num_recv_tokens
+            if handle.counts is not None:
+                rows, rows_sent = max(N, int(handle.counts.sum(axis=0).max())), int(handle.counts[me].sum())
+            else:
+                rows, rows_sent = self._agreed_rows(N), T * R
+            shape = (x_bytes, ns, k, topk_idx is not None, topk_weights is not None)
+            pool = self._direct_pool("dispatch", D.recv_layout(rows, *shape).end)
+            lay = self._direct.recv_layout(*shape)
+            recv_x = pool.view(lay.x, (N, H), x.dtype)
+            recv_scales = pool.view(lay.x_scales, (N, ns), np.float32) if fp8 else None
+            recv_topk_idx = pool.view(lay.topk_idx, (N, k), np.int64) if topk_idx is not None else None
+            recv_topk_weights = pool.view(lay.topk_weights, (N, k), np.float32) if topk_weights is not None else None
+            handle = replace(handle, recv_src_idx=pool.view(lay.src_idx, (N,), np.int32))
+            blocks = cfg.num_sms or D.default_num_sms(self.sm_budget, rows_sent, cfg.num_threads)
+            pools = self._direct
+            args = jit.pack(
+                D.DISPATCH_ARGS_DTYPE, pools=jit.ptr(pool.peer_ptrs), syncs=jit.ptr(pools.sync.peer_ptrs),
+                sync=pools.sync_struct, out=lay.struct(), x=jit.ptr(x), x_scales=jit.ptr(x_scales),
+                topk_idx=jit.ptr(topk_idx), topk_weights=jit.ptr(topk_weights), send_list=jit.ptr(handle.send_list),
+                send_channel_prefix=jit.ptr(handle.send_channel_prefix),
+                rank_prefix_matrix=jit.ptr(handle.rank_prefix_matrix), recv_rank_offset=jit.ptr(handle.recv_rank_offset),
+                state=jit.ptr(pools.state), num_tokens=T, num_scales=ns, num_topk=k,
+                num_local_experts=num_experts // R, num_channels=handle.num_channels, capacity=N, rank=me,
+                guard=self._guard("intranode_direct_dispatch"))
+            fn((blocks,), (cfg.num_threads,), (args,))
+            per_expert = aligned_expert_counts(handle.recv_expert_counts, expert_alignment)
+            em = self._expert_major(handle, per_expert if notified else None, recv_x, recv_scales,
+                                    recv_topk_idx, num_experts, expert_alignment) if expert_major else None
+            if em is not None:
+                handle = replace(handle, recv_expert_row=em.recv_expert_row, num_expert_rows=em.num_expert_rows)
+            elif handle.recv_expert_row is not None:
+                handle = replace(handle, recv_expert_row=None, num_expert_rows=0)
+        event = self._end(async_finish)
+        result = DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle, event)
+        if em is not None:
+            result.expert_x, result.expert_x_scales = em.expert_x, em.expert_x_scales
+            result.expert_offsets, result.expert_src_row = em.expert_offsets, em.expert_src_row
+        return result
+
+    def _combine_rows(self, handle) -> tuple[int, int]:
+        """(the most rows any rank received in the handle's dispatch, the most
+        partial rows any owner receives back), the same on every rank."""
+        R = self.num_ranks
+        if handle.counts is not None:
+            return int(handle.counts.sum(axis=0).max()), int(handle.counts.sum(axis=1).max())
+        N = handle.num_worst_tokens
+        return self._agreed_rows(N), self._agreed_rows(handle.num_tokens * R)  # a token goes once to each rank
+
+    def _zero_copy_layout(self, handle, hidden: int) -> tuple[int, int, int]:
+        out_rows, meta_rows = self._combine_rows(handle)
+        return D.zero_copy_layout(out_rows, hidden, meta_rows)
+
+    @traced_call("Buffer.get_combine_buffer")
+    def get_combine_buffer(self, handle: DispatchHandle, hidden: int | None = None):
+        """Where to write the expert outputs of a direct dispatch for a
+        zero-copy combine (``combine(buf, handle, zero_copy=True)``).
+
+        Collective when the zero-copy pool must grow (every rank calls it
+        for the same dispatch). The buffer is this rank's part of that pool: write it after the dispatch that made ``handle`` and before
+        its combine; it is reused by the next zero-copy combine (one per
+        dispatch in flight).
+
+        Returns:
+            cupy [N, H] uint16 (BF16 bits), N the handle's received rows (or
+            num_worst_tokens), H ``hidden`` (default: the dispatch's).
+        """
+        if not isinstance(handle, DispatchHandle) or handle.buffer_id != id(self):
+            raise ValueError("get_combine_buffer needs a DispatchHandle made by this Buffer")
+        if handle.transport != "direct":
+            raise ValueError("a zero-copy combine needs a handle of the direct transport")
+        H = int(hidden or handle.hidden)
+        check_hidden(H)
+        zc_x, _, end = self._zero_copy_layout(handle, H)
+        pool = self._direct_pool("zero_copy", end)
+        N = handle.num_worst_tokens or handle.num_recv_tokens
+        return pool.view(zc_x, (N, H), BF16)
+
+    def _check_zero_copy(self, x, handle, expert_major: bool, k: int) -> None:
+        if handle.transport != "direct":
+            raise ValueError("zero_copy needs a handle of the direct transport")
+        if expert_major:
+            raise ValueError("zero_copy takes one row per received row, not expert-major outputs")
+        if k > D.ZERO_COPY_MAX_TOPK:
+            raise ValueError(f"a zero-copy combine carries at most {D.ZERO_COPY_MAX_TOPK} top-k weights, got {k}")
+        pool = self._direct.pools["zero_copy"] if self._direct is not None else None
+        zc_x, _, end = self._zero_copy_layout(handle, x.shape[1])
+        if pool is None or pool.nbytes < end or x.data.ptr != pool.ptr + zc_x:
+            raise ValueError("zero_copy needs x = get_combine_buffer(handle), written with the expert outputs")
+
+    def _combine_direct(self, fn, cfg, x, handle, row_weights, topk_weights, combined, combined_w, N,
+                        zero_copy: bool = False) -> None:
+        """Combine over the direct transport, on the communication stream:
+        each expert rank pushes its rows (zero-copy: only their weights) into
+        the owners' partial rows, each owner reduces them in rank order."""
+        me = self.rank
+        T, H = combined.shape
+        k = topk_weights.shape[1] if topk_weights is not None else 0
+        if zero_copy:
+            zc_x, partial_meta, _ = self._zero_copy_layout(handle, H)
+            pool, partial_x, fit, meta_stride = self._direct.pools["zero_copy"], 0, self._combine_rows(handle)[1], \
+                1 + D.ZERO_COPY_MAX_TOPK
+        else:
+            rows = self._combine_rows(handle)[1]
+            pool = self._direct_pool("combine", D.combine_layout(rows, H, k)[2])
+            partial_x, partial_meta, fit = self._direct.combine_layout(H, k)
+            zc_x, meta_stride = -1, 1 + k
+        blocks = cfg.num_sms or D.default_num_sms(self.sm_budget, max(N, T), cfg.num_threads)
+        pools = self._direct
+        args = jit.pack(
+            D.COMBINE_ARGS_DTYPE, pools=jit.ptr(pool.peer_ptrs), syncs=jit.ptr(pools.sync.peer_ptrs),
+            sync=pools.sync_struct, partial_x=partial_x, partial_meta=partial_meta, zc_x=zc_x, rows=fit,
+            meta_stride=meta_stride, x=jit.ptr(x),
+            row_weights=jit.ptr(row_weights), recv_topk_weights=jit.ptr(topk_weights),
+            rank_prefix_matrix=jit.ptr(handle.rank_prefix_matrix), recv_rank_offset=jit.ptr(handle.recv_rank_offset),
+            send_head=jit.ptr(handle.send_head), send_channel_prefix=jit.ptr(handle.send_channel_prefix),
+            combined_x=jit.ptr(combined), combined_topk_weights=jit.ptr(combined_w), state=jit.ptr(pools.state),
+            num_tokens=T, x_int4=H * 2 // 16, num_topk=k, num_channels=handle.num_channels, rank=me,
+            guard=self._guard("intranode_direct_combine"))
+        fn((blocks,), (cfg.num_threads,), (args,))
