@@ -1,0 +1,416 @@
+"""Figures of any results file: one call (or one command) per figure.
+
+    python -m cupyep.plotting FILE.jsonl knob --x tokens --y time_us --by kind --out fig
+    python -m cupyep.plotting FILE.jsonl heatmap --x dispatch_config.queue_depth \\
+        --y dispatch_config.chunk_size --value time_us --where kind=dispatch_bf16 ranks=8 --out heat
+    python -m cupyep.plotting FILE.jsonl cdf --samples wait_us --by ranks --out waits
+    python -m cupyep.plotting FILE.jsonl crossover --x tokens --y time_us --by mode --out cross
+    python -m cupyep.plotting FILE.jsonl scatter --x rank_GBps --y calc_diff --by kind --out fp8
+
+Records are the JSON objects of a JSONL file (the benchmarks', the main
+job's and the sweeps' all work). A field is named by its key, or by a dotted
+path into nested objects (``dispatch_config.queue_depth``). ``where``
+keeps the records whose fields equal the given values (a list: any of them).
+Units come from the field names (``*_us``: microseconds, ``*GBps``: GB/s,
+``*_bytes``: bytes, ...) and appear on the axes.
+
+The functions return matplotlib Figures (no pyplot: notebooks and headless
+runs alike); :func:`save` writes a figure as PNG and SVG.
+
+- :func:`knob_figure`: a metric against any knob, one line per ``by`` value,
+  with a p10-p90 band when the records carry ``p10_*``/``p90_*`` of it;
+- :func:`heatmap_figure`: a metric over two knobs (queue depth x chunk
+  size), the best cell outlined;
+- :func:`cdf_figure`: the distribution of a list-valued field (signal-wait
+  samples), one curve per ``by`` value, p50 and p99 marked;
+- :func:`crossover_figure`: time against a knob for several modes, with the
+  knob values where the fastest mode changes (:func:`crossovers`) marked;
+- :func:`scatter_figure`: one metric against another (FP8 error against
+  bandwidth; imbalance factor against straggler time).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+UNITS = (("_us", "us"), ("_ms", "ms"), ("_s", "s"), ("GBps", "GB/s"), ("_bytes", "bytes"), ("_MiB", "MiB"))
+
+
+def field(rec: dict, key: str):
+    """``rec[key]``, or the value at a dotted path; None when absent."""
+    if key in rec:
+        return rec[key]
+    cur = rec
+    for part in key.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            return None
+        cur = cur[part]
+    return cur
+
+
+NAMES = {"rank_GBps": "bandwidth per rank", "copy_GBps": "copy bandwidth", "time_us": "time",
+         "efficiency": "efficiency (fraction of the copy roofline)", "calc_diff": "calc_diff (1 - similarity)"}
+
+
+def label(key: str) -> str:
+    """Axis label of a field: its last path part, without the unit suffix,
+    then the unit (``time_us`` -> "time (us)")."""
+    name = key.split(".")[-1]
+    for suffix, unit in UNITS:
+        if name.endswith(suffix) and len(name) > len(suffix):
+            base = NAMES.get(name, name[:-len(suffix)].strip("_").replace("_", " "))
+            return f"{base} ({unit})"
+    return NAMES.get(name, name.replace("_", " "))
+
+
+def select(records, where: dict | None = None) -> list[dict]:
+    """Records whose fields equal ``where``'s values (a list or tuple: any of them)."""
+    out = []
+    for r in records:
+        ok = True
+        for k, v in (where or {}).items():
+            got = field(r, k)
+            if isinstance(v, (list, tuple, set)):
+                ok = got in v
+            else:
+                ok = got == v
+            if not ok:
+                break
+        if ok:
+            out.append(r)
+    return out
+
+
+def _require(records, *keys) -> None:
+    if not records:
+        raise ValueError("no records to plot (check the file and the where filter)")
+    for k in keys:
+        if k and not any(field(r, k) is not None for r in records):
+            have = sorted({kk for r in records for kk in r})
+            raise ValueError(f"no record has field {k!r}; fields: {have}")
+
+
+def _groups(records, by):
+    """[(label, records)] by the value of field ``by`` (one group when None), in first-seen order."""
+    if by is None:
+        return [(None, list(records))]
+    groups: dict = {}
+    for r in records:
+        groups.setdefault(json.dumps(field(r, by), sort_keys=True, default=str), []).append(r)
+    return [(f"{by.split('.')[-1]} = {json.loads(k)}", v) for k, v in groups.items()]
+
+
+def _series(records, x, y):
+    """Sorted (xs, ys) of records with both fields (the median where an x repeats)."""
+    pts: dict = {}
+    for r in records:
+        xv, yv = field(r, x), field(r, y)
+        if xv is not None and yv is not None:
+            pts.setdefault(xv, []).append(float(yv))
+    xs = sorted(pts)
+    return xs, [float(np.median(pts[v])) for v in xs]
+
+
+def _figure(width=7.0, height=4.2):
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(width, height), layout="constrained")
+    return fig, fig.subplots()
+
+
+def _log_if_wide(ax, xs, axis="x"):
+    vals = [v for v in xs if isinstance(v, (int, float)) and v > 0]
+    if len(vals) > 1 and max(vals) / min(vals) >= 64:
+        (ax.set_xscale if axis == "x" else ax.set_yscale)("log", base=2 if axis == "x" else 10)
+
+
+def knob_figure(records, x: str, y: str = "time_us", by: str | None = None, where: dict | None = None,
+                title: str | None = None):
+    """``y`` against knob ``x``, one line per value of ``by``; a p10-p90 band
+    where the records carry ``p10_<name>`` and ``p90_<name>`` (or
+    ``<stem>p10_us``-style keys next to ``median_us``)."""
+    recs = select(records, where)
+    _require(recs, x, y, by)
+    fig, ax = _figure()
+    name = y.split(".")[-1]
+    lo_key, hi_key = _band_keys(name)
+    for lab, group in _groups(recs, by):
+        xs, ys = _series(group, x, y)
+        line, = ax.plot(xs, ys, marker="o", label=lab)
+        if lo_key and all(field(r, lo_key) is not None and field(r, hi_key) is not None for r in group):
+            _, lo = _series(group, x, lo_key)
+            _, hi = _series(group, x, hi_key)
+            ax.fill_between(xs, lo, hi, alpha=0.2, color=line.get_color(), linewidth=0)
+    _log_if_wide(ax, [field(r, x) for r in recs])
+    ax.set_xlabel(label(x))
+    ax.set_ylabel(label(y))
+    ax.grid(alpha=0.3)
+    if by is not None:
+        ax.legend(fontsize="small")
+    ax.set_title(title or f"{label(y)} against {x.split('.')[-1]}", fontsize="medium")
+    return fig
+
+
+def _band_keys(name: str):
+    """The p10/p90 keys that go with metric ``name`` (median_us -> p10_us, p90_us)."""
+    if name.startswith("median_"):
+        unit = name[len("median"):]
+        return f"p10{unit}", f"p90{unit}"
+    return f"p10_{name}", f"p90_{name}"
+
+
+def heatmap_figure(records, x: str, y: str, value: str = "time_us", where: dict | None = None,
+                   lower_is_better: bool = True, title: str | None = None):
+    """``value`` over knobs ``x`` (columns) and ``y`` (rows), each cell
+    annotated, the best one outlined; cells no record has are left blank."""
+    recs = select(records, where)
+    _require(recs, x, y, value)
+    xs = sorted({field(r, x) for r in recs if field(r, x) is not None})
+    ys = sorted({field(r, y) for r in recs if field(r, y) is not None})
+    grid = heatmap_values(recs, x, y, value, xs, ys)
+    fig, ax = _figure(width=1.2 * len(xs) + 3, height=0.8 * len(ys) + 2)
+    m = np.ma.masked_invalid(grid)
+    im = ax.imshow(m, cmap="viridis_r" if lower_is_better else "viridis", aspect="auto", origin="lower")
+    ax.set_xticks(range(len(xs)), [str(v) for v in xs])
+    ax.set_yticks(range(len(ys)), [str(v) for v in ys])
+    for i in range(len(ys)):
+        for j in range(len(xs)):
+            if not math.isnan(grid[i, j]):
+                ax.text(j, i, f"{grid[i, j]:.4g}", ha="center", va="center", fontsize="x-small", color="white")
+    if np.isfinite(grid).any():
+        best = np.nanargmin(grid) if lower_is_better else np.nanargmax(grid)
+        i, j = np.unravel_index(best, grid.shape)
+        from matplotlib.patches import Rectangle
+        ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=2))
+    fig.colorbar(im, ax=ax, label=label(value))
+    ax.set_xlabel(label(x))
+    ax.set_ylabel(label(y))
+    ax.set_title(title or f"{label(value)}, best outlined", fontsize="medium")
+    return fig
+
+
+def heatmap_values(records, x, y, value, xs, ys) -> np.ndarray:
+    """[len(ys), len(xs)] float64: the median ``value`` of the records at
+    each (y, x), NaN where there is none."""
+    grid = np.full((len(ys), len(xs)), np.nan)
+    cells: dict = {}
+    for r in records:
+        xv, yv, v = field(r, x), field(r, y), field(r, value)
+        if xv in xs and yv in ys and v is not None:
+            cells.setdefault((ys.index(yv), xs.index(xv)), []).append(float(v))
+    for (i, j), vals in cells.items():
+        grid[i, j] = float(np.median(vals))
+    return grid
+
+
+def cdf_figure(records, samples: str, by: str | None = None, where: dict | None = None,
+               threshold: float | None = None, title: str | None = None):
+    """Empirical CDF of the list-valued field ``samples`` (e.g. signal waits
+    in us), pooled per value of ``by``; p50 and p99 marked on each curve, and
+    ``threshold`` (e.g. the 100 us p99 budget) as a vertical line."""
+    recs = select(records, where)
+    _require(recs, samples, by)
+    fig, ax = _figure()
+    for lab, group in _groups(recs, by):
+        vals = np.sort(np.concatenate([np.asarray(field(r, samples) or [], dtype=np.float64) for r in group]))
+        if not vals.size:
+            continue
+        ps = np.arange(1, vals.size + 1) / vals.size
+        line, = ax.step(vals, ps, where="post", label=f"{lab}, n = {vals.size}" if lab else f"n = {vals.size}")
+        for q in (0.5, 0.99):
+            v = float(np.quantile(vals, q))
+            ax.plot([v], [q], marker="o", color=line.get_color())
+            ax.annotate(f"p{int(q * 100)} {v:.3g}", (v, q), textcoords="offset points", xytext=(4, -10),
+                        fontsize="x-small", color=line.get_color())
+    if threshold is not None:
+        ax.axvline(threshold, color="black", linestyle="--", linewidth=1, label=f"{threshold:g}")
+    ax.set_xlabel(label(samples))
+    ax.set_ylabel("fraction of samples")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    ax.set_title(title or f"distribution of {samples.split('.')[-1]}", fontsize="medium")
+    return fig
+
+
+def crossovers(series: dict) -> list[tuple[float, str, str]]:
+    """Where the fastest of several series changes.
+
+    Arguments:
+        series: {name: (xs, ys)}, each xs ascending; compared on the xs all
+            series share.
+
+    Returns:
+        [(x, faster_before, faster_after)]: x is where the two lines cross,
+        interpolated linearly (in log x when every x is positive) between the
+        shared points that bracket the change.
+    """
+    shared = sorted(set.intersection(*(set(xs) for xs, _ in series.values()))) if series else []
+    if len(shared) < 2:
+        return []
+    vals = {n: dict(zip(xs, ys)) for n, (xs, ys) in series.items()}
+    best = [min(vals, key=lambda n: vals[n][x]) for x in shared]
+    logx = all(x > 0 for x in shared)
+    out = []
+    for i in range(1, len(shared)):
+        a, b = best[i - 1], best[i]
+        if a == b:
+            continue
+        x0, x1 = shared[i - 1], shared[i]
+        d0 = vals[a][x0] - vals[b][x0]  # < 0: a faster at x0
+        d1 = vals[a][x1] - vals[b][x1]  # > 0: b faster at x1
+        f = d0 / (d0 - d1) if d0 != d1 else 0.5
+        if logx:
+            x = math.exp(math.log(x0) + f * (math.log(x1) - math.log(x0)))
+        else:
+            x = x0 + f * (x1 - x0)
+        out.append((x, a, b))
+    return out
+
+
+def crossover_figure(records, x: str = "tokens", y: str = "time_us", by: str = "mode", where: dict | None = None,
+                     title: str | None = None):
+    """``y`` against ``x`` for each value of ``by`` (the modes), the points
+    where the fastest mode changes marked and labelled."""
+    recs = select(records, where)
+    _require(recs, x, y, by)
+    fig, ax = _figure()
+    series = {}
+    for lab, group in _groups(recs, by):
+        xs, ys = _series(group, x, y)
+        series[lab] = (xs, ys)
+        ax.plot(xs, ys, marker="o", label=lab)
+    for xc, a, b in crossovers(series):
+        ax.axvline(xc, color="0.4", linestyle=":", linewidth=1)
+        ax.annotate(f"{x.split('.')[-1]} = {xc:.3g}", (xc, ax.get_ylim()[1]), rotation=90, va="top", ha="right",
+                    fontsize="x-small")
+    _log_if_wide(ax, [field(r, x) for r in recs])
+    _log_if_wide(ax, [field(r, y) for r in recs], axis="y")
+    ax.set_xlabel(label(x))
+    ax.set_ylabel(label(y))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    ax.set_title(title or f"fastest {by.split('.')[-1]} against {x.split('.')[-1]}", fontsize="medium")
+    return fig
+
+
+def scatter_figure(records, x: str, y: str, by: str | None = None, where: dict | None = None,
+                   logy: bool = False, title: str | None = None):
+    """``y`` against ``x``, a point per record, coloured by ``by`` (FP8 error
+    against GB/s; imbalance factor against straggler time)."""
+    recs = select(records, where)
+    _require(recs, x, y, by)
+    fig, ax = _figure()
+    for lab, group in _groups(recs, by):
+        pts = [(field(r, x), field(r, y)) for r in group if field(r, x) is not None and field(r, y) is not None]
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], label=lab, s=18)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(label(x))
+    ax.set_ylabel(label(y))
+    ax.grid(alpha=0.3)
+    if by is not None:
+        ax.legend(fontsize="small")
+    ax.set_title(title or f"{y.split('.')[-1]} against {x.split('.')[-1]}", fontsize="medium")
+    return fig
+
+
+def save(fig, stem) -> list[Path]:
+    """Write ``fig`` to ``stem``.png and ``stem``.svg; returns the paths."""
+    stem = Path(stem)
+    if stem.suffix in (".png", ".svg"):
+        stem = stem.with_suffix("")
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    paths = [stem.with_suffix(".png"), stem.with_suffix(".svg")]
+    fig.savefig(paths[0], dpi=150)
+    fig.savefig(paths[1])
+    return paths
+
+
+def load(path) -> list[dict]:
+    """The records of a JSONL file (a truncated or malformed line is skipped)."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict):
+                out.append(rec)
+    return out
+
+
+def _value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "null": None}.get(text.lower(), text)
+
+
+def _where(items) -> dict:
+    out = {}
+    for it in items or []:
+        if "=" not in it:
+            raise SystemExit(f"--where takes key=value (comma-separated for any of several), got {it!r}")
+        k, v = it.split("=", 1)
+        vals = [_value(s) for s in v.split(",")]
+        out[k] = vals if len(vals) > 1 else vals[0]
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cupyep.plotting", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("file", help="JSONL results file")
+    p.add_argument("figure", choices=("knob", "heatmap", "cdf", "crossover", "scatter"))
+    p.add_argument("--x")
+    p.add_argument("--y")
+    p.add_argument("--value", default="time_us", help="heatmap: the metric in the cells")
+    p.add_argument("--samples", help="cdf: the list-valued field")
+    p.add_argument("--threshold", type=float, help="cdf: a vertical line at this value")
+    p.add_argument("--by")
+    p.add_argument("--where", nargs="*", default=[], metavar="KEY=VALUE")
+    p.add_argument("--logy", action="store_true", help="scatter: log y axis")
+    p.add_argument("--higher-is-better", action="store_true", help="heatmap: outline the largest value")
+    p.add_argument("--title")
+    p.add_argument("--out", required=True, help="output path without extension (.png and .svg are written)")
+    args = p.parse_args(argv)
+    import matplotlib
+    matplotlib.use("Agg")
+    needs = {"knob": ("x",), "heatmap": ("x", "y"), "cdf": ("samples",), "crossover": (), "scatter": ("x", "y")}
+    missing = [f"--{n}" for n in needs[args.figure] if getattr(args, n) is None]
+    if missing:
+        p.error(f"the {args.figure} figure needs {' and '.join(missing)}")
+    recs = load(args.file)
+    where = _where(args.where)
+    try:
+        if args.figure == "knob":
+            fig = knob_figure(recs, args.x, args.y or "time_us", args.by, where, args.title)
+        elif args.figure == "heatmap":
+            fig = heatmap_figure(recs, args.x, args.y, args.value, where, not args.higher_is_better, args.title)
+        elif args.figure == "cdf":
+            fig = cdf_figure(recs, args.samples, args.by, where, args.threshold, args.title)
+        elif args.figure == "crossover":
+            fig = crossover_figure(recs, args.x or "tokens", args.y or "time_us", args.by or "mode", where, args.title)
+        else:
+            fig = scatter_figure(recs, args.x, args.y, args.by, where, args.logy, args.title)
+    except (ValueError, TypeError) as exc:
+        print(f"cupyep.plotting: {exc}", file=sys.stderr)
+        return 2
+    for path in save(fig, args.out):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
