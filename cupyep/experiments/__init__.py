@@ -1,0 +1,211 @@
+"""Sweeps: run a grid of knobs of a study in one call, one JSONL record per
+configuration.
+
+    from cupyep import experiments
+    recs = experiments.run("reference", {"tokens": [128, 4096], "hidden": 7168}, ranks=2,
+                           out="results/sweeps/reference.jsonl")
+    python -m cupyep.experiments reference --ranks 2 --grid tokens=128,4096 hidden=7168
+
+Modules: ``grid`` (expansion order, keys), ``studies`` (registry, ``Skip``),
+``cpu_reference`` (the "reference" study), ``worker`` (the rank side and the
+record fields), ``records`` (JSONL reading and appending), ``__main__``
+(the command line).
+
+:func:`run` launches ``cupyep.experiments.worker`` through
+``cupyep.launch`` (a subprocess, bounded by ``timeout``), shows a tqdm bar
+fed by the records appearing in ``out`` and returns the grid's records.
+With ``resume`` (the default) configurations that already have a record of
+this study at this rank count in ``out`` are not run again; the record
+returned for a configuration is the latest in the file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+from . import records, studies
+from .grid import config_key, expand
+from .records import load
+from .studies import Skip, Study, register
+
+__all__ = ["run", "load", "Skip", "Study", "register", "expand", "config_key", "SweepError",
+           "DEFAULT_OUT", "DEFAULT_TIMEOUT_S"]
+
+DEFAULT_OUT = "results/sweeps/{study}.jsonl"
+DEFAULT_TIMEOUT_S = 3600.0
+# Seconds the launcher has past its own --timeout before it is stopped here.
+LAUNCH_GRACE_S = 30.0
+# Seconds between looks at the output file while the sweep runs.
+POLL_S = 0.2
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+
+
+class SweepError(RuntimeError):
+    """The sweep's launch failed or timed out; ``out`` keeps what finished."""
+
+
+def _study(study) -> Study:
+    return study if isinstance(study, Study) else studies.get(study)
+
+
+def _has_gpu() -> bool:
+    from ..launch import gpu_count  # CUDA_VISIBLE_DEVICES, else nvidia-smi; imports no CUDA
+    return gpu_count() > 0
+
+
+def _from_fallback(study, keys, ranks, fallback) -> list[dict]:
+    found = records.select(load(fallback), study.name, keys, ranks)
+    if len(found) < len(keys):
+        warnings.warn(f"{fallback} holds records of {len(found)} of the {len(keys)} configurations of "
+                      f"study {study.name!r} at {ranks} ranks", stacklevel=3)
+    return [found[k] for k in keys if k in found]
+
+
+def _stop(proc, grace: float = 15.0) -> None:
+    """SIGTERM to the launcher (it stops its ranks), SIGKILL after ``grace``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=grace)
+
+
+class _Follower:
+    """Counts the records of one study and key set appended to a file."""
+
+    def __init__(self, path: Path, study: str, keys, ranks: int):
+        self.path, self.study, self.keys, self.ranks = path, study, set(keys), ranks
+        self.offset = path.stat().st_size if path.exists() else 0
+        self.last = None
+
+    def new_records(self) -> int:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return 0
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        count = 0
+        for line in data[:end].splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if (isinstance(rec, dict) and rec.get("study") == self.study and rec.get("key") in self.keys
+                    and rec.get("ranks") == self.ranks):
+                count += 1
+                self.last = rec
+        return count
+
+
+def _launch(study, configs, keys, ranks, out, resume, progress, timeout, initial) -> None:
+    from tqdm import tqdm
+    with tempfile.TemporaryDirectory(prefix="cupyep-sweep-") as tmp:
+        spec = Path(tmp) / "spec.json"
+        spec.write_text(json.dumps({"study": study.name, "module": study.module, "configs": configs,
+                                    "out": str(out), "resume": resume}))
+        log_path = Path(tmp) / "launch.log"
+        cmd = [sys.executable, "-m", "cupyep.launch", "-n", str(ranks), "--timeout", f"{timeout:g}",
+               "-m", "cupyep.experiments.worker", str(spec)]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        follow = _Follower(out, study.name, keys, ranks)
+        deadline = time.monotonic() + timeout + LAUNCH_GRACE_S
+        with log_path.open("w") as log, tqdm(total=len(configs), initial=initial, desc=study.name,
+                                             unit="config", disable=not progress) as bar:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+            try:
+                while True:
+                    try:
+                        proc.wait(timeout=POLL_S)
+                        finished = True
+                    except subprocess.TimeoutExpired:
+                        finished = False
+                    n = follow.new_records()
+                    if n:
+                        bar.update(n)
+                        bar.set_postfix_str(follow.last.get("status", ""), refresh=False)
+                    if finished:
+                        break
+                    if time.monotonic() > deadline:
+                        _stop(proc)
+                        break
+            finally:
+                _stop(proc)  # an interrupt here stops the launcher and its ranks
+        if proc.returncode != 0:
+            tail = log_path.read_text(errors="replace")[-4000:]
+            what = "timed out" if proc.returncode == 124 else f"failed (exit status {proc.returncode})"
+            raise SweepError(f"the sweep of study {study.name!r} on {ranks} ranks {what}; {out} keeps the "
+                             f"configurations that finished (run again to resume). Launcher output:\n{tail}")
+
+
+def run(study, grid, ranks: int = 2, out=None, resume: bool = True, progress: bool = True,
+        timeout: float | None = None, fallback=None) -> list[dict]:
+    """Run every configuration of ``grid`` for ``study`` on ``ranks`` ranks.
+
+    Arguments:
+        study: a registered study's name or a :class:`Study` (defined in an
+            importable module, so that the ranks can import it).
+        grid: dict knob -> value or list of values, or a list of
+            configuration dicts (``cupyep.experiments.grid``).
+        ranks: number of ranks to launch.
+        out: the JSONL file records are appended to; default
+            ``results/sweeps/<study>.jsonl`` (relative to the working directory).
+        resume: skip configurations already recorded in ``out`` (same
+            study, key and rank count); False runs them all again.
+        progress: show a tqdm bar (on stderr).
+        timeout: seconds the whole launch may take (the launcher's
+            ``--timeout``); default :data:`DEFAULT_TIMEOUT_S`.
+        fallback: a committed JSONL file; when the study needs a GPU and this
+            machine has none, its records for the grid (same study, key and
+            rank count) are returned instead of running anything.
+
+    Returns:
+        list of records (fields in ``cupyep.experiments.worker``), one per
+        configuration of the grid in grid order, new and resumed alike.
+
+    Raises:
+        ValueError: unknown study or knob, bad grid or rank count.
+        RuntimeError: the study needs a GPU, there is none and no fallback.
+        SweepError: the launch failed or timed out.
+    """
+    study = _study(study)
+    if not (isinstance(ranks, int) and ranks >= 1):
+        raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
+    configs = expand(grid, study.knobs)
+    keys = [config_key(c) for c in configs]
+    if study.needs_gpu and not _has_gpu():
+        if fallback is None:
+            raise RuntimeError(f"study {study.name!r} needs a CUDA GPU and this machine has none "
+                               "(CUDA_VISIBLE_DEVICES, nvidia-smi -L); pass fallback=<committed results "
+                               ".jsonl> to read recorded results instead")
+        return _from_fallback(study, keys, ranks, fallback)
+    if study.module in ("", "__main__"):
+        raise ValueError(f"study {study.name!r} is defined in {study.module or 'no module'}; the ranks import "
+                         "studies by module, so define it in an importable module")
+    timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0, got {timeout}")
+    out = Path(out if out is not None else DEFAULT_OUT.format(study=study.name))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = records.select(load(out), study.name, keys, ranks) if resume else {}
+    todo = [c for c, k in zip(configs, keys) if k not in done]
+    if todo:
+        _launch(study, configs, keys, ranks, out, resume, progress, timeout, len(done))
+    found = records.select(load(out), study.name, keys, ranks)
+    missing = [k for k in keys if k not in found]
+    if missing:
+        raise SweepError(f"{len(missing)} configuration(s) of study {study.name!r} have no record in {out} "
+                         f"after the sweep, e.g. {missing[0]}")
+    return [found[k] for k in keys]

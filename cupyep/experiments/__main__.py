@@ -1,0 +1,107 @@
+"""Command line of the sweep runner.
+
+    python -m cupyep.experiments STUDY [--ranks 2] [--out results/sweeps/STUDY.jsonl]
+        [--grid KNOB=V1,V2 ...] [--configs FILE.json] [--no-resume] [--timeout S] [--no-progress]
+    python -m cupyep.experiments --list
+
+``--grid KNOB=VALUES``: comma-separated values, each read as an int, else a
+float, else a string (``tokens=128,4096 routing=uniform,zipf``); VALUES
+starting with ``[`` or ``{`` are JSON: a list of values or one dict
+(``routing_params='[{"s": 0.5}, {"s": 1.5}]'``). Knobs not given take the
+study's defaults. ``--configs FILE.json``: a JSON list of configuration
+dicts instead of a grid. Ends with one line per status (``ok``, ``skipped``,
+``error``) and the output path; exit status 0, 1 when a configuration's
+status is "error", 2 for bad usage or a failed launch.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+
+from . import DEFAULT_OUT, run
+from .studies import all_studies, get
+
+
+def parse_value(text: str):
+    """One value of ``--grid``: int, else float, else the string itself."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_grid(items) -> dict:
+    """``["tokens=4,8", "hidden=128"]`` -> ``{"tokens": [4, 8], "hidden": [128]}``."""
+    grid = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--grid takes KNOB=VALUES, got {item!r}")
+        if name in grid:
+            raise ValueError(f"knob {name!r} given twice in --grid")
+        if text.lstrip().startswith(("[", "{")):
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--grid {name}: not JSON: {exc}") from None
+            grid[name] = value if isinstance(value, list) else [value]
+        else:
+            grid[name] = [parse_value(v) for v in text.split(",")]
+    return grid
+
+
+def list_studies() -> str:
+    lines = []
+    for st in all_studies():
+        lines.append(f"{st.name}{' (needs a GPU)' if st.needs_gpu else ''}: {st.description}")
+        lines += [f"    {name} = {json.dumps(default)}" for name, default in st.knobs.items()]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cupyep.experiments", description=__doc__.split("\n\n")[0])
+    p.add_argument("study", nargs="?", help="registered study name (see --list)")
+    p.add_argument("--list", action="store_true", help="print the studies and their knobs")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--out", help=f"JSONL output (default {DEFAULT_OUT})")
+    p.add_argument("--grid", nargs="+", action="extend", default=[], metavar="KNOB=VALUES")
+    p.add_argument("--configs", metavar="FILE.json", help="a JSON list of configurations instead of --grid")
+    p.add_argument("--no-resume", action="store_true", help="run configurations already in --out again")
+    p.add_argument("--timeout", type=float, default=None, help="seconds for the whole launch")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.list:
+        print(list_studies())
+        return 0
+    if not args.study:
+        p.error("give a STUDY (or --list)")
+    try:
+        study = get(args.study)
+        if args.configs and args.grid:
+            raise ValueError("give --grid or --configs, not both")
+        if args.configs:
+            with open(args.configs) as f:
+                grid = json.load(f)
+        else:
+            grid = parse_grid(args.grid)
+        recs = run(study, grid, ranks=args.ranks, out=args.out, resume=not args.no_resume,
+                   progress=not args.no_progress, timeout=args.timeout)
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"python -m cupyep.experiments: error: {exc}", file=sys.stderr)
+        return 2
+    counts = collections.Counter(r["status"] for r in recs)
+    for status in ("ok", "skipped", "error"):
+        print(f"{status}: {counts.get(status, 0)}")
+    for r in recs:
+        if r["status"] != "ok":
+            print(f"  {r['status']}: {r['key']}: {r.get('reason')}")
+    print(f"records: {args.out or DEFAULT_OUT.format(study=study.name)}")
+    return 1 if counts.get("error") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

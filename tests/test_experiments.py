@@ -1,0 +1,237 @@
+"""Tests of cupyep.experiments (CPU only): grid expansion and keys, the study
+registry, JSONL records, and sweeps on 2 ranks under the mpiexec next to
+sys.executable (pip's mpich), through the API and the command line.
+Launches see no GPU (CUDA_VISIBLE_DEVICES="")."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from cupyep import experiments
+from cupyep.experiments import Study, config_key, cpu_reference, expand, load, records, studies
+from cupyep.experiments.__main__ import parse_grid
+
+REPO = Path(__file__).resolve().parents[1]
+KNOBS = {"tokens": 1, "hidden": 2, "routing": "uniform", "routing_params": {}}
+TINY = {"tokens": [4, 8], "hidden": 128, "experts": 16, "topk": 2}
+LAUNCH_TIMEOUT_S = 60
+
+# A study module for the fault tests; it is written to a temporary folder
+# that the ranks import from (PYTHONPATH).
+FAULTS_MODULE = '''
+"""Study "sweep_faults": knob mode says how a configuration ends."""
+import time
+
+from cupyep.experiments import Skip, Study, register
+
+
+def run(group, config):
+    mode = config["mode"]
+    if mode == "hang":
+        time.sleep(300)
+    if mode == "skip":
+        raise Skip("not on this machine")
+    if mode == "value":
+        raise ValueError("hidden 7 is not a multiple of 128")
+    if mode == "error":
+        raise RuntimeError("the check failed")
+    if mode == "rank1" and group.rank == 1:
+        raise ZeroDivisionError("rank 1 only")
+    return {"answer": 42 + config["n"], "rank": group.rank}
+
+
+register(Study("sweep_faults", {"mode": "ok", "n": 0}, run))
+'''
+
+
+@pytest.fixture
+def launch_env(monkeypatch):
+    """The environment run() launches with: no GPU, no launcher variables."""
+    for name in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY", "CUPYEP_RANKS_PER_NODE", "CUPYEP_LAUNCHED"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+
+
+@pytest.fixture
+def faults_study(tmp_path, monkeypatch, launch_env):
+    folder = tmp_path / "studies"
+    folder.mkdir()
+    (folder / "sweep_faults_study.py").write_text(FAULTS_MODULE)
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(folder), str(REPO)]))
+    return studies.get("sweep_faults", "sweep_faults_study")
+
+
+# ------------------------------------------------------------------ grid ---
+
+def test_grid_expands_first_knob_slowest_with_defaults():
+    configs = expand({"hidden": [10, 20], "tokens": [3, 4, 5]}, KNOBS)
+    assert [(c["hidden"], c["tokens"]) for c in configs] == [(10, 3), (10, 4), (10, 5), (20, 3), (20, 4), (20, 5)]
+    assert all(list(c) == list(KNOBS) for c in configs)  # the study's knob order
+    assert configs[0] == {"tokens": 3, "hidden": 10, "routing": "uniform", "routing_params": {}}
+
+
+def test_grid_single_values_dicts_lists_and_duplicates():
+    configs = expand({"tokens": 7, "routing_params": {"s": 0.5}}, KNOBS)
+    assert configs == [{"tokens": 7, "hidden": 2, "routing": "uniform", "routing_params": {"s": 0.5}}]
+    explicit = expand([{"tokens": 2}, {"hidden": np.int64(5)}, {"tokens": 2, "hidden": 2}], KNOBS)
+    assert [(c["tokens"], c["hidden"]) for c in explicit] == [(2, 2), (1, 5)]  # the third equals the first
+    assert type(explicit[1]["hidden"]) is int
+    with pytest.raises(ValueError, match="empty"):
+        expand({"tokens": []}, KNOBS)
+
+
+def test_config_key_is_canonical_json():
+    a = config_key({"b": 1, "a": [1, 2], "c": {"y": 1, "x": 2}})
+    assert a == '{"a":[1,2],"b":1,"c":{"x":2,"y":1}}'
+    assert a == config_key({"c": {"x": 2, "y": 1}, "a": (1, 2), "b": 1})
+    assert config_key({"a": 1}) != config_key({"a": 1.0}) != config_key({"a": "1"})
+
+
+def test_unknown_knob_names_it_and_the_allowed_ones():
+    with pytest.raises(ValueError) as exc:
+        expand({"tokens": [1], "hiden": [2]}, KNOBS)
+    assert "'hiden'" in str(exc.value) and "['tokens', 'hidden', 'routing', 'routing_params']" in str(exc.value)
+    with pytest.raises(ValueError, match="'toks'"):
+        expand([{"tokens": 1}, {"toks": 1}], KNOBS)
+    with pytest.raises(ValueError, match="'hiden'"):
+        experiments.run("reference", {"hiden": 128}, progress=False)
+    with pytest.raises(ValueError, match="unknown study 'nope'"):
+        experiments.run("nope", {})
+
+
+def test_cli_grid_values():
+    assert parse_grid(["tokens=4,8", "scale=0.5", "routing=uniform,zipf"]) == {
+        "tokens": [4, 8], "scale": [0.5], "routing": ["uniform", "zipf"]}
+    assert parse_grid(['routing_params=[{"s": 0.5}, {}]', 'p={"a": 1}']) == {
+        "routing_params": [{"s": 0.5}, {}], "p": [{"a": 1}]}
+    with pytest.raises(ValueError):
+        parse_grid(["tokens"])
+
+
+# --------------------------------------------------------------- records ---
+
+def test_load_skips_a_truncated_last_line_and_append_repairs_it(tmp_path):
+    path = tmp_path / "r.jsonl"
+    assert load(path) == []
+    records.append(path, {"key": "a"})
+    records.append(path, {"key": "b"})
+    with path.open("a") as f:
+        f.write('{"key": "c", "status": "o')  # killed mid-write
+    assert [r["key"] for r in load(path)] == ["a", "b"]
+    records.append(path, {"key": "d"})
+    assert [r["key"] for r in load(path)] == ["a", "b", "d"]
+    path.write_text('{"key": "a"}\nnot json\n{"key": "b"}\n')
+    with pytest.raises(ValueError, match="r.jsonl:2"):
+        load(path)
+
+
+# ------------------------------------------------------- reference study ---
+
+def test_reference_study_checks_the_combine(monkeypatch):
+    config = expand({"tokens": 6, "hidden": 128, "experts": 8, "topk": 2, "iters": 2}, cpu_reference.KNOBS)[0]
+    group = SimpleNamespace(rank=0, world_size=2)
+    metrics = cpu_reference.run(group, config)
+    assert metrics["combine_max_abs_err"] < 1e-5 and metrics["recv_tokens"] > 0
+    assert metrics["dispatch_us_p10"] <= metrics["dispatch_us_median"] <= metrics["dispatch_us_p99"]
+    assert cpu_reference.run(SimpleNamespace(rank=1, world_size=2), config) == {}
+    real = cpu_reference.reference.intranode_combine
+    monkeypatch.setattr(cpu_reference.reference, "intranode_combine",
+                        lambda *a, **k: [c + np.float32(1e-3) for c in real(*a, **k)])
+    with pytest.raises(AssertionError, match="combine of rank 0"):
+        cpu_reference.run(group, config)
+
+
+def test_gpu_study_without_gpu_needs_a_fallback(tmp_path, monkeypatch):
+    gpu = studies.register(Study("sweep_gpu_only", {"tokens": 1}, lambda group, config: {}, needs_gpu=True))
+    monkeypatch.setattr(experiments, "_has_gpu", lambda: False)
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        experiments.run(gpu, {"tokens": [1, 2]})
+    committed = tmp_path / "committed.jsonl"
+    for tokens, ranks in ((1, 2), (2, 2), (2, 8), (3, 2)):
+        records.append(committed, {"study": gpu.name, "tokens": tokens, "ranks": ranks, "status": "ok",
+                                   "key": config_key({"tokens": tokens})})
+    got = experiments.run(gpu, {"tokens": [2, 1]}, fallback=committed)
+    assert [(r["tokens"], r["ranks"]) for r in got] == [(2, 2), (1, 2)]
+
+
+# ---------------------------------------------------- sweeps on 2 ranks ---
+
+def test_resume_runs_only_new_configurations(tmp_path, launch_env):
+    out = tmp_path / "sweep.jsonl"
+    first = experiments.run("reference", TINY, ranks=2, out=out, progress=False, timeout=LAUNCH_TIMEOUT_S)
+    assert [r["tokens"] for r in first] == [4, 8] and {r["status"] for r in first} == {"ok"}
+    assert {r["ranks"] for r in first} == {2} and len({r["run_id"] for r in first}) == 1
+    bigger = {**TINY, "tokens": [4, 8, 16]}
+    second = experiments.run("reference", bigger, ranks=2, out=out, progress=False, timeout=LAUNCH_TIMEOUT_S)
+    on_disk = load(out)
+    assert len(on_disk) == 3 and [r["tokens"] for r in on_disk] == [4, 8, 16]
+    assert [r["run_id"] for r in second[:2]] == [r["run_id"] for r in first]
+    assert second[2]["run_id"] != first[0]["run_id"] and second[2]["index"] == 0
+    experiments.run("reference", bigger, ranks=2, out=out, progress=False, timeout=LAUNCH_TIMEOUT_S)
+    assert len(load(out)) == 3  # nothing left to run
+    again = experiments.run("reference", {**TINY, "tokens": 4}, ranks=2, out=out, resume=False,
+                            progress=False, timeout=LAUNCH_TIMEOUT_S)
+    assert len(load(out)) == 4 and again[0]["run_id"] not in {r["run_id"] for r in on_disk}
+
+
+def test_skip_value_error_and_errors_are_recorded_and_the_sweep_goes_on(tmp_path, faults_study):
+    out = tmp_path / "faults.jsonl"
+    modes = ["ok", "skip", "value", "error", "rank1", "ok"]
+    grid = [{"mode": m, "n": i} for i, m in enumerate(modes)]
+    recs = experiments.run(faults_study, grid, ranks=2, out=out, progress=False, timeout=LAUNCH_TIMEOUT_S)
+    assert [r["status"] for r in recs] == ["ok", "skipped", "skipped", "error", "error", "ok"]
+    assert [r["index"] for r in recs] == list(range(6))
+    assert recs[0]["answer"] == 42 and recs[0]["rank"] == 0 and recs[5]["answer"] == 47
+    assert recs[1]["reason"] == "Skip: not on this machine"
+    assert recs[2]["reason"] == "ValueError: hidden 7 is not a multiple of 128"
+    assert recs[3]["reason"] == "RuntimeError: the check failed"
+    assert recs[4]["reason"] == "ZeroDivisionError: rank 1 only"
+    assert all("answer" not in r for r in recs[1:5]) and all("reason" not in r for r in (recs[0], recs[5]))
+
+
+def test_cli_end_to_end_on_two_ranks(tmp_path, launch_env):
+    out = tmp_path / "cli.jsonl"
+    cmd = [sys.executable, "-m", "cupyep.experiments", "reference", "--ranks", "2", "--out", str(out),
+           "--timeout", str(LAUNCH_TIMEOUT_S), "--no-progress",
+           "--grid", "tokens=4,8", "hidden=128", "experts=16", "topk=2"]
+    res = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ), capture_output=True, text=True,
+                         timeout=2 * LAUNCH_TIMEOUT_S)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "ok: 2" in res.stdout.splitlines()
+    recs = load(out)
+    assert [(r["tokens"], r["hidden"], r["experts"], r["topk"]) for r in recs] == [(4, 128, 16, 2), (8, 128, 16, 2)]
+    for r in recs:
+        assert r["status"] == "ok" and r["study"] == "reference" and r["ranks"] == 2
+        assert r["combine_max_abs_err"] < 1e-5 and r["total_us_median"] > 0
+        assert r["key"] == config_key({k: r[k] for k in cpu_reference.KNOBS})
+        assert r["env"]["ranks"] == 2 and r["env"]["numpy"] == np.__version__ and "mpi4py" in r["env"]
+    listing = subprocess.run([sys.executable, "-m", "cupyep.experiments", "--list"], env=dict(os.environ),
+                             capture_output=True, text=True, timeout=60)
+    assert listing.returncode == 0 and "reference:" in listing.stdout and "    tokens = 128" in listing.stdout
+
+
+def test_run_api_end_to_end_on_two_ranks(tmp_path, launch_env):
+    grid = {**TINY, "experts": [16, 15], "routing": ["uniform", "zipf"]}
+    recs = experiments.run("reference", grid, ranks=2, out=tmp_path / "api.jsonl", progress=True,
+                           timeout=LAUNCH_TIMEOUT_S)
+    assert len(recs) == 8
+    for r in recs:
+        if r["experts"] == 15:  # not divisible by 2 ranks: the library's ValueError
+            assert r["status"] == "skipped" and "divisible" in r["reason"], r
+        else:
+            assert r["status"] == "ok" and r["recv_tokens"] > 0, r
+
+
+def test_a_timed_out_sweep_keeps_the_finished_records(tmp_path, faults_study):
+    out = tmp_path / "hang.jsonl"
+    grid = [{"mode": "ok", "n": 1}, {"mode": "hang"}, {"mode": "ok", "n": 2}]
+    with pytest.raises(experiments.SweepError, match="timed out"):
+        experiments.run(faults_study, grid, ranks=2, out=out, progress=False, timeout=3)
+    assert [(r["mode"], r["status"]) for r in load(out)] == [("ok", "ok")]
