@@ -40,7 +40,9 @@ from cupyep.testing import global_routing, payload_bf16
 
 
 KINDS = ("dispatch_bf16", "dispatch_fp8", "dispatch_bf16_notify", "combine_bf16")
-DIRECT_KINDS = ("combine_bf16_zero_copy",)  # kinds only the direct transport has, timed with it by default
+# Kinds only the direct transport has, timed with it by default: the zero-copy
+# combine, and the dispatch with layout + notify fused into its kernel.
+DIRECT_KINDS = ("combine_bf16_zero_copy", "dispatch_bf16_notify_fused")
 
 
 def main():
@@ -101,6 +103,11 @@ def main():
             row = args.hidden + args.hidden // 128 * 4
         elif kind == "dispatch_bf16_notify":
             fn = lambda: buf.dispatch(x, topk_idx, topk_w, num_experts=args.experts, config=dcfg, validate=False,
+                                      transport=transport)
+            row = 2 * args.hidden
+        elif kind == "dispatch_bf16_notify_fused":  # direct only
+            fcfg = replace(dcfg, fused=True)
+            fn = lambda: buf.dispatch(x, topk_idx, topk_w, num_experts=args.experts, config=fcfg, validate=False,
                                       transport=transport)
             row = 2 * args.hidden
         elif kind == "combine_bf16_zero_copy":  # direct only: the owners read the outputs in place

@@ -90,7 +90,8 @@ def test_kernel_constants_match_the_host():
     kernel = (jit.CUDA_SRC / "intranode" / "direct.cu").read_text()
     assert "direct_dispatch(DirectDispatchArgs" in kernel and "direct_combine(DirectCombineArgs" in kernel
     assert all(s.source == "intranode/direct.cu" for s in D.kernel_specs())
-    assert len(D.kernel_specs()) == 16
+    assert len(D.kernel_specs()) == 24
+    assert any("direct_dispatch_fused(DirectFusedArgs" in line for line in kernel.splitlines())
     assert D.SYNC_DTYPE.itemsize == 32 and np.dtype(D.DISPATCH_ARGS_DTYPE).itemsize > 0
 
 

@@ -468,6 +468,7 @@ MIRRORS = [
     (D.RECV_LAYOUT_DTYPE, "DirectRecvLayout"),
     (D.DISPATCH_ARGS_DTYPE, "DirectDispatchArgs"),
     (D.COMBINE_ARGS_DTYPE, "DirectCombineArgs"),
+    (D.FUSED_ARGS_DTYPE, "DirectFusedArgs"),
     (LLK.SET_DTYPE, "low_latency::SetOffsets"),
     (LLK.CALL_DTYPE, "low_latency::CallArgs"),
     (LLK.DISPATCH_ARGS_DTYPE, "low_latency::DispatchArgs"),

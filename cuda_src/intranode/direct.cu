@@ -37,6 +37,8 @@
 #include "common/timeout.cuh"
 #include "intranode/args.cuh"
 #include "intranode/direct_args.cuh"
+#include "intranode/layout.cuh"
+#include "intranode/notify.cuh"
 
 namespace cupyep {
 namespace intranode {
@@ -71,8 +73,11 @@ __device__ __forceinline__ bool last_block_out(int64_t* exited) {
     return s_last != 0;
 }
 
+// The dispatch by every block of the grid; `handshake`: announce this call
+// to every rank and wait until every destination has announced it (the fused
+// kernel's notify barrier has already lined the ranks up).
 template <int kNumRanks, int kNumThreads>
-__global__ void __launch_bounds__(kNumThreads, 1) direct_dispatch(DirectDispatchArgs a) {
+__device__ __forceinline__ void direct_dispatch_body(const DirectDispatchArgs& a, bool handshake) {
     constexpr int R = kNumRanks;
     constexpr int kWarps = kNumThreads / 32;
     __shared__ int s_begin[R + 1];  // pair index where each destination's send list starts
@@ -98,9 +103,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) direct_dispatch(DirectDispatch
     const int64_t epoch = s_epoch;
 
     // 1. My pool is free for this call; wait until every destination's is.
-    if (blockIdx.x == 0 && threadIdx.x < R)
+    if (handshake && blockIdx.x == 0 && threadIdx.x < R)
         st_release_sys(direct_counter(a.syncs[threadIdx.x], a.sync.dispatch_ready, a.rank), epoch);
-    if (threadIdx.x < R &&
+    if (handshake && threadIdx.x < R &&
         !wait_geq(direct_counter(a.syncs[a.rank], a.sync.dispatch_ready, threadIdx.x), epoch, a.guard, 0, threadIdx.x))
         s_fail = 1;
     __syncthreads();
@@ -178,6 +183,71 @@ __global__ void __launch_bounds__(kNumThreads, 1) direct_dispatch(DirectDispatch
     if (last_block_out(a.state + kDispatchExited) && threadIdx.x == 0) {
         a.state[kDispatchExited] = 0;
         a.state[kDispatchEpoch] = epoch;
+    }
+}
+
+template <int kNumRanks, int kNumThreads>
+__global__ void __launch_bounds__(kNumThreads, 1) direct_dispatch(DirectDispatchArgs a) {
+    direct_dispatch_body<kNumRanks, kNumThreads>(a, /*handshake=*/true);
+}
+
+// Dispatch with the layout and the notify pass fused in (one launch):
+//   block 0 lays the tokens out (is_token_in_rank, counts per rank and expert,
+//   in shared memory), runs the notify pass, checks that every receiver's rows
+//   fit the pools, publishes the outcome (kFusedStatus, and to the host's
+//   status word: 1 sent, 2 the pools are too small, 3 notify failed) and
+//   releases the other blocks (kFusedReady); then every block sends as
+//   direct_dispatch does, unless the pools are too small: then nothing is sent
+//   and the host grows them and sends with direct_dispatch.
+// Dynamic shared memory (block 0): R * (C + 1) + R + E ints.
+template <int kNumRanks, int kNumThreads>
+__global__ void __launch_bounds__(kNumThreads, 1) direct_dispatch_fused(DirectFusedArgs a) {
+    extern __shared__ int s_dyn[];
+    constexpr int R = kNumRanks;
+    __shared__ int64_t s_seq;
+    __shared__ int s_status;
+    const NotifyArgs& n = a.notify;
+    int64_t* state = a.dispatch.state;
+    if (threadIdx.x == 0) s_seq = ld_volatile64(state + kFusedSeq) + 1;
+    __syncthreads();
+    const int64_t seq = s_seq;
+    if (blockIdx.x == 0) {
+        const int C = n.num_channels, E = n.num_experts, T = n.num_tokens;
+        int* s_prefix = s_dyn;
+        int* s_rank = s_prefix + R * (C + 1);
+        int* s_expert = s_rank + R;
+        for (int i = threadIdx.x; i < R + E; i += blockDim.x) s_rank[i] = 0;
+        __syncthreads();
+        for (int t = threadIdx.x; t < T; t += blockDim.x)
+            token_layout(a.dispatch.topk_idx, t, a.dispatch.num_topk, E, R, const_cast<bool*>(n.is_token_in_rank),
+                         s_rank, s_expert, a.layout_guard);
+        __syncthreads();
+        const bool ok = notify_pass<R>(n, s_prefix, s_rank, s_expert);
+        if (threadIdx.x == 0) {
+            int status = ok ? 1 : 3;
+            for (int d = 0; ok && d < R; ++d)
+                if (n.rank_prefix_matrix[(R - 1) * R + d] > a.dispatch.out.rows) status = 2;
+            state[kFusedStatus] = status;
+            if (a.host_status) {
+                __threadfence_system();
+                *reinterpret_cast<volatile int*>(a.host_status) = status;
+            }
+            __threadfence();
+            st_release_sys(state + kFusedReady, seq);
+            s_status = status;
+        }
+        __syncthreads();
+    } else {
+        if (threadIdx.x == 0) {
+            s_status = wait_geq(state + kFusedReady, seq, a.dispatch.guard, 3, -1)
+                           ? (int)ld_volatile64(state + kFusedStatus) : 3;
+        }
+        __syncthreads();
+    }
+    if (s_status == 1) direct_dispatch_body<kNumRanks, kNumThreads>(a.dispatch, /*handshake=*/false);
+    if (last_block_out(state + kFusedExited) && threadIdx.x == 0) {
+        state[kFusedExited] = 0;
+        state[kFusedSeq] = seq;
     }
 }
 

@@ -11,19 +11,23 @@
 // and, private to the rank, `state` (int64, kStateWords(R) words):
 //   [kDispatchEpoch] dispatch calls done, [kDispatchExited] blocks of the running
 //   dispatch that have exited, [kCombineEpoch], [kCombineExited] likewise for
-//   combine, then [R] rows received from each source over all dispatch calls,
+//   combine, [kFusedSeq], [kFusedExited] likewise for fused dispatches,
+//   [kFusedReady] the latest fused call whose notify block is done and
+//   [kFusedStatus] its outcome, then [R] rows received from each source over all dispatch calls,
 //   then [R] partial rows received from each expert rank over all combine calls.
 // Counters only grow across calls and epochs live on the device, so no cleaning
 // pass is needed and a CUDA graph replays correctly.
 #pragma once
 #include "common/types.cuh"
 #include "common/timeout.cuh"
+#include "intranode/args.cuh"
 
 namespace cupyep {
 namespace intranode {
 
 constexpr int kDirectSyncStride = 64;
-constexpr int kDispatchEpoch = 0, kDispatchExited = 1, kCombineEpoch = 2, kCombineExited = 3, kStateHeader = 4;
+constexpr int kDispatchEpoch = 0, kDispatchExited = 1, kCombineEpoch = 2, kCombineExited = 3;
+constexpr int kFusedSeq = 4, kFusedExited = 5, kFusedReady = 6, kFusedStatus = 7, kStateHeader = 8;
 
 struct DirectSync {
     int64_t dispatch_ready;    // in sender s's buffer, entry d: the latest dispatch call receiver d is ready for
@@ -65,6 +69,14 @@ struct DirectDispatchArgs {
     int capacity;                    // rows of the receive arrays; rows past recv_rank_offset[R] are padding
     int rank;
     Guard guard;
+};
+
+struct DirectFusedArgs {
+    NotifyArgs notify;               // the notify pass (is_token_in_rank is written, the count inputs unused)
+    DirectDispatchArgs dispatch;     // the send (its topk_idx feeds the layout)
+    Guard layout_guard;              // expert ids outside [-1, E)
+    int* host_status;                // mapped host int: 1 sent, 2 pools too small (nothing sent), 3 notify failed;
+                                     // null in worst-token mode
 };
 
 struct DirectCombineArgs {

@@ -88,8 +88,10 @@ class Buffer(DirectTransport):
         self.layout = buffer_layout(self.num_ranks, num_bytes)
         self.buffer = SymmetricBuffer(group, num_bytes)
         self.comm_stream = cupy.cuda.Stream(non_blocking=True)
-        # Mapped host memory the notify pass writes: [1 + E_local + R * R] (see NotifyArgs).
-        n_counts = 1 + MAX_LOCAL_EXPERTS + self.num_ranks ** 2
+        # Mapped host memory the notify pass writes: [1 + E_local + R * R] (see NotifyArgs), then
+        # the fused direct dispatch's status word (HOST_STATUS).
+        n_counts = 1 + MAX_LOCAL_EXPERTS + self.num_ranks ** 2 + 1
+        self._host_status_index = n_counts - 1
         self._host_counts_ptr = cupy.cuda.runtime.hostAlloc(4 * n_counts, 2)
         import ctypes
         self._host_counts = np.frombuffer((ctypes.c_int32 * n_counts).from_address(self._host_counts_ptr),
@@ -401,45 +403,61 @@ class Buffer(DirectTransport):
 
     def _notify(self, T, H, num_experts, per_rank, per_expert, in_rank, C, alignment, num_worst_tokens,
                 transport: str = "queue"):
-        import cupy
+        """Run the notify kernel on the communication stream and return the
+        handle (after a bounded host wait for the counts, unless worst-token mode)."""
         R = self.num_ranks
-        E_local = num_experts // R
-        send_head = cupy.empty((T, R), dtype=np.int32)
-        send_list = cupy.empty((R, max(T, 1)), dtype=np.int32)
-        send_cp = cupy.empty((R, C + 1), dtype=np.int32)
-        recv_cp = cupy.empty((R, C + 1), dtype=np.int32)
-        recv_off = cupy.empty(R + 1, dtype=np.int32)
-        rpm = cupy.empty((R, R), dtype=np.int32)
-        recv_per_expert = cupy.empty(E_local, dtype=np.int32)
-        worst = num_worst_tokens > 0
-        if not worst:
-            self._host_counts[:1 + E_local + R * R] = -1
-        args = jit.pack(
-            K.NOTIFY_ARGS_DTYPE, peers=jit.ptr(self.buffer.peer_ptrs), off=K.offsets_struct(self.layout),
-            is_token_in_rank=jit.ptr(in_rank), num_tokens_per_rank=jit.ptr(per_rank),
-            num_tokens_per_expert=jit.ptr(per_expert), send_head=jit.ptr(send_head), send_list=jit.ptr(send_list),
-            send_channel_prefix=jit.ptr(send_cp), recv_channel_prefix=jit.ptr(recv_cp), recv_rank_offset=jit.ptr(recv_off),
-            rank_prefix_matrix=jit.ptr(rpm), num_recv_tokens_per_expert=jit.ptr(recv_per_expert),
-            host_counts=0 if worst else self._host_counts_ptr, num_tokens=T, num_experts=num_experts,
-            num_channels=C, expert_alignment=alignment, capacity=num_worst_tokens if worst else INT_MAX,
-            rank=self.rank, guard=self._guard("intranode_notify"))
+        args, arrays = self._notify_struct(T, num_experts, per_rank, per_expert, in_rank, C, alignment,
+                                           num_worst_tokens)
         jit.kernel(K.notify_spec(R))((1,), (K.NOTIFY_THREADS,), (args,), shared_mem=4 * R * (C + 1))
-        if worst:
-            n_recv, counts, matrix = -1, None, None
-        else:
+        if num_worst_tokens <= 0:
+            import cupy
             ev = cupy.cuda.Event(disable_timing=True)
             ev.record(self.comm_stream)
             self.group.wait(ev, "intranode_notify", "host wait for receive counts")
+        return self._notify_handle(arrays, T, H, num_experts, C, num_worst_tokens, transport)
+
+    def _notify_struct(self, T, num_experts, per_rank, per_expert, in_rank, C, alignment, num_worst_tokens):
+        """(NotifyArgs, the handle's arrays) of a notify pass; resets the host
+        counts (not in worst-token mode, where they never reach the host)."""
+        import cupy
+        R = self.num_ranks
+        E_local = num_experts // R
+        arrays = {"send_head": cupy.empty((T, R), dtype=np.int32), "send_list": cupy.empty((R, max(T, 1)), dtype=np.int32),
+                  "send_cp": cupy.empty((R, C + 1), dtype=np.int32), "recv_cp": cupy.empty((R, C + 1), dtype=np.int32),
+                  "recv_off": cupy.empty(R + 1, dtype=np.int32), "rpm": cupy.empty((R, R), dtype=np.int32),
+                  "recv_per_expert": cupy.empty(E_local, dtype=np.int32), "in_rank": in_rank}
+        worst = num_worst_tokens > 0
+        if not worst:
+            self._host_counts[:] = -1
+        args = jit.pack(
+            K.NOTIFY_ARGS_DTYPE, peers=jit.ptr(self.buffer.peer_ptrs), off=K.offsets_struct(self.layout),
+            is_token_in_rank=jit.ptr(in_rank), num_tokens_per_rank=jit.ptr(per_rank),
+            num_tokens_per_expert=jit.ptr(per_expert), send_head=jit.ptr(arrays["send_head"]),
+            send_list=jit.ptr(arrays["send_list"]), send_channel_prefix=jit.ptr(arrays["send_cp"]),
+            recv_channel_prefix=jit.ptr(arrays["recv_cp"]), recv_rank_offset=jit.ptr(arrays["recv_off"]),
+            rank_prefix_matrix=jit.ptr(arrays["rpm"]), num_recv_tokens_per_expert=jit.ptr(arrays["recv_per_expert"]),
+            host_counts=0 if worst else self._host_counts_ptr, num_tokens=T, num_experts=num_experts,
+            num_channels=C, expert_alignment=alignment, capacity=num_worst_tokens if worst else INT_MAX,
+            rank=self.rank, guard=self._guard("intranode_notify"))
+        return args, arrays
+
+    def _notify_handle(self, arrays, T, H, num_experts, C, num_worst_tokens, transport) -> DispatchHandle:
+        """The handle of a notify pass whose host counts (if any) have arrived."""
+        R = self.num_ranks
+        E_local = num_experts // R
+        if num_worst_tokens > 0:
+            n_recv, counts, matrix = -1, None, None
+        else:
             n_recv = int(self._host_counts[0])
             counts = tuple(int(c) for c in self._host_counts[1:1 + E_local])  # unaligned
             matrix = self._host_counts[1 + E_local:1 + E_local + R * R].astype(np.int64).reshape(R, R)
-        handle = DispatchHandle(rank_prefix_matrix=rpm, recv_channel_prefix=recv_cp, recv_rank_offset=recv_off,
-                                recv_src_idx=None, is_token_in_rank=in_rank, send_head=send_head,
-                                send_list=send_list, send_channel_prefix=send_cp, num_recv_tokens=n_recv,
-                                num_worst_tokens=num_worst_tokens, num_tokens=T, hidden=H, num_experts=num_experts,
-                                num_channels=C, buffer_id=id(self), recv_expert_counts=counts, transport=transport,
-                                counts=matrix)
-        return handle
+        return DispatchHandle(rank_prefix_matrix=arrays["rpm"], recv_channel_prefix=arrays["recv_cp"],
+                              recv_rank_offset=arrays["recv_off"], recv_src_idx=None,
+                              is_token_in_rank=arrays["in_rank"], send_head=arrays["send_head"],
+                              send_list=arrays["send_list"], send_channel_prefix=arrays["send_cp"],
+                              num_recv_tokens=n_recv, num_worst_tokens=num_worst_tokens, num_tokens=T, hidden=H,
+                              num_experts=num_experts, num_channels=C, buffer_id=id(self), recv_expert_counts=counts,
+                              transport=transport, counts=matrix)
 
     def _check_handle(self, handle: DispatchHandle, num_tokens: int) -> None:
         if not isinstance(handle, DispatchHandle):

@@ -31,6 +31,7 @@ import numpy as np
 
 from .. import jit
 from ..barrier import GUARD_DTYPE
+from .kernels import NOTIFY_ARGS_DTYPE
 from ..ipc import SymmetricBuffer
 
 u64, i64, i32 = np.uint64, np.int64, np.int32
@@ -40,7 +41,7 @@ ALIGN = 256            # alignment of every array in a pool
 POOL_GRANULE = 2 << 20  # pools grow in multiples of this many bytes
 GROWTH = 1.25          # headroom when a pool grows
 THREADS = 512
-STATE_HEADER = 4       # kStateHeader
+STATE_HEADER = 8       # kStateHeader
 ZERO_COPY_MAX_TOPK = 32  # top-k weights a zero-copy combine carries (its metadata stride is fixed)
 
 SYNC_DTYPE = jit.struct_dtype([(n, i64) for n in (
@@ -53,6 +54,9 @@ DISPATCH_ARGS_DTYPE = jit.struct_dtype([
     ("send_channel_prefix", u64), ("rank_prefix_matrix", u64), ("recv_rank_offset", u64), ("state", u64),
     ("num_tokens", i32), ("num_scales", i32), ("num_topk", i32), ("num_local_experts", i32),
     ("num_channels", i32), ("capacity", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
+FUSED_ARGS_DTYPE = jit.struct_dtype([
+    ("notify", NOTIFY_ARGS_DTYPE), ("dispatch", DISPATCH_ARGS_DTYPE), ("layout_guard", GUARD_DTYPE),
+    ("host_status", u64)])
 COMBINE_ARGS_DTYPE = jit.struct_dtype([
     ("pools", u64), ("syncs", u64), ("sync", SYNC_DTYPE), ("partial_x", i64), ("partial_meta", i64),
     ("zc_x", i64), ("rows", i64), ("meta_stride", i64), ("x", u64), ("row_weights", u64), ("recv_topk_weights", u64), ("rank_prefix_matrix", u64),
@@ -67,6 +71,12 @@ def dispatch_spec(num_ranks: int, num_threads: int = THREADS) -> jit.KernelSpec:
                           kernels=(f"cupyep::intranode::direct_dispatch<{num_ranks}, {num_threads}>",))
 
 
+def fused_spec(num_ranks: int, num_threads: int = THREADS) -> jit.KernelSpec:
+    return jit.KernelSpec(name=f"intranode_direct_dispatch_fused_ranks_{num_ranks}_threads_{num_threads}",
+                          source="intranode/direct.cu",
+                          kernels=(f"cupyep::intranode::direct_dispatch_fused<{num_ranks}, {num_threads}>",))
+
+
 def combine_spec(num_ranks: int, num_threads: int = THREADS) -> jit.KernelSpec:
     return jit.KernelSpec(name=f"intranode_direct_combine_ranks_{num_ranks}_threads_{num_threads}",
                           source="intranode/direct.cu",
@@ -75,7 +85,7 @@ def combine_spec(num_ranks: int, num_threads: int = THREADS) -> jit.KernelSpec:
 
 def kernel_specs() -> list[jit.KernelSpec]:
     """Specialisations the offline check compiles: 1 to 8 ranks."""
-    return [s for r in range(1, 9) for s in (dispatch_spec(r), combine_spec(r))]
+    return [s for r in range(1, 9) for s in (dispatch_spec(r), fused_spec(r), combine_spec(r))]
 
 
 def notify_channels(num_ranks: int) -> int:
@@ -91,9 +101,14 @@ class DirectConfig:
     Attributes:
         num_sms: blocks per rank (0: :func:`default_num_sms` of the call's shape).
         num_threads: threads per block (THREADS is the compiled default).
+        fused: a dispatch that runs the notify pass does it, and the layout,
+            inside the send kernel (one launch; the host waits only for the
+            counts, while the rows are moving). The first such call of a
+            buffer, and any whose rows outgrow the pools, runs them apart.
     """
     num_sms: int = 0
     num_threads: int = THREADS
+    fused: bool = False
 
     def validate(self) -> "DirectConfig":
         if self.num_sms < 0:

@@ -65,9 +65,19 @@ class DirectTransport:
         x_bytes = H * x.dtype.itemsize
         fn = jit.kernel(D.dispatch_spec(R, cfg.num_threads))
         self._check_direct_resident(fn, cfg, "direct dispatch")
+        shape = (x_bytes, ns, k, topk_idx is not None, topk_weights is not None)
+        fused = cfg.fused and handle is None and self._direct is not None and self._direct.pools["dispatch"] is not None
+        if fused:
+            fused_fn = jit.kernel(D.fused_spec(R, cfg.num_threads))
+            self._check_direct_resident(fused_fn, cfg, "fused direct dispatch")
         self._begin(previous_event)
+        sent = False
         with self.comm_stream:
-            if handle is None:
+            if fused:  # layout, notify and (if the pools hold every receiver's rows) the send in one launch
+                handle, sent = self._dispatch_fused(fused_fn, cfg, x, x_scales, topk_idx, topk_weights, num_experts,
+                                                    num_worst_tokens, expert_alignment, shape)
+                notified = True
+            elif handle is None:
                 routing = self._routing(topk_idx, num_experts, T, arrays)
                 handle = self._notify(T, H, num_experts, *routing, D.notify_channels(R), expert_alignment,
                                       num_worst_tokens, transport="direct")
@@ -79,7 +89,6 @@ class DirectTransport:
                 rows, rows_sent = max(N, int(handle.counts.sum(axis=0).max())), int(handle.counts[me].sum())
             else:
                 rows, rows_sent = self._agreed_rows(N), T * R
-            shape = (x_bytes, ns, k, topk_idx is not None, topk_weights is not None)
             pool = self._direct_pool("dispatch", D.recv_layout(rows, *shape).end)
             lay = self._direct.recv_layout(*shape)
             recv_x = pool.view(lay.x, (N, H), x.dtype)
@@ -87,18 +96,11 @@ class DirectTransport:
             recv_topk_idx = pool.view(lay.topk_idx, (N, k), np.int64) if topk_idx is not None else None
             recv_topk_weights = pool.view(lay.topk_weights, (N, k), np.float32) if topk_weights is not None else None
             handle = replace(handle, recv_src_idx=pool.view(lay.src_idx, (N,), np.int32))
-            blocks = cfg.num_sms or D.default_num_sms(self.sm_budget, rows_sent, cfg.num_threads)
-            pools = self._direct
-            args = jit.pack(
-                D.DISPATCH_ARGS_DTYPE, pools=jit.ptr(pool.peer_ptrs), syncs=jit.ptr(pools.sync.peer_ptrs),
-                sync=pools.sync_struct, out=lay.struct(), x=jit.ptr(x), x_scales=jit.ptr(x_scales),
-                topk_idx=jit.ptr(topk_idx), topk_weights=jit.ptr(topk_weights), send_list=jit.ptr(handle.send_list),
-                send_channel_prefix=jit.ptr(handle.send_channel_prefix),
-                rank_prefix_matrix=jit.ptr(handle.rank_prefix_matrix), recv_rank_offset=jit.ptr(handle.recv_rank_offset),
-                state=jit.ptr(pools.state), num_tokens=T, num_scales=ns, num_topk=k,
-                num_local_experts=num_experts // R, num_channels=handle.num_channels, capacity=N, rank=me,
-                guard=self._guard("intranode_direct_dispatch"))
-            fn((blocks,), (cfg.num_threads,), (args,))
+            if not sent:
+                blocks = cfg.num_sms or D.default_num_sms(self.sm_budget, rows_sent, cfg.num_threads)
+                args = self._direct_dispatch_struct(handle, pool, lay, x, x_scales, topk_idx, topk_weights,
+                                                    num_experts, capacity=N)
+                fn((blocks,), (cfg.num_threads,), (args,))
             per_expert = aligned_expert_counts(handle.recv_expert_counts, expert_alignment)
             em = self._expert_major(handle, per_expert if notified else None, recv_x, recv_scales,
                                     recv_topk_idx, num_experts, expert_alignment) if expert_major else None
@@ -112,6 +114,81 @@ class DirectTransport:
             result.expert_x, result.expert_x_scales = em.expert_x, em.expert_x_scales
             result.expert_offsets, result.expert_src_row = em.expert_offsets, em.expert_src_row
         return result
+
+    def _direct_dispatch_struct(self, handle, pool, lay, x, x_scales, topk_idx, topk_weights, num_experts,
+                                capacity: int) -> np.void:
+        """DirectDispatchArgs of a send into ``pool`` laid out as ``lay``, at the
+        offsets of ``handle`` (or of the arrays a fused notify fills);
+        ``capacity``: rows of the receive arrays (padding past the count)."""
+        pools = self._direct
+        T, H = x.shape
+        k = topk_idx.shape[1] if topk_idx is not None else 0
+        return jit.pack(
+            D.DISPATCH_ARGS_DTYPE, pools=jit.ptr(pool.peer_ptrs), syncs=jit.ptr(pools.sync.peer_ptrs),
+            sync=pools.sync_struct, out=lay.struct(), x=jit.ptr(x), x_scales=jit.ptr(x_scales),
+            topk_idx=jit.ptr(topk_idx), topk_weights=jit.ptr(topk_weights), send_list=jit.ptr(handle.send_list),
+            send_channel_prefix=jit.ptr(handle.send_channel_prefix),
+            rank_prefix_matrix=jit.ptr(handle.rank_prefix_matrix), recv_rank_offset=jit.ptr(handle.recv_rank_offset),
+            state=jit.ptr(pools.state), num_tokens=T, num_scales=H // 128 if x.dtype == FP8 else 0, num_topk=k,
+            num_local_experts=num_experts // self.num_ranks, num_channels=handle.num_channels, capacity=capacity,
+            rank=self.rank, guard=self._guard("intranode_direct_dispatch"))
+
+    def _dispatch_fused(self, fn, cfg, x, x_scales, topk_idx, topk_weights, num_experts, num_worst_tokens,
+                        alignment, shape) -> tuple[DispatchHandle, bool]:
+        """One launch of the fused kernel (layout + notify + send), on the
+        communication stream. Returns (handle, sent): sent is False when the
+        pools were too small for some receiver's rows, so nothing was sent
+        (the caller grows them and sends with the plain kernel). Outside
+        worst-token mode the host waits, bounded, for the counts only (the
+        kernel's status word), not for the send."""
+        import cupy
+        R = self.num_ranks
+        T, H = x.shape
+        C = D.notify_channels(R)
+        worst = num_worst_tokens > 0
+        if worst:  # no host wait follows: the pool must hold num_worst_tokens rows before the launch
+            self._direct_pool("dispatch", D.recv_layout(self._agreed_rows(num_worst_tokens), *shape).end)
+        pool = self._direct.pools["dispatch"]
+        lay = self._direct.recv_layout(*shape)
+        in_rank = cupy.empty((T, R), dtype=np.bool_)
+        nargs, arrays = self._notify_struct(T, num_experts, None, None, in_rank, C, alignment, num_worst_tokens)
+        handle = self._notify_handle(arrays, T, H, num_experts, C, num_worst_tokens, "direct") if worst else None
+        view = handle or _Offsets(arrays, C)
+        dargs = self._direct_dispatch_struct(view, pool, lay, x, x_scales, topk_idx, topk_weights, num_experts,
+                                             capacity=num_worst_tokens if worst else 0)
+        args = jit.pack(D.FUSED_ARGS_DTYPE, notify=nargs, dispatch=dargs, layout_guard=self._guard("intranode_layout"),
+                        host_status=0 if worst else self._host_counts_ptr + 4 * self._host_status_index)
+        blocks = cfg.num_sms or self.sm_budget
+        fn((blocks,), (cfg.num_threads,), (args,), shared_mem=4 * (R * (C + 1) + R + num_experts))
+        if worst:
+            return handle, True
+        status = self._wait_host_status()
+        handle = self._notify_handle(arrays, T, H, num_experts, C, num_worst_tokens, "direct")
+        if status == 2:  # the pools are too small: the kernel sent nothing and ends at once
+            self.synchronize()
+        return handle, status == 1
+
+    def _wait_host_status(self) -> int:
+        """Bounded host wait for the fused kernel's status word (1 sent, 2 pools
+        too small); a device error (a timed-out barrier, a bad expert id) raises."""
+        import time
+
+        import cupy
+        ev = cupy.cuda.Event(disable_timing=True)
+        ev.record(self.comm_stream)
+        word = self._host_counts[self._host_status_index:self._host_status_index + 1]
+        deadline = time.monotonic() + self.group.timeout_s * 1.5 + 5.0
+        while int(word[0]) == -1:
+            if ev.done or time.monotonic() > deadline:
+                self.group.wait(ev, "intranode_direct_dispatch", "host wait for the fused notify's counts")
+                if int(word[0]) == -1:  # ended without a status and without a device error
+                    raise RuntimeError("the fused direct dispatch ended without publishing its counts")
+                break
+        status = int(word[0])
+        if status == 3:
+            self.group.wait(ev, "intranode_direct_dispatch", "fused notify")
+            raise RuntimeError("the fused direct dispatch's notify pass failed without a device error")
+        return status
 
     def _combine_rows(self, handle) -> tuple[int, int]:
         """(the most rows any rank received in the handle's dispatch, the most
@@ -193,3 +270,13 @@ class DirectTransport:
             num_tokens=T, x_int4=H * 2 // 16, num_topk=k, num_channels=handle.num_channels, rank=me,
             guard=self._guard("intranode_direct_combine"))
         fn((blocks,), (cfg.num_threads,), (args,))
+
+
+class _Offsets:
+    """The offsets a fused send reads, before the handle exists (the arrays
+    its notify block fills), as the attributes _direct_dispatch_struct uses."""
+
+    def __init__(self, arrays: dict, num_channels: int):
+        self.send_list, self.send_channel_prefix = arrays["send_list"], arrays["send_cp"]
+        self.rank_prefix_matrix, self.recv_rank_offset = arrays["rpm"], arrays["recv_off"]
+        self.num_channels = num_channels

@@ -85,6 +85,97 @@ def test_direct_matches_reference_and_queue(group, buf, seed, num_tokens, hidden
     assert all_ranks(group.comm, all(same.values())), {f"queue {k}": v for k, v in same.items() if not v}
 
 
+@pytest.mark.parametrize("seed,num_tokens,hidden,case,zero_rank", CASES)
+def test_direct_fused_matches_two_launches(group, buf, seed, num_tokens, hidden, case, zero_rank):
+    """DirectConfig(fused=True): layout, notify and send in one launch give
+    bitwise the unfused dispatch (and the same handle and counts), also when
+    the pools must grow first (the kernel then sends nothing and the host
+    sends with the plain kernel), and its handle combines the same."""
+    import cupy
+    from cupyep.intranode.direct import DirectConfig
+    tokens, idx, w, x = _inputs(group, seed, num_tokens, hidden, case, zero_rank)
+    me = group.local_rank
+    exp = _expected(group, tokens, idx, w, hidden, expert_alignment=2)[1]
+    xs, ids, ws = cupy.asarray(x), cupy.asarray(idx[me]), cupy.asarray(w[me])
+    plain = buf.dispatch(xs, ids, ws, num_experts=NUM_EXPERTS, expert_alignment=2, transport="direct")
+    want = _host(plain)
+    pcomb = buf.combine(plain.recv_x, plain.handle, topk_weights=plain.recv_topk_weights).combined_x.get()
+    fused = buf.dispatch(xs, ids, ws, num_experts=NUM_EXPERTS, expert_alignment=2, transport="direct",
+                         config=DirectConfig(fused=True))
+    got = _host(fused)
+    same = _same(got, want)
+    same["counts"] = fused.num_recv_tokens_per_expert == exp.num_recv_tokens_per_expert
+    same["matrix"] = np.array_equal(fused.handle.counts, plain.handle.counts)
+    same["send_head"] = np.array_equal(fused.handle.send_head.get(), plain.handle.send_head.get())
+    same["is_token_in_rank"] = np.array_equal(fused.handle.is_token_in_rank.get(),
+                                              plain.handle.is_token_in_rank.get())
+    fcomb = buf.combine(fused.recv_x, fused.handle, topk_weights=fused.recv_topk_weights).combined_x.get()
+    same["combine"] = np.array_equal(fcomb, pcomb)
+    assert all_ranks(group.comm, all(same.values())), {f"fused {k}": v for k, v in same.items() if not v}
+
+
+def test_direct_fused_grows_pools_and_in_cuda_graph(group):
+    """Fused dispatch on a fresh buffer: a small call, then one too big for
+    the pools (grown, then sent apart), then worst-token calls captured and
+    replayed in a CUDA graph with new routings."""
+    import cupy
+    import cupyep
+    from cupyep.intranode.direct import DirectConfig
+    R, me = group.local_size, group.local_rank
+    cfg = DirectConfig(fused=True)
+    b = cupyep.Buffer(group)
+    try:
+        for seed, T, H in ((61, 16, 2048), (62, 16, 2048), (63, 2048, 7168)):
+            tokens, idx, w, x = _inputs(group, seed, T, H)
+            before = b._direct.nbytes("dispatch") if b._direct is not None else 0
+            out = b.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=NUM_EXPERTS,
+                             transport="direct", config=cfg)
+            res, exp, exp_rows = _expected(group, tokens, idx, w, H)
+            ok = (np.array_equal(out.recv_x.get(), exp_rows) and np.array_equal(out.recv_topk_idx.get(), exp.recv_topk_idx)
+                  and np.array_equal(out.handle.recv_src_idx.get(), exp.recv_src_idx))
+            assert all_ranks(group.comm, ok), (seed, before, b._direct.nbytes("dispatch"))
+        assert b._direct.nbytes("dispatch") > before
+        num_tokens, hidden = 128, 2048
+        worst = num_tokens * R
+        stream = cupy.cuda.Stream(non_blocking=True)
+        x_in = cupy.empty((num_tokens, hidden), dtype=np.uint16)
+        idx_in = cupy.empty((num_tokens, NUM_TOPK), dtype=np.int64)
+        w_in = cupy.empty((num_tokens, NUM_TOPK), dtype=np.float32)
+
+        def step():
+            o = b.dispatch(x_in, idx_in, w_in, num_experts=NUM_EXPERTS, num_worst_tokens=worst, validate=False,
+                           transport="direct", config=cfg)
+            return o, b.combine(o.recv_x, o.handle)
+
+        with stream:
+            tokens, idx, w, x = _inputs(group, 64, num_tokens, hidden)
+            x_in.set(x); idx_in.set(idx[me]); w_in.set(w[me])
+            step()
+            stream.synchronize()
+            group.comm.Barrier()
+            stream.begin_capture()
+            out, comb = step()
+            graph = stream.end_capture()
+        for it in range(3):
+            tokens, idx, w, x = _inputs(group, 65 + it, num_tokens, hidden)
+            with stream:
+                x_in.set(x); idx_in.set(idx[me]); w_in.set(w[me])
+                _poison(stream, out.recv_topk_idx, out.recv_topk_weights, out.handle.recv_src_idx)
+                stream.synchronize()
+                group.comm.Barrier()
+                graph.launch(stream)
+                stream.synchronize()
+            group.check_errors()
+            res, exp, exp_rows = _expected(group, tokens, idx, w, hidden)
+            expected = ref.intranode_combine(_received_rows(res, hidden), res, tokens)[me]
+            checks = _worst_rows_checks(out, exp, exp_rows, worst)
+            checks["combine"] = ref.calc_diff(bf16_to_f32(comb.combined_x.get()), expected) < 5e-6
+            assert all_ranks(group.comm, all(checks.values())), (it, {k: v for k, v in checks.items() if not v})
+        group.comm.Barrier()
+    finally:
+        b.destroy()
+
+
 def test_direct_fp8_bytes_and_scales(group, buf):
     import cupy
     tokens, idx, w, x = _inputs(group, 7, 512, 7168)
