@@ -23,7 +23,7 @@ above, the direct (one-copy) transport's as ``<kind>_direct`` with
 of ``--direct-sms`` (SMs used against time).
 """
 import argparse
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import numpy as np
 
@@ -31,18 +31,12 @@ import cupyep
 from cupyep.bench import require_gpu
 from cupyep.barrier import GpuBarrier
 from cupyep.bench.copy import copy_bandwidth
+from cupyep.bench.normal import DIRECT_KINDS, KINDS, measure
 from cupyep.bench.report import JsonlWriter
-from cupyep.bench.timing import time_fn
 from cupyep.fp8 import per_token_cast_to_fp8
 from cupyep.intranode import Config
 from cupyep.intranode.direct import DirectConfig
 from cupyep.testing import global_routing, payload_bf16
-
-
-KINDS = ("dispatch_bf16", "dispatch_fp8", "dispatch_bf16_notify", "combine_bf16")
-# Kinds only the direct transport has, timed with it by default: the zero-copy
-# combine, and the dispatch with layout + notify fused into its kernel.
-DIRECT_KINDS = ("combine_bf16_zero_copy", "dispatch_bf16_notify_fused")
 
 
 def main():
@@ -72,7 +66,6 @@ def main():
     args = p.parse_args()
     require_gpu(__file__)
     import cupy
-    from mpi4py import MPI
     group = cupyep.init()
     out = JsonlWriter(args.out, group)
     R, me = group.local_size, group.local_rank
@@ -89,53 +82,8 @@ def main():
     bar = GpuBarrier(group)
 
     def run(kind, dcfg, ccfg, timing="strict", transport="queue"):
-        if transport == "direct":
-            ccfg = dcfg
-        elif kind == "combine_bf16":  # a combine runs on its dispatch's channels
-            dcfg = replace(dcfg, num_sms=ccfg.num_sms)
-        first = buf.dispatch(x, topk_idx, topk_w, num_experts=args.experts, config=dcfg, transport=transport)
-        n = first.recv_x.shape[0]
-        if kind == "dispatch_bf16":
-            fn = lambda: buf.dispatch(x, handle=first.handle, config=dcfg)
-            row = 2 * args.hidden
-        elif kind == "dispatch_fp8":
-            fn = lambda: buf.dispatch(x_fp8, handle=first.handle, config=dcfg)
-            row = args.hidden + args.hidden // 128 * 4
-        elif kind == "dispatch_bf16_notify":
-            fn = lambda: buf.dispatch(x, topk_idx, topk_w, num_experts=args.experts, config=dcfg, validate=False,
-                                      transport=transport)
-            row = 2 * args.hidden
-        elif kind == "dispatch_bf16_notify_fused":  # direct only
-            fcfg = replace(dcfg, fused=True)
-            fn = lambda: buf.dispatch(x, topk_idx, topk_w, num_experts=args.experts, config=fcfg, validate=False,
-                                      transport=transport)
-            row = 2 * args.hidden
-        elif kind == "combine_bf16_zero_copy":  # direct only: the owners read the outputs in place
-            y = buf.get_combine_buffer(first.handle)
-            y[...] = first.recv_x
-            fn = lambda: buf.combine(y, first.handle, config=ccfg, zero_copy=True)
-            row = 2 * args.hidden
-        else:
-            y = first.recv_x
-            fn = lambda: buf.combine(y, first.handle, config=ccfg)
-            row = 2 * args.hidden
-        if timing == "strict":
-            t = time_fn(fn, iters=args.iters, warmup=3, before=bar)
-        else:  # DeepEP's boundary: one barrier, then calls back to back
-            fn()
-            bar()
-            t = time_fn(fn, iters=args.iters, warmup=0, flush=False)
-        buf.synchronize()
-        t_max = group.comm.allreduce(t.median_s, op=MPI.MAX)
-        recv_bytes = n * row
-        total = group.comm.allreduce(recv_bytes)
-        return {"bench": "normal", "kind": kind if transport == "queue" else f"{kind}_direct", "transport": transport,
-                "timing": timing, "ranks": R, "tokens": args.tokens,
-                "hidden": args.hidden, "topk": args.topk, "experts": args.experts, "time_us": t_max * 1e6,
-                "rank_mean_us": group.comm.allreduce(t.median_s) / R * 1e6,
-                "rank_GBps": group.comm.allreduce(recv_bytes / t.median_s) / R / 1e9,
-                "efficiency": 2 * total / copy_bw / t_max, "copy_GBps": copy_bw / 1e9,
-                "dispatch_config": asdict(dcfg), "combine_config": asdict(ccfg)}
+        return measure(group, buf, bar, kind, x, x_fp8, topk_idx, topk_w, args.experts, dcfg, ccfg, transport,
+                       timing, args.iters, copy_bw)
 
     dcfg0, ccfg0 = buf.default_dispatch_config(), buf.default_combine_config()
     fcfg0 = buf.default_dispatch_config(fp8=True)

@@ -655,15 +655,16 @@ def test_timing_from_samples():
     assert (t.median_s, t.mean_s, t.min_s, t.max_s, t.n) == (3.0, 22.0, 1.0, 100.0, 5)
     assert t.p99_s == pytest.approx(4.0 + 0.96 * 96.0)  # linear interpolation
     assert isinstance(t.n, int) and all(isinstance(v, float) for v in (t.median_s, t.mean_s, t.p99_s))
+    assert t.p10_s == pytest.approx(1.0 + 0.4 * 1.0) and t.p90_s == pytest.approx(4.0 + 0.6 * 96.0)
     one = Timing.from_samples([2e-6])
-    assert one == Timing(2e-6, 2e-6, 2e-6, 2e-6, 2e-6, 1)
+    assert one == Timing(2e-6, 2e-6, 2e-6, 2e-6, 2e-6, 1, 2e-6, 2e-6)
     even = Timing.from_samples(np.array([1.0, 2.0, 3.0, 4.0]))
     assert even.median_s == 2.5 and even.n == 4
 
 
 def test_timing_as_us():
     us = Timing.from_samples([1e-6, 3e-6]).as_us()
-    assert set(us) == {"median_us", "mean_us", "p99_us", "min_us", "max_us", "n"}
+    assert set(us) == {"median_us", "mean_us", "p99_us", "min_us", "max_us", "n", "p10_us", "p90_us"}
     assert us["n"] == 2
     assert us["median_us"] == pytest.approx(2.0) and us["max_us"] == pytest.approx(3.0)
     assert us["min_us"] == pytest.approx(1.0)

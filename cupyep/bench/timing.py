@@ -34,6 +34,8 @@ class Timing:
     min_s: float
     max_s: float
     n: int
+    p10_s: float = float("nan")
+    p90_s: float = float("nan")
 
     def as_us(self) -> dict:
         return {k.replace("_s", "_us"): (v * 1e6 if k != "n" else v) for k, v in asdict(self).items()}
@@ -42,7 +44,7 @@ class Timing:
     def from_samples(samples_s) -> "Timing":
         a = np.asarray(samples_s, dtype=np.float64)
         return Timing(float(np.median(a)), float(a.mean()), float(np.percentile(a, 99)), float(a.min()),
-                      float(a.max()), int(a.size))
+                      float(a.max()), int(a.size), float(np.percentile(a, 10)), float(np.percentile(a, 90)))
 
 
 _flush_buf = None

@@ -19,7 +19,9 @@ must live in an importable module (not ``__main__``).
 
 Built-in studies (modules in :data:`BUILTIN_MODULES`, imported on first
 lookup): ``"reference"`` (``cupyep.experiments.cpu_reference``, the NumPy
-reference dispatch + combine on CPU).
+reference dispatch + combine on CPU) and ``"normal"``
+(``cupyep.experiments.gpu_normal``, normal-mode dispatch and combine on the
+GPU, either transport).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from typing import Callable
 
 __all__ = ["Skip", "Study", "register", "get", "all_studies", "BUILTIN_MODULES"]
 
-BUILTIN_MODULES = ("cupyep.experiments.cpu_reference",)
+BUILTIN_MODULES = ("cupyep.experiments.cpu_reference", "cupyep.experiments.gpu_normal")
 
 _REGISTRY: dict[str, "Study"] = {}
 _builtins_loaded = False

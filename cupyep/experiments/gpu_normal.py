@@ -1,0 +1,110 @@
+"""The "normal" study: normal-mode dispatch and combine on the GPU, one
+configuration of knobs at a time (cupyep.bench.normal.measure).
+
+Knobs (defaults: the benchmark's shape, the library's default configs):
+
+- ``transport``: "queue" or "direct"; ``kind``: one of
+  cupyep.bench.normal.KINDS (+ DIRECT_KINDS on the direct transport);
+- ``timing``: "strict" or "deepep"; ``iters``: timed calls;
+- shape: ``tokens`` (per rank), ``hidden``, ``topk``, ``experts``;
+- routing: ``routing`` (a cupyep.routing kind), ``routing_params`` (its
+  parameters, and ``drop_fraction``), ``seed``;
+- the queue transport's config: ``num_sms``, ``queue_depth``,
+  ``chunk_size``, ``num_threads``, ``l2_hints`` (0 / -1: the tuned default);
+  the direct transport's: ``num_sms``, ``num_threads`` and ``fused``.
+
+Metrics: the record of cupyep.bench.normal.measure without its knob-like
+fields ("time_us" and p10/p90/p99, "rank_GBps", "efficiency" against the
+copy bandwidth measured once per sweep, "copy_GBps", the configs used), and
+"imbalance_factor" of the routing. The Buffer, the barrier and the copy
+bandwidth are kept between configurations (a larger buffer replaces the
+Buffer when a configuration needs one).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .studies import Skip, Study, register
+
+KNOBS = {"transport": "queue", "kind": "dispatch_bf16", "timing": "strict", "tokens": 4096, "hidden": 7168,
+         "topk": 8, "experts": 256, "routing": "uniform", "routing_params": {}, "seed": 0, "num_sms": 0,
+         "queue_depth": 0, "chunk_size": 0, "num_threads": 0, "l2_hints": -1, "fused": False, "iters": 20}
+QUEUE_ONLY = ("queue_depth", "chunk_size", "l2_hints")
+
+_state: dict = {}
+
+
+def _resources(group, nbytes: int):
+    """(Buffer of at least ``nbytes``, GpuBarrier, copy bytes/s), kept across configurations."""
+    import cupyep
+    from ..barrier import GpuBarrier
+    from ..bench.copy import copy_bandwidth
+    if "barrier" not in _state:
+        _state["barrier"] = GpuBarrier(group)
+        bw = copy_bandwidth(2 << 30) if group.local_rank == 0 else 0.0
+        _state["copy_bw"] = group.comm.bcast(bw)
+    buf = _state.get("buffer")
+    if buf is None or buf.buffer.nbytes < nbytes:
+        if buf is not None:
+            buf.destroy()
+        _state["buffer"] = buf = cupyep.Buffer(group, nbytes)
+    return buf, _state["barrier"], _state["copy_bw"]
+
+
+def _configs(buf, cfg: dict):
+    """(dispatch config, combine config) of the configuration's knobs."""
+    from ..intranode.direct import DirectConfig
+    if cfg["transport"] == "direct":
+        if any(cfg[k] not in (0, -1) for k in QUEUE_ONLY):
+            raise Skip(f"{', '.join(QUEUE_ONLY)} are knobs of the queue transport")
+        d = DirectConfig(num_sms=cfg["num_sms"], fused=bool(cfg["fused"]))
+        if cfg["num_threads"]:
+            d = replace(d, num_threads=cfg["num_threads"])
+        return d, None
+    if cfg["fused"]:
+        raise Skip("fused is a knob of the direct transport")
+    out = []
+    for base in (buf.default_dispatch_config(fp8=cfg["kind"] == "dispatch_fp8"), buf.default_combine_config()):
+        over = {k: cfg[k] for k in ("num_sms", "queue_depth", "chunk_size", "num_threads") if cfg[k]}
+        if cfg["l2_hints"] >= 0:
+            over["l2_hints"] = cfg["l2_hints"]
+        out.append(replace(base, **over))
+    return tuple(out)
+
+
+def run(group, cfg: dict) -> dict:
+    """Measure one configuration (collective); see the module docstring."""
+    import cupy
+    import numpy as np
+
+    import cupyep
+    from .. import routing
+    from ..bench.normal import DIRECT_KINDS, KINDS, measure
+    from ..fp8 import per_token_cast_to_fp8
+    from ..intranode import Config
+    from ..testing import payload_bf16
+    if cfg["transport"] not in ("queue", "direct"):
+        raise Skip(f"transport must be 'queue' or 'direct', got {cfg['transport']!r}")
+    if cfg["kind"] not in KINDS + DIRECT_KINDS:
+        raise Skip(f"kind must be one of {KINDS + DIRECT_KINDS}, got {cfg['kind']!r}")
+    if cfg["kind"] in DIRECT_KINDS and cfg["transport"] != "direct":
+        raise Skip(f"{cfg['kind']} needs the direct transport")
+    R, me = group.local_size, group.local_rank
+    T, H, k, E = cfg["tokens"], cfg["hidden"], cfg["topk"], cfg["experts"]
+    params = dict(cfg["routing_params"])
+    idx, w = routing.make(cfg["routing"], cfg["seed"], [T] * R, E, k, **params)
+    biggest = Config(num_sms=max(48, cfg["num_sms"] or 0), queue_depth=max(128, cfg["queue_depth"] or 0))
+    buf, bar, copy_bw = _resources(group, cupyep.Buffer.size_hint(R, H, max(k, 16), biggest, biggest))
+    dcfg, ccfg = _configs(buf, cfg)
+    x = cupy.asarray(payload_bf16(me, np.arange(T), H))
+    x_fp8 = per_token_cast_to_fp8(x) if cfg["kind"] == "dispatch_fp8" else None
+    rec = measure(group, buf, bar, cfg["kind"], x, x_fp8, cupy.asarray(idx[me]), cupy.asarray(w[me]), E, dcfg,
+                  ccfg, cfg["transport"], cfg["timing"], cfg["iters"], copy_bw)
+    metrics = {key: v for key, v in rec.items() if key not in KNOBS and key not in ("bench", "ranks")}
+    metrics["measured_kind"] = rec["kind"]
+    metrics["imbalance_factor"] = routing.imbalance_factor(idx, E)
+    return metrics
+
+
+register(Study(name="normal", knobs=KNOBS, run=run, needs_gpu=True,
+               description="normal-mode dispatch / combine on the GPU (queue or direct transport)"))

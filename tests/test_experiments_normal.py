@@ -1,0 +1,60 @@
+"""The "normal" GPU study's host side: its knobs, the configs it builds and
+the configurations it refuses; the benchmark's measurement function's checks."""
+import pytest
+
+from cupyep import experiments
+from cupyep.bench import normal as BN
+from cupyep.experiments import gpu_normal as G
+from cupyep.intranode import Config
+from cupyep.intranode.direct import DirectConfig
+
+
+class FakeBuffer:
+    def default_dispatch_config(self, fp8=False):
+        return Config(num_sms=24 if not fp8 else 16, chunk_size=8, queue_depth=32)
+
+    def default_combine_config(self):
+        return Config(num_sms=20, chunk_size=4, queue_depth=64)
+
+
+def _cfg(**kw):
+    return {**G.KNOBS, **kw}
+
+
+def test_normal_study_is_registered_and_needs_a_gpu():
+    study = experiments.studies.get("normal")
+    assert study.needs_gpu and study.knobs == G.KNOBS
+    assert set(BN.KINDS) | set(BN.DIRECT_KINDS) >= {"dispatch_bf16", "combine_bf16_zero_copy"}
+    assert len(experiments.expand({"transport": ["queue", "direct"], "kind": list(BN.KINDS)}, G.KNOBS)) == 8
+
+
+def test_queue_configs_take_the_defaults_unless_a_knob_is_set():
+    d, c = G._configs(FakeBuffer(), _cfg())
+    assert d == FakeBuffer().default_dispatch_config() and c == FakeBuffer().default_combine_config()
+    d, c = G._configs(FakeBuffer(), _cfg(queue_depth=128, chunk_size=2, l2_hints=1, num_sms=32))
+    assert (d.queue_depth, d.chunk_size, d.l2_hints, d.num_sms) == (128, 2, 1, 32)
+    assert (c.queue_depth, c.chunk_size, c.l2_hints, c.num_sms) == (128, 2, 1, 32)
+    d, _ = G._configs(FakeBuffer(), _cfg(kind="dispatch_fp8"))
+    assert d.num_sms == 16
+
+
+def test_direct_configs_and_refusals():
+    d, c = G._configs(FakeBuffer(), _cfg(transport="direct", num_sms=8, fused=True))
+    assert d == DirectConfig(num_sms=8, fused=True) and c is None
+    with pytest.raises(experiments.Skip, match="queue transport"):
+        G._configs(FakeBuffer(), _cfg(transport="direct", queue_depth=64))
+    with pytest.raises(experiments.Skip, match="direct transport"):
+        G._configs(FakeBuffer(), _cfg(fused=True))
+    with pytest.raises(experiments.Skip, match="needs the direct transport"):
+        G.run(None, _cfg(kind="combine_bf16_zero_copy"))
+    with pytest.raises(experiments.Skip, match="transport must be"):
+        G.run(None, _cfg(transport="nvlink"))
+
+
+def test_measure_rejects_bad_kinds_before_anything_runs():
+    with pytest.raises(ValueError, match="kind must be one of"):
+        BN.measure(None, None, None, "dispatch_int4", None, None, None, None, 256, None)
+    with pytest.raises(ValueError, match="needs the direct transport"):
+        BN.measure(None, None, None, "dispatch_bf16_notify_fused", None, None, None, None, 256, None)
+    with pytest.raises(ValueError, match="timing must be"):
+        BN.measure(None, None, None, "dispatch_bf16", None, None, None, None, 256, None, timing="loose")
