@@ -11,8 +11,8 @@ Records are the JSON objects of a JSONL file (the benchmarks', the main
 job's and the sweeps' all work). A field is named by its key, or by a dotted
 path into nested objects (``dispatch_config.queue_depth``). ``where``
 keeps the records whose fields equal the given values (a list: any of them).
-Units come from the field names (``*_us``: microseconds, ``*GBps``: GB/s,
-``*_bytes``: bytes, ...) and appear on the axes.
+Units come from the field names (a word ``us``, ``ms``, ``GBps``, ``bytes``
+... after the first: ``time_us``, ``total_us_median``) and appear on the axes.
 
 The functions return matplotlib Figures (no pyplot: notebooks and headless
 runs alike); :func:`save` writes a figure as PNG and SVG.
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-UNITS = (("_us", "us"), ("_ms", "ms"), ("_s", "s"), ("GBps", "GB/s"), ("_bytes", "bytes"), ("_MiB", "MiB"))
+UNITS = {"us": "us", "ms": "ms", "s": "s", "GBps": "GB/s", "bytes": "bytes", "MiB": "MiB"}
 
 
 def field(rec: dict, key: str):
@@ -53,19 +53,22 @@ def field(rec: dict, key: str):
     return cur
 
 
-NAMES = {"rank_GBps": "bandwidth per rank", "copy_GBps": "copy bandwidth", "time_us": "time",
+NAMES = {"rank_GBps": "bandwidth per rank (GB/s)", "copy_GBps": "copy bandwidth (GB/s)",
          "efficiency": "efficiency (fraction of the copy roofline)", "calc_diff": "calc_diff (1 - similarity)"}
 
 
 def label(key: str) -> str:
-    """Axis label of a field: its last path part, without the unit suffix,
-    then the unit (``time_us`` -> "time (us)")."""
+    """Axis label of a field: its last path part with the unit word taken out
+    and put last (``time_us`` -> "time (us)", ``total_us_median`` -> "total
+    median (us)")."""
     name = key.split(".")[-1]
-    for suffix, unit in UNITS:
-        if name.endswith(suffix) and len(name) > len(suffix):
-            base = NAMES.get(name, name[:-len(suffix)].strip("_").replace("_", " "))
-            return f"{base} ({unit})"
-    return NAMES.get(name, name.replace("_", " "))
+    if name in NAMES:
+        return NAMES[name]
+    words = name.split("_")
+    for i, w in enumerate(words):
+        if i and w in UNITS:
+            return f"{' '.join(words[:i] + words[i + 1:])} ({UNITS[w]})"
+    return name.replace("_", " ")
 
 
 def select(records, where: dict | None = None) -> list[dict]:
@@ -160,6 +163,9 @@ def _band_keys(name: str):
     if name.startswith("median_"):
         unit = name[len("median"):]
         return f"p10{unit}", f"p90{unit}"
+    if name.endswith("_median"):
+        stem = name[:-len("median")]
+        return f"{stem}p10", f"{stem}p90"
     return f"p10_{name}", f"p90_{name}"
 
 
@@ -177,10 +183,14 @@ def heatmap_figure(records, x: str, y: str, value: str = "time_us", where: dict 
     im = ax.imshow(m, cmap="viridis_r" if lower_is_better else "viridis", aspect="auto", origin="lower")
     ax.set_xticks(range(len(xs)), [str(v) for v in xs])
     ax.set_yticks(range(len(ys)), [str(v) for v in ys])
+    lo, hi = (float(np.nanmin(grid)), float(np.nanmax(grid))) if np.isfinite(grid).any() else (0.0, 1.0)
     for i in range(len(ys)):
         for j in range(len(xs)):
             if not math.isnan(grid[i, j]):
-                ax.text(j, i, f"{grid[i, j]:.4g}", ha="center", va="center", fontsize="x-small", color="white")
+                f = (grid[i, j] - lo) / (hi - lo) if hi > lo else 0.0
+                light = f < 0.5 if lower_is_better else f > 0.5  # the colormap's light end
+                ax.text(j, i, f"{grid[i, j]:.4g}", ha="center", va="center", fontsize="x-small",
+                        color="black" if light else "white")
     if np.isfinite(grid).any():
         best = np.nanargmin(grid) if lower_is_better else np.nanargmax(grid)
         i, j = np.unravel_index(best, grid.shape)

@@ -29,6 +29,9 @@ def test_field_label_and_select():
     assert P.field(r, "cfg.nothing") is None and P.field(r, "b") is None
     assert P.label("time_us") == "time (us)" and P.label("rank_GBps") == "bandwidth per rank (GB/s)"
     assert P.label("kernel_median_us") == "kernel median (us)" and P.label("wait_bytes") == "wait (bytes)"
+    assert P.label("total_us_median") == "total median (us)" and P.label("us") == "us"
+    assert P._band_keys("total_us_median") == ("total_us_p10", "total_us_p90")
+    assert P._band_keys("median_us") == ("p10_us", "p90_us")
     assert P.label("dispatch_config.queue_depth") == "queue depth"
     recs = _sweep()
     assert len(P.select(recs, {"ranks": 8})) == 6
