@@ -1,0 +1,82 @@
+"""cupyep.advisor: the rules, the measured crossover and the transport choice."""
+import math
+
+import pytest
+
+from cupyep import advisor as A
+
+
+def _records(ranks=8, ll=None, normal=None, direct=None):
+    ll = ll or {1: (10.0, 12.0), 64: (30.0, 60.0), 256: (200.0, 400.0), 1024: (900.0, 1800.0)}
+    normal = normal or {64: (300.0, 300.0), 256: (350.0, 350.0), 1024: (700.0, 700.0), 4096: (2400.0, 2200.0)}
+    recs = []
+    for t, (d, c) in ll.items():
+        recs += [{"bench": "low_latency", "kind": "dispatch_fp8", "ranks": ranks, "tokens": t, "kernel_median_us": d},
+                 {"bench": "low_latency", "kind": "combine", "ranks": ranks, "tokens": t, "kernel_median_us": c}]
+    for t, (d, c) in normal.items():
+        recs += [{"bench": "normal", "kind": "dispatch_bf16_notify", "ranks": ranks, "tokens": t, "time_us": d},
+                 {"bench": "normal", "kind": "combine_bf16", "ranks": ranks, "tokens": t, "time_us": c}]
+    for t, (d, c) in (direct or {}).items():
+        recs += [{"bench": "normal", "kind": "dispatch_bf16_notify_direct", "ranks": ranks, "tokens": t, "time_us": d},
+                 {"bench": "normal", "kind": "combine_bf16_direct", "ranks": ranks, "tokens": t, "time_us": c}]
+    return recs
+
+
+def test_mode_times_pairs_dispatch_and_combine_and_skips_other_boundaries():
+    recs = _records() + [{"bench": "normal", "kind": "combine_bf16", "ranks": 8, "tokens": 64, "time_us": 1.0,
+                          "timing": "deepep"},
+                         {"bench": "normal", "kind": "combine_bf16", "ranks": 8, "tokens": 64, "time_us": 1.0,
+                          "sweep": True}]
+    assert A.mode_times(recs, 8, "low_latency")[64] == 90.0
+    assert A.mode_times(recs, 8, "normal") == {64: 600.0, 256: 700.0, 1024: 1400.0, 4096: 4600.0}
+    assert A.mode_times(recs, 4, "normal") == {}
+
+
+def test_crossover_is_interpolated_in_log_log():
+    recs = _records()
+    x = A.crossover_tokens(recs, 8)
+    # At 64 tokens low-latency takes 90 us against 600, at 256 tokens 600 against 700, at 1024 2700 against 1400.
+    d0, d1 = math.log(1400 / 2700), math.log(700 / 600)  # the sign changes between 256 and 1024
+    f = math.log(700 / 600) / (math.log(700 / 600) - math.log(1400 / 2700))
+    assert d1 > 0 > d0
+    assert x == pytest.approx(math.exp(math.log(256) + f * (math.log(1024) - math.log(256))))
+    assert A.crossover_tokens(recs, 4) is None
+    # Normal measured only where low-latency was not: nothing to compare.
+    assert A.crossover_tokens(_records(ll={1: (10, 10), 128: (40, 60)}, normal={4096: (2000, 2000)}), 8) is None
+
+
+def test_advice_follows_the_measured_crossover():
+    recs = _records()
+    x = A.crossover_tokens(recs, 8)
+    lo, hi = A.advise(int(x) - 20, 8, records=recs), A.advise(int(x) + 20, 8, records=recs)
+    assert lo.mode == "low_latency" and lo.transport is None and lo.calibrated
+    assert hi.mode == "normal" and hi.calibrated and hi.crossover_tokens == pytest.approx(x)
+    assert "measured crossover" in lo.reasons[0]
+
+
+def test_uncalibrated_rules():
+    a = A.advise(32, 8)
+    assert (a.mode, a.calibrated, a.crossover_tokens) == ("low_latency", False, A.DEFAULT_CROSSOVER)
+    assert a.reasons[0].startswith("uncalibrated")
+    assert A.advise(4096, 8).mode == "normal" and A.advise(4096, 8).transport == "direct"
+    assert A.advise(32, 8, latency_sensitive=False).mode == "normal"
+    assert A.advise(100, 8).mode == "low_latency" and A.advise(200, 8).mode == "normal"
+
+
+def test_memory_budget_and_skew_send_to_normal_mode():
+    a = A.advise(32, 8, memory_budget_bytes=1 << 20)
+    assert a.mode == "normal" and "over the budget" in a.reasons[1]
+    b = A.advise(32, 8, imbalance_factor=A.SEVERE_IMBALANCE + 1)
+    assert b.mode == "normal" and any("straggler" in r for r in b.reasons) and b.warnings
+    c = A.advise(32, 8, imbalance_factor=A.LOAD_BALANCE_AT + 0.5)
+    assert c.mode == "low_latency" and "balance the load" in c.warnings[0]
+    with pytest.raises(ValueError):
+        A.advise(0, 8)
+
+
+def test_transport_is_the_measured_faster_one():
+    recs = _records(direct={4096: (1700.0, 2100.0)})
+    a = A.advise(4096, 8, records=recs)
+    assert a.transport == "direct" and "measured faster at 4096" in a.reasons[-1]
+    recs = _records(direct={4096: (3000.0, 3000.0)})
+    assert A.advise(4096, 8, records=recs).transport == "queue"
