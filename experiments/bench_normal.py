@@ -92,7 +92,9 @@ def main():
 
     timings = ("strict", "deepep") if args.timing == "both" else (args.timing,)
     queue_kinds = [k for k in args.kinds if k not in DIRECT_KINDS]
-    direct_kinds = args.kinds + [k for k in DIRECT_KINDS if k not in args.kinds and args.kinds == list(KINDS)]
+    # The default kinds and the zero-copy combine; the fused dispatch when asked for (--kinds).
+    extra = ["combine_bf16_zero_copy"] if args.kinds == list(KINDS) else []
+    direct_kinds = args.kinds + [k for k in extra if k not in args.kinds]
     if "queue" in args.transports:
         for l2 in args.l2 or [None]:
             dcfg, fcfg, ccfg = with_l2(dcfg0, l2), with_l2(fcfg0, l2), with_l2(ccfg0, l2)
