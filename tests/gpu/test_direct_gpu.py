@@ -389,3 +389,24 @@ def test_direct_fault_missing_rank_times_out_naming_it(group):
         group.comm.Barrier()
     finally:
         b.destroy()
+
+
+def test_direct_worst_token_overflow_is_an_error(group):
+    """More received rows than num_worst_tokens on the direct transport:
+    DeviceCapacityError, never a silent drop."""
+    import cupy
+    import cupyep
+    from cupyep import DeviceCapacityError
+    me = group.local_rank
+    tokens, idx, w, x = _inputs(group, 77, 64, 2048)
+    b = cupyep.Buffer(group)
+    try:
+        b.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), num_experts=NUM_EXPERTS, num_worst_tokens=3,
+                   validate=False, transport="direct")
+        with pytest.raises(DeviceCapacityError) as info:
+            b.synchronize()
+        group.error_slot.reset()
+        assert info.value.expected == 3 and "num_worst_tokens" in info.value.phase, str(info.value)
+        group.comm.Barrier()
+    finally:
+        b.destroy()
