@@ -19,4 +19,4 @@ def test_notebook_runs(path, monkeypatch):
 
 
 def test_there_are_notebooks():
-    assert {"normal_mode.ipynb", "low_latency.ipynb"} <= {p.name for p in NOTEBOOKS}
+    assert {"normal_mode.ipynb", "low_latency.ipynb", "01_semantics.ipynb"} <= {p.name for p in NOTEBOOKS}
