@@ -158,7 +158,7 @@ def timed_rounds(calls, iters: int, warmup: int = 10, flush: str = "write", slee
     (stamps.new_kernel_stamps) for the kernel to fill. CUDA events span
     ``before()`` and the call: an event recorded between them would hold the
     call's launch back (under MPS by about 15 us at 8 ranks, and it defeats
-    programmatic launch; results/launch_skew.jsonl).
+    programmatic launch; results/archive/launch_skew.jsonl).
 
     Returns, per call, (event Timing, host int64 [iters, 2] kernel stamps),
     warm-up rounds dropped.

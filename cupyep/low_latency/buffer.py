@@ -358,8 +358,8 @@ class LowLatencyBuffer:
                 expert rank first copies x into its own combine buffer, a local
                 copy. Default (None): pull with zero_copy when all ranks share
                 one GPU, push otherwise: the faster of each pair as measured
-                (results/low_latency.jsonl; across NVLink, remote reads are
-                slower than remote writes: results/low_latency_2gpus.jsonl).
+                (results/archive/low_latency.jsonl; across NVLink, remote reads are
+                slower than remote writes: results/archive/low_latency_2gpus.jsonl).
                 Every rank must pass the same value. The copy of the combine
                 buffer a call reads is handed out again (get_next_combine_buffer)
                 only after another call on this buffer, which completes only
