@@ -125,6 +125,16 @@ def _figure(width=7.0, height=4.2):
     return fig, fig.subplots()
 
 
+def _finish(ax, xlabel: str, ylabel: str, title: str, legend: bool = True) -> None:
+    """Axis labels, grid, legend and title of a line, CDF or scatter figure."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if legend:
+        ax.legend(fontsize="small")
+    ax.set_title(title, fontsize="medium")
+
+
 def _log_if_wide(ax, xs, axis="x"):
     vals = [v for v in xs if isinstance(v, (int, float)) and v > 0]
     if len(vals) > 1 and max(vals) / min(vals) >= 64:
@@ -149,12 +159,7 @@ def knob_figure(records, x: str, y: str = "time_us", by: str | None = None, wher
             _, hi = _series(group, x, hi_key)
             ax.fill_between(xs, lo, hi, alpha=0.2, color=line.get_color(), linewidth=0)
     _log_if_wide(ax, [field(r, x) for r in recs])
-    ax.set_xlabel(label(x))
-    ax.set_ylabel(label(y))
-    ax.grid(alpha=0.3)
-    if by is not None:
-        ax.legend(fontsize="small")
-    ax.set_title(title or f"{label(y)} against {x.split('.')[-1]}", fontsize="medium")
+    _finish(ax, label(x), label(y), title or f"{label(y)} against {x.split('.')[-1]}", legend=by is not None)
     return fig
 
 
@@ -238,12 +243,8 @@ def cdf_figure(records, samples: str, by: str | None = None, where: dict | None 
                         fontsize="x-small", color=line.get_color())
     if threshold is not None:
         ax.axvline(threshold, color="black", linestyle="--", linewidth=1, label=f"{threshold:g}")
-    ax.set_xlabel(label(samples))
-    ax.set_ylabel("fraction of samples")
     ax.set_ylim(0, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
-    ax.set_title(title or f"distribution of {samples.split('.')[-1]}", fontsize="medium")
+    _finish(ax, label(samples), "fraction of samples", title or f"distribution of {samples.split('.')[-1]}")
     return fig
 
 
@@ -300,11 +301,7 @@ def crossover_figure(records, x: str = "tokens", y: str = "time_us", by: str = "
                     fontsize="x-small")
     _log_if_wide(ax, [field(r, x) for r in recs])
     _log_if_wide(ax, [field(r, y) for r in recs], axis="y")
-    ax.set_xlabel(label(x))
-    ax.set_ylabel(label(y))
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
-    ax.set_title(title or f"fastest {by.split('.')[-1]} against {x.split('.')[-1]}", fontsize="medium")
+    _finish(ax, label(x), label(y), title or f"fastest {by.split('.')[-1]} against {x.split('.')[-1]}")
     return fig
 
 
@@ -320,12 +317,7 @@ def scatter_figure(records, x: str, y: str, by: str | None = None, where: dict |
         ax.scatter([p[0] for p in pts], [p[1] for p in pts], label=lab, s=18)
     if logy:
         ax.set_yscale("log")
-    ax.set_xlabel(label(x))
-    ax.set_ylabel(label(y))
-    ax.grid(alpha=0.3)
-    if by is not None:
-        ax.legend(fontsize="small")
-    ax.set_title(title or f"{y.split('.')[-1]} against {x.split('.')[-1]}", fontsize="medium")
+    _finish(ax, label(x), label(y), title or f"{y.split('.')[-1]} against {x.split('.')[-1]}", legend=by is not None)
     return fig
 
 

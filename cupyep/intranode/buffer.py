@@ -30,7 +30,8 @@ from . import kernels as K
 from .config import Config, get_combine_config, get_dispatch_config
 from .layout import MAX_LOCAL_EXPERTS, buffer_layout, ring_set, size_hint
 from .direct_transport import DirectTransport
-from .results import CombineResult, DispatchHandle, DispatchResult, EventHandle, aligned_expert_counts, check_hidden
+from .results import (CombineResult, DispatchHandle, DispatchResult, EventHandle, aligned_expert_counts,
+                      check_hidden, dispatch_result)
 
 MAX_EXPERTS = 8192
 TRANSPORTS = ("queue", "direct")
@@ -352,18 +353,10 @@ class Buffer(DirectTransport):
                 num_scales=H // 128 if fp8 else 0, num_topk=k, num_local_experts=num_experts // R, num_channels=C,
                 capacity=N, rank=self.rank, guard=self._guard("intranode_dispatch"))
             dispatch_fn((2 * C,), (cfg.num_threads,), (args,))
-            em = self._expert_major(handle, per_expert if notified else None, recv_x, recv_scales,
-                                    recv_topk_idx, num_experts, expert_alignment) if expert_major else None
-            if em is not None:
-                handle = _replace(handle, recv_expert_row=em.recv_expert_row, num_expert_rows=em.num_expert_rows)
-            elif handle.recv_expert_row is not None:  # a cached handle's map may not fit this routing
-                handle = _replace(handle, recv_expert_row=None, num_expert_rows=0)
-        event = self._end(async_finish)
-        result = DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle, event)
-        if em is not None:
-            result.expert_x, result.expert_x_scales = em.expert_x, em.expert_x_scales
-            result.expert_offsets, result.expert_src_row = em.expert_offsets, em.expert_src_row
-        return result
+            handle, em = self._with_expert_major(handle, expert_major, per_expert if notified else None, recv_x,
+                                                 recv_scales, recv_topk_idx, num_experts, expert_alignment)
+        return dispatch_result(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle,
+                                self._end(async_finish), em)
 
     def _transport(self, transport: str | None, handle: DispatchHandle | None) -> str:
         """The transport of a call: the handle's, else ``transport`` (default "queue")."""
@@ -388,6 +381,20 @@ class Buffer(DirectTransport):
                 check(as_cupy(per_expert, "num_tokens_per_expert"), "num_tokens_per_expert", np.int32,
                       shape=(num_experts,)),
                 check(as_cupy(in_rank, "is_token_in_rank"), "is_token_in_rank", np.bool_, shape=(T, R)))
+
+    def _with_expert_major(self, handle, expert_major: bool, per_expert, recv_x, recv_scales, recv_topk_idx,
+                           num_experts, alignment):
+        """(handle, expert-major layout or None) after a dispatch's send, on the
+        communication stream: the layout when asked for, and the handle's
+        expert-major map set, or cleared (a cached handle's map may not fit
+        this routing)."""
+        em = self._expert_major(handle, per_expert, recv_x, recv_scales, recv_topk_idx, num_experts,
+                                alignment) if expert_major else None
+        if em is not None:
+            handle = _replace(handle, recv_expert_row=em.recv_expert_row, num_expert_rows=em.num_expert_rows)
+        elif handle.recv_expert_row is not None:
+            handle = _replace(handle, recv_expert_row=None, num_expert_rows=0)
+        return handle, em
 
     def _expert_major(self, handle, per_expert, recv_x, recv_scales, recv_topk_idx, num_experts, alignment):
         """Expert-major layout of this dispatch's output (on the communication stream).
@@ -521,8 +528,9 @@ class Buffer(DirectTransport):
         row_weights = as_cupy(row_weights, "row_weights")
         if row_weights is not None:
             check(row_weights, "row_weights", np.float32, shape=(N,))
+        direct_rows = self._combine_rows(handle) if handle.transport == "direct" else None
         if zero_copy:
-            self._check_zero_copy(x, handle, em, k)
+            self._check_zero_copy(x, handle, em, k, direct_rows)
         if handle.transport == "direct":
             if config is not None and not isinstance(config, D.DirectConfig):
                 raise ValueError(f"the direct transport takes a DirectConfig, got {type(config).__name__}")
@@ -548,7 +556,8 @@ class Buffer(DirectTransport):
             combined = cupy.empty((T, H), dtype=BF16)
             combined_w = cupy.empty((T, k), dtype=np.float32) if topk_weights is not None else None
             if handle.transport == "direct":
-                self._combine_direct(fn, cfg, x, handle, row_weights, topk_weights, combined, combined_w, N, zero_copy)
+                self._combine_direct(fn, cfg, x, handle, row_weights, topk_weights, combined, combined_w, N,
+                                     direct_rows, zero_copy)
         if handle.transport == "direct":  # the caller's stream waits (or not) outside the communication stream
             return CombineResult(combined, combined_w, self._end(async_finish), reduced)
         with self.comm_stream:

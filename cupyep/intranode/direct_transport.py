@@ -14,7 +14,7 @@ from .. import jit
 from ..arrays import BF16, FP8
 from ..calls import traced_call
 from . import direct as D
-from .results import DispatchHandle, DispatchResult, aligned_expert_counts, check_hidden
+from .results import DispatchHandle, DispatchResult, aligned_expert_counts, check_hidden, dispatch_result
 
 
 class DirectTransport:
@@ -70,12 +70,14 @@ class DirectTransport:
         if fused:
             fused_fn = jit.kernel(D.fused_spec(R, cfg.num_threads))
             self._check_direct_resident(fused_fn, cfg, "fused direct dispatch")
+        worst = handle.num_worst_tokens if handle is not None else num_worst_tokens
+        worst_rows = self._agreed_rows(worst) if worst > 0 else 0  # worst-token mode: no counts reach the host
         self._begin(previous_event)
         sent = False
         with self.comm_stream:
             if fused:  # layout, notify and (if the pools hold every receiver's rows) the send in one launch
                 handle, sent = self._dispatch_fused(fused_fn, cfg, x, x_scales, topk_idx, topk_weights, num_experts,
-                                                    num_worst_tokens, expert_alignment, shape)
+                                                    num_worst_tokens, expert_alignment, shape, worst_rows)
                 notified = True
             elif handle is None:
                 routing = self._routing(topk_idx, num_experts, T, arrays)
@@ -88,7 +90,7 @@ class DirectTransport:
             if handle.counts is not None:
                 rows, rows_sent = max(N, int(handle.counts.sum(axis=0).max())), int(handle.counts[me].sum())
             else:
-                rows, rows_sent = self._agreed_rows(N), T * R
+                rows, rows_sent = worst_rows, T * R
             pool = self._direct_pool("dispatch", D.recv_layout(rows, *shape).end)
             lay = self._direct.recv_layout(*shape)
             recv_x = pool.view(lay.x, (N, H), x.dtype)
@@ -102,18 +104,10 @@ class DirectTransport:
                                                     num_experts, capacity=N)
                 fn((blocks,), (cfg.num_threads,), (args,))
             per_expert = aligned_expert_counts(handle.recv_expert_counts, expert_alignment)
-            em = self._expert_major(handle, per_expert if notified else None, recv_x, recv_scales,
-                                    recv_topk_idx, num_experts, expert_alignment) if expert_major else None
-            if em is not None:
-                handle = replace(handle, recv_expert_row=em.recv_expert_row, num_expert_rows=em.num_expert_rows)
-            elif handle.recv_expert_row is not None:
-                handle = replace(handle, recv_expert_row=None, num_expert_rows=0)
-        event = self._end(async_finish)
-        result = DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle, event)
-        if em is not None:
-            result.expert_x, result.expert_x_scales = em.expert_x, em.expert_x_scales
-            result.expert_offsets, result.expert_src_row = em.expert_offsets, em.expert_src_row
-        return result
+            handle, em = self._with_expert_major(handle, expert_major, per_expert if notified else None, recv_x,
+                                                 recv_scales, recv_topk_idx, num_experts, expert_alignment)
+        return dispatch_result(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle,
+                                self._end(async_finish), em)
 
     def _direct_dispatch_struct(self, handle, pool, lay, x, x_scales, topk_idx, topk_weights, num_experts,
                                 capacity: int) -> np.void:
@@ -134,20 +128,21 @@ class DirectTransport:
             rank=self.rank, guard=self._guard("intranode_direct_dispatch"))
 
     def _dispatch_fused(self, fn, cfg, x, x_scales, topk_idx, topk_weights, num_experts, num_worst_tokens,
-                        alignment, shape) -> tuple[DispatchHandle, bool]:
+                        alignment, shape, worst_rows: int) -> tuple[DispatchHandle, bool]:
         """One launch of the fused kernel (layout + notify + send), on the
         communication stream. Returns (handle, sent): sent is False when the
         pools were too small for some receiver's rows, so nothing was sent
         (the caller grows them and sends with the plain kernel). Outside
         worst-token mode the host waits, bounded, for the counts only (the
-        kernel's status word), not for the send."""
+        kernel's status word), not for the send. ``worst_rows``: in worst-token
+        mode, the rows every rank's pool must hold (_agreed_rows)."""
         import cupy
         R = self.num_ranks
         T, H = x.shape
         C = D.notify_channels(R)
         worst = num_worst_tokens > 0
         if worst:  # no host wait follows: the pool must hold num_worst_tokens rows before the launch
-            self._direct_pool("dispatch", D.recv_layout(self._agreed_rows(num_worst_tokens), *shape).end)
+            self._direct_pool("dispatch", D.recv_layout(worst_rows, *shape).end)
         pool = self._direct.pools["dispatch"]
         lay = self._direct.recv_layout(*shape)
         in_rank = cupy.empty((T, R), dtype=np.bool_)
@@ -199,9 +194,6 @@ class DirectTransport:
         N = handle.num_worst_tokens
         return self._agreed_rows(N), self._agreed_rows(handle.num_tokens * R)  # a token goes once to each rank
 
-    def _zero_copy_layout(self, handle, hidden: int) -> tuple[int, int, int]:
-        out_rows, meta_rows = self._combine_rows(handle)
-        return D.zero_copy_layout(out_rows, hidden, meta_rows)
 
     @traced_call("Buffer.get_combine_buffer")
     def get_combine_buffer(self, handle: DispatchHandle, hidden: int | None = None):
@@ -223,12 +215,14 @@ class DirectTransport:
             raise ValueError("a zero-copy combine needs a handle of the direct transport")
         H = int(hidden or handle.hidden)
         check_hidden(H)
-        zc_x, _, end = self._zero_copy_layout(handle, H)
+        out_rows, meta_rows = self._combine_rows(handle)
+        zc_x, _, end = D.zero_copy_layout(out_rows, H, meta_rows)
         pool = self._direct_pool("zero_copy", end)
         N = handle.num_worst_tokens or handle.num_recv_tokens
         return pool.view(zc_x, (N, H), BF16)
 
-    def _check_zero_copy(self, x, handle, expert_major: bool, k: int) -> None:
+    def _check_zero_copy(self, x, handle, expert_major: bool, k: int, rows: tuple[int, int]) -> None:
+        """ValueError unless x is ``handle``'s get_combine_buffer (``rows``: _combine_rows(handle))."""
         if handle.transport != "direct":
             raise ValueError("zero_copy needs a handle of the direct transport")
         if expert_major:
@@ -236,25 +230,24 @@ class DirectTransport:
         if k > D.ZERO_COPY_MAX_TOPK:
             raise ValueError(f"a zero-copy combine carries at most {D.ZERO_COPY_MAX_TOPK} top-k weights, got {k}")
         pool = self._direct.pools["zero_copy"] if self._direct is not None else None
-        zc_x, _, end = self._zero_copy_layout(handle, x.shape[1])
+        zc_x, _, end = D.zero_copy_layout(rows[0], x.shape[1], rows[1])
         if pool is None or pool.nbytes < end or x.data.ptr != pool.ptr + zc_x:
             raise ValueError("zero_copy needs x = get_combine_buffer(handle), written with the expert outputs")
 
     def _combine_direct(self, fn, cfg, x, handle, row_weights, topk_weights, combined, combined_w, N,
-                        zero_copy: bool = False) -> None:
+                        rows: tuple[int, int], zero_copy: bool = False) -> None:
         """Combine over the direct transport, on the communication stream:
         each expert rank pushes its rows (zero-copy: only their weights) into
-        the owners' partial rows, each owner reduces them in rank order."""
+        the owners' partial rows, each owner reduces them in rank order.
+        ``rows``: _combine_rows(handle)."""
         me = self.rank
         T, H = combined.shape
         k = topk_weights.shape[1] if topk_weights is not None else 0
         if zero_copy:
-            zc_x, partial_meta, _ = self._zero_copy_layout(handle, H)
-            pool, partial_x, fit, meta_stride = self._direct.pools["zero_copy"], 0, self._combine_rows(handle)[1], \
-                1 + D.ZERO_COPY_MAX_TOPK
+            zc_x, partial_meta, _ = D.zero_copy_layout(rows[0], H, rows[1])
+            pool, partial_x, fit, meta_stride = self._direct.pools["zero_copy"], 0, rows[1], 1 + D.ZERO_COPY_MAX_TOPK
         else:
-            rows = self._combine_rows(handle)[1]
-            pool = self._direct_pool("combine", D.combine_layout(rows, H, k)[2])
+            pool = self._direct_pool("combine", D.combine_layout(rows[1], H, k)[2])
             partial_x, partial_meta, fit = self._direct.combine_layout(H, k)
             zc_x, meta_stride = -1, 1 + k
         blocks = cfg.num_sms or D.default_num_sms(self.sm_budget, max(N, T), cfg.num_threads)

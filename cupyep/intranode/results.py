@@ -162,3 +162,13 @@ def aligned_expert_counts(recv_expert_counts, expert_alignment: int) -> list[int
     if recv_expert_counts is None:
         return None
     return [-(-int(c) // expert_alignment) * expert_alignment for c in recv_expert_counts]
+
+
+def dispatch_result(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle, event,
+                    em) -> DispatchResult:
+    """The DispatchResult of a dispatch, with its expert-major arrays when ``em`` is given."""
+    result = DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle, event)
+    if em is not None:
+        result.expert_x, result.expert_x_scales = em.expert_x, em.expert_x_scales
+        result.expert_offsets, result.expert_src_row = em.expert_offsets, em.expert_src_row
+    return result
