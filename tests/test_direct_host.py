@@ -89,8 +89,9 @@ def test_kernel_constants_match_the_host():
     assert int(re.search(r"kStateHeader = (\d+)", src).group(1)) == D.STATE_HEADER
     kernel = (jit.CUDA_SRC / "intranode" / "direct.cu").read_text()
     assert "direct_dispatch(DirectDispatchArgs" in kernel and "direct_combine(DirectCombineArgs" in kernel
-    assert all(s.source == "intranode/direct.cu" for s in D.kernel_specs())
-    assert len(D.kernel_specs()) == 24
+    assert all(s.source == "intranode/direct.cu" for s in D.kernel_specs()[:-1])
+    assert D.kernel_specs()[-1].source == "intranode/expand.cu"
+    assert len(D.kernel_specs()) == 25  # 1 to 8 ranks x (dispatch, fused, combine) + the position pass
     assert any("direct_dispatch_fused(DirectFusedArgs" in line for line in kernel.splitlines())
     assert D.SYNC_DTYPE.itemsize == 32 and np.dtype(D.DISPATCH_ARGS_DTYPE).itemsize > 0
 
@@ -110,3 +111,54 @@ def test_pool_layouts_are_cached_per_pool_size():
     assert rows == D.combine_rows_that_fit(64 << 20, 7168, 8) and (px, pm) == D.combine_layout(rows, 7168, 8)[:2]
     Fake.nbytes = 128 << 20  # a grown pool: a new layout
     assert pools.recv_layout(*shape).rows > lay.rows
+
+
+@pytest.mark.parametrize("rows,m,x_bytes,ns,k", [(1, 8, 256, 0, 8), (21504, 32768, 14336, 0, 8),
+                                                 (1000, 4000, 7168, 56, 8), (0, 0, 256, 0, 8), (5, 200, 4096, 32, 16)])
+def test_expert_major_recv_layout_has_no_rank_major_payload(rows, m, x_bytes, ns, k):
+    """Expert-major layouts: no rank-major x / scales; after src_idx the
+    expert rows, their scales, their source rows and the pair map, aligned,
+    disjoint, in that order."""
+    lay = D.recv_layout(rows, x_bytes, ns, k, True, True, expert_rows=m)
+    assert lay.x == -1 and lay.x_scales == -1 and lay.em_rows == m and lay.rows == rows
+    arrays = [("topk_idx", lay.topk_idx, rows * k * 8), ("topk_weights", lay.topk_weights, rows * k * 4),
+              ("src_idx", lay.src_idx, rows * 4), ("em_x", lay.em_x, m * x_bytes),
+              ("em_x_scales", lay.em_x_scales, m * ns * 4), ("em_src_row", lay.em_src_row, m * 4),
+              ("em_recv_row", lay.em_recv_row, rows * k * 4)]
+    present = [(n, o, b) for n, o, b in arrays if o >= 0]
+    assert (lay.em_x_scales >= 0) == bool(ns)
+    for (_, o, b), (_, o2, _) in zip(present, present[1:]):
+        assert o % D.ALIGN == 0 and o + b <= o2
+    assert present[-1][1] + present[-1][2] <= lay.end
+    s = lay.struct()
+    assert int(s["em_rows"]) == m and int(s["em_x"]) == lay.em_x and int(s["x"]) == -1
+    plain = D.recv_layout(rows, x_bytes, ns, k, True, True)
+    assert plain.em_x == -1 and int(plain.struct()["em_x"]) == -1
+
+
+def test_expand_layout_is_kept_while_it_holds_the_call_and_grows_with_headroom():
+    pools = D.DirectPools.__new__(D.DirectPools)
+    pools._layouts = {}
+
+    class Fake:
+        nbytes = 0
+    pools.pools = {"dispatch": Fake()}
+    shape = (14336, 0, 8, True, True)
+    assert pools.expand_layout(shape) is None  # nothing laid out yet
+    lay = pools.expand_layout(shape, 1000, 3000)
+    assert lay.rows >= 1000 * D.GROWTH and lay.em_rows >= 3000 * D.GROWTH
+    assert pools.expand_layout(shape) is None  # the pool does not hold it yet
+    Fake.nbytes = lay.end
+    assert pools.expand_layout(shape) is lay
+    assert pools.expand_layout(shape, 1100, 3000) is lay  # within the headroom: the same layout
+    bigger = pools.expand_layout(shape, 1000, 5000)
+    assert bigger.em_rows >= 5000 * D.GROWTH and bigger.rows >= lay.rows  # never shrinks the other capacity
+
+
+def test_position_pass_warps_fit_the_block_and_shared_memory():
+    assert D.hist_warps(256, 512) == 16 and D.hist_warps(256, 256) == 8
+    assert D.hist_warps(4096, 512) == 3 and D.hist_warps(100000, 512) == 1
+    for e in (8, 64, 256, 1024, 8192):
+        for threads in (64, 512, 1024):
+            w = D.hist_warps(e, threads)
+            assert 1 <= w <= threads // 32 and (w == 1 or w * e <= D.HIST_INTS)

@@ -66,7 +66,14 @@ struct NotifyArgs {
     int* rank_prefix_matrix;            // [R, R] out
     int* num_recv_tokens_per_expert;    // [E_local] out (aligned)
     int* host_counts;                   // mapped host [1 + E_local + R * R]: num_recv_tokens, per-expert (unaligned),
-                                        // count matrix [s][d]; may be null
+                                        // count matrix [s][d], then (with expand_base) the most expert-major
+                                        // rows any rank lays out; may be null
+    int* expand_base;                   // [R, E_local + 1] out or null (direct transport): for each destination
+                                        // d and local expert e of d, the expert-major row of this rank's first
+                                        // pair for e (d's aligned block offset plus the pairs of earlier
+                                        // sources); column E_local: d's expert-major rows in all
+    int* expert_meta;                   // [2 * E_local + 1] out or null (with expand_base): this rank's expert
+                                        // block offsets [E_local + 1], then its unaligned pair counts [E_local]
     int num_tokens;
     int num_experts;
     int num_channels;

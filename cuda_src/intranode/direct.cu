@@ -17,6 +17,11 @@
 //      end means this rank's output is complete.
 //   Worst-token mode: rows past the received count get -1 ids and sources and
 //   0 weights (no host work, CUDA-graph safe).
+//   Expert-major (out.em_x >= 0): the payload goes, once per local slot,
+//   straight into the slot's expert block at d (row expand.base[d, e] +
+//   expand.pos[t, slot]), with the pair map (em_recv_row) and each expert
+//   row's rank-major row (em_src_row); no rank-major payload is written. Each
+//   receiver pads its own blocks (zero rows, source row -1).
 //
 // Combine (grid: any number of blocks, all resident):
 //   1. Block 0 tells every expert rank that this rank's combine pool is free
@@ -37,6 +42,7 @@
 #include "common/timeout.cuh"
 #include "intranode/args.cuh"
 #include "intranode/direct_args.cuh"
+#include "intranode/expand.cuh"
 #include "intranode/layout.cuh"
 #include "intranode/notify.cuh"
 
@@ -73,6 +79,46 @@ __device__ __forceinline__ bool last_block_out(int64_t* exited) {
     return s_last != 0;
 }
 
+// Row t of x (and its scales) to row `row` of the arrays at byte offsets
+// x_off / scales_off (-1: none) of a destination's pool, by one warp.
+__device__ __forceinline__ void send_row(char* pool, int64_t x_off, int64_t scales_off, int64_t row,
+                                         const DirectDispatchArgs& a, int t, int64_t x_int4, int lane) {
+    const DirectRecvLayout& o = a.out;
+    warp_copy<4, true>(reinterpret_cast<int4*>(pool + x_off + row * o.x_bytes), a.x + t * x_int4, x_int4, lane,
+                       [](const int4* p) { return ld_nc_na_v4(p); },
+                       [](int4* p, const int4& v) { st_na_v4(p, v); });
+    if (a.x_scales && scales_off >= 0) {
+        float* sc = reinterpret_cast<float*>(pool + scales_off) + row * a.num_scales;
+        for (int q = lane; q < a.num_scales; q += 32) sc[q] = __ldg(a.x_scales + (int64_t)t * a.num_scales + q);
+    }
+}
+
+// The padding of this rank's expert-major arrays, which no sender writes:
+// the alignment rows at the end of each expert's block (zero rows and
+// scales, source row -1) and the source row (-1) of every row past the last
+// block. Warp `gw` of `num_gw` over the grid; thread `first` of `stride`.
+__device__ __forceinline__ void expand_padding(const DirectDispatchArgs& a, char* mine, int64_t first,
+                                               int64_t stride, int lane, int gw, int num_gw) {
+    const DirectRecvLayout& o = a.out;
+    const int E = a.num_local_experts;
+    const int* offsets = a.expand.meta;
+    const int* counts = a.expand.meta + E + 1;
+    int* src_row = reinterpret_cast<int*>(mine + o.em_src_row);
+    const int64_t x_int4 = o.x_bytes / 16;
+    for (int e = gw; e < E; e += num_gw) {
+        const int64_t b = min((int64_t)offsets[e] + counts[e], o.em_rows), end = min((int64_t)offsets[e + 1], o.em_rows);
+        for (int64_t m = b; m < end; ++m) {
+            int4* row = reinterpret_cast<int4*>(mine + o.em_x + m * o.x_bytes);
+            for (int64_t i = lane; i < x_int4; i += 32) st_na_v4(row + i, make_int4(0, 0, 0, 0));
+            if (o.em_x_scales >= 0)
+                for (int q = lane; q < a.num_scales; q += 32)
+                    reinterpret_cast<float*>(mine + o.em_x_scales)[m * a.num_scales + q] = 0.f;
+            if (lane == 0) src_row[m] = -1;
+        }
+    }
+    for (int64_t m = max((int64_t)0, (int64_t)offsets[E]) + first; m < o.em_rows; m += stride) src_row[m] = -1;
+}
+
 // The dispatch by every block of the grid; `handshake`: announce this call
 // to every rank and wait until every destination has announced it (the fused
 // kernel's notify barrier has already lined the ranks up).
@@ -88,6 +134,7 @@ __device__ __forceinline__ void direct_dispatch_body(const DirectDispatchArgs& a
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int C = a.num_channels, T = a.num_tokens, k = a.num_topk, ns = a.num_scales;
     const DirectRecvLayout& o = a.out;
+    const bool expand = o.em_x >= 0;
     if (threadIdx.x == 0) {
         s_epoch = ld_volatile64(a.state + kDispatchEpoch) + 1;
         s_fail = 0;
@@ -132,22 +179,42 @@ __device__ __forceinline__ void direct_dispatch_body(const DirectDispatchArgs& a
         }
         const int t = __ldg(a.send_list + (int64_t)d * T + i);
         char* pool = static_cast<char*>(a.pools[d]);
-        warp_copy<4, true>(reinterpret_cast<int4*>(pool + o.x + row * o.x_bytes), a.x + t * x_int4, x_int4, lane,
-                           [](const int4* p) { return ld_nc_na_v4(p); },
-                           [](int4* p, const int4& v) { st_na_v4(p, v); });
+        if (!expand)
+            send_row(pool, o.x, o.x_scales, row, a, t, x_int4, lane);
         if (lane == 0) reinterpret_cast<int*>(pool + o.src_idx)[row] = t;
         if (a.topk_idx) {
-            const int64_t lo = (int64_t)d * a.num_local_experts, hi = lo + a.num_local_experts;
+            const int E_local = a.num_local_experts;
+            const int64_t lo = (int64_t)d * E_local, hi = lo + E_local;
             int64_t* ids = reinterpret_cast<int64_t*>(pool + o.topk_idx) + row * k;
             float* ws = o.topk_weights >= 0 ? reinterpret_cast<float*>(pool + o.topk_weights) + row * k : nullptr;
-            for (int q = lane; q < k; q += 32) {
-                const int64_t e = __ldg(a.topk_idx + (int64_t)t * k + q);
+            int* pair_rows = expand ? reinterpret_cast<int*>(pool + o.em_recv_row) + row * k : nullptr;
+            for (int q0 = 0; q0 < k; q0 += 32) {  // warp-uniform bounds: the ballot sees every lane
+                const int q = q0 + lane;
+                const int64_t e = q < k ? __ldg(a.topk_idx + (int64_t)t * k + q) : -1;
                 const bool local = e >= lo && e < hi;
-                ids[q] = local ? e - lo : -1;
-                if (ws) ws[q] = local ? __ldg(a.topk_weights + (int64_t)t * k + q) : 0.f;
+                if (q < k) {
+                    ids[q] = local ? e - lo : -1;
+                    if (ws) ws[q] = local ? __ldg(a.topk_weights + (int64_t)t * k + q) : 0.f;
+                }
+                if (!expand) continue;
+                // Expert-major: the row once per local slot, into the slot's expert block.
+                int em = -1;
+                if (local) {
+                    em = __ldg(a.expand.base + d * (E_local + 1) + (e - lo)) + a.expand.pos[(int64_t)t * k + q];
+                    if (em >= o.em_rows) {  // only past a worst-token bound; reported, never written out of bounds
+                        report_error(a.guard, kErrorCapacity, 2, d, em + 1, o.em_rows);
+                        em = -1;
+                    }
+                }
+                if (q < k) pair_rows[q] = em;
+                for (unsigned m = __ballot_sync(0xffffffffu, em >= 0); m; m &= m - 1) {
+                    const int dst = __shfl_sync(0xffffffffu, em, __ffs(m) - 1);
+                    send_row(pool, o.em_x, o.em_x_scales, dst, a, t, x_int4, lane);
+                    if (lane == 0) reinterpret_cast<int*>(pool + o.em_src_row)[dst] = (int)row;
+                }
             }
         }
-        if (a.x_scales) {
+        if (a.x_scales && !expand) {
             float* sc = reinterpret_cast<float*>(pool + o.x_scales) + row * ns;
             for (int q = lane; q < ns; q += 32) sc[q] = __ldg(a.x_scales + (int64_t)t * ns + q);
         }
@@ -165,7 +232,9 @@ __device__ __forceinline__ void direct_dispatch_body(const DirectDispatchArgs& a
             for (int64_t q = n * k + first; q < cap * k; q += stride) {
                 reinterpret_cast<int64_t*>(mine + o.topk_idx)[q] = -1;
                 if (o.topk_weights >= 0) reinterpret_cast<float*>(mine + o.topk_weights)[q] = 0.f;
+                if (expand) reinterpret_cast<int*>(mine + o.em_recv_row)[q] = -1;
             }
+        if (expand) expand_padding(a, mine, first, stride, lane, blockIdx.x * kWarps + warp, gridDim.x * kWarps);
     }
 
     // 3. Publish this block's rows, then (block 0) wait for every source's.
@@ -199,7 +268,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) direct_dispatch(DirectDispatch
 //   releases the other blocks (kFusedReady); then every block sends as
 //   direct_dispatch does, unless the pools are too small: then nothing is sent
 //   and the host grows them and sends with direct_dispatch.
-// Dynamic shared memory (block 0): R * (C + 1) + R + E ints.
+//   An expert-major dispatch's positions (expert_positions) are computed by
+//   block 1 (block 0 alone: after the notify) while block 0 coordinates.
+// Dynamic shared memory: the most of R * (C + 1) + R + E ints (block 0) and
+// expand.hist_warps * E ints (the position block).
 template <int kNumRanks, int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1) direct_dispatch_fused(DirectFusedArgs a) {
     extern __shared__ int s_dyn[];
@@ -208,6 +280,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) direct_dispatch_fused(DirectFu
     __shared__ int s_status;
     const NotifyArgs& n = a.notify;
     int64_t* state = a.dispatch.state;
+    const DirectDispatchArgs& da = a.dispatch;
+    const bool pos_here = da.out.em_x >= 0 && da.expand.compute_pos;
+    const int pos_block = gridDim.x > 1 ? 1 : 0;  // computes the expert-major positions meanwhile
     if (threadIdx.x == 0) s_seq = ld_volatile64(state + kFusedSeq) + 1;
     __syncthreads();
     const int64_t seq = s_seq;
@@ -225,8 +300,11 @@ __global__ void __launch_bounds__(kNumThreads, 1) direct_dispatch_fused(DirectFu
         const bool ok = notify_pass<R>(n, s_prefix, s_rank, s_expert);
         if (threadIdx.x == 0) {
             int status = ok ? 1 : 3;
-            for (int d = 0; ok && d < R; ++d)
-                if (n.rank_prefix_matrix[(R - 1) * R + d] > a.dispatch.out.rows) status = 2;
+            const int E_local = E / R;
+            for (int d = 0; ok && d < R; ++d) {
+                if (n.rank_prefix_matrix[(R - 1) * R + d] > da.out.rows) status = 2;
+                if (da.out.em_x >= 0 && n.expand_base[d * (E_local + 1) + E_local] > da.out.em_rows) status = 2;
+            }
             state[kFusedStatus] = status;
             if (a.host_status) {
                 __threadfence_system();
@@ -237,11 +315,24 @@ __global__ void __launch_bounds__(kNumThreads, 1) direct_dispatch_fused(DirectFu
             s_status = status;
         }
         __syncthreads();
-    } else {
+    }
+    if (pos_here && blockIdx.x == pos_block) {
+        expert_positions(da.topk_idx, da.num_tokens, da.num_topk, da.expand.num_experts, da.expand.hist_warps,
+                         da.expand.pos, s_dyn);
         if (threadIdx.x == 0) {
-            s_status = wait_geq(state + kFusedReady, seq, a.dispatch.guard, 3, -1)
+            __threadfence();
+            st_release_sys(state + kFusedPosReady, seq);
+        }
+    }
+    if (blockIdx.x != 0) {
+        if (threadIdx.x == 0) {
+            s_status = wait_geq(state + kFusedReady, seq, da.guard, 3, -1)
                            ? (int)ld_volatile64(state + kFusedStatus) : 3;
         }
+        __syncthreads();
+    }
+    if (s_status == 1 && pos_here) {
+        if (threadIdx.x == 0 && !wait_geq(state + kFusedPosReady, seq, da.guard, 4, -1)) s_status = 3;
         __syncthreads();
     }
     if (s_status == 1) direct_dispatch_body<kNumRanks, kNumThreads>(a.dispatch, /*handshake=*/false);

@@ -13,7 +13,8 @@
 //   dispatch that have exited, [kCombineEpoch], [kCombineExited] likewise for
 //   combine, [kFusedSeq], [kFusedExited] likewise for fused dispatches,
 //   [kFusedReady] the latest fused call whose notify block is done and
-//   [kFusedStatus] its outcome, then [R] rows received from each source over all dispatch calls,
+//   [kFusedStatus] its outcome, [kFusedPosReady] the latest fused call whose
+//   expert-major positions are written, then [R] rows received from each source over all dispatch calls,
 //   then [R] partial rows received from each expert rank over all combine calls.
 // Counters only grow across calls and epochs live on the device, so no cleaning
 // pass is needed and a CUDA graph replays correctly.
@@ -27,7 +28,8 @@ namespace intranode {
 
 constexpr int kDirectSyncStride = 64;
 constexpr int kDispatchEpoch = 0, kDispatchExited = 1, kCombineEpoch = 2, kCombineExited = 3;
-constexpr int kFusedSeq = 4, kFusedExited = 5, kFusedReady = 6, kFusedStatus = 7, kStateHeader = 8;
+constexpr int kFusedSeq = 4, kFusedExited = 5, kFusedReady = 6, kFusedStatus = 7, kFusedPosReady = 8;
+constexpr int kStateHeader = 9;
 
 struct DirectSync {
     int64_t dispatch_ready;    // in sender s's buffer, entry d: the latest dispatch call receiver d is ready for
@@ -38,13 +40,29 @@ struct DirectSync {
 
 // Byte offsets of a dispatch's receive arrays in every rank's dispatch pool.
 struct DirectRecvLayout {
-    int64_t x;             // [rows, x_bytes]
+    int64_t x;             // [rows, x_bytes], or -1 (expert-major dispatch: rows go to em_x only)
     int64_t x_scales;      // [rows, num_scales] float, or -1
     int64_t topk_idx;      // [rows, k] int64, or -1
     int64_t topk_weights;  // [rows, k] float, or -1
     int64_t src_idx;       // [rows] int
     int64_t x_bytes;       // payload bytes per row, a multiple of 16
     int64_t rows;          // rows the pool holds for this layout
+    int64_t em_x;          // expert-major dispatch: [em_rows, x_bytes], or -1 (then every em_* is unused)
+    int64_t em_x_scales;   // [em_rows, num_scales] float, or -1
+    int64_t em_src_row;    // [em_rows] int: rank-major row of each expert-major row, -1 for padding
+    int64_t em_recv_row;   // [rows, k] int: expert-major row of each (row, slot) pair, -1 for other ranks' slots
+    int64_t em_rows;       // expert-major rows the pool holds for this layout
+};
+
+// Expert-major dispatch: where each (token, slot) pair goes (expand.cuh).
+struct DirectExpand {
+    const int* base;       // [R, E_local + 1] from notify (expand_base)
+    int* pos;              // [T, k] pair positions (expert_positions), written by the fused kernel when
+                           // compute_pos, else by direct_expert_positions before the send
+    const int* meta;       // [2 * E_local + 1] this rank's block offsets, then pair counts (notify's expert_meta)
+    int num_experts;       // E
+    int hist_warps;        // warps of the position pass (its shared memory: hist_warps * E ints)
+    int compute_pos;
 };
 
 struct DirectDispatchArgs {
@@ -61,6 +79,7 @@ struct DirectDispatchArgs {
     const int* rank_prefix_matrix;   // [R, R] from notify
     const int* recv_rank_offset;     // [R + 1] from notify
     int64_t* state;                  // private, see above
+    DirectExpand expand;             // used when out.em_x >= 0
     int num_tokens;
     int num_scales;
     int num_topk;

@@ -9,6 +9,64 @@
 namespace cupyep {
 namespace intranode {
 
+__device__ __forceinline__ int round_up_int(int v, int a) { return (v + a - 1) / a * a; }
+
+// The expert-major tables of the direct transport, after the notify pass's
+// second barrier (every rank's notify region is complete and stays so until
+// this rank's next notify): this rank's block offsets and pair counts
+// (expert_meta), and for every destination d the expert-major row of this
+// rank's first pair for each of d's local experts (expand_base; d's region
+// holds every source's pair counts for d's experts). With host_counts, the
+// most expert-major rows any rank lays out goes to host_counts[1 + E_local + R * R].
+template <int kNumRanks>
+__device__ __forceinline__ void expand_tables(const NotifyArgs& a, const int* mine, int ni, int E_local) {
+    constexpr int R = kNumRanks;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
+    const int A = a.expert_alignment;
+    if (threadIdx.x == 0) {
+        int acc = 0;
+        for (int e = 0; e < E_local; ++e) {
+            int c = 0;
+            for (int s = 0; s < R; ++s) c += mine[s * ni + R + e];
+            a.expert_meta[e] = acc;
+            a.expert_meta[E_local + 1 + e] = c;
+            acc += round_up_int(c, A);
+        }
+        a.expert_meta[E_local] = acc;
+    }
+    for (int d = warp; d < R; d += num_warps) {
+        const volatile int* region =
+            reinterpret_cast<const volatile int*>(static_cast<const char*>(a.peers[d]) + a.off.notify);
+        int* base = a.expand_base + d * (E_local + 1);
+        int running = 0;
+        for (int e0 = 0; e0 < E_local; e0 += 32) {  // warp-uniform bounds: the scan's shuffles see every lane
+            const int e = e0 + lane;
+            int total = 0, before = 0;
+            if (e < E_local)
+                for (int s = 0; s < R; ++s) {
+                    const int c = region[s * ni + R + e];
+                    total += c;
+                    before += s < a.rank ? c : 0;
+                }
+            const int aligned = round_up_int(total, A);
+            int incl = aligned;
+            for (int o = 1; o < 32; o <<= 1) {
+                const int v = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += v;
+            }
+            if (e < E_local) base[e] = running + incl - aligned + before;
+            running += __shfl_sync(0xffffffffu, incl, 31);
+        }
+        if (lane == 0) base[E_local] = running;
+    }
+    __syncthreads();
+    if (a.host_counts && threadIdx.x == 0) {
+        int most = 0;
+        for (int d = 0; d < R; ++d) most = max(most, a.expand_base[d * (E_local + 1) + E_local]);
+        a.host_counts[1 + E_local + R * R] = most;
+    }
+}
+
 // The notify pass, by every thread of one block. s_prefix: kNumRanks * (C + 1)
 // ints of shared memory; per_rank [R] and per_expert [E]: this rank's token
 // counts (the layout's, in global or shared memory). Returns false when a
@@ -100,6 +158,7 @@ __device__ __forceinline__ bool notify_pass(const NotifyArgs& a, int* s_prefix, 
         if (a.host_counts) a.host_counts[0] = acc;
     }
     __syncthreads();
+    if (a.expand_base) expand_tables<R>(a, mine, ni, E_local);
     return true;
 }
 

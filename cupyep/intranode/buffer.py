@@ -30,7 +30,7 @@ from . import kernels as K
 from .config import Config, get_combine_config, get_dispatch_config
 from .layout import MAX_LOCAL_EXPERTS, buffer_layout, ring_set, size_hint
 from .direct_transport import DirectTransport
-from .results import (CombineResult, DispatchHandle, DispatchResult, EventHandle, aligned_expert_counts,
+from .results import (CombineResult, DispatchHandle, DispatchResult, EventHandle, ExpandTables, aligned_expert_counts,
                       check_hidden, dispatch_result)
 
 MAX_EXPERTS = 8192
@@ -89,9 +89,9 @@ class Buffer(DirectTransport):
         self.layout = buffer_layout(self.num_ranks, num_bytes)
         self.buffer = SymmetricBuffer(group, num_bytes)
         self.comm_stream = cupy.cuda.Stream(non_blocking=True)
-        # Mapped host memory the notify pass writes: [1 + E_local + R * R] (see NotifyArgs), then
+        # Mapped host memory the notify pass writes: [1 + E_local + R * R + 1] (see NotifyArgs), then
         # the fused direct dispatch's status word (HOST_STATUS).
-        n_counts = 1 + MAX_LOCAL_EXPERTS + self.num_ranks ** 2 + 1
+        n_counts = 1 + MAX_LOCAL_EXPERTS + self.num_ranks ** 2 + 2
         self._host_status_index = n_counts - 1
         self._host_counts_ptr = cupy.cuda.runtime.hostAlloc(4 * n_counts, 2)
         import ctypes
@@ -414,7 +414,7 @@ class Buffer(DirectTransport):
         handle (after a bounded host wait for the counts, unless worst-token mode)."""
         R = self.num_ranks
         args, arrays = self._notify_struct(T, num_experts, per_rank, per_expert, in_rank, C, alignment,
-                                           num_worst_tokens)
+                                           num_worst_tokens, transport)
         jit.kernel(K.notify_spec(R))((1,), (K.NOTIFY_THREADS,), (args,), shared_mem=4 * R * (C + 1))
         if num_worst_tokens <= 0:
             import cupy
@@ -423,9 +423,12 @@ class Buffer(DirectTransport):
             self.group.wait(ev, "intranode_notify", "host wait for receive counts")
         return self._notify_handle(arrays, T, H, num_experts, C, num_worst_tokens, transport)
 
-    def _notify_struct(self, T, num_experts, per_rank, per_expert, in_rank, C, alignment, num_worst_tokens):
+    def _notify_struct(self, T, num_experts, per_rank, per_expert, in_rank, C, alignment, num_worst_tokens,
+                       transport: str = "queue"):
         """(NotifyArgs, the handle's arrays) of a notify pass; resets the host
-        counts (not in worst-token mode, where they never reach the host)."""
+        counts (not in worst-token mode, where they never reach the host).
+        The direct transport's pass also fills its expert-major tables
+        (expand_base [R, E_local + 1], expert_meta [2 E_local + 1])."""
         import cupy
         R = self.num_ranks
         E_local = num_experts // R
@@ -433,6 +436,10 @@ class Buffer(DirectTransport):
                   "send_cp": cupy.empty((R, C + 1), dtype=np.int32), "recv_cp": cupy.empty((R, C + 1), dtype=np.int32),
                   "recv_off": cupy.empty(R + 1, dtype=np.int32), "rpm": cupy.empty((R, R), dtype=np.int32),
                   "recv_per_expert": cupy.empty(E_local, dtype=np.int32), "in_rank": in_rank}
+        if transport == "direct":
+            arrays["expand_base"] = cupy.empty((R, E_local + 1), dtype=np.int32)
+            arrays["expert_meta"] = cupy.empty(2 * E_local + 1, dtype=np.int32)
+            arrays["alignment"] = int(alignment)
         worst = num_worst_tokens > 0
         if not worst:
             self._host_counts[:] = -1
@@ -443,7 +450,8 @@ class Buffer(DirectTransport):
             send_list=jit.ptr(arrays["send_list"]), send_channel_prefix=jit.ptr(arrays["send_cp"]),
             recv_channel_prefix=jit.ptr(arrays["recv_cp"]), recv_rank_offset=jit.ptr(arrays["recv_off"]),
             rank_prefix_matrix=jit.ptr(arrays["rpm"]), num_recv_tokens_per_expert=jit.ptr(arrays["recv_per_expert"]),
-            host_counts=0 if worst else self._host_counts_ptr, num_tokens=T, num_experts=num_experts,
+            host_counts=0 if worst else self._host_counts_ptr, expand_base=jit.ptr(arrays.get("expand_base")),
+            expert_meta=jit.ptr(arrays.get("expert_meta")), num_tokens=T, num_experts=num_experts,
             num_channels=C, expert_alignment=alignment, capacity=num_worst_tokens if worst else INT_MAX,
             rank=self.rank, guard=self._guard("intranode_notify"))
         return args, arrays
@@ -458,13 +466,17 @@ class Buffer(DirectTransport):
             n_recv = int(self._host_counts[0])
             counts = tuple(int(c) for c in self._host_counts[1:1 + E_local])  # unaligned
             matrix = self._host_counts[1 + E_local:1 + E_local + R * R].astype(np.int64).reshape(R, R)
+        expand = None
+        if "expand_base" in arrays:
+            most = int(self._host_counts[1 + E_local + R * R]) if num_worst_tokens <= 0 else -1
+            expand = ExpandTables(arrays["expand_base"], arrays["expert_meta"], arrays["alignment"], most)
         return DispatchHandle(rank_prefix_matrix=arrays["rpm"], recv_channel_prefix=arrays["recv_cp"],
                               recv_rank_offset=arrays["recv_off"], recv_src_idx=None,
                               is_token_in_rank=arrays["in_rank"], send_head=arrays["send_head"],
                               send_list=arrays["send_list"], send_channel_prefix=arrays["send_cp"],
                               num_recv_tokens=n_recv, num_worst_tokens=num_worst_tokens, num_tokens=T, hidden=H,
                               num_experts=num_experts, num_channels=C, buffer_id=id(self), recv_expert_counts=counts,
-                              transport=transport, counts=matrix)
+                              transport=transport, counts=matrix, expand=expand)
 
     def _check_handle(self, handle: DispatchHandle, num_tokens: int) -> None:
         if not isinstance(handle, DispatchHandle):

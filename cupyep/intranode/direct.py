@@ -41,18 +41,21 @@ ALIGN = 256            # alignment of every array in a pool
 POOL_GRANULE = 2 << 20  # pools grow in multiples of this many bytes
 GROWTH = 1.25          # headroom when a pool grows
 THREADS = 512
-STATE_HEADER = 8       # kStateHeader
+STATE_HEADER = 9       # kStateHeader
 ZERO_COPY_MAX_TOPK = 32  # top-k weights a zero-copy combine carries (its metadata stride is fixed)
 
 SYNC_DTYPE = jit.struct_dtype([(n, i64) for n in (
     "dispatch_ready", "dispatch_arrived", "combine_ready", "combine_arrived")])
 RECV_LAYOUT_DTYPE = jit.struct_dtype([(n, i64) for n in (
-    "x", "x_scales", "topk_idx", "topk_weights", "src_idx", "x_bytes", "rows")])
+    "x", "x_scales", "topk_idx", "topk_weights", "src_idx", "x_bytes", "rows", "em_x", "em_x_scales", "em_src_row",
+    "em_recv_row", "em_rows")])
+EXPAND_DTYPE = jit.struct_dtype([("base", u64), ("pos", u64), ("meta", u64), ("num_experts", i32),
+                                 ("hist_warps", i32), ("compute_pos", i32)])
 DISPATCH_ARGS_DTYPE = jit.struct_dtype([
     ("pools", u64), ("syncs", u64), ("sync", SYNC_DTYPE), ("out", RECV_LAYOUT_DTYPE), ("x", u64),
     ("x_scales", u64), ("topk_idx", u64), ("topk_weights", u64), ("send_list", u64),
     ("send_channel_prefix", u64), ("rank_prefix_matrix", u64), ("recv_rank_offset", u64), ("state", u64),
-    ("num_tokens", i32), ("num_scales", i32), ("num_topk", i32), ("num_local_experts", i32),
+    ("expand", EXPAND_DTYPE), ("num_tokens", i32), ("num_scales", i32), ("num_topk", i32), ("num_local_experts", i32),
     ("num_channels", i32), ("capacity", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
 FUSED_ARGS_DTYPE = jit.struct_dtype([
     ("notify", NOTIFY_ARGS_DTYPE), ("dispatch", DISPATCH_ARGS_DTYPE), ("layout_guard", GUARD_DTYPE),
@@ -65,10 +68,27 @@ COMBINE_ARGS_DTYPE = jit.struct_dtype([
     ("num_channels", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
 
 
+POSITIONS_KERNEL = "cupyep::intranode::direct_expert_positions"
+POSITIONS_THREADS = 512
+HIST_INTS = 12288  # shared-memory ints the position pass's per-warp expert counts may use
+
+
+def hist_warps(num_experts: int, num_threads: int = POSITIONS_THREADS) -> int:
+    """Warps of the expert-major position pass (expand.cuh): one segment of
+    the pairs each, their per-expert counts ([warps, E] ints) in shared memory."""
+    return max(1, min(num_threads // 32, HIST_INTS // max(1, num_experts)))
+
+
 def dispatch_spec(num_ranks: int, num_threads: int = THREADS) -> jit.KernelSpec:
     return jit.KernelSpec(name=f"intranode_direct_dispatch_ranks_{num_ranks}_threads_{num_threads}",
                           source="intranode/direct.cu",
                           kernels=(f"cupyep::intranode::direct_dispatch<{num_ranks}, {num_threads}>",))
+
+
+def positions_spec() -> jit.KernelSpec:
+    """The expert-major position pass of a dispatch that is not fused (one block of POSITIONS_THREADS)."""
+    return jit.KernelSpec(name="intranode_direct_expert_positions", source="intranode/expand.cu",
+                          kernels=(POSITIONS_KERNEL,))
 
 
 def fused_spec(num_ranks: int, num_threads: int = THREADS) -> jit.KernelSpec:
@@ -85,7 +105,7 @@ def combine_spec(num_ranks: int, num_threads: int = THREADS) -> jit.KernelSpec:
 
 def kernel_specs() -> list[jit.KernelSpec]:
     """Specialisations the offline check compiles: 1 to 8 ranks."""
-    return [s for r in range(1, 9) for s in (dispatch_spec(r), fused_spec(r), combine_spec(r))]
+    return [s for r in range(1, 9) for s in (dispatch_spec(r), fused_spec(r), combine_spec(r))] + [positions_spec()]
 
 
 def notify_channels(num_ranks: int) -> int:
@@ -143,31 +163,54 @@ class RecvLayout:
     x_bytes: int
     rows: int
     end: int
+    em_x: int = -1
+    em_x_scales: int = -1
+    em_src_row: int = -1
+    em_recv_row: int = -1
+    em_rows: int = 0
 
     def struct(self) -> np.void:
         return jit.pack(RECV_LAYOUT_DTYPE, x=self.x, x_scales=self.x_scales, topk_idx=self.topk_idx,
-                        topk_weights=self.topk_weights, src_idx=self.src_idx, x_bytes=self.x_bytes, rows=self.rows)
+                        topk_weights=self.topk_weights, src_idx=self.src_idx, x_bytes=self.x_bytes, rows=self.rows,
+                        em_x=self.em_x, em_x_scales=self.em_x_scales, em_src_row=self.em_src_row,
+                        em_recv_row=self.em_recv_row, em_rows=self.em_rows)
 
 
 def recv_layout(rows: int, x_bytes: int, num_scales: int, num_topk: int, with_idx: bool,
-                with_weights: bool) -> RecvLayout:
+                with_weights: bool, expert_rows: int | None = None) -> RecvLayout:
     """Receive arrays for ``rows`` rows: x [rows, x_bytes], x_scales [rows,
     num_scales] float32, topk_idx [rows, k] int64, topk_weights [rows, k]
-    float32, src_idx [rows] int32, each 256-byte aligned, in that order."""
+    float32, src_idx [rows] int32, each 256-byte aligned, in that order.
+
+    Expert-major (``expert_rows`` M given): no rank-major x / x_scales; after
+    src_idx come em_x [M, x_bytes], em_x_scales [M, num_scales] float32,
+    em_src_row [M] int32 and em_recv_row [rows, k] int32."""
     if x_bytes <= 0 or x_bytes % 16:
         raise ValueError(f"row bytes must be a positive multiple of 16, got {x_bytes}")
+    expand = expert_rows is not None
     off = 0
-    x = off
-    off = _align(off + rows * x_bytes)
-    sc = off if num_scales else -1
-    off = _align(off + rows * num_scales * 4)
+    x = -1 if expand else off
+    off = _align(off + (0 if expand else rows * x_bytes))
+    sc = off if num_scales and not expand else -1
+    off = _align(off + (0 if expand else rows * num_scales * 4))
     idx = off if with_idx else -1
     off = _align(off + (rows * num_topk * 8 if with_idx else 0))
     w = off if with_weights else -1
     off = _align(off + (rows * num_topk * 4 if with_weights else 0))
     src = off
     off = _align(off + rows * 4)
-    return RecvLayout(x, sc, idx, w, src, int(x_bytes), int(rows), off)
+    if not expand:
+        return RecvLayout(x, sc, idx, w, src, int(x_bytes), int(rows), off)
+    m = int(expert_rows)
+    em_x = off
+    off = _align(off + m * x_bytes)
+    em_sc = off if num_scales else -1
+    off = _align(off + m * num_scales * 4)
+    em_src = off
+    off = _align(off + m * 4)
+    em_recv = off
+    off = _align(off + rows * num_topk * 4)
+    return RecvLayout(x, sc, idx, w, src, int(x_bytes), int(rows), off, em_x, em_sc, em_src, em_recv, m)
 
 
 def rows_that_fit(nbytes: int, x_bytes: int, num_scales: int, num_topk: int, with_idx: bool,
@@ -237,6 +280,24 @@ class DirectPools:
         if key not in self._layouts:
             self._layouts[key] = recv_layout(rows_that_fit(self.nbytes("dispatch"), *shape), *shape)
         return self._layouts[key]
+
+    def expand_layout(self, shape: tuple, rows: int | None = None, expert_rows: int | None = None):
+        """The expert-major recv_layout of ``shape`` (recv_layout's arguments
+        after rows): the one in use when it holds ``rows`` rows and
+        ``expert_rows`` expert-major rows (None: whatever it holds, or None
+        before the first), else a new one with headroom. The caller ensures
+        the pool holds its ``end`` (every rank asks for the same numbers, so
+        every rank lays its pool out alike)."""
+        key = ("expand", shape)
+        lay = self._layouts.get(key)
+        if rows is None:
+            return lay if lay is not None and lay.end <= self.nbytes("dispatch") else None
+        if lay is None or lay.rows < rows or lay.em_rows < expert_rows:
+            grow = lambda n: int(math.ceil(max(n, 1) * GROWTH))
+            lay = recv_layout(max(grow(rows), lay.rows if lay else 0), *shape,
+                              expert_rows=max(grow(expert_rows), lay.em_rows if lay else 0))
+            self._layouts[key] = lay
+        return lay
 
     def combine_layout(self, hidden: int, num_topk: int) -> tuple[int, int, int]:
         """(partial_x, partial_meta, rows) of the combine pool for this row shape; cached."""

@@ -14,7 +14,9 @@ from .. import jit
 from ..arrays import BF16, FP8
 from ..calls import traced_call
 from . import direct as D
-from .results import DispatchHandle, DispatchResult, aligned_expert_counts, check_hidden, dispatch_result
+from . import expert_major as EM
+from .results import (DispatchHandle, DispatchResult, ExpandTables, aligned_expert_counts, check_hidden,
+                      dispatch_result)
 
 
 class DirectTransport:
@@ -56,28 +58,40 @@ class DirectTransport:
 
     def _dispatch_direct(self, x, x_scales, topk_idx, topk_weights, num_experts, handle, arrays, num_worst_tokens,
                          expert_alignment, cfg, previous_event, async_finish, expert_major) -> DispatchResult:
-        """Dispatch over the direct transport (arguments checked by dispatch)."""
-        R, me = self.num_ranks, self.rank
+        """Dispatch over the direct transport (arguments checked by dispatch).
+
+        expert_major: the senders write each row straight into its experts'
+        blocks (once per local slot); no rank-major payload is written, so
+        the result's recv_x and recv_x_scales are None."""
+        import cupy
+        R = self.num_ranks
         T, H = x.shape
         fp8 = x.dtype == FP8
         k = topk_idx.shape[1] if topk_idx is not None else 0
         ns = H // 128 if fp8 else 0
+        E_local = num_experts // R
         x_bytes = H * x.dtype.itemsize
         fn = jit.kernel(D.dispatch_spec(R, cfg.num_threads))
         self._check_direct_resident(fn, cfg, "direct dispatch")
         shape = (x_bytes, ns, k, topk_idx is not None, topk_weights is not None)
-        fused = cfg.fused and handle is None and self._direct is not None and self._direct.pools["dispatch"] is not None
+        if expert_major and handle is not None and handle.expand.alignment != expert_alignment:
+            raise ValueError(f"a cached expert-major dispatch on the direct transport keeps the expert_alignment of "
+                             f"the handle's dispatch ({handle.expand.alignment}), got {expert_alignment}")
+        pools = self._direct
+        fused = cfg.fused and handle is None and pools is not None and pools.pools["dispatch"] is not None and \
+            (not expert_major or pools.expand_layout(shape) is not None or num_worst_tokens > 0)
         if fused:
             fused_fn = jit.kernel(D.fused_spec(R, cfg.num_threads))
             self._check_direct_resident(fused_fn, cfg, "fused direct dispatch")
         worst = handle.num_worst_tokens if handle is not None else num_worst_tokens
         worst_rows = self._agreed_rows(worst) if worst > 0 else 0  # worst-token mode: no counts reach the host
+        pos = cupy.empty((T, k), dtype=np.int32) if expert_major else None
         self._begin(previous_event)
         sent = False
         with self.comm_stream:
             if fused:  # layout, notify and (if the pools hold every receiver's rows) the send in one launch
                 handle, sent = self._dispatch_fused(fused_fn, cfg, x, x_scales, topk_idx, topk_weights, num_experts,
-                                                    num_worst_tokens, expert_alignment, shape, worst_rows)
+                                                    num_worst_tokens, expert_alignment, shape, worst_rows, pos)
                 notified = True
             elif handle is None:
                 routing = self._routing(topk_idx, num_experts, T, arrays)
@@ -87,74 +101,136 @@ class DirectTransport:
             else:
                 notified = False
             N = handle.num_worst_tokens or handle.num_recv_tokens
-            if handle.counts is not None:
-                rows, rows_sent = max(N, int(handle.counts.sum(axis=0).max())), int(handle.counts[me].sum())
+            rows, rows_sent, m_view, m_cap = self._direct_rows(handle, worst_rows, notified, expert_major, k, E_local,
+                                                               expert_alignment)
+            if expert_major:
+                lay = self._direct_pools().expand_layout(shape, rows, m_cap)
+                pool = self._direct_pool("dispatch", lay.end)
             else:
-                rows, rows_sent = worst_rows, T * R
-            pool = self._direct_pool("dispatch", D.recv_layout(rows, *shape).end)
-            lay = self._direct.recv_layout(*shape)
-            recv_x = pool.view(lay.x, (N, H), x.dtype)
-            recv_scales = pool.view(lay.x_scales, (N, ns), np.float32) if fp8 else None
+                pool = self._direct_pool("dispatch", D.recv_layout(rows, *shape).end)
+                lay = self._direct.recv_layout(*shape)
             recv_topk_idx = pool.view(lay.topk_idx, (N, k), np.int64) if topk_idx is not None else None
             recv_topk_weights = pool.view(lay.topk_weights, (N, k), np.float32) if topk_weights is not None else None
             handle = replace(handle, recv_src_idx=pool.view(lay.src_idx, (N,), np.int32))
             if not sent:
                 blocks = cfg.num_sms or D.default_num_sms(self.sm_budget, rows_sent, cfg.num_threads)
                 args = self._direct_dispatch_struct(handle, pool, lay, x, x_scales, topk_idx, topk_weights,
-                                                    num_experts, capacity=N)
+                                                    num_experts, capacity=N, pos=pos, compute_pos=False)
+                if expert_major:
+                    jit.kernel(D.positions_spec())((1,), (D.POSITIONS_THREADS,), (args,),
+                                                    shared_mem=4 * D.hist_warps(num_experts) * num_experts)
                 fn((blocks,), (cfg.num_threads,), (args,))
             per_expert = aligned_expert_counts(handle.recv_expert_counts, expert_alignment)
-            handle, em = self._with_expert_major(handle, expert_major, per_expert if notified else None, recv_x,
-                                                 recv_scales, recv_topk_idx, num_experts, expert_alignment)
+            if expert_major:
+                em = EM.ExpertMajorOutput(
+                    expert_x=pool.view(lay.em_x, (m_view, H), x.dtype),
+                    expert_x_scales=pool.view(lay.em_x_scales, (m_view, ns), np.float32) if fp8 else None,
+                    expert_offsets=handle.expand.meta[:E_local + 1],
+                    expert_src_row=pool.view(lay.em_src_row, (m_view,), np.int32),
+                    recv_expert_row=pool.view(lay.em_recv_row, (N, k), np.int32), num_expert_rows=m_view)
+                handle = replace(handle, recv_expert_row=em.recv_expert_row, num_expert_rows=m_view)
+                recv_x = recv_scales = None
+            else:
+                recv_x = pool.view(lay.x, (N, H), x.dtype)
+                recv_scales = pool.view(lay.x_scales, (N, ns), np.float32) if fp8 else None
+                handle, em = self._with_expert_major(handle, False, None, recv_x, recv_scales, recv_topk_idx,
+                                                     num_experts, expert_alignment)
         return dispatch_result(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle,
                                 self._end(async_finish), em)
 
+    def _direct_rows(self, handle, worst_rows: int, notified: bool, expert_major: bool, k: int, E_local: int,
+                     alignment: int) -> tuple[int, int, int, int]:
+        """(rows every rank's pool must hold, rows this rank sends, this rank's
+        expert-major rows M_cap, expert-major rows every rank's pool must
+        hold) of a direct dispatch; the expert-major ones are 0 without
+        expert_major. M_cap is exact for a notified call with counts on the
+        host, else the bound EM.worst_expert_rows, as on the queue transport."""
+        me = self.rank
+        N = handle.num_worst_tokens or handle.num_recv_tokens
+        if handle.counts is not None:
+            rows, rows_sent = max(N, int(handle.counts.sum(axis=0).max())), int(handle.counts[me].sum())
+        else:
+            rows, rows_sent = worst_rows, handle.num_tokens * self.num_ranks
+        if not expert_major:
+            return rows, rows_sent, 0, 0
+        bound = lambda n: EM.expert_rows_capacity(None, n, k, E_local, alignment)
+        if notified and handle.counts is not None:
+            m_view = EM.expert_rows_capacity(aligned_expert_counts(handle.recv_expert_counts, alignment), N, k,
+                                             E_local, alignment)
+            return rows, rows_sent, m_view, handle.expand.most_rows
+        return rows, rows_sent, bound(N), bound(rows)
+
     def _direct_dispatch_struct(self, handle, pool, lay, x, x_scales, topk_idx, topk_weights, num_experts,
-                                capacity: int) -> np.void:
+                                capacity: int, pos=None, compute_pos: bool = False,
+                                pos_threads: int = D.POSITIONS_THREADS) -> np.void:
         """DirectDispatchArgs of a send into ``pool`` laid out as ``lay``, at the
         offsets of ``handle`` (or of the arrays a fused notify fills);
-        ``capacity``: rows of the receive arrays (padding past the count)."""
+        ``capacity``: rows of the receive arrays (padding past the count);
+        ``pos``: the [T, k] expert-major positions (expert-major layouts),
+        which the fused kernel fills when ``compute_pos`` (with blocks of
+        ``pos_threads`` threads; else the position kernel)."""
         pools = self._direct
         T, H = x.shape
         k = topk_idx.shape[1] if topk_idx is not None else 0
+        tables = handle.expand
+        expand = jit.pack(D.EXPAND_DTYPE, base=jit.ptr(tables.base) if tables is not None else 0,
+                          pos=jit.ptr(pos), meta=jit.ptr(tables.meta) if tables is not None else 0,
+                          num_experts=num_experts, hist_warps=D.hist_warps(num_experts, pos_threads),
+                          compute_pos=int(compute_pos))
         return jit.pack(
             D.DISPATCH_ARGS_DTYPE, pools=jit.ptr(pool.peer_ptrs), syncs=jit.ptr(pools.sync.peer_ptrs),
             sync=pools.sync_struct, out=lay.struct(), x=jit.ptr(x), x_scales=jit.ptr(x_scales),
             topk_idx=jit.ptr(topk_idx), topk_weights=jit.ptr(topk_weights), send_list=jit.ptr(handle.send_list),
             send_channel_prefix=jit.ptr(handle.send_channel_prefix),
             rank_prefix_matrix=jit.ptr(handle.rank_prefix_matrix), recv_rank_offset=jit.ptr(handle.recv_rank_offset),
-            state=jit.ptr(pools.state), num_tokens=T, num_scales=H // 128 if x.dtype == FP8 else 0, num_topk=k,
-            num_local_experts=num_experts // self.num_ranks, num_channels=handle.num_channels, capacity=capacity,
-            rank=self.rank, guard=self._guard("intranode_direct_dispatch"))
+            state=jit.ptr(pools.state), expand=expand, num_tokens=T, num_scales=H // 128 if x.dtype == FP8 else 0,
+            num_topk=k, num_local_experts=num_experts // self.num_ranks, num_channels=handle.num_channels,
+            capacity=capacity, rank=self.rank, guard=self._guard("intranode_direct_dispatch"))
 
     def _dispatch_fused(self, fn, cfg, x, x_scales, topk_idx, topk_weights, num_experts, num_worst_tokens,
-                        alignment, shape, worst_rows: int) -> tuple[DispatchHandle, bool]:
+                        alignment, shape, worst_rows: int, pos) -> tuple[DispatchHandle, bool]:
         """One launch of the fused kernel (layout + notify + send), on the
         communication stream. Returns (handle, sent): sent is False when the
         pools were too small for some receiver's rows, so nothing was sent
         (the caller grows them and sends with the plain kernel). Outside
         worst-token mode the host waits, bounded, for the counts only (the
         kernel's status word), not for the send. ``worst_rows``: in worst-token
-        mode, the rows every rank's pool must hold (_agreed_rows)."""
+        mode, the rows every rank's pool must hold (_agreed_rows). ``pos``:
+        the [T, k] expert-major positions the kernel fills (expert-major
+        dispatch), else None."""
         import cupy
         R = self.num_ranks
         T, H = x.shape
+        k = topk_idx.shape[1] if topk_idx is not None else 0
         C = D.notify_channels(R)
         worst = num_worst_tokens > 0
-        if worst:  # no host wait follows: the pool must hold num_worst_tokens rows before the launch
-            self._direct_pool("dispatch", D.recv_layout(worst_rows, *shape).end)
-        pool = self._direct.pools["dispatch"]
-        lay = self._direct.recv_layout(*shape)
+        pools = self._direct
+        if pos is not None:
+            if worst:  # no host wait follows: the pool must hold the bounds before the launch
+                m = EM.expert_rows_capacity(None, worst_rows, k, num_experts // R, alignment)
+                lay = pools.expand_layout(shape, worst_rows, m)
+                self._direct_pool("dispatch", lay.end)
+            else:
+                lay = pools.expand_layout(shape)
+        else:
+            if worst:
+                self._direct_pool("dispatch", D.recv_layout(worst_rows, *shape).end)
+            lay = pools.recv_layout(*shape)
+        pool = pools.pools["dispatch"]
         in_rank = cupy.empty((T, R), dtype=np.bool_)
-        nargs, arrays = self._notify_struct(T, num_experts, None, None, in_rank, C, alignment, num_worst_tokens)
+        nargs, arrays = self._notify_struct(T, num_experts, None, None, in_rank, C, alignment, num_worst_tokens,
+                                            "direct")
         handle = self._notify_handle(arrays, T, H, num_experts, C, num_worst_tokens, "direct") if worst else None
         view = handle or _Offsets(arrays, C)
         dargs = self._direct_dispatch_struct(view, pool, lay, x, x_scales, topk_idx, topk_weights, num_experts,
-                                             capacity=num_worst_tokens if worst else 0)
+                                             capacity=num_worst_tokens if worst else 0, pos=pos,
+                                             compute_pos=pos is not None, pos_threads=cfg.num_threads)
         args = jit.pack(D.FUSED_ARGS_DTYPE, notify=nargs, dispatch=dargs, layout_guard=self._guard("intranode_layout"),
                         host_status=0 if worst else self._host_counts_ptr + 4 * self._host_status_index)
         blocks = cfg.num_sms or self.sm_budget
-        fn((blocks,), (cfg.num_threads,), (args,), shared_mem=4 * (R * (C + 1) + R + num_experts))
+        hist = D.hist_warps(num_experts, cfg.num_threads) * num_experts if pos is not None else 0
+        smem = max(R * (C + 1) + R + num_experts, hist)
+        fn((blocks,), (cfg.num_threads,), (args,), shared_mem=4 * smem)
         if worst:
             return handle, True
         status = self._wait_host_status()
@@ -273,3 +349,4 @@ class _Offsets:
         self.send_list, self.send_channel_prefix = arrays["send_list"], arrays["send_cp"]
         self.rank_prefix_matrix, self.recv_rank_offset = arrays["rpm"], arrays["recv_off"]
         self.num_channels = num_channels
+        self.expand = ExpandTables(arrays["expand_base"], arrays["expert_meta"], arrays["alignment"], -1)

@@ -22,6 +22,28 @@ class EventHandle:
 
 
 @dataclass(frozen=True)
+class ExpandTables:
+    """Where a direct-transport dispatch's (token, slot) pairs go in the
+    receivers' expert blocks (filled by its notify pass; see
+    cuda_src/intranode/notify.cuh, expand_tables).
+
+    Attributes:
+        base: [R, E_local + 1] int32 device; [d, e]: the expert-major row at
+            rank d of this rank's first pair for d's local expert e; [d, E_local]:
+            the expert-major rows d lays out.
+        meta: [2 E_local + 1] int32 device: this rank's block offsets [E_local + 1]
+            (aligned), then its unaligned pair counts [E_local].
+        alignment: the expert_alignment the tables were made with.
+        most_rows: the most expert-major rows any rank lays out (host), -1 in
+            worst-token mode.
+    """
+    base: object
+    meta: object
+    alignment: int
+    most_rows: int
+
+
+@dataclass(frozen=True)
 class DispatchHandle:
     """What combine and cached dispatch need from a dispatch (device arrays).
 
@@ -48,6 +70,8 @@ class DispatchHandle:
             handle; its combine and cached dispatches use the same one.
         counts: numpy [R, R] int64 host count matrix, entry [s, d] = rows rank s sends
             rank d (every rank has the same); None in worst-token mode.
+        expand: ExpandTables of a direct-transport dispatch (where its pairs
+            go in expert-major dispatches), else None.
     """
     rank_prefix_matrix: object
     recv_channel_prefix: object
@@ -70,6 +94,7 @@ class DispatchHandle:
     recv_expert_counts: tuple | None = None
     transport: str = "queue"
     counts: object = None
+    expand: object = None
 
 
 @dataclass

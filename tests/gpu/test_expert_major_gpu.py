@@ -6,6 +6,11 @@ cupyep.reference, every rank's dispatch and expert-major layout
 (expert_major_order with the same alignment). Layout arrays and payload bytes
 are compared exactly; combine (reduce in FP32 on the GPU, float64 in the
 reference, both rounded to BF16 before the combine) with calc_diff < 5e-6.
+
+Every test runs on each transport: the queue (a second pass lays the
+received rows out), the direct transport (the senders write the rows
+straight into the expert blocks, with no rank-major payload: recv_x is
+None) and the direct transport's fused dispatch.
 """
 import numpy as np
 import pytest
@@ -26,6 +31,17 @@ def buf(group):
     b = cupyep.Buffer(group)
     yield b
     b.destroy()
+
+
+TRANSPORTS = ["queue", "direct", "direct_fused"]
+
+
+@pytest.fixture(params=TRANSPORTS)
+def via(request):
+    """Keyword arguments of dispatch for one transport."""
+    from cupyep.intranode.direct import DirectConfig
+    return {"queue": {"transport": "queue"}, "direct": {"transport": "direct"},
+            "direct_fused": {"transport": "direct", "config": DirectConfig(fused=True)}}[request.param]
 
 
 def _routing(group, seed, num_tokens, num_topk, zero_rank=None):
@@ -112,7 +128,7 @@ DISPATCH_CASES = [
 
 
 @pytest.mark.parametrize("seed,num_tokens,hidden,num_topk,alignment,zero_rank", DISPATCH_CASES)
-def test_expert_major_dispatch_bf16(group, buf, seed, num_tokens, hidden, num_topk, alignment, zero_rank):
+def test_expert_major_dispatch_bf16(group, buf, via, seed, num_tokens, hidden, num_topk, alignment, zero_rank):
     import cupy
     R, me = group.local_size, group.local_rank
     tokens, idx, w = _routing(group, seed, num_tokens, num_topk, zero_rank)
@@ -123,11 +139,11 @@ def test_expert_major_dispatch_bf16(group, buf, seed, num_tokens, hidden, num_to
     m = int(lay.expert_offsets[-1])
 
     out = buf.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=NUM_EXPERTS,
-                       expert_alignment=alignment, expert_major=True)
+                       expert_alignment=alignment, expert_major=True, **via)
     checks = _layout_checks(out, exp, lay, num_topk)
     expert_x = out.expert_x.get()
     checks.update({
-        "recv_x": np.array_equal(out.recv_x.get(), rows),
+        "recv_x": out.recv_x is None if via["transport"] == "direct" else np.array_equal(out.recv_x.get(), rows),
         "m_cap_exact": out.expert_x.shape == (m, hidden) and out.expert_x.dtype == np.uint16
                        and m == sum(out.num_recv_tokens_per_expert) and out.expert_x_scales is None,
         "expert_x": np.array_equal(expert_x, _expert_major_rows(rows, lay)),
@@ -138,7 +154,7 @@ def test_expert_major_dispatch_bf16(group, buf, seed, num_tokens, hidden, num_to
     # Cached dispatch: M_cap is the bound for N rows; the layout is the same, and
     # so are the per-expert counts (those of the handle's routing).
     cached = buf.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), handle=out.handle, expert_alignment=alignment,
-                          expert_major=True)
+                          expert_major=True, **via)
     E_local = NUM_EXPERTS // R
     bound = exp.num_recv_tokens * min(num_topk, E_local) + E_local * (alignment - 1)
     checks = _layout_checks(cached, exp, lay, num_topk)
@@ -152,7 +168,7 @@ def test_expert_major_dispatch_bf16(group, buf, seed, num_tokens, hidden, num_to
 
 
 @pytest.mark.parametrize("alignment", [1, 128])
-def test_expert_major_dispatch_fp8(group, buf, alignment):
+def test_expert_major_dispatch_fp8(group, buf, via, alignment):
     import cupy
     seed, num_tokens, hidden, num_topk = 17, 512, 2048, 8
     R, me = group.local_size, group.local_rank
@@ -164,7 +180,7 @@ def test_expert_major_dispatch_fp8(group, buf, alignment):
     lay = ref.expert_major_order(exp, NUM_EXPERTS // R, alignment)
 
     out = buf.dispatch((x_fp8, scales), cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=NUM_EXPERTS,
-                       expert_alignment=alignment, expert_major=True)
+                       expert_alignment=alignment, expert_major=True, **via)
     checks = _layout_checks(out, exp, lay, num_topk)
     ex, es = out.expert_x.get(), out.expert_x_scales.get()
     checks.update({
@@ -188,7 +204,7 @@ COMBINE_CASES = [
 
 
 @pytest.mark.parametrize("seed,num_tokens,hidden,num_topk,alignment,zero_rank,use_pair_weights", COMBINE_CASES)
-def test_combine_from_expert_major(group, buf, seed, num_tokens, hidden, num_topk, alignment, zero_rank,
+def test_combine_from_expert_major(group, buf, via, seed, num_tokens, hidden, num_topk, alignment, zero_rank,
                                    use_pair_weights):
     import cupy
     R, me = group.local_size, group.local_rank
@@ -199,7 +215,7 @@ def test_combine_from_expert_major(group, buf, seed, num_tokens, hidden, num_top
     expected, expected_reduced = _expected_combine(res, lays, ys, tokens, num_topk, me, use_pair_weights)
 
     out = buf.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=NUM_EXPERTS,
-                       expert_alignment=alignment, expert_major=True)
+                       expert_alignment=alignment, expert_major=True, **via)
     ok = all(_layout_checks(out, res[me], lays[me], num_topk).values())
     assert all_ranks(group.comm, ok), "expert-major layout differs from the reference"
     y = cupy.asarray(ys[me])
@@ -214,7 +230,7 @@ def test_combine_from_expert_major(group, buf, seed, num_tokens, hidden, num_top
     assert all_ranks(group.comm, ok), (diff, rdiff)
 
     # The row count alone selects the expert-major path when it differs from N.
-    if y.shape[0] != out.recv_x.shape[0]:
+    if y.shape[0] != res[me].num_recv_tokens:
         auto = buf.combine(y, out.handle, pair_weights=pw)
         same = np.array_equal(auto.combined_x.get(), comb.combined_x.get())
     else:
@@ -224,7 +240,7 @@ def test_combine_from_expert_major(group, buf, seed, num_tokens, hidden, num_top
     assert all_ranks(group.comm, same), "combine from expert-major outputs is not deterministic"
 
     # Rank-major rows still combine as before with an expert-major handle.
-    plain = buf.combine(out.recv_x, out.handle, expert_major=False)
+    plain = buf.combine(cupy.asarray(_payload_rows(res[me], R, hidden)), out.handle, expert_major=False)
     recv = [bf16_to_f32(_payload_rows(r, R, hidden)) for r in res]
     pdiff = ref.calc_diff(bf16_to_f32(plain.combined_x.get()), ref.intranode_combine(recv, res, tokens)[me]) \
         if got.size else 0.0
@@ -232,7 +248,7 @@ def test_combine_from_expert_major(group, buf, seed, num_tokens, hidden, num_top
 
 
 @pytest.mark.parametrize("alignment", [1, 128])
-def test_expert_major_worst_tokens_and_cuda_graph(group, buf, alignment):
+def test_expert_major_worst_tokens_and_cuda_graph(group, buf, via, alignment):
     """Worst-token expert-major dispatch in a CUDA graph: every padding entry
     (recv_topk_idx / weights / recv_src_idx rows past the count, alignment
     padding rows of expert_x, expert_src_row and recv_expert_row past the
@@ -251,7 +267,7 @@ def test_expert_major_worst_tokens_and_cuda_graph(group, buf, alignment):
 
     def step():
         out = buf.dispatch(x_in, idx_in, w_in, num_experts=NUM_EXPERTS, num_worst_tokens=worst,
-                           expert_alignment=alignment, expert_major=True, validate=False)
+                           expert_alignment=alignment, expert_major=True, validate=False, **via)
         # Identity experts: the expert-major rows themselves are the outputs.
         comb = buf.combine(out.expert_x, out.handle, pair_weights=out.recv_topk_weights)
         return out, comb
@@ -296,7 +312,8 @@ def test_expert_major_worst_tokens_and_cuda_graph(group, buf, alignment):
         check(out, comb, 0)
         # A cached call with the worst-token handle, over its poisoned recv_src_idx.
         poison(out)
-        cached = buf.dispatch(x_in, idx_in, w_in, handle=out.handle, expert_alignment=alignment, expert_major=True)
+        cached = buf.dispatch(x_in, idx_in, w_in, handle=out.handle, expert_alignment=alignment, expert_major=True,
+                              **via)
         stream.synchronize()
         check(cached, None, 0)
         group.comm.Barrier()
@@ -315,21 +332,26 @@ def test_expert_major_worst_tokens_and_cuda_graph(group, buf, alignment):
         check(out, comb, it)
 
 
-def test_expert_major_bad_input_raises_before_launch(group, buf):
+def test_expert_major_bad_input_raises_before_launch(group, buf, via):
     import cupy
     me = group.local_rank
     tokens, idx, w = _routing(group, 51, 64, 8)
     x = cupy.asarray(payload_bf16(me, np.arange(64), 2048))
-    out = buf.dispatch(x, cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=NUM_EXPERTS, expert_major=True)
+    out = buf.dispatch(x, cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=NUM_EXPERTS, expert_major=True,
+                       **via)
+    rank_major = cupy.zeros((out.handle.num_recv_tokens, 2048), dtype=np.uint16)
     with pytest.raises(ValueError, match="needs topk_idx"):
         buf.dispatch(x, handle=out.handle, expert_major=True)
     with pytest.raises(ValueError, match="pair_weights"):
-        buf.combine(out.recv_x, out.handle, pair_weights=out.recv_topk_weights, expert_major=False)
+        buf.combine(rank_major, out.handle, pair_weights=out.recv_topk_weights, expert_major=False)
     with pytest.raises(ValueError, match="pair_weights must have"):
         buf.combine(out.expert_x, out.handle, pair_weights=out.recv_topk_weights[:, :4].copy(), expert_major=True)
     with pytest.raises(ValueError, match="rows"):
         buf.combine(cupy.zeros((out.expert_x.shape[0] + 1, 2048), dtype=np.uint16), out.handle, expert_major=True)
-    plain = buf.dispatch(x, cupy.asarray(idx[me]), num_experts=NUM_EXPERTS)
+    if via["transport"] == "direct":  # its pairs' expert-major rows were laid out for the handle's alignment
+        with pytest.raises(ValueError, match="expert_alignment"):
+            buf.dispatch(x, cupy.asarray(idx[me]), handle=out.handle, expert_major=True, expert_alignment=4)
+    plain = buf.dispatch(x, cupy.asarray(idx[me]), num_experts=NUM_EXPERTS, **via)
     with pytest.raises(ValueError, match="needs a handle"):
         buf.combine(plain.recv_x, plain.handle, expert_major=True)
     with pytest.raises(ValueError, match="pair_weights"):
