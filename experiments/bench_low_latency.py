@@ -41,9 +41,12 @@ rank's kernel durations (stamps, as above); records carry "timing":
 "deepep", the slowest rank's median as ``kernel_median_us`` and the mean
 over ranks of each rank's median and mean (``kernel_rank_median_mean_us``,
 ``kernel_rank_mean_mean_us``: DeepEP averages each rank's calls).
+
+The rounds of calls, both boundaries and the records are
+cupyep/bench/low_latency.py's (``Session``), which the "low_latency" sweep
+study also times with (``python -m cupyep.experiments low_latency``).
 """
 import argparse
-import time
 
 import numpy as np
 
@@ -51,10 +54,11 @@ import cupyep
 from cupyep.bench import require_gpu
 from cupyep.barrier import GpuBarrier
 from cupyep.bench.copy import copy_bandwidth
+from cupyep.bench.low_latency import WARMUP, Session
 from cupyep.bench.report import JsonlWriter
 from cupyep.bench.scatter import pattern_rows, scatter
-from cupyep.bench.stamps import cross_rank, kernel_seconds, new_kernel_stamps, trace_marks
-from cupyep.bench.timing import FLUSH_MODES, Timing, gpu_sleep, timed_rounds
+from cupyep.bench.stamps import kernel_seconds, new_kernel_stamps, trace_marks
+from cupyep.bench.timing import FLUSH_MODES, Timing, gpu_sleep
 from cupyep.low_latency import kernels as K
 from cupyep.low_latency.kernels import NUM_TRACE_SLOTS, TRACE_MARKS
 from cupyep.testing import global_routing, payload_bf16
@@ -101,7 +105,6 @@ def main():
     args = p.parse_args()
     require_gpu(__file__)
     import cupy
-    from mpi4py import MPI
     group = cupyep.init()
     out = JsonlWriter(args.out, group)
     R, me = group.local_size, group.local_rank
@@ -110,72 +113,34 @@ def main():
                                   num_waiters=args.num_waiters, num_threads=args.threads,
                                   programmatic_launch=False if args.plain_launch else None)
     bar = GpuBarrier(group)
-    H, warmup = args.hidden, 10
-
-    def steps(calls, iters):
-        """Each call (call(i, stamp_row)) on its own, lined up across ranks by the GPU barrier."""
-        return timed_rounds(calls, iters, warmup, args.flush, args.sleep_us, before=bar)
+    H, warmup = args.hidden, WARMUP
 
     for T in args.tokens:
         idx, w = global_routing(T, [T] * R, args.experts, args.topk)
         x = cupy.asarray(payload_bf16(me, np.arange(T), H))
         topk_idx, topk_w = cupy.asarray(idx[me]), cupy.asarray(w[me])
-        pairs = int((idx[me] >= 0).sum())
-        base = {"bench": "low_latency", "ranks": R, "tokens": T, "hidden": H, "topk": args.topk,
-                "experts": args.experts, "max_tokens": args.max_tokens, "buffer_bytes": buf.num_bytes,
-                "num_blocks": buf.num_blocks, "num_waiters": buf.num_waiters, "num_threads": buf.num_threads, "copy_GBps": copy_bw / 1e9,
-                "l2_flush": args.flush, "programmatic_launch": buf.programmatic_launch, "timing": "strict"}
-        fp8_row, bf16_row = H + H // 128 * 4 + 4 + 1, 2 * H + 4 + 1
+        # The calls of this shape and their timing (cupyep.bench.low_latency); building it
+        # dispatches once for the identity expert outputs s.y.
+        s = Session(group, buf, bar, x, topk_idx, topk_w, copy_bw, flush=args.flush, sleep_us=args.sleep_us,
+                    warmup=warmup)
+        pairs, fp8_row = s.pairs, s.rows["fp8"]
+        steps, d_fp8, combine, y = s.steps, s.dispatch(True), s.combine, s.y
 
         def record(kind, timed, bytes_to_peers):
-            event, stamps = timed
-            everyone = np.stack(group.comm.allgather(stamps))          # [R, iters, 2]
-            kernel = Timing.from_samples(kernel_seconds(stamps))
-            r = {f"{c}_{q}_us": group.comm.allreduce(getattr(t, f"{q}_s"), op=MPI.MAX) * 1e6
-                 for c, t in (("event", event), ("kernel", kernel)) for q in ("median", "p99")}
-            if group.ranks_per_gpu == R:  # %globaltimer is per GPU: cross-rank stamps only on one GPU
-                for name, v in cross_rank(everyone).items():
-                    r.update({f"{name}_{q}": x_ for q, x_ in v.items()})
-            total = group.comm.allreduce(bytes_to_peers)
-            out.write({**base, "kind": kind, **r, "n": event.n, "bytes_to_peers": total,
-                       "efficiency": 2 * total / copy_bw / (r["kernel_median_us"] * 1e-6)})
+            out.write(s.record(kind, timed, bytes_to_peers))
 
-        pending = {}
-
-        def dispatch(use_fp8):
-            def call(i, st, **more):
-                pending["d"] = buf.dispatch(x, topk_idx, use_fp8=use_fp8, validate=False, kernel_time_ns=st, **more)
-            return call
-
-        def combine(i, st, **kw):
-            return buf.combine(y, topk_idx, topk_w, pending["d"].handle, kernel_time_ns=st, **kw)
-
-        d_fp8 = dispatch(True)
-
-        # Identity expert outputs in the dispatch's row layout (the same for FP8 and BF16).
-        y = buf.dispatch(x, topk_idx, use_fp8=False, validate=False).recv_x.copy()
         # Calls alternate dispatch, combine as in a decode loop (each timed on its own), so each
         # kind writes the data copy it wrote last time (layout.CallSchedule).
         # "combine" is the default, pushing combine; "combine_pull" copies, then the owners pull.
-        for use_fp8 in (True, False):
-            timed_d, timed_c = steps([dispatch(use_fp8), combine], args.iters)
-            record("dispatch_fp8" if use_fp8 else "dispatch_bf16", timed_d, pairs * (fp8_row if use_fp8 else bf16_row))
-            if use_fp8:
-                record("combine", timed_c, pairs * 2 * H)
-        timed_d, timed_c = steps([d_fp8, lambda i, st: combine(i, st, pull=True)], args.iters)
-        record("combine_pull", timed_c, pairs * 2 * H)
+        for name in ("fp8", "bf16", "pull"):
+            for rec in s.records(name, "strict", args.iters):
+                out.write(rec)
 
         if args.zero_copy:
-            # Zero-copy combines, the owners pulling the rows (default) or the expert ranks pushing them. In
-            # decode order every combine uses one data copy, so its buffer is filled once.
-            d0 = buf.dispatch(x, topk_idx, use_fp8=True, validate=False)
-            buf.get_next_combine_buffer(d0.handle)[...] = y
-            for pull in (True, False):
-                def zc(i, st, pull=pull):
-                    return buf.combine(None, topk_idx, topk_w, pending["d"].handle, zero_copy=True, pull=pull,
-                                       kernel_time_ns=st)
-                timed_d, timed_c = steps([d_fp8, zc], args.iters)
-                record("combine_zero_copy" if pull else "combine_zero_copy_push", timed_c, pairs * 2 * H)
+            # Zero-copy combines, the owners pulling the rows (default) or the expert ranks pushing them.
+            for name in ("zero_copy", "zero_copy_push"):
+                for rec in s.records(name, "strict", args.iters):
+                    out.write(rec)
 
         for name in args.ablate:
             # The same calls with one part of the work skipped: what that part costs.
@@ -266,74 +231,14 @@ def main():
 
         if args.timing == "both":
             # DeepEP's boundary: a barrier per period, then calls back to back, each rank's own times.
-            n, gap = args.deepep_iters, args.host_gap_ms * 1e-3
-
-            def record_deepep(kind, st, nbytes):
-                dur = kernel_seconds(st.get())
-                meds = group.comm.allgather(float(np.median(dur)))
-                means = group.comm.allgather(float(np.mean(dur)))
-                total = group.comm.allreduce(nbytes)
-                out.write({**base, "kind": kind, "timing": "deepep", "n": n, "host_gap_ms": args.host_gap_ms,
-                           "kernel_median_us": max(meds) * 1e6, "kernel_rank_median_mean_us": np.mean(meds) * 1e6,
-                           "kernel_rank_mean_mean_us": np.mean(means) * 1e6,
-                           "kernel_rank_medians_us": [m * 1e6 for m in meds], "bytes_to_peers": total,
-                           "efficiency": 2 * total / copy_bw / max(meds)})
-
-            def period(body, names):
-                stamps = {k: new_kernel_stamps(n) for k in names}
-                for live in (False, True):  # a warm-up period, then the recorded one
-                    # bench_kineto's large GEMM and all-reduce: the GPU is busy while every host
-                    # queues its calls, then the ranks start together.
-                    buf.synchronize()
-                    group.comm.Barrier()
-                    gpu_sleep(args.sleep_us * n)
-                    bar()
-                    for i in range(n):
-                        body(lambda k: stamps[k][i] if live else None)
-                buf.synchronize()
-                return stamps
-
-            def single(st):
-                d = buf.dispatch(x, topk_idx, use_fp8=True, validate=False, kernel_time_ns=st("d"))
-                buf.combine(y, topk_idx, topk_w, d.handle, kernel_time_ns=st("c"))
-
-            def gap_then_align():
-                # The work between the halves (DeepEP: a GEMM on the CPU, about as long on every
-                # rank): every send half is out before any rank starts its receive half.
-                time.sleep(gap)
-                group.comm.Barrier()
-
-            def hooked(st):
-                d = buf.dispatch(x, topk_idx, use_fp8=True, validate=False, return_recv_hook=True,
-                                 kernel_time_ns=st("ds"))
-                gap_then_align()
-                d.hook(kernel_time_ns=st("dr"))
-                c = buf.combine(y, topk_idx, topk_w, d.handle, return_recv_hook=True, kernel_time_ns=st("cs"))
-                gap_then_align()
-                c.hook(kernel_time_ns=st("cr"))
-
-            st = period(single, ("d", "c"))
-            record_deepep("dispatch_fp8", st["d"], pairs * fp8_row)
-            record_deepep("combine", st["c"], pairs * 2 * H)
-            if not args.no_hook:
-                st = period(hooked, ("ds", "dr", "cs", "cr"))
-                for key, kind, nbytes in (("ds", "dispatch_fp8_send_half", pairs * fp8_row),
-                                          ("dr", "dispatch_fp8_recv_half", 0),
-                                          ("cs", "combine_send_half", pairs * 2 * H), ("cr", "combine_recv_half", 0)):
-                    record_deepep(kind, st[key], nbytes)
+            for name in ("fp8",) + (() if args.no_hook else ("hook",)):
+                for rec in s.records(name, "deepep", args.deepep_iters, args.host_gap_ms):
+                    out.write(rec)
 
         if not args.no_hook:
             # Hook mode: the send half and the receive half, each timed alone.
-            def cs(i, st):
-                pending["c"] = combine(i, st, return_recv_hook=True)
-
-            halves = steps([lambda i, st: d_fp8(i, st, return_recv_hook=True),
-                            lambda i, st: pending["d"].hook(kernel_time_ns=st),
-                            cs, lambda i, st: pending["c"].hook(kernel_time_ns=st)], args.iters)
-            for kind, timed, nbytes in zip(("dispatch_fp8_send_half", "dispatch_fp8_recv_half",
-                                            "combine_send_half", "combine_recv_half"), halves,
-                                           (pairs * fp8_row, 0, pairs * 2 * H, 0)):
-                record(kind, timed, nbytes)
+            for rec in s.records("hook", "strict", args.iters):
+                out.write(rec)
 
         if args.trace:
             G = buf.num_blocks
@@ -343,7 +248,7 @@ def main():
                    lambda i, st: combine(i, st, trace=traces["combine"][i])], args.trace)
             for kind, tr in traces.items():
                 everyone = np.stack(group.comm.allgather(tr[warmup:].get()))  # [R, n, G, M]
-                out.write({**base, "kind": f"{kind}_trace", "n": args.trace,
+                out.write({**s.base, "kind": f"{kind}_trace", "n": args.trace,
                            "marks": trace_marks(everyone, TRACE_MARKS)})
     buf.synchronize()
     bar.destroy()

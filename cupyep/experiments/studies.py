@@ -19,9 +19,11 @@ must live in an importable module (not ``__main__``).
 
 Built-in studies (modules in :data:`BUILTIN_MODULES`, imported on first
 lookup): ``"reference"`` (``cupyep.experiments.cpu_reference``, the NumPy
-reference dispatch + combine on CPU) and ``"normal"``
+reference dispatch + combine on CPU), ``"normal"``
 (``cupyep.experiments.gpu_normal``, normal-mode dispatch and combine on the
-GPU, either transport).
+GPU, either transport) and ``"low_latency"``
+(``cupyep.experiments.gpu_low_latency``, low-latency dispatch and combine on
+the GPU).
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ from typing import Callable
 
 __all__ = ["Skip", "Study", "register", "get", "all_studies", "BUILTIN_MODULES"]
 
-BUILTIN_MODULES = ("cupyep.experiments.cpu_reference", "cupyep.experiments.gpu_normal")
+BUILTIN_MODULES = ("cupyep.experiments.cpu_reference", "cupyep.experiments.gpu_normal",
+                   "cupyep.experiments.gpu_low_latency")
 
 _REGISTRY: dict[str, "Study"] = {}
 _builtins_loaded = False

@@ -4,7 +4,7 @@
 # ablated (--ablate), the bare rows with and without what the kernels add
 # (--scatter-probe: per-row tags, dynamic shared memory, four layouts), then
 # the low-latency GPU tests at 8 ranks. JSONL and logs go to $OUT.
-#   OUT=dir bash experiments/ll_bisect.sh
+#   OUT=dir bash experiments/probes/ll_bisect.sh
 export PYTHONPATH=$PWD
 OUT=${OUT:-results/session}
 mkdir -p "$OUT"

@@ -3,8 +3,8 @@
 # in one command: the low-latency GPU tests at 2 and 8 ranks
 # (test_position_windows and the rest), then the benchmark at 8 ranks with
 # programmatic launch and traces (compare the "prep" mark and dispatch_fp8
-# with results/low_latency.jsonl). JSONL and logs go to $OUT.
-#   OUT=dir bash experiments/ll_positions.sh
+# with results/archive/low_latency.jsonl). JSONL and logs go to $OUT.
+#   OUT=dir bash experiments/probes/ll_positions.sh
 export PYTHONPATH=$PWD
 OUT=${OUT:-results/session}
 mkdir -p "$OUT"

@@ -5,7 +5,7 @@
 # to back); each way of going cold before a call (timing.flush_l2: data
 # written, data read, address translations only, nothing); the same bytes with
 # fewer experts (fewer distinct pages per call).
-#   OUT=dir bash experiments/ll_probe.sh [--all]    (--all: also 64/128 experts, 1024 threads)
+#   OUT=dir bash experiments/probes/ll_probe.sh [--all]    (--all: also 64/128 experts, 1024 threads)
 export PYTHONPATH=$PWD
 OUT=${OUT:-results/session}
 mkdir -p "$OUT"

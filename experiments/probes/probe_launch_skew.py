@@ -1,7 +1,7 @@
 """How far apart the ranks sharing a GPU start a kernel once a GPU barrier has
 released them, and whether programmatic dependent launch closes the gap.
 
-    python -m cupyep.launch -n 8 experiments/probe_launch_skew.py --out results/launch_skew.jsonl
+    python -m cupyep.launch -n 8 experiments/probes/probe_launch_skew.py --out results/launch_skew.jsonl
 
 Each call: a GPU sleep (so the host has queued everything), the barrier
 (stamping when this rank left it), then a kernel stamping when its first

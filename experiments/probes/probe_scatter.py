@@ -1,8 +1,8 @@
 """What bounds the low-latency data movement: the same rows, moved by a bare
 scatter kernel (cupyep/bench/scatter.py), under each destination layout.
 
-    python -m cupyep.launch -n 8 experiments/probe_scatter.py --out results/probe_scatter.jsonl
-    python -m cupyep.launch -n 1 experiments/probe_scatter.py --virtual 8    # one process moves all 8 ranks' rows
+    python -m cupyep.launch -n 8 experiments/probes/probe_scatter.py --out results/probe_scatter.jsonl
+    python -m cupyep.launch -n 1 experiments/probes/probe_scatter.py --virtual 8    # one process moves all 8 ranks' rows
 
 Each of R processes plays V / R virtual ranks (default V = R): with -n 1
 --virtual 8 one process and one address space move every row that 8 ranks
