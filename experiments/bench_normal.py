@@ -92,8 +92,8 @@ def main():
 
     timings = ("strict", "deepep") if args.timing == "both" else (args.timing,)
     queue_kinds = [k for k in args.kinds if k not in DIRECT_KINDS]
-    # The default kinds and the zero-copy combine; the fused dispatch when asked for (--kinds).
-    extra = ["combine_bf16_zero_copy"] if args.kinds == list(KINDS) else []
+    # The default kinds, then the direct transport's own (zero-copy combine, unfused dispatches).
+    extra = list(DIRECT_KINDS) if args.kinds == list(KINDS) else []
     direct_kinds = args.kinds + [k for k in extra if k not in args.kinds]
     if "queue" in args.transports:
         for l2 in args.l2 or [None]:

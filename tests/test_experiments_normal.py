@@ -39,12 +39,14 @@ def test_queue_configs_take_the_defaults_unless_a_knob_is_set():
 
 
 def test_direct_configs_and_refusals():
-    d, c = G._configs(FakeBuffer(), _cfg(transport="direct", num_sms=8, fused=True))
+    d, c = G._configs(FakeBuffer(), _cfg(transport="direct", num_sms=8))
     assert d == DirectConfig(num_sms=8, fused=True) and c is None
+    d, _ = G._configs(FakeBuffer(), _cfg(transport="direct", fused=False))
+    assert d == DirectConfig(fused=False)
     with pytest.raises(experiments.Skip, match="queue transport"):
         G._configs(FakeBuffer(), _cfg(transport="direct", queue_depth=64))
     with pytest.raises(experiments.Skip, match="direct transport"):
-        G._configs(FakeBuffer(), _cfg(fused=True))
+        G._configs(FakeBuffer(), _cfg(fused=False))
     with pytest.raises(experiments.Skip, match="needs the direct transport"):
         G.run(None, _cfg(kind="combine_bf16_zero_copy"))
     with pytest.raises(experiments.Skip, match="transport must be"):
@@ -55,6 +57,6 @@ def test_measure_rejects_bad_kinds_before_anything_runs():
     with pytest.raises(ValueError, match="kind must be one of"):
         BN.measure(None, None, None, "dispatch_int4", None, None, None, None, 256, None)
     with pytest.raises(ValueError, match="needs the direct transport"):
-        BN.measure(None, None, None, "dispatch_bf16_notify_fused", None, None, None, None, 256, None)
+        BN.measure(None, None, None, "dispatch_bf16_notify_unfused", None, None, None, None, 256, None)
     with pytest.raises(ValueError, match="timing must be"):
         BN.measure(None, None, None, "dispatch_bf16", None, None, None, None, 256, None, timing="loose")

@@ -10,12 +10,12 @@ Kinds (``KINDS``; ``DIRECT_KINDS`` only on the direct transport):
 - ``combine_bf16``: combine of the dispatched rows;
 - ``combine_bf16_zero_copy``: the zero-copy combine (the rows written into
   ``get_combine_buffer``);
-- ``dispatch_bf16_notify_fused``: the dispatch with layout + notify fused
-  into the send kernel (``DirectConfig(fused=True)``);
+- ``dispatch_bf16_notify_unfused``: the same with layout, notify and send
+  as three launches (``DirectConfig(fused=False)``; fused is the default);
 - ``dispatch_bf16_expert_major``: dispatch with the layout and the notify
   pass into the expert-major layout (``expert_major=True``, alignment 1);
   its bytes are the (row, local expert) pairs delivered;
-- ``dispatch_bf16_expert_major_fused``: the same, fused (direct transport).
+- ``dispatch_bf16_expert_major_unfused``: the same, unfused (direct transport).
 
 Timing boundaries: "strict" (each call alone after an L2 flush and a GPU
 barrier; the slowest rank's median) and "deepep" (DeepEP's benchmark: one
@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 
 KINDS = ("dispatch_bf16", "dispatch_fp8", "dispatch_bf16_notify", "combine_bf16", "dispatch_bf16_expert_major")
-DIRECT_KINDS = ("combine_bf16_zero_copy", "dispatch_bf16_notify_fused", "dispatch_bf16_expert_major_fused")
+DIRECT_KINDS = ("combine_bf16_zero_copy", "dispatch_bf16_notify_unfused", "dispatch_bf16_expert_major_unfused")
 TIMINGS = ("strict", "deepep")
 
 
@@ -85,12 +85,12 @@ def measure(group, buf, barrier, kind: str, x, x_fp8, topk_idx, topk_weights, nu
     elif kind == "dispatch_bf16_notify":
         fn = lambda: buf.dispatch(x, topk_idx, topk_weights, num_experts=num_experts, config=dcfg,  # noqa: E731
                                   validate=False, transport=transport)
-    elif kind == "dispatch_bf16_notify_fused":
-        fcfg = replace(dcfg, fused=True)
+    elif kind == "dispatch_bf16_notify_unfused":
+        fcfg = replace(dcfg, fused=False)
         fn = lambda: buf.dispatch(x, topk_idx, topk_weights, num_experts=num_experts, config=fcfg,  # noqa: E731
                                   validate=False, transport=transport)
     elif kind.startswith("dispatch_bf16_expert_major"):
-        ecfg = replace(dcfg, fused=True) if kind.endswith("_fused") else dcfg
+        ecfg = replace(dcfg, fused=False) if kind.endswith("_unfused") else dcfg
         fn = lambda: buf.dispatch(x, topk_idx, topk_weights, num_experts=num_experts, config=ecfg,  # noqa: E731
                                   validate=False, transport=transport, expert_major=True)
         n = int(fn().expert_offsets[-1].get())  # alignment 1: the pairs delivered

@@ -31,7 +31,8 @@ from .summary import DEFAULT_TIMINGS, load_jsonl, record_time_us
 
 NORMAL_KINDS = ("dispatch_bf16", "dispatch_fp8", "dispatch_bf16_notify", "combine_bf16",
                 "dispatch_bf16_direct", "dispatch_fp8_direct", "dispatch_bf16_notify_direct", "combine_bf16_direct",
-                "dispatch_bf16_notify_fused_direct", "combine_bf16_zero_copy_direct")
+                "dispatch_bf16_notify_unfused_direct", "combine_bf16_zero_copy_direct", "dispatch_bf16_expert_major",
+                "dispatch_bf16_expert_major_direct")
 LOW_LATENCY_KINDS = ("dispatch_fp8", "dispatch_bf16", "combine", "combine_pull", "combine_zero_copy",
                      "combine_zero_copy_push")
 NAIVE_KINDS = ("dispatch", "combine")

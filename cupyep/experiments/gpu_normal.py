@@ -28,7 +28,7 @@ from .studies import Skip, Study, register
 
 KNOBS = {"transport": "queue", "kind": "dispatch_bf16", "timing": "strict", "tokens": 4096, "hidden": 7168,
          "topk": 8, "experts": 256, "routing": "uniform", "routing_params": {}, "seed": 0, "num_sms": 0,
-         "queue_depth": 0, "chunk_size": 0, "num_threads": 0, "l2_hints": -1, "fused": False, "iters": 20}
+         "queue_depth": 0, "chunk_size": 0, "num_threads": 0, "l2_hints": -1, "fused": True, "iters": 20}
 QUEUE_ONLY = ("queue_depth", "chunk_size", "l2_hints")
 
 _state: dict = {}
@@ -61,8 +61,8 @@ def _configs(buf, cfg: dict):
         if cfg["num_threads"]:
             d = replace(d, num_threads=cfg["num_threads"])
         return d, None
-    if cfg["fused"]:
-        raise Skip("fused is a knob of the direct transport")
+    if not cfg["fused"]:
+        raise Skip("fused=false is a knob of the direct transport (the queue's notify is its own launch)")
     out = []
     for base in (buf.default_dispatch_config(fp8=cfg["kind"] == "dispatch_fp8"), buf.default_combine_config()):
         over = {k: cfg[k] for k in ("num_sms", "queue_depth", "chunk_size", "num_threads") if cfg[k]}

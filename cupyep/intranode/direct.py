@@ -125,10 +125,13 @@ class DirectConfig:
             inside the send kernel (one launch; the host waits only for the
             counts, while the rows are moving). The first such call of a
             buffer, and any whose rows outgrow the pools, runs them apart.
+            The default: it saves about 340 us of the 1770 us dispatch at 8
+            ranks, T = 4096 (results/direct/). False: layout, notify and send
+            as three launches.
     """
     num_sms: int = 0
     num_threads: int = THREADS
-    fused: bool = False
+    fused: bool = True
 
     def validate(self) -> "DirectConfig":
         if self.num_sms < 0:

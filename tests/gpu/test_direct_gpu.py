@@ -87,7 +87,7 @@ def test_direct_matches_reference_and_queue(group, buf, seed, num_tokens, hidden
 
 @pytest.mark.parametrize("seed,num_tokens,hidden,case,zero_rank", CASES)
 def test_direct_fused_matches_two_launches(group, buf, seed, num_tokens, hidden, case, zero_rank):
-    """DirectConfig(fused=True): layout, notify and send in one launch give
+    """DirectConfig(fused=True), the default: layout, notify and send in one launch give
     bitwise the unfused dispatch (and the same handle and counts), also when
     the pools must grow first (the kernel then sends nothing and the host
     sends with the plain kernel), and its handle combines the same."""
@@ -97,7 +97,8 @@ def test_direct_fused_matches_two_launches(group, buf, seed, num_tokens, hidden,
     me = group.local_rank
     exp = _expected(group, tokens, idx, w, hidden, expert_alignment=2)[1]
     xs, ids, ws = cupy.asarray(x), cupy.asarray(idx[me]), cupy.asarray(w[me])
-    plain = buf.dispatch(xs, ids, ws, num_experts=NUM_EXPERTS, expert_alignment=2, transport="direct")
+    plain = buf.dispatch(xs, ids, ws, num_experts=NUM_EXPERTS, expert_alignment=2, transport="direct",
+                         config=DirectConfig(fused=False))
     want = _host(plain)
     pcomb = buf.combine(plain.recv_x, plain.handle, topk_weights=plain.recv_topk_weights).combined_x.get()
     fused = buf.dispatch(xs, ids, ws, num_experts=NUM_EXPERTS, expert_alignment=2, transport="direct",

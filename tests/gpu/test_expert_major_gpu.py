@@ -10,7 +10,7 @@ reference, both rounded to BF16 before the combine) with calc_diff < 5e-6.
 Every test runs on each transport: the queue (a second pass lays the
 received rows out), the direct transport (the senders write the rows
 straight into the expert blocks, with no rank-major payload: recv_x is
-None) and the direct transport's fused dispatch.
+None), by default fused, and unfused (layout, notify and send apart).
 """
 import numpy as np
 import pytest
@@ -33,7 +33,7 @@ def buf(group):
     b.destroy()
 
 
-TRANSPORTS = ["queue", "direct", "direct_fused"]
+TRANSPORTS = ["queue", "direct", "direct_unfused"]
 
 
 @pytest.fixture(params=TRANSPORTS)
@@ -41,7 +41,7 @@ def via(request):
     """Keyword arguments of dispatch for one transport."""
     from cupyep.intranode.direct import DirectConfig
     return {"queue": {"transport": "queue"}, "direct": {"transport": "direct"},
-            "direct_fused": {"transport": "direct", "config": DirectConfig(fused=True)}}[request.param]
+            "direct_unfused": {"transport": "direct", "config": DirectConfig(fused=False)}}[request.param]
 
 
 def _routing(group, seed, num_tokens, num_topk, zero_rank=None):
