@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import numbers
 
-from .studies import Study, register
+from .studies import Study, gpu_fixtures, register
 
 KNOBS = {"kind": "dispatch_fp8", "timing": "strict", "tokens": 128, "hidden": 7168, "topk": 8, "experts": 256,
          "routing": "uniform", "routing_params": {}, "seed": 0, "max_tokens": 0, "num_blocks": 0, "num_waiters": 0,
@@ -117,12 +117,7 @@ def buffer_args(cfg: dict) -> dict:
 def _resources(group, args: dict):
     """(LowLatencyBuffer built with ``args``, GpuBarrier, copy bytes/s), kept across configurations."""
     import cupyep
-    from ..barrier import GpuBarrier
-    from ..bench.copy import copy_bandwidth
-    if "barrier" not in _state:
-        _state["barrier"] = GpuBarrier(group)
-        bw = copy_bandwidth(2 << 30) if group.local_rank == 0 else 0.0
-        _state["copy_bw"] = group.comm.bcast(bw)
+    barrier, copy_bw = gpu_fixtures(group, _state)
     buf = _state.get("buffer")
     if buf is None or _state.get("buffer_args") != args:
         if buf is not None:
@@ -133,7 +128,7 @@ def _resources(group, args: dict):
         buf = cupyep.LowLatencyBuffer(group, a.pop("num_max_dispatch_tokens_per_rank"), a.pop("hidden"),
                                       a.pop("num_experts"), **a)
         _state["buffer"], _state["buffer_args"] = buf, args
-    return buf, _state["barrier"], _state["copy_bw"]
+    return buf, barrier, copy_bw
 
 
 def run(group, cfg: dict) -> dict:

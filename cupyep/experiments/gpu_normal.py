@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .studies import Skip, Study, register
+from .studies import Skip, Study, gpu_fixtures, register
 
 KNOBS = {"transport": "queue", "kind": "dispatch_bf16", "timing": "strict", "tokens": 4096, "hidden": 7168,
          "topk": 8, "experts": 256, "routing": "uniform", "routing_params": {}, "seed": 0, "num_sms": 0,
@@ -37,18 +37,13 @@ _state: dict = {}
 def _resources(group, nbytes: int):
     """(Buffer of at least ``nbytes``, GpuBarrier, copy bytes/s), kept across configurations."""
     import cupyep
-    from ..barrier import GpuBarrier
-    from ..bench.copy import copy_bandwidth
-    if "barrier" not in _state:
-        _state["barrier"] = GpuBarrier(group)
-        bw = copy_bandwidth(2 << 30) if group.local_rank == 0 else 0.0
-        _state["copy_bw"] = group.comm.bcast(bw)
+    barrier, copy_bw = gpu_fixtures(group, _state)
     buf = _state.get("buffer")
     if buf is None or buf.buffer.nbytes < nbytes:
         if buf is not None:
             buf.destroy()
         _state["buffer"] = buf = cupyep.Buffer(group, nbytes)
-    return buf, _state["barrier"], _state["copy_bw"]
+    return buf, barrier, copy_bw
 
 
 def _configs(buf, cfg: dict):

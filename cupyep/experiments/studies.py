@@ -69,6 +69,19 @@ class Study:
             object.__setattr__(self, "module", getattr(self.run, "__module__", "") or "")
 
 
+def gpu_fixtures(group, state: dict):
+    """(GpuBarrier, copy bytes/s) a GPU study keeps in its ``state`` across
+    configurations: made on the first call; the copy bandwidth (read +
+    write) measured once on local rank 0 and shared, for the efficiencies."""
+    if "barrier" not in state:
+        from ..barrier import GpuBarrier
+        from ..bench.copy import copy_bandwidth
+        state["barrier"] = GpuBarrier(group)
+        bw = copy_bandwidth(2 << 30) if group.local_rank == 0 else 0.0
+        state["copy_bw"] = group.comm.bcast(bw)
+    return state["barrier"], state["copy_bw"]
+
+
 def register(study: Study) -> Study:
     """Add ``study`` to the registry (a study of the same name from the same
     module is replaced, so re-imports are harmless) and return it."""

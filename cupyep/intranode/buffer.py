@@ -252,6 +252,10 @@ class Buffer(DirectTransport):
                 this rank's receive pool, valid until the next direct dispatch of this
                 buffer; the pool grows (collectively) when a call needs more, and in
                 worst-token mode every rank must pass the same num_worst_tokens.
+                Direct with expert_major: the senders write the rows straight into
+                the expert blocks (views of the pool too) and no rank-major payload
+                exists, so recv_x and recv_x_scales are None; a cached call keeps the
+                handle's expert_alignment.
 
         Returns:
             DispatchResult. num_recv_tokens_per_expert is a list of E_local ints

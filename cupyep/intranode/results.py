@@ -102,8 +102,11 @@ class DispatchResult:
     """Output of :meth:`cupyep.Buffer.dispatch`.
 
     Attributes:
-        recv_x: [N, H] uint16 (BF16 bits) or uint8 (FP8 e4m3 bits).
-        recv_x_scales: [N, H / 128] float32 for FP8, else None.
+        recv_x: [N, H] uint16 (BF16 bits) or uint8 (FP8 e4m3 bits); None for an
+            expert-major dispatch on the direct transport (the rows exist only in
+            expert_x).
+        recv_x_scales: [N, H / 128] float32 for FP8, else None (and None where
+            recv_x is).
         recv_topk_idx: [N, k] int64 local expert ids, -1 for slots of other ranks (None in cached mode
             without topk_idx).
         recv_topk_weights: [N, k] float32, 0 where recv_topk_idx is -1 (None without weights).
@@ -124,7 +127,7 @@ class DispatchResult:
     -1 ids.
 
     With ``expert_major=True`` (see cupyep.intranode.expert_major; None otherwise):
-        expert_x: [M_cap, H], dtype of recv_x: the (row, local expert) pairs in
+        expert_x: [M_cap, H], dtype of x: the (row, local expert) pairs in
             per-expert blocks; alignment padding rows inside the blocks are zero; rows
             at or after expert_offsets[E_local] (M_cap is a bound: worst-token mode and
             cached dispatch) are not written, their contents unspecified.
