@@ -86,6 +86,8 @@ class DirectTransport:
         worst = handle.num_worst_tokens if handle is not None else num_worst_tokens
         worst_rows = self._agreed_rows(worst) if worst > 0 else 0  # worst-token mode: no counts reach the host
         pos = cupy.empty((T, k), dtype=np.int32) if expert_major else None
+        if worst_rows:  # sized before any launch (no host wait follows); a pool that cannot grow raises here
+            self._worst_token_pool(shape, worst_rows, expert_major, k, E_local, expert_alignment)
         self._begin(previous_event)
         sent = False
         with self.comm_stream:
@@ -137,6 +139,17 @@ class DirectTransport:
                                                      num_experts, expert_alignment)
         return dispatch_result(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle,
                                 self._end(async_finish), em)
+
+    def _worst_token_pool(self, shape, worst_rows: int, expert_major: bool, k: int, E_local: int,
+                          alignment: int) -> None:
+        """Grow the dispatch pool (collectively) to hold a worst-token call of
+        ``worst_rows`` rows (and their expert-major bound) before anything is
+        launched; MemoryError naming the bytes when it cannot."""
+        if expert_major:
+            m = EM.expert_rows_capacity(None, worst_rows, k, E_local, alignment)
+            self._direct_pool("dispatch", self._direct_pools().expand_layout(shape, worst_rows, m).end)
+        else:
+            self._direct_pool("dispatch", D.recv_layout(worst_rows, *shape).end)
 
     def _direct_rows(self, handle, worst_rows: int, notified: bool, expert_major: bool, k: int, E_local: int,
                      alignment: int) -> tuple[int, int, int, int]:
@@ -205,17 +218,7 @@ class DirectTransport:
         C = D.notify_channels(R)
         worst = num_worst_tokens > 0
         pools = self._direct
-        if pos is not None:
-            if worst:  # no host wait follows: the pool must hold the bounds before the launch
-                m = EM.expert_rows_capacity(None, worst_rows, k, num_experts // R, alignment)
-                lay = pools.expand_layout(shape, worst_rows, m)
-                self._direct_pool("dispatch", lay.end)
-            else:
-                lay = pools.expand_layout(shape)
-        else:
-            if worst:
-                self._direct_pool("dispatch", D.recv_layout(worst_rows, *shape).end)
-            lay = pools.recv_layout(*shape)
+        lay = pools.expand_layout(shape) if pos is not None else pools.recv_layout(*shape)
         pool = pools.pools["dispatch"]
         in_rank = cupy.empty((T, R), dtype=np.bool_)
         nargs, arrays = self._notify_struct(T, num_experts, None, None, in_rank, C, alignment, num_worst_tokens,

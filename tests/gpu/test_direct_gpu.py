@@ -331,6 +331,24 @@ def test_direct_pool_grows_and_stays(group, buf):
     assert sizes[1] >= 2048 * 7168 * 2, sizes
 
 
+def test_direct_pool_that_cannot_grow_names_the_bytes(group, buf):
+    """A worst-token call whose receive pool would not fit the GPU: MemoryError
+    on every rank naming the bytes the pool needs, before anything is launched;
+    the buffer then works as before."""
+    import cupy
+    me = group.local_rank
+    tokens, idx, w, x = _inputs(group, 35, 64, 7168)
+    xs, ids = cupy.asarray(x), cupy.asarray(idx[me])
+    free, total = cupy.cuda.runtime.memGetInfo()
+    rows = total // (7168 * 2) + 1  # more rows of 14 KB than the whole GPU holds
+    with pytest.raises(MemoryError, match=r"dispatch pool needs \d+ bytes") as info:
+        buf.dispatch(xs, ids, num_experts=NUM_EXPERTS, num_worst_tokens=int(rows), transport="direct")
+    assert "lack the free device memory" in str(info.value)
+    out = buf.dispatch(xs, ids, num_experts=NUM_EXPERTS, transport="direct")
+    exp_rows = _expected(group, tokens, idx, w, 7168)[2]
+    assert all_ranks(group.comm, np.array_equal(out.recv_x.get(), exp_rows))
+
+
 def test_direct_bad_input_raises_before_launch(group, buf):
     import cupy
     from cupyep.intranode.direct import DirectConfig
