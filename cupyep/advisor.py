@@ -37,6 +37,7 @@ SEVERE_IMBALANCE = 8.0
 LOAD_BALANCE_AT = 4.0
 
 # The kinds whose times make one call of a mode: (dispatch kinds, combine kinds), first present wins.
+STUDY_BENCH = {"normal": "normal", "low_latency": "low_latency"}  # sweep study -> the benchmark it times
 MODE_KINDS = {
     "low_latency": (("dispatch_fp8", "dispatch_bf16"), ("combine",)),
     "normal": (("dispatch_bf16_notify", "dispatch_bf16"), ("combine_bf16",)),
@@ -78,7 +79,8 @@ def mode_times(records, num_ranks: int, mode: str) -> dict:
     bench = "low_latency" if mode == "low_latency" else "normal"
     by_kind: dict = {}
     for r in records:
-        if r.get("bench", bench) != bench or r.get("ranks") != num_ranks or r.get("sweep"):
+        source = r.get("bench") or STUDY_BENCH.get(r.get("study"), bench)  # benchmark or sweep record
+        if source != bench or r.get("ranks") != num_ranks or r.get("sweep"):
             continue
         if r.get("timing") not in (None, "strict") or r.get("status", "ok") != "ok":
             continue

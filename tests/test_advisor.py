@@ -80,3 +80,17 @@ def test_transport_is_the_measured_faster_one():
     assert a.transport == "direct" and "measured faster at 4096" in a.reasons[-1]
     recs = _records(direct={4096: (3000.0, 3000.0)})
     assert A.advise(4096, 8, records=recs).transport == "queue"
+
+
+def test_sweep_records_of_the_two_studies_do_not_mix():
+    """Sweep records carry "study", not "bench": a normal-mode cached
+    dispatch_bf16 must not count as a low-latency dispatch_bf16."""
+    from cupyep import advisor
+    ll = [{"study": "low_latency", "kind": k, "ranks": 8, "tokens": 64, "timing": "strict", "time_us": t}
+          for k, t in (("dispatch_bf16", 30.0), ("combine", 40.0))]
+    normal = [{"study": "normal", "kind": "dispatch_bf16", "measured_kind": "dispatch_bf16", "ranks": 8,
+               "tokens": 64, "timing": "strict", "time_us": 5000.0},
+              {"study": "normal", "kind": "combine_bf16", "measured_kind": "combine_bf16", "ranks": 8,
+               "tokens": 64, "timing": "strict", "time_us": 6000.0}]
+    assert advisor.mode_times(ll + normal, 8, "low_latency") == {64: 70.0}
+    assert advisor.mode_times(normal + ll, 8, "normal") == {64: 11000.0}
