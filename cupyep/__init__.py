@@ -10,6 +10,7 @@ Entry points:
 """
 from .errors import CommTimeoutError, CupyepError, DeviceCapacityError, DeviceError, DeviceInputError
 from .runtime import Group, init
+from .moe import MoELayer, MoEWeights  # the end-to-end MoE layer (cupyep.moe; imports NumPy only)
 
 __version__ = "0.1.0"
 

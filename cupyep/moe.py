@@ -1,0 +1,424 @@
+"""An end-to-end MoE layer on cupyep: router -> dispatch -> per-expert FFN -> combine.
+
+The layer every user of an EP library writes first, kept small:
+
+1. route: softmax over the router logits, top-k, weights renormalised over
+   the k chosen experts (:func:`route`);
+2. ``Buffer.dispatch(..., expert_major=True)``: each rank receives the
+   (token, local expert) pairs of its experts in per-expert blocks;
+3. per local expert e, an FFN over the rows of its block (padding rows are
+   left out of the math and stay zero): ``h = silu(x_e @ w1[e])`` in float32,
+   ``y_e = BF16(h @ w2[e])`` (:func:`expert_ffn`). One up projection and
+   SiLU, no gate/up split: enough to exercise the layout, not a model;
+4. ``Buffer.combine(y, handle, pair_weights=recv_topk_weights,
+   expert_major=True)``: each token gets the weighted sum of its experts'
+   outputs.
+
+:func:`reference_forward` computes the same layer in one process for the
+tokens of all ranks (CuPy for CuPy input, NumPy for NumPy input), so a GPU
+test compares every rank with it and a CPU test compares a NumPy emulation
+of the distributed path with it.
+
+Rounding points of the distributed path, which the reference mirrors:
+the expert output ``y_e`` is rounded to BF16; each rank's reduce of a
+token's local slots sums ``w_j * y_j`` in float32 in slot order and rounds to
+BF16 (one partial per (token, rank)); combine sums the partials in float32 in
+rank order and rounds to BF16. ``reference_forward(..., num_ranks=R)``
+rounds at exactly these points; ``num_ranks=None`` is the plain layer (one
+float32 sum over the k slots, one final BF16 rounding), which differs from
+the distributed path by the per-rank partial rounding. Both stay within the
+project's BF16 bound, calc_diff < 5e-6 (:data:`MOE_CALC_DIFF_BOUND`): the
+NumPy emulation of the distributed path (tests/test_moe.py) at the GPU test's
+shapes (8 x 256 tokens, H 2048, F 1024, E 64, top-8) gives 2e-7 against the
+plain layer and 4e-12 against the mirrored one (what is left: matmul
+summation order, float32 against float64 reduce). Since calc_diff averages
+over all tokens, :func:`agreement` also reports the worst token's relative
+error (bound :data:`MOE_TOKEN_BOUND` = 2e-2; measured 3e-3 plain, 1.4e-4
+mirrored; dropping a token's smallest slot, weight >= 0.03 here, moves it by
+about 0.1).
+
+Arrays: BF16 travels as uint16 bit patterns (CuPy has no bfloat16); the
+helpers here convert with integer arithmetic (round to nearest even), so the
+same code runs on NumPy and CuPy arrays.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["MoEWeights", "MoELayer", "route", "expert_ffn", "expert_blocks", "result_blocks", "reference_forward",
+           "agreement", "bf16_bits_to_f32", "f32_to_bf16_bits", "MOE_CALC_DIFF_BOUND", "MOE_TOKEN_BOUND"]
+
+#: calc_diff bound between MoELayer.forward and reference_forward (the project's BF16 bound).
+MOE_CALC_DIFF_BOUND = 5e-6
+#: bound on agreement()'s worst per-token relative error against reference_forward.
+MOE_TOKEN_BOUND = 2e-2
+
+# Seed streams of MoEWeights.random: np.random.default_rng([seed, stream, expert]).
+_ROUTER_STREAM, _W1_STREAM, _W2_STREAM = 0, 1, 2
+
+
+def _xp(a):
+    """numpy or cupy, whichever ``a`` belongs to (numpy when cupy is absent)."""
+    try:
+        import cupy
+    except ImportError:  # pragma: no cover - cupy is a dependency, but keep the CPU path free of it
+        return np
+    return cupy.get_array_module(a)
+
+
+# ------------------------------------------------------------------ BF16 bits
+
+def bf16_bits_to_f32(bits):
+    """[...] uint16 BF16 bit patterns -> [...] float32 values (exact), NumPy or CuPy."""
+    xp = _xp(bits)
+    return (bits.astype(xp.uint32) << xp.uint32(16)).view(xp.float32)
+
+
+def f32_to_bf16_bits(x):
+    """[...] float32 -> [...] uint16 BF16 bit patterns, round to nearest even
+    (as ml_dtypes and the CUDA kernels; NaN stays NaN), NumPy or CuPy."""
+    xp = _xp(x)
+    u = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
+    rounded = (u + xp.uint32(0x7FFF) + ((u >> xp.uint32(16)) & xp.uint32(1))) >> xp.uint32(16)
+    nan = (u & xp.uint32(0x7FFFFFFF)) > xp.uint32(0x7F800000)
+    return xp.where(nan, (u >> xp.uint32(16)) | xp.uint32(0x0040), rounded).astype(xp.uint16)
+
+
+def _bf16_values(x):
+    """float32 array holding the BF16 roundings of x."""
+    return bf16_bits_to_f32(f32_to_bf16_bits(x))
+
+
+# ------------------------------------------------------------------- weights
+
+@dataclass
+class MoEWeights:
+    """The layer's weights, for the experts of all ranks.
+
+    Attributes:
+        router: [H, E] float32 router projection (logits = x @ router).
+        w1: [E, H, F] float32 up projections, BF16-representable values.
+        w2: [E, F, H] float32 down projections, BF16-representable values.
+
+    :meth:`random` makes NumPy arrays; a copy holding CuPy arrays works too
+    (MoELayer and a CuPy reference_forward then read them without uploads).
+
+    Rank r of R uses experts [r * E / R, (r + 1) * E / R) (cupyep's expert
+    ownership), i.e. ``w1[r * E_local:(r + 1) * E_local]``.
+    """
+    router: np.ndarray
+    w1: np.ndarray
+    w2: np.ndarray
+
+    @property
+    def hidden(self) -> int:
+        return int(self.router.shape[0])
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.router.shape[1])
+
+    @property
+    def ffn(self) -> int:
+        return int(self.w1.shape[2])
+
+    @classmethod
+    def random(cls, seed: int, hidden: int, ffn: int, num_experts: int) -> "MoEWeights":
+        """Seeded weights, the same on every rank (NumPy RNG, no communication).
+
+        Normal entries scaled by 1 / sqrt(fan-in) (so activations stay O(1)),
+        rounded to BF16 values; router entries too. Each matrix comes from its
+        own stream ``default_rng([seed, stream, expert])``, so it depends only
+        on the seed, its expert and the sizes.
+        """
+        if min(hidden, ffn, num_experts) <= 0:
+            raise ValueError(f"hidden, ffn and num_experts must be positive, got {hidden}, {ffn}, {num_experts}")
+
+        def normal(stream, expert, shape, fan_in):
+            z = np.random.default_rng([seed, stream, expert]).standard_normal(shape, dtype=np.float32)
+            return _bf16_values(z * np.float32(1.0 / np.sqrt(fan_in)))
+
+        router = normal(_ROUTER_STREAM, 0, (hidden, num_experts), hidden)
+        w1 = np.empty((num_experts, hidden, ffn), dtype=np.float32)
+        w2 = np.empty((num_experts, ffn, hidden), dtype=np.float32)
+        for e in range(num_experts):
+            w1[e] = normal(_W1_STREAM, e, (hidden, ffn), hidden)
+            w2[e] = normal(_W2_STREAM, e, (ffn, hidden), ffn)
+        return cls(router, w1, w2)
+
+    def local(self, rank: int, num_ranks: int) -> tuple[np.ndarray, np.ndarray]:
+        """(w1, w2) of rank ``rank``'s E / R experts: [E_local, H, F], [E_local, F, H]."""
+        if self.num_experts % num_ranks:
+            raise ValueError(f"{self.num_experts} experts are not divisible by {num_ranks} ranks")
+        n = self.num_experts // num_ranks
+        return self.w1[rank * n:(rank + 1) * n], self.w2[rank * n:(rank + 1) * n]
+
+
+# ------------------------------------------------------------------- routing
+
+def route(x_f32, router, k: int):
+    """Top-k routing: softmax over the logits, the k largest, renormalised.
+
+    Arguments:
+        x_f32: [T, H] float32 (NumPy or CuPy; MoELayer passes the BF16 values).
+        router: [H, E] float32 (same array module, or NumPy: it is converted).
+        k: 1 <= k <= E.
+
+    Returns:
+        (topk_idx [T, k] int64, topk_weights [T, k] float32), slots by
+        decreasing logit. Weights: the softmax over all E logits, restricted
+        to the k chosen experts and renormalised to sum to 1 over them (the
+        same as a softmax over the k chosen logits; Mixtral-style). The
+        logits are computed in float64 (a product of two float32 values is
+        exact there), so the choice does not depend on how a matmul orders its
+        sums: every rank and the single-process reference pick the same
+        experts. Ties: the lower expert id first (deterministic, no reliance
+        on a sort's stability).
+    """
+    xp = _xp(x_f32)
+    if x_f32.ndim != 2:
+        raise ValueError(f"x must be [T, H], got shape {tuple(x_f32.shape)}")
+    T, H = x_f32.shape
+    router = xp.asarray(router)
+    if router.ndim != 2 or router.shape[0] != H:
+        raise ValueError(f"router must be [H={H}, E], got shape {tuple(router.shape)}")
+    E = router.shape[1]
+    if not 1 <= k <= E:
+        raise ValueError(f"k must be in [1, E={E}], got {k}")
+    if T == 0:
+        return xp.zeros((0, k), dtype=xp.int64), xp.zeros((0, k), dtype=xp.float32)
+    logits = x_f32.astype(xp.float64) @ router.astype(xp.float64)  # [T, E]
+    # Rank of each expert in its token's order: larger logit first, then lower id.
+    # Ranks are a permutation of 0..E-1 per token, so any argsort of them agrees.
+    idx = xp.empty((T, k), dtype=xp.int64)
+    ids = xp.arange(E)
+    step = max(1, (1 << 24) // (E * E))  # tokens per chunk of the [t, E, E] comparison
+    for b in range(0, T, step):
+        l = logits[b:b + step]
+        ahead, level = l[:, None, :] > l[:, :, None], l[:, None, :] == l[:, :, None]  # [t, e, e']: e' vs e
+        beats = ahead | (level & (ids[None, :] < ids[:, None])[None])
+        rank = beats.sum(axis=2)  # [t, E]: experts ahead of each expert
+        idx[b:b + step] = xp.argsort(rank, axis=1)[:, :k]
+    chosen = xp.take_along_axis(logits, idx, axis=1)
+    p = xp.exp(chosen - chosen[:, :1])  # slot 0 holds the largest logit
+    weights = (p / p.sum(axis=1, keepdims=True)).astype(xp.float32)
+    return idx, weights
+
+
+# --------------------------------------------------------------------- experts
+
+def _silu(z):
+    xp = _xp(z)
+    return z / (xp.float32(1) + xp.exp(-z))
+
+
+def expert_ffn(expert_x, blocks, w1, w2, out=None):
+    """The per-expert FFN over expert-major rows (NumPy or CuPy).
+
+    Arguments:
+        expert_x: [M, H] uint16 BF16 bits in per-expert blocks.
+        blocks: E_local (first row, pair count) host int pairs: expert e's rows
+            are [first, first + count); the rows after them in its block
+            (alignment padding) are skipped.
+        w1: [E_local, H, F] float32; w2: [E_local, F, H] float32.
+        out: [M, H] uint16 to write, or None (a zeroed array).
+
+    Returns:
+        [M, H] uint16: row m of expert e = BF16(silu(x_m @ w1[e]) @ w2[e]),
+        both matmuls float32 on the BF16 values; rows outside every
+        [first, first + count) left as they were (zero in a fresh array).
+    """
+    xp = _xp(expert_x)
+    M, H = expert_x.shape
+    y = xp.zeros((M, H), dtype=xp.uint16) if out is None else out
+    if len(blocks) != w1.shape[0]:
+        raise ValueError(f"{len(blocks)} expert blocks for {w1.shape[0]} local experts")
+    for e, (first, count) in enumerate(blocks):
+        if count:
+            rows = slice(int(first), int(first) + int(count))
+            h = _silu(bf16_bits_to_f32(expert_x[rows]) @ w1[e])
+            y[rows] = f32_to_bf16_bits(h @ w2[e])
+    return y
+
+
+def expert_blocks(aligned_counts, counts) -> list[tuple[int, int]]:
+    """(first row, pair count) of each local expert's expert-major block.
+
+    Arguments:
+        aligned_counts: E_local host ints, the block sizes
+            (DispatchResult.num_recv_tokens_per_expert, aligned).
+        counts: E_local host ints, the pairs in each block before alignment
+            (DispatchHandle.recv_expert_counts).
+    """
+    aligned = [int(a) for a in aligned_counts]
+    counts = [int(c) for c in counts]
+    if len(aligned) != len(counts) or any(not 0 <= c <= a for c, a in zip(counts, aligned)):
+        raise ValueError(f"pair counts {counts} do not fit the blocks {aligned}")
+    firsts = np.concatenate([[0], np.cumsum(aligned)[:-1]]).astype(np.int64) if aligned else []
+    return [(int(f), c) for f, c in zip(firsts, counts)]
+
+
+def result_blocks(out) -> list[tuple[int, int]]:
+    """Each local expert's (first row, pair count) in a DispatchResult's
+    expert_x, on the host: from the dispatch's host counts
+    (num_recv_tokens_per_expert and handle.recv_expert_counts: no sync), else
+    read back from expert_offsets and expert_src_row (one sync; worst-token
+    results, whose counts never reach the host)."""
+    if out.num_recv_tokens_per_expert is not None and out.handle.recv_expert_counts is not None:
+        return expert_blocks(out.num_recv_tokens_per_expert, out.handle.recv_expert_counts)
+    offsets = _host(out.expert_offsets)
+    src = _host(out.expert_src_row[:int(offsets[-1])])
+    return [(int(offsets[e]), int((src[offsets[e]:offsets[e + 1]] >= 0).sum())) for e in range(offsets.size - 1)]
+
+
+def _host(a) -> np.ndarray:
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+# ----------------------------------------------------------------------- layer
+
+class MoELayer:
+    """One expert-parallel MoE layer over a :class:`cupyep.Buffer`.
+
+    Arguments:
+        buffer: the cupyep.Buffer (normal mode) of this rank.
+        weights: MoEWeights for all experts (the same on every rank); the
+            layer copies its rank's E / R experts and the router to the GPU.
+        num_topk: k.
+        transport: "queue" or "direct" (Buffer.dispatch's transport).
+        expert_alignment: rows of each expert block are a multiple of this
+            (Buffer.dispatch's expert_alignment; 128 suits grouped GEMMs).
+
+    Collective: every rank calls :meth:`forward` in the same order.
+    """
+
+    def __init__(self, buffer, weights: MoEWeights, num_topk: int, transport: str = "queue",
+                 expert_alignment: int = 128):
+        R, me = buffer.num_ranks, buffer.rank
+        if transport not in ("queue", "direct"):
+            raise ValueError(f"transport must be 'queue' or 'direct', got {transport!r}")
+        if weights.num_experts % R:
+            raise ValueError(f"{weights.num_experts} experts are not divisible by {R} ranks")
+        if not 1 <= num_topk <= weights.num_experts:
+            raise ValueError(f"num_topk must be in [1, {weights.num_experts}], got {num_topk}")
+        self.buffer, self.num_topk = buffer, int(num_topk)
+        self.transport, self.expert_alignment = transport, int(expert_alignment)
+        self.num_experts, self.hidden = weights.num_experts, weights.hidden
+        self.num_local_experts = weights.num_experts // R
+        w1, w2 = weights.local(me, R)
+        self.router = self._to_device(weights.router)  # [H, E] float32
+        self.w1 = self._to_device(w1)                  # [E_local, H, F] float32
+        self.w2 = self._to_device(w2)                  # [E_local, F, H] float32
+
+    def forward(self, x):
+        """The layer's output for this rank's tokens.
+
+        Arguments:
+            x: [T, H] uint16 BF16 bits (CuPy; T may be 0).
+
+        Returns:
+            [T, H] uint16 BF16 bits (CuPy): for each token, the float32 sum over
+            its k experts of weight * expert output, rounded to BF16 (with the
+            per-rank partial rounding described in the module docstring).
+        """
+        x = self._input(x)
+        if x.shape[1] != self.hidden:
+            raise ValueError(f"x has hidden size {x.shape[1]}, the weights {self.hidden}")
+        topk_idx, topk_weights = route(bf16_bits_to_f32(x), self.router, self.num_topk)
+        out = self.buffer.dispatch(x, topk_idx, topk_weights, num_experts=self.num_experts, expert_major=True,
+                                   expert_alignment=self.expert_alignment, transport=self.transport,
+                                   validate=False)  # route gives ids in [0, E): skip the host check's sync
+        y = expert_ffn(out.expert_x, result_blocks(out), self.w1, self.w2)
+        return self.buffer.combine(y, out.handle, pair_weights=out.recv_topk_weights, expert_major=True).combined_x
+
+    __call__ = forward
+
+    # Where arrays live: the GPU (a CPU test overrides these to run the layer
+    # over a NumPy stand-in for the Buffer).
+    @staticmethod
+    def _to_device(a):
+        import cupy
+        return cupy.asarray(a, dtype=np.float32)
+
+    @staticmethod
+    def _input(x):
+        from .arrays import BF16, as_cupy, check
+        return check(as_cupy(x, "x"), "x", BF16, ndim=2)
+
+
+# ------------------------------------------------------------------- reference
+
+def reference_forward(x_all, weights: MoEWeights, num_topk: int, num_ranks: int | None = None):
+    """The same MoE layer in one process, for the tokens of all ranks.
+
+    Arguments:
+        x_all: [T_all, H] uint16 BF16 bits, the ranks' tokens concatenated in
+            rank order (CuPy input computes on the GPU, NumPy on the CPU).
+        weights: MoEWeights (all experts).
+        num_topk: k.
+        num_ranks: None: the plain layer, out[t] = BF16(sum over slots j, in
+            slot order, in float32, of w_j * y_j) with y_j =
+            BF16(silu(x_t @ w1[e_j]) @ w2[e_j]). R: round where the
+            distributed path on R ranks does: each rank's slots (experts
+            [r E/R, (r+1) E/R)) summed in float32 in slot order and rounded to
+            BF16, the partials summed in float32 in rank order, then BF16.
+
+    Returns:
+        [T_all, H] uint16 BF16 bits (same array module as x_all).
+    """
+    xp = _xp(x_all)
+    T, H = x_all.shape
+    E, k = weights.num_experts, int(num_topk)
+    if num_ranks is not None and E % num_ranks:
+        raise ValueError(f"{E} experts are not divisible by {num_ranks} ranks")
+    x = bf16_bits_to_f32(x_all)
+    idx, w = route(x, xp.asarray(weights.router), k)
+    y = xp.zeros((T, k, H), dtype=xp.float32)  # expert output of each (token, slot), BF16 values
+    idx_host = idx.get() if xp is not np else idx
+    for e in range(E):
+        t, j = np.nonzero(idx_host == e)
+        if t.size:
+            t, j = xp.asarray(t), xp.asarray(j)
+            h = _silu(x[t] @ xp.asarray(weights.w1[e]))
+            y[t, j] = _bf16_values(h @ xp.asarray(weights.w2[e]))
+    contrib = w[:, :, None] * y  # [T, k, H] float32
+    if num_ranks is None:
+        acc = xp.zeros((T, H), dtype=xp.float32)
+        for j in range(k):
+            acc += contrib[:, j]
+        return f32_to_bf16_bits(acc)
+    owner = idx // (E // num_ranks)
+    acc = xp.zeros((T, H), dtype=xp.float32)
+    for r in range(num_ranks):
+        part = xp.zeros((T, H), dtype=xp.float32)
+        for j in range(k):
+            part += xp.where((owner[:, j] == r)[:, None], contrib[:, j], xp.float32(0))
+        acc += _bf16_values(part)
+    return f32_to_bf16_bits(acc)
+
+
+def agreement(got, want) -> tuple[float, float]:
+    """How close two layer outputs are: (calc_diff, worst token's relative error).
+
+    Arguments:
+        got, want: [T, H] uint16 BF16 bits (NumPy, or CuPy: copied to the host).
+
+    Returns:
+        (cupyep.reference.calc_diff of the values, the largest over tokens of
+        ||got_t - want_t|| / ||want_t||; 0.0 for no tokens). calc_diff averages
+        over all tokens, so one token with a wrong slot can stay under its
+        bound; the per-token figure catches it (a rounding difference moves it
+        by at most a few BF16 ulps, 2**-8 relative).
+    """
+    from .reference import calc_diff
+    g, w = bf16_bits_to_f32(_host(got)), bf16_bits_to_f32(_host(want))
+    if g.shape != w.shape:
+        raise ValueError(f"outputs differ in shape: {g.shape} and {w.shape}")
+    if not g.size:
+        return 0.0, 0.0
+    num = np.linalg.norm((g.astype(np.float64) - w), axis=1)
+    den = np.linalg.norm(w.astype(np.float64), axis=1)
+    rel = np.where(num == 0, 0.0, num / np.maximum(den, 1e-30))
+    return float(calc_diff(g, w)), float(rel.max())
