@@ -126,6 +126,16 @@ def crossover_tokens(records, num_ranks: int, normal_mode: str = "normal") -> fl
     return None
 
 
+def _measured_at(records, num_ranks: int, tokens: int) -> tuple[float, float] | None:
+    """(low-latency, best normal-mode) dispatch + combine microseconds at
+    ``tokens``, interpolated in log-log between measured token counts; None
+    unless both modes were measured on both sides of it (or at it)."""
+    ll = _interp_loglog(mode_times(records, num_ranks, "low_latency"), tokens)
+    normal = [v for v in (_interp_loglog(mode_times(records, num_ranks, m), tokens)
+                          for m in ("normal", "normal_direct")) if v is not None]
+    return (ll, min(normal)) if ll is not None and normal else None
+
+
 def _faster_transport(records, num_ranks: int, tokens: int) -> tuple[str, str]:
     q, d = mode_times(records, num_ranks, "normal"), mode_times(records, num_ranks, "normal_direct")
     shared = sorted(set(q) & set(d), key=lambda t: abs(math.log(max(t, 1)) - math.log(max(tokens, 1))))
@@ -167,6 +177,7 @@ def advise(tokens_per_rank: int, num_ranks: int, hidden: int = 7168, num_experts
         reasons.append(f"uncalibrated: no records at {num_ranks} ranks bracket the crossover; using {cross} tokens")
     else:
         reasons.append(f"measured crossover at {num_ranks} ranks: {cross:.0f} tokens per rank")
+    measured = None if calibrated else _measured_at(records, num_ranks, tokens_per_rank)
     ll_bytes = ll_size_hint(num_ranks, tokens_per_rank, hidden, num_experts, max(num_topk, 1))
     fits = memory_budget_bytes is None or ll_bytes <= memory_budget_bytes
     skew = imbalance_factor is not None and imbalance_factor >= SEVERE_IMBALANCE
@@ -184,6 +195,11 @@ def advise(tokens_per_rank: int, num_ranks: int, hidden: int = 7168, num_experts
         mode = "low_latency" if tokens_per_rank < cross else "normal"
         reasons.append(f"{tokens_per_rank} tokens per rank is {'below' if mode == 'low_latency' else 'above'} "
                        "the measured crossover")
+    elif measured is not None:
+        ll_us, normal_us = measured
+        mode = "low_latency" if ll_us <= normal_us else "normal"
+        reasons.append(f"measured at {num_ranks} ranks around {tokens_per_rank} tokens per rank: low-latency "
+                       f"{ll_us:.0f} us, normal {normal_us:.0f} us (dispatch + combine)")
     elif tokens_per_rank > NORMAL_ABOVE:
         mode = "normal"
         reasons.append(f"{tokens_per_rank} tokens per rank > {NORMAL_ABOVE}: throughput mode")

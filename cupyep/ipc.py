@@ -30,6 +30,27 @@ def _count_mappings(delta: int) -> None:
     _open_mappings += delta
 
 
+def _malloc_everywhere(group, nbytes: int) -> int:
+    """cudaMalloc of ``nbytes`` on every rank of the node, or on none: when
+    some rank cannot allocate, every rank frees what it got and raises the
+    same MemoryError (naming the bytes and the ranks), so none is left
+    waiting for the others' IPC handles."""
+    import cupy
+    rt = cupy.cuda.runtime
+    try:
+        ptr, err = rt.malloc(nbytes), None
+    except cupy.cuda.runtime.CUDARuntimeError as exc:
+        ptr, err = 0, str(exc)
+    errors = group.node_comm.allgather(err)
+    if any(e is not None for e in errors):
+        if ptr:
+            rt.free(ptr)
+        short = [r for r, e in enumerate(errors) if e is not None]
+        raise MemoryError(f"a symmetric buffer of {nbytes} bytes per rank does not fit: node-local rank(s) "
+                          f"{short} could not allocate it ({next(e for e in errors if e is not None)})")
+    return ptr
+
+
 class SymmetricBuffer:
     """``nbytes`` of device memory on every rank of the node, mapped by all.
 
@@ -55,7 +76,7 @@ class SymmetricBuffer:
         rt = cupy.cuda.runtime
         self.group = group
         self.nbytes = nbytes
-        self.ptr = rt.malloc(nbytes)
+        self.ptr = _malloc_everywhere(group, nbytes)
         self._opened: list[int] = []
         try:
             rt.memset(self.ptr, 0, nbytes)

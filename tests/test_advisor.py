@@ -94,3 +94,23 @@ def test_sweep_records_of_the_two_studies_do_not_mix():
                "tokens": 64, "timing": "strict", "time_us": 6000.0}]
     assert advisor.mode_times(ll + normal, 8, "low_latency") == {64: 70.0}
     assert advisor.mode_times(normal + ll, 8, "normal") == {64: 11000.0}
+
+
+def test_without_a_crossover_the_measurement_at_the_shape_decides():
+    """Records where low-latency mode is faster at every measured point (no
+    crossover to calibrate): between measured token counts the measured
+    faster mode wins over the seed's round-number rule."""
+    from cupyep import advisor
+    recs = []
+    for t, (d, c) in {64: (40.0, 60.0), 512: (500.0, 480.0)}.items():
+        recs += [{"study": "low_latency", "kind": "dispatch_bf16", "ranks": 8, "tokens": t, "timing": "strict",
+                  "time_us": d},
+                 {"study": "low_latency", "kind": "combine", "ranks": 8, "tokens": t, "timing": "strict", "time_us": c}]
+    for t, (d, c) in {64: (600.0, 400.0), 512: (900.0, 640.0)}.items():
+        recs += [{"study": "normal", "measured_kind": "dispatch_bf16_notify", "ranks": 8, "tokens": t,
+                  "timing": "strict", "time_us": d},
+                 {"study": "normal", "measured_kind": "combine_bf16", "ranks": 8, "tokens": t, "timing": "strict",
+                  "time_us": c}]
+    a = advisor.advise(300, 8, records=recs)
+    assert a.mode == "low_latency" and not a.calibrated and any("measured at 8 ranks" in r for r in a.reasons)
+    assert advisor.advise(4096, 8, records=recs).mode == "normal"  # outside the measurements: the rule

@@ -38,6 +38,8 @@ def run(group, config):
         raise Skip("not on this machine")
     if mode == "value":
         raise ValueError("hidden 7 is not a multiple of 128")
+    if mode == "memory":
+        raise MemoryError("a symmetric buffer of 9 bytes per rank does not fit")
     if mode == "error":
         raise RuntimeError("the check failed")
     if mode == "rank1" and group.rank == 1:
@@ -183,11 +185,12 @@ def test_resume_runs_only_new_configurations(tmp_path, launch_env):
 
 def test_skip_value_error_and_errors_are_recorded_and_the_sweep_goes_on(tmp_path, faults_study):
     out = tmp_path / "faults.jsonl"
-    modes = ["ok", "skip", "value", "error", "rank1", "ok"]
+    modes = ["ok", "skip", "value", "error", "rank1", "ok", "memory"]
     grid = [{"mode": m, "n": i} for i, m in enumerate(modes)]
     recs = experiments.run(faults_study, grid, ranks=2, out=out, progress=False, timeout=LAUNCH_TIMEOUT_S)
-    assert [r["status"] for r in recs] == ["ok", "skipped", "skipped", "error", "error", "ok"]
-    assert [r["index"] for r in recs] == list(range(6))
+    assert [r["status"] for r in recs] == ["ok", "skipped", "skipped", "error", "error", "ok", "skipped"]
+    assert [r["index"] for r in recs] == list(range(7))
+    assert recs[6]["reason"] == "MemoryError: a symmetric buffer of 9 bytes per rank does not fit"
     assert recs[0]["answer"] == 42 and recs[0]["rank"] == 0 and recs[5]["answer"] == 47
     assert recs[1]["reason"] == "Skip: not on this machine"
     assert recs[2]["reason"] == "ValueError: hidden 7 is not a multiple of 128"

@@ -19,7 +19,8 @@ Record fields (one JSON object per line):
     <knob>: every knob of the study, its value (JSON: int, float, str,
         bool, list or dict).
     ranks: int, ranks that ran it.
-    status: "ok", "skipped" (``Skip`` or ``ValueError``) or "error" (any
+    status: "ok", "skipped" (``Skip``, ``ValueError``, or ``MemoryError``:
+        the configuration does not fit the GPU) or "error" (any
         other exception, a metric that is not JSON-able or clashes with a
         field name, a failed check).
     reason: str, only when status is not "ok": "<ExceptionType>: <message>"
@@ -99,8 +100,8 @@ def call_study(study, group, config) -> tuple[str, str | None, dict | None]:
         metrics = study.run(group, dict(config))
     except Skip as exc:
         return "skipped", f"Skip: {exc}", None
-    except ValueError as exc:
-        return "skipped", f"ValueError: {exc}", None
+    except (ValueError, MemoryError) as exc:
+        return "skipped", f"{type(exc).__name__}: {exc}", None
     except Exception as exc:
         traceback.print_exc(file=sys.stderr)
         return "error", f"{type(exc).__name__}: {exc}", None

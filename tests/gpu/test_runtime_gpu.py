@@ -56,3 +56,18 @@ def test_barrier_timeout_names_missing_rank(group):
             assert f"peer rank {missing}" in str(err)
             assert elapsed < timeout + 3.0, f"took {elapsed:.1f}s"
         group.comm.Barrier()
+
+
+def test_symmetric_buffer_that_does_not_fit_fails_on_every_rank(group):
+    """A symmetric buffer larger than the GPU: every rank raises the same
+    MemoryError (naming the bytes), none is left waiting for IPC handles, and
+    the next buffer works."""
+    import cupy
+    total = cupy.cuda.runtime.memGetInfo()[1]
+    with pytest.raises(MemoryError, match=rf"{total + 1} bytes per rank does not fit"):
+        SymmetricBuffer(group, total + 1)
+    buf = SymmetricBuffer(group, 1 << 20)
+    try:
+        assert all_ranks(group.comm, len(buf.peer_ptr_list) == group.local_size)
+    finally:
+        buf.destroy()
