@@ -54,11 +54,14 @@ def _by_ranks(records, kind, value) -> dict:
 def _bars(ax, series, ranks, width=0.8):
     """Grouped bars: series is a list of (label, {ranks: value}, hatched); hatched
     ones (the naive baseline) are grey."""
+    from matplotlib import colormaps
     w = width / max(1, len(series))
     greys = iter(("0.55", "0.8", "0.35", "0.95"))
+    colours = colormaps["tab20"].colors  # distinct colours for up to 20 series (tab10 repeats after 10)
     for i, (label, vals, hatched) in enumerate(series):
         xs = [j + (i - (len(series) - 1) / 2) * w for j in range(len(ranks))]
-        style = dict(hatch="//", color=next(greys, "0.7"), edgecolor="black", linewidth=0.5) if hatched else {}
+        style = dict(hatch="//", color=next(greys, "0.7"), edgecolor="black", linewidth=0.5) if hatched else \
+            dict(color=colours[i % len(colours)])
         ax.bar(xs, [vals.get(n, 0) for n in ranks], w, label=label, **style)
     ax.set_xticks(range(len(ranks)), [f"{n} ranks" for n in ranks])
     return w
@@ -95,7 +98,7 @@ def normal_figure(records, naive=(), title: str | None = None):
     series = [(k, _by_ranks(recs, k, gbps), False) for k in kinds]
     series += [(f"naive {k}", _by_ranks(naive, k, gbps), True) for k in NAIVE_KINDS
                if any(r["kind"] == k for r in naive)]
-    fig, (ax,) = _figure()
+    fig, (ax,) = _figure(width=10.5)
     _bars(ax, series, ranks)
     labelled = False
     for j, n in enumerate(ranks):
@@ -111,7 +114,7 @@ def normal_figure(records, naive=(), title: str | None = None):
     tok = ", ".join(str(t) for t in sorted(tokens))
     ax.set_title(title or (f"{backend}: small size, not kernel speed" if backend else
                            f"cupyep normal mode, {gpu}, {tok} tokens per rank"), fontsize=10)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, not over them
     return fig
 
 
