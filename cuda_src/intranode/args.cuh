@@ -74,6 +74,8 @@ struct NotifyArgs {
                                         // sources); column E_local: d's expert-major rows in all
     int* expert_meta;                   // [2 * E_local + 1] out or null (with expand_base): this rank's expert
                                         // block offsets [E_local + 1], then its unaligned pair counts [E_local]
+    int64_t* notify_time_ns;            // [2] or null: the pass adds its nanoseconds (%globaltimer, first
+                                        // thread in to last out) to [0] and 1 to [1]
     int num_tokens;
     int num_experts;
     int num_channels;

@@ -75,6 +75,7 @@ template <int kNumRanks>
 __device__ __forceinline__ bool notify_pass(const NotifyArgs& a, int* s_prefix, const int* per_rank,
                                             const int* per_expert) {
     __shared__ int s_total;
+    const uint64_t t_begin = a.notify_time_ns ? global_timer_ns() : 0;
     constexpr int R = kNumRanks;
     const int C = a.num_channels, T = a.num_tokens;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
@@ -159,6 +160,11 @@ __device__ __forceinline__ bool notify_pass(const NotifyArgs& a, int* s_prefix, 
     }
     __syncthreads();
     if (a.expand_base) expand_tables<R>(a, mine, ni, E_local);
+    if (a.notify_time_ns && threadIdx.x == 0) {
+        atomicAdd(reinterpret_cast<unsigned long long*>(a.notify_time_ns),
+                  (unsigned long long)(global_timer_ns() - t_begin));
+        atomicAdd(reinterpret_cast<unsigned long long*>(a.notify_time_ns + 1), 1ull);
+    }
     return true;
 }
 

@@ -33,8 +33,11 @@ normal study ("time_us", the slowest rank's median kernel time, and
 p10/p90/p99, "rank_mean_us", "rank_GBps", "efficiency" against the copy
 bandwidth measured once per sweep, "copy_GBps"), "buffer_config" (the
 buffer actually used: max_tokens, max_topk, num_blocks, num_waiters,
-num_threads, programmatic_launch, buffer_bytes) and "imbalance_factor" of
-the routing. The barrier and the copy bandwidth are kept between
+num_threads, programmatic_launch, buffer_bytes), "imbalance_factor" of
+the routing, and for the dispatch kinds the in-kernel metrics of 10 more,
+untimed dispatches (cupyep.metrics): the signal-slot waits "wait_us_p50",
+"wait_us_p99", "wait_us_max" over every (call, source rank),
+"slot_utilisation" and "expert_recv_imbalance". The barrier and the copy bandwidth are kept between
 configurations, and the buffer while its configuration stays the same.
 """
 from __future__ import annotations
@@ -153,7 +156,12 @@ def run(group, cfg: dict) -> dict:
                   cfg["iters"], copy_bw, flush=cfg["flush"], sleep_us=float(cfg["sleep_us"]),
                   host_gap_ms=float(cfg["host_gap_ms"]))
     buf.synchronize()
-    return metrics_of(rec, buf, routing.imbalance_factor(idx, E))
+    metrics = metrics_of(rec, buf, routing.imbalance_factor(idx, E))
+    if cfg["kind"] in ("dispatch_fp8", "dispatch_bf16"):  # untimed calls after the timed ones (cupyep.metrics)
+        from ..metrics import low_latency_metrics
+        metrics.update(low_latency_metrics(group, buf, x, cupy.asarray(idx[me]),
+                                           use_fp8=cfg["kind"] == "dispatch_fp8"))
+    return metrics
 
 
 def metrics_of(rec: dict, buf, imbalance_factor: float) -> dict:

@@ -206,7 +206,8 @@ class Buffer(DirectTransport):
                  handle: DispatchHandle | None = None, num_tokens_per_rank=None, num_tokens_per_expert=None,
                  is_token_in_rank=None, num_worst_tokens: int = 0, expert_alignment: int = 1,
                  config: Config | None = None, previous_event=None, async_finish: bool = False,
-                 validate: bool = True, expert_major: bool = False, transport: str | None = None) -> DispatchResult:
+                 validate: bool = True, expert_major: bool = False, transport: str | None = None,
+                 notify_time_ns=None) -> DispatchResult:
         """Send each token to every rank owning one of its experts.
 
         Arguments:
@@ -252,6 +253,10 @@ class Buffer(DirectTransport):
                 this rank's receive pool, valid until the next direct dispatch of this
                 buffer; the pool grows (collectively) when a call needs more, and in
                 worst-token mode every rank must pass the same num_worst_tokens.
+            notify_time_ns: cupy int64 [2] or None (a metric, off by default): a
+                call that runs the notify pass adds the pass's device time in
+                nanoseconds (%globaltimer in the block that runs it) to [0] and
+                1 to [1]; a cached call leaves it alone.
                 Direct with expert_major: the senders write the rows straight into
                 the expert blocks (views of the pool too) and no rank-major payload
                 exists, so recv_x and recv_x_scales are None; a cached call keeps the
@@ -319,11 +324,13 @@ class Buffer(DirectTransport):
             check(topk_weights, "topk_weights", np.float32, shape=(T, k))
         if expert_major:
             EM.check_expert_major_request(topk_idx, expert_alignment)
+        if notify_time_ns is not None:
+            notify_time_ns = check(as_cupy(notify_time_ns, "notify_time_ns"), "notify_time_ns", np.int64, shape=(2,))
         if transport == "direct":
             return self._dispatch_direct(x, x_scales, topk_idx, topk_weights, num_experts, handle,
                                          (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank),
                                          num_worst_tokens, expert_alignment, cfg, previous_event, async_finish,
-                                         expert_major)
+                                         expert_major, notify_time_ns)
         rs = ring_set(self.layout, "dispatch", H, k, fp8, cfg)
         dispatch_fn = jit.kernel(K.dispatch_spec_for(R, cfg))
         self._check_resident(dispatch_fn, cfg, "dispatch")
@@ -334,7 +341,8 @@ class Buffer(DirectTransport):
             if handle is None:
                 routing = self._routing(topk_idx, num_experts, T,
                                         (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank))
-                handle = self._notify(T, H, num_experts, *routing, C, expert_alignment, num_worst_tokens)
+                handle = self._notify(T, H, num_experts, *routing, C, expert_alignment, num_worst_tokens,
+                                      notify_time_ns=notify_time_ns)
                 notified = True
             else:
                 notified = False  # cached: expert-major sizes for the bound (this topk_idx is not counted)
@@ -413,12 +421,12 @@ class Buffer(DirectTransport):
                         self._guard("intranode_expert_major"), self.num_device_sms)
 
     def _notify(self, T, H, num_experts, per_rank, per_expert, in_rank, C, alignment, num_worst_tokens,
-                transport: str = "queue"):
+                transport: str = "queue", notify_time_ns=None):
         """Run the notify kernel on the communication stream and return the
         handle (after a bounded host wait for the counts, unless worst-token mode)."""
         R = self.num_ranks
         args, arrays = self._notify_struct(T, num_experts, per_rank, per_expert, in_rank, C, alignment,
-                                           num_worst_tokens, transport)
+                                           num_worst_tokens, transport, notify_time_ns)
         jit.kernel(K.notify_spec(R))((1,), (K.NOTIFY_THREADS,), (args,), shared_mem=4 * R * (C + 1))
         if num_worst_tokens <= 0:
             import cupy
@@ -428,7 +436,7 @@ class Buffer(DirectTransport):
         return self._notify_handle(arrays, T, H, num_experts, C, num_worst_tokens, transport)
 
     def _notify_struct(self, T, num_experts, per_rank, per_expert, in_rank, C, alignment, num_worst_tokens,
-                       transport: str = "queue"):
+                       transport: str = "queue", notify_time_ns=None):
         """(NotifyArgs, the handle's arrays) of a notify pass; resets the host
         counts (not in worst-token mode, where they never reach the host).
         The direct transport's pass also fills its expert-major tables
@@ -455,7 +463,7 @@ class Buffer(DirectTransport):
             recv_channel_prefix=jit.ptr(arrays["recv_cp"]), recv_rank_offset=jit.ptr(arrays["recv_off"]),
             rank_prefix_matrix=jit.ptr(arrays["rpm"]), num_recv_tokens_per_expert=jit.ptr(arrays["recv_per_expert"]),
             host_counts=0 if worst else self._host_counts_ptr, expand_base=jit.ptr(arrays.get("expand_base")),
-            expert_meta=jit.ptr(arrays.get("expert_meta")), num_tokens=T, num_experts=num_experts,
+            expert_meta=jit.ptr(arrays.get("expert_meta")), notify_time_ns=jit.ptr(notify_time_ns), num_tokens=T, num_experts=num_experts,
             num_channels=C, expert_alignment=alignment, capacity=num_worst_tokens if worst else INT_MAX,
             rank=self.rank, guard=self._guard("intranode_notify"))
         return args, arrays

@@ -57,7 +57,8 @@ class DirectTransport:
         return pools.ensure(kind, nbytes)
 
     def _dispatch_direct(self, x, x_scales, topk_idx, topk_weights, num_experts, handle, arrays, num_worst_tokens,
-                         expert_alignment, cfg, previous_event, async_finish, expert_major) -> DispatchResult:
+                         expert_alignment, cfg, previous_event, async_finish, expert_major,
+                         notify_time_ns=None) -> DispatchResult:
         """Dispatch over the direct transport (arguments checked by dispatch).
 
         expert_major: the senders write each row straight into its experts'
@@ -93,12 +94,13 @@ class DirectTransport:
         with self.comm_stream:
             if fused:  # layout, notify and (if the pools hold every receiver's rows) the send in one launch
                 handle, sent = self._dispatch_fused(fused_fn, cfg, x, x_scales, topk_idx, topk_weights, num_experts,
-                                                    num_worst_tokens, expert_alignment, shape, worst_rows, pos)
+                                                    num_worst_tokens, expert_alignment, shape, worst_rows, pos,
+                                                    notify_time_ns)
                 notified = True
             elif handle is None:
                 routing = self._routing(topk_idx, num_experts, T, arrays)
                 handle = self._notify(T, H, num_experts, *routing, D.notify_channels(R), expert_alignment,
-                                      num_worst_tokens, transport="direct")
+                                      num_worst_tokens, transport="direct", notify_time_ns=notify_time_ns)
                 notified = True
             else:
                 notified = False
@@ -201,7 +203,7 @@ class DirectTransport:
             capacity=capacity, rank=self.rank, guard=self._guard("intranode_direct_dispatch"))
 
     def _dispatch_fused(self, fn, cfg, x, x_scales, topk_idx, topk_weights, num_experts, num_worst_tokens,
-                        alignment, shape, worst_rows: int, pos) -> tuple[DispatchHandle, bool]:
+                        alignment, shape, worst_rows: int, pos, notify_time_ns=None) -> tuple[DispatchHandle, bool]:
         """One launch of the fused kernel (layout + notify + send), on the
         communication stream. Returns (handle, sent): sent is False when the
         pools were too small for some receiver's rows, so nothing was sent
@@ -222,7 +224,7 @@ class DirectTransport:
         pool = pools.pools["dispatch"]
         in_rank = cupy.empty((T, R), dtype=np.bool_)
         nargs, arrays = self._notify_struct(T, num_experts, None, None, in_rank, C, alignment, num_worst_tokens,
-                                            "direct")
+                                            "direct", notify_time_ns)
         handle = self._notify_handle(arrays, T, H, num_experts, C, num_worst_tokens, "direct") if worst else None
         view = handle or _Offsets(arrays, C)
         dargs = self._direct_dispatch_struct(view, pool, lay, x, x_scales, topk_idx, topk_weights, num_experts,

@@ -27,7 +27,7 @@ NOTIFY_ARGS_DTYPE = jit.struct_dtype([
     ("num_tokens_per_expert", u64), ("send_head", u64), ("send_list", u64), ("send_channel_prefix", u64),
     ("recv_channel_prefix", u64), ("recv_rank_offset", u64), ("rank_prefix_matrix", u64),
     ("num_recv_tokens_per_expert", u64), ("host_counts", u64),
-    ("expand_base", u64), ("expert_meta", u64), ("num_tokens", i32), ("num_experts", i32), ("num_channels", i32), ("expert_alignment", i32),
+    ("expand_base", u64), ("expert_meta", u64), ("notify_time_ns", u64), ("num_tokens", i32), ("num_experts", i32), ("num_channels", i32), ("expert_alignment", i32),
     ("capacity", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
 DISPATCH_ARGS_DTYPE = jit.struct_dtype([
     ("peers", u64), ("rs", RING_DTYPE), ("x", u64), ("x_scales", u64), ("topk_idx", u64), ("topk_weights", u64),

@@ -1,0 +1,102 @@
+"""Metrics from inside the kernels, for sweeps and monitoring (opt-in).
+
+The kernels write them only when given somewhere to write, so a call that
+asks for none pays one untaken branch:
+
+- normal mode: ``Buffer.dispatch(..., notify_time_ns=a)`` (int64 [2]) adds
+  the notify pass's device time (``%globaltimer`` in the block that runs it)
+  to ``a[0]`` and 1 to ``a[1]``;
+- low-latency mode: ``LowLatencyBuffer.dispatch(...,
+  dispatch_wait_recv_cost_stats=w)`` (int64 [R]) adds the nanoseconds block 0
+  waited for each source rank's flag (the signal-slot wait) to ``w[src]``, and
+  ``cumulative_local_expert_recv_stats=c`` (int32 [E_local]) the tokens each
+  local expert received; the result's ``recv_count`` gives the slots used.
+
+The collectors below run extra, untimed calls with those arrays (after the
+timed ones, so the timing never carries them) and reduce what they read to
+the figures a sweep record holds: notify time per call, the distribution of
+signal waits (p50 / p99 over calls x source ranks), slot utilisation (slots
+used / slots allocated) and the per-expert imbalance of received tokens
+(max / mean over every expert of every rank). Each is collective over the
+group.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+PERCENTILES = (50, 99)
+
+
+def percentiles(values, qs=PERCENTILES) -> dict:
+    """{"p50": ..., "p99": ...} of ``values`` (linear interpolation, NumPy's
+    default); None for each when there are none."""
+    v = np.asarray(list(values), dtype=np.float64)
+    return {f"p{q}": (float(np.percentile(v, q)) if v.size else None) for q in qs}
+
+
+def imbalance(counts) -> float | None:
+    """max / mean of per-expert counts (None when they are all zero or absent)."""
+    c = np.asarray(counts, dtype=np.float64).ravel()
+    if not c.size or c.mean() == 0:
+        return None
+    return float(c.max() / c.mean())
+
+
+def notify_samples_us(deltas) -> list[float]:
+    """Per-call notify times in microseconds from successive readings of a
+    notify_time_ns array: ``deltas`` is a list of (ns added, calls added)
+    pairs, one per call; a reading that added no call is skipped."""
+    return [ns / 1e3 / calls for ns, calls in deltas if calls > 0]
+
+
+def normal_metrics(group, call, calls: int = 10) -> dict:
+    """Notify time of ``calls`` notified dispatches (``call(notify_time_ns=a)``
+    runs one; the device is synchronised after each so every call is read on
+    its own). Returns {"notify_us_p50", "notify_us_p99", "notify_us_max"},
+    each the slowest rank's."""
+    import cupy
+    from mpi4py import MPI
+    stats = cupy.zeros(2, dtype=np.int64)
+    deltas, last = [], np.zeros(2, dtype=np.int64)
+    for _ in range(calls):
+        call(notify_time_ns=stats)
+        cupy.cuda.runtime.deviceSynchronize()
+        now = stats.get()
+        deltas.append(tuple(int(v) for v in now - last))
+        last = now
+    p = percentiles(notify_samples_us(deltas))
+    samples = notify_samples_us(deltas)
+    local = {"notify_us_p50": p["p50"], "notify_us_p99": p["p99"], "notify_us_max": max(samples, default=None)}
+    return {k: (group.comm.allreduce(v, op=MPI.MAX) if v is not None else None) for k, v in local.items()}
+
+
+def low_latency_metrics(group, buf, x, topk_idx, calls: int = 10, use_fp8: bool = True) -> dict:
+    """Signal waits, slot utilisation and received-token imbalance of
+    ``calls`` low-latency dispatches (each combined away, so the buffer's
+    sets stay in step). Returns {"wait_us_p50", "wait_us_p99", "wait_us_max"}
+    over every (call, source rank) wait of every rank, "slot_utilisation"
+    (slots used / slots allocated, mean over calls and ranks) and
+    "expert_recv_imbalance" (max / mean over all ranks' experts)."""
+    import cupy
+    R = group.local_size
+    El = buf.num_local_experts
+    recv_stats = cupy.zeros(El, dtype=np.int32)
+    waits, used = [], []
+    for _ in range(calls):
+        wait = cupy.zeros(R, dtype=np.int64)
+        d = buf.dispatch(x, topk_idx, use_fp8=use_fp8, cumulative_local_expert_recv_stats=recv_stats,
+                         dispatch_wait_recv_cost_stats=wait)
+        cupy.cuda.runtime.deviceSynchronize()
+        waits.extend(float(v) / 1e3 for v in wait.get())
+        used.append(int(d.recv_count.get().sum()))
+        buf.combine(cupy.zeros(d.recv_x.shape, dtype=np.uint16), topk_idx,
+                    cupy.zeros(topk_idx.shape, dtype=np.float32), d.handle)
+    cupy.cuda.runtime.deviceSynchronize()
+    all_waits = [v for part in group.comm.allgather(waits) for v in part]
+    all_used = [v for part in group.comm.allgather(used) for v in part]
+    all_recv = np.concatenate(group.comm.allgather(recv_stats.get()))
+    p = percentiles(all_waits)
+    slots = El * buf.layout.slots
+    return {"wait_us_p50": p["p50"], "wait_us_p99": p["p99"], "wait_us_max": max(all_waits, default=None),
+            "slot_utilisation": float(np.mean(all_used)) / slots if slots else None,
+            "expert_recv_imbalance": imbalance(all_recv)}

@@ -1,0 +1,91 @@
+"""In-kernel metrics on the GPU (cupyep.metrics): the notify pass's clock in
+normal mode, the signal waits, slot use and received-token counts of
+low-latency dispatch, checked against what the routing implies."""
+import numpy as np
+import pytest
+
+from cupyep import metrics as M
+from cupyep import routing
+from cupyep.testing import all_ranks, global_routing, payload_bf16
+
+pytestmark = pytest.mark.gpu
+E, K = 256, 8
+
+
+@pytest.fixture(scope="module")
+def buf(group):
+    import cupyep
+    b = cupyep.Buffer(group)
+    yield b
+    b.destroy()
+
+
+@pytest.mark.parametrize("via", ["queue", "direct", "direct_unfused"])
+def test_notify_time_ns_counts_each_notified_call(group, buf, via):
+    """A notified dispatch adds its notify time and one call; a cached one
+    adds nothing; worst-token calls count too; the figures are plausible."""
+    import cupy
+    from cupyep.intranode.direct import DirectConfig
+    kw = {"queue": {"transport": "queue"}, "direct": {"transport": "direct"},
+          "direct_unfused": {"transport": "direct", "config": DirectConfig(fused=False)}}[via]
+    me, R = group.local_rank, group.local_size
+    idx, w = global_routing(3, [512] * R, E, K)
+    x = cupy.asarray(payload_bf16(me, np.arange(512), 2048))
+    ids, ws = cupy.asarray(idx[me]), cupy.asarray(w[me])
+    buf.dispatch(x, ids, ws, num_experts=E, **kw)  # the pools exist before the fused calls
+    stats = cupy.zeros(2, dtype=np.int64)
+    out = buf.dispatch(x, ids, ws, num_experts=E, notify_time_ns=stats, **kw)
+    buf.synchronize()
+    one = stats.get()
+    buf.dispatch(x, handle=out.handle, notify_time_ns=stats)
+    buf.synchronize()
+    cached = stats.get()
+    buf.dispatch(x, ids, ws, num_experts=E, num_worst_tokens=512 * R, notify_time_ns=stats, **kw)
+    buf.synchronize()
+    worst = stats.get()
+    ok = (one[1] == 1 and 0 < one[0] < 10**9 and np.array_equal(cached, one) and worst[1] == 2
+          and worst[0] > one[0])
+    assert all_ranks(group.comm, ok), (one, cached, worst)
+    m = M.normal_metrics(group, lambda notify_time_ns: buf.dispatch(x, ids, ws, num_experts=E,
+                                                                     notify_time_ns=notify_time_ns, **kw), calls=5)
+    ok = all(m[k] is not None and 0 < m[k] < 1e6 for k in m) and m["notify_us_p50"] <= m["notify_us_max"]
+    assert all_ranks(group.comm, ok), m
+
+
+def test_notify_time_ns_is_checked_before_launch(group, buf):
+    import cupy
+    me, R = group.local_rank, group.local_size
+    idx, _ = global_routing(4, [64] * R, E, K)
+    x = cupy.asarray(payload_bf16(me, np.arange(64), 2048))
+    with pytest.raises(ValueError, match="notify_time_ns"):
+        buf.dispatch(x, cupy.asarray(idx[me]), num_experts=E, notify_time_ns=cupy.zeros(2, dtype=np.int32))
+    with pytest.raises(ValueError, match="notify_time_ns"):
+        buf.dispatch(x, cupy.asarray(idx[me]), num_experts=E, notify_time_ns=cupy.zeros(3, dtype=np.int64))
+
+
+def test_low_latency_metrics_match_the_routing(group):
+    """Slots used and tokens received per expert are exactly what the routing
+    sends; the received-token imbalance equals the routing's imbalance factor;
+    every wait is a finite, non-negative time."""
+    import cupy
+    import cupyep
+    me, R = group.local_rank, group.local_size
+    T, H, calls = 96, 2048, 4
+    idx, _ = global_routing(5, [T] * R, E, K)
+    ll = cupyep.LowLatencyBuffer(group, 128, H, E)
+    try:
+        x = cupy.asarray(payload_bf16(me, np.arange(T), H))
+        m = M.low_latency_metrics(group, ll, x, cupy.asarray(idx[me]), calls=calls)
+        pairs = sum(int((a >= 0).sum()) for a in idx)  # (token, expert) pairs of all ranks per call
+        slots = (E // R) * ll.layout.slots
+        ok = {
+            "slot_utilisation": m["slot_utilisation"] == pytest.approx(pairs / R / slots),
+            "imbalance": m["expert_recv_imbalance"] == pytest.approx(routing.imbalance_factor(idx, E)),
+            "waits": all(m[k] is not None and 0 <= m[k] < 1e6 for k in ("wait_us_p50", "wait_us_p99", "wait_us_max"))
+                     and m["wait_us_p50"] <= m["wait_us_p99"] <= m["wait_us_max"],
+        }
+        assert all_ranks(group.comm, all(ok.values())), (m, ok)
+    finally:
+        ll.synchronize()
+        group.comm.Barrier()
+        ll.destroy()

@@ -1,0 +1,59 @@
+"""Host side of the in-kernel metrics (cupyep.metrics): the reductions a
+sweep record gets from what the kernels write."""
+import numpy as np
+import pytest
+
+from cupyep import metrics as M
+
+
+def test_percentiles_interpolate_and_are_none_without_samples():
+    assert M.percentiles(range(101)) == {"p50": 50.0, "p99": 99.0}
+    assert M.percentiles([3.0]) == {"p50": 3.0, "p99": 3.0}
+    assert M.percentiles([]) == {"p50": None, "p99": None}
+    assert M.percentiles([1, 2, 3, 4], qs=(25, 75)) == {"p25": pytest.approx(1.75), "p75": pytest.approx(3.25)}
+
+
+def test_imbalance_is_max_over_mean():
+    assert M.imbalance([1, 1, 1, 1]) == 1.0
+    assert M.imbalance([[0, 4], [0, 0]]) == 4.0
+    assert M.imbalance([0, 0]) is None and M.imbalance([]) is None
+
+
+def test_notify_samples_are_per_call_microseconds():
+    # Successive readings of a notify_time_ns array: (ns added, calls added) per reading.
+    assert M.notify_samples_us([(15000, 1), (30000, 2), (0, 0), (7000, 1)]) == [15.0, 15.0, 7.0]
+    assert M.notify_samples_us([]) == []
+
+
+class _Comm:
+    def allreduce(self, v, op=None):
+        return v
+
+
+class _Group:
+    comm = _Comm()
+
+
+def test_normal_metrics_reads_each_call_on_its_own(monkeypatch):
+    """normal_metrics against a fake device: each call adds its own time; the
+    record holds the median, p99 and the largest of them."""
+    cupy = pytest.importorskip("cupy")
+    mpi4py = pytest.importorskip("mpi4py")  # noqa: F841
+
+    class FakeStats:
+        def __init__(self):
+            self.v = np.zeros(2, dtype=np.int64)
+
+        def get(self):
+            return self.v.copy()
+
+    stats = FakeStats()
+    monkeypatch.setattr(cupy, "zeros", lambda n, dtype=None: stats)
+    monkeypatch.setattr(cupy.cuda.runtime, "deviceSynchronize", lambda: None)
+    times = iter([10_000, 20_000, 30_000, 40_000])
+
+    def call(notify_time_ns):
+        notify_time_ns.v += np.array([next(times), 1])
+
+    m = M.normal_metrics(_Group(), call, calls=4)
+    assert m == {"notify_us_p50": 25.0, "notify_us_p99": pytest.approx(39.7), "notify_us_max": 40.0}
