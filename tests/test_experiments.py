@@ -3,6 +3,7 @@ registry, JSONL records, and sweeps on 2 ranks under the mpiexec next to
 sys.executable (pip's mpich), through the API and the command line.
 Launches see no GPU (CUDA_VISIBLE_DEVICES="")."""
 
+import json
 import os
 import subprocess
 import sys
@@ -215,6 +216,16 @@ def test_cli_end_to_end_on_two_ranks(tmp_path, launch_env):
         assert r["combine_max_abs_err"] < 1e-5 and r["total_us_median"] > 0
         assert r["key"] == config_key({k: r[k] for k in cpu_reference.KNOBS})
         assert r["env"]["ranks"] == 2 and r["env"]["numpy"] == np.__version__ and "mpi4py" in r["env"]
+    manifest = json.loads((tmp_path / "cli.manifest.json").read_text())
+    entry = manifest["sweeps"][-1]
+    assert manifest["study"] == "reference" and manifest["records"] == "cli.jsonl" and len(manifest["sweeps"]) == 1
+    assert entry["ranks"] == 2 and entry["configurations"] == 2 and entry["launched"] == 2
+    assert entry["grid"]["tokens"] == [4, 8] and "--grid" in entry["argv"]
+    assert len(entry["cuda_src_sha256"]) == 64
+    again = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ), capture_output=True, text=True,
+                           timeout=2 * LAUNCH_TIMEOUT_S)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert len(json.loads((tmp_path / "cli.manifest.json").read_text())["sweeps"]) == 1  # resumed: nothing launched
     listing = subprocess.run([sys.executable, "-m", "cupyep.experiments", "--list"], env=dict(os.environ),
                              capture_output=True, text=True, timeout=60)
     assert listing.returncode == 0 and "reference:" in listing.stdout and "    tokens = 128" in listing.stdout

@@ -16,7 +16,9 @@ record fields), ``records`` (JSONL reading and appending), ``__main__``
 fed by the records appearing in ``out`` and returns the grid's records.
 With ``resume`` (the default) configurations that already have a record of
 this study at this rank count in ``out`` are not run again; the record
-returned for a configuration is the latest in the file.
+returned for a configuration is the latest in the file. Every sweep that
+launches anything appends an entry (grid, command, commit, kernel-source
+hash) to the manifest beside ``out`` (:func:`manifest_path`).
 """
 from __future__ import annotations
 
@@ -45,6 +47,34 @@ LAUNCH_GRACE_S = 30.0
 # Seconds between looks at the output file while the sweep runs.
 POLL_S = 0.2
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+
+
+def manifest_path(out) -> Path:
+    """The manifest beside a records file: ``<name>.manifest.json``."""
+    out = Path(out)
+    return out.with_name(out.stem + ".manifest.json")
+
+
+def write_manifest(study, out, grid, ranks: int, num_configs: int, num_launched: int, started_utc: str) -> Path:
+    """Append this sweep's entry to the manifest beside ``out``: the study,
+    the grid, the ranks, the command line, the git commit and the hash of
+    the kernel sources (what was measured, whatever the checkout's .git
+    says), when it ran and how many configurations it launched. Each
+    record's ``env`` holds the rest of the environment (GPU, versions)."""
+    import platform
+
+    from .. import jit
+    from .worker import _git_commit
+    path = manifest_path(out)
+    manifest = json.loads(path.read_text()) if path.exists() else {"study": _study(study).name,
+                                                                    "records": Path(out).name, "sweeps": []}
+    manifest["sweeps"].append({
+        "started_utc": started_utc, "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "ranks": ranks, "grid": grid, "configurations": num_configs, "launched": num_launched,
+        "argv": list(sys.argv), "cwd": os.getcwd(), "host": platform.node(), "git_commit": _git_commit(),
+        "cuda_src_sha256": jit.source_hash()})
+    path.write_text(json.dumps(manifest, indent=1, default=str) + "\n")
+    return path
 
 
 class SweepError(RuntimeError):
@@ -202,7 +232,11 @@ def run(study, grid, ranks: int = 2, out=None, resume: bool = True, progress: bo
     done = records.select(load(out), study.name, keys, ranks) if resume else {}
     todo = [c for c, k in zip(configs, keys) if k not in done]
     if todo:
-        _launch(study, configs, keys, ranks, out, resume, progress, timeout, len(done))
+        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        try:
+            _launch(study, configs, keys, ranks, out, resume, progress, timeout, len(done))
+        finally:
+            write_manifest(study, out, grid, ranks, len(configs), len(todo), started)
     found = records.select(load(out), study.name, keys, ranks)
     missing = [k for k in keys if k not in found]
     if missing:
