@@ -34,11 +34,13 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "intranode_direct_dispatch": ("direct dispatch: receive pool free (sender waits for the receiver's ready)",
                                   "direct dispatch: rows arrived (receiver waits for a source's rows)",
                                   "direct dispatch: receive pool capacity",
-                                  "fused direct dispatch: a block waits for the notify block"),
+                                  "fused direct dispatch: a block waits for the notify block",
+                                  "fused direct dispatch: a block waits for the expert-major positions"),
     "intranode_direct_combine": ("direct combine: partial rows free (expert rank waits for the owner's ready)",
                                  "direct combine: partials arrived (owner waits for an expert rank's rows)",
                                  "direct combine: partial pool capacity"),
     "intranode_layout": ("routing check (expert id outside [-1, E))",),
+    "internode_put_signal": ("put with signal: a peer's rows arrived (this PE waits for the peer's signal)",),
 }
 KERNEL_NAMES: tuple[str, ...] = tuple(KERNELS)
 

@@ -45,6 +45,7 @@ SPEC_MODULES = (
     "cupyep.intranode.direct",
     "cupyep.low_latency.kernels",
     "cupyep.intranode.expert_major",
+    "cupyep.nvshmem",
 )
 
 BASE_OPTIONS = ("-std=c++17",)
@@ -59,14 +60,22 @@ class KernelSpec:
         source: path of the ``.cu`` file relative to ``cuda_src/``.
         kernels: name expressions, e.g. ``cupyep::dispatch<8, 512>``.
         defines: extra ``-D`` macros as (name, value) pairs.
+        nvshmem: the source calls device-side NVSHMEM: it is built with nvcc
+            (relocatable device code) and linked against NVSHMEM's device
+            library (:mod:`cupyep.nvshmem`), not compiled through NVRTC.
     """
     name: str
     source: str
     kernels: tuple[str, ...]
     defines: tuple[tuple[str, int], ...] = ()
+    nvshmem: bool = False
 
     def options(self) -> tuple[str, ...]:
-        return (*BASE_OPTIONS, f"-I{CUDA_SRC}", f"-DCUPYEP_SOURCE_HASH=0x{source_hash()[:16]}",
+        extra = ()
+        if self.nvshmem:
+            from .nvshmem import include_options
+            extra = include_options()
+        return (*BASE_OPTIONS, f"-I{CUDA_SRC}", *extra, f"-DCUPYEP_SOURCE_HASH=0x{source_hash()[:16]}",
                 *(f"-D{k}={v}" for k, v in self.defines))
 
 
@@ -88,6 +97,10 @@ class Module:
     def __init__(self, spec: KernelSpec):
         import cupy
         self.spec = spec
+        if spec.nvshmem:  # nvcc + nvlink against NVSHMEM's device library, then NVSHMEM's module init
+            from .nvshmem import load_module
+            self._module, self._functions = load_module(spec)
+            return
         code = (CUDA_SRC / spec.source).read_text()
         self._module = cupy.RawModule(code=code, options=spec.options(), name_expressions=list(spec.kernels))
         self._functions = {k: self._module.get_function(k) for k in spec.kernels}
@@ -204,34 +217,97 @@ def all_specs() -> list[KernelSpec]:
 
 
 def _demangle(names: list[str]) -> dict[str, str]:
-    tool = shutil.which("cu++filt") or str(Path(shutil.which("nvcc") or "nvcc").parent / "cu++filt")
+    try:
+        nvcc_dir = Path(find_nvcc()).parent
+    except RuntimeError:
+        nvcc_dir = Path(".")
+    tool = shutil.which("cu++filt") or shutil.which("c++filt") or str(nvcc_dir / "cu++filt")
     if not Path(tool).exists():
         return {n: n for n in names}
     out = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True).stdout.splitlines()
     return dict(zip(names, out)) if len(out) == len(names) else {n: n for n in names}
 
 
-def compile_offline(spec: KernelSpec, arch: str = "sm_90", nvcc: str | None = None) -> list[CompileReport]:
-    """Compile ``spec`` to a cubin with nvcc and parse ptxas' resource usage.
-
-    Raises RuntimeError with the compiler output when compilation fails.
-    """
+def find_nvcc(nvcc: str | None = None) -> str:
+    """The nvcc to use: ``nvcc``, else the one on PATH, else /usr/local/cuda's."""
     nvcc = nvcc or shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
     if not Path(nvcc).exists() and not shutil.which(nvcc):
         raise RuntimeError("nvcc not found: install the CUDA toolkit or put nvcc on PATH")
+    return nvcc
+
+
+def nvcc_cubin(spec: KernelSpec, out: Path, arch: str = "sm_90", nvcc: str | None = None) -> str:
+    """Compile ``spec`` with nvcc into the cubin ``out`` (relocatable device
+    code for NVSHMEM specs, which then need linking) and return ptxas'
+    verbose report. Raises RuntimeError with the compiler output on failure."""
+    nvcc = find_nvcc(nvcc)
     # Taking each kernel's address in host code makes nvcc instantiate it.
     refs = ", ".join(f"(const void*)&{k}" for k in spec.kernels)
     wrapper = f'#include "{spec.source}"\nstatic const void* cupyep_instantiate[] = {{{refs}}};\n'
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / f"{spec.name}.cu"
         src.write_text(wrapper)
-        cmd = [nvcc, f"-arch={arch}", "-cubin", "-Xptxas", "-v", *spec.options(), "-o", str(Path(tmp) / "k.cubin"), str(src)]
+        rdc = ("-rdc=true",) if spec.nvshmem else ()
+        cmd = [nvcc, f"-arch={arch}", "-cubin", *rdc, "-Xptxas", "-v", *spec.options(), "-o", str(out), str(src)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{spec.name}: nvcc failed ({' '.join(cmd)}):\n{proc.stdout}{proc.stderr}")
+    return proc.stderr
+
+
+def mangled_prefix(expr: str) -> str:
+    """The Itanium-ABI mangled name of a kernel name expression up to its
+    parameter list: namespaces and a function name, with integer or bool
+    template arguments (all the kernels here use), e.g.
+    ``cupyep::internode::put_signal<256>`` -> ``_ZN6cupyep9internode10put_signalILi256EE``."""
+    m = re.fullmatch(r"\s*([\w:]+?)\s*(?:<(.*)>)?\s*", expr)
+    if not m:
+        raise ValueError(f"cannot mangle the kernel name expression {expr!r}")
+    parts = [p for p in m.group(1).split("::") if p]
+    name = "".join(f"{len(p)}{p}" for p in parts)
+    targs = ""
+    if m.group(2) is not None:
+        for arg in (a.strip() for a in m.group(2).split(",")):
+            if arg in ("true", "false"):
+                targs += f"Lb{int(arg == 'true')}E"
+            elif re.fullmatch(r"-?\d+", arg):
+                targs += f"Li{arg.replace('-', 'n')}E"
+            else:
+                raise ValueError(f"cannot mangle the template argument {arg!r} of {expr!r}")
+        targs = f"I{targs}E"
+    return f"_ZN{name}{targs}E" if len(parts) > 1 else f"_Z{name}{targs}"
+
+
+def kernel_symbols(spec: KernelSpec, ptxas_report: str) -> dict[str, str]:
+    """{name expression: mangled symbol} of ``spec``'s kernels, from ptxas'
+    report of their compilation (a path-loaded module is looked up by symbol)."""
+    mangled = [m.group(1) for line in ptxas_report.splitlines() if (m := _PTXAS_ENTRY.search(line))]
+    out = {}
+    for k in spec.kernels:
+        prefix = mangled_prefix(k)
+        hits = [m for m in mangled if m.startswith(prefix)]
+        if len(hits) != 1:
+            raise RuntimeError(f"{spec.name}: no single symbol of {k} ({prefix}...) among {mangled}")
+        out[k] = hits[0]
+    return out
+
+
+def compile_offline(spec: KernelSpec, arch: str = "sm_90", nvcc: str | None = None) -> list[CompileReport]:
+    """Compile ``spec`` to a cubin with nvcc and parse ptxas' resource usage
+    (NVSHMEM specs are also linked against NVSHMEM's device library, so a
+    missing device function shows here).
+
+    Raises RuntimeError with the compiler output when compilation fails.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        report = nvcc_cubin(spec, Path(tmp) / "k.cubin", arch, nvcc)
+        kernel_symbols(spec, report)  # every name expression has its symbol (what a path-loaded module needs)
+        if spec.nvshmem:
+            from .nvshmem import link_cubin
+            link_cubin(Path(tmp) / "k.cubin", Path(tmp) / "linked.cubin", arch)
     reports: list[CompileReport] = []
     cur: CompileReport | None = None
-    for line in proc.stderr.splitlines():
+    for line in report.splitlines():
         if m := _PTXAS_ENTRY.search(line):
             cur = CompileReport(spec.name, m.group(1))
             reports.append(cur)

@@ -19,6 +19,7 @@ from cupyep.bench.timing import Timing
 from cupyep.errors import (ERROR_SLOT_DTYPE, KERNEL_NAMES, KERNELS, CommTimeoutError, CupyepError,
                            error_from_slot, kernel_id)
 from cupyep.intranode import config as cfgmod
+from cupyep import nvshmem as NV
 from cupyep.intranode import direct as D
 from cupyep.intranode import kernels as K
 from cupyep.intranode import layout as L
@@ -473,6 +474,7 @@ MIRRORS = [
     (LLK.CALL_DTYPE, "low_latency::CallArgs"),
     (LLK.DISPATCH_ARGS_DTYPE, "low_latency::DispatchArgs"),
     (LLK.COMBINE_ARGS_DTYPE, "low_latency::CombineArgs"),
+    (NV.put_signal_args_dtype(), "PutSignalArgs"),
 ]
 
 

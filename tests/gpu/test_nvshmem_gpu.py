@@ -1,0 +1,80 @@
+"""Device-side NVSHMEM from a runtime-built kernel (cupyep.nvshmem): the
+put-with-signal primitive of the cross-node hops, every PE to every PE on
+the symmetric heap, with rows tagged by (source PE, slot) so a misrouted
+row shows; and a PE that never sends is a CommTimeoutError naming it.
+Needs nvshmem4py (the "nvshmem" extra); skipped without it."""
+import numpy as np
+import pytest
+
+from cupyep import CommTimeoutError
+from cupyep.testing import all_ranks
+
+pytestmark = pytest.mark.gpu
+core = pytest.importorskip("nvshmem.core")
+ROW_BYTES = 1 << 16
+
+
+@pytest.fixture(scope="module")
+def pe(group):
+    from cupyep import jit
+    from cupyep import nvshmem as NV
+    NV.init(group, single_host=True)
+    fn = jit.kernel(NV.put_signal_spec())  # built, loaded and registered with NVSHMEM after init
+    R = group.local_size
+    dst = core.array((R, ROW_BYTES), dtype="uint8")
+    sig = core.array((R,), dtype="uint64")
+    sig[...] = 0
+    group.comm.Barrier()
+    yield fn, dst, sig
+    core.free_array(dst)
+    core.free_array(sig)
+    NV.finalize()
+
+
+def _tags(src_pe: int, slot: int) -> np.ndarray:
+    return ((np.arange(ROW_BYTES) * 7 + 31 * src_pe + 131 * slot) % 251).astype(np.uint8)
+
+
+def _launch(group, fn, dst, sig, expected: int, timeout_s: float | None = None):
+    import cupy
+    from cupyep import jit
+    from cupyep import nvshmem as NV
+    from cupyep.barrier import GUARD_DTYPE
+    R, me = group.local_size, group.local_rank
+    src = cupy.asarray(np.stack([_tags(me, b) for b in range(R)]))
+    peers = cupy.arange(R, dtype=np.int32)
+    args = jit.pack(NV.put_signal_args_dtype(), dst=dst.data.ptr, src=src.data.ptr, sig=sig.data.ptr,
+                    peers=peers.data.ptr, bytes=ROW_BYTES, expected=expected, num_peers=R, my_slot=me,
+                    guard=jit.pack(GUARD_DTYPE, **group.guard("internode_put_signal", timeout_s)))
+    fn((R,), (256,), (args,))
+    cupy.cuda.runtime.deviceSynchronize()
+    return src
+
+
+def test_put_signal_every_pe_to_every_pe(group, pe):
+    fn, dst, sig = pe
+    R = group.local_size
+    for call in (1, 2):  # signals are cumulative: the second call waits for 2
+        dst[...] = 0
+        group.comm.Barrier()
+        _launch(group, fn, dst, sig, expected=call)
+        group.check_errors()
+        got = dst.get()
+        ok = all(np.array_equal(got[s], _tags(s, group.local_rank)) for s in range(R))
+        assert all_ranks(group.comm, ok), call
+        group.comm.Barrier()
+
+
+def test_a_pe_that_never_sends_times_out_naming_it(group, pe):
+    fn, dst, sig = pe
+    if group.local_size < 2:
+        pytest.skip("needs two PEs")
+    group.comm.Barrier()
+    expected = int(sig.get().max()) + 1
+    if group.local_rank != 0:  # PE 0 stays silent this call
+        _launch(group, fn, dst, sig, expected=expected, timeout_s=2.0)
+        with pytest.raises(CommTimeoutError) as info:
+            group.check_errors()
+        assert "put with signal" in str(info.value) and info.value.peer == 0
+        group.error_slot.reset()
+    group.comm.Barrier()
