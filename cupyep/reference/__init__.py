@@ -9,6 +9,8 @@ compares entry ``r`` with what its GPU produced.
 Modules:
 - ``layout``: per-rank / per-expert / per-node counts (``get_dispatch_layout``).
 - ``intranode``: normal-mode dispatch (deduplicated per rank) and combine.
+- ``internode``: the two-hop route across nodes (rail peers, per-node
+  deduplication) and its RDMA / NVLink bytes.
 - ``low_latency``: low-latency dispatch (one message per selection) and combine.
 - ``fp8``: per-token, per-128-channel e4m3 quantisation, UE8M0 scales.
 - ``metrics``: DeepEP's ``calc_diff`` similarity and BF16 rounding.
