@@ -64,3 +64,26 @@ def test_bad_shapes_are_refused():
         I.two_hop_routes(idx[:3], 32, 4, 2)
     with pytest.raises(ValueError, match="divisor"):
         I.two_hop_routes(idx, 32, 4, 3)
+
+
+@pytest.mark.parametrize("R,K", [(4, 2), (8, 4), (8, 2), (6, 3)])
+def test_the_two_hop_offsets_deliver_exactly_the_intranode_rows(R, K):
+    """Network puts into rail peers at the plan's slots, forwarding to the
+    plan's final rows, and the direct rows: every rank ends up with what the
+    one-node dispatch gives it, row for row (a collision or a hole asserts)."""
+    E, T, H = 48, 40, 256
+    tokens = [T if r != 1 else 0 for r in range(R)]  # a rank with no tokens
+    idx, w = global_routing(11, tokens, E, 4)
+    x = [ref.make_tagged_x(r, t, H) for r, t in enumerate(tokens)]
+    want = ref.intranode_dispatch(x, idx, E, topk_weights=w)
+    got = I.emulate_two_hop_dispatch(x, idx, E, K, topk_weights=w)
+    for d in range(R):
+        rx, rs, ri, rid, rw = got[d]
+        e = want[d]
+        assert np.array_equal(rx, e.recv_x) and np.array_equal(rs, e.recv_src_rank)
+        assert np.array_equal(ri, e.recv_src_idx) and np.array_equal(rid, e.recv_topk_idx)
+        assert np.array_equal(rw, e.recv_topk_weights)
+    plan = I.two_hop_plan(idx, E, R, K)
+    routes = I.two_hop_routes(idx, E, R, K)
+    rail_in = I.two_hop_traffic(routes, K, 1).rail_in_bytes
+    assert np.array_equal(plan.rdma_rows, rail_in)  # the buffer each rank needs holds what its rails send it

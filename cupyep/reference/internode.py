@@ -18,13 +18,14 @@ the rows every rank receives (each arrives over NVLink on its last hop).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 
 from .layout import get_dispatch_layout
 
-__all__ = ["TwoHopRoute", "TwoHopTraffic", "two_hop_routes", "two_hop_traffic", "rail_peer"]
+__all__ = ["TwoHopRoute", "TwoHopTraffic", "two_hop_routes", "two_hop_traffic", "rail_peer", "TwoHopPlan",
+           "two_hop_plan", "emulate_two_hop_dispatch"]
 
 
 def rail_peer(src_rank: int, dst_node: int, ranks_per_node: int) -> int:
@@ -120,3 +121,130 @@ def two_hop_traffic(routes: Sequence[TwoHopRoute], ranks_per_node: int, row_byte
     total = int(sent.sum())
     return TwoHopTraffic(rdma_bytes=total, rdma_bytes_without_dedup=without, saved_bytes=without - total,
                          nvlink_bytes=received * row_bytes, rdma_bytes_per_rank=sent, rail_in_bytes=rail_in)
+
+
+@dataclass(frozen=True)
+class TwoHopPlan:
+    """Where every row of a two-hop dispatch goes: what the kernels compute
+    from the counts every rank has after the count exchange.
+
+    Attributes:
+        ranks_per_node: K.
+        send_head: list over sources s of [T_s, R] int64: token t's position
+            among s's tokens for rank d (in token order), -1 where t does not
+            go to d. Its final row at d is rank_prefix_matrix[s - 1, d] + this.
+        rank_prefix_matrix: [R, R] int64, as in intranode_dispatch.
+        rdma_slot: list over s of [T_s, N] int64: the row of token t in the
+            network receive buffer of its rail peer in node n, -1 for s's own
+            node and for nodes t does not go to.
+        rdma_rows: [R] int64, rows each rank's network receive buffer holds
+            (from every source with its local index in other nodes).
+        rdma_block: [R, R] int64, [p, s]: first row of source s's block in
+            rank p's network receive buffer, -1 unless p is s's rail peer in
+            another node. Blocks are in source-node order.
+    """
+    ranks_per_node: int
+    send_head: List[np.ndarray]
+    rank_prefix_matrix: np.ndarray
+    rdma_slot: List[np.ndarray]
+    rdma_rows: np.ndarray
+    rdma_block: np.ndarray
+
+
+def two_hop_plan(topk_idx: Sequence[np.ndarray], num_experts: int, num_ranks: int, ranks_per_node: int) -> TwoHopPlan:
+    """The offsets of a two-hop dispatch of ``topk_idx`` (list over ranks of [T_s, k])."""
+    R, K = num_ranks, int(ranks_per_node)
+    if len(topk_idx) != R:
+        raise ValueError(f"topk_idx has {len(topk_idx)} ranks' routings, num_ranks is {R}")
+    layouts = [get_dispatch_layout(i, num_experts, R, K) for i in topk_idx]
+    N = R // K
+    counts = np.stack([lay.num_tokens_per_rank for lay in layouts]).astype(np.int64)  # [s, d]
+    node_counts = np.stack([lay.num_tokens_per_node for lay in layouts]).astype(np.int64)  # [s, n]
+    rpm = np.cumsum(counts, axis=0)
+    send_head = []
+    for lay in layouts:
+        inr = lay.is_token_in_rank
+        send_head.append(np.where(inr, np.cumsum(inr, axis=0) - 1, -1).astype(np.int64))
+    rdma_block = np.full((R, R), -1, dtype=np.int64)
+    rdma_rows = np.zeros(R, dtype=np.int64)
+    for p in range(R):
+        acc = 0
+        for m in range(N):  # source nodes in order
+            s = m * K + p % K
+            if m == p // K:
+                continue
+            rdma_block[p, s] = acc
+            acc += node_counts[s, p // K]
+        rdma_rows[p] = acc
+    rdma_slot = []
+    for s, lay in enumerate(layouts):
+        inn = lay.is_token_in_node
+        slot = np.where(inn, np.cumsum(inn, axis=0) - 1, -1).astype(np.int64)
+        for n in range(N):
+            if n == s // K:
+                slot[:, n] = -1
+            else:
+                p = rail_peer(s, n, K)
+                slot[:, n] = np.where(slot[:, n] >= 0, slot[:, n] + rdma_block[p, s], -1)
+        rdma_slot.append(slot)
+    return TwoHopPlan(K, send_head, rpm, rdma_slot, rdma_rows, rdma_block)
+
+
+def emulate_two_hop_dispatch(x: Sequence[np.ndarray], topk_idx: Sequence[np.ndarray], num_experts: int,
+                             ranks_per_node: int, topk_weights: Optional[Sequence[np.ndarray]] = None):
+    """Run the two-hop dispatch's data movement as the kernels do, hop by hop
+    (network puts into rail peers' receive buffers with each row's metadata,
+    then the rail peers' forwarding, and the direct rows within each node),
+    and return what every rank receives: list over d of (recv_x, recv_src_rank,
+    recv_src_idx, recv_topk_idx (global ids), recv_topk_weights or None).
+    Equal to intranode_dispatch's rows by construction of the offsets, which
+    is what the tests check."""
+    R, K = len(x), int(ranks_per_node)
+    plan = two_hop_plan(topk_idx, num_experts, R, K)
+    N, H, k = R // K, x[0].shape[1], topk_idx[0].shape[1]
+    E_local = num_experts // R
+    n_recv = plan.rank_prefix_matrix[-1]
+    recv = [np.zeros((int(n_recv[d]), H), dtype=x[0].dtype) for d in range(R)]
+    src_rank = [np.full(int(n_recv[d]), -1, dtype=np.int32) for d in range(R)]
+    src_idx = [np.full(int(n_recv[d]), -1, dtype=np.int32) for d in range(R)]
+    ids = [np.full((int(n_recv[d]), k), -2, dtype=np.int64) for d in range(R)]
+    ws = [np.zeros((int(n_recv[d]), k), dtype=np.float32) for d in range(R)] if topk_weights is not None else None
+
+    def deliver(d, s, t, row, tidx, tw):
+        at = (plan.rank_prefix_matrix[s - 1, d] if s > 0 else 0) + plan.send_head[s][t, d]
+        assert src_rank[d][at] == -1, "two rows land on one slot"
+        recv[d][at], src_rank[d][at], src_idx[d][at], ids[d][at] = row, s, t, tidx
+        if ws is not None:
+            ws[d][at] = tw
+
+    # Hop 1 (network): one put per (token, remote node) into the rail peer's buffer, with its metadata.
+    net = [dict() for _ in range(R)]  # p -> {slot: (s, t, row, topk ids, weights, positions at p's node)}
+    for s in range(R):
+        for t in range(x[s].shape[0]):
+            for n in range(N):
+                slot = plan.rdma_slot[s][t, n]
+                if slot < 0:
+                    continue
+                p = rail_peer(s, n, K)
+                assert slot not in net[p] and slot < plan.rdma_rows[p], "network rows collide"
+                pos = plan.send_head[s][t, n * K:(n + 1) * K]
+                net[p][int(slot)] = (s, t, x[s][t], topk_idx[s][t], None if ws is None else topk_weights[s][t], pos)
+            own = s // K
+            for j in range(K):  # within the node: straight to the destination
+                d = own * K + j
+                if plan.send_head[s][t, d] >= 0:
+                    deliver(d, s, t, x[s][t], topk_idx[s][t], None if ws is None else topk_weights[s][t])
+    # Hop 2 (NVLink): each rail peer forwards every received row to its node's destination ranks.
+    for p in range(R):
+        for slot, (s, t, row, tidx, tw, pos) in sorted(net[p].items()):
+            for j in range(K):
+                if pos[j] >= 0:
+                    deliver((p // K) * K + j, s, t, row, tidx, tw)
+    out = []
+    for d in range(R):
+        assert (src_rank[d] >= 0).all(), "a row never arrived"
+        local = ids[d] - d * E_local
+        is_local = (local >= 0) & (local < E_local)
+        out.append((recv[d], src_rank[d], src_idx[d], np.where(is_local, local, -1),
+                    None if ws is None else np.where(is_local, ws[d], np.float32(0)).astype(np.float32)))
+    return out
