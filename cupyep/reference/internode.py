@@ -25,7 +25,7 @@ import numpy as np
 from .layout import get_dispatch_layout
 
 __all__ = ["TwoHopRoute", "TwoHopTraffic", "two_hop_routes", "two_hop_traffic", "rail_peer", "TwoHopPlan",
-           "two_hop_plan", "emulate_two_hop_dispatch"]
+           "two_hop_plan", "emulate_two_hop_dispatch", "emulate_two_hop_combine"]
 
 
 def rail_peer(src_rank: int, dst_node: int, ranks_per_node: int) -> int:
@@ -247,4 +247,56 @@ def emulate_two_hop_dispatch(x: Sequence[np.ndarray], topk_idx: Sequence[np.ndar
         is_local = (local >= 0) & (local < E_local)
         out.append((recv[d], src_rank[d], src_idx[d], np.where(is_local, local, -1),
                     None if ws is None else np.where(is_local, ws[d], np.float32(0)).astype(np.float32)))
+    return out
+
+
+def emulate_two_hop_combine(recv_x: Sequence[np.ndarray], results, num_tokens: Sequence[int], ranks_per_node: int,
+                            weights: Optional[Sequence[np.ndarray]] = None, partial_dtype=np.float32) -> List[np.ndarray]:
+    """The two-hop combine's reduction, in the order the kernels use: each
+    rank's rows for a token of another node go to its node's rail peer for
+    that token's source, which sums its node's rows (float32, in local rank
+    order) into one partial, rounded to ``partial_dtype`` (float32 or
+    ml_dtypes.bfloat16) for the network hop; the source sums its own node's
+    rows (rank order) and the other nodes' partials (node order) in float32.
+
+    Arguments:
+        recv_x: list over d of [N_d, H] expert outputs in received-row order.
+        results: list over d of intranode_dispatch results (which source row
+            each received row is).
+        num_tokens: list over s of T_s.
+        weights: None or list over d of [N_d] float32 (one weight per row).
+
+    Returns:
+        list over s of [T_s, H] float32 (deterministic: fixed orders).
+    """
+    R, K = len(results), int(ranks_per_node)
+    N, H = R // K, np.shape(recv_x[0])[-1]
+    f32 = np.float32
+    node_partial = [np.zeros((N, int(t), H), dtype=f32) for t in num_tokens]  # [s][n, t] (the rail's sum)
+    direct = [np.zeros((int(t), H), dtype=f32) for t in num_tokens]
+    hit = [np.zeros((N, int(t)), dtype=bool) for t in num_tokens]
+    for n in range(N):
+        for j in range(K):  # local rank order inside each node
+            d = n * K + j
+            res = results[d]
+            vals = np.asarray(recv_x[d], dtype=f32)
+            if weights is not None:
+                vals = vals * np.asarray(weights[d], dtype=f32)[:, None]
+            for r in range(res.num_recv_tokens):
+                s, t = int(res.recv_src_rank[r]), int(res.recv_src_idx[r])
+                if s // K == n:
+                    direct[s][t] += vals[r]
+                else:
+                    node_partial[s][n, t] += vals[r]
+                    hit[s][n, t] = True
+    out = []
+    for s in range(R):
+        acc = np.zeros((int(num_tokens[s]), H), dtype=f32)
+        for n in range(N):  # node order; the source's own node is its direct rows
+            if n == s // K:
+                acc += direct[s]
+            else:
+                part = node_partial[s][n].astype(partial_dtype).astype(f32)  # the network hop's rounding
+                acc += np.where(hit[s][n][:, None], part, f32(0))
+        out.append(acc)
     return out
