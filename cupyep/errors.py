@@ -41,6 +41,9 @@ KERNELS: dict[str, tuple[str, ...]] = {
                                  "direct combine: partial pool capacity"),
     "intranode_layout": ("routing check (expert id outside [-1, E))",),
     "internode_put_signal": ("put with signal: a peer's rows arrived (this PE waits for the peer's signal)",),
+    "internode_two_hop_dispatch": ("two-hop dispatch: a source node's rows over the network (the rail waits for "
+                                   "its signal)",
+                                   "two-hop dispatch: rows arrived (receiver waits for a source's rows)"),
 }
 KERNEL_NAMES: tuple[str, ...] = tuple(KERNELS)
 

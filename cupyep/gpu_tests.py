@@ -1,6 +1,6 @@
 """Run the GPU test suite under the launcher at several rank counts.
 
-    python -m cupyep.gpu_tests [--ranks 2 4 8] [-k EXPR] [--timeout 900]
+    python -m cupyep.gpu_tests [--ranks 2 4 8] [-k EXPR] [--timeout 900] [--ranks-per-node K]
 
 For each rank count it runs ``python -m cupyep.launch -n N -- -m pytest -m gpu
 tests/gpu``; the launcher starts CUDA MPS when ranks share a GPU. Each rank
@@ -54,6 +54,8 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("-k", default=None, help="pytest -k expression")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per rank count")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="emulate nodes of K ranks (the launcher's option; the tests across nodes need it)")
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = p.parse_args(argv)
     from .runtime import gpu_count
@@ -62,7 +64,8 @@ def main(argv=None) -> int:
         return 0
     failed = []
     for n in args.ranks:
-        cmd = [sys.executable, "-m", "cupyep.launch", "-n", str(n), "--timeout", str(int(args.timeout)), "--",
+        nodes = ["--ranks-per-node", str(args.ranks_per_node)] if args.ranks_per_node else []
+        cmd = [sys.executable, "-m", "cupyep.launch", "-n", str(n), *nodes, "--timeout", str(int(args.timeout)), "--",
                "-m", "pytest", "-m", "gpu", "-x", "-q", "--color=no", "-p", "no:cacheprovider", str(ROOT / "tests" / "gpu")]
         if args.k:
             cmd += ["-k", args.k]

@@ -46,6 +46,7 @@ SPEC_MODULES = (
     "cupyep.low_latency.kernels",
     "cupyep.intranode.expert_major",
     "cupyep.nvshmem",
+    "cupyep.internode",
 )
 
 BASE_OPTIONS = ("-std=c++17",)

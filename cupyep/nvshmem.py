@@ -171,18 +171,27 @@ def _host_version() -> tuple[int, int, int]:
     return version()  # no binding to ask: the wheel's headers name the library it ships
 
 
+_users = 0  # init() calls not yet matched by finalize()
+
+
 def init(group, single_host: bool | None = None) -> None:
     """Start NVSHMEM on every rank of ``group`` (collective), one PE per rank,
     over the group's mpi4py communicator. ``single_host``: every PE on this
-    host (nodes emulated), which sets SINGLE_HOST_ENV where unset (default:
-    when the launcher emulates nodes, CUPYEP_RANKS_PER_NODE)."""
+    host, which sets SINGLE_HOST_ENV where unset (default: when every rank's
+    host name is the same). Counted: a
+    second init is a no-op and NVSHMEM ends at the matching last finalize."""
+    global _users
+    if _users:
+        _users += 1
+        return
     try:
         import nvshmem.core as core
         from cuda.core import Device
     except ImportError:
         raise NvshmemUnavailable(INSTALL_HINT) from None
-    if single_host is None:
-        single_host = bool(os.environ.get("CUPYEP_RANKS_PER_NODE"))
+    if single_host is None:  # every rank on this host: nodes emulated, or one real node
+        import platform
+        single_host = len(set(group.comm.allgather(platform.node()))) == 1
     if single_host:
         for k, v in SINGLE_HOST_ENV.items():
             os.environ.setdefault(k, v)
@@ -191,6 +200,7 @@ def init(group, single_host: bool | None = None) -> None:
     dev = Device(cupy.cuda.Device().id)
     dev.set_current()
     core.init(device=dev, mpi_comm=group.comm, initializer_method="mpi")
+    _users = 1
 
 
 def put_signal_args_dtype():
@@ -218,6 +228,11 @@ def kernel_specs() -> list:
 
 
 def finalize() -> None:
-    """End NVSHMEM on this rank (collective with the others)."""
-    import nvshmem.core as core
-    core.finalize()
+    """Release one init(); the last one ends NVSHMEM (collective with the others)."""
+    global _users
+    if _users <= 0:
+        return
+    _users -= 1
+    if _users == 0:
+        import nvshmem.core as core
+        core.finalize()

@@ -19,6 +19,7 @@ from cupyep.bench.timing import Timing
 from cupyep.errors import (ERROR_SLOT_DTYPE, KERNEL_NAMES, KERNELS, CommTimeoutError, CupyepError,
                            error_from_slot, kernel_id)
 from cupyep.intranode import config as cfgmod
+from cupyep import internode as INTER
 from cupyep import nvshmem as NV
 from cupyep.intranode import direct as D
 from cupyep.intranode import kernels as K
@@ -475,6 +476,7 @@ MIRRORS = [
     (LLK.DISPATCH_ARGS_DTYPE, "low_latency::DispatchArgs"),
     (LLK.COMBINE_ARGS_DTYPE, "low_latency::CombineArgs"),
     (NV.put_signal_args_dtype(), "PutSignalArgs"),
+    (INTER.ARGS_DTYPE, "TwoHopDispatchArgs"),
 ]
 
 

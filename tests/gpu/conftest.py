@@ -31,6 +31,19 @@ def group():
     g.destroy()
 
 
+@pytest.fixture(scope="session")
+def nvshmem_session(group):
+    """NVSHMEM for the whole session (it starts once per process): tests that
+    need it take this fixture; cupyep.nvshmem.init/finalize inside them only
+    count references. Skips without nvshmem4py."""
+    pytest.importorskip("nvshmem.core")
+    from cupyep import nvshmem as NV
+    NV.init(group)
+    yield
+    group.comm.Barrier()
+    NV.finalize()
+
+
 @pytest.fixture(autouse=True)
 def _clean_error_slot(request):
     """Tests that provoke timeouts reset the slot; make sure none leaks."""

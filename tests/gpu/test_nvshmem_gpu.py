@@ -15,10 +15,9 @@ ROW_BYTES = 1 << 16
 
 
 @pytest.fixture(scope="module")
-def pe(group):
+def pe(group, nvshmem_session):
     from cupyep import jit
     from cupyep import nvshmem as NV
-    NV.init(group, single_host=True)
     fn = jit.kernel(NV.put_signal_spec())  # built, loaded and registered with NVSHMEM after init
     R = group.local_size
     dst = core.array((R, ROW_BYTES), dtype="uint8")
@@ -28,7 +27,6 @@ def pe(group):
     yield fn, dst, sig
     core.free_array(dst)
     core.free_array(sig)
-    NV.finalize()
 
 
 def _tags(src_pe: int, slot: int) -> np.ndarray:

@@ -1,0 +1,189 @@
+// Two-hop (hierarchical) dispatch of normal mode across nodes: the data
+// path, given the plan every rank has after the count exchange
+// (cupyep.reference.internode.two_hop_plan computes the same offsets).
+//
+// R ranks in nodes of K; rank me = node * K + local. One launch, every block
+// resident (the blocks of the forwarding phase wait on other ranks' puts):
+//   1. Network hop. For each (token t, remote node n) of the plan, a warp
+//      writes a staging row (the payload, then t, the k top-k ids, the k
+//      weights and t's position among my tokens for each of node n's K
+//      ranks, -1 where it does not go) and puts it with a signal into its
+//      slot of the rail peer n * K + local's network buffer
+//      (nvshmemx_putmem_signal_nbi_warp: the signal, an add of 1 to
+//      net_signal[my node] there, lands after the row).
+//   2. Direct rows. Tokens for my own node's ranks go straight into their
+//      receive pools (IPC peer pointers) at rank_prefix_matrix[me - 1, d] +
+//      position, as the direct transport writes them.
+//   3. Forwarding. Once every source node's signal reaches this call's
+//      cumulative count, the grid's warps take the rows of my network buffer
+//      and write each to every destination rank of my node it names, at
+//      rank_prefix_matrix[s - 1, d] + position (s = source node * K + local).
+//   4. Every writer adds the rows it delivered to d from s to d's
+//      arrived[s] (release, in d's sync memory); block 0 waits until every
+//      source's rows have arrived, so the kernel's end means this rank's
+//      output is complete. Counters only grow; the host passes this call's
+//      cumulative targets.
+// Outputs: recv_x [N, H] BF16 bits, recv_topk_idx [N, k] (local ids, -1 for
+// other ranks' experts), recv_topk_weights [N, k] (0 there), recv_src_idx [N].
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include "common/copy.cuh"
+#include "common/ptx.cuh"
+#include "common/timeout.cuh"
+
+namespace cupyep {
+namespace internode {
+
+struct TwoHopDispatchArgs {
+    const int4* x;                // [T, x_int4] BF16 rows
+    const int64_t* topk_idx;      // [T, k]
+    const float* topk_weights;    // [T, k]
+    const int64_t* rdma_slot;     // [T, N] row of (t, n) in the rail peer's network buffer, -1: none
+    const int64_t* send_head;     // [T, R] t's position among my tokens for each rank, -1: not sent
+    const int64_t* rank_prefix;   // [R, R] rank_prefix_matrix (cumulative over sources)
+    char* staging;                // [T * N, row_stride] private staging rows of the network hop
+    char* net_rows;               // symmetric: [net_rows_cap, row_stride] this rank's network buffer
+    uint64_t* net_signal;         // symmetric: [N] rows arrived from each source node, all calls
+    const int64_t* net_target;    // [N] this call's cumulative target of net_signal (own node: unused)
+    const int64_t* net_count;     // [N] rows from each source node in my network buffer this call, in
+                                  // block order (source-node order; 0 for my own node)
+    void* const* pools;           // [K] receive pools of my node's ranks (IPC)
+    int64_t out_x, out_idx, out_w, out_src;  // byte offsets of the receive arrays in every pool
+    int64_t* const* arrived;      // [K] each local rank's arrived[R] counters (IPC), all calls
+    const int64_t* arrived_target;// [R] this call's cumulative target of my arrived[s]
+    int64_t row_stride;           // bytes of a network row: payload, then 1 + 2k + K int64-sized words
+    int num_tokens;
+    int num_topk;
+    int x_int4;
+    int num_ranks;
+    int ranks_per_node;
+    int num_local_experts;
+    int rank;
+    Guard guard;
+};
+
+template <int kNumThreads>
+__global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatchArgs a) {
+    constexpr int kWarps = kNumThreads / 32;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int K = a.ranks_per_node, R = a.num_ranks, N = R / K, k = a.num_topk, T = a.num_tokens;
+    const int me = a.rank, my_node = me / K, local = me % K, El = a.num_local_experts;
+    const int64_t gw = (int64_t)blockIdx.x * kWarps + warp, num_gw = (int64_t)gridDim.x * kWarps;
+    const int64_t payload = (int64_t)a.x_int4 * 16;
+    auto ld = [](const int4* p) { return ld_nc_na_v4(p); };  // inputs: read-only for the whole kernel
+    auto ld_cv = [](const int4* p) { return __ldcv(p); };     // network rows: written by peers during it
+    auto st = [](int4* p, const int4& v) { st_na_v4(p, v); };
+
+    // Writes row `src_row` (payload and its metadata) for destination d at rank-major row `row`;
+    // `landed`: the row came over the network during this kernel (coherent loads).
+    auto deliver = [&](int d_local, int64_t row, const int4* src_row, int64_t t, const int64_t* ids, const float* ws,
+                       bool landed) {
+        char* pool = static_cast<char*>(a.pools[d_local]);
+        int4* dst = reinterpret_cast<int4*>(pool + a.out_x + row * payload);
+        if (landed) warp_copy<4, true>(dst, src_row, a.x_int4, lane, ld_cv, st);
+        else warp_copy<4, true>(dst, src_row, a.x_int4, lane, ld, st);
+        const int d = my_node * K + d_local;
+        for (int q = lane; q < k; q += 32) {
+            const int64_t e = __ldcv(ids + q);
+            const bool mine = e >= (int64_t)d * El && e < (int64_t)(d + 1) * El;
+            reinterpret_cast<int64_t*>(pool + a.out_idx)[row * k + q] = mine ? e - (int64_t)d * El : -1;
+            reinterpret_cast<float*>(pool + a.out_w)[row * k + q] = mine ? __ldcv(ws + q) : 0.f;
+        }
+        if (lane == 0) reinterpret_cast<int*>(pool + a.out_src)[row] = (int)t;
+    };
+    auto count_arrival = [&](int d_local, int s) {  // after the warp's writes: release add of one row
+        __syncwarp();
+        if (lane == 0) {
+            fence_acq_rel_sys();
+            atomicAdd(reinterpret_cast<unsigned long long*>(a.arrived[d_local] + s), 1ull);
+        }
+    };
+
+    // 1. Network hop and 2. direct rows: a warp per (token, node) pair.
+    for (int64_t pair = gw; pair < (int64_t)T * N; pair += num_gw) {
+        const int64_t t = pair / N;
+        const int n = (int)(pair % N);
+        const int4* row = a.x + t * a.x_int4;
+        const int64_t* ids = a.topk_idx + t * k;
+        const float* ws = a.topk_weights + t * k;
+        const int64_t* head = a.send_head + t * R;
+        if (n == my_node) {
+            for (int j = 0; j < K; ++j) {
+                const int d = n * K + j;
+                if (head[d] < 0) continue;
+                deliver(j, (me > 0 ? a.rank_prefix[(me - 1) * R + d] : 0) + head[d], row, t, ids, ws, false);
+                count_arrival(j, me);
+            }
+            continue;
+        }
+        const int64_t slot = a.rdma_slot[t * N + n];
+        if (slot < 0) continue;
+        char* stage = a.staging + pair * a.row_stride;
+        warp_copy<4, true>(reinterpret_cast<int4*>(stage), row, a.x_int4, lane, ld, st);
+        int64_t* meta = reinterpret_cast<int64_t*>(stage + payload);
+        if (lane == 0) meta[0] = t;
+        for (int q = lane; q < k; q += 32) {
+            meta[1 + q] = ids[q];
+            reinterpret_cast<float*>(meta + 1 + k)[q] = ws[q];  // k floats in k int64-sized words
+        }
+        for (int j = lane; j < K; j += 32) meta[1 + 2 * k + j] = head[n * K + j];
+        __syncwarp();
+        __threadfence();  // the staging row is written before the put reads it
+        nvshmemx_putmem_signal_nbi_warp(a.net_rows + slot * a.row_stride, stage, a.row_stride,
+                                        a.net_signal + my_node, 1, NVSHMEM_SIGNAL_ADD, n * K + local);
+    }
+
+    // 3. Forwarding, once every source node's rows are here.
+    __shared__ int s_fail;
+    if (threadIdx.x == 0) s_fail = 0;
+    __syncthreads();
+    if (threadIdx.x < N && threadIdx.x != my_node) {
+        const int m = threadIdx.x;
+        const uint64_t want = (uint64_t)a.net_target[m];
+        volatile uint64_t* sig = a.net_signal + m;
+        const uint64_t start = global_timer_ns();
+        while (*sig < want) {
+            if (global_timer_ns() - start > a.guard.timeout_ns) {
+                report_timeout(a.guard, /*phase=*/0, m * K + local, (int64_t)*sig, (int64_t)want);
+                s_fail = 1;
+                break;
+            }
+        }
+    }
+    __syncthreads();
+    if (s_fail) return;
+    __threadfence_system();
+    int64_t rows_now = 0;
+    for (int m = 0; m < N; ++m) rows_now += a.net_count[m];
+    for (int64_t q = gw; q < rows_now; q += num_gw) {
+        const char* nrow = a.net_rows + q * a.row_stride;
+        const int64_t* meta = reinterpret_cast<const int64_t*>(nrow + payload);
+        int s = -1;  // the source of slot q: blocks are in source-node order (two_hop_plan)
+        for (int64_t m = 0, acc = 0; m < N && s < 0; acc += a.net_count[m], ++m)
+            if (q < acc + a.net_count[m]) s = (int)m * K + local;
+        if (s < 0) continue;
+        const int64_t t = __ldcv(meta);
+        const int64_t* ids = meta + 1;
+        const float* ws = reinterpret_cast<const float*>(meta + 1 + k);
+        const int64_t* pos = meta + 1 + 2 * k;
+        for (int j = 0; j < K; ++j) {
+            const int64_t p = __ldcv(pos + j);
+            if (p < 0) continue;
+            const int d = my_node * K + j;
+            deliver(j, (s > 0 ? a.rank_prefix[(s - 1) * R + d] : 0) + p, reinterpret_cast<const int4*>(nrow), t,
+                    ids, ws, true);
+            count_arrival(j, s);
+        }
+    }
+
+    // 4. Block 0 waits until every source's rows have arrived here.
+    if (blockIdx.x == 0) {
+        for (int s = threadIdx.x; s < R; s += blockDim.x) {
+            if (!wait_geq(a.arrived[local] + s, a.arrived_target[s], a.guard, 1, s)) break;
+        }
+    }
+}
+
+}  // namespace internode
+}  // namespace cupyep

@@ -1,0 +1,200 @@
+"""Normal-mode dispatch across nodes, two hops (first version: the data
+path on the device, the plan on the host).
+
+``TwoHopDispatch(group, max_tokens, hidden, num_topk)`` moves one call's
+rows as the hierarchical mode does (cuda_src/internode/two_hop.cu): a token
+crosses to another node once, over NVSHMEM put-with-signal, to its rail
+peer, which forwards it over the node's IPC peer pointers to every
+destination rank there; tokens for the own node go straight over IPC. Every
+rank receives exactly what the dispatch within a node gives (one row per
+(token, rank), by source rank then source token), so the oracle is
+``cupyep.reference.intranode_dispatch``.
+
+In this version the count exchange and the plan are computed on the host
+(an MPI allgather of each rank's per-rank counts, then the offsets of
+``cupyep.reference.internode.two_hop_plan``), and calls are separated by a
+host barrier (a call may reuse the receive pools once every rank has
+finished the previous one). The notify pass across nodes on the device
+replaces both; the kernel's data path stays.
+
+Shapes: x [T, H] uint16 (BF16 bits), topk_idx [T, k] int64, topk_weights
+[T, k] float32; T <= max_tokens, the same k on every rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import jit
+from .barrier import GUARD_DTYPE
+
+THREADS = 512
+u64, i64, i32 = np.uint64, np.int64, np.int32
+ARGS_DTYPE = jit.struct_dtype([
+    ("x", u64), ("topk_idx", u64), ("topk_weights", u64), ("rdma_slot", u64), ("send_head", u64),
+    ("rank_prefix", u64), ("staging", u64), ("net_rows", u64), ("net_signal", u64), ("net_target", u64),
+    ("net_count", u64), ("pools", u64), ("out_x", i64), ("out_idx", i64), ("out_w", i64), ("out_src", i64),
+    ("arrived", u64), ("arrived_target", u64), ("row_stride", i64), ("num_tokens", i32), ("num_topk", i32),
+    ("x_int4", i32), ("num_ranks", i32), ("ranks_per_node", i32), ("num_local_experts", i32), ("rank", i32),
+    ("guard", GUARD_DTYPE)])
+
+
+def spec(num_threads: int = THREADS) -> jit.KernelSpec:
+    return jit.KernelSpec(name=f"internode_two_hop_dispatch_threads_{num_threads}", source="internode/two_hop.cu",
+                          kernels=(f"cupyep::internode::two_hop_dispatch<{num_threads}>",), nvshmem=True)
+
+
+def kernel_specs() -> list[jit.KernelSpec]:
+    return [spec()]
+
+
+def row_stride(hidden: int, num_topk: int, ranks_per_node: int) -> int:
+    """Bytes of a network row: the BF16 payload, then the source token, the
+    k top-k ids, the k weights (each in an int64-sized word) and the
+    positions for the node's K ranks, rounded up to 16 bytes."""
+    n = hidden * 2 + 8 * (1 + 2 * num_topk + ranks_per_node)
+    return -(-n // 16) * 16
+
+
+@dataclass
+class TwoHopResult:
+    """What this rank received: recv_x [N, H] uint16, recv_topk_idx [N, k]
+    int64 (local ids, -1 elsewhere), recv_topk_weights [N, k] float32 (0
+    there), recv_src_idx [N] int32, recv_src_rank [N] int32 (host-known
+    blocks), rank_prefix_matrix [R, R] int64 (host). Views of the receive
+    pool, valid until the next call."""
+    recv_x: object
+    recv_topk_idx: object
+    recv_topk_weights: object
+    recv_src_idx: object
+    recv_src_rank: np.ndarray
+    rank_prefix_matrix: np.ndarray
+
+
+class TwoHopDispatch:
+    """Collective over every rank (nodes from the group: real or emulated
+    with ``--ranks-per-node``). Needs NVSHMEM (cupyep.nvshmem), which it
+    initialises."""
+
+    def __init__(self, group, max_tokens: int, hidden: int, num_topk: int, num_experts: int):
+        import cupy
+
+        from . import nvshmem as NV
+        from .ipc import SymmetricBuffer
+        if group.num_nodes < 2:
+            raise ValueError("the two-hop dispatch needs ranks on at least two nodes (or --ranks-per-node)")
+        if hidden % 128 or hidden <= 0:
+            raise ValueError(f"hidden must be a positive multiple of 128, got {hidden}")
+        self.group, self.R, self.K = group, group.world_size, group.local_size
+        self.N, self.me = self.R // self.K, group.rank
+        if num_experts % self.R:
+            raise ValueError(f"num_experts ({num_experts}) must be divisible by the {self.R} ranks")
+        self.max_tokens, self.hidden, self.k, self.E = int(max_tokens), int(hidden), int(num_topk), int(num_experts)
+        NV.init(group)
+        import nvshmem.core as core
+        self._core = core
+        self.stride = row_stride(hidden, num_topk, self.K)
+        cap_net = max(1, (self.N - 1) * self.max_tokens)
+        self.net_rows = core.array((cap_net * self.stride,), dtype="uint8")
+        self.net_signal = core.array((self.N,), dtype="uint64")
+        self.net_signal[...] = 0
+        cap = self.R * self.max_tokens  # the most rows a rank can receive
+        self._lay = {}
+        off = 0
+        for name, nbytes in (("x", cap * hidden * 2), ("idx", cap * num_topk * 8), ("w", cap * num_topk * 4),
+                             ("src", cap * 4)):
+            self._lay[name] = off
+            off += -(-nbytes // 256) * 256
+        self.pool = SymmetricBuffer(group, off)
+        self.sync = SymmetricBuffer(group, -(-self.R * 8 // 256) * 256)
+        self.arrived_ptrs = cupy.asarray(np.asarray([self.sync.peer_ptr_list[j] for j in range(self.K)], dtype=u64))
+        self.net_total = np.zeros(self.N, dtype=np.int64)   # cumulative rows from each source node
+        self.arrived_total = np.zeros(self.R, dtype=np.int64)  # cumulative rows from each source rank
+        self.fn = jit.kernel(spec())
+        cupy.cuda.runtime.deviceSynchronize()
+        group.comm.Barrier()
+
+    def _plan(self, topk_idx_host):
+        """(rank_prefix [R, R], send_head [T, R], rdma_slot [T, N], net_count [N]) of this call, from an
+        MPI allgather of every rank's counts per rank."""
+        from .reference.layout import get_dispatch_layout
+        R, K, N, me = self.R, self.K, self.N, self.me
+        lay = get_dispatch_layout(topk_idx_host, self.E, R, K)
+        counts = np.stack(self.group.comm.allgather(lay.num_tokens_per_rank.astype(np.int64)))  # [s, d]
+        node_counts = np.stack(self.group.comm.allgather(lay.num_tokens_per_node.astype(np.int64)))  # [s, n]
+        rpm = np.cumsum(counts, axis=0)
+        inr = lay.is_token_in_rank
+        send_head = np.where(inr, np.cumsum(inr, axis=0) - 1, -1).astype(np.int64)
+        # My rows at each rail peer p = n * K + local: after the blocks of earlier source nodes.
+        slot = np.where(lay.is_token_in_node, np.cumsum(lay.is_token_in_node, axis=0) - 1, -1).astype(np.int64)
+        for n in range(N):
+            if n == me // K:
+                slot[:, n] = -1
+                continue
+            p = n * K + me % K
+            base = sum(node_counts[m * K + p % K, n] for m in range(N) if m != n and m < me // K)
+            slot[:, n] = np.where(slot[:, n] >= 0, slot[:, n] + base, -1)
+        net_count = np.array([0 if m == me // K else node_counts[m * K + me % K, me // K] for m in range(N)],
+                             dtype=np.int64)
+        return counts, rpm, send_head, slot, net_count
+
+    def dispatch(self, x, topk_idx, topk_weights) -> TwoHopResult:
+        import cupy
+
+        from .arrays import BF16, as_cupy, check
+        x = check(as_cupy(x, "x"), "x", BF16, ndim=2)
+        T, H = x.shape
+        if H != self.hidden or T > self.max_tokens:
+            raise ValueError(f"x is [{T}, {H}]; this dispatch takes at most {self.max_tokens} tokens of {self.hidden}")
+        topk_idx = check(as_cupy(topk_idx, "topk_idx"), "topk_idx", np.int64, shape=(T, self.k))
+        topk_weights = check(as_cupy(topk_weights, "topk_weights"), "topk_weights", np.float32, shape=(T, self.k))
+        host_idx = topk_idx.get()
+        from .reference.layout import validate_topk_idx
+        try:
+            validate_topk_idx(host_idx, self.E)
+        except ValueError as exc:
+            raise ValueError(f"topk_idx: {exc}") from None
+        counts, rpm, send_head, slot, net_count = self._plan(host_idx)
+        self.net_total += net_count
+        self.arrived_total += counts[:, self.me]
+        dev = {name: cupy.asarray(a) for name, a in (("rpm", rpm), ("head", send_head), ("slot", slot),
+                                                       ("net_target", self.net_total), ("net_count", net_count),
+                                                       ("arrived_target", self.arrived_total))}
+        staging = cupy.empty((max(1, T * self.N), self.stride), dtype=np.uint8)
+        cupy.cuda.runtime.deviceSynchronize()
+        self.group.comm.Barrier()  # the previous call's outputs are no longer read (first version)
+        args = jit.pack(
+            ARGS_DTYPE, x=x.data.ptr, topk_idx=topk_idx.data.ptr, topk_weights=topk_weights.data.ptr,
+            rdma_slot=dev["slot"].data.ptr, send_head=dev["head"].data.ptr, rank_prefix=dev["rpm"].data.ptr,
+            staging=staging.data.ptr, net_rows=self.net_rows.data.ptr, net_signal=self.net_signal.data.ptr,
+            net_target=dev["net_target"].data.ptr, net_count=dev["net_count"].data.ptr,
+            pools=self.pool.peer_ptrs.data.ptr, out_x=self._lay["x"], out_idx=self._lay["idx"],
+            out_w=self._lay["w"], out_src=self._lay["src"], arrived=self.arrived_ptrs.data.ptr,
+            arrived_target=dev["arrived_target"].data.ptr, row_stride=self.stride, num_tokens=T, num_topk=self.k,
+            x_int4=H * 2 // 16, num_ranks=self.R, ranks_per_node=self.K, num_local_experts=self.E // self.R,
+            rank=self.me, guard=jit.pack(GUARD_DTYPE, **self.group.guard("internode_two_hop_dispatch")))
+        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        blocks = max(1, sms // max(1, self.group.ranks_per_gpu))
+        self.fn((blocks,), (THREADS,), (args,))
+        cupy.cuda.runtime.deviceSynchronize()
+        self.group.check_errors()
+        n = int(rpm[-1, self.me])
+        src_rank = np.repeat(np.arange(self.R, dtype=np.int32), counts[:, self.me])
+        return TwoHopResult(recv_x=self.pool.view(self._lay["x"], (n, H), np.uint16),
+                            recv_topk_idx=self.pool.view(self._lay["idx"], (n, self.k), np.int64),
+                            recv_topk_weights=self.pool.view(self._lay["w"], (n, self.k), np.float32),
+                            recv_src_idx=self.pool.view(self._lay["src"], (n,), np.int32),
+                            recv_src_rank=src_rank, rank_prefix_matrix=rpm)
+
+    def destroy(self) -> None:
+        """Collective: free the buffers and end NVSHMEM."""
+        from . import nvshmem as NV
+        import cupy
+        cupy.cuda.runtime.deviceSynchronize()
+        self.group.comm.Barrier()
+        self.pool.destroy()
+        self.sync.destroy()
+        self._core.free_array(self.net_rows)
+        self._core.free_array(self.net_signal)
+        NV.finalize()

@@ -1,0 +1,60 @@
+"""The two-hop dispatch across (emulated) nodes against the one-node oracle:
+every rank receives, row for row, what cupyep.reference.intranode_dispatch
+gives it over all ranks: payload bytes tagged by (source rank, token), the
+source index and rank of every row, local top-k ids and weights. Runs when
+the ranks form at least two nodes (python3 -m cupyep.gpu_tests --ranks 4 8
+--ranks-per-node 2 -k two_hop) and nvshmem4py is installed."""
+import numpy as np
+import pytest
+
+from cupyep import reference as ref
+from cupyep.testing import all_ranks, global_routing, payload_bf16
+
+pytestmark = pytest.mark.gpu
+E, K_TOPK, H, T_MAX = 64, 8, 2048, 256
+
+
+@pytest.fixture(scope="module")
+def two_hop(group, nvshmem_session):
+    if group.num_nodes < 2:
+        pytest.skip("needs ranks on two or more nodes (--ranks-per-node)")
+    from cupyep.internode import TwoHopDispatch
+    d = TwoHopDispatch(group, T_MAX, H, K_TOPK, E)
+    yield d
+    d.destroy()
+
+
+@pytest.mark.parametrize("seed,num_tokens,zero_rank", [(1, 256, None), (2, 100, 1), (3, 1, None), (4, 256, 0)])
+def test_two_hop_dispatch_matches_the_one_node_dispatch(group, two_hop, seed, num_tokens, zero_rank):
+    import cupy
+    R, me = group.world_size, group.rank
+    tokens = [0 if r == zero_rank else num_tokens for r in range(R)]
+    idx, w = global_routing(seed, tokens, E, K_TOPK)
+    exp = ref.intranode_dispatch([np.arange(t, dtype=np.int32)[:, None] for t in tokens], idx, E, topk_weights=w)[me]
+    x = payload_bf16(me, np.arange(tokens[me]), H)
+    for call in range(2):  # the counters are cumulative: a second call must land the same
+        out = two_hop.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), cupy.asarray(w[me]))
+        rows = np.empty((exp.num_recv_tokens, H), dtype=np.uint16)
+        for s in range(R):
+            sel = exp.recv_src_rank == s
+            rows[sel] = payload_bf16(s, exp.recv_src_idx[sel], H)
+        checks = {
+            "recv_x": np.array_equal(out.recv_x.get(), rows),
+            "recv_src_idx": np.array_equal(out.recv_src_idx.get(), exp.recv_src_idx),
+            "recv_src_rank": np.array_equal(out.recv_src_rank, exp.recv_src_rank),
+            "recv_topk_idx": np.array_equal(out.recv_topk_idx.get(), exp.recv_topk_idx),
+            "recv_topk_weights": np.array_equal(out.recv_topk_weights.get(), exp.recv_topk_weights),
+            "rank_prefix_matrix": np.array_equal(out.rank_prefix_matrix, exp.rank_prefix_matrix),
+        }
+        assert all_ranks(group.comm, all(checks.values())), (call, {k: v for k, v in checks.items() if not v})
+
+
+def test_two_hop_bad_input_raises_before_launch(group, two_hop):
+    import cupy
+    x = cupy.zeros((T_MAX + 1, H), dtype=np.uint16)
+    with pytest.raises(ValueError, match="at most"):
+        two_hop.dispatch(x, cupy.zeros((T_MAX + 1, K_TOPK), np.int64), cupy.zeros((T_MAX + 1, K_TOPK), np.float32))
+    bad = cupy.full((4, K_TOPK), E, dtype=np.int64)
+    with pytest.raises(ValueError, match="topk_idx"):
+        two_hop.dispatch(cupy.zeros((4, H), np.uint16), bad, cupy.zeros((4, K_TOPK), np.float32))
+    group.comm.Barrier()
