@@ -35,14 +35,25 @@ ARGS_DTYPE = jit.struct_dtype([
     ("x", u64), ("topk_idx", u64), ("topk_weights", u64), ("rdma_slot", u64), ("send_head", u64),
     ("rank_prefix", u64), ("staging", u64), ("net_rows", u64), ("net_signal", u64), ("net_target", u64),
     ("net_count", u64), ("pools", u64), ("out_x", i64), ("out_idx", i64), ("out_w", i64), ("out_src", i64),
-    ("arrived", u64), ("arrived_target", u64), ("row_stride", i64), ("num_tokens", i32), ("num_topk", i32),
+    ("out_slot", i64), ("arrived", u64), ("arrived_target", u64), ("row_stride", i64), ("num_tokens", i32), ("num_topk", i32),
     ("x_int4", i32), ("num_ranks", i32), ("ranks_per_node", i32), ("num_local_experts", i32), ("rank", i32),
     ("guard", GUARD_DTYPE)])
 
 
+COMBINE_ARGS_DTYPE = jit.struct_dtype([
+    ("y", u64), ("recv_src_rank", u64), ("recv_src_idx", u64), ("recv_slot", u64), ("pools", u64),
+    ("direct_in", i64), ("gather", i64), ("counters", u64), ("targets", u64), ("net_rows", u64),
+    ("row_stride", i64), ("net_count", u64), ("staging", u64), ("net_in", u64), ("net_signal", u64),
+    ("net_target", u64), ("send_head", u64), ("out", u64), ("num_recv", i32), ("num_tokens", i32),
+    ("max_tokens", i32), ("x_int4", i32), ("num_topk", i32), ("num_ranks", i32), ("ranks_per_node", i32),
+    ("rank", i32), ("guard", GUARD_DTYPE)])
+
+
 def spec(num_threads: int = THREADS) -> jit.KernelSpec:
-    return jit.KernelSpec(name=f"internode_two_hop_dispatch_threads_{num_threads}", source="internode/two_hop.cu",
-                          kernels=(f"cupyep::internode::two_hop_dispatch<{num_threads}>",), nvshmem=True)
+    """The two-hop dispatch and combine (one module: they share the NVSHMEM registration)."""
+    return jit.KernelSpec(name=f"internode_two_hop_threads_{num_threads}", source="internode/two_hop.cu",
+                          kernels=(f"cupyep::internode::two_hop_dispatch<{num_threads}>",
+                                   f"cupyep::internode::two_hop_combine<{num_threads}>"), nvshmem=True)
 
 
 def kernel_specs() -> list[jit.KernelSpec]:
@@ -73,7 +84,8 @@ class TwoHopResult:
 
 
 class TwoHopDispatch:
-    """Collective over every rank (nodes from the group: real or emulated
+    """The two-hop dispatch and its combine (``combine(y)`` reduces the last
+    dispatch's rows; call it before the next dispatch). Collective over every rank (nodes from the group: real or emulated
     with ``--ranks-per-node``). Needs NVSHMEM (cupyep.nvshmem), which it
     initialises."""
 
@@ -103,7 +115,7 @@ class TwoHopDispatch:
         self._lay = {}
         off = 0
         for name, nbytes in (("x", cap * hidden * 2), ("idx", cap * num_topk * 8), ("w", cap * num_topk * 4),
-                             ("src", cap * 4)):
+                             ("src", cap * 4), ("slot", cap * 8)):
             self._lay[name] = off
             off += -(-nbytes // 256) * 256
         self.pool = SymmetricBuffer(group, off)
@@ -111,7 +123,22 @@ class TwoHopDispatch:
         self.arrived_ptrs = cupy.asarray(np.asarray([self.sync.peer_ptr_list[j] for j in range(self.K)], dtype=u64))
         self.net_total = np.zeros(self.N, dtype=np.int64)   # cumulative rows from each source node
         self.arrived_total = np.zeros(self.R, dtype=np.int64)  # cumulative rows from each source rank
-        self.fn = jit.kernel(spec())
+        # Combine: direct rows from my node's ranks and the node's rows I reduce as a rail peer (IPC), the
+        # partials from other nodes (NVSHMEM), and the counters of both.
+        row = hidden * 2
+        self._clay = {"direct": 0, "gather": -(-self.max_tokens * self.K * row // 256) * 256}
+        self.cpool = SymmetricBuffer(group, self._clay["gather"] + -(-cap_net * self.K * row // 256) * 256)
+        self.csync = SymmetricBuffer(group, 256)
+        self.counter_ptrs = cupy.asarray(np.asarray(self.csync.peer_ptr_list, dtype=u64))
+        self.cnet_in = core.array((self.N * self.max_tokens * row,), dtype="uint8")
+        self.cnet_signal = core.array((self.N,), dtype="uint64")
+        self.cnet_signal[...] = 0
+        self.c_totals = np.zeros(2, dtype=np.int64)        # cumulative direct rows in, gather rows in
+        self.c_net_total = np.zeros(self.N, dtype=np.int64)  # cumulative partials from each node
+        fns = jit.load(spec())
+        self.fn = fns[spec().kernels[0]]
+        self.combine_fn = fns[spec().kernels[1]]
+        self._last = None
         cupy.cuda.runtime.deviceSynchronize()
         group.comm.Barrier()
 
@@ -170,7 +197,8 @@ class TwoHopDispatch:
             staging=staging.data.ptr, net_rows=self.net_rows.data.ptr, net_signal=self.net_signal.data.ptr,
             net_target=dev["net_target"].data.ptr, net_count=dev["net_count"].data.ptr,
             pools=self.pool.peer_ptrs.data.ptr, out_x=self._lay["x"], out_idx=self._lay["idx"],
-            out_w=self._lay["w"], out_src=self._lay["src"], arrived=self.arrived_ptrs.data.ptr,
+            out_w=self._lay["w"], out_src=self._lay["src"], out_slot=self._lay["slot"],
+            arrived=self.arrived_ptrs.data.ptr,
             arrived_target=dev["arrived_target"].data.ptr, row_stride=self.stride, num_tokens=T, num_topk=self.k,
             x_int4=H * 2 // 16, num_ranks=self.R, ranks_per_node=self.K, num_local_experts=self.E // self.R,
             rank=self.me, guard=jit.pack(GUARD_DTYPE, **self.group.guard("internode_two_hop_dispatch")))
@@ -181,11 +209,73 @@ class TwoHopDispatch:
         self.group.check_errors()
         n = int(rpm[-1, self.me])
         src_rank = np.repeat(np.arange(self.R, dtype=np.int32), counts[:, self.me])
+        lay = self._layout_of(host_idx)
+        self._last = {"T": T, "counts": counts, "net_count": net_count, "dev": dev, "n": n,
+                      "src_rank": cupy.asarray(src_rank), "node_tokens": lay.num_tokens_per_node.astype(np.int64)}
         return TwoHopResult(recv_x=self.pool.view(self._lay["x"], (n, H), np.uint16),
                             recv_topk_idx=self.pool.view(self._lay["idx"], (n, self.k), np.int64),
                             recv_topk_weights=self.pool.view(self._lay["w"], (n, self.k), np.float32),
                             recv_src_idx=self.pool.view(self._lay["src"], (n,), np.int32),
                             recv_src_rank=src_rank, rank_prefix_matrix=rpm)
+
+    def _layout_of(self, host_idx):
+        from .reference.layout import get_dispatch_layout
+        return get_dispatch_layout(host_idx, self.E, self.R, self.K)
+
+    def combine(self, y):
+        """Reduce the expert outputs of the last dispatch back to its tokens.
+
+        Arguments:
+            y: cupy [N, H] uint16 BF16 bits, one row per row the last dispatch
+               received (its order), unweighted.
+
+        Returns:
+            cupy [T, H] uint16: per token, the FP32 sum over nodes in node order
+            of the node's rows (own node: each rank's row in local rank order;
+            other nodes: the rail peer's BF16 partial of its node's rows in
+            local rank order), rounded to BF16.
+        """
+        import cupy
+
+        from .arrays import BF16, as_cupy, check
+        if self._last is None:
+            raise ValueError("combine needs a dispatch first (it reduces the last dispatch's rows)")
+        L = self._last
+        y = check(as_cupy(y, "y"), "y", BF16, shape=(L["n"], self.hidden))
+        R, K, N, me = self.R, self.K, self.N, self.me
+        own, local = me // K, me % K
+        counts = L["counts"]
+        # Direct rows back from my node's ranks; rows my node's ranks give me as the rail peer of the sources
+        # with my local index in other nodes (what I forwarded to them in the dispatch).
+        self.c_totals[0] += int(counts[me, own * K:(own + 1) * K].sum())
+        self.c_totals[1] += int(sum(counts[m * K + local, own * K:(own + 1) * K].sum() for m in range(N) if m != own))
+        for m in range(N):
+            if m != own:
+                self.c_net_total[m] += int(L["node_tokens"][m])
+        targets = cupy.asarray(self.c_totals)
+        net_target = cupy.asarray(self.c_net_total)
+        rows_now = int(L["net_count"].sum())
+        staging = cupy.empty((max(1, rows_now), self.hidden * 2), dtype=np.uint8)
+        out = cupy.zeros((L["T"], self.hidden), dtype=np.uint16)
+        cupy.cuda.runtime.deviceSynchronize()
+        self.group.comm.Barrier()  # first version: calls are separated on the host
+        args = jit.pack(
+            COMBINE_ARGS_DTYPE, y=y.data.ptr, recv_src_rank=L["src_rank"].data.ptr,
+            recv_src_idx=self.pool.view(self._lay["src"], (L["n"],), np.int32).data.ptr,
+            recv_slot=self.pool.view(self._lay["slot"], (L["n"],), np.int64).data.ptr,
+            pools=self.cpool.peer_ptrs.data.ptr, direct_in=self._clay["direct"], gather=self._clay["gather"],
+            counters=self.counter_ptrs.data.ptr, targets=targets.data.ptr, net_rows=self.net_rows.data.ptr,
+            row_stride=self.stride, net_count=L["dev"]["net_count"].data.ptr, staging=staging.data.ptr,
+            net_in=self.cnet_in.data.ptr, net_signal=self.cnet_signal.data.ptr, net_target=net_target.data.ptr,
+            send_head=L["dev"]["head"].data.ptr, out=out.data.ptr, num_recv=L["n"], num_tokens=L["T"],
+            max_tokens=self.max_tokens, x_int4=self.hidden * 2 // 16, num_topk=self.k, num_ranks=R,
+            ranks_per_node=K, rank=me, guard=jit.pack(GUARD_DTYPE, **self.group.guard("internode_two_hop_combine")))
+        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        blocks = max(1, sms // max(1, self.group.ranks_per_gpu))
+        self.combine_fn((blocks,), (THREADS,), (args,))
+        cupy.cuda.runtime.deviceSynchronize()
+        self.group.check_errors()
+        return out
 
     def destroy(self) -> None:
         """Collective: free the buffers and end NVSHMEM."""
@@ -193,8 +283,8 @@ class TwoHopDispatch:
         import cupy
         cupy.cuda.runtime.deviceSynchronize()
         self.group.comm.Barrier()
-        self.pool.destroy()
-        self.sync.destroy()
-        self._core.free_array(self.net_rows)
-        self._core.free_array(self.net_signal)
+        for buf in (self.pool, self.sync, self.cpool, self.csync):
+            buf.destroy()
+        for arr in (self.net_rows, self.net_signal, self.cnet_in, self.cnet_signal):
+            self._core.free_array(arr)
         NV.finalize()

@@ -477,6 +477,7 @@ MIRRORS = [
     (LLK.COMBINE_ARGS_DTYPE, "low_latency::CombineArgs"),
     (NV.put_signal_args_dtype(), "PutSignalArgs"),
     (INTER.ARGS_DTYPE, "TwoHopDispatchArgs"),
+    (INTER.COMBINE_ARGS_DTYPE, "TwoHopCombineArgs"),
 ]
 
 

@@ -50,6 +50,8 @@ struct TwoHopDispatchArgs {
                                   // block order (source-node order; 0 for my own node)
     void* const* pools;           // [K] receive pools of my node's ranks (IPC)
     int64_t out_x, out_idx, out_w, out_src;  // byte offsets of the receive arrays in every pool
+    int64_t out_slot;             // byte offset of recv_rail_slot [N] int64: the network slot a forwarded
+                                  // row came through at its rail peer (-1: sent directly), for combine
     int64_t* const* arrived;      // [K] each local rank's arrived[R] counters (IPC), all calls
     const int64_t* arrived_target;// [R] this call's cumulative target of my arrived[s]
     int64_t row_stride;           // bytes of a network row: payload, then 1 + 2k + K int64-sized words
@@ -78,7 +80,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
     // Writes row `src_row` (payload and its metadata) for destination d at rank-major row `row`;
     // `landed`: the row came over the network during this kernel (coherent loads).
     auto deliver = [&](int d_local, int64_t row, const int4* src_row, int64_t t, const int64_t* ids, const float* ws,
-                       bool landed) {
+                       int64_t slot) {
+        const bool landed = slot >= 0;
         char* pool = static_cast<char*>(a.pools[d_local]);
         int4* dst = reinterpret_cast<int4*>(pool + a.out_x + row * payload);
         if (landed) warp_copy<4, true>(dst, src_row, a.x_int4, lane, ld_cv, st);
@@ -90,7 +93,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
             reinterpret_cast<int64_t*>(pool + a.out_idx)[row * k + q] = mine ? e - (int64_t)d * El : -1;
             reinterpret_cast<float*>(pool + a.out_w)[row * k + q] = mine ? __ldcv(ws + q) : 0.f;
         }
-        if (lane == 0) reinterpret_cast<int*>(pool + a.out_src)[row] = (int)t;
+        if (lane == 0) {
+            reinterpret_cast<int*>(pool + a.out_src)[row] = (int)t;
+            reinterpret_cast<int64_t*>(pool + a.out_slot)[row] = slot;
+        }
     };
     auto count_arrival = [&](int d_local, int s) {  // after the warp's writes: release add of one row
         __syncwarp();
@@ -112,7 +118,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
             for (int j = 0; j < K; ++j) {
                 const int d = n * K + j;
                 if (head[d] < 0) continue;
-                deliver(j, (me > 0 ? a.rank_prefix[(me - 1) * R + d] : 0) + head[d], row, t, ids, ws, false);
+                deliver(j, (me > 0 ? a.rank_prefix[(me - 1) * R + d] : 0) + head[d], row, t, ids, ws, -1);
                 count_arrival(j, me);
             }
             continue;
@@ -172,7 +178,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
             if (p < 0) continue;
             const int d = my_node * K + j;
             deliver(j, (s > 0 ? a.rank_prefix[(s - 1) * R + d] : 0) + p, reinterpret_cast<const int4*>(nrow), t,
-                    ids, ws, true);
+                    ids, ws, q);
             count_arrival(j, s);
         }
     }
@@ -181,6 +187,187 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
     if (blockIdx.x == 0) {
         for (int s = threadIdx.x; s < R; s += blockDim.x) {
             if (!wait_geq(a.arrived[local] + s, a.arrived_target[s], a.guard, 1, s)) break;
+        }
+    }
+}
+
+// Two-hop combine: the reverse route with the reduction inside each node
+// (the order of cupyep.reference.internode.emulate_two_hop_combine, so the
+// result is bitwise that emulation's in FP32 with BF16 partials):
+//   1. Every rank d takes its received rows (y [N, H] BF16): a row from a
+//      source s in d's node goes straight into s's direct_in[t, d % K]; a row
+//      of another node's source goes into gather[slot, d % K] of the rail
+//      peer in d's node for s (slot: the network slot the row came through,
+//      recv_rail_slot of the dispatch). Release counters count both.
+//   2. Each rail peer, once its K local ranks' rows for every slot are there,
+//      sums each slot's rows in FP32 in local rank order (the ranks the
+//      token went to, from the slot's metadata), rounds to BF16 and puts the
+//      partial with a signal into the source's net_in[node, t].
+//   3. Each source, once its own node's rows and every remote node's
+//      partials have arrived, sums per token: for each node in order, its
+//      own node's rows (summed in local rank order first) or the node's
+//      partial, in FP32; rounded to BF16 into out [T, H].
+struct TwoHopCombineArgs {
+    const int4* y;                // [N, x_int4] expert outputs, one per received row
+    const int* recv_src_rank;     // [N] source rank of each received row
+    const int* recv_src_idx;      // [N] source token of each received row
+    const int64_t* recv_slot;     // [N] network slot at the rail peer, -1 for a direct row
+    void* const* pools;           // [K] combine pools of my node's ranks (IPC)
+    int64_t direct_in;            // byte offset of direct_in [T_max, K, x_int4] in every pool
+    int64_t gather;               // byte offset of gather [net_cap, K, x_int4] in every pool
+    int64_t* const* counters;     // [K] each local rank's counters (IPC): [0] direct rows in, [1] gather rows in
+    const int64_t* targets;       // [2] this call's cumulative targets of my counters [0] and [1]
+    const char* net_rows;         // symmetric: my network buffer of the dispatch (the slots' metadata)
+    int64_t row_stride;           // bytes of a network row
+    const int64_t* net_count;     // [N] rows from each source node in my network buffer, in block order
+    char* staging;                // [net_rows_now, x_int4 * 16] private partial rows of step 2
+    int4* net_in;                 // symmetric: [N, T_max, x_int4] partials from each node
+    uint64_t* net_signal;         // symmetric: [N] partial rows arrived from each node, all calls
+    const int64_t* net_target;    // [N] this call's cumulative targets of net_signal (own node: unused)
+    const int64_t* send_head;     // [T, R] the dispatch's: where token t went (-1: not to that rank)
+    int4* out;                    // [T, x_int4] BF16
+    int num_recv;
+    int num_tokens;
+    int max_tokens;
+    int x_int4;
+    int num_topk;
+    int num_ranks;
+    int ranks_per_node;
+    int rank;
+    Guard guard;
+};
+
+__device__ __forceinline__ void bf16x8_add(float (&acc)[8], const int4& v) {
+    const uint32_t w[4] = {(uint32_t)v.x, (uint32_t)v.y, (uint32_t)v.z, (uint32_t)v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        acc[2 * i] += __uint_as_float(w[i] << 16);
+        acc[2 * i + 1] += __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+
+__device__ __forceinline__ uint32_t f32_to_bf16_rne(float f) {
+    const uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;  // NaN stays NaN
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+__device__ __forceinline__ int4 bf16x8_pack(const float (&acc)[8]) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = f32_to_bf16_rne(acc[2 * i]) | (f32_to_bf16_rne(acc[2 * i + 1]) << 16);
+    return make_int4((int)w[0], (int)w[1], (int)w[2], (int)w[3]);
+}
+
+template <int kNumThreads>
+__global__ void __launch_bounds__(kNumThreads, 1) two_hop_combine(TwoHopCombineArgs a) {
+    constexpr int kWarps = kNumThreads / 32;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int K = a.ranks_per_node, R = a.num_ranks, N = R / K, me = a.rank, my_node = me / K, local = me % K;
+    const int64_t w = a.x_int4;
+    const int64_t gw = (int64_t)blockIdx.x * kWarps + warp, num_gw = (int64_t)gridDim.x * kWarps;
+    auto ld = [](const int4* p) { return ld_nc_na_v4(p); };
+    auto st = [](int4* p, const int4& v) { st_na_v4(p, v); };
+    __shared__ int s_fail;
+    if (threadIdx.x == 0) s_fail = 0;
+
+    // 1. Every received row to its source (own node) or to the rail peer for its source.
+    for (int64_t r = gw; r < a.num_recv; r += num_gw) {
+        const int s = a.recv_src_rank[r];
+        const int t = a.recv_src_idx[r];
+        const int64_t slot = a.recv_slot[r];
+        int target;
+        int64_t off, which;
+        if (s / K == my_node) {
+            target = s % K;
+            off = a.direct_in + ((int64_t)t * K + local) * w * 16;
+            which = 0;
+        } else {
+            target = s % K;  // the rail peer in my node for s has s's local index
+            off = a.gather + (slot * K + local) * w * 16;
+            which = 1;
+        }
+        char* pool = static_cast<char*>(a.pools[target]);
+        warp_copy<4, true>(reinterpret_cast<int4*>(pool + off), a.y + r * w, w, lane, ld, st);
+        __syncwarp();
+        if (lane == 0) {
+            fence_acq_rel_sys();
+            atomicAdd(reinterpret_cast<unsigned long long*>(a.counters[target] + which), 1ull);
+        }
+    }
+
+    // 2. As a rail peer: once my node's rows for every slot are here, one partial per slot to its source.
+    __syncthreads();
+    if (threadIdx.x == 0 && !wait_geq(a.counters[local] + 1, a.targets[1], a.guard, 0, -1)) s_fail = 1;
+    __syncthreads();
+    if (s_fail) return;
+    __threadfence_system();
+    int64_t rows_now = 0;
+    for (int m = 0; m < N; ++m) rows_now += a.net_count[m];
+    const int64_t payload = w * 16;
+    const int4* gather = reinterpret_cast<const int4*>(static_cast<const char*>(a.pools[local]) + a.gather);
+    for (int64_t q = gw; q < rows_now; q += num_gw) {
+        int s = -1;
+        for (int64_t m = 0, acc = 0; m < N && s < 0; acc += a.net_count[m], ++m)
+            if (q < acc + a.net_count[m]) s = (int)m * K + local;
+        if (s < 0) continue;
+        const int64_t* meta = reinterpret_cast<const int64_t*>(a.net_rows + q * a.row_stride + payload);
+        const int64_t t = __ldcv(meta);
+        const int64_t* pos = meta + 1 + 2 * a.num_topk;  // the token's position for each of my node's ranks
+        unsigned went = 0;
+        for (int j = 0; j < K; ++j) went |= (__ldcv(pos + j) >= 0 ? 1u : 0u) << j;
+        int4* part = reinterpret_cast<int4*>(a.staging + q * payload);
+        for (int64_t c = lane; c < w; c += 32) {
+            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            for (int j = 0; j < K; ++j)  // local rank order
+                if (went >> j & 1u) bf16x8_add(acc, __ldcv(gather + (q * K + j) * w + c));
+            part[c] = bf16x8_pack(acc);
+        }
+        __syncwarp();
+        __threadfence();  // the staging row is written before the put reads it
+        nvshmemx_putmem_signal_nbi_warp(a.net_in + ((int64_t)my_node * a.max_tokens + t) * w, part, payload,
+                                        a.net_signal + my_node, 1, NVSHMEM_SIGNAL_ADD, s);
+    }
+
+    // 3. As a source: my own node's rows and every other node's partials, then the sums.
+    if (threadIdx.x == 0) {
+        if (!wait_geq(a.counters[local] + 0, a.targets[0], a.guard, 1, -1)) s_fail = 1;
+        for (int m = 0; m < N && !s_fail; ++m) {
+            if (m == my_node) continue;
+            volatile uint64_t* sig = a.net_signal + m;
+            const uint64_t want = (uint64_t)a.net_target[m];
+            const uint64_t start = global_timer_ns();
+            while (*sig < want) {
+                if (global_timer_ns() - start > a.guard.timeout_ns) {
+                    report_timeout(a.guard, /*phase=*/2, m * K + local, (int64_t)*sig, (int64_t)want);
+                    s_fail = 1;
+                    break;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    if (s_fail) return;
+    __threadfence_system();
+    const int4* direct = reinterpret_cast<const int4*>(static_cast<const char*>(a.pools[local]) + a.direct_in);
+    for (int64_t t = gw; t < a.num_tokens; t += num_gw) {
+        const int64_t* head = a.send_head + t * R;
+        for (int64_t c = lane; c < w; c += 32) {
+            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            for (int m = 0; m < N; ++m) {  // node order
+                if (m == my_node) {
+                    float own[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+                    for (int j = 0; j < K; ++j)  // local rank order
+                        if (head[m * K + j] >= 0) bf16x8_add(own, __ldcv(direct + (t * K + j) * w + c));
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[i] += own[i];
+                } else {
+                    bool hit = false;
+                    for (int j = 0; j < K; ++j) hit |= head[m * K + j] >= 0;
+                    if (hit) bf16x8_add(acc, __ldcv(a.net_in + ((int64_t)m * a.max_tokens + t) * w + c));
+                }
+            }
+            a.out[t * w + c] = bf16x8_pack(acc);
         }
     }
 }
