@@ -50,6 +50,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
                                   "signal)"),
 }
 KERNEL_NAMES: tuple[str, ...] = tuple(KERNELS)
+# Kernels whose reported peer is a global rank (an NVSHMEM PE), not a node-local index.
+GLOBAL_PEER_KERNELS = frozenset({"internode_put_signal", "internode_two_hop_dispatch", "internode_two_hop_combine"})
 
 
 def kernel_id(name: str) -> int:
@@ -114,10 +116,13 @@ def error_from_slot(slot: np.void, timeout_s: float, rank_of_peer=lambda p: p) -
     """Build the exception for a raised device error slot (``slot['flag'] != 0``).
 
     ``rank_of_peer`` maps the peer index a kernel reports (a node-local index)
-    to a global rank.
+    to a global rank; the kernels across nodes (GLOBAL_PEER_KERNELS) report
+    global ranks (NVSHMEM PEs) already.
     """
     k = int(slot["kernel"])
     kernel = KERNEL_NAMES[k] if 0 <= k < len(KERNEL_NAMES) else f"kernel#{k}"
+    if kernel in GLOBAL_PEER_KERNELS:
+        rank_of_peer = lambda p: p  # noqa: E731
     phases = KERNELS.get(kernel, ())
     p = int(slot["phase"])
     phase = phases[p] if 0 <= p < len(phases) else f"phase#{p}"

@@ -791,3 +791,14 @@ def test_kernel_seconds_of_stamps():
     assert np.allclose(kernel_seconds(st), [[3e-6, 2.5e-6]])
     with pytest.raises(ValueError, match="dimension of 2"):
         kernel_seconds(np.zeros((3, 3), dtype=np.int64))
+
+
+def test_kernels_across_nodes_report_global_peers():
+    """An internode kernel's peer is an NVSHMEM PE (a global rank): the
+    node-local mapping that other kernels' peers go through is not applied."""
+    from cupyep.errors import error_from_slot, kernel_id
+    base = lambda p: 4 + p  # noqa: E731  (rank 5 of nodes of 4)
+    local = error_from_slot(_slot(flag=1, kernel=kernel_id("barrier"), rank=5, peer=2, phase=0), 1.0, base)
+    glob = error_from_slot(_slot(flag=1, kernel=kernel_id("internode_two_hop_dispatch"), rank=5, peer=2, phase=0),
+                           1.0, base)
+    assert local.peer == 6 and glob.peer == 2 and "network" in glob.phase
