@@ -16,6 +16,7 @@
 
 #include "common/ptx.cuh"
 #include "common/timeout.cuh"
+#include "internode/signal.cuh"
 
 namespace cupyep {
 namespace internode {
@@ -38,16 +39,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) put_signal(PutSignalArgs a) {
     if (b >= a.num_peers) return;
     nvshmemx_putmem_signal_nbi_block(a.dst + (int64_t)a.my_slot * a.bytes, a.src + (int64_t)b * a.bytes, a.bytes,
                                      a.sig + a.my_slot, 1, NVSHMEM_SIGNAL_ADD, a.peers[b]);
-    if (threadIdx.x == 0) {
-        const uint64_t start = global_timer_ns();
-        volatile uint64_t* mine = a.sig + b;
-        while (*mine < a.expected) {
-            if (global_timer_ns() - start > a.guard.timeout_ns) {
-                report_timeout(a.guard, /*phase=*/0, a.peers[b], (int64_t)*mine, (int64_t)a.expected);
-                break;
-            }
-        }
-    }
+    if (threadIdx.x == 0) wait_signal(a.sig + b, (int64_t)a.expected, a.guard, /*phase=*/0, a.peers[b]);
     __syncthreads();
     nvshmem_quiet();
 }

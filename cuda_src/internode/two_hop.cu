@@ -31,6 +31,7 @@
 #include "common/copy.cuh"
 #include "common/ptx.cuh"
 #include "common/timeout.cuh"
+#include "internode/signal.cuh"
 
 namespace cupyep {
 namespace internode {
@@ -146,16 +147,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
     __syncthreads();
     if (threadIdx.x < N && threadIdx.x != my_node) {
         const int m = threadIdx.x;
-        const uint64_t want = (uint64_t)a.net_target[m];
-        volatile uint64_t* sig = a.net_signal + m;
-        const uint64_t start = global_timer_ns();
-        while (*sig < want) {
-            if (global_timer_ns() - start > a.guard.timeout_ns) {
-                report_timeout(a.guard, /*phase=*/0, m * K + local, (int64_t)*sig, (int64_t)want);
-                s_fail = 1;
-                break;
-            }
-        }
+        if (!wait_signal(a.net_signal + m, a.net_target[m], a.guard, /*phase=*/0, m * K + local)) s_fail = 1;
     }
     __syncthreads();
     if (s_fail) return;
@@ -332,19 +324,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_combine(TwoHopCombineA
     // 3. As a source: my own node's rows and every other node's partials, then the sums.
     if (threadIdx.x == 0) {
         if (!wait_geq(a.counters[local] + 0, a.targets[0], a.guard, 1, -1)) s_fail = 1;
-        for (int m = 0; m < N && !s_fail; ++m) {
-            if (m == my_node) continue;
-            volatile uint64_t* sig = a.net_signal + m;
-            const uint64_t want = (uint64_t)a.net_target[m];
-            const uint64_t start = global_timer_ns();
-            while (*sig < want) {
-                if (global_timer_ns() - start > a.guard.timeout_ns) {
-                    report_timeout(a.guard, /*phase=*/2, m * K + local, (int64_t)*sig, (int64_t)want);
-                    s_fail = 1;
-                    break;
-                }
-            }
-        }
+        for (int m = 0; m < N && !s_fail; ++m)
+            if (m != my_node && !wait_signal(a.net_signal + m, a.net_target[m], a.guard, /*phase=*/2, m * K + local))
+                s_fail = 1;
     }
     __syncthreads();
     if (s_fail) return;
