@@ -202,11 +202,7 @@ class TwoHopDispatch:
             arrived_target=dev["arrived_target"].data.ptr, row_stride=self.stride, num_tokens=T, num_topk=self.k,
             x_int4=H * 2 // 16, num_ranks=self.R, ranks_per_node=self.K, num_local_experts=self.E // self.R,
             rank=self.me, guard=jit.pack(GUARD_DTYPE, **self.group.guard("internode_two_hop_dispatch")))
-        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-        blocks = max(1, sms // max(1, self.group.ranks_per_gpu))
-        self.fn((blocks,), (THREADS,), (args,))
-        cupy.cuda.runtime.deviceSynchronize()
-        self.group.check_errors()
+        self._launch(self.fn, args)
         n = int(rpm[-1, self.me])
         src_rank = np.repeat(np.arange(self.R, dtype=np.int32), counts[:, self.me])
         lay = self._layout_of(host_idx)
@@ -217,6 +213,21 @@ class TwoHopDispatch:
                             recv_topk_weights=self.pool.view(self._lay["w"], (n, self.k), np.float32),
                             recv_src_idx=self.pool.view(self._lay["src"], (n,), np.int32),
                             recv_src_rank=src_rank, rank_prefix_matrix=rpm)
+
+    def _launch(self, fn, args) -> None:
+        """Launch ``fn`` with this rank's share of the SMs (every block resident:
+        the kernels wait on other ranks), wait for it, raise what it
+        reported; its device time goes to ``last_kernel_us``."""
+        import cupy
+        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        blocks = max(1, sms // max(1, self.group.ranks_per_gpu))
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn((blocks,), (THREADS,), (args,))
+        end.record()
+        end.synchronize()
+        self.group.check_errors()
+        self.last_kernel_us = cupy.cuda.get_elapsed_time(start, end) * 1e3
 
     def _layout_of(self, host_idx):
         from .reference.layout import get_dispatch_layout
@@ -270,11 +281,7 @@ class TwoHopDispatch:
             send_head=L["dev"]["head"].data.ptr, out=out.data.ptr, num_recv=L["n"], num_tokens=L["T"],
             max_tokens=self.max_tokens, x_int4=self.hidden * 2 // 16, num_topk=self.k, num_ranks=R,
             ranks_per_node=K, rank=me, guard=jit.pack(GUARD_DTYPE, **self.group.guard("internode_two_hop_combine")))
-        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-        blocks = max(1, sms // max(1, self.group.ranks_per_gpu))
-        self.combine_fn((blocks,), (THREADS,), (args,))
-        cupy.cuda.runtime.deviceSynchronize()
-        self.group.check_errors()
+        self._launch(self.combine_fn, args)
         return out
 
     def destroy(self) -> None:

@@ -1,5 +1,5 @@
 """Two-micro-batch overlap of the MoE layer's communication with its expert FFN
-(issue 16, item 6b), against the serial schedule of the same work.
+against the serial schedule of the same work.
 
     python -m cupyep.launch -n 8 experiments/bench_moe_overlap.py --mode both --out results/moe_overlap/overlap.jsonl
 

@@ -1,4 +1,4 @@
-"""Baselines for several GPUs (issue 17): the NVLink P2P copy roofline, NCCL
+"""Baselines for several GPUs: the NVLink P2P copy roofline, NCCL
 all-to-all with a dispatch's bytes, and cupyep's direct transport beside them.
 
     python -m cupyep.launch -n 8 experiments/bench_multi_gpu_baselines.py --out results/multi_gpu/baselines.jsonl

@@ -16,7 +16,8 @@ share a GPU) and runs, at each rank count, ``experiments/bench_normal.py``
 (4096 tokens per rank, hidden 7168, top-8 of 256 experts),
 ``experiments/bench_low_latency.py --zero-copy`` (128 and 1 tokens per rank)
 and ``experiments/bench_naive.py`` (the naive baseline at 4096, 128 and 1
-tokens). A benchmark that fails does not stop the others; the job's status is
+tokens); with ``--ranks-per-node K`` also ``experiments/bench_internode.py``
+(the two-hop mode across emulated nodes of K ranks) into ``internode.jsonl``. A benchmark that fails does not stop the others; the job's status is
 then the first failure's. Without a GPU it runs the normal-mode experiment at
 a small size on the NumPy reference, labelled as such in the output and the
 plot, so that the toolkit can be seen working anywhere.
@@ -124,6 +125,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cupyep.bench.main", description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=None)
     p.add_argument("--out", default="results/main", help="parent folder of the run folders")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="also time the two-hop mode across nodes of K ranks (experiments/bench_internode.py) "
+                        "at every rank count with two or more such nodes")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
     run_dir = new_run_dir(Path(args.out))
@@ -161,6 +165,19 @@ def main(argv=None) -> int:
                 _write_manifest(run_dir, manifest)
                 if rc:
                     print(f"== {script} at {n} ranks failed (status {rc}); going on with the others", flush=True)
+                    rc_first = rc_first or rc
+            K = args.ranks_per_node
+            if K and n % K == 0 and n // K >= 2:
+                cmd = [sys.executable, "-m", "cupyep.launch", "-n", str(n), "--ranks-per-node", str(K), "--timeout",
+                       "600", "--", str(ROOT / "experiments" / "bench_internode.py"), "--out",
+                       str(run_dir / "internode.jsonl")]
+                print("==", " ".join(cmd), flush=True)
+                t0 = time.monotonic()
+                rc = subprocess.call(cmd)
+                manifest["runs"].append({"command": cmd, "status": rc, "seconds": round(time.monotonic() - t0, 1)})
+                _write_manifest(run_dir, manifest)
+                if rc:
+                    print(f"== bench_internode.py at {n} ranks failed (status {rc}); going on", flush=True)
                     rc_first = rc_first or rc
     figures = plots.plot_run(run_dir)
     rows = summary.summarize([summary.load_run(run_dir)])
