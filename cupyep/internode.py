@@ -11,9 +11,10 @@ rank receives exactly what the dispatch within a node gives (one row per
 ``cupyep.reference.intranode_dispatch``.
 
 In this version the count exchange and the plan are computed on the host
-(an MPI allgather of each rank's per-rank counts, then the offsets of
+(a bounded exchange of each rank's per-rank and per-node counts,
+``Group.exchange``, then the offsets of
 ``cupyep.reference.internode.two_hop_plan``), and calls are separated by a
-host barrier (a call may reuse the receive pools once every rank has
+bounded host exchange (a call may reuse the receive pools once every rank has
 finished the previous one). The notify pass across nodes on the device
 replaces both; the kernel's data path stays.
 
@@ -143,13 +144,14 @@ class TwoHopDispatch:
         group.comm.Barrier()
 
     def _plan(self, topk_idx_host):
-        """(rank_prefix [R, R], send_head [T, R], rdma_slot [T, N], net_count [N]) of this call, from an
-        MPI allgather of every rank's counts per rank."""
+        """(counts [R, R], rank_prefix [R, R], send_head [T, R], rdma_slot [T, N], net_count [N]) of this
+        call, from a bounded exchange of every rank's counts per rank and per node."""
         from .reference.layout import get_dispatch_layout
         R, K, N, me = self.R, self.K, self.N, self.me
         lay = get_dispatch_layout(topk_idx_host, self.E, R, K)
-        counts = np.stack(self.group.comm.allgather(lay.num_tokens_per_rank.astype(np.int64)))  # [s, d]
-        node_counts = np.stack(self.group.comm.allgather(lay.num_tokens_per_node.astype(np.int64)))  # [s, n]
+        both = self.group.exchange(np.concatenate([lay.num_tokens_per_rank, lay.num_tokens_per_node]).astype(np.int64),
+                                   "two-hop dispatch: count exchange")  # bounded: names a rank that never comes
+        counts, node_counts = both[:, :R], both[:, R:]  # [s, d], [s, n]
         rpm = np.cumsum(counts, axis=0)
         inr = lay.is_token_in_rank
         send_head = np.where(inr, np.cumsum(inr, axis=0) - 1, -1).astype(np.int64)
@@ -190,7 +192,7 @@ class TwoHopDispatch:
                                                        ("arrived_target", self.arrived_total))}
         staging = cupy.empty((max(1, T * self.N), self.stride), dtype=np.uint8)
         cupy.cuda.runtime.deviceSynchronize()
-        self.group.comm.Barrier()  # the previous call's outputs are no longer read (first version)
+        self.group.exchange(np.zeros(1, np.int8), "two-hop dispatch: every rank done with the previous call")
         args = jit.pack(
             ARGS_DTYPE, x=x.data.ptr, topk_idx=topk_idx.data.ptr, topk_weights=topk_weights.data.ptr,
             rdma_slot=dev["slot"].data.ptr, send_head=dev["head"].data.ptr, rank_prefix=dev["rpm"].data.ptr,
@@ -269,7 +271,7 @@ class TwoHopDispatch:
         staging = cupy.empty((max(1, rows_now), self.hidden * 2), dtype=np.uint8)
         out = cupy.zeros((L["T"], self.hidden), dtype=np.uint16)
         cupy.cuda.runtime.deviceSynchronize()
-        self.group.comm.Barrier()  # first version: calls are separated on the host
+        self.group.exchange(np.zeros(1, np.int8), "two-hop combine: every rank done with the dispatch")
         args = jit.pack(
             COMBINE_ARGS_DTYPE, y=y.data.ptr, recv_src_rank=L["src_rank"].data.ptr,
             recv_src_idx=self.pool.view(self._lay["src"], (L["n"],), np.int32).data.ptr,

@@ -96,6 +96,8 @@ class Group:
     shares_gpu: bool
     timeout_s: float = DEFAULT_TIMEOUT_S
     _error_slot: ErrorSlotHost | None = field(default=None, repr=False)
+    _xcomm: object = field(default=None, repr=False)  # a duplicate of comm for exchange()
+    _xseq: int = field(default=0, repr=False)
 
     @property
     def has_gpu(self) -> bool:
@@ -152,7 +154,50 @@ class Group:
         event.synchronize()
         self.check_errors()
 
+    def exchange(self, array, phase: str, timeout_s: float | None = None):
+        """Every rank's ``array`` (a NumPy array of the same shape and dtype on
+        every rank), stacked in rank order, within a bounded wait: the host
+        counterpart of the kernels' bounded waits (an MPI collective would wait
+        forever for a rank that never comes). Raises CommTimeoutError naming
+        ``phase`` and the first rank whose part did not arrive.
+
+        Point to point on a duplicate of ``comm`` (this rank's part is sent to
+        every other rank); the outstanding requests of a timed-out exchange are
+        cancelled."""
+        import numpy as np
+        from mpi4py import MPI
+        if self._xcomm is None:
+            self._xcomm = self.comm.Dup()
+        self._xseq += 1
+        tag = self._xseq % 30000
+        mine = np.ascontiguousarray(array)
+        out = np.empty((self.world_size, *mine.shape), dtype=mine.dtype)
+        out[self.rank] = mine
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        recvs = {r: self._xcomm.Irecv(out[r], source=r, tag=tag) for r in peers}
+        sends = [self._xcomm.Isend(mine, dest=r, tag=tag) for r in peers]
+        t = self.timeout_s if timeout_s is None else float(timeout_s)
+        start = time.monotonic()
+        while True:
+            pending = [r for r, req in recvs.items() if not req.Test()]
+            if not pending and MPI.Request.Testall(sends):
+                return out
+            if time.monotonic() - start > t:
+                for req in [*recvs.values(), *sends]:
+                    try:
+                        req.Cancel()
+                    except MPI.Exception:
+                        pass
+                raise CommTimeoutError("host", phase, self.rank, pending[0] if pending else None, timeout_s=t,
+                                       detail=f"no part from rank(s) {pending}" if pending else
+                                       "the other ranks did not take this rank's part")
+            if time.monotonic() - start > SPIN_S:
+                time.sleep(1e-4)
+
     def destroy(self) -> None:
+        if self._xcomm is not None:
+            self._xcomm.Free()
+            self._xcomm = None
         if self._error_slot is not None:
             self._error_slot.free()
             self._error_slot = None

@@ -188,3 +188,9 @@ def test_errors_script_passes_on_every_rank():
     run = launch("runtime_errors.py")
     assert run.proc.returncode == 0, run.log
     assert "RUNTIME_ERRORS OK" in run.proc.stdout.splitlines(), run.log
+
+
+@pytest.mark.parametrize("check", ["stacked_in_rank_order", "second_exchange", "missing_rank_raises",
+                                   "missing_rank_bounded", "exchange_after_timeout"])
+def test_bounded_exchange(check):
+    launch("runtime_exchange.py").assert_checks(check)

@@ -92,3 +92,30 @@ def test_two_hop_combine_is_bitwise_the_emulation(group, two_hop, seed, num_toke
     diff = ref.calc_diff(bf16_to_f32(got), exact[me]) if got.size else 0.0
     ok = got.shape == (tokens[me], H) and np.array_equal(got, want) and diff < 5e-6
     assert all_ranks(group.comm, ok), (diff, int((got != want).sum()))
+
+
+def test_a_rank_that_never_dispatches_is_named_within_the_timeout(group, two_hop):
+    """Rank 0 stays away from one dispatch: every other rank raises
+    CommTimeoutError naming rank 0 within the (shortened) timeout. Last in
+    the module: after a timeout the buffer's state is undefined."""
+    import time
+
+    import cupy
+    from cupyep import CommTimeoutError
+    me = group.rank
+    idx, w = global_routing(9, [16] * group.world_size, E, K_TOPK)
+    if me == 0:
+        group._xseq += 1  # it skips that exchange
+        ok = True
+    else:
+        saved, group.timeout_s = group.timeout_s, 3.0
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(CommTimeoutError) as info:
+                two_hop.dispatch(cupy.asarray(payload_bf16(me, np.arange(16), H)), cupy.asarray(idx[me]),
+                                 cupy.asarray(w[me]))
+        finally:
+            group.timeout_s = saved
+        ok = info.value.peer == 0 and "count exchange" in str(info.value) and time.monotonic() - t0 < 30
+    group.comm.Barrier()
+    assert all_ranks(group.comm, ok)

@@ -1,0 +1,45 @@
+"""Group.exchange, the bounded host exchange: every rank's array stacked in
+rank order; a rank that never takes part is a CommTimeoutError naming it,
+within the timeout; the exchanges after it still match. Run with 4 ranks
+(tests/test_runtime_mpi.py)."""
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import cupyep  # noqa: E402
+from cupyep import CommTimeoutError  # noqa: E402
+from runtime_checks import Checks  # noqa: E402
+
+comm = MPI.COMM_WORLD
+rank = comm.Get_rank()
+C = Checks(comm)
+g = cupyep.init()
+
+got = g.exchange(np.arange(3, dtype=np.int64) + 10 * rank, "counts")
+C.expect("stacked_in_rank_order", np.array_equal(got, np.arange(3)[None, :] + 10 * np.arange(4)[:, None]), got)
+again = g.exchange(np.array([rank], dtype=np.int32), "again")
+C.expect("second_exchange", again.ravel().tolist() == [0, 1, 2, 3], again)
+
+# Rank 3 stays away from one exchange: the others raise within the timeout, naming it.
+if rank != 3:
+    t0 = time.monotonic()
+    try:
+        g.exchange(np.zeros(2), "missing rank", timeout_s=1.0)
+        C.expect("missing_rank_raises", False, "returned")
+    except CommTimeoutError as exc:
+        C.expect("missing_rank_raises", exc.peer == 3 and "missing rank" in str(exc), str(exc))
+    C.expect("missing_rank_bounded", time.monotonic() - t0 < 10.0, time.monotonic() - t0)
+else:
+    g._xseq += 1  # this rank skipped that exchange: keep the sequence in step, as a restart would
+    C.expect("missing_rank_raises", True)
+    C.expect("missing_rank_bounded", True)
+comm.Barrier()
+after = g.exchange(np.array([2 * rank], dtype=np.int64), "after the timeout")
+C.expect("exchange_after_timeout", after.ravel().tolist() == [0, 2, 4, 6], after)
+g.destroy()
+C.finish("RUNTIME_EXCHANGE")
