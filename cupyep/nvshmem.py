@@ -165,9 +165,14 @@ def _host_version() -> tuple[int, int, int]:
     from nvshmem import bindings
     for name in ("vendor_get_version_info", "get_version_info"):
         fn = getattr(bindings, name, None)
-        if fn is not None:
-            v = fn()
-            return tuple(int(x) for x in v)[:3]
+        if fn is None:
+            continue
+        try:
+            v = tuple(int(x) for x in fn())[:3]
+        except (TypeError, ValueError):  # a binding of another shape: ask the next, else the headers
+            continue
+        if len(v) == 3:
+            return v
     return version()  # no binding to ask: the wheel's headers name the library it ships
 
 
