@@ -161,19 +161,14 @@ def check_versions(host: tuple[int, ...], device: tuple[int, ...]) -> None:
 
 
 def _host_version() -> tuple[int, int, int]:
-    """The loaded host library's version (nvshmem4py's binding to nvshmemx_vendor_get_version_info)."""
+    """The loaded host library's version: nvshmem4py's binding of
+    nvshmemx_vendor_get_version_info, which writes three ints through pointers."""
+    import ctypes
+
     from nvshmem import bindings
-    for name in ("vendor_get_version_info", "get_version_info"):
-        fn = getattr(bindings, name, None)
-        if fn is None:
-            continue
-        try:
-            v = tuple(int(x) for x in fn())[:3]
-        except (TypeError, ValueError):  # a binding of another shape: ask the next, else the headers
-            continue
-        if len(v) == 3:
-            return v
-    return version()  # no binding to ask: the wheel's headers name the library it ships
+    out = [ctypes.c_int(-1) for _ in range(3)]
+    bindings.vendor_get_version_info(*(ctypes.addressof(v) for v in out))
+    return tuple(v.value for v in out)
 
 
 _users = 0  # init() calls not yet matched by finalize()
