@@ -154,31 +154,28 @@ def main(argv=None) -> int:
                                      "status": 0, "seconds": round(time.monotonic() - t0, 3)})
     else:
         ranks = args.ranks or ([2, 4, 8] if ngpu == 1 else [ngpu])
+
+        def bench(n: int, script: str, dest: str, extra=(), launcher=()) -> int:
+            """Launch one benchmark at ``n`` ranks, record it in the manifest; its exit status."""
+            cmd = [sys.executable, "-m", "cupyep.launch", "-n", str(n), *launcher, "--timeout", "600", "--",
+                   str(ROOT / "experiments" / script), "--out", str(run_dir / dest), *extra]
+            print("==", " ".join(cmd), flush=True)
+            t0 = time.monotonic()
+            rc = subprocess.call(cmd)
+            manifest["runs"].append({"command": cmd, "status": rc, "seconds": round(time.monotonic() - t0, 1)})
+            _write_manifest(run_dir, manifest)
+            if rc:
+                print(f"== {script} at {n} ranks failed (status {rc}); going on with the others", flush=True)
+            return rc
+
+        K = args.ranks_per_node
         for n in ranks:
-            for script, dest, extra in BENCHES:
-                cmd = [sys.executable, "-m", "cupyep.launch", "-n", str(n), "--timeout", "600", "--",
-                       str(ROOT / "experiments" / script), "--out", str(run_dir / dest), *extra]
-                print("==", " ".join(cmd), flush=True)
-                t0 = time.monotonic()
-                rc = subprocess.call(cmd)
-                manifest["runs"].append({"command": cmd, "status": rc, "seconds": round(time.monotonic() - t0, 1)})
-                _write_manifest(run_dir, manifest)
-                if rc:
-                    print(f"== {script} at {n} ranks failed (status {rc}); going on with the others", flush=True)
-                    rc_first = rc_first or rc
-            K = args.ranks_per_node
+            runs = [(script, dest, extra, ()) for script, dest, extra in BENCHES]
             if K and n % K == 0 and n // K >= 2:
-                cmd = [sys.executable, "-m", "cupyep.launch", "-n", str(n), "--ranks-per-node", str(K), "--timeout",
-                       "600", "--", str(ROOT / "experiments" / "bench_internode.py"), "--out",
-                       str(run_dir / "internode.jsonl")]
-                print("==", " ".join(cmd), flush=True)
-                t0 = time.monotonic()
-                rc = subprocess.call(cmd)
-                manifest["runs"].append({"command": cmd, "status": rc, "seconds": round(time.monotonic() - t0, 1)})
-                _write_manifest(run_dir, manifest)
-                if rc:
-                    print(f"== bench_internode.py at {n} ranks failed (status {rc}); going on", flush=True)
-                    rc_first = rc_first or rc
+                runs.append(("bench_internode.py", "internode.jsonl", (), ("--ranks-per-node", str(K))))
+            for script, dest, extra, launcher in runs:
+                rc = bench(n, script, dest, extra, launcher)  # every benchmark runs, whatever failed before
+                rc_first = rc_first or rc
     figures = plots.plot_run(run_dir)
     rows = summary.summarize([summary.load_run(run_dir)])
     manifest.update(finished_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), status=rc_first,
