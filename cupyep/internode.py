@@ -144,8 +144,8 @@ class TwoHopDispatch:
         group.comm.Barrier()
 
     def _plan(self, topk_idx_host):
-        """(counts [R, R], rank_prefix [R, R], send_head [T, R], rdma_slot [T, N], net_count [N]) of this
-        call, from a bounded exchange of every rank's counts per rank and per node."""
+        """(counts [R, R], node_counts [R, N], rank_prefix [R, R], send_head [T, R], rdma_slot [T, N],
+        net_count [N]) of this call, from a bounded exchange of every rank's counts per rank and per node."""
         from .reference.layout import get_dispatch_layout
         R, K, N, me = self.R, self.K, self.N, self.me
         lay = get_dispatch_layout(topk_idx_host, self.E, R, K)
@@ -166,7 +166,7 @@ class TwoHopDispatch:
             slot[:, n] = np.where(slot[:, n] >= 0, slot[:, n] + base, -1)
         net_count = np.array([0 if m == me // K else node_counts[m * K + me % K, me // K] for m in range(N)],
                              dtype=np.int64)
-        return counts, rpm, send_head, slot, net_count
+        return counts, node_counts, rpm, send_head, slot, net_count
 
     def dispatch(self, x, topk_idx, topk_weights) -> TwoHopResult:
         import cupy
@@ -184,7 +184,7 @@ class TwoHopDispatch:
             validate_topk_idx(host_idx, self.E)
         except ValueError as exc:
             raise ValueError(f"topk_idx: {exc}") from None
-        counts, rpm, send_head, slot, net_count = self._plan(host_idx)
+        counts, node_counts, rpm, send_head, slot, net_count = self._plan(host_idx)
         self.net_total += net_count
         self.arrived_total += counts[:, self.me]
         dev = {name: cupy.asarray(a) for name, a in (("rpm", rpm), ("head", send_head), ("slot", slot),
@@ -207,9 +207,8 @@ class TwoHopDispatch:
         self._launch(self.fn, args)
         n = int(rpm[-1, self.me])
         src_rank = np.repeat(np.arange(self.R, dtype=np.int32), counts[:, self.me])
-        lay = self._layout_of(host_idx)
         self._last = {"T": T, "counts": counts, "net_count": net_count, "dev": dev, "n": n,
-                      "src_rank": cupy.asarray(src_rank), "node_tokens": lay.num_tokens_per_node.astype(np.int64)}
+                      "src_rank": cupy.asarray(src_rank), "node_tokens": node_counts[self.me]}
         return TwoHopResult(recv_x=self.pool.view(self._lay["x"], (n, H), np.uint16),
                             recv_topk_idx=self.pool.view(self._lay["idx"], (n, self.k), np.int64),
                             recv_topk_weights=self.pool.view(self._lay["w"], (n, self.k), np.float32),
@@ -230,10 +229,6 @@ class TwoHopDispatch:
         end.synchronize()
         self.group.check_errors()
         self.last_kernel_us = cupy.cuda.get_elapsed_time(start, end) * 1e3
-
-    def _layout_of(self, host_idx):
-        from .reference.layout import get_dispatch_layout
-        return get_dispatch_layout(host_idx, self.E, self.R, self.K)
 
     def combine(self, y):
         """Reduce the expert outputs of the last dispatch back to its tokens.

@@ -64,8 +64,8 @@ def normal_metrics(group, call, calls: int = 10) -> dict:
         now = stats.get()
         deltas.append(tuple(int(v) for v in now - last))
         last = now
-    p = percentiles(notify_samples_us(deltas))
     samples = notify_samples_us(deltas)
+    p = percentiles(samples)
     local = {"notify_us_p50": p["p50"], "notify_us_p99": p["p99"], "notify_us_max": max(samples, default=None)}
     return {k: (group.comm.allreduce(v, op=MPI.MAX) if v is not None else None) for k, v in local.items()}
 

@@ -42,7 +42,7 @@ def test_each_ranks_plan_is_the_reference_plan(R, K):
         d = INTER.TwoHopDispatch.__new__(INTER.TwoHopDispatch)
         d.R, d.K, d.N, d.me, d.E = R, K, R // K, me, E
         d.group = _Group(_Comm([[np.concatenate([a, b]) for a, b in zip(per_rank, per_node)]]))
-        counts, rpm, head, slot, net_count = d._plan(idx[me])
+        counts, node_counts, rpm, head, slot, net_count = d._plan(idx[me])
         assert np.array_equal(rpm, plan.rank_prefix_matrix)
         assert np.array_equal(head, plan.send_head[me]) and np.array_equal(slot, plan.rdma_slot[me])
         # My network buffer's blocks, in source-node order, hold what the plan puts there.
