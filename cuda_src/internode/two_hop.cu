@@ -268,17 +268,12 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_combine(TwoHopCombineA
         const int s = a.recv_src_rank[r];
         const int t = a.recv_src_idx[r];
         const int64_t slot = a.recv_slot[r];
-        int target;
-        int64_t off, which;
-        if (s / K == my_node) {
-            target = s % K;
-            off = a.direct_in + ((int64_t)t * K + local) * w * 16;
-            which = 0;
-        } else {
-            target = s % K;  // the rail peer in my node for s has s's local index
-            off = a.gather + (slot * K + local) * w * 16;
-            which = 1;
-        }
+        // s itself (own node) or the rail peer in my node for s: either has s's local index.
+        const int target = s % K;
+        const bool direct = s / K == my_node;
+        const int64_t off = direct ? a.direct_in + ((int64_t)t * K + local) * w * 16
+                                   : a.gather + (slot * K + local) * w * 16;
+        const int which = direct ? 0 : 1;
         char* pool = static_cast<char*>(a.pools[target]);
         warp_copy<4, true>(reinterpret_cast<int4*>(pool + off), a.y + r * w, w, lane, ld, st);
         __syncwarp();
