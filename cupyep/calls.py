@@ -76,7 +76,9 @@ _words = None                 # memoryview 'q' of the open record, or None
 _record = None                # (mmap, socket or None, path) of the open record
 
 
-def _env_rank(env) -> int:
+def env_rank(env=None) -> int:
+    """This process's rank in COMM_WORLD as its MPI launcher set it (-1: none)."""
+    env = os.environ if env is None else env
     for var in RANK_VARS:
         with contextlib.suppress(KeyError, ValueError):
             return int(env[var])
@@ -127,7 +129,7 @@ def open_record(directory: str, rank: int | None = None) -> str:
         os.close(fd)  # mmap keeps its own descriptor
     words = memoryview(mm).cast("q")
     words[W_PID] = pid
-    words[W_RANK] = _env_rank(os.environ) if rank is None else int(rank)
+    words[W_RANK] = env_rank() if rank is None else int(rank)
     words[W_STATE] = RUNNING
     _record, _words = (mm, None, path), words
     for name, i in _names.items():

@@ -5,7 +5,10 @@ asks for none pays one untaken branch:
 
 - normal mode: ``Buffer.dispatch(..., notify_time_ns=a)`` (int64 [2]) adds
   the notify pass's device time (``%globaltimer`` in the block that runs it)
-  to ``a[0]`` and 1 to ``a[1]``;
+  to ``a[0]`` and 1 to ``a[1]``; on the queue transport,
+  ``queue_occupancy=q`` (uint64 [3]) adds the rows each receiver poll finds
+  waiting in its ring to ``q[0]``, the polls to ``q[1]`` and keeps their
+  maximum in ``q[2]``;
 - low-latency mode: ``LowLatencyBuffer.dispatch(...,
   dispatch_wait_recv_cost_stats=w)`` (int64 [R]) adds the nanoseconds block 0
   waited for each source rank's flag (the signal-slot wait) to ``w[src]``, and
@@ -15,8 +18,9 @@ asks for none pays one untaken branch:
 The collectors below run extra, untimed calls with those arrays (after the
 timed ones, so the timing never carries them) and reduce what they read to
 the figures a sweep record holds: notify time per call, the distribution of
-signal waits (p50 / p99 over calls x source ranks), slot utilisation (slots
-used / slots allocated) and the per-expert imbalance of received tokens
+signal waits (p50 / p99 over calls x source ranks), ring-queue occupancy
+(rows waiting / queue depth, mean and max over receiver polls), slot
+utilisation (slots used / slots allocated) and the per-expert imbalance of received tokens
 (max / mean over every expert of every rank). Each is collective over the
 group.
 """
@@ -70,11 +74,36 @@ def normal_metrics(group, call, calls: int = 10) -> dict:
     return {k: (group.comm.allreduce(v, op=MPI.MAX) if v is not None else None) for k, v in local.items()}
 
 
+def occupancy(stats, queue_depth: int) -> dict:
+    """{"queue_occupancy_mean", "queue_occupancy_max"}: rows waiting per ring
+    poll over ``queue_depth``, from a queue_occupancy reading [sum, polls,
+    max] (None for each without polls)."""
+    total, polls, most = (int(v) for v in stats)
+    if polls == 0:
+        return {"queue_occupancy_mean": None, "queue_occupancy_max": None}
+    return {"queue_occupancy_mean": total / polls / queue_depth, "queue_occupancy_max": most / queue_depth}
+
+
+def queue_metrics(group, call, queue_depth: int, calls: int = 10) -> dict:
+    """Ring-queue occupancy of ``calls`` queue-transport dispatches
+    (``call(queue_occupancy=q)`` runs one), as :func:`occupancy` over every
+    rank's polls: the mean over all of them and the largest."""
+    import cupy
+    stats = cupy.zeros(3, dtype=np.uint64)
+    for _ in range(calls):
+        call(queue_occupancy=stats)
+    cupy.cuda.runtime.deviceSynchronize()
+    mine = stats.get()
+    every = np.stack(group.comm.allgather(mine))
+    return occupancy((every[:, 0].sum(), every[:, 1].sum(), every[:, 2].max()), queue_depth)
+
+
 def low_latency_metrics(group, buf, x, topk_idx, calls: int = 10, use_fp8: bool = True) -> dict:
     """Signal waits, slot utilisation and received-token imbalance of
     ``calls`` low-latency dispatches (each combined away, so the buffer's
     sets stay in step). Returns {"wait_us_p50", "wait_us_p99", "wait_us_max"}
-    over every (call, source rank) wait of every rank, "slot_utilisation"
+    over every (call, source rank) wait of every rank, those waits
+    themselves ("wait_us_samples", for a CDF), "slot_utilisation"
     (slots used / slots allocated, mean over calls and ranks) and
     "expert_recv_imbalance" (max / mean over all ranks' experts)."""
     import cupy
@@ -98,5 +127,6 @@ def low_latency_metrics(group, buf, x, topk_idx, calls: int = 10, use_fp8: bool 
     p = percentiles(all_waits)
     slots = El * buf.layout.slots
     return {"wait_us_p50": p["p50"], "wait_us_p99": p["p99"], "wait_us_max": max(all_waits, default=None),
+            "wait_us_samples": all_waits,
             "slot_utilisation": float(np.mean(all_used)) / slots if slots else None,
             "expert_recv_imbalance": imbalance(all_recv)}

@@ -70,16 +70,46 @@ def _xp(a):
 
 # ------------------------------------------------------------------ BF16 bits
 
+_ELEMENTWISE: dict = {}  # name -> cupy.ElementwiseKernel, built on first use
+
+
+def _elementwise(name: str):
+    """The CuPy elementwise kernels of this module: each BF16 conversion and
+    the SiLU in one pass over the array (the NumPy expressions below take
+    several), with the same IEEE float32 operations, so the same bits."""
+    if not _ELEMENTWISE:
+        import cupy
+        _ELEMENTWISE["to_f32"] = cupy.ElementwiseKernel(
+            "uint16 b", "float32 f", "f = __uint_as_float(((unsigned int)b) << 16)", "cupyep_bf16_to_f32")
+        _ELEMENTWISE["to_bf16"] = cupy.ElementwiseKernel(
+            "float32 f", "uint16 b",
+            """unsigned int u = __float_as_uint(f);
+               unsigned int r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+               b = (unsigned short)(((u & 0x7FFFFFFFu) > 0x7F800000u) ? ((u >> 16) | 0x0040u) : r);""",
+            "cupyep_f32_to_bf16")
+        _ELEMENTWISE["silu"] = cupy.ElementwiseKernel(
+            "float32 z", "float32 y", "y = z / (1.0f + expf(-z))", "cupyep_silu")
+    return _ELEMENTWISE[name]
+
+
 def bf16_bits_to_f32(bits):
     """[...] uint16 BF16 bit patterns -> [...] float32 values (exact), NumPy or CuPy."""
     xp = _xp(bits)
+    if xp is not np:
+        return _elementwise("to_f32")(bits)
     return (bits.astype(xp.uint32) << xp.uint32(16)).view(xp.float32)
 
 
-def f32_to_bf16_bits(x):
+def f32_to_bf16_bits(x, out=None):
     """[...] float32 -> [...] uint16 BF16 bit patterns, round to nearest even
-    (as ml_dtypes and the CUDA kernels; NaN stays NaN), NumPy or CuPy."""
+    (as ml_dtypes and the CUDA kernels; NaN stays NaN), NumPy or CuPy.
+    ``out``: a uint16 array of x's shape to write (CuPy only), or None."""
     xp = _xp(x)
+    if xp is not np:
+        return _elementwise("to_bf16")(x.astype(xp.float32, copy=False), out) if out is not None else \
+            _elementwise("to_bf16")(x.astype(xp.float32, copy=False))
+    if out is not None:
+        raise ValueError("f32_to_bf16_bits writes into out only for CuPy arrays")
     u = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
     rounded = (u + xp.uint32(0x7FFF) + ((u >> xp.uint32(16)) & xp.uint32(1))) >> xp.uint32(16)
     nan = (u & xp.uint32(0x7FFFFFFF)) > xp.uint32(0x7F800000)
@@ -210,7 +240,10 @@ def route(x_f32, router, k: int):
 # --------------------------------------------------------------------- experts
 
 def _silu(z):
+    """[...] float32 -> z / (1 + exp(-z)), float32 (one kernel on CuPy)."""
     xp = _xp(z)
+    if xp is not np:
+        return _elementwise("silu")(z)
     return z / (xp.float32(1) + xp.exp(-z))
 
 
@@ -239,7 +272,10 @@ def expert_ffn(expert_x, blocks, w1, w2, out=None):
         if count:
             rows = slice(int(first), int(first) + int(count))
             h = _silu(bf16_bits_to_f32(expert_x[rows]) @ w1[e])
-            y[rows] = f32_to_bf16_bits(h @ w2[e])
+            if xp is np:
+                y[rows] = f32_to_bf16_bits(h @ w2[e])
+            else:  # written in place: no temporary [count, H] array
+                f32_to_bf16_bits(h @ w2[e], y[rows])
     return y
 
 

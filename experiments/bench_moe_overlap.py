@@ -65,25 +65,17 @@ Low-latency mode, T = 128: 64 tokens per rank per micro-batch, 4096 pairs on
 the GPU, 1.2e8 x F flops = 2.3 us x F against about 45 us (BF16 dispatch) +
 50 us (combine): F = 40 again. But the matmuls do not bound this FFN:
 
-- expert_ffn converts BF16 <-> float32 with CuPy integer ufuncs, about 15
-  passes over each [rows, H] block, about 120 bytes of HBM traffic per
-  (pair, channel) against 8 for the two matmuls at F = 40: 1.1e11 bytes per
-  normal-mode micro-batch on the GPU, about 30 ms at 3.6 TB/s whatever F,
-  some 10 times the communication; the overlap can then hide at most about
-  a tenth of the serial time. ``--ffn-impl fused`` is the same computation
-  (the same matmuls and SiLU, cupyep.moe's; the BF16 conversions exact
-  integer arithmetic, now one elementwise kernel each; checked bitwise
-  against expert_ffn on the GPU before anything is timed), about 22 bytes
-  per element: about 4 ms of conversions plus 3 ms of matmuls at F = 40.
+- expert_ffn (cupyep.moe) converts BF16 <-> float32 and applies SiLU in one
+  elementwise kernel each: about 22 bytes of HBM traffic per (pair,
+  channel), about 4 ms of conversions plus 3 ms of matmuls per normal-mode
+  micro-batch on the GPU at F = 40, of the order of its communication.
 - in low-latency mode the per-expert loop is launch-bound: 32 local experts x
-  about 20 CuPy kernels (fused: 8) per micro-batch and rank, milliseconds
-  against 0.1 ms of communication; ``--experts 64`` (8 local experts) cuts
-  the launches by 4. A batched (one launch) grouped GEMM would be needed to
-  balance it.
+  5 CuPy kernels per micro-batch and rank, milliseconds against 0.1 ms of
+  communication; ``--experts 64`` (8 local experts) cuts the launches by 4.
+  A batched (one launch) grouped GEMM would be needed to balance it.
 
 So at the defaults the FFN is the longer lane in both modes and "ideal_us"
-is its sum; --ffn (several values: a sweep) and --ffn-impl change the
-balance.
+is its sum; --ffn (several values: a sweep) changes the balance.
 """
 from __future__ import annotations
 
@@ -94,13 +86,13 @@ import numpy as np
 
 from cupyep.bench import require_gpu
 from cupyep.bench.timing import FLUSH_MODES
+from cupyep.testing import all_ranks
 
 MODES = ("normal", "low_latency")
 TRANSPORTS = ("queue", "direct")
 DEFAULT_TOKENS = {"normal": 4096, "low_latency": 128}
 DEFAULT_FFN = 40
 DEFAULT_COMM_SMS = ("default", "8", "4")
-FFN_IMPLS = ("moe", "fused")
 MICRO_BATCHES = ("a", "b")
 
 # The ops of a schedule, per mode, in the order each micro-batch runs them.
@@ -136,8 +128,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--ffn", type=int, nargs="+", default=[DEFAULT_FFN],
                    help="expert FFN width F (several: one run each); the default's estimate is in the docstring")
-    p.add_argument("--ffn-impl", choices=FFN_IMPLS, default="moe",
-                   help="moe: cupyep.moe.expert_ffn; fused: the same math with fused BF16 conversions")
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--transport", nargs="+", choices=TRANSPORTS, default=list(TRANSPORTS),
@@ -356,51 +346,6 @@ def ll_expert_ffn(recv_x, rows: ExpertRows, w1, w2, out, ffn=None):
     return out
 
 
-# ----------------------------------------------------------------- fused FFN
-
-_FUSED = {}
-
-
-def _fused_kernels():
-    import cupy
-    if not _FUSED:
-        _FUSED["to_f32"] = cupy.ElementwiseKernel(
-            "uint16 b", "float32 f", "f = __uint_as_float(((unsigned int)b) << 16)", "cupyep_bench_bf16_to_f32")
-        # cupyep.moe.f32_to_bf16_bits in one pass: round to nearest even, NaN stays NaN.
-        _FUSED["to_bf16"] = cupy.ElementwiseKernel(
-            "float32 f", "uint16 b",
-            """unsigned int u = __float_as_uint(f);
-               unsigned int r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-               b = (unsigned short)(((u & 0x7FFFFFFFu) > 0x7F800000u) ? ((u >> 16) | 0x0040u) : r);""",
-            "cupyep_bench_f32_to_bf16")
-    return _FUSED["to_f32"], _FUSED["to_bf16"]
-
-
-def fused_expert_ffn(expert_x, blocks, w1, w2):
-    """cupyep.moe.expert_ffn (CuPy) with each BF16 conversion in one elementwise
-    kernel: the same matmuls and SiLU, bitwise the same output."""
-    import cupy
-    from cupyep.moe import _silu
-    to_f32, to_bf16 = _fused_kernels()
-    M, H = expert_x.shape
-    if len(blocks) != w1.shape[0]:
-        raise ValueError(f"{len(blocks)} expert blocks for {w1.shape[0]} local experts")
-    y = cupy.zeros((M, H), dtype=cupy.uint16)
-    for e, (first, count) in enumerate(blocks):
-        if count:
-            rows = slice(int(first), int(first) + int(count))
-            h = _silu(to_f32(expert_x[rows]) @ w1[e])
-            to_bf16(h @ w2[e], y[rows])
-    return y
-
-
-def ffn_impl(name: str):
-    from cupyep.moe import expert_ffn
-    if name not in FFN_IMPLS:
-        raise ValueError(f"ffn impl must be one of {FFN_IMPLS}, got {name!r}")
-    return expert_ffn if name == "moe" else fused_expert_ffn
-
-
 # ------------------------------------------------------------- GPU executors
 
 @dataclass
@@ -497,11 +442,6 @@ def _slowest(comm, seconds: float) -> float:
     return comm.allreduce(float(seconds), op=MPI.MAX) * 1e6
 
 
-def _all_ranks(comm, ok: bool) -> bool:
-    from mpi4py import MPI
-    return bool(comm.allreduce(bool(ok), op=MPI.LAND))
-
-
 def measure(group, runner, mode: str, barrier, args) -> dict:
     """Time the parts, then serial against overlapped; check the outputs bitwise
     (collective). Returns summarize()'s figures plus spreads and "bitwise_equal"."""
@@ -530,7 +470,7 @@ def measure(group, runner, mode: str, barrier, args) -> dict:
     cupy.cuda.get_current_stream().synchronize()
     same = all(bool(cupy.array_equal(kept["serial"]["c"][m].combined_x, kept["overlapped"]["c"][m].combined_x))
                for m in MICRO_BATCHES)
-    if not _all_ranks(comm, same):
+    if not all_ranks(comm, same):
         raise RuntimeError(f"{mode} mode: the overlapped schedule's combined outputs differ from the serial "
                            f"schedule's (rank {group.rank}: {'same' if same else 'DIFFERENT'}); they must be "
                            "bitwise identical")
@@ -540,19 +480,6 @@ def measure(group, runner, mode: str, barrier, args) -> dict:
                iters=args.iters, bitwise_equal=True)
     return out
 
-
-def check_fused(group, expert_x, blocks, w1, w2, impl: str) -> None:
-    """With --ffn-impl fused: its output must equal cupyep.moe.expert_ffn's bitwise (collective)."""
-    import cupy
-    from cupyep.moe import expert_ffn
-    if impl != "fused":
-        return
-    same = bool(cupy.array_equal(fused_expert_ffn(expert_x, blocks, w1, w2), expert_ffn(expert_x, blocks, w1, w2)))
-    if not _all_ranks(group.comm, same):
-        raise RuntimeError("--ffn-impl fused differs from cupyep.moe.expert_ffn; use --ffn-impl moe")
-
-
-# --------------------------------------------------------------------- runs
 
 def local_weights(rank: int, num_ranks: int, hidden: int, ffn: int, num_experts: int):
     """(w1, w2) on the GPU, float32: MoEWeights.random of this rank's E / R experts, seeded by the rank."""
@@ -583,7 +510,7 @@ def base_record(group, args, mode: str, num_tokens: int, ffn: int) -> dict:
     parts = split_tokens(num_tokens)
     return {"bench": "moe_overlap", "mode": mode, "ranks": group.local_size, "tokens": num_tokens,
             "micro_batch_tokens": [s.stop - s.start for s in parts.values()], "hidden": args.hidden, "ffn": ffn,
-            "ffn_impl": args.ffn_impl, "experts": args.experts, "topk": args.topk, "flush": args.flush,
+            "experts": args.experts, "topk": args.topk, "flush": args.flush,
             "sleep_us": args.sleep_us, "warmup": args.warmup}
 
 
@@ -617,9 +544,24 @@ def normal_buffers(group, args) -> dict:
         raise
 
 
+def agreed_refusal(comm, problem: str | None) -> str | None:
+    """The refusal every rank agrees on (collective): None when no rank was
+    refused, ``problem`` when every rank was. A refusal on some ranks only
+    leaves the others' kernels waiting for them, so it ends the run on every
+    rank, naming the refused ranks and their reasons."""
+    problems = comm.allgather(problem)
+    refused = [r for r, p in enumerate(problems) if p is not None]
+    if not refused:
+        return None
+    if len(refused) == len(problems):
+        return problems[0]
+    detail = "; ".join(f"rank {r}: {problems[r]}" for r in refused)
+    raise RuntimeError(f"a configuration was refused on ranks {refused} only, and ran on the others: {detail}")
+
+
 def run_normal(group, args, out, barrier) -> None:
     import cupy
-    from cupyep.moe import result_blocks
+    from cupyep.moe import expert_ffn
     R = group.local_size
     T = tokens_for("normal", args.tokens)
     x, topk_idx, topk_w, _ = routing_of(group, args, T)
@@ -639,19 +581,18 @@ def run_normal(group, args, out, barrier) -> None:
                     if problem is None and sms is not None and sms > budget:
                         problem = f"num_sms={sms} exceeds this rank's SM budget ({budget})"
                     runner = NormalRunner(mbs, args.experts, transport, dcfg, ccfg, args.alignment, w1, w2,
-                                          ffn_impl(args.ffn_impl))
+                                          expert_ffn)
                     if problem is None:
                         try:  # the first run grows the direct pools and compiles; a refused config raises
                             warm = runner.run(schedule("normal", False), {})  # before any launch, on every rank
                         except ValueError as e:
                             problem = str(e)
+                        problem = agreed_refusal(group.comm, problem)
                     if problem:
                         out.write({**rec, "skipped": problem})
                         continue
                     cupy.cuda.get_current_stream().synchronize()
-                    da = warm["d"]["a"]
-                    check_fused(group, da.expert_x, result_blocks(da), w1, w2, args.ffn_impl)
-                    del warm, da
+                    del warm
                     out.write({**rec, **measure(group, runner, "normal", barrier, args)})
             del w1, w2
     finally:
@@ -662,6 +603,7 @@ def run_normal(group, args, out, barrier) -> None:
 def run_low_latency(group, args, out, barrier) -> None:
     import cupy
     import cupyep
+    from cupyep.moe import expert_ffn
     R, me = group.local_size, group.local_rank
     T = tokens_for("low_latency", args.tokens)
     x, topk_idx, topk_w, idx_all = routing_of(group, args, T)
@@ -680,22 +622,17 @@ def run_low_latency(group, args, out, barrier) -> None:
             mbs[m].y_full = cupy.zeros((args.experts // R, R * most, args.hidden), dtype=cupy.uint16)
         for F in args.ffn:
             w1, w2 = local_weights(me, R, args.hidden, F, args.experts)
-            runner = LowLatencyRunner(mbs, w1, w2, ffn_impl(args.ffn_impl))
+            runner = LowLatencyRunner(mbs, w1, w2, expert_ffn)
             rec = {**base_record(group, args, "low_latency", T, F), "transport": None, "comm_sms": None,
                    "num_blocks": bufs["a"].num_blocks, "num_waiters": bufs["a"].num_waiters,
                    "max_tokens": most, "dispatch": "bf16"}
             warm = runner.run(schedule("low_latency", False), {})
             cupy.cuda.get_current_stream().synchronize()
             ok = all(np.array_equal(warm["d"][m].handle.layout_count.get(), counts[m]) for m in MICRO_BATCHES)
-            if not _all_ranks(group.comm, ok):
+            if not all_ranks(group.comm, ok):
                 raise RuntimeError("the low-latency dispatch's layout_count differs from the counts of the host "
                                    "routing the FFN gathers by")
-            da = warm["d"]["a"]
-            El, slots, H = da.recv_x.shape
-            x2 = cupy.lib.stride_tricks.as_strided(da.recv_x, shape=(El * slots, H),
-                                                   strides=da.recv_x.strides[1:])
-            check_fused(group, x2[cupy.asarray(mbs["a"].rows.flat)], mbs["a"].rows.blocks, w1, w2, args.ffn_impl)
-            del warm, da, x2
+            del warm
             out.write({**rec, **measure(group, runner, "low_latency", barrier, args)})
             del w1, w2
     finally:

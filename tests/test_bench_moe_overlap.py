@@ -32,7 +32,7 @@ B = _load()
 def test_defaults():
     a = B.build_parser().parse_args([])
     assert a.mode == "both" and a.tokens is None and a.hidden == 7168 and a.experts == 256 and a.topk == 8
-    assert a.ffn == [B.DEFAULT_FFN] and a.ffn_impl == "moe"
+    assert a.ffn == [B.DEFAULT_FFN]
     assert a.transport == ["queue", "direct"] and a.comm_sms == [None, 8, 4]
     assert a.out.endswith(".jsonl")
     B.check_args(a)
@@ -43,9 +43,9 @@ def test_defaults():
 
 def test_arguments_parse_and_refuse():
     a = B.build_parser().parse_args(["--mode", "low_latency", "--tokens", "256", "--ffn", "64", "128",
-                                     "--comm-sms", "default", "6", "--transport", "direct", "--ffn-impl", "fused"])
-    assert (a.mode, a.tokens, a.ffn, a.comm_sms, a.transport, a.ffn_impl) == \
-        ("low_latency", 256, [64, 128], [None, 6], ["direct"], "fused")
+                                     "--comm-sms", "default", "6", "--transport", "direct"])
+    assert (a.mode, a.tokens, a.ffn, a.comm_sms, a.transport) == \
+        ("low_latency", 256, [64, 128], [None, 6], ["direct"])
     for bad in (["--comm-sms", "0"], ["--comm-sms", "many"], ["--mode", "fast"], ["--transport", "nvshmem"]):
         with pytest.raises(SystemExit):
             B.build_parser().parse_args(bad)
@@ -472,7 +472,18 @@ def test_low_latency_hook_rule_refuses_a_second_send():
         runner.run([("combine_send", "a")], {"d": {"a": types.SimpleNamespace(handle="a")}, "y": {"a": None}})
 
 
-def test_fused_impl_is_selectable_without_gpu():
-    assert B.ffn_impl("moe") is expert_ffn and B.ffn_impl("fused") is B.fused_expert_ffn
-    with pytest.raises(ValueError):
-        B.ffn_impl("cublaslt")
+class _Gathered:
+    """A communicator stand-in whose allgather returns fixed per-rank values."""
+
+    def __init__(self, values):
+        self.values = values
+
+    def allgather(self, _mine):
+        return list(self.values)
+
+
+def test_a_refusal_counts_only_when_every_rank_agrees():
+    assert B.agreed_refusal(_Gathered([None, None]), None) is None
+    assert B.agreed_refusal(_Gathered(["too big", "too big"]), "too big") == "too big"
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] only.*rank 1: pool too small"):
+        B.agreed_refusal(_Gathered([None, "pool too small"]), None)

@@ -57,3 +57,9 @@ def test_normal_metrics_reads_each_call_on_its_own(monkeypatch):
 
     m = M.normal_metrics(_Group(), call, calls=4)
     assert m == {"notify_us_p50": 25.0, "notify_us_p99": pytest.approx(39.7), "notify_us_max": 40.0}
+
+
+def test_occupancy_is_rows_waiting_per_poll_over_the_depth():
+    assert M.occupancy([96, 12, 16], 32) == {"queue_occupancy_mean": 0.25, "queue_occupancy_max": 0.5}
+    assert M.occupancy(np.array([0, 0, 0], dtype=np.uint64), 32) == {"queue_occupancy_mean": None,
+                                                                    "queue_occupancy_max": None}

@@ -101,6 +101,10 @@ struct DispatchArgs {
     int64_t* recv_topk_idx;         // [N, k] or null
     float* recv_topk_weights;       // [N, k] or null
     int* recv_src_idx;              // [N]
+    // Metric, null when off: each receiver poll of a ring adds the rows it
+    // found waiting (filled, not yet consumed) to [0] and 1 to [1], and
+    // raises [2] to that count if larger.
+    uint64_t* queue_occupancy;      // [3] or null
     int num_tokens;
     int num_scales;
     int num_topk;

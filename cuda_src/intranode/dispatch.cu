@@ -9,6 +9,9 @@
 // Slot layout: [x: x_bytes][src_idx: int][topk_idx: k int (global ids)]
 //              [topk_weights: k float][x_scales: num_scales float]
 //
+// Metric (opt-in): with a.queue_occupancy set, every receiver poll records
+// how many rows it found waiting in its ring (see DispatchArgs).
+//
 // Worst-token mode (capacity > received count): the sender blocks, once
 // their rows are out, fill this rank's receive rows past the count, a thread
 // per entry: recv_src_idx and recv_topk_idx -1, recv_topk_weights 0. recv_x and
@@ -115,8 +118,18 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(DispatchArgs a) {
     for (int consumed = 0; consumed < n;) {
         if (g.leader()) {
             // A sender may already be pushing the next call's rows: clamp to n.
-            s_avail[src] = wait_geq(tail, base + consumed + 1, a.guard, /*phase=*/1, src)
-                               ? min(ld_acquire_sys(tail) - base, (int64_t)n) - consumed : -1;
+            int64_t avail = -1;
+            if (wait_geq(tail, base + consumed + 1, a.guard, /*phase=*/1, src)) {
+                const int64_t waiting = ld_acquire_sys(tail) - base - consumed;  // filled, not yet consumed
+                avail = min(waiting, (int64_t)(n - consumed));
+                if (a.queue_occupancy) {
+                    auto* q = reinterpret_cast<unsigned long long*>(a.queue_occupancy);
+                    atomicAdd(q, (unsigned long long)waiting);
+                    atomicAdd(q + 1, 1ull);
+                    atomicMax(q + 2, (unsigned long long)waiting);
+                }
+            }
+            s_avail[src] = avail;
         }
         g.sync();
         const int avail = (int)s_avail[src];

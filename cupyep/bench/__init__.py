@@ -3,13 +3,11 @@ the naive baseline (``naive``), figures (``plots``), multi-run tables
 (``summary``) and the main job (``main``)."""
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_GPU_STATUS = 2
-_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 
 
 def require_gpu(script: str) -> None:
@@ -25,7 +23,8 @@ def require_gpu(script: str) -> None:
         return
     path = Path(script).resolve()
     name = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else script
-    if all(os.environ.get(v, "0") == "0" for v in _RANK_VARS):
+    from ..calls import env_rank
+    if env_rank() in (0, -1):
         print(f"{name} needs a CUDA GPU; none found (run python -m cupyep.bench for the CPU reference run)",
               file=sys.stderr, flush=True)
     sys.exit(NO_GPU_STATUS)

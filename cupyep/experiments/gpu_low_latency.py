@@ -36,9 +36,10 @@ buffer actually used: max_tokens, max_topk, num_blocks, num_waiters,
 num_threads, programmatic_launch, buffer_bytes), "imbalance_factor" of
 the routing, and for the dispatch kinds the in-kernel metrics of 10 more,
 untimed dispatches (cupyep.metrics): the signal-slot waits "wait_us_p50",
-"wait_us_p99", "wait_us_max" over every (call, source rank),
-"slot_utilisation" and "expert_recv_imbalance". The barrier and the copy bandwidth are kept between
-configurations, and the buffer while its configuration stays the same.
+"wait_us_p99", "wait_us_max" over every (call, source rank) and those
+waits themselves ("wait_us_samples", for cupyep.plotting.cdf_figure),
+"slot_utilisation" and "expert_recv_imbalance". The barrier and the copy
+bandwidth are kept between configurations, and the buffer while its configuration stays the same.
 """
 from __future__ import annotations
 

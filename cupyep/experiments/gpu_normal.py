@@ -18,7 +18,10 @@ fields ("time_us" and p10/p90/p99, "rank_GBps", "efficiency" against the
 copy bandwidth measured once per sweep, "copy_GBps", the configs used),
 "imbalance_factor" of the routing, and for the kinds that run the notify
 pass (NOTIFY_KINDS) its device time over 10 more, untimed calls:
-"notify_us_p50", "notify_us_p99", "notify_us_max" (cupyep.metrics). The Buffer, the barrier and the copy
+"notify_us_p50", "notify_us_p99", "notify_us_max" (cupyep.metrics); for the
+dispatch kinds of the queue transport the rings' occupancy over 10 more:
+"queue_occupancy_mean" and "queue_occupancy_max" (rows waiting when a
+receiver polls, over the queue depth). The Buffer, the barrier and the copy
 bandwidth are kept between configurations (a larger buffer replaces the
 Buffer when a configuration needs one).
 """
@@ -110,6 +113,13 @@ def run(group, cfg: dict) -> dict:
         metrics.update(normal_metrics(group, lambda notify_time_ns: buf.dispatch(
             x, ids, ws, num_experts=E, config=ncfg, transport=cfg["transport"], validate=False,
             expert_major="expert_major" in cfg["kind"], notify_time_ns=notify_time_ns)))
+    if cfg["transport"] == "queue" and cfg["kind"].startswith("dispatch"):  # untimed, the rings' occupancy
+        from ..metrics import queue_metrics
+        ids = cupy.asarray(idx[me])
+        payload = x_fp8 if x_fp8 is not None else x
+        metrics.update(queue_metrics(group, lambda queue_occupancy: buf.dispatch(
+            payload, ids, num_experts=E, config=dcfg, validate=False, queue_occupancy=queue_occupancy),
+            dcfg.queue_depth))
     return metrics
 
 

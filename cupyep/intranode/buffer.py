@@ -207,7 +207,7 @@ class Buffer(DirectTransport):
                  is_token_in_rank=None, num_worst_tokens: int = 0, expert_alignment: int = 1,
                  config: Config | None = None, previous_event=None, async_finish: bool = False,
                  validate: bool = True, expert_major: bool = False, transport: str | None = None,
-                 notify_time_ns=None) -> DispatchResult:
+                 notify_time_ns=None, queue_occupancy=None) -> DispatchResult:
         """Send each token to every rank owning one of its experts.
 
         Arguments:
@@ -253,14 +253,20 @@ class Buffer(DirectTransport):
                 this rank's receive pool, valid until the next direct dispatch of this
                 buffer; the pool grows (collectively) when a call needs more, and in
                 worst-token mode every rank must pass the same num_worst_tokens.
-            notify_time_ns: cupy int64 [2] or None (a metric, off by default): a
-                call that runs the notify pass adds the pass's device time in
-                nanoseconds (%globaltimer in the block that runs it) to [0] and
-                1 to [1]; a cached call leaves it alone.
                 Direct with expert_major: the senders write the rows straight into
                 the expert blocks (views of the pool too) and no rank-major payload
                 exists, so recv_x and recv_x_scales are None; a cached call keeps the
                 handle's expert_alignment.
+            notify_time_ns: cupy int64 [2] or None (a metric, off by default): a
+                call that runs the notify pass adds the pass's device time in
+                nanoseconds (%globaltimer in the block that runs it) to [0] and
+                1 to [1]; a cached call leaves it alone.
+            queue_occupancy: cupy uint64 [3] or None (a metric of the queue
+                transport, off by default): every time a receiver polls one of
+                its rings it adds the rows it finds waiting there (filled, not yet
+                consumed; at most the config's queue_depth) to [0], 1 to [1],
+                and raises [2] to that count if larger. [0] / [1] / queue_depth
+                is the mean occupancy of the rings as their receivers see them.
 
         Returns:
             DispatchResult. num_recv_tokens_per_expert is a list of E_local ints
@@ -326,6 +332,11 @@ class Buffer(DirectTransport):
             EM.check_expert_major_request(topk_idx, expert_alignment)
         if notify_time_ns is not None:
             notify_time_ns = check(as_cupy(notify_time_ns, "notify_time_ns"), "notify_time_ns", np.int64, shape=(2,))
+        if queue_occupancy is not None:
+            if transport == "direct":
+                raise ValueError("queue_occupancy is a metric of the queue transport; the direct one has no rings")
+            queue_occupancy = check(as_cupy(queue_occupancy, "queue_occupancy"), "queue_occupancy", np.uint64,
+                                    shape=(3,))
         if transport == "direct":
             return self._dispatch_direct(x, x_scales, topk_idx, topk_weights, num_experts, handle,
                                          (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank),
@@ -361,7 +372,8 @@ class Buffer(DirectTransport):
                 send_list=jit.ptr(handle.send_list), send_channel_prefix=jit.ptr(handle.send_channel_prefix),
                 recv_channel_prefix=jit.ptr(handle.recv_channel_prefix), recv_rank_offset=jit.ptr(handle.recv_rank_offset),
                 recv_x=jit.ptr(recv_x), recv_x_scales=jit.ptr(recv_scales), recv_topk_idx=jit.ptr(recv_topk_idx),
-                recv_topk_weights=jit.ptr(recv_topk_weights), recv_src_idx=jit.ptr(recv_src_idx), num_tokens=T,
+                recv_topk_weights=jit.ptr(recv_topk_weights), recv_src_idx=jit.ptr(recv_src_idx),
+                queue_occupancy=jit.ptr(queue_occupancy), num_tokens=T,
                 num_scales=H // 128 if fp8 else 0, num_topk=k, num_local_experts=num_experts // R, num_channels=C,
                 capacity=N, rank=self.rank, guard=self._guard("intranode_dispatch"))
             dispatch_fn((2 * C,), (cfg.num_threads,), (args,))

@@ -33,7 +33,7 @@ DISPATCH_ARGS_DTYPE = jit.struct_dtype([
     ("peers", u64), ("rs", RING_DTYPE), ("x", u64), ("x_scales", u64), ("topk_idx", u64), ("topk_weights", u64),
     ("send_list", u64), ("send_channel_prefix", u64), ("recv_channel_prefix", u64), ("recv_rank_offset", u64),
     ("recv_x", u64), ("recv_x_scales", u64), ("recv_topk_idx", u64), ("recv_topk_weights", u64),
-    ("recv_src_idx", u64), ("num_tokens", i32), ("num_scales", i32), ("num_topk", i32),
+    ("recv_src_idx", u64), ("queue_occupancy", u64), ("num_tokens", i32), ("num_scales", i32), ("num_topk", i32),
     ("num_local_experts", i32), ("num_channels", i32), ("capacity", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
 COMBINE_ARGS_DTYPE = jit.struct_dtype([
     ("peers", u64), ("rs", RING_DTYPE), ("x", u64), ("row_weights", u64), ("recv_topk_weights", u64),

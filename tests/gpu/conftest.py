@@ -6,6 +6,7 @@ Each test is collective: all ranks run the same tests in the same order.
 Without a GPU (or outside MPI) they skip.
 """
 import os
+import sys
 
 import pytest
 
@@ -20,6 +21,17 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    """Print a failure on stderr the moment it happens, with the rank: when
+    one rank fails a collective test the others may hang until the launcher's
+    timeout kills them all, before pytest's summary would have printed it."""
+    if report.failed:
+        from cupyep.calls import env_rank
+        rank = env_rank()
+        sys.stderr.write(f"\n[rank {rank}] FAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+        sys.stderr.flush()
 
 
 @pytest.fixture(scope="session")

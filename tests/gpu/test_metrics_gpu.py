@@ -63,6 +63,41 @@ def test_notify_time_ns_is_checked_before_launch(group, buf):
         buf.dispatch(x, cupy.asarray(idx[me]), num_experts=E, notify_time_ns=cupy.zeros(3, dtype=np.int64))
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_queue_occupancy_bounds_follow_the_received_rows(group, buf, fp8):
+    """Each receiver poll consumes at least one row and at most the rows it
+    found waiting, which never exceed the queue depth: received rows <= sum
+    of waiting rows <= polls x depth, polls <= received rows, 1 <= max <=
+    depth; two calls add up; the direct transport refuses the metric."""
+    import cupy
+    from cupyep.fp8 import per_token_cast_to_fp8
+    me, R = group.local_rank, group.local_size
+    idx, w = global_routing(6, [512] * R, E, K)
+    x = cupy.asarray(payload_bf16(me, np.arange(512), 2048))
+    payload = per_token_cast_to_fp8(x) if fp8 else x
+    ids = cupy.asarray(idx[me])
+    cfg = buf.default_dispatch_config()
+    q = cupy.zeros(3, dtype=np.uint64)
+    out = buf.dispatch(payload, ids, num_experts=E, config=cfg, queue_occupancy=q)
+    buf.synchronize()
+    one = q.get().astype(np.int64)
+    n = out.handle.num_recv_tokens
+    depth = cfg.queue_depth
+    ok = n <= one[0] <= one[1] * depth and 0 < one[1] <= n and 1 <= one[2] <= depth
+    buf.dispatch(payload, handle=out.handle, config=cfg, queue_occupancy=q)
+    buf.synchronize()
+    two = q.get().astype(np.int64)
+    ok = ok and 2 * n <= two[0] and two[1] <= 2 * n and one[2] <= two[2] <= depth
+    m = M.queue_metrics(group, lambda queue_occupancy: buf.dispatch(payload, ids, num_experts=E, config=cfg,
+                                                                    queue_occupancy=queue_occupancy), depth, calls=3)
+    ok = ok and 0 < m["queue_occupancy_mean"] <= m["queue_occupancy_max"] <= 1
+    assert all_ranks(group.comm, ok), (one, two, n, depth, m)
+    with pytest.raises(ValueError, match="queue transport"):
+        buf.dispatch(x, ids, num_experts=E, transport="direct", queue_occupancy=q)
+    with pytest.raises(ValueError, match="queue_occupancy"):
+        buf.dispatch(x, ids, num_experts=E, queue_occupancy=cupy.zeros(3, dtype=np.int64))
+
+
 def test_low_latency_metrics_match_the_routing(group):
     """Slots used and tokens received per expert are exactly what the routing
     sends; the received-token imbalance equals the routing's imbalance factor;

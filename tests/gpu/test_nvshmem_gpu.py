@@ -19,7 +19,7 @@ def pe(group, nvshmem_session):
     from cupyep import jit
     from cupyep import nvshmem as NV
     fn = jit.kernel(NV.put_signal_spec())  # built, loaded and registered with NVSHMEM after init
-    R = group.local_size
+    R = group.world_size  # one PE per rank of the world, across (emulated) nodes
     dst = core.array((R, ROW_BYTES), dtype="uint8")
     sig = core.array((R,), dtype="uint64")
     sig[...] = 0
@@ -38,7 +38,7 @@ def _launch(group, fn, dst, sig, expected: int, timeout_s: float | None = None):
     from cupyep import jit
     from cupyep import nvshmem as NV
     from cupyep.barrier import GUARD_DTYPE
-    R, me = group.local_size, group.local_rank
+    R, me = group.world_size, group.rank  # PE numbers are world ranks
     src = cupy.asarray(np.stack([_tags(me, b) for b in range(R)]))
     peers = cupy.arange(R, dtype=np.int32)
     args = jit.pack(NV.put_signal_args_dtype(), dst=dst.data.ptr, src=src.data.ptr, sig=sig.data.ptr,
@@ -51,25 +51,25 @@ def _launch(group, fn, dst, sig, expected: int, timeout_s: float | None = None):
 
 def test_put_signal_every_pe_to_every_pe(group, pe):
     fn, dst, sig = pe
-    R = group.local_size
+    R = group.world_size
     for call in (1, 2):  # signals are cumulative: the second call waits for 2
         dst[...] = 0
         group.comm.Barrier()
         _launch(group, fn, dst, sig, expected=call)
         group.check_errors()
         got = dst.get()
-        ok = all(np.array_equal(got[s], _tags(s, group.local_rank)) for s in range(R))
+        ok = all(np.array_equal(got[s], _tags(s, group.rank)) for s in range(R))
         assert all_ranks(group.comm, ok), call
         group.comm.Barrier()
 
 
 def test_a_pe_that_never_sends_times_out_naming_it(group, pe):
     fn, dst, sig = pe
-    if group.local_size < 2:
+    if group.world_size < 2:
         pytest.skip("needs two PEs")
     group.comm.Barrier()
     expected = int(sig.get().max()) + 1
-    if group.local_rank != 0:  # PE 0 stays silent this call
+    if group.rank != 0:  # PE 0 stays silent this call
         _launch(group, fn, dst, sig, expected=expected, timeout_s=2.0)
         with pytest.raises(CommTimeoutError) as info:
             group.check_errors()
