@@ -21,6 +21,8 @@ Record layout (native-endian int64 words, then names)::
                     raised: the last call that ended by an exception)
     words[8..8+N)   calls entered, per name (N = MAX_NAMES)
     then N names of NAME_BYTES bytes (UTF-8, NUL-padded)
+    then ERROR_BYTES bytes: "Type: message" of the exception the raised
+                    call ended by (UTF-8, NUL-padded, cut to fit)
 
 The process also connects a unix socket to the launcher's ``ends`` socket
 in that directory and never writes to it.  However the process ends, the
@@ -64,7 +66,9 @@ NAME_BYTES = 64
 HEADER_WORDS = 8
 W_MAGIC, W_PID, W_RANK, W_STATE, W_CURRENT, W_LAST, W_NUM_NAMES, W_RAISED = range(8)
 NAMES_OFFSET = 8 * (HEADER_WORDS + MAX_NAMES)
-RECORD_BYTES = NAMES_OFFSET + MAX_NAMES * NAME_BYTES
+ERROR_OFFSET = NAMES_OFFSET + MAX_NAMES * NAME_BYTES
+ERROR_BYTES = 512  # "Type: message" of the last call that raised, UTF-8, NUL-padded
+RECORD_BYTES = ERROR_OFFSET + ERROR_BYTES
 RUNNING, EXITED, EXITED_AFTER_EXCEPTION = 1, 2, 3
 # Variables through which MPI launchers tell a process its rank in COMM_WORLD.
 RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
@@ -91,6 +95,17 @@ def _write_name(index: int, name: str) -> None:
     off = NAMES_OFFSET + index * NAME_BYTES
     mm[off:off + NAME_BYTES] = data + bytes(NAME_BYTES - len(data))
     _words[W_NUM_NAMES] = max(_words[W_NUM_NAMES], index + 1)
+
+
+def _write_error(exc: BaseException) -> None:
+    """Keep "Type: message" of ``exc`` in the record (the launcher shows it
+    when the process is stuck or ends before Python could print it)."""
+    if _record is None:
+        return
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    text = text.replace("\n", " ")
+    data = text.encode(errors="replace")[:ERROR_BYTES - 1]
+    _record[0][ERROR_OFFSET:ERROR_OFFSET + ERROR_BYTES] = data + bytes(ERROR_BYTES - len(data))
 
 
 def _index(name: str) -> int:
@@ -202,8 +217,9 @@ def traced_call(name: str):
             w[count] += 1
             try:
                 return fn(*args, **kwargs)
-            except BaseException:
+            except BaseException as exc:
                 w[W_RAISED] = tag
+                _write_error(exc)
                 raise
             finally:
                 w[W_CURRENT] = prev
@@ -247,14 +263,18 @@ class CallRecord:
     last: str | None
     counts: dict[str, int] = field(default_factory=dict)
     raised: str | None = None
+    error: str | None = None
 
     def where(self) -> str:
         """'during X, call N of that kind' / 'after X, call N of that kind' /
-        'after X raised, call N of that kind' / 'before any traced call'."""
+        'after X raised (Type: message), call N of that kind' / 'before any
+        traced call'."""
         if self.current:
             return f"during {self.current}, call {self.counts.get(self.current, 0)} of that kind"
         if self.last:
-            raised = " raised" if self.raised == self.last else ""
+            raised = ""
+            if self.raised == self.last:
+                raised = f" raised ({self.error})" if self.error else " raised"
             return f"after {self.last}{raised}, call {self.counts.get(self.last, 0)} of that kind"
         return "before any traced call"
 
@@ -285,9 +305,10 @@ def read_record(path: str) -> CallRecord | None:
         return names[tag - 1] if 0 < tag <= n else None
 
     counts = {names[i]: int(words[HEADER_WORDS + i]) for i in range(n) if names[i]}
+    error = data[ERROR_OFFSET:ERROR_OFFSET + ERROR_BYTES].split(b"\0", 1)[0].decode(errors="replace")
     return CallRecord(pid=int(words[W_PID]), rank=int(words[W_RANK]), state=int(words[W_STATE]),
                       current=name(int(words[W_CURRENT])), last=name(int(words[W_LAST])), counts=counts,
-                      raised=name(int(words[W_RAISED])))
+                      raised=name(int(words[W_RAISED])), error=error or None)
 
 
 def read_records(directory: str) -> list[CallRecord]:

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .experiments.grid import parse_value
+
 UNITS = {"us": "us", "ms": "ms", "s": "s", "GBps": "GB/s", "bytes": "bytes", "MiB": "MiB"}
 
 
@@ -350,22 +352,13 @@ def load(path) -> list[dict]:
     return out
 
 
-def _value(text: str):
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False, "null": None}.get(text.lower(), text)
-
-
 def _where(items) -> dict:
     out = {}
     for it in items or []:
         if "=" not in it:
             raise SystemExit(f"--where takes key=value (comma-separated for any of several), got {it!r}")
         k, v = it.split("=", 1)
-        vals = [_value(s) for s in v.split(",")]
+        vals = [parse_value(s) for s in v.split(",")]
         out[k] = vals if len(vals) > 1 else vals[0]
     return out
 

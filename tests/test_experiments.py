@@ -114,6 +114,8 @@ def test_cli_grid_values():
         "tokens": [4, 8], "scale": [0.5], "routing": ["uniform", "zipf"]}
     assert parse_grid(['routing_params=[{"s": 0.5}, {}]', 'p={"a": 1}']) == {
         "routing_params": [{"s": 0.5}, {}], "p": [{"a": 1}]}
+    assert parse_grid(["plain_launch=false,true", "x=null,True"]) == {
+        "plain_launch": [False, True], "x": [None, True]}
     with pytest.raises(ValueError):
         parse_grid(["tokens"])
 

@@ -90,7 +90,7 @@ def test_record_in_a_process(tmp_path):
     (path,) = tmp_path.glob("*" + calls.SUFFIX)
     rec = calls.read_record(str(path))
     assert rec.state == calls.EXITED  # interpreter shutdown marked it
-    assert rec.where() == "after Demo.fails raised, call 1 of that kind"
+    assert rec.where() == "after Demo.fails raised (KeyError: 'x'), call 1 of that kind"
     assert not list(tmp_path.glob("*.tmp"))
 
 

@@ -573,7 +573,7 @@ def test_ctrl_c_leaves_no_rank_daemon_or_temp_dir(fake_mps, tmp_path):
     # The launcher said where the ranks were when it was interrupted (in
     # FaultProbe.wait, which KeyboardInterrupt ended).
     assert (f"cupyep.launch: at signal {int(signal.SIGINT)}, the ranks were: ranks 0-7: "
-            "after FaultProbe.wait raised, call 1 of that kind (exited)") in err.splitlines()
+            "after FaultProbe.wait raised (KeyboardInterrupt), call 1 of that kind (exited)") in err.splitlines()
     # MPS was stopped and every temporary directory removed.
     log = fake_mps.read_text().splitlines()
     pipe = log[0].split(" pipe:")[1].split(" log:")[0]

@@ -21,17 +21,8 @@ import json
 import sys
 
 from . import DEFAULT_OUT, run
+from .grid import parse_value
 from .studies import all_studies, get
-
-
-def parse_value(text: str):
-    """One value of ``--grid``: int, else float, else the string itself."""
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
 
 
 def parse_grid(items) -> dict:

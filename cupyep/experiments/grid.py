@@ -25,7 +25,22 @@ import itertools
 import json
 from typing import Mapping, Sequence
 
-__all__ = ["expand", "config_key", "normalize"]
+__all__ = ["expand", "config_key", "normalize", "parse_value"]
+
+_WORDS = {"true": True, "false": False, "null": None}
+
+
+def parse_value(text: str):
+    """One value written on a command line (``--grid`` of python -m
+    cupyep.experiments, ``--where`` of python -m cupyep.plotting): int, else
+    float, else true / false / null (any case) as True / False / None, else
+    the string itself."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return _WORDS.get(text.lower(), text)
 
 
 def _json_default(value):
