@@ -89,6 +89,7 @@ class Buffer(DirectTransport):
         self.layout = buffer_layout(self.num_ranks, num_bytes)
         self.buffer = SymmetricBuffer(group, num_bytes)
         self.comm_stream = cupy.cuda.Stream(non_blocking=True)
+        self._held: list = []  # (event, arrays) of async calls: their inputs live until the event completes
         # Mapped host memory the notify pass writes: [1 + E_local + R * R + 1] (see NotifyArgs), then
         # the fused direct dispatch's status word (HOST_STATUS).
         n_counts = 1 + MAX_LOCAL_EXPERTS + self.num_ranks ** 2 + 2
@@ -136,12 +137,21 @@ class Buffer(DirectTransport):
             ev.record(cupy.cuda.get_current_stream())
         self.comm_stream.wait_event(ev)
 
-    def _end(self, async_finish: bool) -> EventHandle:
+    def _end(self, async_finish: bool, keep: tuple = ()) -> EventHandle:
+        """The event of the call just enqueued on the communication stream; the
+        current stream waits for it unless ``async_finish``. Then the arrays in
+        ``keep`` (the call's inputs, and temporaries its kernels use: some may
+        be copies made by this call) are held until the event completes, so
+        that no stream reuses their memory while the kernels still read it.
+        (Under graph capture the graph's owner keeps its arrays alive.)"""
         import cupy
         ev = cupy.cuda.Event(disable_timing=True)
         ev.record(self.comm_stream)
         if not async_finish:
             cupy.cuda.get_current_stream().wait_event(ev)
+        elif not self.comm_stream.is_capturing():
+            self._held = [(e, a) for e, a in self._held if not e.done]
+            self._held.append((ev, tuple(a for a in keep if a is not None)))
         return EventHandle(ev)
 
     def _guard(self, kernel: str):
@@ -180,7 +190,7 @@ class Buffer(DirectTransport):
         topk_idx = self._check_topk_idx(topk_idx, num_experts, validate)
         self._begin(previous_event)
         res = self._layout(topk_idx, num_experts)
-        res.event = self._end(async_finish)
+        res.event = self._end(async_finish, (topk_idx,))
         return res
 
     def _layout(self, topk_idx, num_experts: int) -> LayoutResult:
@@ -380,7 +390,7 @@ class Buffer(DirectTransport):
             handle, em = self._with_expert_major(handle, expert_major, per_expert if notified else None, recv_x,
                                                  recv_scales, recv_topk_idx, num_experts, expert_alignment)
         return dispatch_result(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle,
-                                self._end(async_finish), em)
+                                self._end(async_finish, (x, x_scales, topk_idx, topk_weights)), em)
 
     def _transport(self, transport: str | None, handle: DispatchHandle | None) -> str:
         """The transport of a call: the handle's, else ``transport`` (default "queue")."""
@@ -544,7 +554,7 @@ class Buffer(DirectTransport):
         import cupy
         if not isinstance(handle, DispatchHandle) or handle.buffer_id != id(self):
             raise ValueError("combine needs a DispatchHandle made by this Buffer")
-        x = check(as_cupy(x, "x"), "x", BF16, ndim=2)
+        x = x_in = check(as_cupy(x, "x"), "x", BF16, ndim=2)
         N = handle.num_worst_tokens or handle.num_recv_tokens
         pair_weights = as_cupy(pair_weights, "pair_weights")
         em = EM.combine_is_expert_major(x.shape[0], N, handle.num_expert_rows, handle.recv_expert_row is not None,
@@ -595,7 +605,8 @@ class Buffer(DirectTransport):
                 self._combine_direct(fn, cfg, x, handle, row_weights, topk_weights, combined, combined_w, N,
                                      direct_rows, zero_copy)
         if handle.transport == "direct":  # the caller's stream waits (or not) outside the communication stream
-            return CombineResult(combined, combined_w, self._end(async_finish), reduced)
+            return CombineResult(combined, combined_w, self._end(async_finish, (x_in, topk_weights, row_weights,
+                                                                                 pair_weights)), reduced)
         with self.comm_stream:
             args = jit.pack(
                 K.COMBINE_ARGS_DTYPE, peers=jit.ptr(self.buffer.peer_ptrs), rs=K.ring_struct(rs), x=jit.ptr(x),
@@ -605,7 +616,8 @@ class Buffer(DirectTransport):
                 combined_topk_weights=jit.ptr(combined_w), num_tokens=T, num_topk=k, num_channels=cfg.num_channels,
                 rank=self.rank, guard=self._guard("intranode_combine"))
             fn((2 * cfg.num_channels,), (cfg.num_threads,), (args,))
-        return CombineResult(combined, combined_w, self._end(async_finish), reduced)
+        return CombineResult(combined, combined_w, self._end(async_finish, (x_in, topk_weights, row_weights,
+                                                                             pair_weights)), reduced)
 
     # ---------------------------------------------------------------- lifetime
     def synchronize(self) -> None:
@@ -618,6 +630,7 @@ class Buffer(DirectTransport):
     def destroy(self) -> None:
         """Collective: free the IPC buffer (after all ranks are done with it)."""
         import cupy
+        self._held = []  # destroy frees the buffers after every rank is done with them (SymmetricBuffer)
         if self._direct is not None:
             self._direct.destroy()
             self._direct = None

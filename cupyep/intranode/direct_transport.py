@@ -86,12 +86,14 @@ class DirectTransport:
             self._check_direct_resident(fused_fn, cfg, "fused direct dispatch")
         worst = handle.num_worst_tokens if handle is not None else num_worst_tokens
         worst_rows = self._agreed_rows(worst) if worst > 0 else 0  # worst-token mode: no counts reach the host
-        pos = cupy.empty((T, k), dtype=np.int32) if expert_major else None
         if worst_rows:  # sized before any launch (no host wait follows); a pool that cannot grow raises here
             self._worst_token_pool(shape, worst_rows, expert_major, k, E_local, expert_alignment)
         self._begin(previous_event)
         sent = False
         with self.comm_stream:
+            # On the communication stream, which its kernels use: memory the caller's stream
+            # could reuse as soon as this call returns (async_finish) would be overwritten under them.
+            pos = cupy.empty((T, k), dtype=np.int32) if expert_major else None
             if fused:  # layout, notify and (if the pools hold every receiver's rows) the send in one launch
                 handle, sent = self._dispatch_fused(fused_fn, cfg, x, x_scales, topk_idx, topk_weights, num_experts,
                                                     num_worst_tokens, expert_alignment, shape, worst_rows, pos,
@@ -140,7 +142,7 @@ class DirectTransport:
                 handle, em = self._with_expert_major(handle, False, None, recv_x, recv_scales, recv_topk_idx,
                                                      num_experts, expert_alignment)
         return dispatch_result(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle,
-                                self._end(async_finish), em)
+                                self._end(async_finish, (x, x_scales, topk_idx, topk_weights, pos)), em)
 
     def _worst_token_pool(self, shape, worst_rows: int, expert_major: bool, k: int, E_local: int,
                           alignment: int) -> None:
@@ -216,7 +218,6 @@ class DirectTransport:
         import cupy
         R = self.num_ranks
         T, H = x.shape
-        k = topk_idx.shape[1] if topk_idx is not None else 0
         C = D.notify_channels(R)
         worst = num_worst_tokens > 0
         pools = self._direct

@@ -429,3 +429,42 @@ def test_direct_worst_token_overflow_is_an_error(group):
         group.comm.Barrier()
     finally:
         b.destroy()
+
+
+@pytest.mark.parametrize("cached", [False, True])
+@pytest.mark.parametrize("transport", ["direct", "queue"])
+def test_async_expert_major_dispatch_survives_reuse_on_the_callers_stream(group, buf, transport, cached):
+    """An expert-major dispatch with async_finish=True whose kernels are held
+    back (the communication stream waits for a GPU sleep) while the caller's
+    stream at once allocates and fills arrays of every temporary's size:
+    memory the call's kernels still use must not be handed out there. The
+    output equals the same dispatch run synchronously. Cached: nothing waits
+    on the host, so the caller's fills run before the held-back kernels."""
+    import cupy
+    from cupyep.bench.timing import gpu_sleep
+    tokens, idx, w, x = _inputs(group, 61, 1000, 2048)
+    me = group.local_rank
+    T, k = len(x), idx[me].shape[1]
+    xs, ws = cupy.asarray(x), cupy.asarray(w[me])
+    kw = dict(num_experts=NUM_EXPERTS, expert_alignment=8, expert_major=True, transport=transport)
+    if cached:  # the reference is a synchronous cached call of the same handle (the bound's rows)
+        kw = dict(handle=buf.dispatch(xs, cupy.asarray(idx[me]), ws, **kw).handle, expert_alignment=8,
+                  expert_major=True)
+    ref_out = buf.dispatch(xs, cupy.asarray(idx[me]), ws, **kw)
+    want = {"expert_x": ref_out.expert_x.get(), "expert_src_row": ref_out.expert_src_row.get()}
+    del ref_out
+    side = cupy.cuda.Stream(non_blocking=True)
+    with side:
+        gpu_sleep(20000)  # 20 ms
+        held = cupy.cuda.Event(disable_timing=True)
+        held.record(side)
+    ids = cupy.asarray(idx[me])  # a fresh copy, dropped by the caller right after the call
+    out = buf.dispatch(xs, ids, ws, previous_event=held, async_finish=True, **kw)
+    del ids
+    junk = [cupy.full(n, -7, dtype=dt) for n, dt in ((T * k, np.int32), (T * k, np.int64), (T * 2, np.int64))]
+    cupy.cuda.get_current_stream().wait_event(out.event.event)
+    got = {"expert_x": out.expert_x.get(), "expert_src_row": out.expert_src_row.get()}
+    group.check_errors()
+    same = {key: np.array_equal(got[key], want[key]) for key in want}
+    del junk
+    assert all_ranks(group.comm, all(same.values())), same
