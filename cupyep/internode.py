@@ -36,7 +36,8 @@ ARGS_DTYPE = jit.struct_dtype([
     ("x", u64), ("topk_idx", u64), ("topk_weights", u64), ("rdma_slot", u64), ("send_head", u64),
     ("rank_prefix", u64), ("staging", u64), ("net_rows", u64), ("net_signal", u64), ("net_target", u64),
     ("net_count", u64), ("pools", u64), ("out_x", i64), ("out_idx", i64), ("out_w", i64), ("out_src", i64),
-    ("out_slot", i64), ("arrived", u64), ("arrived_target", u64), ("row_stride", i64), ("num_tokens", i32), ("num_topk", i32),
+    ("out_slot", i64), ("arrived", u64), ("arrived_target", u64), ("row_stride", i64), ("hop_ns", u64), ("num_tokens", i32),
+    ("num_topk", i32),
     ("x_int4", i32), ("num_ranks", i32), ("ranks_per_node", i32), ("num_local_experts", i32), ("rank", i32),
     ("guard", GUARD_DTYPE)])
 
@@ -45,9 +46,35 @@ COMBINE_ARGS_DTYPE = jit.struct_dtype([
     ("y", u64), ("recv_src_rank", u64), ("recv_src_idx", u64), ("recv_slot", u64), ("pools", u64),
     ("direct_in", i64), ("gather", i64), ("counters", u64), ("targets", u64), ("net_rows", u64),
     ("row_stride", i64), ("net_count", u64), ("staging", u64), ("net_in", u64), ("net_signal", u64),
-    ("net_target", u64), ("send_head", u64), ("out", u64), ("num_recv", i32), ("num_tokens", i32),
+    ("net_target", u64), ("send_head", u64), ("out", u64), ("hop_ns", u64), ("num_recv", i32), ("num_tokens", i32),
     ("max_tokens", i32), ("x_int4", i32), ("num_topk", i32), ("num_ranks", i32), ("ranks_per_node", i32),
     ("rank", i32), ("guard", GUARD_DTYPE)])
+
+
+# The hop metric (TwoHop*Args::hop_ns): the stamps to start a call from, and
+# the hops each kernel's four stamps delimit ((name, first stamp, last stamp)).
+HOP_STAMPS_INIT = (2**64 - 1, 0, 0, 0)
+DISPATCH_HOPS = (("network", 0, 1), ("forward", 1, 2), ("total", 0, 3))
+COMBINE_HOPS = (("node", 0, 1), ("network", 1, 2), ("reduce", 2, 3), ("total", 0, 3))
+
+
+def hop_times_us(stamps, hops) -> dict:
+    """{hop: microseconds} from one call's four %globaltimer stamps (host
+    ints) and DISPATCH_HOPS or COMBINE_HOPS; None for a hop whose stamps
+    were not both written."""
+    st = [int(v) for v in stamps]
+    if len(st) != 4:
+        raise ValueError(f"a call has four hop stamps, got {len(st)}")
+    unset = (HOP_STAMPS_INIT[0], 0)
+    return {name: ((st[b] - st[a]) / 1e3 if st[a] not in unset and st[b] not in unset else None)
+            for name, a, b in hops}
+
+
+def _check_hop(hop_ns):
+    if hop_ns is None:
+        return None
+    from .arrays import as_cupy, check
+    return check(as_cupy(hop_ns, "hop_ns"), "hop_ns", np.uint64, shape=(4,))
 
 
 def spec(num_threads: int = THREADS) -> jit.KernelSpec:
@@ -168,11 +195,16 @@ class TwoHopDispatch:
                              dtype=np.int64)
         return counts, node_counts, rpm, send_head, slot, net_count
 
-    def dispatch(self, x, topk_idx, topk_weights) -> TwoHopResult:
+    def dispatch(self, x, topk_idx, topk_weights, hop_ns=None) -> TwoHopResult:
+        """One two-hop dispatch (collective). ``hop_ns``: cupy uint64 [4] or
+        None, the hop metric: set it to :data:`HOP_STAMPS_INIT` before the
+        call and the kernel writes its stamps (TwoHopDispatchArgs::hop_ns;
+        :func:`hop_times_us` turns them into each hop's time)."""
         import cupy
 
         from .arrays import BF16, as_cupy, check
         x = check(as_cupy(x, "x"), "x", BF16, ndim=2)
+        hop_ns = _check_hop(hop_ns)
         T, H = x.shape
         if H != self.hidden or T > self.max_tokens:
             raise ValueError(f"x is [{T}, {H}]; this dispatch takes at most {self.max_tokens} tokens of {self.hidden}")
@@ -201,7 +233,8 @@ class TwoHopDispatch:
             pools=self.pool.peer_ptrs.data.ptr, out_x=self._lay["x"], out_idx=self._lay["idx"],
             out_w=self._lay["w"], out_src=self._lay["src"], out_slot=self._lay["slot"],
             arrived=self.arrived_ptrs.data.ptr,
-            arrived_target=dev["arrived_target"].data.ptr, row_stride=self.stride, num_tokens=T, num_topk=self.k,
+            arrived_target=dev["arrived_target"].data.ptr, row_stride=self.stride, hop_ns=jit.ptr(hop_ns),
+            num_tokens=T, num_topk=self.k,
             x_int4=H * 2 // 16, num_ranks=self.R, ranks_per_node=self.K, num_local_experts=self.E // self.R,
             rank=self.me, guard=jit.pack(GUARD_DTYPE, **self.group.guard("internode_two_hop_dispatch")))
         self._launch(self.fn, args)
@@ -230,12 +263,14 @@ class TwoHopDispatch:
         self.group.check_errors()
         self.last_kernel_us = cupy.cuda.get_elapsed_time(start, end) * 1e3
 
-    def combine(self, y):
+    def combine(self, y, hop_ns=None):
         """Reduce the expert outputs of the last dispatch back to its tokens.
 
         Arguments:
             y: cupy [N, H] uint16 BF16 bits, one row per row the last dispatch
                received (its order), unweighted.
+            hop_ns: cupy uint64 [4] or None: the hop metric, as dispatch's
+               (TwoHopCombineArgs::hop_ns).
 
         Returns:
             cupy [T, H] uint16: per token, the FP32 sum over nodes in node order
@@ -250,6 +285,7 @@ class TwoHopDispatch:
             raise ValueError("combine needs a dispatch first (it reduces the last dispatch's rows)")
         L = self._last
         y = check(as_cupy(y, "y"), "y", BF16, shape=(L["n"], self.hidden))
+        hop_ns = _check_hop(hop_ns)
         R, K, N, me = self.R, self.K, self.N, self.me
         own, local = me // K, me % K
         counts = L["counts"]
@@ -275,7 +311,8 @@ class TwoHopDispatch:
             counters=self.counter_ptrs.data.ptr, targets=targets.data.ptr, net_rows=self.net_rows.data.ptr,
             row_stride=self.stride, net_count=L["dev"]["net_count"].data.ptr, staging=staging.data.ptr,
             net_in=self.cnet_in.data.ptr, net_signal=self.cnet_signal.data.ptr, net_target=net_target.data.ptr,
-            send_head=L["dev"]["head"].data.ptr, out=out.data.ptr, num_recv=L["n"], num_tokens=L["T"],
+            send_head=L["dev"]["head"].data.ptr, out=out.data.ptr, hop_ns=jit.ptr(hop_ns), num_recv=L["n"],
+            num_tokens=L["T"],
             max_tokens=self.max_tokens, x_int4=self.hidden * 2 // 16, num_topk=self.k, num_ranks=R,
             ranks_per_node=K, rank=me, guard=jit.pack(GUARD_DTYPE, **self.group.guard("internode_two_hop_combine")))
         self._launch(self.combine_fn, args)

@@ -9,6 +9,12 @@ asks for none pays one untaken branch:
   ``queue_occupancy=q`` (uint64 [3]) adds the rows each receiver poll finds
   waiting in its ring to ``q[0]``, the polls to ``q[1]`` and keeps their
   maximum in ``q[2]``;
+- across nodes: ``TwoHopDispatch.dispatch(..., hop_ns=s)`` and
+  ``combine(..., hop_ns=s)`` (uint64 [4], set to
+  ``cupyep.internode.HOP_STAMPS_INIT`` first) write four %globaltimer stamps
+  that delimit each hop: the network hop and the NVLink forwarding of the
+  dispatch, the in-node hop, the network hop and the final reduction of the
+  combine;
 - low-latency mode: ``LowLatencyBuffer.dispatch(...,
   dispatch_wait_recv_cost_stats=w)`` (int64 [R]) adds the nanoseconds block 0
   waited for each source rank's flag (the signal-slot wait) to ``w[src]``, and
@@ -96,6 +102,41 @@ def queue_metrics(group, call, queue_depth: int, calls: int = 10) -> dict:
     mine = stats.get()
     every = np.stack(group.comm.allgather(mine))
     return occupancy((every[:, 0].sum(), every[:, 1].sum(), every[:, 2].max()), queue_depth)
+
+
+def slowest_medians(group, samples: list[dict]) -> dict:
+    """{name: the slowest rank's median over ``samples``} of per-call dicts
+    (None values skipped; None where a name has no value on any rank)."""
+    from mpi4py import MPI
+    names = list(samples[0]) if samples else []
+    out = {}
+    for name in names:
+        vals = [v[name] for v in samples if v.get(name) is not None]
+        mine = float(np.median(vals)) if vals else -1.0
+        most = group.comm.allreduce(mine, op=MPI.MAX)
+        out[name] = most if most >= 0 else None
+    return out
+
+
+def two_hop_metrics(group, two_hop, x, topk_idx, topk_weights, calls: int = 10) -> dict:
+    """Per-hop times of ``calls`` two-hop dispatches and their combines
+    (identity experts: each received row combined back), untimed. Returns
+    {"dispatch_hop_us": {"network", "forward", "total"}, "combine_hop_us":
+    {"node", "network", "reduce", "total"}}, each the slowest rank's median
+    over the calls (cupyep.internode.DISPATCH_HOPS / COMBINE_HOPS)."""
+    import cupy
+
+    from .internode import COMBINE_HOPS, DISPATCH_HOPS, HOP_STAMPS_INIT, hop_times_us
+    init = np.array(HOP_STAMPS_INIT, dtype=np.uint64)
+    d, c = [], []
+    for _ in range(calls):
+        stamps = cupy.asarray(init)
+        out = two_hop.dispatch(x, topk_idx, topk_weights, hop_ns=stamps)
+        d.append(hop_times_us(stamps.get(), DISPATCH_HOPS))
+        stamps = cupy.asarray(init)
+        two_hop.combine(out.recv_x.copy(), hop_ns=stamps)
+        c.append(hop_times_us(stamps.get(), COMBINE_HOPS))
+    return {"dispatch_hop_us": slowest_medians(group, d), "combine_hop_us": slowest_medians(group, c)}
 
 
 def low_latency_metrics(group, buf, x, topk_idx, calls: int = 10, use_fp8: bool = True) -> dict:

@@ -12,7 +12,11 @@ bytes, one row per (token, remote node); the NVLink bytes, every row a rank
 receives; and the bytes the per-node deduplication saves against one row
 per (token, remote rank). The first call's output is checked against the
 one-node oracle (cupyep.reference.intranode_dispatch) and the combine
-against the exact sum (calc_diff < 5e-6) before anything is timed.
+against the exact sum (calc_diff < 5e-6) before anything is timed. "hop_us":
+each hop's time from the kernels' own stamps over 10 more, untimed calls
+(cupyep.metrics.two_hop_metrics): the dispatch's network hop, its NVLink
+forwarding and the whole kernel; the combine's in-node hop, network hop and
+final reduction.
 """
 import argparse
 import time
@@ -50,6 +54,7 @@ def main():
     from mpi4py import MPI
 
     from cupyep.internode import TwoHopDispatch
+    from cupyep.metrics import two_hop_metrics
     from cupyep.reference import internode as I
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="results/internode.jsonl")
@@ -74,6 +79,7 @@ def main():
     out = hop.dispatch(x, ids, ws)
     comb = hop.combine(out.recv_x.copy())  # identity experts: each token's row times the ranks it visited
     _check(group, out, comb, idx, w, tokens, E, H)
+    hops = two_hop_metrics(group, hop, x, ids, ws)  # untimed calls with the hop stamps (cupyep.metrics)
     traffic = I.two_hop_traffic(I.two_hop_routes(idx, E, R, K), K, H * 2)
     writer = JsonlWriter(args.out, group)
     for kind in ("dispatch_bf16", "combine_bf16"):
@@ -96,6 +102,7 @@ def main():
                       "rdma_bytes": traffic.rdma_bytes, "rdma_bytes_without_dedup": traffic.rdma_bytes_without_dedup,
                       "dedup_saved_bytes": traffic.saved_bytes, "nvlink_bytes": traffic.nvlink_bytes,
                       "rdma_GBps": traffic.rdma_bytes / t_us / 1e3, "nvlink_GBps": traffic.nvlink_bytes / t_us / 1e3,
+                      "hop_us": hops["dispatch_hop_us" if kind == "dispatch_bf16" else "combine_hop_us"],
                       "checked": True, "version": "host plan, device data path"})
     hop.destroy()
     group.destroy()

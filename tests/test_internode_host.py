@@ -57,3 +57,14 @@ def test_each_ranks_plan_is_the_reference_plan(R, K):
 def test_network_row_layout():
     assert INTER.row_stride(7168, 8, 4) == 14512  # 14336 payload + 168 metadata, rounded up to 16
     assert INTER.row_stride(128, 1, 3) % 16 == 0 and INTER.row_stride(128, 1, 3) >= 256 + 8 * 6
+
+
+def test_hop_times_are_differences_of_the_stamps_and_none_where_unwritten():
+    assert INTER.hop_times_us([1000, 4000, 9000, 10000], INTER.DISPATCH_HOPS) == {
+        "network": 3.0, "forward": 5.0, "total": 9.0}
+    assert INTER.hop_times_us([1000, 4000, 9000, 10000], INTER.COMBINE_HOPS) == {
+        "node": 3.0, "network": 5.0, "reduce": 1.0, "total": 9.0}
+    unset = INTER.hop_times_us(list(INTER.HOP_STAMPS_INIT), INTER.DISPATCH_HOPS)
+    assert unset == {"network": None, "forward": None, "total": None}
+    with pytest.raises(ValueError):
+        INTER.hop_times_us([1, 2, 3], INTER.DISPATCH_HOPS)

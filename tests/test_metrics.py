@@ -63,3 +63,21 @@ def test_occupancy_is_rows_waiting_per_poll_over_the_depth():
     assert M.occupancy([96, 12, 16], 32) == {"queue_occupancy_mean": 0.25, "queue_occupancy_max": 0.5}
     assert M.occupancy(np.array([0, 0, 0], dtype=np.uint64), 32) == {"queue_occupancy_mean": None,
                                                                     "queue_occupancy_max": None}
+
+
+class _MaxComm:
+    """allreduce(MAX) against one other rank whose values come in call order."""
+
+    def __init__(self, others):
+        self.others = list(others)
+
+    def allreduce(self, v, op=None):
+        return max(v, self.others.pop(0))
+
+
+def test_slowest_medians_skip_missing_values():
+    group = type("G", (), {"comm": _MaxComm([2.5, -1.0])})()  # the other rank: a's median 2.5, no b
+    got = M.slowest_medians(group, [{"a": 1.0, "b": None}, {"a": 3.0, "b": None}, {"a": 2.0, "b": None}])
+    assert got == {"a": 2.5, "b": None}
+    group = type("G", (), {"comm": _MaxComm([0.0])})()
+    assert M.slowest_medians(group, [{"a": 1.0}, {"a": 5.0}]) == {"a": 3.0}

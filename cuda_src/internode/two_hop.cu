@@ -56,6 +56,10 @@ struct TwoHopDispatchArgs {
     int64_t* const* arrived;      // [K] each local rank's arrived[R] counters (IPC), all calls
     const int64_t* arrived_target;// [R] this call's cumulative target of my arrived[s]
     int64_t row_stride;           // bytes of a network row: payload, then 1 + 2k + K int64-sized words
+    uint64_t* hop_ns;             // [4] or null (a metric, %globaltimer ns): the earliest block start (min),
+                                  // when a block saw every source node's rows, when a block finished
+                                  // forwarding, when block 0 saw every row arrive (max each); the caller
+                                  // sets it to {UINT64_MAX, 0, 0, 0} before the call
     int num_tokens;
     int num_topk;
     int x_int4;
@@ -65,6 +69,16 @@ struct TwoHopDispatchArgs {
     int rank;
     Guard guard;
 };
+
+// The hop metric: stamp `which` of a [4] stamps array with this moment
+// (slot 0 keeps the earliest, the others the latest). Thread 0 of a block.
+__device__ __forceinline__ void hop_stamp(uint64_t* hop_ns, int which) {
+    if (hop_ns == nullptr) return;
+    auto* h = reinterpret_cast<unsigned long long*>(hop_ns);
+    const unsigned long long now = global_timer_ns();
+    if (which == 0) atomicMin(h, now);
+    else atomicMax(h + which, now);
+}
 
 template <int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatchArgs a) {
@@ -77,6 +91,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
     auto ld = [](const int4* p) { return ld_nc_na_v4(p); };  // inputs: read-only for the whole kernel
     auto ld_cv = [](const int4* p) { return __ldcv(p); };     // network rows: written by peers during it
     auto st = [](int4* p, const int4& v) { st_na_v4(p, v); };
+    if (threadIdx.x == 0) hop_stamp(a.hop_ns, 0);
 
     // Writes row `src_row` (payload and its metadata) for destination d at rank-major row `row`;
     // `landed`: the row came over the network during this kernel (coherent loads).
@@ -151,6 +166,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
     }
     __syncthreads();
     if (s_fail) return;
+    if (threadIdx.x == 0) hop_stamp(a.hop_ns, 1);
     __threadfence_system();
     int64_t rows_now = 0;
     for (int m = 0; m < N; ++m) rows_now += a.net_count[m];
@@ -174,11 +190,19 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
             count_arrival(j, s);
         }
     }
+    if (a.hop_ns) {  // the same for every thread: the block's forwarding is done
+        __syncthreads();
+        if (threadIdx.x == 0) hop_stamp(a.hop_ns, 2);
+    }
 
     // 4. Block 0 waits until every source's rows have arrived here.
     if (blockIdx.x == 0) {
         for (int s = threadIdx.x; s < R; s += blockDim.x) {
             if (!wait_geq(a.arrived[local] + s, a.arrived_target[s], a.guard, 1, s)) break;
+        }
+        if (a.hop_ns) {
+            __syncthreads();
+            if (threadIdx.x == 0) hop_stamp(a.hop_ns, 3);
         }
     }
 }
@@ -218,6 +242,10 @@ struct TwoHopCombineArgs {
     const int64_t* net_target;    // [N] this call's cumulative targets of net_signal (own node: unused)
     const int64_t* send_head;     // [T, R] the dispatch's: where token t went (-1: not to that rank)
     int4* out;                    // [T, x_int4] BF16
+    uint64_t* hop_ns;             // [4] or null (a metric, as the dispatch's): the earliest block start, when
+                                  // a block saw its node's rows for every slot (rail peer), when a block saw
+                                  // every row and partial of its tokens (source), when a block finished
+                                  // its final sums
     int num_recv;
     int num_tokens;
     int max_tokens;
@@ -261,7 +289,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_combine(TwoHopCombineA
     auto ld = [](const int4* p) { return ld_nc_na_v4(p); };
     auto st = [](int4* p, const int4& v) { st_na_v4(p, v); };
     __shared__ int s_fail;
-    if (threadIdx.x == 0) s_fail = 0;
+    if (threadIdx.x == 0) {
+        s_fail = 0;
+        hop_stamp(a.hop_ns, 0);
+    }
 
     // 1. Every received row to its source (own node) or to the rail peer for its source.
     for (int64_t r = gw; r < a.num_recv; r += num_gw) {
@@ -285,7 +316,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_combine(TwoHopCombineA
 
     // 2. As a rail peer: once my node's rows for every slot are here, one partial per slot to its source.
     __syncthreads();
-    if (threadIdx.x == 0 && !wait_geq(a.counters[local] + 1, a.targets[1], a.guard, 0, -1)) s_fail = 1;
+    if (threadIdx.x == 0) {
+        if (!wait_geq(a.counters[local] + 1, a.targets[1], a.guard, 0, -1)) s_fail = 1;
+        else hop_stamp(a.hop_ns, 1);
+    }
     __syncthreads();
     if (s_fail) return;
     __threadfence_system();
@@ -322,6 +356,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_combine(TwoHopCombineA
         for (int m = 0; m < N && !s_fail; ++m)
             if (m != my_node && !wait_signal(a.net_signal + m, a.net_target[m], a.guard, /*phase=*/2, m * K + local))
                 s_fail = 1;
+        if (!s_fail) hop_stamp(a.hop_ns, 2);
     }
     __syncthreads();
     if (s_fail) return;
@@ -346,6 +381,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_combine(TwoHopCombineA
             }
             a.out[t * w + c] = bf16x8_pack(acc);
         }
+    }
+    if (a.hop_ns) {
+        __syncthreads();
+        if (threadIdx.x == 0) hop_stamp(a.hop_ns, 3);
     }
 }
 

@@ -94,6 +94,36 @@ def test_two_hop_combine_is_bitwise_the_emulation(group, two_hop, seed, num_toke
     assert all_ranks(group.comm, ok), (diff, int((got != want).sum()))
 
 
+def test_hop_stamps_delimit_every_hop(group, two_hop):
+    """With hop_ns the kernels stamp every hop: each duration is written,
+    non-negative and below the whole kernel's; the results are those of a
+    call without stamps (the metric changes nothing else)."""
+    import cupy
+    from cupyep import internode as INTER
+    from cupyep.metrics import two_hop_metrics
+    me = group.rank
+    idx, w = global_routing(8, [200] * group.world_size, E, K_TOPK)
+    x, ids, ws = cupy.asarray(payload_bf16(me, np.arange(200), H)), cupy.asarray(idx[me]), cupy.asarray(w[me])
+    plain = two_hop.dispatch(x, ids, ws).recv_x.get()
+    stamps = cupy.asarray(np.array(INTER.HOP_STAMPS_INIT, dtype=np.uint64))
+    out = two_hop.dispatch(x, ids, ws, hop_ns=stamps)
+    d = INTER.hop_times_us(stamps.get(), INTER.DISPATCH_HOPS)
+    same = np.array_equal(out.recv_x.get(), plain)
+    stamps = cupy.asarray(np.array(INTER.HOP_STAMPS_INIT, dtype=np.uint64))
+    two_hop.combine(out.recv_x.copy(), hop_ns=stamps)
+    c = INTER.hop_times_us(stamps.get(), INTER.COMBINE_HOPS)
+    ok = same and all(v is not None and 0 <= v < 1e6 for v in (*d.values(), *c.values()))
+    ok = ok and d["network"] <= d["total"] and abs(c["node"] + c["network"] + c["reduce"] - c["total"]) < 1e-6
+    assert all_ranks(group.comm, ok), (same, d, c)
+    m = two_hop_metrics(group, two_hop, x, ids, ws, calls=3)
+    ok = set(m["dispatch_hop_us"]) == {"network", "forward", "total"} and \
+        all(v is not None and v >= 0 for part in m.values() for v in part.values())
+    assert all_ranks(group.comm, ok), m
+    with pytest.raises(ValueError, match="hop_ns"):
+        two_hop.dispatch(x, ids, ws, hop_ns=cupy.zeros(4, dtype=np.int64))
+    group.comm.Barrier()
+
+
 def test_a_rank_that_never_dispatches_is_named_within_the_timeout(group, two_hop):
     """Rank 0 stays away from one dispatch: every other rank raises
     CommTimeoutError naming rank 0 within the (shortened) timeout. Last in
