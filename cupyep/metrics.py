@@ -139,14 +139,21 @@ def two_hop_metrics(group, two_hop, x, topk_idx, topk_weights, calls: int = 10) 
     return {"dispatch_hop_us": slowest_medians(group, d), "combine_hop_us": slowest_medians(group, c)}
 
 
-def low_latency_metrics(group, buf, x, topk_idx, calls: int = 10, use_fp8: bool = True) -> dict:
+def low_latency_metrics(group, buf, x, topk_idx, calls: int = 10, use_fp8: bool = True, barrier=None,
+                        sleep_us: float = 400.0) -> dict:
     """Signal waits, slot utilisation and received-token imbalance of
     ``calls`` low-latency dispatches (each combined away, so the buffer's
     sets stay in step). Returns {"wait_us_p50", "wait_us_p99", "wait_us_max"}
     over every (call, source rank) wait of every rank, those waits
     themselves ("wait_us_samples", for a CDF), "slot_utilisation"
     (slots used / slots allocated, mean over calls and ranks) and
-    "expert_recv_imbalance" (max / mean over all ranks' experts)."""
+    "expert_recv_imbalance" (max / mean over all ranks' experts).
+
+    ``barrier`` (a cupyep.barrier.GpuBarrier, or None): line the ranks up on
+    the GPU before each call, after a GPU sleep of ``sleep_us`` that lets
+    every host queue the call first (as the timed rounds do), so that a wait
+    measures the protocol and not how late a peer's host launched. Without
+    it the waits include that launch skew."""
     import cupy
     R = group.local_size
     El = buf.num_local_experts
@@ -154,6 +161,10 @@ def low_latency_metrics(group, buf, x, topk_idx, calls: int = 10, use_fp8: bool 
     waits, used = [], []
     for _ in range(calls):
         wait = cupy.zeros(R, dtype=np.int64)
+        if barrier is not None:
+            from .bench.timing import gpu_sleep
+            gpu_sleep(sleep_us)
+            barrier()
         d = buf.dispatch(x, topk_idx, use_fp8=use_fp8, cumulative_local_expert_recv_stats=recv_stats,
                          dispatch_wait_recv_cost_stats=wait)
         cupy.cuda.runtime.deviceSynchronize()

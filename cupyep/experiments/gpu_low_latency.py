@@ -37,7 +37,9 @@ num_threads, programmatic_launch, buffer_bytes), "imbalance_factor" of
 the routing, and for the dispatch kinds the in-kernel metrics of 10 more,
 untimed dispatches (cupyep.metrics): the signal-slot waits "wait_us_p50",
 "wait_us_p99", "wait_us_max" over every (call, source rank) and those
-waits themselves ("wait_us_samples", for cupyep.plotting.cdf_figure),
+waits themselves ("wait_us_samples", for cupyep.plotting.cdf_figure; each
+call after a GPU sleep and a GPU barrier, so a wait is the protocol's, not a
+peer's late launch),
 "slot_utilisation" and "expert_recv_imbalance". The barrier and the copy
 bandwidth are kept between configurations, and the buffer while its configuration stays the same.
 """
@@ -161,7 +163,8 @@ def run(group, cfg: dict) -> dict:
     if cfg["kind"] in ("dispatch_fp8", "dispatch_bf16"):  # untimed calls after the timed ones (cupyep.metrics)
         from ..metrics import low_latency_metrics
         metrics.update(low_latency_metrics(group, buf, x, cupy.asarray(idx[me]),
-                                           use_fp8=cfg["kind"] == "dispatch_fp8"))
+                                           use_fp8=cfg["kind"] == "dispatch_fp8", barrier=bar,
+                                           sleep_us=float(cfg["sleep_us"])))
     return metrics
 
 

@@ -98,19 +98,23 @@ def test_queue_occupancy_bounds_follow_the_received_rows(group, buf, fp8):
         buf.dispatch(x, ids, num_experts=E, queue_occupancy=cupy.zeros(3, dtype=np.int64))
 
 
-def test_low_latency_metrics_match_the_routing(group):
+@pytest.mark.parametrize("lined_up", [False, True])
+def test_low_latency_metrics_match_the_routing(group, lined_up):
     """Slots used and tokens received per expert are exactly what the routing
     sends; the received-token imbalance equals the routing's imbalance factor;
-    every wait is a finite, non-negative time."""
+    every wait is a finite, non-negative time, one per (call, source rank) of
+    every rank; with a GPU barrier before each call as without."""
     import cupy
     import cupyep
+    from cupyep.barrier import GpuBarrier
     me, R = group.local_rank, group.local_size
     T, H, calls = 96, 2048, 4
     idx, _ = global_routing(5, [T] * R, E, K)
     ll = cupyep.LowLatencyBuffer(group, 128, H, E)
+    bar = GpuBarrier(group) if lined_up else None
     try:
         x = cupy.asarray(payload_bf16(me, np.arange(T), H))
-        m = M.low_latency_metrics(group, ll, x, cupy.asarray(idx[me]), calls=calls)
+        m = M.low_latency_metrics(group, ll, x, cupy.asarray(idx[me]), calls=calls, barrier=bar, sleep_us=50.0)
         pairs = sum(int((a >= 0).sum()) for a in idx)  # (token, expert) pairs of all ranks per call
         slots = (E // R) * ll.layout.slots
         ok = {
@@ -118,9 +122,12 @@ def test_low_latency_metrics_match_the_routing(group):
             "imbalance": m["expert_recv_imbalance"] == pytest.approx(routing.imbalance_factor(idx, E)),
             "waits": all(m[k] is not None and 0 <= m[k] < 1e6 for k in ("wait_us_p50", "wait_us_p99", "wait_us_max"))
                      and m["wait_us_p50"] <= m["wait_us_p99"] <= m["wait_us_max"],
+            "samples": len(m["wait_us_samples"]) == calls * R * R and max(m["wait_us_samples"]) == m["wait_us_max"],
         }
         assert all_ranks(group.comm, all(ok.values())), (m, ok)
     finally:
         ll.synchronize()
         group.comm.Barrier()
         ll.destroy()
+        if bar is not None:
+            bar.destroy()
