@@ -6,6 +6,7 @@
     python -m cupyep.plotting FILE.jsonl cdf --samples wait_us --by ranks --out waits
     python -m cupyep.plotting FILE.jsonl crossover --x tokens --y time_us --by mode --out cross
     python -m cupyep.plotting FILE.jsonl scatter --x rank_GBps --y calc_diff --by kind --out fp8
+    python -m cupyep.plotting RUN_DIR main      # RUN_DIR/normal.png, low_latency.png (+ .svg)
 
 Records are the JSON objects of a JSONL file (the benchmarks', the main
 job's and the sweeps' all work). A field is named by its key, or by a dotted
@@ -26,7 +27,28 @@ runs alike); :func:`save` writes a figure as PNG and SVG.
 - :func:`crossover_figure`: time against a knob for several modes, with the
   knob values where the fastest mode changes (:func:`crossovers`) marked;
 - :func:`scatter_figure`: one metric against another (FP8 error against
-  bandwidth; imbalance factor against straggler time).
+  bandwidth; imbalance factor against straggler time);
+- :func:`main_normal_figure` and :func:`main_low_latency_figure`: the main
+  job's two figures of a run folder (``results/main/<UTC time>/``), which
+  :func:`main_figures` saves there as ``normal`` and ``low_latency``.
+
+The main job's normal-mode figure has GB/s per rank (received rows x row
+bytes / time) per kind and rank count, the naive baseline's dispatch and
+combine at the same tokens beside them (hatched, grey), and the copy roofline
+per rank (a dashed line over each rank count's bars):
+
+    copy roofline per rank = copy_GBps / (2 x ranks per GPU)
+
+``copy_GBps`` is the copy kernel's bandwidth in read + write bytes per
+second; receiving B bytes takes at least one pass that reads B and writes B,
+and the ranks sharing a GPU share its bandwidth. So the line is the most a
+rank can receive per second on a one-copy design; a two-copy design (the
+normal mode's ring queues) meets half of it when every byte goes through HBM
+twice. The low-latency figure has the kernel median (slowest rank) per kind
+and rank count, one panel per token count (128 and 1), the naive baseline's
+whole-call median beside it (hatched, grey), on a log scale. Both read only
+the records timed on each bench's default boundary (strict; the naive
+baseline's host-aligned one), sweep points left out.
 """
 from __future__ import annotations
 
@@ -38,6 +60,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .bench.summary import DEFAULT_TIMINGS, record_time_us
 from .experiments.grid import parse_value
 
 UNITS = {"us": "us", "ms": "ms", "s": "s", "GBps": "GB/s", "bytes": "bytes", "MiB": "MiB"}
@@ -121,20 +144,33 @@ def _series(records, x, y):
     return xs, [float(np.median(pts[v])) for v in xs]
 
 
-def _figure(width=7.0, height=4.2):
+def _figure(width=7.0, height=4.2, ncols: int | None = None):
+    """A Figure and its Axes; with ``ncols``, a list of that many side by side."""
     from matplotlib.figure import Figure
     fig = Figure(figsize=(width, height), layout="constrained")
-    return fig, fig.subplots()
+    if ncols is None:
+        return fig, fig.subplots()
+    return fig, list(fig.subplots(1, ncols, squeeze=False)[0])
 
 
-def _finish(ax, xlabel: str, ylabel: str, title: str, legend: bool = True) -> None:
-    """Axis labels, grid, legend and title of a line, CDF or scatter figure."""
+def _finish(ax, xlabel: str, ylabel: str, title: str, legend: bool = True, grid: str = "both") -> None:
+    """Axis labels, grid (``grid``: "both", "x" or "y"), legend and title of a figure's axes."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
+    ax.grid(alpha=0.3, axis=grid)
+    ax.set_axisbelow(True)
     if legend:
         ax.legend(fontsize="small")
     ax.set_title(title, fontsize="medium")
+
+
+def _legend_beside(fig, axes) -> None:
+    """One legend for all of ``axes``, to the right of them (each label once)."""
+    seen: dict = {}
+    for ax in axes:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(lab, h)
+    fig.legend(list(seen.values()), list(seen), loc="outside right upper", fontsize="small")
 
 
 def _log_if_wide(ax, xs, axis="x"):
@@ -323,6 +359,192 @@ def scatter_figure(records, x: str, y: str, by: str | None = None, where: dict |
     return fig
 
 
+# ------------------------------------------------------ the main job's figures ---
+
+MAIN_NORMAL_KINDS = ("dispatch_bf16", "dispatch_fp8", "dispatch_bf16_notify", "combine_bf16",
+                     "dispatch_bf16_direct", "dispatch_fp8_direct", "dispatch_bf16_notify_direct",
+                     "combine_bf16_direct", "dispatch_bf16_notify_unfused_direct", "combine_bf16_zero_copy_direct",
+                     "dispatch_bf16_expert_major", "dispatch_bf16_expert_major_direct")
+MAIN_LOW_LATENCY_KINDS = ("dispatch_fp8", "dispatch_bf16", "combine", "combine_pull", "combine_zero_copy",
+                          "combine_zero_copy_push")
+MAIN_NAIVE_KINDS = ("dispatch", "combine")
+ROOFLINE_LABEL = "copy roofline per rank = copy GB/s / (2 x ranks per GPU)"
+
+
+def copy_roofline_per_rank(rec: dict) -> float | None:
+    """GB/s per rank of one read + write pass: copy_GBps / (2 x ranks per GPU)."""
+    if not rec.get("copy_GBps"):
+        return None
+    per_gpu = rec.get("env", {}).get("ranks_per_gpu") or rec.get("ranks", 1)
+    return rec["copy_GBps"] / (2 * per_gpu)
+
+
+def _default_timing(records, bench: str) -> list[dict]:
+    """Records of ``bench`` timed on its default boundary, sweep points left out."""
+    return [r for r in records if r.get("bench") == bench and r.get("timing") in DEFAULT_TIMINGS
+            and not r.get("sweep")]
+
+
+def _by_ranks(records, kind, value) -> dict:
+    """{ranks: value(rec)} of the last record of ``kind`` at each rank count."""
+    return {r["ranks"]: value(r) for r in records if r.get("kind") == kind and value(r) is not None}
+
+
+def _bars(ax, series, ranks, order, width=0.8) -> None:
+    """Grouped bars, a group per rank count (x ticks at the counts only).
+
+    ``series``: [(label, {ranks: value}, hatched)]; ``order``: every label of
+    the figure, so that a label has the same colour in every panel. Hatched
+    series (the naive baseline) are grey."""
+    from matplotlib import colormaps
+    greys = ("0.55", "0.8", "0.35", "0.95")
+    plain = [lab for lab, hatched in order if not hatched]
+    # tab10 up to 10 series; tab20 (light and dark pairs) beyond, where tab10 would repeat
+    colours = colormaps["tab10" if len(plain) <= 10 else "tab20"].colors
+    hatched_labels = [lab for lab, hatched in order if hatched]
+    w = width / max(1, len(series))
+    for i, (lab, vals, hatched) in enumerate(series):
+        xs = [j + (i - (len(series) - 1) / 2) * w for j in range(len(ranks))]
+        if hatched:
+            style = dict(hatch="//", color=greys[hatched_labels.index(lab) % len(greys)], edgecolor="black",
+                         linewidth=0.5)
+        else:
+            style = dict(color=colours[plain.index(lab) % len(colours)])
+        ax.bar(xs, [vals.get(n, 0) for n in ranks], w, label=lab, **style)
+    ax.set_xticks(range(len(ranks)), [str(n) for n in ranks])
+    ax.set_xlim(-0.5, len(ranks) - 0.5)
+
+
+def _log_y_plain(ax) -> None:
+    """Log y axis with ticks at 1, 2 and 5 times the powers of ten, written
+    as plain numbers (20, 50, 100 rather than only 10^2 and 10^3)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _gpu(records) -> str:
+    return next((r["env"]["gpu"] for r in records if (r.get("env") or {}).get("gpu")), "GPU")
+
+
+def _run_file(run_dir, name) -> list[dict]:
+    path = Path(run_dir) / name
+    return load(path) if path.exists() else []
+
+
+def main_normal_figure(run_dir, title: str | None = None):
+    """The main job's normal-mode figure of a run folder: GB/s per rank of
+    each kind at each rank count (``normal.jsonl``), the naive baseline's
+    dispatch and combine at the same tokens beside them (``naive.jsonl``,
+    hatched) and the copy roofline per rank over each rank count's bars.
+
+    Arguments:
+        run_dir: a folder the main job wrote (``results/main/<UTC time>/``).
+        title: figure title (default: the GPU and the tokens per rank, or the
+            backend when the run was not on the kernels).
+
+    Returns:
+        matplotlib.figure.Figure.
+
+    Raises:
+        ValueError: no normal-mode record with ``rank_GBps`` in the folder.
+    """
+    recs = [r for r in _default_timing(_run_file(run_dir, "normal.jsonl"), "normal") if r.get("rank_GBps") is not None]
+    if not recs:
+        raise ValueError(f"no normal-mode records with rank_GBps in {run_dir}")
+    tokens = {r.get("tokens") for r in recs}
+    naive = [r for r in _default_timing(_run_file(run_dir, "naive.jsonl"), "naive") if r.get("tokens") in tokens]
+    ranks = sorted({r["ranks"] for r in recs} | {r["ranks"] for r in naive})
+    kinds = [k for k in MAIN_NORMAL_KINDS if any(r["kind"] == k for r in recs)]
+    kinds += sorted({r["kind"] for r in recs} - set(kinds))
+
+    def gbps(r):
+        return r.get("rank_GBps")
+    series = [(k, _by_ranks(recs, k, gbps), False) for k in kinds]
+    series += [(f"naive {k}", _by_ranks(naive, k, gbps), True) for k in MAIN_NAIVE_KINDS
+               if any(r["kind"] == k for r in naive)]
+    fig, ax = _figure(width=11.0, height=4.8)
+    _bars(ax, series, ranks, [(lab, hatched) for lab, _, hatched in series])
+    labelled = False
+    for j, n in enumerate(ranks):
+        roof = next((copy_roofline_per_rank(r) for r in reversed(recs)
+                     if r["ranks"] == n and copy_roofline_per_rank(r)), None)
+        if roof:
+            ax.hlines(roof, j - 0.45, j + 0.45, colors="black", linestyles="--", linewidth=1.2,
+                      label=None if labelled else ROOFLINE_LABEL)
+            labelled = True
+    backend = next((r["backend"] for r in recs if r.get("backend")), None)
+    tok = ", ".join(str(t) for t in sorted(tokens))
+    _finish(ax, "ranks", "received bytes per rank / time (GB/s)",
+            title or (f"{backend}: small size, not kernel speed" if backend else
+                      f"cupyep normal mode, {_gpu(recs)}, {tok} tokens per rank"), legend=False, grid="y")
+    _legend_beside(fig, [ax])
+    return fig
+
+
+def main_low_latency_figure(run_dir, tokens=(128, 1), title: str | None = None):
+    """The main job's low-latency figure of a run folder: the kernel median
+    (slowest rank) of each kind at each rank count (``low_latency.jsonl``),
+    one panel per token count, the naive baseline's whole-call median beside
+    it (``naive.jsonl``, hatched), log scale.
+
+    Arguments:
+        run_dir: a folder the main job wrote.
+        tokens: token counts per rank, a panel each (those present).
+        title: figure title (default: the GPU).
+
+    Returns:
+        matplotlib.figure.Figure.
+
+    Raises:
+        ValueError: no low-latency record with ``kernel_median_us`` at ``tokens``.
+    """
+    recs = [r for r in _default_timing(_run_file(run_dir, "low_latency.jsonl"), "low_latency")
+            if r.get("kernel_median_us")]
+    naive = _default_timing(_run_file(run_dir, "naive.jsonl"), "naive")
+    panels = [t for t in tokens if any(r.get("tokens") == t for r in recs + naive)]
+    if not recs or not panels:
+        raise ValueError(f"no low-latency records with kernel_median_us at {tokens} tokens in {run_dir}")
+    kinds = [k for k in MAIN_LOW_LATENCY_KINDS if any(r["kind"] == k for r in recs)]
+    naive_kinds = [k for k in MAIN_NAIVE_KINDS if any(r["kind"] == k and r.get("tokens") in panels for r in naive)]
+    order = [(k, False) for k in kinds] + [(f"naive {k} (whole call)", True) for k in naive_kinds]
+    fig, axes = _figure(width=6.0 * len(panels) + 2.5, height=4.5, ncols=len(panels))
+    for ax, T in zip(axes, panels):
+        here = [r for r in recs if r.get("tokens") == T]
+        nv = [r for r in naive if r.get("tokens") == T]
+        ranks = sorted({r["ranks"] for r in here + nv})
+        series = [(k, _by_ranks(here, k, lambda r: r["kernel_median_us"]), False) for k in kinds
+                  if any(r["kind"] == k for r in here)]
+        series += [(f"naive {k} (whole call)", _by_ranks(nv, k, record_time_us), True) for k in naive_kinds
+                   if any(r["kind"] == k for r in nv)]
+        _bars(ax, series, ranks, order)
+        _log_y_plain(ax)
+        _finish(ax, "ranks", "median time (us): kernel; naive: whole call",
+                f"{T} token{'s' if T != 1 else ''} per rank", legend=False, grid="y")
+    fig.suptitle(title or f"cupyep low-latency mode, {_gpu(recs)}", fontsize="large")
+    _legend_beside(fig, axes)
+    return fig
+
+
+def main_figures(run_dir, out_dir=None) -> list[Path]:
+    """Save the main job's figures of ``run_dir`` that its files allow:
+    ``normal.png``/``.svg`` (from ``normal.jsonl``) and
+    ``low_latency.png``/``.svg`` (from ``low_latency.jsonl``), with the naive
+    baseline of ``naive.jsonl``, into ``out_dir`` (default ``run_dir``).
+    Returns the paths written (none when the folder has neither file)."""
+    out_dir = Path(out_dir) if out_dir else Path(run_dir)
+    written = []
+    for stem, draw in (("normal", main_normal_figure), ("low_latency", main_low_latency_figure)):
+        try:
+            fig = draw(run_dir)
+        except ValueError:
+            continue
+        written += save(fig, out_dir / stem)
+    return written
+
+
 def save(fig, stem) -> list[Path]:
     """Write ``fig`` to ``stem``.png and ``stem``.svg; returns the paths."""
     stem = Path(stem)
@@ -366,8 +588,9 @@ def _where(items) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cupyep.plotting", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("file", help="JSONL results file")
-    p.add_argument("figure", choices=("knob", "heatmap", "cdf", "crossover", "scatter"))
+    p.add_argument("file", help="JSONL results file (main: a folder the main job wrote)")
+    p.add_argument("figure", choices=("knob", "heatmap", "cdf", "crossover", "scatter", "main"),
+                   help="main: the main job's normal-mode and low-latency figures of a run folder")
     p.add_argument("--x")
     p.add_argument("--y")
     p.add_argument("--value", default="time_us", help="heatmap: the metric in the cells")
@@ -378,10 +601,24 @@ def main(argv=None) -> int:
     p.add_argument("--logy", action="store_true", help="scatter: log y axis")
     p.add_argument("--higher-is-better", action="store_true", help="heatmap: outline the largest value")
     p.add_argument("--title")
-    p.add_argument("--out", required=True, help="output path without extension (.png and .svg are written)")
+    p.add_argument("--out", help="output path without extension (.png and .svg are written); "
+                                 "main: the folder (default the run folder)")
     args = p.parse_args(argv)
     import matplotlib
     matplotlib.use("Agg")
+    if args.figure == "main":
+        if not Path(args.file).is_dir():
+            p.error(f"the main figures need a run folder, got {args.file}")
+        paths = main_figures(args.file, args.out)
+        if not paths:
+            print(f"cupyep.plotting: no normal.jsonl or low_latency.jsonl records to plot in {args.file}",
+                  file=sys.stderr)
+            return 2
+        for path in paths:
+            print(f"wrote {path}")
+        return 0
+    if args.out is None:
+        p.error(f"the {args.figure} figure needs --out")
     needs = {"knob": ("x",), "heatmap": ("x", "y"), "cdf": ("samples",), "crossover": (), "scatter": ("x", "y")}
     missing = [f"--{n}" for n in needs[args.figure] if getattr(args, n) is None]
     if missing:

@@ -1,6 +1,6 @@
 """CPU tests of the main job and its tools: the experiments' no-GPU guard,
-gpu_tests without a GPU, the multi-run summary, the figures, and the main
-job's no-GPU path writing a fresh run folder."""
+gpu_tests without a GPU, the multi-run summary, and the main job's no-GPU
+path writing a fresh run folder (its figures: tests/test_plotting.py)."""
 import json
 import os
 import subprocess
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cupyep import gpu_tests
-from cupyep.bench import plots, summary
+from cupyep.bench import summary
 
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENTS = sorted((REPO / "experiments").glob("*.py"))
@@ -145,15 +145,6 @@ def test_summary_command_text_and_errors(three_runs, tmp_path, capsys):
     assert summary.main([str(tmp_path / "missing")]) == 2
 
 
-def test_plots_from_a_run(three_runs, tmp_path):
-    paths = plots.plot_run(three_runs[0], tmp_path)
-    assert sorted(p.name for p in paths) == ["low_latency.png", "normal.png"]
-    assert all(p.stat().st_size > 1000 for p in paths)
-    rec = {"copy_GBps": 4000.0, "ranks": 8, "env": {"ranks_per_gpu": 8}}
-    assert plots.copy_roofline_per_rank(rec) == 4000.0 / 16
-    assert plots.copy_roofline_per_rank({"ranks": 2}) is None
-
-
 # ------------------------------------------------------- main, no GPU ---
 
 def test_main_without_gpu_writes_a_fresh_run_folder(tmp_path, monkeypatch, capsys):
@@ -170,7 +161,8 @@ def test_main_without_gpu_writes_a_fresh_run_folder(tmp_path, monkeypatch, capsy
         manifest = json.loads((d / "manifest.json").read_text())
         assert manifest["command"].endswith("-m cupyep.bench --out " + str(tmp_path) + " --ranks 2")
         assert manifest["backend"] == "numpy-reference (no GPU)" and manifest["status"] == 0
-        assert "normal.jsonl" in manifest["files"] and "normal.png" in manifest["files"]
+        assert {"normal.jsonl", "normal.png", "normal.svg"} <= set(manifest["files"])
+        assert "low_latency.png" not in manifest["files"]  # no low-latency records without a GPU
         assert "python" in manifest["environment"] and "git_commit" in manifest
         records = summary.load_jsonl(d / "normal.jsonl")
         assert [(r["kind"], r["ranks"]) for r in records] == [("dispatch_bf16", 2), ("combine_bf16", 2)]

@@ -1,5 +1,6 @@
 """cupyep.plotting on synthetic records: fields and filters, units on the
-axes, heatmap cells, crossover points, CDF marks, PNG + SVG output, the CLI."""
+axes, heatmap cells, crossover points, CDF marks, PNG + SVG output, the CLI,
+and the main job's figures of a synthetic run folder."""
 import json
 
 import matplotlib
@@ -118,3 +119,109 @@ def test_cli_writes_png_and_svg_and_reports_bad_fields(tmp_path, capsys):
     assert "missing" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         P.main([str(path), "heatmap", "--x", "dispatch_config.queue_depth", "--out", str(tmp_path / "h")])
+
+
+# ------------------------------------------------------ the main job's figures ---
+
+def _main_run(path, low_latency=True):
+    """A synthetic main-job run folder: normal, naive and low-latency records at
+    2 and 8 ranks, plus records every figure must leave out (a sweep point,
+    another timing boundary, a kind the figure does not draw)."""
+    path.mkdir(parents=True)
+    env = {"gpu": "Test GPU"}
+    normal = []
+    for ranks in (2, 8):
+        for kind, gbps in (("combine_bf16", 200.0), ("dispatch_bf16", 100.0 * ranks)):
+            normal.append({"bench": "normal", "kind": kind, "ranks": ranks, "tokens": 4096, "timing": "strict",
+                           "time_us": 1e5 / gbps, "rank_GBps": gbps, "copy_GBps": 4000.0,
+                           "env": {**env, "ranks_per_gpu": ranks}})
+        normal.append({"bench": "normal", "kind": "dispatch_bf16", "ranks": ranks, "tokens": 4096,
+                       "time_us": 1.0, "rank_GBps": 9999.0, "sweep": True})
+        normal.append({"bench": "normal", "kind": "dispatch_bf16", "ranks": ranks, "tokens": 4096,
+                       "timing": "deepep", "time_us": 1.0, "rank_GBps": 8888.0})
+    naive = [{"bench": "naive", "kind": kind, "ranks": ranks, "tokens": tokens, "timing": "host_aligned",
+              "time_us": t * ranks, "rank_GBps": 10.0 * ranks, "env": env}
+             for ranks in (2, 8) for tokens in (4096, 128, 1) for kind, t in (("dispatch", 1000.0), ("combine", 500.0))]
+    ll = [{"bench": "low_latency", "kind": kind, "ranks": ranks, "tokens": tokens, "timing": "strict",
+           "kernel_median_us": t * ranks * (2 if tokens == 128 else 1), "env": env}
+          for ranks in (2, 8) for tokens in (128, 1)
+          for kind, t in (("dispatch_fp8", 10.0), ("combine", 20.0), ("dispatch_fp8_send_half", 5.0))]
+    ll.append({"bench": "low_latency", "kind": "dispatch_fp8", "ranks": 2, "tokens": 128, "timing": "deepep",
+               "kernel_median_us": 1.0})
+    files = {"normal.jsonl": normal, "naive.jsonl": naive}
+    if low_latency:
+        files["low_latency.jsonl"] = ll
+    for name, recs in files.items():
+        (path / name).write_text("".join(json.dumps(r) + "\n" for r in recs) + "{cut short")
+    return path
+
+
+def _bars_of(ax):
+    """{legend label: ([bar heights], hatched)} of a bar chart."""
+    return {c.get_label(): ([b.get_height() for b in c], bool(c[0].get_hatch())) for c in ax.containers}
+
+
+def test_main_normal_figure_bars_naive_and_roofline(tmp_path):
+    fig = P.main_normal_figure(_main_run(tmp_path / "run"))
+    ax, = fig.axes
+    assert ax.get_xlabel() == "ranks" and ax.get_ylabel() == "received bytes per rank / time (GB/s)"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["2", "8"] and list(ax.get_xticks()) == [0, 1]
+    assert ax.get_title() == "cupyep normal mode, Test GPU, 4096 tokens per rank"
+    # kinds in the figure's order, then the naive baseline (hatched); sweep and deepep records left out
+    assert _bars_of(ax) == {"dispatch_bf16": ([200.0, 800.0], False), "combine_bf16": ([200.0, 200.0], False),
+                            "naive dispatch": ([20.0, 80.0], True), "naive combine": ([20.0, 80.0], True)}
+    roof = [c for c in ax.collections if c.get_label() == P.ROOFLINE_LABEL]
+    assert len(roof) == 1  # labelled once
+    levels = sorted(seg[0][1] for c in ax.collections for seg in c.get_segments())
+    assert levels == [4000.0 / 16, 4000.0 / 4]  # copy GB/s / (2 x ranks per GPU) at 8 and 2 ranks
+    legend, = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == [
+        P.ROOFLINE_LABEL, "dispatch_bf16", "combine_bf16", "naive dispatch", "naive combine"]
+    assert P.copy_roofline_per_rank({"copy_GBps": 4000.0, "ranks": 8, "env": {"ranks_per_gpu": 8}}) == 250.0
+    assert P.copy_roofline_per_rank({"copy_GBps": 4000.0, "ranks": 8}) == 250.0
+    assert P.copy_roofline_per_rank({"ranks": 2}) is None
+
+
+def test_main_low_latency_figure_panels_log_scale_and_naive(tmp_path):
+    fig = P.main_low_latency_figure(_main_run(tmp_path / "run"))
+    axes = fig.axes
+    assert [ax.get_title() for ax in axes] == ["128 tokens per rank", "1 token per rank"]
+    assert fig.get_suptitle() == "cupyep low-latency mode, Test GPU"
+    for ax, scale in zip(axes, (2, 1)):
+        assert ax.get_yscale() == "log" and ax.get_xlabel() == "ranks"
+        assert ax.get_ylabel() == "median time (us): kernel; naive: whole call"
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["2", "8"]
+        # the send half is no kind of this figure; the deepep-boundary record is left out
+        assert _bars_of(ax) == {"dispatch_fp8": ([20.0 * scale, 80.0 * scale], False),
+                                "combine": ([40.0 * scale, 160.0 * scale], False),
+                                "naive dispatch (whole call)": ([2000.0, 8000.0], True),
+                                "naive combine (whole call)": ([1000.0, 4000.0], True)}
+        # ticks written as plain numbers, not only powers of ten
+        assert "20" in [t.get_text() for t in ax.get_yticklabels()]
+    # the same kind has the same colour in both panels
+    colours = [{c.get_label(): c[0].get_facecolor() for c in ax.containers} for ax in axes]
+    assert colours[0] == colours[1]
+    legend, = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == [
+        "dispatch_fp8", "combine", "naive dispatch (whole call)", "naive combine (whole call)"]
+
+
+def test_main_figures_and_command_write_png_and_svg(tmp_path, capsys):
+    run = _main_run(tmp_path / "run")
+    paths = P.main_figures(run, tmp_path / "out")
+    assert [p.name for p in paths] == ["normal.png", "normal.svg", "low_latency.png", "low_latency.svg"]
+    assert all(p.parent == tmp_path / "out" and p.stat().st_size > 1000 for p in paths)
+    assert P.main([str(run), "main"]) == 0  # into the run folder
+    assert sorted(p.name for p in run.iterdir() if p.suffix in (".png", ".svg")) == [
+        "low_latency.png", "low_latency.svg", "normal.png", "normal.svg"]
+    assert f"wrote {run / 'normal.png'}" in capsys.readouterr().out
+    only_normal = _main_run(tmp_path / "only_normal", low_latency=False)
+    assert [p.name for p in P.main_figures(only_normal)] == ["normal.png", "normal.svg"]
+    (tmp_path / "empty").mkdir()
+    assert P.main_figures(tmp_path / "empty") == []
+    assert P.main([str(tmp_path / "empty"), "main"]) == 2
+    assert "no normal.jsonl or low_latency.jsonl" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        P.main([str(run / "normal.jsonl"), "main"])  # a file, not a run folder
+    with pytest.raises(SystemExit):
+        P.main([str(run / "normal.jsonl"), "knob", "--x", "ranks"])  # the other figures still need --out

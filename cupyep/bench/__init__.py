@@ -1,6 +1,6 @@
 """Benchmark utilities: the copy-bandwidth roofline, event timing, JSON output,
-the naive baseline (``naive``), figures (``plots``), multi-run tables
-(``summary``) and the main job (``main``)."""
+the naive baseline (``naive``), multi-run tables (``summary``) and the main
+job (``main``; its figures are ``cupyep.plotting.main_figures``)."""
 from __future__ import annotations
 
 import sys

@@ -6,9 +6,9 @@ Every run writes a fresh folder ``<out>/<UTC time, YYYYmmddTHHMMSSZ>/``
 holding ``manifest.json`` (the command, the git commit, the environment, and
 each benchmark command with its exit status), the results
 (``normal.jsonl``, ``low_latency.jsonl``, ``naive.jsonl``) and the figures
-(``normal.png``, ``low_latency.png``, from ``cupyep.bench.plots``); it ends
-with a table (kind, ranks, median time, GB/s per rank, speed-up over the
-naive baseline). ``python -m cupyep.bench.summary`` compares several runs.
+(``normal.png``, ``low_latency.png`` and their ``.svg``, from
+``cupyep.plotting.main_figures``); it ends with a table (kind, ranks, median
+time, GB/s per rank, speed-up over the naive baseline). ``python -m cupyep.bench.summary`` compares several runs.
 
 With GPUs it launches N ranks (default: 2, 4 and 8 when there is one GPU,
 else one per GPU) through ``cupyep.launch`` (which starts CUDA MPS when ranks
@@ -119,9 +119,9 @@ def _write_manifest(run_dir: Path, manifest: dict) -> None:
 def main(argv=None) -> int:
     import argparse
 
-    from .. import jit
+    from .. import jit, plotting
     from ..runtime import gpu_count
-    from . import plots, summary
+    from . import summary
     p = argparse.ArgumentParser(prog="python -m cupyep.bench.main", description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=None)
     p.add_argument("--out", default="results/main", help="parent folder of the run folders")
@@ -176,7 +176,7 @@ def main(argv=None) -> int:
             for script, dest, extra, launcher in runs:
                 rc = bench(n, script, dest, extra, launcher)  # every benchmark runs, whatever failed before
                 rc_first = rc_first or rc
-    figures = plots.plot_run(run_dir)
+    figures = plotting.main_figures(run_dir)
     rows = summary.summarize([summary.load_run(run_dir)])
     manifest.update(finished_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), status=rc_first,
                     files=sorted(p.name for p in run_dir.iterdir() if p.name != "manifest.json"))
