@@ -48,10 +48,12 @@ KERNELS: dict[str, tuple[str, ...]] = {
                                   "two-hop combine: the own node's rows at the source",
                                   "two-hop combine: a node's partials over the network (waits for its rail's "
                                   "signal)"),
+    "internode_two_hop_notify": ("two-hop notify: count exchange (waits for a PE's row of counts)",),
 }
 KERNEL_NAMES: tuple[str, ...] = tuple(KERNELS)
 # Kernels whose reported peer is a global rank (an NVSHMEM PE), not a node-local index.
-GLOBAL_PEER_KERNELS = frozenset({"internode_put_signal", "internode_two_hop_dispatch", "internode_two_hop_combine"})
+GLOBAL_PEER_KERNELS = frozenset({"internode_put_signal", "internode_two_hop_dispatch", "internode_two_hop_combine",
+                                 "internode_two_hop_notify"})
 
 
 def kernel_id(name: str) -> int:

@@ -1,22 +1,20 @@
-"""Normal-mode dispatch across nodes, two hops (first version: the data
-path on the device, the plan on the host).
+"""Normal-mode dispatch across nodes, two hops, on the device.
 
-``TwoHopDispatch(group, max_tokens, hidden, num_topk)`` moves one call's
-rows as the hierarchical mode does (cuda_src/internode/two_hop.cu): a token
-crosses to another node once, over NVSHMEM put-with-signal, to its rail
-peer, which forwards it over the node's IPC peer pointers to every
+``TwoHopDispatch(group, max_tokens, hidden, num_topk, num_experts)`` moves
+one call's rows as the hierarchical mode does (cuda_src/internode/two_hop.cu):
+a token crosses to another node once, over NVSHMEM put-with-signal, to its
+rail peer, which forwards it over the node's IPC peer pointers to every
 destination rank there; tokens for the own node go straight over IPC. Every
 rank receives exactly what the dispatch within a node gives (one row per
 (token, rank), by source rank then source token), so the oracle is
 ``cupyep.reference.intranode_dispatch``.
 
-In this version the count exchange and the plan are computed on the host
-(a bounded exchange of each rank's per-rank and per-node counts,
-``Group.exchange``, then the offsets of
-``cupyep.reference.internode.two_hop_plan``), and calls are separated by a
-bounded host exchange (a call may reuse the receive pools once every rank has
-finished the previous one). The notify pass across nodes on the device
-replaces both; the kernel's data path stays.
+Each call runs three kernels on the current stream: the notify pass across
+nodes (the layout, the count exchange over put with signal, the plan and the
+cumulative targets, all on the device; it is also the barrier between calls),
+the dispatch, and, for ``combine``, the combine. The host reads back only
+how many rows it received from each source (mapped memory), to shape the
+outputs.
 
 Shapes: x [T, H] uint16 (BF16 bits), topk_idx [T, k] int64, topk_weights
 [T, k] float32; T <= max_tokens, the same k on every rank.
@@ -31,12 +29,19 @@ from . import jit
 from .barrier import GUARD_DTYPE
 
 THREADS = 512
+NOTIFY_THREADS = 1024
 u64, i64, i32 = np.uint64, np.int64, np.int32
+NOTIFY_ARGS_DTYPE = jit.struct_dtype([
+    ("topk_idx", u64), ("in_rank", u64), ("send_head", u64), ("rdma_slot", u64), ("rank_prefix", u64),
+    ("net_count", u64), ("row", u64), ("matrix", u64), ("row_signal", u64), ("state", u64), ("host", u64),
+    ("num_tokens", i32), ("num_topk", i32), ("num_experts", i32), ("num_ranks", i32), ("ranks_per_node", i32),
+    ("rank", i32), ("guard", GUARD_DTYPE)])
 ARGS_DTYPE = jit.struct_dtype([
     ("x", u64), ("topk_idx", u64), ("topk_weights", u64), ("rdma_slot", u64), ("send_head", u64),
     ("rank_prefix", u64), ("staging", u64), ("net_rows", u64), ("net_signal", u64), ("net_target", u64),
     ("net_count", u64), ("pools", u64), ("out_x", i64), ("out_idx", i64), ("out_w", i64), ("out_src", i64),
-    ("out_slot", i64), ("arrived", u64), ("arrived_target", u64), ("row_stride", i64), ("hop_ns", u64), ("num_tokens", i32),
+    ("out_slot", i64), ("arrived", u64), ("arrived_target", u64), ("row_stride", i64), ("calls_done", u64), ("call", i64),
+    ("hop_ns", u64), ("num_tokens", i32),
     ("num_topk", i32),
     ("x_int4", i32), ("num_ranks", i32), ("ranks_per_node", i32), ("num_local_experts", i32), ("rank", i32),
     ("guard", GUARD_DTYPE)])
@@ -46,7 +51,8 @@ COMBINE_ARGS_DTYPE = jit.struct_dtype([
     ("y", u64), ("recv_src_rank", u64), ("recv_src_idx", u64), ("recv_slot", u64), ("pools", u64),
     ("direct_in", i64), ("gather", i64), ("counters", u64), ("targets", u64), ("net_rows", u64),
     ("row_stride", i64), ("net_count", u64), ("staging", u64), ("net_in", u64), ("net_signal", u64),
-    ("net_target", u64), ("send_head", u64), ("out", u64), ("hop_ns", u64), ("num_recv", i32), ("num_tokens", i32),
+    ("net_target", u64), ("send_head", u64), ("out", u64), ("calls_done", u64), ("call", i64), ("hop_ns", u64),
+    ("num_recv", i32), ("num_tokens", i32),
     ("max_tokens", i32), ("x_int4", i32), ("num_topk", i32), ("num_ranks", i32), ("ranks_per_node", i32),
     ("rank", i32), ("guard", GUARD_DTYPE)])
 
@@ -78,10 +84,28 @@ def _check_hop(hop_ns):
 
 
 def spec(num_threads: int = THREADS) -> jit.KernelSpec:
-    """The two-hop dispatch and combine (one module: they share the NVSHMEM registration)."""
+    """The two-hop notify, dispatch and combine (one module: they share the NVSHMEM registration)."""
     return jit.KernelSpec(name=f"internode_two_hop_threads_{num_threads}", source="internode/two_hop.cu",
                           kernels=(f"cupyep::internode::two_hop_dispatch<{num_threads}>",
-                                   f"cupyep::internode::two_hop_combine<{num_threads}>"), nvshmem=True)
+                                   f"cupyep::internode::two_hop_combine<{num_threads}>",
+                                   f"cupyep::internode::two_hop_notify<{NOTIFY_THREADS}>"), nvshmem=True)
+
+
+def state_words(num_ranks: int, ranks_per_node: int) -> int:
+    """int64 words of the notify's private state (two_hop_state_words in two_hop.cu)."""
+    n = num_ranks // ranks_per_node
+    return 1 + n + num_ranks + 2 + n
+
+
+def state_slices(num_ranks: int, ranks_per_node: int) -> dict:
+    """Where each part of the state lies: {"calls", "net_total", "arrived_total",
+    "combine_total", "combine_net_total"} -> slice."""
+    R, N = num_ranks, num_ranks // ranks_per_node
+    out, off = {"calls": slice(0, 1)}, 1
+    for name, n in (("net_total", N), ("arrived_total", R), ("combine_total", 2), ("combine_net_total", N)):
+        out[name] = slice(off, off + n)
+        off += n
+    return out
 
 
 def kernel_specs() -> list[jit.KernelSpec]:
@@ -113,9 +137,13 @@ class TwoHopResult:
 
 class TwoHopDispatch:
     """The two-hop dispatch and its combine (``combine(y)`` reduces the last
-    dispatch's rows; call it before the next dispatch). Collective over every rank (nodes from the group: real or emulated
-    with ``--ranks-per-node``). Needs NVSHMEM (cupyep.nvshmem), which it
-    initialises."""
+    dispatch's rows; call it before the next dispatch). Collective over every
+    rank (nodes from the group: real or emulated with ``--ranks-per-node``).
+    Every call runs on the current stream, the same one for all calls: the
+    next call's notify pass is the barrier that keeps peers from writing the
+    pools this call's outputs live in. Needs NVSHMEM (cupyep.nvshmem), which
+    it initialises. After a device error (a timeout) its state is undefined:
+    later calls raise until it is destroyed."""
 
     def __init__(self, group, max_tokens: int, hidden: int, num_topk: int, num_experts: int):
         import cupy
@@ -149,8 +177,19 @@ class TwoHopDispatch:
         self.pool = SymmetricBuffer(group, off)
         self.sync = SymmetricBuffer(group, -(-self.R * 8 // 256) * 256)
         self.arrived_ptrs = cupy.asarray(np.asarray([self.sync.peer_ptr_list[j] for j in range(self.K)], dtype=u64))
-        self.net_total = np.zeros(self.N, dtype=np.int64)   # cumulative rows from each source node
-        self.arrived_total = np.zeros(self.R, dtype=np.int64)  # cumulative rows from each source rank
+        # The notify pass: my row of counts, every PE's rows (two matrices, by call parity), their signals,
+        # the private cumulative state, and the mapped host ints it reports to.
+        W = self.R + self.N
+        self.row = core.array((W,), dtype="int64")
+        self.matrix = core.array((2 * self.R * W,), dtype="int64")
+        self.row_signal = core.array((self.R,), dtype="uint64")
+        self.row_signal[...] = 0
+        self.state = cupy.zeros(state_words(self.R, self.K), dtype=np.int64)
+        self._state = {name: self.state[sl] for name, sl in state_slices(self.R, self.K).items()}
+        self._host_ptr = cupy.cuda.runtime.hostAlloc(4 * (2 + self.R), 2)  # cudaHostAllocMapped
+        import ctypes
+        self._host = np.frombuffer((ctypes.c_int32 * (2 + self.R)).from_address(self._host_ptr), dtype=np.int32)
+        self.calls = 0
         # Combine: direct rows from my node's ranks and the node's rows I reduce as a rail peer (IPC), the
         # partials from other nodes (NVSHMEM), and the counters of both.
         row = hidden * 2
@@ -161,39 +200,19 @@ class TwoHopDispatch:
         self.cnet_in = core.array((self.N * self.max_tokens * row,), dtype="uint8")
         self.cnet_signal = core.array((self.N,), dtype="uint64")
         self.cnet_signal[...] = 0
-        self.c_totals = np.zeros(2, dtype=np.int64)        # cumulative direct rows in, gather rows in
-        self.c_net_total = np.zeros(self.N, dtype=np.int64)  # cumulative partials from each node
         fns = jit.load(spec())
         self.fn = fns[spec().kernels[0]]
         self.combine_fn = fns[spec().kernels[1]]
+        self.notify_fn = fns[spec().kernels[2]]
         self._last = None
+        self._failed = None  # the error that left the state undefined, once one has
         cupy.cuda.runtime.deviceSynchronize()
         group.comm.Barrier()
 
-    def _plan(self, topk_idx_host):
-        """(counts [R, R], node_counts [R, N], rank_prefix [R, R], send_head [T, R], rdma_slot [T, N],
-        net_count [N]) of this call, from a bounded exchange of every rank's counts per rank and per node."""
-        from .reference.layout import get_dispatch_layout
-        R, K, N, me = self.R, self.K, self.N, self.me
-        lay = get_dispatch_layout(topk_idx_host, self.E, R, K)
-        both = self.group.exchange(np.concatenate([lay.num_tokens_per_rank, lay.num_tokens_per_node]).astype(np.int64),
-                                   "two-hop dispatch: count exchange")  # bounded: names a rank that never comes
-        counts, node_counts = both[:, :R], both[:, R:]  # [s, d], [s, n]
-        rpm = np.cumsum(counts, axis=0)
-        inr = lay.is_token_in_rank
-        send_head = np.where(inr, np.cumsum(inr, axis=0) - 1, -1).astype(np.int64)
-        # My rows at each rail peer p = n * K + local: after the blocks of earlier source nodes.
-        slot = np.where(lay.is_token_in_node, np.cumsum(lay.is_token_in_node, axis=0) - 1, -1).astype(np.int64)
-        for n in range(N):
-            if n == me // K:
-                slot[:, n] = -1
-                continue
-            p = n * K + me % K
-            base = sum(node_counts[m * K + p % K, n] for m in range(N) if m != n and m < me // K)
-            slot[:, n] = np.where(slot[:, n] >= 0, slot[:, n] + base, -1)
-        net_count = np.array([0 if m == me // K else node_counts[m * K + me % K, me // K] for m in range(N)],
-                             dtype=np.int64)
-        return counts, node_counts, rpm, send_head, slot, net_count
+    def _usable(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(f"rank {self.me}: this TwoHopDispatch failed ({self._failed}); its state is "
+                               "undefined: destroy it and make a new one")
 
     def dispatch(self, x, topk_idx, topk_weights, hop_ns=None) -> TwoHopResult:
         """One two-hop dispatch (collective). ``hop_ns``: cupy uint64 [4] or
@@ -203,6 +222,7 @@ class TwoHopDispatch:
         import cupy
 
         from .arrays import BF16, as_cupy, check
+        self._usable()
         x = check(as_cupy(x, "x"), "x", BF16, ndim=2)
         hop_ns = _check_hop(hop_ns)
         T, H = x.shape
@@ -210,43 +230,55 @@ class TwoHopDispatch:
             raise ValueError(f"x is [{T}, {H}]; this dispatch takes at most {self.max_tokens} tokens of {self.hidden}")
         topk_idx = check(as_cupy(topk_idx, "topk_idx"), "topk_idx", np.int64, shape=(T, self.k))
         topk_weights = check(as_cupy(topk_weights, "topk_weights"), "topk_weights", np.float32, shape=(T, self.k))
-        host_idx = topk_idx.get()
-        from .reference.layout import validate_topk_idx
-        try:
-            validate_topk_idx(host_idx, self.E)
-        except ValueError as exc:
-            raise ValueError(f"topk_idx: {exc}") from None
-        counts, node_counts, rpm, send_head, slot, net_count = self._plan(host_idx)
-        self.net_total += net_count
-        self.arrived_total += counts[:, self.me]
-        dev = {name: cupy.asarray(a) for name, a in (("rpm", rpm), ("head", send_head), ("slot", slot),
-                                                       ("net_target", self.net_total), ("net_count", net_count),
-                                                       ("arrived_target", self.arrived_total))}
-        staging = cupy.empty((max(1, T * self.N), self.stride), dtype=np.uint8)
-        cupy.cuda.runtime.deviceSynchronize()
-        self.group.exchange(np.zeros(1, np.int8), "two-hop dispatch: every rank done with the previous call")
+        if T:
+            lo, hi = (int(v) for v in cupy.stack([topk_idx.min(), topk_idx.max()]).get())
+            if lo < -1 or hi >= self.E:
+                raise ValueError(f"topk_idx holds expert ids in [{lo}, {hi}], outside [-1, {self.E})")
+        R, N = self.R, self.N
+        dev = {"in_rank": cupy.empty((max(T, 1), R), dtype=np.uint8), "head": cupy.empty((max(T, 1), R), np.int64),
+               "slot": cupy.empty((max(T, 1), N), np.int64), "rpm": cupy.empty((R, R), np.int64),
+               "net_count": cupy.empty(N, np.int64)}
+        staging = cupy.empty((max(1, T * N), self.stride), dtype=np.uint8)
+        self.calls += 1
+        self._host[:] = 0
+        guard = self.group.guard("internode_two_hop_notify")
+        nargs = jit.pack(
+            NOTIFY_ARGS_DTYPE, topk_idx=topk_idx.data.ptr, in_rank=dev["in_rank"].data.ptr,
+            send_head=dev["head"].data.ptr, rdma_slot=dev["slot"].data.ptr, rank_prefix=dev["rpm"].data.ptr,
+            net_count=dev["net_count"].data.ptr, row=self.row.data.ptr, matrix=self.matrix.data.ptr,
+            row_signal=self.row_signal.data.ptr, state=self.state.data.ptr, host=self._host_ptr, num_tokens=T,
+            num_topk=self.k, num_experts=self.E, num_ranks=R, ranks_per_node=self.K, rank=self.me,
+            guard=jit.pack(GUARD_DTYPE, **guard))
+        notify_start, notify_end = cupy.cuda.Event(), cupy.cuda.Event()
+        notify_start.record()
+        self.notify_fn((1,), (NOTIFY_THREADS,), (nargs,), shared_mem=8 * (R + 2 * N))
+        notify_end.record()
         args = jit.pack(
             ARGS_DTYPE, x=x.data.ptr, topk_idx=topk_idx.data.ptr, topk_weights=topk_weights.data.ptr,
             rdma_slot=dev["slot"].data.ptr, send_head=dev["head"].data.ptr, rank_prefix=dev["rpm"].data.ptr,
             staging=staging.data.ptr, net_rows=self.net_rows.data.ptr, net_signal=self.net_signal.data.ptr,
-            net_target=dev["net_target"].data.ptr, net_count=dev["net_count"].data.ptr,
+            net_target=self._state["net_total"].data.ptr, net_count=dev["net_count"].data.ptr,
             pools=self.pool.peer_ptrs.data.ptr, out_x=self._lay["x"], out_idx=self._lay["idx"],
             out_w=self._lay["w"], out_src=self._lay["src"], out_slot=self._lay["slot"],
-            arrived=self.arrived_ptrs.data.ptr,
-            arrived_target=dev["arrived_target"].data.ptr, row_stride=self.stride, hop_ns=jit.ptr(hop_ns),
+            arrived=self.arrived_ptrs.data.ptr, arrived_target=self._state["arrived_total"].data.ptr,
+            row_stride=self.stride, calls_done=self.state.data.ptr, call=self.calls, hop_ns=jit.ptr(hop_ns),
             num_tokens=T, num_topk=self.k,
             x_int4=H * 2 // 16, num_ranks=self.R, ranks_per_node=self.K, num_local_experts=self.E // self.R,
             rank=self.me, guard=jit.pack(GUARD_DTYPE, **self.group.guard("internode_two_hop_dispatch")))
         self._launch(self.fn, args)
-        n = int(rpm[-1, self.me])
-        src_rank = np.repeat(np.arange(self.R, dtype=np.int32), counts[:, self.me])
-        self._last = {"T": T, "counts": counts, "net_count": net_count, "dev": dev, "n": n,
-                      "src_rank": cupy.asarray(src_rank), "node_tokens": node_counts[self.me]}
+        self.last_notify_us = cupy.cuda.get_elapsed_time(notify_start, notify_end) * 1e3
+        if self._host[0] != 1:  # the kernels ended without a device error (checked above) but no counts
+            raise RuntimeError(f"rank {self.me}: the two-hop notify ended without publishing its counts "
+                               f"(status {int(self._host[0])})")
+        n = int(self._host[1])
+        from_src = self._host[2:2 + R].astype(np.int64)
+        src_rank = np.repeat(np.arange(R, dtype=np.int32), from_src)
+        self._last = {"T": T, "dev": dev, "n": n, "call": self.calls, "src_rank": cupy.asarray(src_rank)}
         return TwoHopResult(recv_x=self.pool.view(self._lay["x"], (n, H), np.uint16),
                             recv_topk_idx=self.pool.view(self._lay["idx"], (n, self.k), np.int64),
                             recv_topk_weights=self.pool.view(self._lay["w"], (n, self.k), np.float32),
                             recv_src_idx=self.pool.view(self._lay["src"], (n,), np.int32),
-                            recv_src_rank=src_rank, rank_prefix_matrix=rpm)
+                            recv_src_rank=src_rank, rank_prefix_matrix=dev["rpm"].get())
 
     def _launch(self, fn, args) -> None:
         """Launch ``fn`` with this rank's share of the SMs (every block resident:
@@ -260,7 +292,11 @@ class TwoHopDispatch:
         fn((blocks,), (THREADS,), (args,))
         end.record()
         end.synchronize()
-        self.group.check_errors()
+        try:
+            self.group.check_errors()
+        except Exception as exc:
+            self._failed = f"{type(exc).__name__}: {exc}"
+            raise
         self.last_kernel_us = cupy.cuda.get_elapsed_time(start, end) * 1e3
 
     def combine(self, y, hop_ns=None):
@@ -281,37 +317,29 @@ class TwoHopDispatch:
         import cupy
 
         from .arrays import BF16, as_cupy, check
+        self._usable()
         if self._last is None:
             raise ValueError("combine needs a dispatch first (it reduces the last dispatch's rows)")
         L = self._last
         y = check(as_cupy(y, "y"), "y", BF16, shape=(L["n"], self.hidden))
         hop_ns = _check_hop(hop_ns)
-        R, K, N, me = self.R, self.K, self.N, self.me
-        own, local = me // K, me % K
-        counts = L["counts"]
-        # Direct rows back from my node's ranks; rows my node's ranks give me as the rail peer of the sources
-        # with my local index in other nodes (what I forwarded to them in the dispatch).
-        self.c_totals[0] += int(counts[me, own * K:(own + 1) * K].sum())
-        self.c_totals[1] += int(sum(counts[m * K + local, own * K:(own + 1) * K].sum() for m in range(N) if m != own))
-        for m in range(N):
-            if m != own:
-                self.c_net_total[m] += int(L["node_tokens"][m])
-        targets = cupy.asarray(self.c_totals)
-        net_target = cupy.asarray(self.c_net_total)
-        rows_now = int(L["net_count"].sum())
+        if L["call"] != self.calls:
+            raise ValueError("combine reduces the last dispatch's rows; another dispatch came after it")
+        R, K, me = self.R, self.K, self.me
+        rows_now = int(L["dev"]["net_count"].sum().get())
         staging = cupy.empty((max(1, rows_now), self.hidden * 2), dtype=np.uint8)
         out = cupy.zeros((L["T"], self.hidden), dtype=np.uint16)
-        cupy.cuda.runtime.deviceSynchronize()
-        self.group.exchange(np.zeros(1, np.int8), "two-hop combine: every rank done with the dispatch")
         args = jit.pack(
             COMBINE_ARGS_DTYPE, y=y.data.ptr, recv_src_rank=L["src_rank"].data.ptr,
             recv_src_idx=self.pool.view(self._lay["src"], (L["n"],), np.int32).data.ptr,
             recv_slot=self.pool.view(self._lay["slot"], (L["n"],), np.int64).data.ptr,
             pools=self.cpool.peer_ptrs.data.ptr, direct_in=self._clay["direct"], gather=self._clay["gather"],
-            counters=self.counter_ptrs.data.ptr, targets=targets.data.ptr, net_rows=self.net_rows.data.ptr,
+            counters=self.counter_ptrs.data.ptr, targets=self._state["combine_total"].data.ptr,
+            net_rows=self.net_rows.data.ptr,
             row_stride=self.stride, net_count=L["dev"]["net_count"].data.ptr, staging=staging.data.ptr,
-            net_in=self.cnet_in.data.ptr, net_signal=self.cnet_signal.data.ptr, net_target=net_target.data.ptr,
-            send_head=L["dev"]["head"].data.ptr, out=out.data.ptr, hop_ns=jit.ptr(hop_ns), num_recv=L["n"],
+            net_in=self.cnet_in.data.ptr, net_signal=self.cnet_signal.data.ptr,
+            net_target=self._state["combine_net_total"].data.ptr, send_head=L["dev"]["head"].data.ptr,
+            out=out.data.ptr, calls_done=self.state.data.ptr, call=L["call"], hop_ns=jit.ptr(hop_ns), num_recv=L["n"],
             num_tokens=L["T"],
             max_tokens=self.max_tokens, x_int4=self.hidden * 2 // 16, num_topk=self.k, num_ranks=R,
             ranks_per_node=K, rank=me, guard=jit.pack(GUARD_DTYPE, **self.group.guard("internode_two_hop_combine")))
@@ -326,6 +354,11 @@ class TwoHopDispatch:
         self.group.comm.Barrier()
         for buf in (self.pool, self.sync, self.cpool, self.csync):
             buf.destroy()
-        for arr in (self.net_rows, self.net_signal, self.cnet_in, self.cnet_signal):
+        for arr in (self.net_rows, self.net_signal, self.cnet_in, self.cnet_signal, self.row, self.matrix,
+                    self.row_signal):
             self._core.free_array(arr)
+        if self._host_ptr:
+            self._host = None
+            cupy.cuda.runtime.freeHost(self._host_ptr)
+            self._host_ptr = 0
         NV.finalize()

@@ -4,8 +4,8 @@
 
 One record per (kind, ranks, ranks per node): the kernel's device time
 (CUDA events around the launch, median over --iters calls, the slowest
-rank's), the host time of the whole call (this first version computes the
-plan on the host and separates calls with a host barrier), and the traffic
+rank's; for the dispatch also its notify pass across nodes, "notify_us",
+the kernel before it), the host time of the whole call, and the traffic
 of the call as DeepEP's internode test counts it
 (cupyep.reference.internode.two_hop_traffic): the logical network (RDMA)
 bytes, one row per (token, remote node); the NVLink bytes, every row a rank
@@ -83,7 +83,7 @@ def main():
     traffic = I.two_hop_traffic(I.two_hop_routes(idx, E, R, K), K, H * 2)
     writer = JsonlWriter(args.out, group)
     for kind in ("dispatch_bf16", "combine_bf16"):
-        kernel, host = [], []
+        kernel, host, notify = [], [], []
         for _ in range(args.iters):
             t0 = time.perf_counter()
             if kind == "dispatch_bf16":
@@ -94,16 +94,19 @@ def main():
                 hop.combine(y)
             host.append(time.perf_counter() - t0)
             kernel.append(hop.last_kernel_us)
+            if kind == "dispatch_bf16":
+                notify.append(hop.last_notify_us)
         slow = lambda v: group.comm.allreduce(float(v), op=MPI.MAX)  # noqa: E731
         t_us = slow(np.median(kernel))
         writer.write({"bench": "internode", "kind": f"{kind}_two_hop", "ranks": R, "ranks_per_node": K,
                       "nodes": R // K, "tokens": T, "hidden": H, "topk": k, "experts": E, "time_us": t_us,
                       "kernel_us_p90": slow(np.percentile(kernel, 90)), "host_us": slow(np.median(host) * 1e6),
+                      "notify_us": slow(np.median(notify)) if notify else None,
                       "rdma_bytes": traffic.rdma_bytes, "rdma_bytes_without_dedup": traffic.rdma_bytes_without_dedup,
                       "dedup_saved_bytes": traffic.saved_bytes, "nvlink_bytes": traffic.nvlink_bytes,
                       "rdma_GBps": traffic.rdma_bytes / t_us / 1e3, "nvlink_GBps": traffic.nvlink_bytes / t_us / 1e3,
                       "hop_us": hops["dispatch_hop_us" if kind == "dispatch_bf16" else "combine_hop_us"],
-                      "checked": True, "version": "host plan, device data path"})
+                      "checked": True, "version": "device notify"})
     hop.destroy()
     group.destroy()
 

@@ -476,6 +476,7 @@ MIRRORS = [
     (LLK.DISPATCH_ARGS_DTYPE, "low_latency::DispatchArgs"),
     (LLK.COMBINE_ARGS_DTYPE, "low_latency::CombineArgs"),
     (NV.put_signal_args_dtype(), "PutSignalArgs"),
+    (INTER.NOTIFY_ARGS_DTYPE, "TwoHopNotifyArgs"),
     (INTER.ARGS_DTYPE, "TwoHopDispatchArgs"),
     (INTER.COMBINE_ARGS_DTYPE, "TwoHopCombineArgs"),
 ]

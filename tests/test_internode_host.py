@@ -1,57 +1,30 @@
-"""Host side of the two-hop dispatch (cupyep.internode): the plan each rank
-computes from the allgathered counts is the one the hop-by-hop emulation
-checks against the one-node dispatch (cupyep.reference.internode)."""
-import numpy as np
+"""Host side of the two-hop dispatch (cupyep.internode): the notify's state
+layout, the network row layout and the hop metric's arithmetic. The plan the
+notify kernel computes on the device is checked against
+cupyep.reference.internode.two_hop_plan by tests/gpu/test_two_hop_gpu.py."""
 import pytest
 
 from cupyep import internode as INTER
-from cupyep.reference import internode as I
-from cupyep.reference.layout import get_dispatch_layout
-from cupyep.testing import global_routing
-
-
-class _Comm:
-    def __init__(self, per_rank_values):
-        self.values = per_rank_values  # list of queues: what allgather returns, call by call
-        self.calls = 0
-
-    def allgather(self, _mine):
-        out = self.values[self.calls]
-        self.calls += 1
-        return out
-
-
-class _Group:
-    def __init__(self, comm):
-        self.comm = comm
-
-    def exchange(self, _mine, _phase):  # what every rank contributes, stacked (the fake knows them all)
-        return np.stack(self.comm.allgather(_mine))
 
 
 @pytest.mark.parametrize("R,K", [(4, 2), (8, 4), (8, 2), (6, 3)])
-def test_each_ranks_plan_is_the_reference_plan(R, K):
-    E, T = 48, 30
-    tokens = [T if r != 2 else 0 for r in range(R)]
-    idx, _ = global_routing(9, tokens, E, 4)
-    lays = [get_dispatch_layout(i, E, R, K) for i in idx]
-    per_rank = [l.num_tokens_per_rank.astype(np.int64) for l in lays]
-    per_node = [l.num_tokens_per_node.astype(np.int64) for l in lays]
-    plan = I.two_hop_plan(idx, E, R, K)
-    for me in range(R):
-        d = INTER.TwoHopDispatch.__new__(INTER.TwoHopDispatch)
-        d.R, d.K, d.N, d.me, d.E = R, K, R // K, me, E
-        d.group = _Group(_Comm([[np.concatenate([a, b]) for a, b in zip(per_rank, per_node)]]))
-        counts, node_counts, rpm, head, slot, net_count = d._plan(idx[me])
-        assert np.array_equal(rpm, plan.rank_prefix_matrix)
-        assert np.array_equal(head, plan.send_head[me]) and np.array_equal(slot, plan.rdma_slot[me])
-        # My network buffer's blocks, in source-node order, hold what the plan puts there.
-        assert int(net_count.sum()) == int(plan.rdma_rows[me])
-        starts = np.concatenate([[0], np.cumsum(net_count)[:-1]])
-        for m in range(R // K):
-            s = m * K + me % K
-            if m != me // K:
-                assert plan.rdma_block[me, s] == starts[m]
+def test_state_slices_cover_the_state_in_the_kernels_order(R, K):
+    """cupyep.internode.state_slices lays out, back to back and in
+    two_hop.cu's order, the two_hop_state_words(R, N) words of the notify's
+    state: calls done, then the cumulative targets."""
+    sl = INTER.state_slices(R, K)
+    N = R // K
+    assert list(sl) == ["calls", "net_total", "arrived_total", "combine_total", "combine_net_total"]
+    sizes = [sl[k].stop - sl[k].start for k in sl]
+    assert sizes == [1, N, R, 2, N]
+    assert all(sl[a].stop == sl[b].start for a, b in zip(list(sl), list(sl)[1:]))
+    assert sl["combine_net_total"].stop == INTER.state_words(R, K) == 1 + N + R + 2 + N
+
+
+def test_the_kernels_state_size_is_the_hosts():
+    from cupyep import jit
+    src = (jit.CUDA_SRC / "internode" / "two_hop.cu").read_text()
+    assert "two_hop_state_words(int R, int N) { return 1 + N + R + 2 + N; }" in src
 
 
 def test_network_row_layout():

@@ -21,6 +21,9 @@ __device__ __forceinline__ int ld_relaxed_sys(const int* p) {
 __device__ __forceinline__ int ld_volatile(const int* p) {
     int v; asm volatile("ld.volatile.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
 }
+__device__ __forceinline__ int64_t ld_volatile64(const int64_t* p) {
+    return *reinterpret_cast<const volatile int64_t*>(p);
+}
 __device__ __forceinline__ void st_release_sys(int* p, int v) {
     asm volatile("st.release.sys.global.b32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
 }

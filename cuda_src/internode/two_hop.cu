@@ -2,8 +2,22 @@
 // path, given the plan every rank has after the count exchange
 // (cupyep.reference.internode.two_hop_plan computes the same offsets).
 //
-// R ranks in nodes of K; rank me = node * K + local. One launch, every block
-// resident (the blocks of the forwarding phase wait on other ranks' puts):
+// R ranks in nodes of K; rank me = node * K + local.
+//   0. Notify (two_hop_notify, one block, before the dispatch on the same
+//      stream): the layout of my tokens, the count exchange (my row of
+//      counts per rank and per node, put with a signal to every PE into one
+//      of two symmetric matrices by call parity), then from every PE's row
+//      the plan: rank_prefix_matrix, send_head, the network slots, the rows
+//      in my network buffer per source node, and the cumulative signal and
+//      arrival targets of the dispatch and the combine (kept in `state`).
+//      The exchange is also the barrier between calls: a rank puts its row
+//      for call n + 1 only after its stream has finished call n, so once
+//      every row has arrived no rank still reads the pools or network
+//      buffers of call n. Call n + 2 writes call n's matrix, which every rank
+//      read before it put its row for call n + 1.
+// The dispatch, one launch, every block resident (the blocks of the
+// forwarding phase wait on other ranks' puts), runs only when this call's
+// notify succeeded (state[0] == call):
 //   1. Network hop. For each (token t, remote node n) of the plan, a warp
 //      writes a staging row (the payload, then t, the k top-k ids, the k
 //      weights and t's position among my tokens for each of node n's K
@@ -36,6 +50,169 @@
 namespace cupyep {
 namespace internode {
 
+// `state` (int64, private to the rank, zero at first): [0] notify calls done,
+// then the cumulative targets: net_total [N] (dispatch: network rows from each
+// source node), arrived_total [R] (dispatch: rows from each source rank),
+// combine_total [2] (combine: direct rows in, gather rows in),
+// combine_net_total [N] (combine: partials from each node).
+__host__ __device__ constexpr int two_hop_state_words(int R, int N) { return 1 + N + R + 2 + N; }
+
+struct TwoHopNotifyArgs {
+    const int64_t* topk_idx;      // [T, k] global expert ids, -1: none (checked on the host)
+    uint8_t* in_rank;             // [T, R] scratch: t goes to rank d
+    int64_t* send_head;           // [T, R] out: t's position among my tokens for each rank, -1: not sent
+    int64_t* rdma_slot;           // [T, N] out: row of (t, n) in the rail peer's network buffer, -1: none
+    int64_t* rank_prefix;         // [R, R] out: rank_prefix_matrix (cumulative over sources)
+    int64_t* net_count;           // [N] out: rows from each source node in my network buffer (0: my node)
+    int64_t* row;                 // symmetric [R + N]: my counts per rank, then per node
+    int64_t* matrix;              // symmetric [2, R, R + N]: every PE's row, by call parity
+    uint64_t* row_signal;         // symmetric [R]: rows arrived from each PE, all calls
+    int64_t* state;               // private, see above
+    int* host;                    // mapped host ints: [0] status (1 done, 3 failed), [1] rows I receive,
+                                  // [2, 2 + R) rows from each source rank
+    int num_tokens;
+    int num_topk;
+    int num_experts;
+    int num_ranks;
+    int ranks_per_node;
+    int rank;
+    Guard guard;
+};
+
+template <int kNumThreads>
+__global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArgs a) {
+    constexpr int kWarps = kNumThreads / 32;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int K = a.ranks_per_node, R = a.num_ranks, N = R / K, T = a.num_tokens, k = a.num_topk;
+    const int me = a.rank, my_node = me / K, local = me % K, El = a.num_experts / R;
+    const int W = R + N;  // words of a row
+    extern __shared__ unsigned long long s_dyn64[];  // [R + N] my counts, then [N] the slot bases
+    unsigned long long* s_cnt = s_dyn64;
+    int64_t* s_base = reinterpret_cast<int64_t*>(s_dyn64 + W);
+    __shared__ int64_t s_call;
+    __shared__ int s_fail;
+    for (int i = threadIdx.x; i < W; i += blockDim.x) s_cnt[i] = 0;
+    if (threadIdx.x == 0) {
+        s_call = ld_volatile64(a.state) + 1;
+        s_fail = 0;
+    }
+    __syncthreads();
+
+    // 1. Layout: which ranks and nodes each token goes to, and how many of mine go to each.
+    for (int t = threadIdx.x; t < T; t += blockDim.x) {
+        uint8_t* in = a.in_rank + (int64_t)t * R;
+        for (int d = 0; d < R; ++d) in[d] = 0;
+        for (int q = 0; q < k; ++q) {
+            const int64_t e = a.topk_idx[(int64_t)t * k + q];
+            if (e >= 0) in[e / El] = 1;
+        }
+        for (int n = 0; n < N; ++n) {
+            bool any = false;
+            for (int j = 0; j < K; ++j)
+                if (in[n * K + j]) {
+                    atomicAdd(&s_cnt[n * K + j], 1ull);
+                    any = true;
+                }
+            if (any) atomicAdd(&s_cnt[R + n], 1ull);
+        }
+    }
+    __syncthreads();
+
+    // 2. Count exchange: my row to every PE (blocking puts: the row is reusable after), then every row here.
+    const int64_t call = s_call;
+    int64_t* mat = a.matrix + (call & 1) * (int64_t)R * W;
+    for (int i = threadIdx.x; i < W; i += blockDim.x) a.row[i] = (int64_t)s_cnt[i];
+    __syncthreads();
+    if (threadIdx.x < R) {
+        __threadfence_system();
+        nvshmem_putmem_signal(mat + (int64_t)me * W, a.row, W * sizeof(int64_t), a.row_signal + me, 1,
+                              NVSHMEM_SIGNAL_ADD, threadIdx.x);
+    }
+    if (threadIdx.x < R && !wait_signal(a.row_signal + threadIdx.x, call, a.guard, /*phase=*/0, threadIdx.x))
+        s_fail = 1;
+    __syncthreads();
+    if (s_fail) {
+        if (threadIdx.x == 0 && a.host) {
+            __threadfence_system();
+            *reinterpret_cast<volatile int*>(a.host) = 3;
+        }
+        return;
+    }
+    // Rows other PEs put during this kernel: loads that bypass L1.
+    auto cnt = [&](int src, int d) { return __ldcv(mat + (int64_t)src * W + d); };
+    auto node_cnt = [&](int src, int n) { return __ldcv(mat + (int64_t)src * W + R + n); };
+
+    // 3. The plan. rank_prefix_matrix, a thread per destination column.
+    for (int d = threadIdx.x; d < R; d += blockDim.x) {
+        int64_t acc = 0;
+        for (int src = 0; src < R; ++src) {
+            acc += cnt(src, d);
+            a.rank_prefix[(int64_t)src * R + d] = acc;
+        }
+    }
+    // My rows at the rail peer of node n come after those of the earlier source nodes' ranks with my
+    // local index; my network buffer holds each source node's block in node order.
+    for (int n = threadIdx.x; n < N; n += blockDim.x) {
+        int64_t base = 0;
+        for (int m = 0; m < my_node; ++m)
+            if (m != n) base += node_cnt(m * K + local, n);
+        s_base[n] = base;
+        a.net_count[n] = n == my_node ? 0 : node_cnt(n * K + local, my_node);
+    }
+    __syncthreads();
+    // send_head and rdma_slot: each token's position in its column, in token order; a warp per column.
+    for (int col = warp; col < W; col += kWarps) {
+        const bool node_col = col >= R;
+        const int n = col - R;
+        int64_t pos = 0;
+        for (int t0 = 0; t0 < T; t0 += 32) {  // warp-uniform bounds: every lane takes part in the ballot
+            const int t = t0 + lane;
+            bool in = false;
+            if (t < T) {
+                const uint8_t* row = a.in_rank + (int64_t)t * R;
+                if (!node_col) in = row[col];
+                else if (n != my_node)
+                    for (int j = 0; j < K; ++j) in = in || row[n * K + j];
+            }
+            const unsigned m = __ballot_sync(0xffffffffu, in);
+            const int64_t mine = pos + __popc(m & ((1u << lane) - 1u));
+            if (t < T) {
+                if (!node_col) a.send_head[(int64_t)t * R + col] = in ? mine : -1;
+                else a.rdma_slot[(int64_t)t * N + n] = in ? s_base[n] + mine : -1;
+            }
+            pos += __popc(m);
+        }
+    }
+
+    // 4. The cumulative targets of this call's dispatch and combine, and what the host needs.
+    if (threadIdx.x == 0) {
+        int64_t* net_total = a.state + 1;
+        int64_t* arrived_total = net_total + N;
+        int64_t* combine_total = arrived_total + R;
+        int64_t* combine_net_total = combine_total + 2;
+        int64_t received = 0;
+        for (int src = 0; src < R; ++src) {
+            const int64_t c = cnt(src, me);
+            arrived_total[src] += c;
+            received += c;
+            if (a.host) a.host[2 + src] = (int)c;
+        }
+        for (int m = 0; m < N; ++m) {
+            if (m == my_node) continue;
+            net_total[m] += node_cnt(m * K + local, my_node);
+            combine_net_total[m] += node_cnt(me, m);
+            for (int j = 0; j < K; ++j) combine_total[1] += cnt(m * K + local, my_node * K + j);
+        }
+        for (int j = 0; j < K; ++j) combine_total[0] += cnt(me, my_node * K + j);
+        a.state[0] = call;
+        if (a.host) {
+            a.host[1] = (int)received;
+            __threadfence_system();
+            *reinterpret_cast<volatile int*>(a.host) = 1;
+        }
+    }
+}
+
 struct TwoHopDispatchArgs {
     const int4* x;                // [T, x_int4] BF16 rows
     const int64_t* topk_idx;      // [T, k]
@@ -56,6 +233,8 @@ struct TwoHopDispatchArgs {
     int64_t* const* arrived;      // [K] each local rank's arrived[R] counters (IPC), all calls
     const int64_t* arrived_target;// [R] this call's cumulative target of my arrived[s]
     int64_t row_stride;           // bytes of a network row: payload, then 1 + 2k + K int64-sized words
+    const int64_t* calls_done;    // the notify's state[0]: the kernel runs only when it equals `call`
+    int64_t call;
     uint64_t* hop_ns;             // [4] or null (a metric, %globaltimer ns): the earliest block start (min),
                                   // when a block saw every source node's rows, when a block finished
                                   // forwarding, when block 0 saw every row arrive (max each); the caller
@@ -91,6 +270,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
     auto ld = [](const int4* p) { return ld_nc_na_v4(p); };  // inputs: read-only for the whole kernel
     auto ld_cv = [](const int4* p) { return __ldcv(p); };     // network rows: written by peers during it
     auto st = [](int4* p, const int4& v) { st_na_v4(p, v); };
+    if (ld_volatile64(a.calls_done) != a.call) return;  // this call's notify failed: nothing to send
     if (threadIdx.x == 0) hop_stamp(a.hop_ns, 0);
 
     // Writes row `src_row` (payload and its metadata) for destination d at rank-major row `row`;
@@ -242,6 +422,8 @@ struct TwoHopCombineArgs {
     const int64_t* net_target;    // [N] this call's cumulative targets of net_signal (own node: unused)
     const int64_t* send_head;     // [T, R] the dispatch's: where token t went (-1: not to that rank)
     int4* out;                    // [T, x_int4] BF16
+    const int64_t* calls_done;    // the notify's state[0]: the kernel runs only when it equals `call`
+    int64_t call;                 // the call of the dispatch whose rows this combines
     uint64_t* hop_ns;             // [4] or null (a metric, as the dispatch's): the earliest block start, when
                                   // a block saw its node's rows for every slot (rail peer), when a block saw
                                   // every row and partial of its tokens (source), when a block finished
@@ -289,6 +471,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_combine(TwoHopCombineA
     auto ld = [](const int4* p) { return ld_nc_na_v4(p); };
     auto st = [](int4* p, const int4& v) { st_na_v4(p, v); };
     __shared__ int s_fail;
+    if (ld_volatile64(a.calls_done) != a.call) return;  // a later notify ran, or this call's failed
     if (threadIdx.x == 0) {
         s_fail = 0;
         hop_stamp(a.hop_ns, 0);

@@ -55,9 +55,6 @@ __device__ __forceinline__ int64_t* direct_counter(void* base, int64_t offset, i
 __device__ __forceinline__ void red_add_release_sys(int64_t* p, int64_t v) {
     asm volatile("red.release.sys.global.add.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
 }
-__device__ __forceinline__ int64_t ld_volatile64(const int64_t* p) {
-    return *reinterpret_cast<const volatile int64_t*>(p);
-}
 // Rows rank s sends to rank d, from the [R, R] rank prefix matrix (cumulative over sources).
 __device__ __forceinline__ int pair_count(const int* rpm, int num_ranks, int s, int d) {
     return rpm[s * num_ranks + d] - (s > 0 ? rpm[(s - 1) * num_ranks + d] : 0);

@@ -1,4 +1,5 @@
-"""The two-hop dispatch across (emulated) nodes against the one-node oracle:
+"""The two-hop dispatch across (emulated) nodes against the one-node oracle,
+and its notify pass against the reference plan:
 every rank receives, row for row, what cupyep.reference.intranode_dispatch
 gives it over all ranks: payload bytes tagged by (source rank, token), the
 source index and rank of every row, local top-k ids and weights. Runs when
@@ -47,6 +48,48 @@ def test_two_hop_dispatch_matches_the_one_node_dispatch(group, two_hop, seed, nu
             "rank_prefix_matrix": np.array_equal(out.rank_prefix_matrix, exp.rank_prefix_matrix),
         }
         assert all_ranks(group.comm, all(checks.values())), (call, {k: v for k, v in checks.items() if not v})
+
+
+@pytest.mark.parametrize("seed,num_tokens,zero_rank", [(11, 256, None), (12, 37, 1)])
+def test_the_device_notify_computes_the_reference_plan(group, two_hop, seed, num_tokens, zero_rank):
+    """The notify pass across nodes, on the device: send_head, the network
+    slots, rank_prefix_matrix and the rows per source node in this rank's
+    network buffer equal cupyep.reference.internode.two_hop_plan's; one call
+    moves each cumulative target by this call's counts."""
+    import cupy
+    from cupyep import internode as INTER
+    from cupyep.reference import internode as I
+    from cupyep.reference.layout import get_dispatch_layout
+    R, me, K = group.world_size, group.rank, group.local_size
+    N, own, local = R // K, me // K, me % K
+    tokens = [0 if r == zero_rank else num_tokens for r in range(R)]
+    idx, w = global_routing(seed, tokens, E, K_TOPK)
+    plan = I.two_hop_plan(idx, E, R, K)
+    counts = np.stack([get_dispatch_layout(i, E, R, K).num_tokens_per_rank for i in idx]).astype(np.int64)
+    node_counts = np.stack([get_dispatch_layout(i, E, R, K).num_tokens_per_node for i in idx]).astype(np.int64)
+    before = two_hop.state.get()
+    x = payload_bf16(me, np.arange(tokens[me]), H)
+    two_hop.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), cupy.asarray(w[me]))
+    after = two_hop.state.get()
+    dev = {k: v.get() for k, v in two_hop._last["dev"].items()}
+    T = tokens[me]
+    net_count = np.array([0 if m == own else node_counts[m * K + local, own] for m in range(N)])
+    sl = INTER.state_slices(R, K)
+    delta = {name: after[s_] - before[s_] for name, s_ in sl.items()}
+    want_delta = {
+        "calls": np.array([1]), "net_total": net_count, "arrived_total": counts[:, me],
+        "combine_total": np.array([counts[me, own * K:(own + 1) * K].sum(),
+                                   sum(counts[m * K + local, own * K:(own + 1) * K].sum() for m in range(N) if m != own)]),
+        "combine_net_total": np.array([0 if m == own else node_counts[me, m] for m in range(N)]),
+    }
+    checks = {
+        "send_head": np.array_equal(dev["head"][:T], plan.send_head[me]),
+        "rdma_slot": np.array_equal(dev["slot"][:T], plan.rdma_slot[me]),
+        "rank_prefix": np.array_equal(dev["rpm"], plan.rank_prefix_matrix),
+        "net_count": np.array_equal(dev["net_count"], net_count) and int(net_count.sum()) == int(plan.rdma_rows[me]),
+        **{f"state {k}": np.array_equal(delta[k], want_delta[k]) for k in sl},
+    }
+    assert all_ranks(group.comm, all(checks.values())), {k: v for k, v in checks.items() if not v}
 
 
 def test_two_hop_bad_input_raises_before_launch(group, two_hop):
@@ -125,9 +168,11 @@ def test_hop_stamps_delimit_every_hop(group, two_hop):
 
 
 def test_a_rank_that_never_dispatches_is_named_within_the_timeout(group, two_hop):
-    """Rank 0 stays away from one dispatch: every other rank raises
-    CommTimeoutError naming rank 0 within the (shortened) timeout. Last in
-    the module: after a timeout the buffer's state is undefined."""
+    """Rank 0 stays away from one dispatch: every other rank's notify pass
+    times out waiting for its row of counts and raises CommTimeoutError
+    naming rank 0 within the (shortened) timeout, and sends nothing (its
+    dispatch kernel sees the failed notify). Last in the module: after a
+    timeout the buffer's state is undefined."""
     import time
 
     import cupy
@@ -135,7 +180,6 @@ def test_a_rank_that_never_dispatches_is_named_within_the_timeout(group, two_hop
     me = group.rank
     idx, w = global_routing(9, [16] * group.world_size, E, K_TOPK)
     if me == 0:
-        group._xseq += 1  # it skips that exchange
         ok = True
     else:
         saved, group.timeout_s = group.timeout_s, 3.0
@@ -147,5 +191,6 @@ def test_a_rank_that_never_dispatches_is_named_within_the_timeout(group, two_hop
         finally:
             group.timeout_s = saved
         ok = info.value.peer == 0 and "count exchange" in str(info.value) and time.monotonic() - t0 < 30
+        group.error_slot.reset()
     group.comm.Barrier()
     assert all_ranks(group.comm, ok)
