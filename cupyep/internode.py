@@ -30,17 +30,18 @@ from .barrier import GUARD_DTYPE
 
 THREADS = 512
 NOTIFY_THREADS = 1024
+INT32_MAX = 2**31 - 1
 u64, i64, i32 = np.uint64, np.int64, np.int32
 NOTIFY_ARGS_DTYPE = jit.struct_dtype([
     ("topk_idx", u64), ("in_rank", u64), ("send_head", u64), ("rdma_slot", u64), ("rank_prefix", u64),
     ("net_count", u64), ("row", u64), ("matrix", u64), ("row_signal", u64), ("state", u64), ("host", u64),
-    ("num_tokens", i32), ("num_topk", i32), ("num_experts", i32), ("num_ranks", i32), ("ranks_per_node", i32),
+    ("capacity", i32), ("num_tokens", i32), ("num_topk", i32), ("num_experts", i32), ("num_ranks", i32), ("ranks_per_node", i32),
     ("rank", i32), ("guard", GUARD_DTYPE)])
 ARGS_DTYPE = jit.struct_dtype([
     ("x", u64), ("topk_idx", u64), ("topk_weights", u64), ("rdma_slot", u64), ("send_head", u64),
     ("rank_prefix", u64), ("staging", u64), ("net_rows", u64), ("net_signal", u64), ("net_target", u64),
     ("net_count", u64), ("pools", u64), ("out_x", i64), ("out_idx", i64), ("out_w", i64), ("out_src", i64),
-    ("out_slot", i64), ("arrived", u64), ("arrived_target", u64), ("row_stride", i64), ("calls_done", u64), ("call", i64),
+    ("out_slot", i64), ("arrived", u64), ("arrived_target", u64), ("row_stride", i64), ("notify_ok", u64), ("capacity", i64),
     ("hop_ns", u64), ("num_tokens", i32),
     ("num_topk", i32),
     ("x_int4", i32), ("num_ranks", i32), ("ranks_per_node", i32), ("num_local_experts", i32), ("rank", i32),
@@ -51,7 +52,7 @@ COMBINE_ARGS_DTYPE = jit.struct_dtype([
     ("y", u64), ("recv_src_rank", u64), ("recv_src_idx", u64), ("recv_slot", u64), ("pools", u64),
     ("direct_in", i64), ("gather", i64), ("counters", u64), ("targets", u64), ("net_rows", u64),
     ("row_stride", i64), ("net_count", u64), ("staging", u64), ("net_in", u64), ("net_signal", u64),
-    ("net_target", u64), ("send_head", u64), ("out", u64), ("calls_done", u64), ("call", i64), ("hop_ns", u64),
+    ("net_target", u64), ("send_head", u64), ("out", u64), ("notify_ok", u64), ("hop_ns", u64),
     ("num_recv", i32), ("num_tokens", i32),
     ("max_tokens", i32), ("x_int4", i32), ("num_topk", i32), ("num_ranks", i32), ("ranks_per_node", i32),
     ("rank", i32), ("guard", GUARD_DTYPE)])
@@ -94,14 +95,14 @@ def spec(num_threads: int = THREADS) -> jit.KernelSpec:
 def state_words(num_ranks: int, ranks_per_node: int) -> int:
     """int64 words of the notify's private state (two_hop_state_words in two_hop.cu)."""
     n = num_ranks // ranks_per_node
-    return 1 + n + num_ranks + 2 + n
+    return 2 + n + num_ranks + 2 + n
 
 
 def state_slices(num_ranks: int, ranks_per_node: int) -> dict:
-    """Where each part of the state lies: {"calls", "net_total", "arrived_total",
-    "combine_total", "combine_net_total"} -> slice."""
+    """Where each part of the state lies: {"calls", "ok", "net_total",
+    "arrived_total", "combine_total", "combine_net_total"} -> slice."""
     R, N = num_ranks, num_ranks // ranks_per_node
-    out, off = {"calls": slice(0, 1)}, 1
+    out, off = {"calls": slice(0, 1), "ok": slice(1, 2)}, 2
     for name, n in (("net_total", N), ("arrived_total", R), ("combine_total", 2), ("combine_net_total", N)):
         out[name] = slice(off, off + n)
         off += n
@@ -122,17 +123,19 @@ def row_stride(hidden: int, num_topk: int, ranks_per_node: int) -> int:
 
 @dataclass
 class TwoHopResult:
-    """What this rank received: recv_x [N, H] uint16, recv_topk_idx [N, k]
-    int64 (local ids, -1 elsewhere), recv_topk_weights [N, k] float32 (0
-    there), recv_src_idx [N] int32, recv_src_rank [N] int32 (host-known
-    blocks), rank_prefix_matrix [R, R] int64 (host). Views of the receive
-    pool, valid until the next call."""
+    """What this rank received, all cupy: recv_x [N, H] uint16, recv_topk_idx
+    [N, k] int64 (local ids, -1 elsewhere), recv_topk_weights [N, k] float32
+    (0 there), recv_src_idx [N] int32, recv_src_rank [N] int32,
+    rank_prefix_matrix [R, R] int64. N: the rows received, or
+    num_worst_tokens in worst-token mode (padding rows past the count: -1
+    ids, sources and ranks, 0 weights). The row arrays are views of the
+    receive pool, valid until the next call."""
     recv_x: object
     recv_topk_idx: object
     recv_topk_weights: object
     recv_src_idx: object
-    recv_src_rank: np.ndarray
-    rank_prefix_matrix: np.ndarray
+    recv_src_rank: object
+    rank_prefix_matrix: object
 
 
 class TwoHopDispatch:
@@ -141,9 +144,12 @@ class TwoHopDispatch:
     rank (nodes from the group: real or emulated with ``--ranks-per-node``).
     Every call runs on the current stream, the same one for all calls: the
     next call's notify pass is the barrier that keeps peers from writing the
-    pools this call's outputs live in. Needs NVSHMEM (cupyep.nvshmem), which
-    it initialises. After a device error (a timeout) its state is undefined:
-    later calls raise until it is destroyed."""
+    pools this call's outputs live in. Worst-token calls (num_worst_tokens)
+    read nothing back on the host, so a CUDA graph can capture a dispatch and
+    its combine; the arrays such a graph uses live as long as this object.
+    Needs NVSHMEM (cupyep.nvshmem), which it initialises. After a device
+    error (a timeout) its state is undefined: later calls raise until it is
+    destroyed."""
 
     def __init__(self, group, max_tokens: int, hidden: int, num_topk: int, num_experts: int):
         import cupy
@@ -206,6 +212,7 @@ class TwoHopDispatch:
         self.notify_fn = fns[spec().kernels[2]]
         self._last = None
         self._failed = None  # the error that left the state undefined, once one has
+        self._captured = []  # arrays of the calls captured in CUDA graphs, alive as long as this object
         cupy.cuda.runtime.deviceSynchronize()
         group.comm.Barrier()
 
@@ -214,15 +221,35 @@ class TwoHopDispatch:
             raise RuntimeError(f"rank {self.me}: this TwoHopDispatch failed ({self._failed}); its state is "
                                "undefined: destroy it and make a new one")
 
-    def dispatch(self, x, topk_idx, topk_weights, hop_ns=None) -> TwoHopResult:
-        """One two-hop dispatch (collective). ``hop_ns``: cupy uint64 [4] or
-        None, the hop metric: set it to :data:`HOP_STAMPS_INIT` before the
-        call and the kernel writes its stamps (TwoHopDispatchArgs::hop_ns;
-        :func:`hop_times_us` turns them into each hop's time)."""
+    def dispatch(self, x, topk_idx, topk_weights, hop_ns=None, num_worst_tokens: int = 0,
+                 validate: bool = True) -> TwoHopResult:
+        """One two-hop dispatch (collective).
+
+        Arguments:
+            x, topk_idx, topk_weights: see the module docstring.
+            hop_ns: cupy uint64 [4] or None, the hop metric: set it to
+                :data:`HOP_STAMPS_INIT` before the call and the kernel writes
+                its stamps (TwoHopDispatchArgs::hop_ns; :func:`hop_times_us`
+                turns them into each hop's time).
+            num_worst_tokens: if > 0, the outputs hold this many rows and the
+                host reads nothing back (CUDA-graph capturable): rows past the
+                received count are padding (recv_topk_idx, recv_src_idx,
+                recv_src_rank -1, recv_topk_weights 0, recv_x not written);
+                more rows to receive is a DeviceCapacityError, never a drop.
+                At most R * max_tokens.
+            validate: check the expert ids on the host first (skipped under
+                graph capture, where nothing may wait for the device).
+
+        Returns:
+            TwoHopResult; the host waits for the kernels unless worst-token
+            mode, whose device errors the next call (or group.check_errors())
+            raises.
+        """
         import cupy
 
         from .arrays import BF16, as_cupy, check
         self._usable()
+        self.group.check_errors()
         x = check(as_cupy(x, "x"), "x", BF16, ndim=2)
         hop_ns = _check_hop(hop_ns)
         T, H = x.shape
@@ -230,25 +257,33 @@ class TwoHopDispatch:
             raise ValueError(f"x is [{T}, {H}]; this dispatch takes at most {self.max_tokens} tokens of {self.hidden}")
         topk_idx = check(as_cupy(topk_idx, "topk_idx"), "topk_idx", np.int64, shape=(T, self.k))
         topk_weights = check(as_cupy(topk_weights, "topk_weights"), "topk_weights", np.float32, shape=(T, self.k))
-        if T:
+        R, N = self.R, self.N
+        worst = int(num_worst_tokens) > 0
+        if worst and num_worst_tokens > R * self.max_tokens:
+            raise ValueError(f"num_worst_tokens={num_worst_tokens} exceeds the {R} x {self.max_tokens} rows a rank "
+                             "can receive")
+        capturing = cupy.cuda.get_current_stream().is_capturing()
+        if validate and T and not capturing:
             lo, hi = (int(v) for v in cupy.stack([topk_idx.min(), topk_idx.max()]).get())
             if lo < -1 or hi >= self.E:
                 raise ValueError(f"topk_idx holds expert ids in [{lo}, {hi}], outside [-1, {self.E})")
-        R, N = self.R, self.N
+        if capturing and not worst:
+            raise ValueError("a two-hop dispatch inside graph capture needs num_worst_tokens (no host read)")
         dev = {"in_rank": cupy.empty((max(T, 1), R), dtype=np.uint8), "head": cupy.empty((max(T, 1), R), np.int64),
                "slot": cupy.empty((max(T, 1), N), np.int64), "rpm": cupy.empty((R, R), np.int64),
                "net_count": cupy.empty(N, np.int64)}
         staging = cupy.empty((max(1, T * N), self.stride), dtype=np.uint8)
         self.calls += 1
-        self._host[:] = 0
+        if not worst:
+            self._host[:] = 0
         guard = self.group.guard("internode_two_hop_notify")
         nargs = jit.pack(
             NOTIFY_ARGS_DTYPE, topk_idx=topk_idx.data.ptr, in_rank=dev["in_rank"].data.ptr,
             send_head=dev["head"].data.ptr, rdma_slot=dev["slot"].data.ptr, rank_prefix=dev["rpm"].data.ptr,
             net_count=dev["net_count"].data.ptr, row=self.row.data.ptr, matrix=self.matrix.data.ptr,
-            row_signal=self.row_signal.data.ptr, state=self.state.data.ptr, host=self._host_ptr, num_tokens=T,
-            num_topk=self.k, num_experts=self.E, num_ranks=R, ranks_per_node=self.K, rank=self.me,
-            guard=jit.pack(GUARD_DTYPE, **guard))
+            row_signal=self.row_signal.data.ptr, state=self.state.data.ptr, host=0 if worst else self._host_ptr,
+            capacity=int(num_worst_tokens) if worst else INT32_MAX, num_tokens=T, num_topk=self.k,
+            num_experts=self.E, num_ranks=R, ranks_per_node=self.K, rank=self.me, guard=jit.pack(GUARD_DTYPE, **guard))
         notify_start, notify_end = cupy.cuda.Event(), cupy.cuda.Event()
         notify_start.record()
         self.notify_fn((1,), (NOTIFY_THREADS,), (nargs,), shared_mem=8 * (R + 2 * N))
@@ -261,29 +296,36 @@ class TwoHopDispatch:
             pools=self.pool.peer_ptrs.data.ptr, out_x=self._lay["x"], out_idx=self._lay["idx"],
             out_w=self._lay["w"], out_src=self._lay["src"], out_slot=self._lay["slot"],
             arrived=self.arrived_ptrs.data.ptr, arrived_target=self._state["arrived_total"].data.ptr,
-            row_stride=self.stride, calls_done=self.state.data.ptr, call=self.calls, hop_ns=jit.ptr(hop_ns),
-            num_tokens=T, num_topk=self.k,
+            row_stride=self.stride, notify_ok=self._state["ok"].data.ptr,
+            capacity=int(num_worst_tokens) if worst else 0, hop_ns=jit.ptr(hop_ns), num_tokens=T, num_topk=self.k,
             x_int4=H * 2 // 16, num_ranks=self.R, ranks_per_node=self.K, num_local_experts=self.E // self.R,
             rank=self.me, guard=jit.pack(GUARD_DTYPE, **self.group.guard("internode_two_hop_dispatch")))
-        self._launch(self.fn, args)
-        self.last_notify_us = cupy.cuda.get_elapsed_time(notify_start, notify_end) * 1e3
-        if self._host[0] != 1:  # the kernels ended without a device error (checked above) but no counts
-            raise RuntimeError(f"rank {self.me}: the two-hop notify ended without publishing its counts "
-                               f"(status {int(self._host[0])})")
-        n = int(self._host[1])
-        from_src = self._host[2:2 + R].astype(np.int64)
-        src_rank = np.repeat(np.arange(R, dtype=np.int32), from_src)
-        self._last = {"T": T, "dev": dev, "n": n, "call": self.calls, "src_rank": cupy.asarray(src_rank)}
+        self._launch(self.fn, args, wait=not worst)
+        if worst:
+            n = int(num_worst_tokens)
+        else:
+            self.last_notify_us = cupy.cuda.get_elapsed_time(notify_start, notify_end) * 1e3
+            if self._host[0] != 1:  # the kernels ended without a device error (checked above) but no counts
+                raise RuntimeError(f"rank {self.me}: the two-hop notify ended without publishing its counts "
+                                   f"(status {int(self._host[0])})")
+            n = int(self._host[1])
+        # Each row's source: the first source whose cumulative count to me passes the row (-1: padding).
+        rows = cupy.arange(n, dtype=np.int64)
+        first = cupy.searchsorted(dev["rpm"][:, self.me], rows, side="right").astype(np.int32)
+        src_rank = cupy.where(first < R, first, np.int32(-1))
+        if capturing:  # a graph keeps raw pointers: its memory must outlive it
+            self._captured.append((x, topk_idx, topk_weights, dev, staging, rows, first, src_rank))
+        self._last = {"T": T, "dev": dev, "n": n, "call": self.calls, "src_rank": src_rank, "worst": worst}
         return TwoHopResult(recv_x=self.pool.view(self._lay["x"], (n, H), np.uint16),
                             recv_topk_idx=self.pool.view(self._lay["idx"], (n, self.k), np.int64),
                             recv_topk_weights=self.pool.view(self._lay["w"], (n, self.k), np.float32),
                             recv_src_idx=self.pool.view(self._lay["src"], (n,), np.int32),
-                            recv_src_rank=src_rank, rank_prefix_matrix=dev["rpm"].get())
+                            recv_src_rank=src_rank, rank_prefix_matrix=dev["rpm"])
 
-    def _launch(self, fn, args) -> None:
+    def _launch(self, fn, args, wait: bool = True) -> None:
         """Launch ``fn`` with this rank's share of the SMs (every block resident:
-        the kernels wait on other ranks), wait for it, raise what it
-        reported; its device time goes to ``last_kernel_us``."""
+        the kernels wait on other ranks). ``wait``: wait for it, raise what it
+        reported, and put its device time in ``last_kernel_us``."""
         import cupy
         sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         blocks = max(1, sms // max(1, self.group.ranks_per_gpu))
@@ -291,6 +333,8 @@ class TwoHopDispatch:
         start.record()
         fn((blocks,), (THREADS,), (args,))
         end.record()
+        if not wait:
+            return
         end.synchronize()
         try:
             self.group.check_errors()
@@ -326,7 +370,8 @@ class TwoHopDispatch:
         if L["call"] != self.calls:
             raise ValueError("combine reduces the last dispatch's rows; another dispatch came after it")
         R, K, me = self.R, self.K, self.me
-        rows_now = int(L["dev"]["net_count"].sum().get())
+        # Partial rows this rank makes as a rail peer: their count is on the device in worst-token mode.
+        rows_now = (self.N - 1) * self.max_tokens if L["worst"] else int(L["dev"]["net_count"].sum().get())
         staging = cupy.empty((max(1, rows_now), self.hidden * 2), dtype=np.uint8)
         out = cupy.zeros((L["T"], self.hidden), dtype=np.uint16)
         args = jit.pack(
@@ -339,11 +384,13 @@ class TwoHopDispatch:
             row_stride=self.stride, net_count=L["dev"]["net_count"].data.ptr, staging=staging.data.ptr,
             net_in=self.cnet_in.data.ptr, net_signal=self.cnet_signal.data.ptr,
             net_target=self._state["combine_net_total"].data.ptr, send_head=L["dev"]["head"].data.ptr,
-            out=out.data.ptr, calls_done=self.state.data.ptr, call=L["call"], hop_ns=jit.ptr(hop_ns), num_recv=L["n"],
+            out=out.data.ptr, notify_ok=self._state["ok"].data.ptr, hop_ns=jit.ptr(hop_ns), num_recv=L["n"],
             num_tokens=L["T"],
             max_tokens=self.max_tokens, x_int4=self.hidden * 2 // 16, num_topk=self.k, num_ranks=R,
             ranks_per_node=K, rank=me, guard=jit.pack(GUARD_DTYPE, **self.group.guard("internode_two_hop_combine")))
-        self._launch(self.combine_fn, args)
+        if cupy.cuda.get_current_stream().is_capturing():
+            self._captured.append((y, staging, out))
+        self._launch(self.combine_fn, args, wait=not L["worst"])
         return out
 
     def destroy(self) -> None:
@@ -352,6 +399,7 @@ class TwoHopDispatch:
         import cupy
         cupy.cuda.runtime.deviceSynchronize()
         self.group.comm.Barrier()
+        self._captured = []
         for buf in (self.pool, self.sync, self.cpool, self.csync):
             buf.destroy()
         for arr in (self.net_rows, self.net_signal, self.cnet_in, self.cnet_signal, self.row, self.matrix,

@@ -11,20 +11,22 @@ from cupyep import internode as INTER
 def test_state_slices_cover_the_state_in_the_kernels_order(R, K):
     """cupyep.internode.state_slices lays out, back to back and in
     two_hop.cu's order, the two_hop_state_words(R, N) words of the notify's
-    state: calls done, then the cumulative targets."""
+    state: calls done, the latest notify's verdict, then the cumulative
+    targets."""
     sl = INTER.state_slices(R, K)
     N = R // K
-    assert list(sl) == ["calls", "net_total", "arrived_total", "combine_total", "combine_net_total"]
+    assert list(sl) == ["calls", "ok", "net_total", "arrived_total", "combine_total", "combine_net_total"]
     sizes = [sl[k].stop - sl[k].start for k in sl]
-    assert sizes == [1, N, R, 2, N]
+    assert sizes == [1, 1, N, R, 2, N]
     assert all(sl[a].stop == sl[b].start for a, b in zip(list(sl), list(sl)[1:]))
-    assert sl["combine_net_total"].stop == INTER.state_words(R, K) == 1 + N + R + 2 + N
+    assert sl["combine_net_total"].stop == INTER.state_words(R, K) == 2 + N + R + 2 + N
 
 
 def test_the_kernels_state_size_is_the_hosts():
     from cupyep import jit
     src = (jit.CUDA_SRC / "internode" / "two_hop.cu").read_text()
-    assert "two_hop_state_words(int R, int N) { return 1 + N + R + 2 + N; }" in src
+    assert "two_hop_state_words(int R, int N) { return 2 + N + R + 2 + N; }" in src
+    assert "constexpr int kNotifyOk = 1;" in src
 
 
 def test_network_row_layout():

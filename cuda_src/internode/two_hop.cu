@@ -51,11 +51,13 @@ namespace cupyep {
 namespace internode {
 
 // `state` (int64, private to the rank, zero at first): [0] notify calls done,
-// then the cumulative targets: net_total [N] (dispatch: network rows from each
+// [1] 1 when the latest notify succeeded (0 from its start), then the
+// cumulative targets: net_total [N] (dispatch: network rows from each
 // source node), arrived_total [R] (dispatch: rows from each source rank),
 // combine_total [2] (combine: direct rows in, gather rows in),
 // combine_net_total [N] (combine: partials from each node).
-__host__ __device__ constexpr int two_hop_state_words(int R, int N) { return 1 + N + R + 2 + N; }
+__host__ __device__ constexpr int two_hop_state_words(int R, int N) { return 2 + N + R + 2 + N; }
+constexpr int kNotifyOk = 1;
 
 struct TwoHopNotifyArgs {
     const int64_t* topk_idx;      // [T, k] global expert ids, -1: none (checked on the host)
@@ -69,7 +71,8 @@ struct TwoHopNotifyArgs {
     uint64_t* row_signal;         // symmetric [R]: rows arrived from each PE, all calls
     int64_t* state;               // private, see above
     int* host;                    // mapped host ints: [0] status (1 done, 3 failed), [1] rows I receive,
-                                  // [2, 2 + R) rows from each source rank
+                                  // [2, 2 + R) rows from each source rank; null in worst-token mode
+    int capacity;                 // rows the caller's outputs hold: more to receive is a capacity error
     int num_tokens;
     int num_topk;
     int num_experts;
@@ -95,6 +98,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArg
     if (threadIdx.x == 0) {
         s_call = ld_volatile64(a.state) + 1;
         s_fail = 0;
+        a.state[kNotifyOk] = 0;  // this call's dispatch and combine wait for the verdict below
     }
     __syncthreads();
 
@@ -186,7 +190,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArg
 
     // 4. The cumulative targets of this call's dispatch and combine, and what the host needs.
     if (threadIdx.x == 0) {
-        int64_t* net_total = a.state + 1;
+        int64_t* net_total = a.state + 2;
         int64_t* arrived_total = net_total + N;
         int64_t* combine_total = arrived_total + R;
         int64_t* combine_net_total = combine_total + 2;
@@ -205,10 +209,13 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArg
         }
         for (int j = 0; j < K; ++j) combine_total[0] += cnt(me, my_node * K + j);
         a.state[0] = call;
+        const bool fits = received <= a.capacity;
+        if (!fits) report_error(a.guard, kErrorCapacity, /*phase=*/1, -1, received, a.capacity);
+        a.state[kNotifyOk] = fits ? 1 : 0;
         if (a.host) {
             a.host[1] = (int)received;
             __threadfence_system();
-            *reinterpret_cast<volatile int*>(a.host) = 1;
+            *reinterpret_cast<volatile int*>(a.host) = fits ? 1 : 3;
         }
     }
 }
@@ -233,8 +240,8 @@ struct TwoHopDispatchArgs {
     int64_t* const* arrived;      // [K] each local rank's arrived[R] counters (IPC), all calls
     const int64_t* arrived_target;// [R] this call's cumulative target of my arrived[s]
     int64_t row_stride;           // bytes of a network row: payload, then 1 + 2k + K int64-sized words
-    const int64_t* calls_done;    // the notify's state[0]: the kernel runs only when it equals `call`
-    int64_t call;
+    const int64_t* notify_ok;     // the notify's verdict (state[kNotifyOk]): the kernel runs only when 1
+    int64_t capacity;             // rows of the caller's outputs; rows [received, capacity) are padding
     uint64_t* hop_ns;             // [4] or null (a metric, %globaltimer ns): the earliest block start (min),
                                   // when a block saw every source node's rows, when a block finished
                                   // forwarding, when block 0 saw every row arrive (max each); the caller
@@ -270,8 +277,22 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
     auto ld = [](const int4* p) { return ld_nc_na_v4(p); };  // inputs: read-only for the whole kernel
     auto ld_cv = [](const int4* p) { return __ldcv(p); };     // network rows: written by peers during it
     auto st = [](int4* p, const int4& v) { st_na_v4(p, v); };
-    if (ld_volatile64(a.calls_done) != a.call) return;  // this call's notify failed: nothing to send
+    if (ld_volatile64(a.notify_ok) != 1) return;  // this call's notify failed: nothing to send
     if (threadIdx.x == 0) hop_stamp(a.hop_ns, 0);
+    {   // Padding rows of my outputs (worst-token mode): ids and sources -1, weights 0, slots -1. No row
+        // arrives at or past the count, so these writes never meet a delivery.
+        char* mine = static_cast<char*>(a.pools[local]);
+        const int64_t n = a.rank_prefix[(int64_t)(R - 1) * R + me];
+        for (int64_t r = n + (int64_t)blockIdx.x * blockDim.x + threadIdx.x; r < a.capacity;
+             r += (int64_t)gridDim.x * blockDim.x) {
+            reinterpret_cast<int*>(mine + a.out_src)[r] = -1;
+            reinterpret_cast<int64_t*>(mine + a.out_slot)[r] = -1;
+            for (int q = 0; q < k; ++q) {
+                reinterpret_cast<int64_t*>(mine + a.out_idx)[r * k + q] = -1;
+                reinterpret_cast<float*>(mine + a.out_w)[r * k + q] = 0.f;
+            }
+        }
+    }
 
     // Writes row `src_row` (payload and its metadata) for destination d at rank-major row `row`;
     // `landed`: the row came over the network during this kernel (coherent loads).
@@ -405,7 +426,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
 //      partial, in FP32; rounded to BF16 into out [T, H].
 struct TwoHopCombineArgs {
     const int4* y;                // [N, x_int4] expert outputs, one per received row
-    const int* recv_src_rank;     // [N] source rank of each received row
+    const int* recv_src_rank;     // [N] source rank of each received row, -1: a padding row
     const int* recv_src_idx;      // [N] source token of each received row
     const int64_t* recv_slot;     // [N] network slot at the rail peer, -1 for a direct row
     void* const* pools;           // [K] combine pools of my node's ranks (IPC)
@@ -422,8 +443,7 @@ struct TwoHopCombineArgs {
     const int64_t* net_target;    // [N] this call's cumulative targets of net_signal (own node: unused)
     const int64_t* send_head;     // [T, R] the dispatch's: where token t went (-1: not to that rank)
     int4* out;                    // [T, x_int4] BF16
-    const int64_t* calls_done;    // the notify's state[0]: the kernel runs only when it equals `call`
-    int64_t call;                 // the call of the dispatch whose rows this combines
+    const int64_t* notify_ok;     // the notify's verdict: the kernel runs only when 1
     uint64_t* hop_ns;             // [4] or null (a metric, as the dispatch's): the earliest block start, when
                                   // a block saw its node's rows for every slot (rail peer), when a block saw
                                   // every row and partial of its tokens (source), when a block finished
@@ -471,7 +491,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_combine(TwoHopCombineA
     auto ld = [](const int4* p) { return ld_nc_na_v4(p); };
     auto st = [](int4* p, const int4& v) { st_na_v4(p, v); };
     __shared__ int s_fail;
-    if (ld_volatile64(a.calls_done) != a.call) return;  // a later notify ran, or this call's failed
+    if (ld_volatile64(a.notify_ok) != 1) return;  // the dispatch's notify failed
     if (threadIdx.x == 0) {
         s_fail = 0;
         hop_stamp(a.hop_ns, 0);
@@ -480,6 +500,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_combine(TwoHopCombineA
     // 1. Every received row to its source (own node) or to the rail peer for its source.
     for (int64_t r = gw; r < a.num_recv; r += num_gw) {
         const int s = a.recv_src_rank[r];
+        if (s < 0) continue;  // a padding row (worst-token mode)
         const int t = a.recv_src_idx[r];
         const int64_t slot = a.recv_slot[r];
         // s itself (own node) or the rail peer in my node for s: either has s's local index.

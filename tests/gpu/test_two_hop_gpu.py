@@ -42,10 +42,10 @@ def test_two_hop_dispatch_matches_the_one_node_dispatch(group, two_hop, seed, nu
         checks = {
             "recv_x": np.array_equal(out.recv_x.get(), rows),
             "recv_src_idx": np.array_equal(out.recv_src_idx.get(), exp.recv_src_idx),
-            "recv_src_rank": np.array_equal(out.recv_src_rank, exp.recv_src_rank),
+            "recv_src_rank": np.array_equal(out.recv_src_rank.get(), exp.recv_src_rank),
             "recv_topk_idx": np.array_equal(out.recv_topk_idx.get(), exp.recv_topk_idx),
             "recv_topk_weights": np.array_equal(out.recv_topk_weights.get(), exp.recv_topk_weights),
-            "rank_prefix_matrix": np.array_equal(out.rank_prefix_matrix, exp.rank_prefix_matrix),
+            "rank_prefix_matrix": np.array_equal(out.rank_prefix_matrix.get(), exp.rank_prefix_matrix),
         }
         assert all_ranks(group.comm, all(checks.values())), (call, {k: v for k, v in checks.items() if not v})
 
@@ -87,7 +87,8 @@ def test_the_device_notify_computes_the_reference_plan(group, two_hop, seed, num
         "rdma_slot": np.array_equal(dev["slot"][:T], plan.rdma_slot[me]),
         "rank_prefix": np.array_equal(dev["rpm"], plan.rank_prefix_matrix),
         "net_count": np.array_equal(dev["net_count"], net_count) and int(net_count.sum()) == int(plan.rdma_rows[me]),
-        **{f"state {k}": np.array_equal(delta[k], want_delta[k]) for k in sl},
+        **{f"state {k}": np.array_equal(delta[k], want_delta[k]) for k in want_delta},
+        "state ok": int(after[sl["ok"]][0]) == 1,
     }
     assert all_ranks(group.comm, all(checks.values())), {k: v for k, v in checks.items() if not v}
 
@@ -135,6 +136,127 @@ def test_two_hop_combine_is_bitwise_the_emulation(group, two_hop, seed, num_toke
     diff = ref.calc_diff(bf16_to_f32(got), exact[me]) if got.size else 0.0
     ok = got.shape == (tokens[me], H) and np.array_equal(got, want) and diff < 5e-6
     assert all_ranks(group.comm, ok), (diff, int((got != want).sum()))
+
+
+def _oracle_rows(group, tokens, idx, w):
+    """(this rank's oracle result, its rows rebuilt from the (source, token) tags)."""
+    me, R = group.rank, group.world_size
+    exp = ref.intranode_dispatch([np.arange(t, dtype=np.int32)[:, None] for t in tokens], idx, E, topk_weights=w)[me]
+    rows = np.empty((exp.num_recv_tokens, H), dtype=np.uint16)
+    for s in range(R):
+        sel = exp.recv_src_rank == s
+        rows[sel] = payload_bf16(s, exp.recv_src_idx[sel], H)
+    return exp, rows
+
+
+def _worst_checks(out, exp, rows) -> dict:
+    """The first rows are the oracle's; every row after them is padding."""
+    n = exp.num_recv_tokens
+    got = {k: getattr(out, k).get() for k in ("recv_x", "recv_src_idx", "recv_src_rank", "recv_topk_idx",
+                                               "recv_topk_weights")}
+    return {
+        "rows": np.array_equal(got["recv_x"][:n], rows),
+        "src_idx": np.array_equal(got["recv_src_idx"][:n], exp.recv_src_idx),
+        "src_rank": np.array_equal(got["recv_src_rank"][:n], exp.recv_src_rank),
+        "topk_idx": np.array_equal(got["recv_topk_idx"][:n], exp.recv_topk_idx),
+        "topk_weights": np.array_equal(got["recv_topk_weights"][:n], exp.recv_topk_weights),
+        "padding": bool((got["recv_src_idx"][n:] == -1).all() and (got["recv_src_rank"][n:] == -1).all()
+                        and (got["recv_topk_idx"][n:] == -1).all() and (got["recv_topk_weights"][n:] == 0).all()),
+    }
+
+
+def test_worst_token_calls_pad_and_replay_in_a_cuda_graph(group, two_hop):
+    """num_worst_tokens: the outputs hold that many rows, the received ones
+    the oracle's and the rest padding, written again after being poisoned;
+    the combine equals the eager (counted) call's bitwise. The same dispatch
+    and combine captured in a CUDA graph and replayed with new routings
+    (written into the captured inputs) give the oracle's rows each time, with
+    nothing read back on the host."""
+    import cupy
+    from cupyep.testing import bf16_to_f32
+    R, me = group.world_size, group.rank
+    T, worst = 200, group.world_size * T_MAX
+    x_in = cupy.empty((T, H), dtype=np.uint16)
+    idx_in = cupy.empty((T, K_TOPK), dtype=np.int64)
+    w_in = cupy.empty((T, K_TOPK), dtype=np.float32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+
+    def step():
+        out = two_hop.dispatch(x_in, idx_in, w_in, num_worst_tokens=worst, validate=False)
+        return out, two_hop.combine(out.recv_x)
+
+    def load(seed):
+        tokens = [T] * R
+        idx, w = global_routing(seed, tokens, E, K_TOPK)
+        x_in.set(payload_bf16(me, np.arange(T), H))
+        idx_in.set(idx[me])
+        w_in.set(w[me])
+        return tokens, idx, w
+
+    with stream:
+        tokens, idx, w = load(21)
+        exp, rows = _oracle_rows(group, tokens, idx, w)
+        counted = two_hop.dispatch(x_in, idx_in, w_in)
+        eager_comb = two_hop.combine(counted.recv_x).get()
+        out, comb = step()
+        stream.synchronize()
+        for arr, junk in ((out.recv_topk_idx, 5), (out.recv_topk_weights, 3.0), (out.recv_src_idx, 9)):
+            arr[...] = junk  # the padding must be written again
+        stream.synchronize()
+        group.comm.Barrier()
+        out, comb = step()
+        stream.synchronize()
+        group.check_errors()
+        checks = _worst_checks(out, exp, rows)
+        checks["combine"] = np.array_equal(comb.get(), eager_comb)
+        assert all_ranks(group.comm, all(checks.values())), {k: v for k, v in checks.items() if not v}
+        group.comm.Barrier()
+        stream.begin_capture()
+        gout, gcomb = step()
+        graph = stream.end_capture()
+    for it in range(3):
+        with stream:
+            tokens, idx, w = load(30 + it)
+            stream.synchronize()
+            group.comm.Barrier()
+            graph.launch(stream)
+            stream.synchronize()
+        group.check_errors()
+        exp, rows = _oracle_rows(group, tokens, idx, w)
+        visits = ref.get_dispatch_layout(idx[me], E, R).is_token_in_rank.sum(axis=1)[:, None]
+        want = bf16_to_f32(payload_bf16(me, np.arange(T), H)) * visits  # identity experts: row x ranks visited
+        checks = _worst_checks(gout, exp, rows)
+        checks["combine"] = ref.calc_diff(bf16_to_f32(gcomb.get()), want.astype(np.float32)) < 5e-6
+        assert all_ranks(group.comm, all(checks.values())), (it, {k: v for k, v in checks.items() if not v})
+    group.comm.Barrier()
+
+
+def test_worst_token_capacity_is_checked(group, two_hop):
+    """More rows than the pool can hold is a ValueError before launch; more
+    rows to receive than num_worst_tokens is a DeviceCapacityError from the
+    notify, and nothing is sent (never a silent drop). The overflow runs on a
+    TwoHopDispatch of its own, which it leaves failed."""
+    import cupy
+    from cupyep.errors import DeviceCapacityError
+    from cupyep.internode import TwoHopDispatch
+    R, me = group.world_size, group.rank
+    with pytest.raises(ValueError, match="num_worst_tokens"):
+        two_hop.dispatch(cupy.zeros((4, H), np.uint16), cupy.zeros((4, K_TOPK), np.int64),
+                         cupy.zeros((4, K_TOPK), np.float32), num_worst_tokens=R * T_MAX + 1)
+    small = TwoHopDispatch(group, 64, H, K_TOPK, E)
+    try:
+        idx, w = global_routing(41, [64] * R, E, K_TOPK)  # every rank receives far more than 2 rows
+        small.dispatch(cupy.asarray(payload_bf16(me, np.arange(64), H)), cupy.asarray(idx[me]),
+                       cupy.asarray(w[me]), num_worst_tokens=2)
+        cupy.cuda.runtime.deviceSynchronize()
+        with pytest.raises(DeviceCapacityError) as info:
+            group.check_errors()
+        ok = "capacity" in str(info.value) and info.value.expected == 2
+        group.error_slot.reset()
+    finally:
+        group.comm.Barrier()
+        small.destroy()
+    assert all_ranks(group.comm, ok)
 
 
 def test_hop_stamps_delimit_every_hop(group, two_hop):
