@@ -35,7 +35,7 @@ u64, i64, i32 = np.uint64, np.int64, np.int32
 NOTIFY_ARGS_DTYPE = jit.struct_dtype([
     ("topk_idx", u64), ("in_rank", u64), ("send_head", u64), ("rdma_slot", u64), ("rank_prefix", u64),
     ("net_count", u64), ("row", u64), ("matrix", u64), ("row_signal", u64), ("state", u64), ("host", u64),
-    ("capacity", i32), ("num_tokens", i32), ("num_topk", i32), ("num_experts", i32), ("num_ranks", i32), ("ranks_per_node", i32),
+    ("capacity", i32), ("delta", u64), ("cached", i32), ("num_tokens", i32), ("num_topk", i32), ("num_experts", i32), ("num_ranks", i32), ("ranks_per_node", i32),
     ("rank", i32), ("guard", GUARD_DTYPE)])
 ARGS_DTYPE = jit.struct_dtype([
     ("x", u64), ("topk_idx", u64), ("topk_weights", u64), ("rdma_slot", u64), ("send_head", u64),
@@ -122,6 +122,23 @@ def row_stride(hidden: int, num_topk: int, ranks_per_node: int) -> int:
 
 
 @dataclass
+class TwoHopHandle:
+    """A counted call's plan, for cached calls (``dispatch(x, handle=h,
+    topk_weights=w)``): the routing (topk_idx [T, k] int64), the plan arrays
+    the notify made (send_head, network slots, rank_prefix_matrix, rows per
+    source node), the steps of the cumulative targets (``delta``), the rows
+    received (``num_rows``: the count, or num_worst_tokens) and each row's
+    source rank. All cupy; owned by the TwoHopDispatch that made it."""
+    owner: int
+    topk_idx: object
+    plan: dict
+    delta: object
+    num_rows: int
+    num_worst_tokens: int
+    src_rank: object
+
+
+@dataclass
 class TwoHopResult:
     """What this rank received, all cupy: recv_x [N, H] uint16, recv_topk_idx
     [N, k] int64 (local ids, -1 elsewhere), recv_topk_weights [N, k] float32
@@ -129,13 +146,15 @@ class TwoHopResult:
     rank_prefix_matrix [R, R] int64. N: the rows received, or
     num_worst_tokens in worst-token mode (padding rows past the count: -1
     ids, sources and ranks, 0 weights). The row arrays are views of the
-    receive pool, valid until the next call."""
+    receive pool, valid until the next call. ``handle``: for cached calls
+    of the same routing."""
     recv_x: object
     recv_topk_idx: object
     recv_topk_weights: object
     recv_src_idx: object
     recv_src_rank: object
     rank_prefix_matrix: object
+    handle: TwoHopHandle = None
 
 
 class TwoHopDispatch:
@@ -221,12 +240,17 @@ class TwoHopDispatch:
             raise RuntimeError(f"rank {self.me}: this TwoHopDispatch failed ({self._failed}); its state is "
                                "undefined: destroy it and make a new one")
 
-    def dispatch(self, x, topk_idx, topk_weights, hop_ns=None, num_worst_tokens: int = 0,
-                 validate: bool = True) -> TwoHopResult:
+    def dispatch(self, x, topk_idx=None, topk_weights=None, hop_ns=None, num_worst_tokens: int = 0,
+                 validate: bool = True, handle: TwoHopHandle | None = None) -> TwoHopResult:
         """One two-hop dispatch (collective).
 
         Arguments:
-            x, topk_idx, topk_weights: see the module docstring.
+            x, topk_idx, topk_weights: see the module docstring (topk_weights
+                is required).
+            handle: a TwoHopHandle of an earlier call of this object: reuse
+                its routing and plan ("cached dispatch": topk_idx must be None,
+                num_worst_tokens is the handle's); the notify pass is then only
+                the barrier between calls.
             hop_ns: cupy uint64 [4] or None, the hop metric: set it to
                 :data:`HOP_STAMPS_INIT` before the call and the kernel writes
                 its stamps (TwoHopDispatchArgs::hop_ns; :func:`hop_times_us`
@@ -255,6 +279,16 @@ class TwoHopDispatch:
         T, H = x.shape
         if H != self.hidden or T > self.max_tokens:
             raise ValueError(f"x is [{T}, {H}]; this dispatch takes at most {self.max_tokens} tokens of {self.hidden}")
+        if handle is not None:
+            if not isinstance(handle, TwoHopHandle) or handle.owner != id(self):
+                raise ValueError("handle must be a TwoHopHandle made by this TwoHopDispatch")
+            if topk_idx is not None:
+                raise ValueError("a cached dispatch reuses the handle's topk_idx: pass topk_idx=None")
+            if T != handle.topk_idx.shape[0]:
+                raise ValueError(f"the handle was made for {handle.topk_idx.shape[0]} tokens, x has {T}")
+            topk_idx, num_worst_tokens = handle.topk_idx, handle.num_worst_tokens
+        if topk_idx is None or topk_weights is None:
+            raise ValueError("dispatch needs topk_idx (or a handle) and topk_weights")
         topk_idx = check(as_cupy(topk_idx, "topk_idx"), "topk_idx", np.int64, shape=(T, self.k))
         topk_weights = check(as_cupy(topk_weights, "topk_weights"), "topk_weights", np.float32, shape=(T, self.k))
         R, N = self.R, self.N
@@ -263,15 +297,19 @@ class TwoHopDispatch:
             raise ValueError(f"num_worst_tokens={num_worst_tokens} exceeds the {R} x {self.max_tokens} rows a rank "
                              "can receive")
         capturing = cupy.cuda.get_current_stream().is_capturing()
-        if validate and T and not capturing:
+        if validate and T and not capturing and handle is None:
             lo, hi = (int(v) for v in cupy.stack([topk_idx.min(), topk_idx.max()]).get())
             if lo < -1 or hi >= self.E:
                 raise ValueError(f"topk_idx holds expert ids in [{lo}, {hi}], outside [-1, {self.E})")
         if capturing and not worst:
             raise ValueError("a two-hop dispatch inside graph capture needs num_worst_tokens (no host read)")
-        dev = {"in_rank": cupy.empty((max(T, 1), R), dtype=np.uint8), "head": cupy.empty((max(T, 1), R), np.int64),
-               "slot": cupy.empty((max(T, 1), N), np.int64), "rpm": cupy.empty((R, R), np.int64),
-               "net_count": cupy.empty(N, np.int64)}
+        if handle is None:
+            dev = {"in_rank": cupy.empty((max(T, 1), R), dtype=np.uint8),
+                   "head": cupy.empty((max(T, 1), R), np.int64), "slot": cupy.empty((max(T, 1), N), np.int64),
+                   "rpm": cupy.empty((R, R), np.int64), "net_count": cupy.empty(N, np.int64)}
+            delta = cupy.empty(state_words(R, self.K) - 2, dtype=np.int64)
+        else:
+            dev, delta = handle.plan, handle.delta
         staging = cupy.empty((max(1, T * N), self.stride), dtype=np.uint8)
         self.calls += 1
         if not worst:
@@ -282,7 +320,8 @@ class TwoHopDispatch:
             send_head=dev["head"].data.ptr, rdma_slot=dev["slot"].data.ptr, rank_prefix=dev["rpm"].data.ptr,
             net_count=dev["net_count"].data.ptr, row=self.row.data.ptr, matrix=self.matrix.data.ptr,
             row_signal=self.row_signal.data.ptr, state=self.state.data.ptr, host=0 if worst else self._host_ptr,
-            capacity=int(num_worst_tokens) if worst else INT32_MAX, num_tokens=T, num_topk=self.k,
+            capacity=int(num_worst_tokens) if worst else INT32_MAX, delta=delta.data.ptr,
+            cached=int(handle is not None), num_tokens=T, num_topk=self.k,
             num_experts=self.E, num_ranks=R, ranks_per_node=self.K, rank=self.me, guard=jit.pack(GUARD_DTYPE, **guard))
         notify_start, notify_end = cupy.cuda.Event(), cupy.cuda.Event()
         notify_start.record()
@@ -301,26 +340,30 @@ class TwoHopDispatch:
             x_int4=H * 2 // 16, num_ranks=self.R, ranks_per_node=self.K, num_local_experts=self.E // self.R,
             rank=self.me, guard=jit.pack(GUARD_DTYPE, **self.group.guard("internode_two_hop_dispatch")))
         self._launch(self.fn, args, wait=not worst)
-        if worst:
-            n = int(num_worst_tokens)
-        else:
+        if not worst:
             self.last_notify_us = cupy.cuda.get_elapsed_time(notify_start, notify_end) * 1e3
             if self._host[0] != 1:  # the kernels ended without a device error (checked above) but no counts
                 raise RuntimeError(f"rank {self.me}: the two-hop notify ended without publishing its counts "
                                    f"(status {int(self._host[0])})")
-            n = int(self._host[1])
-        # Each row's source: the first source whose cumulative count to me passes the row (-1: padding).
-        rows = cupy.arange(n, dtype=np.int64)
-        first = cupy.searchsorted(dev["rpm"][:, self.me], rows, side="right").astype(np.int32)
-        src_rank = cupy.where(first < R, first, np.int32(-1))
+        if handle is not None:
+            n, src_rank, keep = handle.num_rows, handle.src_rank, ()
+        else:
+            n = int(num_worst_tokens) if worst else int(self._host[1])
+            # Each row's source: the first source whose cumulative count to me passes the row (-1: padding).
+            rows = cupy.arange(n, dtype=np.int64)
+            first = cupy.searchsorted(dev["rpm"][:, self.me], rows, side="right").astype(np.int32)
+            src_rank = cupy.where(first < R, first, np.int32(-1))
+            keep = (rows, first)
         if capturing:  # a graph keeps raw pointers: its memory must outlive it
-            self._captured.append((x, topk_idx, topk_weights, dev, staging, rows, first, src_rank))
+            self._captured.append((x, topk_idx, topk_weights, dev, delta, staging, src_rank, *keep))
         self._last = {"T": T, "dev": dev, "n": n, "call": self.calls, "src_rank": src_rank, "worst": worst}
+        made = handle or TwoHopHandle(owner=id(self), topk_idx=topk_idx, plan=dev, delta=delta, num_rows=n,
+                                      num_worst_tokens=int(num_worst_tokens) if worst else 0, src_rank=src_rank)
         return TwoHopResult(recv_x=self.pool.view(self._lay["x"], (n, H), np.uint16),
                             recv_topk_idx=self.pool.view(self._lay["idx"], (n, self.k), np.int64),
                             recv_topk_weights=self.pool.view(self._lay["w"], (n, self.k), np.float32),
                             recv_src_idx=self.pool.view(self._lay["src"], (n,), np.int32),
-                            recv_src_rank=src_rank, rank_prefix_matrix=dev["rpm"])
+                            recv_src_rank=src_rank, rank_prefix_matrix=dev["rpm"], handle=made)
 
     def _launch(self, fn, args, wait: bool = True) -> None:
         """Launch ``fn`` with this rank's share of the SMs (every block resident:

@@ -73,6 +73,10 @@ struct TwoHopNotifyArgs {
     int* host;                    // mapped host ints: [0] status (1 done, 3 failed), [1] rows I receive,
                                   // [2, 2 + R) rows from each source rank; null in worst-token mode
     int capacity;                 // rows the caller's outputs hold: more to receive is a capacity error
+    int64_t* delta;               // [two_hop_state_words - 2] this call's steps of the cumulative targets:
+                                  // written by a counting call, added by a cached one; may be null then
+    int cached;                   // 1: reuse a handle's plan: only the barrier (a signal to every PE) and
+                                  // the targets' steps from `delta`
     int num_tokens;
     int num_topk;
     int num_experts;
@@ -101,6 +105,26 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArg
         a.state[kNotifyOk] = 0;  // this call's dispatch and combine wait for the verdict below
     }
     __syncthreads();
+
+    if (a.cached) {  // the handle's plan: the exchange is only the barrier between calls
+        const int64_t call = s_call;
+        if (threadIdx.x < R) nvshmemx_signal_op(a.row_signal + me, 1, NVSHMEM_SIGNAL_ADD, threadIdx.x);
+        if (threadIdx.x < R && !wait_signal(a.row_signal + threadIdx.x, call, a.guard, /*phase=*/0, threadIdx.x))
+            s_fail = 1;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            if (!s_fail) {
+                for (int i = 0; i < two_hop_state_words(R, N) - 2; ++i) a.state[2 + i] += a.delta[i];
+                a.state[0] = call;
+                a.state[kNotifyOk] = 1;
+            }
+            if (a.host) {
+                __threadfence_system();
+                *reinterpret_cast<volatile int*>(a.host) = s_fail ? 3 : 1;
+            }
+        }
+        return;
+    }
 
     // 1. Layout: which ranks and nodes each token goes to, and how many of mine go to each.
     for (int t = threadIdx.x; t < T; t += blockDim.x) {
@@ -194,20 +218,35 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArg
         int64_t* arrived_total = net_total + N;
         int64_t* combine_total = arrived_total + R;
         int64_t* combine_net_total = combine_total + 2;
+        // The targets' steps go to `delta` too, in the state's order after [0] and [1], for cached calls.
         int64_t received = 0;
         for (int src = 0; src < R; ++src) {
             const int64_t c = cnt(src, me);
             arrived_total[src] += c;
+            if (a.delta) a.delta[N + src] = c;
             received += c;
             if (a.host) a.host[2 + src] = (int)c;
         }
+        int64_t direct = 0, gather = 0;
         for (int m = 0; m < N; ++m) {
-            if (m == my_node) continue;
-            net_total[m] += node_cnt(m * K + local, my_node);
-            combine_net_total[m] += node_cnt(me, m);
-            for (int j = 0; j < K; ++j) combine_total[1] += cnt(m * K + local, my_node * K + j);
+            const int64_t net = m == my_node ? 0 : node_cnt(m * K + local, my_node);
+            const int64_t partials = m == my_node ? 0 : node_cnt(me, m);
+            net_total[m] += net;
+            combine_net_total[m] += partials;
+            if (a.delta) {
+                a.delta[m] = net;
+                a.delta[N + R + 2 + m] = partials;
+            }
+            if (m != my_node)
+                for (int j = 0; j < K; ++j) gather += cnt(m * K + local, my_node * K + j);
         }
-        for (int j = 0; j < K; ++j) combine_total[0] += cnt(me, my_node * K + j);
+        for (int j = 0; j < K; ++j) direct += cnt(me, my_node * K + j);
+        combine_total[0] += direct;
+        combine_total[1] += gather;
+        if (a.delta) {
+            a.delta[N + R] = direct;
+            a.delta[N + R + 1] = gather;
+        }
         a.state[0] = call;
         const bool fits = received <= a.capacity;
         if (!fits) report_error(a.guard, kErrorCapacity, /*phase=*/1, -1, received, a.capacity);

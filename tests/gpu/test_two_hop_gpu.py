@@ -5,6 +5,8 @@ gives it over all ranks: payload bytes tagged by (source rank, token), the
 source index and rank of every row, local top-k ids and weights. Runs when
 the ranks form at least two nodes (python3 -m cupyep.gpu_tests --ranks 4 8
 --ranks-per-node 2 -k two_hop) and nvshmem4py is installed."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -163,6 +165,48 @@ def _worst_checks(out, exp, rows) -> dict:
         "padding": bool((got["recv_src_idx"][n:] == -1).all() and (got["recv_src_rank"][n:] == -1).all()
                         and (got["recv_topk_idx"][n:] == -1).all() and (got["recv_topk_weights"][n:] == 0).all()),
     }
+
+
+def test_a_cached_dispatch_reuses_the_plan(group, two_hop):
+    """dispatch(x, handle=h, topk_weights=w) with new rows and weights lands
+    them where the counted call put its rows, against the oracle; its combine
+    equals a counted call's on the same rows bitwise; a handle of another
+    object, a topk_idx beside a handle and a different token count raise
+    before launch."""
+    import cupy
+    R, me = group.world_size, group.rank
+    T = 150
+    tokens = [T] * R
+    idx, w = global_routing(61, tokens, E, K_TOPK)
+    first = two_hop.dispatch(cupy.asarray(payload_bf16(me, np.arange(T), H)), cupy.asarray(idx[me]),
+                             cupy.asarray(w[me]))
+    h = first.handle
+    w2 = (w[me] * 0.5).astype(np.float32)
+    x2 = cupy.asarray(payload_bf16(me, np.arange(T) + 1000, H))  # other rows: the tags of tokens + 1000
+    out = two_hop.dispatch(x2, handle=h, topk_weights=cupy.asarray(w2))
+    cached_comb = two_hop.combine(out.recv_x.copy()).get()
+    exp = ref.intranode_dispatch([np.arange(t, dtype=np.int32)[:, None] for t in tokens], idx, E,
+                                 topk_weights=[(wi * 0.5).astype(np.float32) for wi in w])[me]
+    rows = np.empty((exp.num_recv_tokens, H), dtype=np.uint16)
+    for s_ in range(R):
+        sel = exp.recv_src_rank == s_
+        rows[sel] = payload_bf16(s_, exp.recv_src_idx[sel] + 1000, H)
+    checks = {
+        "recv_x": np.array_equal(out.recv_x.get(), rows),
+        "recv_src_idx": np.array_equal(out.recv_src_idx.get(), exp.recv_src_idx),
+        "recv_topk_weights": np.array_equal(out.recv_topk_weights.get(), exp.recv_topk_weights),
+        "handle": out.handle is h,
+    }
+    counted = two_hop.dispatch(x2, cupy.asarray(idx[me]), cupy.asarray(w2))
+    checks["combine"] = np.array_equal(two_hop.combine(counted.recv_x.copy()).get(), cached_comb)
+    assert all_ranks(group.comm, all(checks.values())), {k: v for k, v in checks.items() if not v}
+    with pytest.raises(ValueError, match="topk_idx=None"):
+        two_hop.dispatch(x2, cupy.asarray(idx[me]), cupy.asarray(w2), handle=h)
+    with pytest.raises(ValueError, match="tokens"):
+        two_hop.dispatch(x2[:T - 1], handle=h, topk_weights=cupy.asarray(w2[:T - 1]))
+    with pytest.raises(ValueError, match="made by this"):
+        two_hop.dispatch(x2, handle=dataclasses.replace(h, owner=0), topk_weights=cupy.asarray(w2))
+    group.comm.Barrier()
 
 
 def test_worst_token_calls_pad_and_replay_in_a_cuda_graph(group, two_hop):
