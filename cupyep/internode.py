@@ -170,7 +170,10 @@ class TwoHopDispatch:
     error (a timeout) its state is undefined: later calls raise until it is
     destroyed."""
 
-    def __init__(self, group, max_tokens: int, hidden: int, num_topk: int, num_experts: int):
+    def __init__(self, group, max_tokens: int, hidden: int, num_topk: int, num_experts: int, num_sms: int = 0):
+        """Collective. ``num_sms``: blocks per rank of the dispatch and the
+        combine (0: the rank's share of the GPU's SMs); every rank's blocks
+        must fit on the GPU at once, or ValueError names the most that do."""
         import cupy
 
         from . import nvshmem as NV
@@ -183,10 +186,25 @@ class TwoHopDispatch:
         self.N, self.me = self.R // self.K, group.rank
         if num_experts % self.R:
             raise ValueError(f"num_experts ({num_experts}) must be divisible by the {self.R} ranks")
+        if not (isinstance(num_sms, (int, np.integer)) and num_sms >= 0):
+            raise ValueError(f"num_sms must be an integer >= 0 (0: the rank's share of the SMs), got {num_sms!r}")
+        device_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        self.num_sms = int(num_sms) or max(1, device_sms // max(1, group.ranks_per_gpu))
         self.max_tokens, self.hidden, self.k, self.E = int(max_tokens), int(hidden), int(num_topk), int(num_experts)
         NV.init(group)
         import nvshmem.core as core
         self._core = core
+        fns = jit.load(spec())  # built, loaded and registered with NVSHMEM (after its init)
+        self.fn = fns[spec().kernels[0]]
+        self.combine_fn = fns[spec().kernels[1]]
+        self.notify_fn = fns[spec().kernels[2]]
+        try:  # before anything is allocated: the same verdict on every rank
+            for fn, what in ((self.fn, "two-hop dispatch"), (self.combine_fn, "two-hop combine")):
+                jit.require_resident(what, jit.max_resident_blocks(fn, THREADS), self.num_sms, THREADS,
+                                     group.ranks_per_gpu, device_sms, "num_sms")
+        except ValueError:
+            NV.finalize()
+            raise
         self.stride = row_stride(hidden, num_topk, self.K)
         cap_net = max(1, (self.N - 1) * self.max_tokens)
         self.net_rows = core.array((cap_net * self.stride,), dtype="uint8")
@@ -225,10 +243,6 @@ class TwoHopDispatch:
         self.cnet_in = core.array((self.N * self.max_tokens * row,), dtype="uint8")
         self.cnet_signal = core.array((self.N,), dtype="uint64")
         self.cnet_signal[...] = 0
-        fns = jit.load(spec())
-        self.fn = fns[spec().kernels[0]]
-        self.combine_fn = fns[spec().kernels[1]]
-        self.notify_fn = fns[spec().kernels[2]]
         self._last = None
         self._failed = None  # the error that left the state undefined, once one has
         self._captured = []  # arrays of the calls captured in CUDA graphs, alive as long as this object
@@ -366,15 +380,13 @@ class TwoHopDispatch:
                             recv_src_rank=src_rank, rank_prefix_matrix=dev["rpm"], handle=made)
 
     def _launch(self, fn, args, wait: bool = True) -> None:
-        """Launch ``fn`` with this rank's share of the SMs (every block resident:
-        the kernels wait on other ranks). ``wait``: wait for it, raise what it
+        """Launch ``fn`` on ``num_sms`` blocks (every block resident: the kernels
+        wait on other ranks). ``wait``: wait for it, raise what it
         reported, and put its device time in ``last_kernel_us``."""
         import cupy
-        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-        blocks = max(1, sms // max(1, self.group.ranks_per_gpu))
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
         start.record()
-        fn((blocks,), (THREADS,), (args,))
+        fn((self.num_sms,), (THREADS,), (args,))
         end.record()
         if not wait:
             return
