@@ -159,7 +159,7 @@ class TwoHopResult:
 
 class TwoHopDispatch:
     """The two-hop dispatch and its combine (``combine(y)`` reduces the last
-    dispatch's rows; call it before the next dispatch). Collective over every
+    dispatch's rows, once; call it before the next dispatch, or not at all). Collective over every
     rank (nodes from the group: real or emulated with ``--ranks-per-node``).
     Every call runs on the current stream, the same one for all calls: the
     next call's notify pass is the barrier that keeps peers from writing the
@@ -370,7 +370,8 @@ class TwoHopDispatch:
             keep = (rows, first)
         if capturing:  # a graph keeps raw pointers: its memory must outlive it
             self._captured.append((x, topk_idx, topk_weights, dev, delta, staging, src_rank, *keep))
-        self._last = {"T": T, "dev": dev, "n": n, "call": self.calls, "src_rank": src_rank, "worst": worst}
+        self._last = {"T": T, "dev": dev, "n": n, "call": self.calls, "src_rank": src_rank, "worst": worst,
+                      "delta": delta, "combined": False}
         made = handle or TwoHopHandle(owner=id(self), topk_idx=topk_idx, plan=dev, delta=delta, num_rows=n,
                                       num_worst_tokens=int(num_worst_tokens) if worst else 0, src_rank=src_rank)
         return TwoHopResult(recv_x=self.pool.view(self._lay["x"], (n, H), np.uint16),
@@ -424,6 +425,8 @@ class TwoHopDispatch:
         hop_ns = _check_hop(hop_ns)
         if L["call"] != self.calls:
             raise ValueError("combine reduces the last dispatch's rows; another dispatch came after it")
+        if L["combined"]:
+            raise ValueError("the last dispatch's rows are combined already (one combine per dispatch)")
         R, K, me = self.R, self.K, self.me
         # Partial rows this rank makes as a rail peer: their count is on the device in worst-token mode.
         rows_now = (self.N - 1) * self.max_tokens if L["worst"] else int(L["dev"]["net_count"].sum().get())
@@ -443,6 +446,12 @@ class TwoHopDispatch:
             num_tokens=L["T"],
             max_tokens=self.max_tokens, x_int4=self.hidden * 2 // 16, num_topk=self.k, num_ranks=R,
             ranks_per_node=K, rank=me, guard=jit.pack(GUARD_DTYPE, **self.group.guard("internode_two_hop_combine")))
+        # This dispatch's steps of the combine's cumulative targets (on the device, in stream order).
+        sl, d = state_slices(R, K), L["delta"]
+        off = sl["combine_total"].start - 2
+        self._state["combine_total"][...] += d[off:off + 2]
+        self._state["combine_net_total"][...] += d[off + 2:off + 2 + self.N]
+        L["combined"] = True
         if cupy.cuda.get_current_stream().is_capturing():
             self._captured.append((y, staging, out))
         self._launch(self.combine_fn, args, wait=not L["worst"])

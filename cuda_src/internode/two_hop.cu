@@ -8,8 +8,9 @@
 //      counts per rank and per node, put with a signal to every PE into one
 //      of two symmetric matrices by call parity), then from every PE's row
 //      the plan: rank_prefix_matrix, send_head, the network slots, the rows
-//      in my network buffer per source node, and the cumulative signal and
-//      arrival targets of the dispatch and the combine (kept in `state`).
+//      in my network buffer per source node, and the steps of the cumulative
+//      signal and arrival targets of the dispatch (added to `state`) and of
+//      the combine (added when a combine runs).
 //      The exchange is also the barrier between calls: a rank puts its row
 //      for call n + 1 only after its stream has finished call n, so once
 //      every row has arrived no rank still reads the pools or network
@@ -74,7 +75,8 @@ struct TwoHopNotifyArgs {
                                   // [2, 2 + R) rows from each source rank; null in worst-token mode
     int capacity;                 // rows the caller's outputs hold: more to receive is a capacity error
     int64_t* delta;               // [two_hop_state_words - 2] this call's steps of the cumulative targets:
-                                  // written by a counting call, added by a cached one; may be null then
+                                  // written by a counting call; a cached one adds the dispatch's (the
+                                  // first N + R); the host adds the combine's before a combine
     int cached;                   // 1: reuse a handle's plan: only the barrier (a signal to every PE) and
                                   // the targets' steps from `delta`
     int num_tokens;
@@ -114,7 +116,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArg
         __syncthreads();
         if (threadIdx.x == 0) {
             if (!s_fail) {
-                for (int i = 0; i < two_hop_state_words(R, N) - 2; ++i) a.state[2 + i] += a.delta[i];
+                for (int i = 0; i < N + R; ++i) a.state[2 + i] += a.delta[i];  // the dispatch's targets
                 a.state[0] = call;
                 a.state[kNotifyOk] = 1;
             }
@@ -216,9 +218,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArg
     if (threadIdx.x == 0) {
         int64_t* net_total = a.state + 2;
         int64_t* arrived_total = net_total + N;
-        int64_t* combine_total = arrived_total + R;
-        int64_t* combine_net_total = combine_total + 2;
-        // The targets' steps go to `delta` too, in the state's order after [0] and [1], for cached calls.
+        // The steps of every target go to `delta`, in the state's order after [0] and [1]: the dispatch's
+        // are taken here (and by cached calls from a handle); the combine's when a combine runs
+        // (cupyep.internode adds them before the combine kernel), so a dispatch without a combine
+        // leaves the combine's targets alone.
         int64_t received = 0;
         for (int src = 0; src < R; ++src) {
             const int64_t c = cnt(src, me);
@@ -232,7 +235,6 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArg
             const int64_t net = m == my_node ? 0 : node_cnt(m * K + local, my_node);
             const int64_t partials = m == my_node ? 0 : node_cnt(me, m);
             net_total[m] += net;
-            combine_net_total[m] += partials;
             if (a.delta) {
                 a.delta[m] = net;
                 a.delta[N + R + 2 + m] = partials;
@@ -241,8 +243,6 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArg
                 for (int j = 0; j < K; ++j) gather += cnt(m * K + local, my_node * K + j);
         }
         for (int j = 0; j < K; ++j) direct += cnt(me, my_node * K + j);
-        combine_total[0] += direct;
-        combine_total[1] += gather;
         if (a.delta) {
             a.delta[N + R] = direct;
             a.delta[N + R + 1] = gather;

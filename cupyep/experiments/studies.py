@@ -21,9 +21,10 @@ Built-in studies (modules in :data:`BUILTIN_MODULES`, imported on first
 lookup): ``"reference"`` (``cupyep.experiments.cpu_reference``, the NumPy
 reference dispatch + combine on CPU), ``"normal"``
 (``cupyep.experiments.gpu_normal``, normal-mode dispatch and combine on the
-GPU, either transport) and ``"low_latency"``
+GPU, either transport), ``"low_latency"``
 (``cupyep.experiments.gpu_low_latency``, low-latency dispatch and combine on
-the GPU).
+the GPU) and ``"internode"`` (``cupyep.experiments.gpu_internode``, the
+two-hop dispatch and combine across emulated or real nodes).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from typing import Callable
 __all__ = ["Skip", "Study", "register", "get", "all_studies", "BUILTIN_MODULES"]
 
 BUILTIN_MODULES = ("cupyep.experiments.cpu_reference", "cupyep.experiments.gpu_normal",
-                   "cupyep.experiments.gpu_low_latency")
+                   "cupyep.experiments.gpu_low_latency", "cupyep.experiments.gpu_internode")
 
 _REGISTRY: dict[str, "Study"] = {}
 _builtins_loaded = False

@@ -56,8 +56,9 @@ def test_two_hop_dispatch_matches_the_one_node_dispatch(group, two_hop, seed, nu
 def test_the_device_notify_computes_the_reference_plan(group, two_hop, seed, num_tokens, zero_rank):
     """The notify pass across nodes, on the device: send_head, the network
     slots, rank_prefix_matrix and the rows per source node in this rank's
-    network buffer equal cupyep.reference.internode.two_hop_plan's; one call
-    moves each cumulative target by this call's counts."""
+    network buffer equal cupyep.reference.internode.two_hop_plan's; a
+    dispatch moves its own cumulative targets by this call's counts and
+    records the combine's steps without taking them."""
     import cupy
     from cupyep import internode as INTER
     from cupyep.reference import internode as I
@@ -78,12 +79,17 @@ def test_the_device_notify_computes_the_reference_plan(group, two_hop, seed, num
     net_count = np.array([0 if m == own else node_counts[m * K + local, own] for m in range(N)])
     sl = INTER.state_slices(R, K)
     delta = {name: after[s_] - before[s_] for name, s_ in sl.items()}
-    want_delta = {
-        "calls": np.array([1]), "net_total": net_count, "arrived_total": counts[:, me],
+    combine_steps = {
         "combine_total": np.array([counts[me, own * K:(own + 1) * K].sum(),
                                    sum(counts[m * K + local, own * K:(own + 1) * K].sum() for m in range(N) if m != own)]),
         "combine_net_total": np.array([0 if m == own else node_counts[me, m] for m in range(N)]),
     }
+    # A dispatch moves its own targets; the combine's move when a combine runs (from the handle's steps).
+    want_delta = {"calls": np.array([1]), "net_total": net_count, "arrived_total": counts[:, me],
+                  "combine_total": np.zeros(2, np.int64), "combine_net_total": np.zeros(N, np.int64)}
+    steps = two_hop._last["delta"].get()
+    want_steps = np.concatenate([net_count, counts[:, me], combine_steps["combine_total"],
+                                 combine_steps["combine_net_total"]])
     checks = {
         "send_head": np.array_equal(dev["head"][:T], plan.send_head[me]),
         "rdma_slot": np.array_equal(dev["slot"][:T], plan.rdma_slot[me]),
@@ -91,6 +97,7 @@ def test_the_device_notify_computes_the_reference_plan(group, two_hop, seed, num
         "net_count": np.array_equal(dev["net_count"], net_count) and int(net_count.sum()) == int(plan.rdma_rows[me]),
         **{f"state {k}": np.array_equal(delta[k], want_delta[k]) for k in want_delta},
         "state ok": int(after[sl["ok"]][0]) == 1,
+        "steps": np.array_equal(steps, want_steps),
     }
     assert all_ranks(group.comm, all(checks.values())), {k: v for k, v in checks.items() if not v}
 

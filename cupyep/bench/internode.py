@@ -1,0 +1,100 @@
+"""The two-hop dispatch and combine across (emulated) nodes on the GPU: the
+oracle check and the timing of one kind, shared by
+experiments/bench_internode.py and the "internode" study
+(cupyep.experiments.gpu_internode).
+
+Kinds (:data:`KINDS`):
+
+- ``dispatch_bf16``: a counted dispatch, its notify pass across nodes (the
+  layout, the count exchange, the plan) included;
+- ``dispatch_bf16_cached``: a dispatch that reuses the first call's handle
+  (its notify pass is only the barrier between calls);
+- ``combine_bf16``: the combine of the last dispatch's rows (identity
+  experts: each received row goes back unchanged).
+
+Times: CUDA events around each kernel, the median over ``iters`` calls of the
+slowest rank (MPI MAX): "time_us" the dispatch or combine kernel,
+"notify_us" the notify kernel before a dispatch, "host_us" the whole call on
+the host. Traffic as DeepEP's internode test counts it
+(cupyep.reference.internode.two_hop_traffic): "rdma_bytes" one row per
+(token, remote node), "rdma_bytes_without_dedup" one per (token, remote
+rank), "dedup_saved_bytes" their difference, "nvlink_bytes" every row a rank
+receives; "rdma_GBps" and "nvlink_GBps" are those over "time_us".
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+KINDS = ("dispatch_bf16", "dispatch_bf16_cached", "combine_bf16")
+
+
+def check_against_oracle(group, out, combined, idx, w, tokens, num_experts: int, hidden: int) -> None:
+    """RuntimeError on every rank unless this rank's dispatch ``out`` (of rows
+    tagged payload_bf16(source, token)) equals the one-node oracle row for
+    row and its ``combined`` rows (identity experts) are within calc_diff
+    5e-6 of each token's row times the ranks it visited (collective)."""
+    from mpi4py import MPI
+
+    from .. import reference as ref
+    from ..testing import bf16_to_f32, payload_bf16
+    R, me = group.world_size, group.rank
+    res = ref.intranode_dispatch([np.arange(t, dtype=np.int32)[:, None] for t in tokens], idx, num_experts,
+                                 topk_weights=w)
+    exp = res[me]
+    rows = np.empty((exp.num_recv_tokens, hidden), dtype=np.uint16)
+    for s in range(R):
+        sel = exp.recv_src_rank == s
+        rows[sel] = payload_bf16(s, exp.recv_src_idx[sel], hidden)
+    ok = np.array_equal(out.recv_x.get(), rows) and np.array_equal(out.recv_src_idx.get(), exp.recv_src_idx)
+    mine = bf16_to_f32(payload_bf16(me, np.arange(tokens[me]), hidden))
+    visits = ref.get_dispatch_layout(idx[me], num_experts, R).is_token_in_rank.sum(axis=1)[:, None]
+    diff = ref.calc_diff(bf16_to_f32(combined.get()), (mine * visits).astype(np.float32)) if tokens[me] else 0.0
+    ok = ok and diff < 5e-6
+    if not group.comm.allreduce(bool(ok), op=MPI.LAND):
+        raise RuntimeError(f"two-hop dispatch / combine differ from the oracle (rank {me}: combine calc_diff {diff})")
+
+
+def measure(group, hop, kind: str, x, topk_idx, topk_weights, handle, iters: int, traffic) -> dict:
+    """Time ``iters`` calls of ``kind`` on the TwoHopDispatch ``hop`` (collective).
+
+    Arguments:
+        x: cupy [T, H] uint16; topk_idx [T, k] int64; topk_weights [T, k] float32.
+        handle: the TwoHopHandle a cached dispatch reuses.
+        traffic: cupyep.reference.internode.TwoHopTraffic of the routing.
+
+    Returns the record fields of the module docstring.
+    """
+    from mpi4py import MPI
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1, got {iters}")
+    kernel, host, notify = [], [], []
+    for _ in range(iters):
+        if kind == "combine_bf16":  # one combine per dispatch: each after its own (untimed) dispatch
+            y = hop.dispatch(x, topk_idx, topk_weights).recv_x.copy()
+            t0 = time.perf_counter()
+            hop.combine(y)
+        else:
+            t0 = time.perf_counter()
+            if kind == "dispatch_bf16":
+                hop.dispatch(x, topk_idx, topk_weights)
+            else:
+                hop.dispatch(x, handle=handle, topk_weights=topk_weights)
+        host.append(time.perf_counter() - t0)
+        kernel.append(hop.last_kernel_us)
+        if kind != "combine_bf16":
+            notify.append(hop.last_notify_us)
+
+    def slowest(v):
+        return group.comm.allreduce(float(v), op=MPI.MAX)
+
+    t_us = slowest(np.median(kernel))
+    return {"time_us": t_us, "kernel_us_p90": slowest(np.percentile(kernel, 90)),
+            "host_us": slowest(np.median(host) * 1e6),
+            "notify_us": slowest(np.median(notify)) if notify else None,
+            "rdma_bytes": traffic.rdma_bytes, "rdma_bytes_without_dedup": traffic.rdma_bytes_without_dedup,
+            "dedup_saved_bytes": traffic.saved_bytes, "nvlink_bytes": traffic.nvlink_bytes,
+            "rdma_GBps": traffic.rdma_bytes / t_us / 1e3, "nvlink_GBps": traffic.nvlink_bytes / t_us / 1e3}

@@ -1,0 +1,85 @@
+"""The "internode" study: the two-hop dispatch and combine across (emulated)
+nodes on the GPU, one configuration of knobs at a time
+(cupyep.bench.internode.measure). Run it with the nodes' layout:
+
+    python -m cupyep.experiments internode --ranks 8 --ranks-per-node 4 --grid num_sms=4,8,16
+
+Knobs (defaults: the benchmark's shape):
+
+- ``kind``: one of cupyep.bench.internode.KINDS;
+- shape: ``tokens`` (per rank), ``hidden``, ``topk``, ``experts``;
+- routing: ``routing`` (a cupyep.routing kind), ``routing_params``, ``seed``;
+- ``num_sms``: blocks per rank of the dispatch and combine (0: the rank's
+  share of the SMs);
+- ``iters``: timed calls; ``hops``: also the per-hop times of 10 untimed
+  calls (cupyep.metrics.two_hop_metrics).
+
+Metrics: cupyep.bench.internode.measure's fields ("time_us", "notify_us",
+"host_us", the traffic and its GB/s), "hop_us" when ``hops``, "nodes",
+"imbalance_factor" of the routing and "num_sms_used". Every configuration
+first checks one dispatch and its combine against the one-node oracle.
+Skipped: one node only (launch with ``--ranks-per-node``), no nvshmem4py.
+The TwoHopDispatch is kept between configurations of the same shape and
+``num_sms``.
+"""
+from __future__ import annotations
+
+from .studies import Skip, Study, register
+
+KNOBS = {"kind": "dispatch_bf16", "tokens": 4096, "hidden": 7168, "topk": 8, "experts": 256, "routing": "uniform",
+         "routing_params": {}, "seed": 0, "num_sms": 0, "iters": 10, "hops": True}
+
+_state: dict = {}
+
+
+def _two_hop(group, cfg: dict):
+    """The TwoHopDispatch of this configuration's shape, made (collectively) when it changes."""
+    from ..internode import TwoHopDispatch
+    shape = (cfg["tokens"], cfg["hidden"], cfg["topk"], cfg["experts"], cfg["num_sms"])
+    if _state.get("shape") != shape:
+        old = _state.pop("hop", None)
+        if old is not None:
+            old.destroy()
+        _state["hop"] = TwoHopDispatch(group, *shape[:4], num_sms=shape[4])
+        _state["shape"] = shape
+    return _state["hop"]
+
+
+def run(group, cfg: dict) -> dict:
+    """Measure one configuration (collective); see the module docstring."""
+    import cupy
+    import numpy as np
+
+    from .. import routing
+    from ..bench.internode import KINDS, check_against_oracle, measure
+    from ..nvshmem import NvshmemUnavailable
+    from ..reference import internode as I
+    from ..testing import payload_bf16
+    if cfg["kind"] not in KINDS:
+        raise Skip(f"kind must be one of {KINDS}, got {cfg['kind']!r}")
+    if group.num_nodes < 2:
+        raise Skip("the two-hop mode needs ranks on two or more nodes: sweep with --ranks-per-node K (K < ranks)")
+    R, me, K = group.world_size, group.rank, group.local_size
+    T, H, k, E = cfg["tokens"], cfg["hidden"], cfg["topk"], cfg["experts"]
+    idx, w = routing.make(cfg["routing"], cfg["seed"], [T] * R, E, k, **dict(cfg["routing_params"]))
+    try:
+        hop = _two_hop(group, cfg)
+    except NvshmemUnavailable as exc:
+        raise Skip(str(exc)) from None
+    x = cupy.asarray(payload_bf16(me, np.arange(T), H))
+    ids, ws = cupy.asarray(idx[me]), cupy.asarray(w[me])
+    out = hop.dispatch(x, ids, ws)
+    check_against_oracle(group, out, hop.combine(out.recv_x.copy()), idx, w, [T] * R, E, H)
+    traffic = I.two_hop_traffic(I.two_hop_routes(idx, E, R, K), K, H * 2)
+    handle = hop.dispatch(x, ids, ws).handle
+    rec = measure(group, hop, cfg["kind"], x, ids, ws, handle, cfg["iters"], traffic)
+    rec.update(nodes=R // K, imbalance_factor=routing.imbalance_factor(idx, E), num_sms_used=hop.num_sms)
+    if cfg["hops"]:
+        from ..metrics import two_hop_metrics
+        hops = two_hop_metrics(group, hop, x, ids, ws)
+        rec["hop_us"] = hops["combine_hop_us" if cfg["kind"] == "combine_bf16" else "dispatch_hop_us"]
+    return rec
+
+
+register(Study(name="internode", knobs=KNOBS, run=run, needs_gpu=True,
+               description="two-hop dispatch / combine across (emulated) nodes on the GPU (NVSHMEM)"))

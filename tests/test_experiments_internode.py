@@ -1,0 +1,127 @@
+"""The "internode" GPU study's host side (CPU only): its registration and
+knobs, what it skips before anything touches a GPU, and the measurement core
+(cupyep.bench.internode) on a fake TwoHopDispatch: which calls each kind
+makes, the record's fields, the slowest rank's figures, and the oracle check
+on rows rebuilt from the reference (and on a corrupted copy)."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from cupyep import experiments
+from cupyep import reference as ref
+from cupyep.bench import internode as BI
+from cupyep.experiments import gpu_internode as G
+from cupyep.experiments.studies import Skip
+from cupyep.reference import internode as I
+from cupyep.testing import bf16_to_f32, f32_to_bf16, global_routing, payload_bf16
+
+
+class _Comm:
+    """allreduce over this rank and fixed other ranks' values (MAX / LAND)."""
+
+    def __init__(self, others=()):
+        self.others = list(others)
+
+    def allreduce(self, v, op=None):
+        from mpi4py import MPI
+        vals = [v, *self.others]
+        return all(vals) if op is MPI.LAND else max(vals)
+
+
+class _Host:
+    """A device array stand-in: .get() gives the NumPy array, .copy() itself."""
+
+    def __init__(self, a):
+        self.a = np.asarray(a)
+
+    def get(self):
+        return self.a
+
+    def copy(self):
+        return _Host(self.a.copy())
+
+
+class _FakeHop:
+    """Records the calls; each kernel 'takes' the next duration."""
+
+    def __init__(self, kernel_us, notify_us=5.0):
+        self.kernel_us, self.notify_us, self.calls = list(kernel_us), notify_us, []
+        self.last_kernel_us = self.last_notify_us = None
+
+    def dispatch(self, x, topk_idx=None, topk_weights=None, handle=None):
+        self.calls.append(("dispatch", "cached" if handle is not None else "counted"))
+        self.last_kernel_us, self.last_notify_us = self.kernel_us.pop(0), self.notify_us
+        return SimpleNamespace(recv_x=_Host(np.zeros((3, 4), np.uint16)), handle="h")
+
+    def combine(self, y):
+        self.calls.append(("combine", None))
+        self.last_kernel_us = self.kernel_us.pop(0)
+
+
+TRAFFIC = I.TwoHopTraffic(rdma_bytes=4000, rdma_bytes_without_dedup=6000, saved_bytes=2000, nvlink_bytes=8000,
+                          rdma_bytes_per_rank=np.zeros(2), rail_in_bytes=np.zeros(2))
+
+
+def test_the_study_is_registered_with_its_knobs():
+    study = experiments.studies.get("internode")
+    assert study.needs_gpu and list(study.knobs) == list(G.KNOBS)
+    assert study.knobs["kind"] in BI.KINDS
+
+
+def test_a_bad_kind_and_one_node_are_skipped_before_any_gpu_work():
+    group = SimpleNamespace(num_nodes=1, world_size=4, rank=0, local_size=4)
+    with pytest.raises(Skip, match="kind must be one of"):
+        G.run(group, {**G.KNOBS, "kind": "dispatch_fp8"})
+    with pytest.raises(Skip, match="--ranks-per-node"):
+        G.run(group, dict(G.KNOBS))
+
+
+@pytest.mark.parametrize("kind,calls", [
+    ("dispatch_bf16", [("dispatch", "counted")] * 3),
+    ("dispatch_bf16_cached", [("dispatch", "cached")] * 3),
+    ("combine_bf16", [("dispatch", "counted"), ("combine", None)] * 3),
+])
+def test_measure_makes_each_kinds_calls_and_reports_the_slowest_rank(kind, calls):
+    group = SimpleNamespace(comm=_Comm(others=[0.0]))
+    durations = [10.0, 30.0, 20.0] if kind != "combine_bf16" else [1.0, 10.0, 1.0, 30.0, 1.0, 20.0]
+    hop = _FakeHop(durations)
+    rec = BI.measure(group, hop, kind, "x", "ids", "ws", "h", 3, TRAFFIC)
+    assert hop.calls == calls
+    assert rec["time_us"] == 20.0 and rec["kernel_us_p90"] == pytest.approx(28.0)
+    assert rec["notify_us"] == (None if kind == "combine_bf16" else 5.0)
+    assert rec["rdma_GBps"] == pytest.approx(4000 / 20.0 / 1e3) and rec["nvlink_GBps"] == pytest.approx(0.4)
+    assert rec["dedup_saved_bytes"] == 2000 and rec["rdma_bytes_without_dedup"] == 6000
+    slow = BI.measure(SimpleNamespace(comm=_Comm(others=[50.0])), _FakeHop(durations), kind, "x", "ids", "ws",
+                      "h", 3, TRAFFIC)
+    assert slow["time_us"] == 50.0  # another rank was slower
+
+
+def test_measure_refuses_a_bad_kind_or_no_calls():
+    group = SimpleNamespace(comm=_Comm())
+    with pytest.raises(ValueError, match="kind"):
+        BI.measure(group, _FakeHop([1.0]), "dispatch_fp8", "x", "i", "w", None, 1, TRAFFIC)
+    with pytest.raises(ValueError, match="iters"):
+        BI.measure(group, _FakeHop([1.0]), "dispatch_bf16", "x", "i", "w", None, 0, TRAFFIC)
+
+
+def test_the_oracle_check_passes_the_reference_rows_and_catches_a_misrouted_one():
+    R, E, k, H, T = 4, 16, 4, 128, 12
+    tokens = [T] * R
+    idx, w = global_routing(3, tokens, E, k)
+    me = 1
+    group = SimpleNamespace(comm=_Comm(), world_size=R, rank=me)
+    exp = ref.intranode_dispatch([np.arange(t, dtype=np.int32)[:, None] for t in tokens], idx, E, topk_weights=w)[me]
+    rows = np.empty((exp.num_recv_tokens, H), dtype=np.uint16)
+    for s in range(R):
+        sel = exp.recv_src_rank == s
+        rows[sel] = payload_bf16(s, exp.recv_src_idx[sel], H)
+    visits = ref.get_dispatch_layout(idx[me], E, R).is_token_in_rank.sum(axis=1)[:, None]
+    combined = f32_to_bf16(bf16_to_f32(payload_bf16(me, np.arange(T), H)) * visits)
+    out = SimpleNamespace(recv_x=_Host(rows), recv_src_idx=_Host(exp.recv_src_idx))
+    BI.check_against_oracle(group, out, _Host(combined), idx, w, tokens, E, H)
+    swapped = rows.copy()
+    swapped[[0, -1]] = swapped[[-1, 0]]  # two rows in each other's place
+    with pytest.raises(RuntimeError, match="differ from the oracle"):
+        BI.check_against_oracle(group, SimpleNamespace(recv_x=_Host(swapped), recv_src_idx=out.recv_src_idx),
+                                _Host(combined), idx, w, tokens, E, H)
