@@ -365,9 +365,10 @@ class TwoHopDispatch:
             n = int(num_worst_tokens) if worst else int(self._host[1])
             # Each row's source: the first source whose cumulative count to me passes the row (-1: padding).
             rows = cupy.arange(n, dtype=np.int64)
-            first = cupy.searchsorted(dev["rpm"][:, self.me], rows, side="right").astype(np.int32)
+            upto = cupy.ascontiguousarray(dev["rpm"][:, self.me])  # rows from sources 0..s, cumulative
+            first = cupy.searchsorted(upto, rows, side="right").astype(np.int32)
             src_rank = cupy.where(first < R, first, np.int32(-1))
-            keep = (rows, first)
+            keep = (rows, upto, first)
         if capturing:  # a graph keeps raw pointers: its memory must outlive it
             self._captured.append((x, topk_idx, topk_weights, dev, delta, staging, src_rank, *keep))
         self._last = {"T": T, "dev": dev, "n": n, "call": self.calls, "src_rank": src_rank, "worst": worst,
