@@ -1,6 +1,7 @@
 """Tests of cupyep.experiments (CPU only): grid expansion and keys, the study
-registry, JSONL records, and sweeps on 2 ranks under the mpiexec next to
-sys.executable (pip's mpich), through the API and the command line.
+registry, JSONL records, and sweeps on 2 ranks (and on 4 ranks as 2 emulated
+nodes, ``ranks_per_node``) under the mpiexec next to sys.executable (pip's
+mpich), through the API and the command line.
 Launches see no GPU (CUDA_VISIBLE_DEVICES="")."""
 
 import json
@@ -251,3 +252,126 @@ def test_a_timed_out_sweep_keeps_the_finished_records(tmp_path, faults_study):
     with pytest.raises(experiments.SweepError, match="timed out"):
         experiments.run(faults_study, grid, ranks=2, out=out, progress=False, timeout=3)
     assert [(r["mode"], r["status"]) for r in load(out)] == [("ok", "ok")]
+
+
+# ------------------------------------------------ emulated nodes (layouts) ---
+
+def test_select_matches_the_layout_and_old_records_are_one_node():
+    def rec(tokens, ranks, **extra):
+        return {"study": "s", "tokens": tokens, "ranks": ranks, "key": config_key({"tokens": tokens}), **extra}
+    old4 = rec(1, 4)  # written before the field existed: one node of 4
+    new4 = rec(2, 4, ranks_per_node=4)
+    split4 = rec(2, 4, ranks_per_node=2)
+    old2 = rec(1, 2)
+    recs = [old4, new4, split4, old2]
+    keys = [config_key({"tokens": t}) for t in (1, 2)]
+    k1, k2 = keys
+    assert records.record_ranks_per_node(old4) == 4 and records.record_ranks_per_node(split4) == 2
+    assert records.record_ranks_per_node(rec(1, 4, ranks_per_node=None)) == 4
+    # ranks given, ranks_per_node None: one node only (split4 is not the latest of key 2 at 4 ranks)
+    assert records.select(recs, "s", keys, 4) == {k1: old4, k2: new4}
+    assert records.select(recs, "s", keys, 4, 4) == {k1: old4, k2: new4}
+    assert records.select(recs, "s", keys, 4, 2) == {k2: split4}
+    assert records.select(recs, "s", keys, 2) == {k1: old2}
+    assert records.select(recs, "s", keys, 2, 1) == {}
+    # ranks None: any rank count; ranks_per_node None too: any layout (the latest record wins)
+    assert records.select(recs, "s", keys) == {k1: old2, k2: split4}
+    assert records.select(recs, "s", keys, ranks_per_node=4) == {k1: old4, k2: new4}
+    assert records.select(recs, "s", keys, ranks_per_node=2) == {k1: old2, k2: split4}
+    assert records.select(recs, "other", keys, 4) == {}
+
+
+def test_follower_and_fallback_match_the_layout(tmp_path, monkeypatch):
+    path = tmp_path / "f.jsonl"
+    keys = [config_key({"tokens": t}) for t in (1, 2)]
+    one = experiments._Follower(path, "s", keys, 4, 4)
+    two = experiments._Follower(path, "s", keys, 4, 2)
+    for tokens, extra in ((1, {}), (2, {"ranks_per_node": 4}), (1, {"ranks_per_node": 2}), (2, {"ranks": 2})):
+        records.append(path, {"study": "s", "tokens": tokens, "ranks": 4, "key": config_key({"tokens": tokens}),
+                              **extra})
+    assert one.new_records() == 2 and two.new_records() == 1 and two.last["ranks_per_node"] == 2
+
+    gpu = studies.register(Study("sweep_gpu_layouts", {"tokens": 1}, lambda group, config: {}, needs_gpu=True))
+    monkeypatch.setattr(experiments, "_has_gpu", lambda: False)
+    committed = tmp_path / "committed.jsonl"
+    for tokens, rpn, t in ((1, None, 10.0), (2, 8, 20.0), (1, 4, 11.0), (2, 4, 21.0)):
+        records.append(committed, {"study": gpu.name, "tokens": tokens, "ranks": 8, "status": "ok", "t": t,
+                                   "key": config_key({"tokens": tokens}),
+                                   **({} if rpn is None else {"ranks_per_node": rpn})})
+    grid = {"tokens": [1, 2]}
+    assert [r["t"] for r in experiments.run(gpu, grid, ranks=8, fallback=committed)] == [10.0, 20.0]
+    assert [r["t"] for r in experiments.run(gpu, grid, ranks=8, ranks_per_node=8, fallback=committed)] == [10.0, 20.0]
+    assert [r["t"] for r in experiments.run(gpu, grid, ranks=8, ranks_per_node=4, fallback=committed)] == [11.0, 21.0]
+    with pytest.warns(UserWarning, match=r"0 of the 2 configurations .* at 8 ranks \(2 per node\)"):
+        assert experiments.run(gpu, grid, ranks=8, ranks_per_node=2, fallback=committed) == []
+
+
+@pytest.mark.parametrize("bad", [0, -2, 3, "2", 2.0, True])
+def test_bad_ranks_per_node_raises_before_launching(tmp_path, monkeypatch, bad):
+    def launched(*args, **kwargs):
+        raise AssertionError("launched")
+    monkeypatch.setattr(experiments, "_launch", launched)
+    monkeypatch.setattr(experiments.subprocess, "Popen", launched)
+    out = tmp_path / "sub" / "bad.jsonl"
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        experiments.run("reference", TINY, ranks=4, ranks_per_node=bad, out=out, progress=False)
+    assert not out.parent.exists()  # nothing written either
+
+
+def test_launch_command_passes_ranks_per_node():
+    cmd = experiments._launch_command("spec.json", 4, 2, 60.0)
+    assert cmd[1:] == ["-m", "cupyep.launch", "-n", "4", "--ranks-per-node", "2", "--timeout", "60",
+                       "-m", "cupyep.experiments.worker", "spec.json"]
+    assert "--ranks-per-node" not in experiments._launch_command("spec.json", 4, None, 60.0)
+
+
+def test_cli_passes_ranks_per_node_through(monkeypatch, capsys):
+    from cupyep.experiments import __main__ as cli
+    args = cli.parser().parse_args(["reference", "--ranks", "4", "--ranks-per-node", "2"])
+    assert (args.ranks, args.ranks_per_node) == (4, 2)
+    assert cli.parser().parse_args(["reference"]).ranks_per_node is None
+    calls = []
+
+    def fake_run(study, grid, **kwargs):
+        calls.append(kwargs)
+        return [{"status": "ok", "key": "{}"}]
+    monkeypatch.setattr(cli, "run", fake_run)
+    assert cli.main(["reference", "--ranks", "4", "--ranks-per-node", "2", "--grid", "tokens=4"]) == 0
+    assert cli.main(["reference", "--ranks", "4", "--grid", "tokens=4"]) == 0
+    assert [(c["ranks"], c["ranks_per_node"]) for c in calls] == [(4, 2), (4, None)]
+    monkeypatch.setattr(cli, "run", experiments.run)  # the real one refuses before launching
+    assert cli.main(["reference", "--ranks", "4", "--ranks-per-node", "3", "--grid", "tokens=4"]) == 2
+    assert "ranks_per_node" in capsys.readouterr().err
+
+
+def test_a_sweep_on_two_emulated_nodes_records_the_layout(tmp_path, launch_env):
+    out = tmp_path / "nodes.jsonl"
+    recs = experiments.run("reference", {**TINY, "tokens": 4}, ranks=4, ranks_per_node=2, out=out,
+                           progress=False, timeout=LAUNCH_TIMEOUT_S)
+    assert len(recs) == 1 and recs[0]["status"] == "ok", recs
+    for r in load(out):
+        assert r["ranks"] == 4 and r["ranks_per_node"] == 2
+        assert r["env"]["ranks"] == 4 and r["env"]["ranks_per_node"] == 2
+    entry = json.loads((tmp_path / "nodes.manifest.json").read_text())["sweeps"][-1]
+    assert entry["ranks"] == 4 and entry["ranks_per_node"] == 2
+
+
+def test_resume_distinguishes_layouts(tmp_path, launch_env, monkeypatch):
+    out = tmp_path / "layouts.jsonl"
+    # one node: a CUPYEP_RANKS_PER_NODE of this process does not reach the ranks
+    monkeypatch.setenv("CUPYEP_RANKS_PER_NODE", "2")
+    one = experiments.run("reference", TINY, ranks=4, out=out, progress=False, timeout=LAUNCH_TIMEOUT_S)
+    assert [(r["ranks"], r["ranks_per_node"], r["env"]["ranks_per_node"]) for r in one] == [(4, 4, 4)] * 2
+    monkeypatch.delenv("CUPYEP_RANKS_PER_NODE")
+    split = experiments.run("reference", TINY, ranks=4, ranks_per_node=2, out=out, progress=False,
+                            timeout=LAUNCH_TIMEOUT_S)
+    assert len(load(out)) == 4  # run again at the new layout, not skipped
+    assert [r["ranks_per_node"] for r in split] == [2, 2] and {r["status"] for r in split} == {"ok"}
+    assert {r["run_id"] for r in split}.isdisjoint(r["run_id"] for r in one)
+    again = experiments.run("reference", TINY, ranks=4, ranks_per_node=2, out=out, progress=False,
+                            timeout=LAUNCH_TIMEOUT_S)
+    assert len(load(out)) == 4 and [r["run_id"] for r in again] == [r["run_id"] for r in split]
+    whole = experiments.run("reference", TINY, ranks=4, ranks_per_node=4, out=out, progress=False,
+                            timeout=LAUNCH_TIMEOUT_S)  # ranks_per_node == ranks: the one-node records
+    assert len(load(out)) == 4 and [r["run_id"] for r in whole] == [r["run_id"] for r in one]
+    assert len(json.loads((tmp_path / "layouts.manifest.json").read_text())["sweeps"]) == 2

@@ -1,6 +1,6 @@
 """Command line of the sweep runner.
 
-    python -m cupyep.experiments STUDY [--ranks 2] [--out results/sweeps/STUDY.jsonl]
+    python -m cupyep.experiments STUDY [--ranks 2] [--ranks-per-node K] [--out results/sweeps/STUDY.jsonl]
         [--grid KNOB=V1,V2 ...] [--configs FILE.json] [--no-resume] [--timeout S] [--no-progress]
     python -m cupyep.experiments --list
 
@@ -9,9 +9,12 @@ float, else a string (``tokens=128,4096 routing=uniform,zipf``); VALUES
 starting with ``[`` or ``{`` are JSON: a list of values or one dict
 (``routing_params='[{"s": 0.5}, {"s": 1.5}]'``). Knobs not given take the
 study's defaults. ``--configs FILE.json``: a JSON list of configuration
-dicts instead of a grid. Ends with one line per status (``ok``, ``skipped``,
-``error``) and the output path; exit status 0, 1 when a configuration's
-status is "error", 2 for bad usage or a failed launch.
+dicts instead of a grid. ``--ranks-per-node K``: emulate nodes of K ranks
+on this host (the launcher's option; K divides ``--ranks``; default one
+node); records of another layout are not resumed from. Ends with one line
+per status (``ok``, ``skipped``, ``error``) and the output path; exit
+status 0, 1 when a configuration's status is "error", 2 for bad usage or a
+failed launch.
 """
 from __future__ import annotations
 
@@ -53,17 +56,25 @@ def list_studies() -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser."""
     p = argparse.ArgumentParser(prog="python -m cupyep.experiments", description=__doc__.split("\n\n")[0])
     p.add_argument("study", nargs="?", help="registered study name (see --list)")
     p.add_argument("--list", action="store_true", help="print the studies and their knobs")
     p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--ranks-per-node", type=int, default=None, metavar="K",
+                   help="emulated nodes of K ranks (the launcher's --ranks-per-node; default: one node)")
     p.add_argument("--out", help=f"JSONL output (default {DEFAULT_OUT})")
     p.add_argument("--grid", nargs="+", action="extend", default=[], metavar="KNOB=VALUES")
     p.add_argument("--configs", metavar="FILE.json", help="a JSON list of configurations instead of --grid")
     p.add_argument("--no-resume", action="store_true", help="run configurations already in --out again")
     p.add_argument("--timeout", type=float, default=None, help="seconds for the whole launch")
     p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv=None) -> int:
+    p = parser()
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if args.list:
         print(list_studies())
@@ -80,7 +91,7 @@ def main(argv=None) -> int:
         else:
             grid = parse_grid(args.grid)
         recs = run(study, grid, ranks=args.ranks, out=args.out, resume=not args.no_resume,
-                   progress=not args.no_progress, timeout=args.timeout)
+                   progress=not args.no_progress, timeout=args.timeout, ranks_per_node=args.ranks_per_node)
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"python -m cupyep.experiments: error: {exc}", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["load", "append", "repair", "select"]
+__all__ = ["load", "append", "repair", "select", "record_ranks_per_node"]
 
 
 def load(path) -> list[dict]:
@@ -69,15 +69,37 @@ def repair(path) -> None:
             f.write(b"\n")
 
 
-def select(records, study: str, keys, ranks: int | None = None) -> dict:
-    """The latest record of ``study`` (at ``ranks`` ranks, when given) for
-    each key in ``keys``: dict key -> record (keys without one are absent)."""
+def record_ranks_per_node(rec: dict):
+    """The ranks per node of the layout that produced ``rec``: its
+    "ranks_per_node" field, else (an older record, written before the field
+    existed, when sweeps ran on one node) its "ranks"."""
+    value = rec.get("ranks_per_node")
+    return rec.get("ranks") if value is None else value
+
+
+def select(records, study: str, keys, ranks: int | None = None, ranks_per_node: int | None = None) -> dict:
+    """The latest record of ``study`` for each key in ``keys`` whose layout
+    matches: dict key -> record (keys without one are absent).
+
+    A record's ranks per node is :func:`record_ranks_per_node` (its
+    "ranks_per_node" field, else its "ranks": an old record is one node).
+
+    - ``ranks`` given: only records with that "ranks"; ``ranks_per_node``
+      given: only those of that ranks per node; ``ranks_per_node`` None:
+      only one-node records (ranks per node == ``ranks``).
+    - ``ranks`` None: any rank count; ``ranks_per_node`` given: only
+      records of that ranks per node; both None: any layout.
+    """
     wanted = set(keys)
+    if ranks is not None and ranks_per_node is None:
+        ranks_per_node = ranks
     out = {}
     for rec in records:
         if rec.get("study") != study or rec.get("key") not in wanted:
             continue
         if ranks is not None and rec.get("ranks") != ranks:
+            continue
+        if ranks_per_node is not None and record_ranks_per_node(rec) != ranks_per_node:
             continue
         out[rec["key"]] = rec
     return out

@@ -6,7 +6,8 @@
 ""), "configs": [complete configurations], "out": JSONL path, "resume":
 bool}`` (``cupyep.experiments.run`` writes it). Rank 0 reads it and, with
 ``resume``, drops the configurations whose key already has a record of this
-study at this rank count in ``out``; every rank then runs the rest in order:
+study at this layout in ``out`` (same ranks and ranks_per_node,
+``records.select``); every rank then runs the rest in order:
 ``study.run(group, config)`` on every rank, a synchronisation that sleeps
 while it waits, and rank 0 appends the configuration's record to ``out``,
 flushed to disk before the next configuration starts (a killed sweep keeps
@@ -19,6 +20,9 @@ Record fields (one JSON object per line):
     <knob>: every knob of the study, its value (JSON: int, float, str,
         bool, list or dict).
     ranks: int, ranks that ran it.
+    ranks_per_node: int, ranks of each node (the group's ``local_size``:
+        ``ranks`` on one node, K under ``--ranks-per-node K``). Records
+        written before this field existed lack it; they ran on one node.
     status: "ok", "skipped" (``Skip``, ``ValueError``, or ``MemoryError``:
         the configuration does not fit the GPU) or "error" (any
         other exception, a metric that is not JSON-able or clashes with a
@@ -52,7 +56,7 @@ from .studies import Skip, get
 
 __all__ = ["environment", "call_study", "main", "RECORD_FIELDS"]
 
-RECORD_FIELDS = ("study", "ranks", "status", "reason", "key", "run_id", "index",
+RECORD_FIELDS = ("study", "ranks", "ranks_per_node", "status", "reason", "key", "run_id", "index",
                  "started_utc", "finished_utc", "seconds", "env")
 SPEC_ERROR_STATUS = 2
 # Seconds between checks while a rank waits for the others.
@@ -119,9 +123,11 @@ def _utc() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def build_record(study, config, ranks, outcomes, run_id, index, started, seconds, env) -> dict:
+def build_record(study, config, ranks, outcomes, run_id, index, started, seconds, env,
+                 ranks_per_node: int | None = None) -> dict:
     """The record of one configuration from every rank's (status, reason,
-    metrics) outcome, rank 0's first."""
+    metrics) outcome, rank 0's first. ``ranks_per_node`` None: one node
+    (``ranks``)."""
     status, reason, metrics = "ok", None, outcomes[0][2]
     for st, why, _ in outcomes:
         if st != "ok":
@@ -138,7 +144,8 @@ def build_record(study, config, ranks, outcomes, run_id, index, started, seconds
                 status, reason = "error", f"ValueError: metrics are not JSON-able: {exc}"
             if clash:
                 status, reason = "error", f"ValueError: metric names clash with record fields: {clash}"
-    rec = {"study": study.name, **config, "ranks": ranks, "status": status}
+    rec = {"study": study.name, **config, "ranks": ranks,
+           "ranks_per_node": ranks if ranks_per_node is None else ranks_per_node, "status": status}
     if status == "ok":
         rec.update(metrics)
     else:
@@ -148,7 +155,7 @@ def build_record(study, config, ranks, outcomes, run_id, index, started, seconds
     return rec
 
 
-def _plan(spec_path, world_size):
+def _plan(spec_path, world_size, ranks_per_node=None):
     """Rank 0: (spec, pending configurations) or an error message."""
     try:
         spec = json.loads(Path(spec_path).read_text())
@@ -156,7 +163,7 @@ def _plan(spec_path, world_size):
         configs = spec["configs"]
         if spec.get("resume", True):
             done = records.select(records.load(spec["out"]), study.name,
-                                  [config_key(c) for c in configs], world_size)
+                                  [config_key(c) for c in configs], world_size, ranks_per_node)
             configs = [c for c in configs if config_key(c) not in done]
         Path(spec["out"]).parent.mkdir(parents=True, exist_ok=True)
         return spec, configs, None
@@ -173,7 +180,7 @@ def main(argv=None) -> int:
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     group = cupyep.init()
     comm, rank = group.comm, group.rank
-    spec, pending, error = _plan(args.spec, group.world_size) if rank == 0 else (None, None, None)
+    spec, pending, error = _plan(args.spec, group.world_size, group.local_size) if rank == 0 else (None, None, None)
     spec, pending, error = comm.bcast((spec, pending, error), root=0)
     if error:
         if rank == 0:
@@ -194,7 +201,8 @@ def main(argv=None) -> int:
         outcomes = comm.gather((status, reason), root=0)
         if rank == 0:
             outcomes = [(st, why, metrics if r == 0 else None) for r, (st, why) in enumerate(outcomes)]
-            rec = build_record(study, config, group.world_size, outcomes, run_id, index, started, seconds, env)
+            rec = build_record(study, config, group.world_size, outcomes, run_id, index, started, seconds, env,
+                               group.local_size)
             records.append(spec["out"], rec)
             print(json.dumps({k: rec[k] for k in ("status", "reason", "seconds") if k in rec} | config),
                   flush=True)
