@@ -3,7 +3,8 @@
     python -m cupyep.gpu_tests [--ranks 2 4 8] [-k EXPR] [--timeout 900] [--ranks-per-node K]
 
 For each rank count it runs ``python -m cupyep.launch -n N -- -m pytest -m gpu
-tests/gpu``; the launcher starts CUDA MPS when ranks share a GPU. Each rank
+tests/gpu`` (with pytest's 15 slowest tests listed); the launcher starts CUDA
+MPS when ranks share a GPU. Each rank
 count's line gives pytest's counts (every rank prints its own summary; the
 last one is reported), and a run where every test skipped says "skipped",
 not "passed".
@@ -66,7 +67,8 @@ def main(argv=None) -> int:
     for n in args.ranks:
         nodes = ["--ranks-per-node", str(args.ranks_per_node)] if args.ranks_per_node else []
         cmd = [sys.executable, "-m", "cupyep.launch", "-n", str(n), *nodes, "--timeout", str(int(args.timeout)), "--",
-               "-m", "pytest", "-m", "gpu", "-x", "-q", "--color=no", "-p", "no:cacheprovider", str(ROOT / "tests" / "gpu")]
+               "-m", "pytest", "-m", "gpu", "-x", "-q", "--color=no", "-p", "no:cacheprovider", "--durations=15",
+               str(ROOT / "tests" / "gpu")]
         if args.k:
             cmd += ["-k", args.k]
         cmd += args.pytest_args
