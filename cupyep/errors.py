@@ -49,7 +49,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
                                   "two-hop combine: a node's partials over the network (waits for its rail's "
                                   "signal)"),
     "internode_two_hop_notify": ("two-hop notify: count exchange (waits for a PE's row of counts)",
-                                 "two-hop notify: receive capacity (more rows than num_worst_tokens)"),
+                                 "two-hop notify: receive capacity (more rows than num_worst_tokens)",
+                                 "two-hop notify: routing check (expert id outside [-1, E))"),
 }
 KERNEL_NAMES: tuple[str, ...] = tuple(KERNELS)
 # Kernels whose reported peer is a global rank (an NVSHMEM PE), not a node-local index.

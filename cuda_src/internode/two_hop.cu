@@ -134,6 +134,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArg
         for (int d = 0; d < R; ++d) in[d] = 0;
         for (int q = 0; q < k; ++q) {
             const int64_t e = a.topk_idx[(int64_t)t * k + q];
+            if (e < -1 || e >= a.num_experts) {  // not checked on the host (validate=False): dropped, reported
+                report_error(a.guard, kErrorBadInput, /*phase=*/2, -1, e, a.num_experts);
+                continue;
+            }
             if (e >= 0) in[e / El] = 1;
         }
         for (int n = 0; n < N; ++n) {

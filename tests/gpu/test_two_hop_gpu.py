@@ -285,10 +285,11 @@ def test_worst_token_calls_pad_and_replay_in_a_cuda_graph(group, two_hop):
 def test_worst_token_capacity_is_checked(group, two_hop):
     """More rows than the pool can hold is a ValueError before launch; more
     rows to receive than num_worst_tokens is a DeviceCapacityError from the
-    notify, and nothing is sent (never a silent drop). The overflow runs on a
-    TwoHopDispatch of its own, which it leaves failed."""
+    notify, and nothing is sent (never a silent drop); an expert id out of
+    range that the host did not check is a DeviceInputError on its rank. Both
+    run on a TwoHopDispatch of their own."""
     import cupy
-    from cupyep.errors import DeviceCapacityError
+    from cupyep.errors import DeviceCapacityError, DeviceInputError
     from cupyep.internode import TwoHopDispatch
     R, me = group.world_size, group.rank
     with pytest.raises(ValueError, match="num_worst_tokens"):
@@ -304,6 +305,18 @@ def test_worst_token_capacity_is_checked(group, two_hop):
             group.check_errors()
         ok = "capacity" in str(info.value) and info.value.expected == 2
         group.error_slot.reset()
+        # An expert id past E with validate=False: the notify drops that pair and reports it on its rank.
+        bad = idx[me].copy()
+        if me == 0:
+            bad[0, 0] = E + 3
+        x = cupy.asarray(payload_bf16(me, np.arange(64), H))
+        if me == 0:
+            with pytest.raises(DeviceInputError) as info:
+                small.dispatch(x, cupy.asarray(bad), cupy.asarray(w[me]), validate=False)
+            ok = ok and info.value.value == E + 3 and "routing check" in str(info.value)
+            group.error_slot.reset()
+        else:
+            small.dispatch(x, cupy.asarray(bad), cupy.asarray(w[me]), validate=False)
     finally:
         group.comm.Barrier()
         small.destroy()
