@@ -35,27 +35,23 @@ u64, i64, i32 = np.uint64, np.int64, np.int32
 NOTIFY_ARGS_DTYPE = jit.struct_dtype([
     ("topk_idx", u64), ("in_rank", u64), ("send_head", u64), ("rdma_slot", u64), ("rank_prefix", u64),
     ("net_count", u64), ("row", u64), ("matrix", u64), ("row_signal", u64), ("state", u64), ("host", u64),
-    ("capacity", i32), ("delta", u64), ("cached", i32), ("num_tokens", i32), ("num_topk", i32), ("num_experts", i32), ("num_ranks", i32), ("ranks_per_node", i32),
-    ("rank", i32), ("guard", GUARD_DTYPE)])
+    ("capacity", i32), ("delta", u64), ("cached", i32), ("num_tokens", i32), ("num_topk", i32),
+    ("num_experts", i32), ("num_ranks", i32), ("ranks_per_node", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
 ARGS_DTYPE = jit.struct_dtype([
-    ("x", u64), ("topk_idx", u64), ("topk_weights", u64), ("rdma_slot", u64), ("send_head", u64),
-    ("rank_prefix", u64), ("staging", u64), ("net_rows", u64), ("net_signal", u64), ("net_target", u64),
-    ("net_count", u64), ("pools", u64), ("out_x", i64), ("out_idx", i64), ("out_w", i64), ("out_src", i64),
-    ("out_slot", i64), ("arrived", u64), ("arrived_target", u64), ("row_stride", i64), ("notify_ok", u64), ("capacity", i64),
-    ("hop_ns", u64), ("num_tokens", i32),
-    ("num_topk", i32),
-    ("x_int4", i32), ("num_ranks", i32), ("ranks_per_node", i32), ("num_local_experts", i32), ("rank", i32),
-    ("guard", GUARD_DTYPE)])
-
-
+    ("x", u64), ("x_scales", u64), ("topk_idx", u64), ("topk_weights", u64), ("rdma_slot", u64),
+    ("send_head", u64), ("rank_prefix", u64), ("staging", u64), ("net_rows", u64), ("net_signal", u64),
+    ("net_target", u64), ("net_count", u64), ("pools", u64), ("out_x", i64), ("out_idx", i64), ("out_w", i64),
+    ("out_src", i64), ("out_slot", i64), ("arrived", u64), ("arrived_target", u64), ("row_stride", i64),
+    ("out_scales", i64), ("notify_ok", u64), ("capacity", i64), ("hop_ns", u64), ("num_tokens", i32),
+    ("num_topk", i32), ("x_int4", i32), ("num_scales", i32), ("num_ranks", i32), ("ranks_per_node", i32),
+    ("num_local_experts", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
 COMBINE_ARGS_DTYPE = jit.struct_dtype([
     ("y", u64), ("recv_src_rank", u64), ("recv_src_idx", u64), ("recv_slot", u64), ("pools", u64),
     ("direct_in", i64), ("gather", i64), ("counters", u64), ("targets", u64), ("net_rows", u64),
-    ("row_stride", i64), ("net_count", u64), ("staging", u64), ("net_in", u64), ("net_signal", u64),
-    ("net_target", u64), ("send_head", u64), ("out", u64), ("notify_ok", u64), ("hop_ns", u64),
-    ("num_recv", i32), ("num_tokens", i32),
-    ("max_tokens", i32), ("x_int4", i32), ("num_topk", i32), ("num_ranks", i32), ("ranks_per_node", i32),
-    ("rank", i32), ("guard", GUARD_DTYPE)])
+    ("row_stride", i64), ("meta_offset", i64), ("net_count", u64), ("staging", u64), ("net_in", u64),
+    ("net_signal", u64), ("net_target", u64), ("send_head", u64), ("out", u64), ("notify_ok", u64),
+    ("hop_ns", u64), ("num_recv", i32), ("num_tokens", i32), ("max_tokens", i32), ("x_int4", i32),
+    ("num_topk", i32), ("num_ranks", i32), ("ranks_per_node", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
 
 
 # The hop metric (TwoHop*Args::hop_ns): the stamps to start a call from, and
@@ -113,11 +109,13 @@ def kernel_specs() -> list[jit.KernelSpec]:
     return [spec()]
 
 
-def row_stride(hidden: int, num_topk: int, ranks_per_node: int) -> int:
-    """Bytes of a network row: the BF16 payload, then the source token, the
-    k top-k ids, the k weights (each in an int64-sized word) and the
-    positions for the node's K ranks, rounded up to 16 bytes."""
-    n = hidden * 2 + 8 * (1 + 2 * num_topk + ranks_per_node)
+def row_stride(hidden: int, num_topk: int, ranks_per_node: int, fp8: bool = False) -> int:
+    """Bytes of a network row: the payload (BF16: 2 H bytes; FP8: H), then
+    the source token, the k top-k ids, the k weights (each in an int64-sized
+    word), the positions for the node's K ranks, and for FP8 the H / 128
+    float32 scales, rounded up to 16 bytes. A BF16 row is the longer."""
+    payload = hidden if fp8 else hidden * 2
+    n = payload + 8 * (1 + 2 * num_topk + ranks_per_node) + (4 * (hidden // 128) if fp8 else 0)
     return -(-n // 16) * 16
 
 
@@ -140,7 +138,8 @@ class TwoHopHandle:
 
 @dataclass
 class TwoHopResult:
-    """What this rank received, all cupy: recv_x [N, H] uint16, recv_topk_idx
+    """What this rank received, all cupy: recv_x [N, H] uint16 (FP8: uint8,
+    with recv_x_scales [N, H / 128] float32; None for BF16), recv_topk_idx
     [N, k] int64 (local ids, -1 elsewhere), recv_topk_weights [N, k] float32
     (0 there), recv_src_idx [N] int32, recv_src_rank [N] int32,
     rank_prefix_matrix [R, R] int64. N: the rows received, or
@@ -155,6 +154,7 @@ class TwoHopResult:
     recv_src_rank: object
     rank_prefix_matrix: object
     handle: TwoHopHandle = None
+    recv_x_scales: object = None
 
 
 class TwoHopDispatch:
@@ -214,7 +214,7 @@ class TwoHopDispatch:
         self._lay = {}
         off = 0
         for name, nbytes in (("x", cap * hidden * 2), ("idx", cap * num_topk * 8), ("w", cap * num_topk * 4),
-                             ("src", cap * 4), ("slot", cap * 8)):
+                             ("src", cap * 4), ("slot", cap * 8), ("scales", cap * (hidden // 128) * 4)):
             self._lay[name] = off
             off += -(-nbytes // 256) * 256
         self.pool = SymmetricBuffer(group, off)
@@ -255,12 +255,14 @@ class TwoHopDispatch:
                                "undefined: destroy it and make a new one")
 
     def dispatch(self, x, topk_idx=None, topk_weights=None, hop_ns=None, num_worst_tokens: int = 0,
-                 validate: bool = True, handle: TwoHopHandle | None = None) -> TwoHopResult:
+                 validate: bool = True, handle: TwoHopHandle | None = None, x_scales=None) -> TwoHopResult:
         """One two-hop dispatch (collective).
 
         Arguments:
             x, topk_idx, topk_weights: see the module docstring (topk_weights
-                is required).
+                is required). x may also be FP8: [T, H] uint8 (e4m3 bytes)
+                with x_scales [T, H / 128] float32 (or a tuple (x, x_scales)),
+                which travel with the rows (recv_x_scales).
             handle: a TwoHopHandle of an earlier call of this object: reuse
                 its routing and plan ("cached dispatch": topk_idx must be None,
                 num_worst_tokens is the handle's); the notify pass is then only
@@ -288,9 +290,24 @@ class TwoHopDispatch:
         from .arrays import BF16, as_cupy, check
         self._usable()
         self.group.check_errors()
-        x = check(as_cupy(x, "x"), "x", BF16, ndim=2)
-        hop_ns = _check_hop(hop_ns)
+        if isinstance(x, tuple):
+            if x_scales is not None:
+                raise ValueError("pass FP8 scales either in the x tuple or as x_scales, not both")
+            x, x_scales = x
+        x = check(as_cupy(x, "x"), "x", None, ndim=2)
+        fp8 = x.dtype == np.uint8
+        if not fp8 and x.dtype != BF16:
+            raise ValueError(f"x must be uint16 (BF16 bits) or uint8 (FP8 bits), got {x.dtype}")
         T, H = x.shape
+        ns = H // 128 if fp8 else 0
+        x_scales = as_cupy(x_scales, "x_scales")
+        if fp8:
+            if x_scales is None:
+                raise ValueError("FP8 x needs x_scales [T, H / 128] float32")
+            x_scales = check(x_scales, "x_scales", np.float32, shape=(T, ns))
+        elif x_scales is not None:
+            raise ValueError("x_scales is only for FP8 (uint8) x")
+        hop_ns = _check_hop(hop_ns)
         if H != self.hidden or T > self.max_tokens:
             raise ValueError(f"x is [{T}, {H}]; this dispatch takes at most {self.max_tokens} tokens of {self.hidden}")
         if handle is not None:
@@ -324,7 +341,8 @@ class TwoHopDispatch:
             delta = cupy.empty(state_words(R, self.K) - 2, dtype=np.int64)
         else:
             dev, delta = handle.plan, handle.delta
-        staging = cupy.empty((max(1, T * N), self.stride), dtype=np.uint8)
+        stride = row_stride(H, self.k, self.K, fp8)  # at most self.stride, which the network buffer holds
+        staging = cupy.empty((max(1, T * N), stride), dtype=np.uint8)
         self.calls += 1
         if not worst:
             self._host[:] = 0
@@ -342,16 +360,18 @@ class TwoHopDispatch:
         self.notify_fn((1,), (NOTIFY_THREADS,), (nargs,), shared_mem=8 * (R + 2 * N))
         notify_end.record()
         args = jit.pack(
-            ARGS_DTYPE, x=x.data.ptr, topk_idx=topk_idx.data.ptr, topk_weights=topk_weights.data.ptr,
+            ARGS_DTYPE, x=x.data.ptr, x_scales=jit.ptr(x_scales), topk_idx=topk_idx.data.ptr,
+            topk_weights=topk_weights.data.ptr,
             rdma_slot=dev["slot"].data.ptr, send_head=dev["head"].data.ptr, rank_prefix=dev["rpm"].data.ptr,
             staging=staging.data.ptr, net_rows=self.net_rows.data.ptr, net_signal=self.net_signal.data.ptr,
             net_target=self._state["net_total"].data.ptr, net_count=dev["net_count"].data.ptr,
             pools=self.pool.peer_ptrs.data.ptr, out_x=self._lay["x"], out_idx=self._lay["idx"],
             out_w=self._lay["w"], out_src=self._lay["src"], out_slot=self._lay["slot"],
             arrived=self.arrived_ptrs.data.ptr, arrived_target=self._state["arrived_total"].data.ptr,
-            row_stride=self.stride, notify_ok=self._state["ok"].data.ptr,
+            row_stride=stride, out_scales=self._lay["scales"], notify_ok=self._state["ok"].data.ptr,
             capacity=int(num_worst_tokens) if worst else 0, hop_ns=jit.ptr(hop_ns), num_tokens=T, num_topk=self.k,
-            x_int4=H * 2 // 16, num_ranks=self.R, ranks_per_node=self.K, num_local_experts=self.E // self.R,
+            x_int4=H * x.dtype.itemsize // 16, num_scales=ns, num_ranks=self.R, ranks_per_node=self.K,
+            num_local_experts=self.E // self.R,
             rank=self.me, guard=jit.pack(GUARD_DTYPE, **self.group.guard("internode_two_hop_dispatch")))
         self._launch(self.fn, args, wait=not worst)
         if not worst:
@@ -372,10 +392,11 @@ class TwoHopDispatch:
         if capturing:  # a graph keeps raw pointers: its memory must outlive it
             self._captured.append((x, topk_idx, topk_weights, dev, delta, staging, src_rank, *keep))
         self._last = {"T": T, "dev": dev, "n": n, "call": self.calls, "src_rank": src_rank, "worst": worst,
-                      "delta": delta, "combined": False}
+                      "delta": delta, "combined": False, "stride": stride, "meta_offset": H * x.dtype.itemsize}
         made = handle or TwoHopHandle(owner=id(self), topk_idx=topk_idx, plan=dev, delta=delta, num_rows=n,
                                       num_worst_tokens=int(num_worst_tokens) if worst else 0, src_rank=src_rank)
-        return TwoHopResult(recv_x=self.pool.view(self._lay["x"], (n, H), np.uint16),
+        return TwoHopResult(recv_x=self.pool.view(self._lay["x"], (n, H), x.dtype),
+                            recv_x_scales=self.pool.view(self._lay["scales"], (n, ns), np.float32) if fp8 else None,
                             recv_topk_idx=self.pool.view(self._lay["idx"], (n, self.k), np.int64),
                             recv_topk_weights=self.pool.view(self._lay["w"], (n, self.k), np.float32),
                             recv_src_idx=self.pool.view(self._lay["src"], (n,), np.int32),
@@ -440,7 +461,8 @@ class TwoHopDispatch:
             pools=self.cpool.peer_ptrs.data.ptr, direct_in=self._clay["direct"], gather=self._clay["gather"],
             counters=self.counter_ptrs.data.ptr, targets=self._state["combine_total"].data.ptr,
             net_rows=self.net_rows.data.ptr,
-            row_stride=self.stride, net_count=L["dev"]["net_count"].data.ptr, staging=staging.data.ptr,
+            row_stride=L["stride"], meta_offset=L["meta_offset"], net_count=L["dev"]["net_count"].data.ptr,
+            staging=staging.data.ptr,
             net_in=self.cnet_in.data.ptr, net_signal=self.cnet_signal.data.ptr,
             net_target=self._state["combine_net_total"].data.ptr, send_head=L["dev"]["head"].data.ptr,
             out=out.data.ptr, notify_ok=self._state["ok"].data.ptr, hop_ns=jit.ptr(hop_ns), num_recv=L["n"],

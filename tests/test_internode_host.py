@@ -32,6 +32,10 @@ def test_the_kernels_state_size_is_the_hosts():
 def test_network_row_layout():
     assert INTER.row_stride(7168, 8, 4) == 14512  # 14336 payload + 168 metadata, rounded up to 16
     assert INTER.row_stride(128, 1, 3) % 16 == 0 and INTER.row_stride(128, 1, 3) >= 256 + 8 * 6
+    # FP8: 7168 bytes + 168 metadata + 56 scales x 4 bytes = 7560, rounded up to 16; never longer than BF16.
+    assert INTER.row_stride(7168, 8, 4, fp8=True) == 7568
+    assert all(INTER.row_stride(h, k, K, fp8=True) <= INTER.row_stride(h, k, K)
+               for h in (128, 2048, 7168) for k in (1, 8, 16) for K in (1, 2, 8))
 
 
 def test_hop_times_are_differences_of_the_stamps_and_none_where_unwritten():

@@ -38,8 +38,9 @@
 //      source's rows have arrived, so the kernel's end means this rank's
 //      output is complete. Counters only grow; the host passes this call's
 //      cumulative targets.
-// Outputs: recv_x [N, H] BF16 bits, recv_topk_idx [N, k] (local ids, -1 for
-// other ranks' experts), recv_topk_weights [N, k] (0 there), recv_src_idx [N].
+// Outputs: recv_x [N, H] BF16 bits (or FP8 bytes, with recv_x_scales [N, H / 128]),
+// recv_topk_idx [N, k] (local ids, -1 for other ranks' experts),
+// recv_topk_weights [N, k] (0 there), recv_src_idx [N].
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
@@ -264,7 +265,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArg
 }
 
 struct TwoHopDispatchArgs {
-    const int4* x;                // [T, x_int4] BF16 rows
+    const int4* x;                // [T, x_int4] rows: BF16, or FP8 with x_scales
+    const float* x_scales;        // [T, num_scales] FP8 scales, or null
     const int64_t* topk_idx;      // [T, k]
     const float* topk_weights;    // [T, k]
     const int64_t* rdma_slot;     // [T, N] row of (t, n) in the rail peer's network buffer, -1: none
@@ -282,7 +284,9 @@ struct TwoHopDispatchArgs {
                                   // row came through at its rail peer (-1: sent directly), for combine
     int64_t* const* arrived;      // [K] each local rank's arrived[R] counters (IPC), all calls
     const int64_t* arrived_target;// [R] this call's cumulative target of my arrived[s]
-    int64_t row_stride;           // bytes of a network row: payload, then 1 + 2k + K int64-sized words
+    int64_t row_stride;           // bytes of a network row: payload, then 1 + 2k + K int64-sized words,
+                                  // then num_scales floats
+    int64_t out_scales;           // byte offset of recv_x_scales [N, num_scales] in every pool (FP8)
     const int64_t* notify_ok;     // the notify's verdict (state[kNotifyOk]): the kernel runs only when 1
     int64_t capacity;             // rows of the caller's outputs; rows [received, capacity) are padding
     uint64_t* hop_ns;             // [4] or null (a metric, %globaltimer ns): the earliest block start (min),
@@ -292,6 +296,7 @@ struct TwoHopDispatchArgs {
     int num_tokens;
     int num_topk;
     int x_int4;
+    int num_scales;               // per row, FP8 only (0: BF16 rows)
     int num_ranks;
     int ranks_per_node;
     int num_local_experts;
@@ -339,13 +344,16 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
 
     // Writes row `src_row` (payload and its metadata) for destination d at rank-major row `row`;
     // `landed`: the row came over the network during this kernel (coherent loads).
+    const int ns = a.num_scales;
     auto deliver = [&](int d_local, int64_t row, const int4* src_row, int64_t t, const int64_t* ids, const float* ws,
-                       int64_t slot) {
+                       const float* scales, int64_t slot) {
         const bool landed = slot >= 0;
         char* pool = static_cast<char*>(a.pools[d_local]);
         int4* dst = reinterpret_cast<int4*>(pool + a.out_x + row * payload);
         if (landed) warp_copy<4, true>(dst, src_row, a.x_int4, lane, ld_cv, st);
         else warp_copy<4, true>(dst, src_row, a.x_int4, lane, ld, st);
+        for (int q = lane; q < ns; q += 32)
+            reinterpret_cast<float*>(pool + a.out_scales)[row * ns + q] = landed ? __ldcv(scales + q) : scales[q];
         const int d = my_node * K + d_local;
         for (int q = lane; q < k; q += 32) {
             const int64_t e = __ldcv(ids + q);
@@ -374,11 +382,12 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
         const int64_t* ids = a.topk_idx + t * k;
         const float* ws = a.topk_weights + t * k;
         const int64_t* head = a.send_head + t * R;
+        const float* scales = ns ? a.x_scales + t * ns : nullptr;
         if (n == my_node) {
             for (int j = 0; j < K; ++j) {
                 const int d = n * K + j;
                 if (head[d] < 0) continue;
-                deliver(j, (me > 0 ? a.rank_prefix[(me - 1) * R + d] : 0) + head[d], row, t, ids, ws, -1);
+                deliver(j, (me > 0 ? a.rank_prefix[(me - 1) * R + d] : 0) + head[d], row, t, ids, ws, scales, -1);
                 count_arrival(j, me);
             }
             continue;
@@ -394,6 +403,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
             reinterpret_cast<float*>(meta + 1 + k)[q] = ws[q];  // k floats in k int64-sized words
         }
         for (int j = lane; j < K; j += 32) meta[1 + 2 * k + j] = head[n * K + j];
+        for (int q = lane; q < ns; q += 32) reinterpret_cast<float*>(meta + 1 + 2 * k + K)[q] = scales[q];
         __syncwarp();
         __threadfence();  // the staging row is written before the put reads it
         nvshmemx_putmem_signal_nbi_warp(a.net_rows + slot * a.row_stride, stage, a.row_stride,
@@ -425,12 +435,13 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
         const int64_t* ids = meta + 1;
         const float* ws = reinterpret_cast<const float*>(meta + 1 + k);
         const int64_t* pos = meta + 1 + 2 * k;
+        const float* scales = reinterpret_cast<const float*>(pos + K);
         for (int j = 0; j < K; ++j) {
             const int64_t p = __ldcv(pos + j);
             if (p < 0) continue;
             const int d = my_node * K + j;
             deliver(j, (s > 0 ? a.rank_prefix[(s - 1) * R + d] : 0) + p, reinterpret_cast<const int4*>(nrow), t,
-                    ids, ws, q);
+                    ids, ws, scales, q);
             count_arrival(j, s);
         }
     }
@@ -478,7 +489,8 @@ struct TwoHopCombineArgs {
     int64_t* const* counters;     // [K] each local rank's counters (IPC): [0] direct rows in, [1] gather rows in
     const int64_t* targets;       // [2] this call's cumulative targets of my counters [0] and [1]
     const char* net_rows;         // symmetric: my network buffer of the dispatch (the slots' metadata)
-    int64_t row_stride;           // bytes of a network row
+    int64_t row_stride;           // bytes of a network row of the dispatch
+    int64_t meta_offset;          // where a network row's metadata starts (the dispatch's payload bytes)
     const int64_t* net_count;     // [N] rows from each source node in my network buffer, in block order
     char* staging;                // [net_rows_now, x_int4 * 16] private partial rows of step 2
     int4* net_in;                 // symmetric: [N, T_max, x_int4] partials from each node
@@ -579,7 +591,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_combine(TwoHopCombineA
         for (int64_t m = 0, acc = 0; m < N && s < 0; acc += a.net_count[m], ++m)
             if (q < acc + a.net_count[m]) s = (int)m * K + local;
         if (s < 0) continue;
-        const int64_t* meta = reinterpret_cast<const int64_t*>(a.net_rows + q * a.row_stride + payload);
+        const int64_t* meta = reinterpret_cast<const int64_t*>(a.net_rows + q * a.row_stride + a.meta_offset);
         const int64_t t = __ldcv(meta);
         const int64_t* pos = meta + 1 + 2 * a.num_topk;  // the token's position for each of my node's ranks
         unsigned went = 0;

@@ -102,6 +102,62 @@ def test_the_device_notify_computes_the_reference_plan(group, two_hop, seed, num
     assert all_ranks(group.comm, all(checks.values())), {k: v for k, v in checks.items() if not v}
 
 
+def test_fp8_rows_travel_with_their_scales(group, two_hop):
+    """An FP8 dispatch (uint8 rows, float32 scales per 128 channels, as a
+    tuple) lands every source's bytes and scales where the one-node oracle
+    puts them, counted and cached; the combine after it (BF16 expert
+    outputs) reads the FP8 rows' metadata at its own offset and is within
+    5e-6 of the exact combine. Scales without FP8 rows, FP8 rows without
+    scales raise before launch."""
+    import cupy
+    from cupyep.fp8 import per_token_cast_to_fp8
+    from cupyep.testing import bf16_to_f32
+    R, me = group.world_size, group.rank
+    T = 120
+    tokens = [T] * R
+    idx, w = global_routing(71, tokens, E, K_TOPK)
+    res = ref.intranode_dispatch([np.arange(t, dtype=np.int32)[:, None] for t in tokens], idx, E, topk_weights=w)
+    exp = res[me]
+    fp8 = [tuple(a.get() for a in per_token_cast_to_fp8(cupy.asarray(payload_bf16(s_, np.arange(T), H))))
+           for s_ in range(R)]  # every source's FP8 rows and scales, by token
+    want_x = np.empty((exp.num_recv_tokens, H), np.uint8)
+    want_s = np.empty((exp.num_recv_tokens, H // 128), np.float32)
+    for s_ in range(R):
+        sel = exp.recv_src_rank == s_
+        want_x[sel], want_s[sel] = fp8[s_][0][exp.recv_src_idx[sel]], fp8[s_][1][exp.recv_src_idx[sel]]
+    xq = (cupy.asarray(fp8[me][0]), cupy.asarray(fp8[me][1]))
+    checks = {}
+    out = two_hop.dispatch(xq, cupy.asarray(idx[me]), cupy.asarray(w[me]))
+    for name, o in (("counted", out), ("cached", None)):
+        if o is None:
+            o = two_hop.dispatch(xq, handle=out.handle, topk_weights=cupy.asarray(w[me]))
+        checks[f"{name} x"] = o.recv_x.dtype == np.uint8 and np.array_equal(o.recv_x.get(), want_x)
+        checks[f"{name} scales"] = np.array_equal(o.recv_x_scales.get(), want_s)
+        checks[f"{name} src_idx"] = np.array_equal(o.recv_src_idx.get(), exp.recv_src_idx)
+    rows = np.empty((exp.num_recv_tokens, H), np.uint16)
+    for s_ in range(R):
+        sel = exp.recv_src_rank == s_
+        rows[sel] = payload_bf16(s_, exp.recv_src_idx[sel], H)
+    got = two_hop.combine(cupy.asarray(rows)).get()
+    ys = []  # every rank's received rows (identity experts), for the exact combine
+    for d in range(R):
+        r = res[d]
+        yd = np.empty((r.num_recv_tokens, H), np.uint16)
+        for s_ in range(R):
+            sel = r.recv_src_rank == s_
+            yd[sel] = payload_bf16(s_, r.recv_src_idx[sel], H)
+        ys.append(bf16_to_f32(yd))
+    exact = ref.intranode_combine(ys, res, tokens)[me]
+    checks["combine"] = ref.calc_diff(bf16_to_f32(got), exact) < 5e-6
+    assert all_ranks(group.comm, all(checks.values())), {k: v for k, v in checks.items() if not v}
+    with pytest.raises(ValueError, match="x_scales"):
+        two_hop.dispatch(cupy.asarray(payload_bf16(me, np.arange(T), H)), cupy.asarray(idx[me]),
+                         cupy.asarray(w[me]), x_scales=xq[1])
+    with pytest.raises(ValueError, match="x_scales"):
+        two_hop.dispatch(xq[0], cupy.asarray(idx[me]), cupy.asarray(w[me]))
+    group.comm.Barrier()
+
+
 def test_two_hop_bad_input_raises_before_launch(group, two_hop):
     import cupy
     x = cupy.zeros((T_MAX + 1, H), dtype=np.uint16)
