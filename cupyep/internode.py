@@ -16,8 +16,9 @@ the dispatch, and, for ``combine``, the combine. The host reads back only
 how many rows it received from each source (mapped memory), to shape the
 outputs.
 
-Shapes: x [T, H] uint16 (BF16 bits), topk_idx [T, k] int64, topk_weights
-[T, k] float32; T <= max_tokens, the same k on every rank.
+Shapes: x [T, H] uint16 (BF16 bits), or uint8 (FP8 e4m3) with x_scales
+[T, H / 128] float32; topk_idx [T, k] int64, topk_weights [T, k] float32;
+T <= max_tokens, the same k on every rank. The combine takes BF16 rows.
 """
 from __future__ import annotations
 
