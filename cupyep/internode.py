@@ -251,9 +251,19 @@ class TwoHopDispatch:
         group.comm.Barrier()
 
     def _usable(self) -> None:
+        """RuntimeError once a call has failed; else raise (and remember) a device
+        error an earlier call left (worst-token calls do not wait for theirs)."""
         if self._failed is not None:
             raise RuntimeError(f"rank {self.me}: this TwoHopDispatch failed ({self._failed}); its state is "
                                "undefined: destroy it and make a new one")
+        self._check_errors()
+
+    def _check_errors(self) -> None:
+        try:
+            self.group.check_errors()
+        except Exception as exc:
+            self._failed = f"{type(exc).__name__}: {exc}"
+            raise
 
     def dispatch(self, x, topk_idx=None, topk_weights=None, hop_ns=None, num_worst_tokens: int = 0,
                  validate: bool = True, handle: TwoHopHandle | None = None, x_scales=None) -> TwoHopResult:
@@ -290,7 +300,6 @@ class TwoHopDispatch:
 
         from .arrays import BF16, as_cupy, check
         self._usable()
-        self.group.check_errors()
         if isinstance(x, tuple):
             if x_scales is not None:
                 raise ValueError("pass FP8 scales either in the x tuple or as x_scales, not both")
@@ -415,11 +424,7 @@ class TwoHopDispatch:
         if not wait:
             return
         end.synchronize()
-        try:
-            self.group.check_errors()
-        except Exception as exc:
-            self._failed = f"{type(exc).__name__}: {exc}"
-            raise
+        self._check_errors()
         self.last_kernel_us = cupy.cuda.get_elapsed_time(start, end) * 1e3
 
     def combine(self, y, hop_ns=None):
