@@ -59,7 +59,10 @@ class LayoutResult:
 
 
 class Buffer(DirectTransport):
-    """Normal-mode dispatch/combine between the ranks of one node.
+    """Normal-mode dispatch/combine between the ranks of one node. For a
+    group across two or more nodes, ``Buffer(group)`` is a
+    cupyep.internode_buffer.TwoHopBuffer: the same calls over the two-hop
+    mode (what it carries is in that module).
 
     Arguments:
         group: from :func:`cupyep.init`; all ranks of the node take part.
@@ -70,6 +73,13 @@ class Buffer(DirectTransport):
     the node in the same order. Use it as a context manager or call
     :meth:`destroy`.
     """
+
+    def __new__(cls, group, num_bytes: int | None = None):
+        # A group across nodes gets the two-hop mode's buffer (cupyep.internode_buffer), with these calls.
+        if cls is Buffer and getattr(group, "num_nodes", 1) > 1:
+            from ..internode_buffer import TwoHopBuffer
+            return TwoHopBuffer(group, num_bytes)
+        return super().__new__(cls)
 
     def __init__(self, group, num_bytes: int | None = None):
         import cupy

@@ -379,6 +379,57 @@ def test_worst_token_capacity_is_checked(group, two_hop):
     assert all_ranks(group.comm, ok)
 
 
+def test_cupyep_buffer_across_nodes_is_the_two_hop_mode(group, nvshmem_session):
+    """cupyep.Buffer(group) across nodes: the intranode calls (dispatch with
+    num_experts, expert_alignment's per-expert counts, combine of the rows
+    with the handle) give the one-node oracle's rows and counts and a
+    combine within 5e-6 of the exact one; an expert-major request raises
+    before launch."""
+    import cupy
+
+    import cupyep
+    from cupyep.internode_buffer import TwoHopBuffer
+    from cupyep.testing import bf16_to_f32
+    if group.num_nodes < 2:
+        pytest.skip("needs ranks on two or more nodes (--ranks-per-node)")
+    R, me = group.world_size, group.rank
+    T = 90
+    tokens = [T] * R
+    idx, w = global_routing(81, tokens, E, K_TOPK)
+    res = ref.intranode_dispatch([np.arange(t, dtype=np.int32)[:, None] for t in tokens], idx, E, topk_weights=w)
+    exp = res[me]
+    with cupyep.Buffer(group) as buf:
+        assert isinstance(buf, TwoHopBuffer)
+        x = cupy.asarray(payload_bf16(me, np.arange(T), H))
+        out = buf.dispatch(x, cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=E, expert_alignment=4)
+        rows = np.empty((exp.num_recv_tokens, H), np.uint16)
+        for s_ in range(R):
+            sel = exp.recv_src_rank == s_
+            rows[sel] = payload_bf16(s_, exp.recv_src_idx[sel], H)
+        counts = np.bincount(exp.recv_topk_idx[exp.recv_topk_idx >= 0], minlength=E // R)
+        checks = {
+            "recv_x": np.array_equal(out.recv_x.get(), rows),
+            "recv_topk_idx": np.array_equal(out.recv_topk_idx.get(), exp.recv_topk_idx),
+            "recv_topk_weights": np.array_equal(out.recv_topk_weights.get(), exp.recv_topk_weights),
+            "per_expert": out.num_recv_tokens_per_expert == [int(-(-c // 4) * 4) for c in counts],
+        }
+        comb = buf.combine(out.recv_x.copy(), out.handle)
+        ys = []
+        for d in range(R):
+            r = res[d]
+            yd = np.empty((r.num_recv_tokens, H), np.uint16)
+            for s_ in range(R):
+                sel = r.recv_src_rank == s_
+                yd[sel] = payload_bf16(s_, r.recv_src_idx[sel], H)
+            ys.append(bf16_to_f32(yd))
+        exact = ref.intranode_combine(ys, res, tokens)[me]
+        checks["combine"] = ref.calc_diff(bf16_to_f32(comb.combined_x.get()), exact) < 5e-6
+        assert all_ranks(group.comm, all(checks.values())), {k: v for k, v in checks.items() if not v}
+        with pytest.raises(ValueError, match="expert_major"):
+            buf.dispatch(x, cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=E, expert_major=True)
+        group.comm.Barrier()
+
+
 def test_hop_stamps_delimit_every_hop(group, two_hop):
     """With hop_ns the kernels stamp every hop: each duration is written,
     non-negative and below the whole kernel's; the results are those of a

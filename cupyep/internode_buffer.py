@@ -1,0 +1,170 @@
+"""``cupyep.Buffer`` across nodes: what ``cupyep.Buffer(group)`` is when the
+group spans two or more nodes (real, or emulated with ``--ranks-per-node``).
+
+The same calls as normal mode within a node, carried by the two-hop mode
+(cupyep.internode.TwoHopDispatch):
+
+- ``dispatch(x, topk_idx, topk_weights, num_experts=E)``: BF16 or FP8 rows
+  (``x_scales``, or the tuple ``(x, x_scales)``), a cached call
+  (``handle=``), worst-token mode (``num_worst_tokens``, graph-capturable),
+  ``expert_alignment`` for the per-expert counts. Returns a
+  cupyep.DispatchResult: recv_x [N, H], recv_x_scales, recv_topk_idx [N, k]
+  (local ids, -1 elsewhere), recv_topk_weights [N, k],
+  num_recv_tokens_per_expert (E_local ints, rounded up to
+  expert_alignment; None in worst-token mode), handle (a TwoHopHandle) and
+  event. The rows are those of the dispatch within a node: one per (token,
+  rank), by source rank then token.
+- ``combine(x, handle)``: x [N, H] BF16, one row per received row; returns a
+  cupyep.CombineResult whose combined_x [T, H] is each token's sum over the
+  ranks it visited (reduced inside each node, then across nodes), within
+  calc_diff 5e-6 of the exact sum.
+
+What the two-hop kernels do not carry yet raises ValueError before anything
+is launched: expert-major layouts, the direct transport, configs, events
+between streams and async calls, a weighted combine (``topk_weights``,
+``row_weights``), the normal-mode metrics. The layout hints
+(``num_tokens_per_rank``, ``num_tokens_per_expert``, ``is_token_in_rank``)
+are accepted and not needed: the notify pass lays the tokens out itself.
+
+Sizes: the two-hop buffers are made at the first dispatch (collectively, a
+bounded host exchange), for the most tokens any rank passes then and that
+call's hidden size, top-k and expert count, which every later call keeps
+(``num_bytes`` is not used across nodes). A later call with more tokens
+raises ValueError on its rank.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+def _refuse(call: str, given: dict) -> None:
+    for name, value in given.items():
+        if value is not None:
+            raise ValueError(f"{call} across nodes does not take {name} (the two-hop mode does not carry it yet)")
+
+
+class TwoHopBuffer:
+    """cupyep.Buffer for a group of two or more nodes (module docstring).
+    Collective, as cupyep.Buffer: create, call and destroy it on every rank
+    in the same order."""
+
+    def __init__(self, group, num_bytes: int | None = None):
+        group.require_gpu("cupyep.Buffer")
+        if group.num_nodes < 2:
+            raise ValueError("TwoHopBuffer is cupyep.Buffer across two or more nodes; this group has one")
+        self.group = group
+        self.num_ranks, self.rank = group.world_size, group.rank
+        self._engine = None
+        self._shape = None  # (max_tokens, hidden, num_topk, num_experts) of the engine
+
+    # ----------------------------------------------------------------- sizing
+    def _engine_for(self, num_tokens: int, hidden: int, num_topk: int, num_experts: int):
+        """The TwoHopDispatch for these sizes, made collectively at the first call."""
+        if self._engine is not None:
+            most, h, k, e = self._shape
+            if (hidden, num_topk, num_experts) != (h, k, e):
+                raise ValueError(f"this buffer carries hidden={h}, top-k={k}, num_experts={e} (its first call's); "
+                                 f"got {hidden}, {num_topk}, {num_experts}")
+            if num_tokens > most:
+                raise ValueError(f"this buffer holds at most {most} tokens per rank (the most any rank passed to "
+                                 f"its first dispatch), got {num_tokens}")
+            return self._engine
+        sizes = self.group.exchange(np.array([num_tokens, hidden, num_topk, num_experts], dtype=np.int64),
+                                    "cupyep.Buffer across nodes: the sizes of the first dispatch")
+        if not (sizes[:, 1:] == sizes[0, 1:]).all():
+            raise ValueError(f"hidden, top-k and num_experts differ between ranks: {sizes[:, 1:].tolist()}")
+        most = max(1, int(sizes[:, 0].max()))
+        self._engine = self._make_engine(most, hidden, num_topk, num_experts)
+        self._shape = (most, hidden, num_topk, num_experts)
+        return self._engine
+
+    def _make_engine(self, max_tokens: int, hidden: int, num_topk: int, num_experts: int):
+        from .internode import TwoHopDispatch
+        return TwoHopDispatch(self.group, max_tokens, hidden, num_topk, num_experts)
+
+    def _event(self):
+        """An EventHandle recorded on the current stream (the two-hop calls run there)."""
+        import cupy
+
+        from .intranode.results import EventHandle
+        ev = cupy.cuda.Event(disable_timing=True)
+        ev.record(cupy.cuda.get_current_stream())
+        return EventHandle(ev)
+
+    # ---------------------------------------------------------------- calls
+    def dispatch(self, x, topk_idx=None, topk_weights=None, *, x_scales=None, num_experts: int | None = None,
+                 handle=None, num_tokens_per_rank=None, num_tokens_per_expert=None, is_token_in_rank=None,
+                 num_worst_tokens: int = 0, expert_alignment: int = 1, config=None, previous_event=None,
+                 async_finish: bool = False, validate: bool = True, expert_major: bool = False,
+                 transport: str | None = None, notify_time_ns=None, queue_occupancy=None):
+        """cupyep.Buffer.dispatch across nodes (module docstring)."""
+        from .intranode.results import DispatchResult
+        _refuse("dispatch", {"config": config, "previous_event": previous_event, "notify_time_ns": notify_time_ns,
+                             "queue_occupancy": queue_occupancy})
+        if async_finish or expert_major:
+            raise ValueError("dispatch across nodes does not take async_finish or expert_major (the two-hop mode "
+                             "runs on the current stream and lays rows out rank-major)")
+        if transport not in (None, "two_hop"):
+            raise ValueError(f"across nodes the transport is the two-hop mode, got transport={transport!r}")
+        if not (isinstance(expert_alignment, (int, np.integer)) and expert_alignment >= 1):
+            raise ValueError(f"expert_alignment must be an integer >= 1, got {expert_alignment!r}")
+        if isinstance(x, tuple):
+            if x_scales is not None:
+                raise ValueError("pass FP8 scales either in the x tuple or as x_scales, not both")
+            x, x_scales = x
+        if handle is None:
+            if topk_idx is None or num_experts is None:
+                raise ValueError("dispatch needs topk_idx and num_experts (or a handle)")
+            k = topk_idx.shape[1]
+        else:
+            if self._engine is None:
+                raise ValueError("handle was not made by this buffer")
+            k, num_experts = self._shape[2], self._shape[3]
+        if x.ndim != 2:
+            raise ValueError(f"x must be 2-D [T, H], got shape {tuple(x.shape)}")
+        engine = self._engine_for(x.shape[0], x.shape[1], k, int(num_experts))
+        out = engine.dispatch(x, None if handle is not None else topk_idx, topk_weights, x_scales=x_scales,
+                              num_worst_tokens=num_worst_tokens, validate=validate, handle=handle)
+        worst = (handle.num_worst_tokens if handle is not None else int(num_worst_tokens)) > 0
+        per_expert = None if worst else self._per_expert(out.recv_topk_idx, int(num_experts), int(expert_alignment))
+        return DispatchResult(out.recv_x, out.recv_x_scales, out.recv_topk_idx, out.recv_topk_weights, per_expert,
+                              out.handle, self._event())
+
+    def _per_expert(self, recv_topk_idx, num_experts: int, alignment: int) -> list[int]:
+        """(row, slot) pairs of each local expert, rounded up to ``alignment``."""
+        import cupy
+        xp = cupy.get_array_module(recv_topk_idx)
+        El = num_experts // self.num_ranks
+        ids = recv_topk_idx.ravel()
+        counts = xp.bincount(ids[ids >= 0], minlength=El)[:El]
+        counts = counts.get() if xp is not np else counts
+        return [int(-(-int(c) // alignment) * alignment) for c in counts]
+
+    def combine(self, x, handle, topk_weights=None, *, row_weights=None, config=None, previous_event=None,
+                async_finish: bool = False, pair_weights=None, expert_major=None, zero_copy: bool = False):
+        """cupyep.Buffer.combine across nodes (module docstring)."""
+        from .intranode.results import CombineResult
+        _refuse("combine", {"topk_weights": topk_weights, "row_weights": row_weights, "config": config,
+                            "previous_event": previous_event, "pair_weights": pair_weights})
+        if async_finish or expert_major or zero_copy:
+            raise ValueError("combine across nodes does not take async_finish, expert_major or zero_copy")
+        if self._engine is None:
+            raise ValueError("combine needs a dispatch of this buffer first")
+        return CombineResult(self._engine.combine(x), None, self._event(), None)
+
+    # ------------------------------------------------------------- lifetime
+    def synchronize(self) -> None:
+        """Bounded wait for the work of this buffer's calls (on the current stream)."""
+        import cupy
+        self.group.wait(cupy.cuda.get_current_stream(), "internode_two_hop_combine", "host wait for the two-hop calls")
+
+    def destroy(self) -> None:
+        """Collective: free the two-hop buffers (if a dispatch made them)."""
+        if self._engine is not None:
+            self._engine.destroy()
+            self._engine = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.destroy()
