@@ -427,14 +427,19 @@ class TwoHopDispatch:
         self._check_errors()
         self.last_kernel_us = cupy.cuda.get_elapsed_time(start, end) * 1e3
 
-    def combine(self, y, hop_ns=None):
+    def combine(self, y, hop_ns=None, row_weights=None):
         """Reduce the expert outputs of the last dispatch back to its tokens.
 
         Arguments:
             y: cupy [N, H] uint16 BF16 bits, one row per row the last dispatch
-               received (its order), unweighted.
+               received (its order).
             hop_ns: cupy uint64 [4] or None: the hop metric, as dispatch's
                (TwoHopCombineArgs::hop_ns).
+            row_weights: cupy [N] float32 or None: row r counts as
+               BF16(weight_r * y_r), scaled in float32 before it leaves
+               (one more BF16 rounding than the combine within a node, which
+               weights in its float32 sum: calc_diff 2.3e-6 from the exact
+               weighted sum at 2 x 4 ranks, T = 256, H = 7168, BF16 partials).
 
         Returns:
             cupy [T, H] uint16: per token, the FP32 sum over nodes in node order
@@ -451,11 +456,17 @@ class TwoHopDispatch:
         L = self._last
         y = check(as_cupy(y, "y"), "y", BF16, shape=(L["n"], self.hidden))
         hop_ns = _check_hop(hop_ns)
+        row_weights = as_cupy(row_weights, "row_weights")
+        if row_weights is not None:
+            from .moe import bf16_bits_to_f32, f32_to_bf16_bits
+            row_weights = check(row_weights, "row_weights", np.float32, shape=(L["n"],))
         if L["call"] != self.calls:
             raise ValueError("combine reduces the last dispatch's rows; another dispatch came after it")
         if L["combined"]:
             raise ValueError("the last dispatch's rows are combined already (one combine per dispatch)")
         R, K, me = self.R, self.K, self.me
+        if row_weights is not None:  # on the current stream, before the combine reads the rows
+            y = f32_to_bf16_bits(bf16_bits_to_f32(y) * row_weights[:, None])
         # Partial rows this rank makes as a rail peer: their count is on the device in worst-token mode.
         rows_now = (self.N - 1) * self.max_tokens if L["worst"] else int(L["dev"]["net_count"].sum().get())
         staging = cupy.empty((max(1, rows_now), self.hidden * 2), dtype=np.uint8)

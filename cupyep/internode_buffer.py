@@ -14,15 +14,16 @@ The same calls as normal mode within a node, carried by the two-hop mode
   expert_alignment; None in worst-token mode), handle (a TwoHopHandle) and
   event. The rows are those of the dispatch within a node: one per (token,
   rank), by source rank then token.
-- ``combine(x, handle)``: x [N, H] BF16, one row per received row; returns a
-  cupyep.CombineResult whose combined_x [T, H] is each token's sum over the
-  ranks it visited (reduced inside each node, then across nodes), within
-  calc_diff 5e-6 of the exact sum.
+- ``combine(x, handle, row_weights=w)``: x [N, H] BF16, one row per received
+  row, optionally weighted per row; returns a cupyep.CombineResult whose
+  combined_x [T, H] is each token's (weighted) sum over the ranks it visited
+  (reduced inside each node, then across nodes), within calc_diff 5e-6 of
+  the exact sum (TwoHopDispatch.combine says how the weights round).
 
 What the two-hop kernels do not carry yet raises ValueError before anything
 is launched: expert-major layouts, the direct transport, configs, events
-between streams and async calls, a weighted combine (``topk_weights``,
-``row_weights``), the normal-mode metrics. The layout hints
+between streams and async calls, combining ``topk_weights`` back, the
+normal-mode metrics. The layout hints
 (``num_tokens_per_rank``, ``num_tokens_per_expert``, ``is_token_in_rank``)
 are accepted and not needed: the notify pass lays the tokens out itself.
 
@@ -143,13 +144,13 @@ class TwoHopBuffer:
                 async_finish: bool = False, pair_weights=None, expert_major=None, zero_copy: bool = False):
         """cupyep.Buffer.combine across nodes (module docstring)."""
         from .intranode.results import CombineResult
-        _refuse("combine", {"topk_weights": topk_weights, "row_weights": row_weights, "config": config,
-                            "previous_event": previous_event, "pair_weights": pair_weights})
+        _refuse("combine", {"topk_weights": topk_weights, "config": config, "previous_event": previous_event,
+                            "pair_weights": pair_weights})
         if async_finish or expert_major or zero_copy:
             raise ValueError("combine across nodes does not take async_finish, expert_major or zero_copy")
         if self._engine is None:
             raise ValueError("combine needs a dispatch of this buffer first")
-        return CombineResult(self._engine.combine(x), None, self._event(), None)
+        return CombineResult(self._engine.combine(x, row_weights=row_weights), None, self._event(), None)
 
     # ------------------------------------------------------------- lifetime
     def synchronize(self) -> None:

@@ -40,8 +40,8 @@ class _Engine:
         return SimpleNamespace(recv_x="rows", recv_x_scales=None, recv_topk_idx=self.recv_topk_idx,
                                recv_topk_weights="w", handle=handle or SimpleNamespace(num_worst_tokens=num_worst_tokens))
 
-    def combine(self, y):
-        self.calls.append(("combine", y))
+    def combine(self, y, row_weights=None):
+        self.calls.append(("combine", y, row_weights))
         return "combined"
 
     def destroy(self):
@@ -95,8 +95,9 @@ def test_worst_token_and_cached_calls_pass_through():
     assert out.num_recv_tokens_per_expert is None and buf._engine.calls[-1] == ("dispatch", None, 16)
     again = buf.dispatch(x, topk_weights=w, handle=out.handle)
     assert buf._engine.calls[-1][1] is out.handle and again.num_recv_tokens_per_expert is None
-    comb = buf.combine("y", again.handle)
+    comb = buf.combine("y", again.handle, row_weights="rw")
     assert isinstance(comb, CombineResult) and comb.combined_x == "combined" and comb.combined_topk_weights is None
+    assert buf._engine.calls[-1] == ("combine", "y", "rw")
     buf.destroy()
     assert buf._engine is None
 
@@ -112,7 +113,7 @@ def test_what_the_two_hop_dispatch_does_not_carry_is_refused(kw):
     assert buf._engine is None  # nothing was made or launched
 
 
-@pytest.mark.parametrize("kw", [{"topk_weights": np.ones((4, 2), np.float32)}, {"row_weights": np.ones(4)},
+@pytest.mark.parametrize("kw", [{"topk_weights": np.ones((4, 2), np.float32)},
                                 {"pair_weights": np.ones(4)}, {"async_finish": True}, {"zero_copy": True},
                                 {"expert_major": True}])
 def test_what_the_two_hop_combine_does_not_carry_is_refused(kw):
