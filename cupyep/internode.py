@@ -135,6 +135,7 @@ class TwoHopHandle:
     num_rows: int
     num_worst_tokens: int
     src_rank: object
+    recv_expert_counts: tuple | None = None  # unaligned per-local-expert pair counts (cupyep.Buffer sets them)
 
 
 @dataclass

@@ -20,10 +20,15 @@ The same calls as normal mode within a node, carried by the two-hop mode
   (reduced inside each node, then across nodes), within calc_diff 5e-6 of
   the exact sum (TwoHopDispatch.combine says how the weights round).
 
-What the two-hop kernels do not carry yet raises ValueError before anything
-is launched: expert-major layouts, the direct transport, configs, events
-between streams and async calls, combining ``topk_weights`` back, the
-normal-mode metrics. The layout hints
+``expert_major=True`` lays the received (row, local expert) pairs out in
+per-expert blocks as within a node (cupyep.intranode.expert_major, from the
+rank-major rows; DispatchResult's expert_x, expert_offsets, expert_src_row),
+and ``combine(y, handle, pair_weights=..., expert_major=True)`` reduces such
+outputs back to one row per received row first, so cupyep.moe.MoELayer runs
+across nodes unchanged. What the two-hop kernels do not carry yet raises
+ValueError before anything is launched: the direct transport, configs,
+events between streams and async calls, combining ``topk_weights`` back,
+the normal-mode metrics. The layout hints
 (``num_tokens_per_rank``, ``num_tokens_per_expert``, ``is_token_in_rank``)
 are accepted and not needed: the notify pass lays the tokens out itself.
 
@@ -56,6 +61,7 @@ class TwoHopBuffer:
         self.num_ranks, self.rank = group.world_size, group.rank
         self._engine = None
         self._shape = None  # (max_tokens, hidden, num_topk, num_experts) of the engine
+        self._em = None  # the last dispatch's expert-major layout: (layout, handle, device count, SMs)
 
     # ----------------------------------------------------------------- sizing
     def _engine_for(self, num_tokens: int, hidden: int, num_topk: int, num_experts: int):
@@ -101,17 +107,20 @@ class TwoHopBuffer:
         from .intranode.results import DispatchResult
         _refuse("dispatch", {"config": config, "previous_event": previous_event, "notify_time_ns": notify_time_ns,
                              "queue_occupancy": queue_occupancy})
-        if async_finish or expert_major:
-            raise ValueError("dispatch across nodes does not take async_finish or expert_major (the two-hop mode "
-                             "runs on the current stream and lays rows out rank-major)")
-        if transport not in (None, "two_hop"):
-            raise ValueError(f"across nodes the transport is the two-hop mode, got transport={transport!r}")
+        if async_finish:
+            raise ValueError("dispatch across nodes does not take async_finish (the two-hop mode runs on the "
+                             "current stream)")
+        if transport not in (None, "queue", "two_hop"):
+            raise ValueError(f"across nodes the transport is the two-hop mode (transport None, 'queue' or "
+                             f"'two_hop'), got transport={transport!r}")
         if not (isinstance(expert_alignment, (int, np.integer)) and expert_alignment >= 1):
             raise ValueError(f"expert_alignment must be an integer >= 1, got {expert_alignment!r}")
         if isinstance(x, tuple):
             if x_scales is not None:
                 raise ValueError("pass FP8 scales either in the x tuple or as x_scales, not both")
             x, x_scales = x
+        if expert_major and topk_idx is None and handle is None:
+            raise ValueError("expert_major=True needs topk_idx or a handle")
         if handle is None:
             if topk_idx is None or num_experts is None:
                 raise ValueError("dispatch needs topk_idx and num_experts (or a handle)")
@@ -126,31 +135,78 @@ class TwoHopBuffer:
         out = engine.dispatch(x, None if handle is not None else topk_idx, topk_weights, x_scales=x_scales,
                               num_worst_tokens=num_worst_tokens, validate=validate, handle=handle)
         worst = (handle.num_worst_tokens if handle is not None else int(num_worst_tokens)) > 0
-        per_expert = None if worst else self._per_expert(out.recv_topk_idx, int(num_experts), int(expert_alignment))
-        return DispatchResult(out.recv_x, out.recv_x_scales, out.recv_topk_idx, out.recv_topk_weights, per_expert,
-                              out.handle, self._event())
+        A = int(expert_alignment)
+        per_expert = None
+        if not worst:
+            counts = self._expert_counts(out.recv_topk_idx, int(num_experts))
+            out.handle.recv_expert_counts = tuple(counts)
+            per_expert = [-(-c // A) * A for c in counts]
+        result = DispatchResult(out.recv_x, out.recv_x_scales, out.recv_topk_idx, out.recv_topk_weights, per_expert,
+                                out.handle, None)
+        self._em = None
+        if expert_major:
+            self._em = self._expert_major(out, per_expert, int(num_experts), A)
+            em = self._em[0]
+            result.expert_x, result.expert_x_scales = em.expert_x, em.expert_x_scales
+            result.expert_offsets, result.expert_src_row = em.expert_offsets, em.expert_src_row
+        result.event = self._event()
+        return result
 
-    def _per_expert(self, recv_topk_idx, num_experts: int, alignment: int) -> list[int]:
-        """(row, slot) pairs of each local expert, rounded up to ``alignment``."""
+    def _expert_counts(self, recv_topk_idx, num_experts: int) -> list[int]:
+        """(row, slot) pairs of each local expert (host ints; one read back)."""
         import cupy
         xp = cupy.get_array_module(recv_topk_idx)
         El = num_experts // self.num_ranks
         ids = recv_topk_idx.ravel()
         counts = xp.bincount(ids[ids >= 0], minlength=El)[:El]
         counts = counts.get() if xp is not np else counts
-        return [int(-(-int(c) // alignment) * alignment) for c in counts]
+        return [int(c) for c in counts]
+
+    def _expert_major(self, out, per_expert, num_experts: int, alignment: int):
+        """(the expert-major layout of a dispatch's rows, its handle, the device
+        count of valid rows it was built for: an int32 array, or None)."""
+        import cupy
+
+        from .barrier import GUARD_DTYPE
+        from . import jit
+        from .intranode import expert_major as EM
+        N, k = out.recv_topk_idx.shape
+        El = num_experts // self.num_ranks
+        m_cap = EM.expert_rows_capacity(per_expert, N, k, El, alignment)
+        count = None
+        if per_expert is None:  # worst-token mode: the valid rows are counted on the device
+            count = out.rank_prefix_matrix[self.num_ranks - 1, self.rank].astype(np.int32).reshape(1)
+        sms = max(1, cupy.cuda.Device().attributes["MultiProcessorCount"] // max(1, self.group.ranks_per_gpu))
+        em = EM.build(out.recv_x, out.recv_x_scales, out.recv_topk_idx, 0 if count is None else count.data.ptr, El,
+                      alignment, m_cap, jit.pack(GUARD_DTYPE, **self.group.guard("intranode_expert_major")), sms)
+        return em, out.handle, count, sms
 
     def combine(self, x, handle, topk_weights=None, *, row_weights=None, config=None, previous_event=None,
                 async_finish: bool = False, pair_weights=None, expert_major=None, zero_copy: bool = False):
         """cupyep.Buffer.combine across nodes (module docstring)."""
         from .intranode.results import CombineResult
-        _refuse("combine", {"topk_weights": topk_weights, "config": config, "previous_event": previous_event,
-                            "pair_weights": pair_weights})
-        if async_finish or expert_major or zero_copy:
-            raise ValueError("combine across nodes does not take async_finish, expert_major or zero_copy")
+        _refuse("combine", {"topk_weights": topk_weights, "config": config, "previous_event": previous_event})
+        if async_finish or zero_copy:
+            raise ValueError("combine across nodes does not take async_finish or zero_copy")
         if self._engine is None:
             raise ValueError("combine needs a dispatch of this buffer first")
-        return CombineResult(self._engine.combine(x, row_weights=row_weights), None, self._event(), None)
+        reduced = None
+        em = self._em if self._em is not None and self._em[1] is handle else None
+        if expert_major or (expert_major is None and em is not None and x.shape[0] == em[0].num_expert_rows):
+            if em is None:
+                raise ValueError("expert_major=True needs the handle of this buffer's last dispatch(..., "
+                                 "expert_major=True)")
+            from .intranode import expert_major as EM
+            layout, _, count, sms = em
+            if x.shape[0] != layout.num_expert_rows:
+                raise ValueError(f"expert-major x has {x.shape[0]} rows, the dispatch laid out "
+                                 f"{layout.num_expert_rows}")
+            EM.check_pair_weights(pair_weights, layout.recv_expert_row.shape[0], layout.recv_expert_row.shape[1])
+            x = reduced = EM.reduce(x, layout.recv_expert_row, pair_weights, 0 if count is None else count.data.ptr,
+                                    sms)
+        elif pair_weights is not None:
+            raise ValueError("pair_weights weight expert-major rows; x holds rank-major rows")
+        return CombineResult(self._engine.combine(x, row_weights=row_weights), None, self._event(), reduced)
 
     # ------------------------------------------------------------- lifetime
     def synchronize(self) -> None:

@@ -2,7 +2,9 @@
 two or more nodes gets the two-hop buffer; its first dispatch sizes the
 two-hop mode from every rank's sizes; what the two-hop mode does not carry is
 refused before anything runs; results map onto DispatchResult /
-CombineResult, with the per-expert counts of the received ids."""
+CombineResult, with the per-expert counts of the received ids. The
+expert-major layout runs on the GPU (tests/gpu/test_two_hop_gpu.py: the MoE
+layer across nodes)."""
 from types import SimpleNamespace
 
 import numpy as np
@@ -38,7 +40,9 @@ class _Engine:
     def dispatch(self, x, topk_idx, topk_weights, x_scales=None, num_worst_tokens=0, validate=True, handle=None):
         self.calls.append(("dispatch", handle, num_worst_tokens))
         return SimpleNamespace(recv_x="rows", recv_x_scales=None, recv_topk_idx=self.recv_topk_idx,
-                               recv_topk_weights="w", handle=handle or SimpleNamespace(num_worst_tokens=num_worst_tokens))
+                               recv_topk_weights="w",
+                               handle=handle or SimpleNamespace(num_worst_tokens=num_worst_tokens,
+                                                                recv_expert_counts=None))
 
     def combine(self, y, row_weights=None):
         self.calls.append(("combine", y, row_weights))
@@ -103,7 +107,7 @@ def test_worst_token_and_cached_calls_pass_through():
 
 
 @pytest.mark.parametrize("kw", [{"config": object()}, {"previous_event": object()}, {"async_finish": True},
-                                {"expert_major": True}, {"transport": "direct"}, {"notify_time_ns": object()},
+                                {"transport": "direct"}, {"notify_time_ns": object()},
                                 {"queue_occupancy": object()}, {"expert_alignment": 0}])
 def test_what_the_two_hop_dispatch_does_not_carry_is_refused(kw):
     buf = _buffer(_Group())
@@ -113,13 +117,22 @@ def test_what_the_two_hop_dispatch_does_not_carry_is_refused(kw):
     assert buf._engine is None  # nothing was made or launched
 
 
-@pytest.mark.parametrize("kw", [{"topk_weights": np.ones((4, 2), np.float32)},
-                                {"pair_weights": np.ones(4)}, {"async_finish": True}, {"zero_copy": True},
-                                {"expert_major": True}])
-def test_what_the_two_hop_combine_does_not_carry_is_refused(kw):
+@pytest.mark.parametrize("kw,match", [({"topk_weights": np.ones((4, 2), np.float32)}, "across nodes"),
+                                      ({"async_finish": True}, "across nodes"), ({"zero_copy": True}, "across nodes"),
+                                      ({"pair_weights": np.ones(4)}, "expert-major"),
+                                      ({"expert_major": True}, "expert_major=True")])
+def test_what_the_two_hop_combine_does_not_carry_is_refused(kw, match):
+    """Also: pair_weights or expert_major=True after a rank-major dispatch."""
     buf = _buffer(_Group())
     out = buf.dispatch(np.zeros((4, 256), np.uint16), np.zeros((4, 2), np.int64), np.zeros((4, 2), np.float32),
                        num_experts=8)
-    with pytest.raises(ValueError, match="across nodes"):
-        buf.combine("y", out.handle, **kw)
+    with pytest.raises(ValueError, match=match):
+        buf.combine(np.zeros((4, 256), np.uint16), out.handle, **kw)
     assert buf._engine.calls[-1][0] == "dispatch"  # no combine ran
+
+
+def test_the_handle_carries_the_per_expert_counts_for_the_moe_layer():
+    buf = _buffer(_Group())
+    out = buf.dispatch(np.zeros((4, 256), np.uint16), np.zeros((4, 2), np.int64), np.zeros((4, 2), np.float32),
+                       num_experts=8, expert_alignment=8)
+    assert out.handle.recv_expert_counts == (4, 2) and out.num_recv_tokens_per_expert == [8, 8]

@@ -436,6 +436,37 @@ def test_cupyep_buffer_across_nodes_is_the_two_hop_mode(group, nvshmem_session):
         group.comm.Barrier()
 
 
+@pytest.mark.parametrize("alignment", [128, 1])
+def test_the_moe_layer_runs_across_nodes(group, nvshmem_session, alignment):
+    """cupyep.moe.MoELayer on cupyep.Buffer(group) across nodes (expert-major
+    dispatch, the FFN over the blocks, the expert-major combine) against the
+    single-process layer on all ranks' tokens: calc_diff and the worst
+    token's error within cupyep.moe's bounds, no NaN; twice the same bits."""
+    import cupy
+
+    import cupyep
+    from cupyep import moe
+    from cupyep.testing import bf16_to_f32, f32_to_bf16
+    if group.num_nodes < 2:
+        pytest.skip("needs ranks on two or more nodes (--ranks-per-node)")
+    R, me = group.world_size, group.rank
+    Hm, F, T = 1024, 256, 128
+    w = moe.MoEWeights.random(2026, Hm, F, E)
+    weights = moe.MoEWeights(cupy.asarray(w.router), cupy.asarray(w.w1), cupy.asarray(w.w2))
+    xs = [f32_to_bf16(np.random.default_rng([7, r]).standard_normal((T, Hm), dtype=np.float32)) for r in range(R)]
+    group.comm.Barrier()
+    with cupyep.Buffer(group) as buf:
+        layer = moe.MoELayer(buf, weights, K_TOPK, expert_alignment=alignment)
+        got = layer.forward(cupy.asarray(xs[me])).get()
+        again = layer.forward(cupy.asarray(xs[me])).get()
+        group.comm.Barrier()
+    plain = moe.reference_forward(cupy.asarray(np.concatenate(xs)), weights, K_TOPK)[me * T:(me + 1) * T].get()
+    d, worst = moe.agreement(got, plain)
+    ok = (got.shape == (T, Hm) and not np.isnan(bf16_to_f32(got)).any() and np.array_equal(got, again)
+          and d < moe.MOE_CALC_DIFF_BOUND and worst < moe.MOE_TOKEN_BOUND)
+    assert all_ranks(group.comm, ok), {"rank": me, "calc_diff": d, "worst token": worst}
+
+
 def test_hop_stamps_delimit_every_hop(group, two_hop):
     """With hop_ns the kernels stamp every hop: each duration is written,
     non-negative and below the whole kernel's; the results are those of a
