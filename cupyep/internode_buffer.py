@@ -25,10 +25,11 @@ per-expert blocks as within a node (cupyep.intranode.expert_major, from the
 rank-major rows; DispatchResult's expert_x, expert_offsets, expert_src_row),
 and ``combine(y, handle, pair_weights=..., expert_major=True)`` reduces such
 outputs back to one row per received row first, so cupyep.moe.MoELayer runs
-across nodes unchanged. What the two-hop kernels do not carry yet raises
+across nodes unchanged. Every call runs on the buffer's communication stream, ordered with the
+caller's as within a node (``previous_event``, ``async_finish``,
+cupyep.intranode.streams). What the two-hop kernels do not carry yet raises
 ValueError before anything is launched: the direct transport, configs,
-events between streams and async calls, combining ``topk_weights`` back,
-the normal-mode metrics. The layout hints
+combining ``topk_weights`` back, the normal-mode metrics. The layout hints
 (``num_tokens_per_rank``, ``num_tokens_per_expert``, ``is_token_in_rank``)
 are accepted and not needed: the notify pass lays the tokens out itself.
 
@@ -59,6 +60,9 @@ class TwoHopBuffer:
             raise ValueError("TwoHopBuffer is cupyep.Buffer across two or more nodes; this group has one")
         self.group = group
         self.num_ranks, self.rank = group.world_size, group.rank
+        from .intranode.streams import CommStream
+        self._calls = CommStream(group)  # every call of the two-hop mode runs on this one stream
+        self.comm_stream = self._calls.stream
         self._engine = None
         self._shape = None  # (max_tokens, hidden, num_topk, num_experts) of the engine
         self._em = None  # the last dispatch's expert-major layout: (layout, handle, device count, SMs)
@@ -88,15 +92,6 @@ class TwoHopBuffer:
         from .internode import TwoHopDispatch
         return TwoHopDispatch(self.group, max_tokens, hidden, num_topk, num_experts)
 
-    def _event(self):
-        """An EventHandle recorded on the current stream (the two-hop calls run there)."""
-        import cupy
-
-        from .intranode.results import EventHandle
-        ev = cupy.cuda.Event(disable_timing=True)
-        ev.record(cupy.cuda.get_current_stream())
-        return EventHandle(ev)
-
     # ---------------------------------------------------------------- calls
     def dispatch(self, x, topk_idx=None, topk_weights=None, *, x_scales=None, num_experts: int | None = None,
                  handle=None, num_tokens_per_rank=None, num_tokens_per_expert=None, is_token_in_rank=None,
@@ -104,12 +99,7 @@ class TwoHopBuffer:
                  async_finish: bool = False, validate: bool = True, expert_major: bool = False,
                  transport: str | None = None, notify_time_ns=None, queue_occupancy=None):
         """cupyep.Buffer.dispatch across nodes (module docstring)."""
-        from .intranode.results import DispatchResult
-        _refuse("dispatch", {"config": config, "previous_event": previous_event, "notify_time_ns": notify_time_ns,
-                             "queue_occupancy": queue_occupancy})
-        if async_finish:
-            raise ValueError("dispatch across nodes does not take async_finish (the two-hop mode runs on the "
-                             "current stream)")
+        _refuse("dispatch", {"config": config, "notify_time_ns": notify_time_ns, "queue_occupancy": queue_occupancy})
         if transport not in (None, "queue", "two_hop"):
             raise ValueError(f"across nodes the transport is the two-hop mode (transport None, 'queue' or "
                              f"'two_hop'), got transport={transport!r}")
@@ -132,8 +122,18 @@ class TwoHopBuffer:
         if x.ndim != 2:
             raise ValueError(f"x must be 2-D [T, H], got shape {tuple(x.shape)}")
         engine = self._engine_for(x.shape[0], x.shape[1], k, int(num_experts))
-        out = engine.dispatch(x, None if handle is not None else topk_idx, topk_weights, x_scales=x_scales,
-                              num_worst_tokens=num_worst_tokens, validate=validate, handle=handle)
+        self._calls.begin(previous_event)
+        with self.comm_stream:
+            out = engine.dispatch(x, None if handle is not None else topk_idx, topk_weights, x_scales=x_scales,
+                                  num_worst_tokens=num_worst_tokens, validate=validate, handle=handle)
+            result = self._result(out, handle, num_experts, num_worst_tokens, expert_alignment, expert_major)
+        result.event = self._calls.end(async_finish, (x, x_scales, topk_idx, topk_weights))
+        return result
+
+    def _result(self, out, handle, num_experts, num_worst_tokens, expert_alignment, expert_major):
+        """The DispatchResult of a two-hop dispatch (on the communication stream), its
+        expert-major layout built when asked; the event is set by the caller."""
+        from .intranode.results import DispatchResult
         worst = (handle.num_worst_tokens if handle is not None else int(num_worst_tokens)) > 0
         A = int(expert_alignment)
         per_expert = None
@@ -149,7 +149,6 @@ class TwoHopBuffer:
             em = self._em[0]
             result.expert_x, result.expert_x_scales = em.expert_x, em.expert_x_scales
             result.expert_offsets, result.expert_src_row = em.expert_offsets, em.expert_src_row
-        result.event = self._event()
         return result
 
     def _expert_counts(self, recv_topk_idx, num_experts: int) -> list[int]:
@@ -185,11 +184,18 @@ class TwoHopBuffer:
                 async_finish: bool = False, pair_weights=None, expert_major=None, zero_copy: bool = False):
         """cupyep.Buffer.combine across nodes (module docstring)."""
         from .intranode.results import CombineResult
-        _refuse("combine", {"topk_weights": topk_weights, "config": config, "previous_event": previous_event})
-        if async_finish or zero_copy:
-            raise ValueError("combine across nodes does not take async_finish or zero_copy")
+        _refuse("combine", {"topk_weights": topk_weights, "config": config})
+        if zero_copy:
+            raise ValueError("combine across nodes does not take zero_copy (the direct transport's)")
         if self._engine is None:
             raise ValueError("combine needs a dispatch of this buffer first")
+        self._calls.begin(previous_event)
+        with self.comm_stream:
+            combined, reduced = self._combine(x, handle, row_weights, pair_weights, expert_major)
+        return CombineResult(combined, None, self._calls.end(async_finish, (x, row_weights, pair_weights)), reduced)
+
+    def _combine(self, x, handle, row_weights, pair_weights, expert_major):
+        """(combined_x, the expert-major reduction or None), on the communication stream."""
         reduced = None
         em = self._em if self._em is not None and self._em[1] is handle else None
         if expert_major or (expert_major is None and em is not None and x.shape[0] == em[0].num_expert_rows):
@@ -206,16 +212,19 @@ class TwoHopBuffer:
                                     sms)
         elif pair_weights is not None:
             raise ValueError("pair_weights weight expert-major rows; x holds rank-major rows")
-        return CombineResult(self._engine.combine(x, row_weights=row_weights), None, self._event(), reduced)
+        return self._engine.combine(x, row_weights=row_weights), reduced
 
     # ------------------------------------------------------------- lifetime
     def synchronize(self) -> None:
-        """Bounded wait for the work of this buffer's calls (on the current stream)."""
+        """Bounded wait for all work on the communication stream."""
         import cupy
-        self.group.wait(cupy.cuda.get_current_stream(), "internode_two_hop_combine", "host wait for the two-hop calls")
+        ev = cupy.cuda.Event(disable_timing=True)
+        ev.record(self.comm_stream)
+        self.group.wait(ev, "internode_two_hop_combine", "host wait for the communication stream")
 
     def destroy(self) -> None:
         """Collective: free the two-hop buffers (if a dispatch made them)."""
+        self._calls.release()
         if self._engine is not None:
             self._engine.destroy()
             self._engine = None

@@ -52,10 +52,40 @@ class _Engine:
         self.calls.append(("destroy",))
 
 
+class _Stream:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _Calls:
+    """cupyep.intranode.streams.CommStream without a GPU: records the ordering requests."""
+
+    def __init__(self, group):
+        self.stream, self.log = _Stream(), []
+
+    def begin(self, previous_event):
+        self.log.append(("begin", previous_event))
+
+    def end(self, async_finish, keep=()):
+        self.log.append(("end", async_finish))
+        return "event"
+
+    def release(self):
+        self.log.append(("release",))
+
+
+@pytest.fixture(autouse=True)
+def _no_cuda_streams(monkeypatch):
+    from cupyep.intranode import streams
+    monkeypatch.setattr(streams, "CommStream", _Calls)
+
+
 def _buffer(group):
     buf = TwoHopBuffer(group)
     buf._make_engine = lambda *shape: _Engine(shape)
-    buf._event = lambda: "event"
     return buf
 
 
@@ -106,8 +136,7 @@ def test_worst_token_and_cached_calls_pass_through():
     assert buf._engine is None
 
 
-@pytest.mark.parametrize("kw", [{"config": object()}, {"previous_event": object()}, {"async_finish": True},
-                                {"transport": "direct"}, {"notify_time_ns": object()},
+@pytest.mark.parametrize("kw", [{"config": object()}, {"transport": "direct"}, {"notify_time_ns": object()},
                                 {"queue_occupancy": object()}, {"expert_alignment": 0}])
 def test_what_the_two_hop_dispatch_does_not_carry_is_refused(kw):
     buf = _buffer(_Group())
@@ -118,7 +147,7 @@ def test_what_the_two_hop_dispatch_does_not_carry_is_refused(kw):
 
 
 @pytest.mark.parametrize("kw,match", [({"topk_weights": np.ones((4, 2), np.float32)}, "across nodes"),
-                                      ({"async_finish": True}, "across nodes"), ({"zero_copy": True}, "across nodes"),
+                                      ({"zero_copy": True}, "across nodes"),
                                       ({"pair_weights": np.ones(4)}, "expert-major"),
                                       ({"expert_major": True}, "expert_major=True")])
 def test_what_the_two_hop_combine_does_not_carry_is_refused(kw, match):
@@ -136,3 +165,14 @@ def test_the_handle_carries_the_per_expert_counts_for_the_moe_layer():
     out = buf.dispatch(np.zeros((4, 256), np.uint16), np.zeros((4, 2), np.int64), np.zeros((4, 2), np.float32),
                        num_experts=8, expert_alignment=8)
     assert out.handle.recv_expert_counts == (4, 2) and out.num_recv_tokens_per_expert == [8, 8]
+
+
+def test_calls_are_ordered_on_the_communication_stream():
+    buf = _buffer(_Group())
+    x, idx, w = np.zeros((4, 256), np.uint16), np.zeros((4, 2), np.int64), np.zeros((4, 2), np.float32)
+    out = buf.dispatch(x, idx, w, num_experts=8, previous_event="ev0", async_finish=True)
+    comb = buf.combine(x, out.handle, previous_event=out.event)
+    assert buf._calls.log == [("begin", "ev0"), ("end", True), ("begin", "event"), ("end", False)]
+    assert out.event == comb.event == "event"
+    buf.destroy()
+    assert buf._calls.log[-1] == ("release",)

@@ -24,6 +24,7 @@ from .. import jit
 from ..arrays import BF16, FP8, as_cupy, check
 from ..calls import traced_call
 from ..ipc import SymmetricBuffer
+from .streams import CommStream
 from . import direct as D
 from . import expert_major as EM
 from . import kernels as K
@@ -98,8 +99,8 @@ class Buffer(DirectTransport):
                                          for fp8 in (False, True)))
         self.layout = buffer_layout(self.num_ranks, num_bytes)
         self.buffer = SymmetricBuffer(group, num_bytes)
-        self.comm_stream = cupy.cuda.Stream(non_blocking=True)
-        self._held: list = []  # (event, arrays) of async calls: their inputs live until the event completes
+        self._calls = CommStream(group)
+        self.comm_stream = self._calls.stream
         # Mapped host memory the notify pass writes: [1 + E_local + R * R + 1] (see NotifyArgs), then
         # the fused direct dispatch's status word (HOST_STATUS).
         n_counts = 1 + MAX_LOCAL_EXPERTS + self.num_ranks ** 2 + 2
@@ -138,31 +139,12 @@ class Buffer(DirectTransport):
 
     # ----------------------------------------------------------------- streams
     def _begin(self, previous_event):
-        import cupy
-        self.group.check_errors()
-        if previous_event is not None:
-            ev = previous_event.event if isinstance(previous_event, EventHandle) else previous_event
-        else:
-            ev = cupy.cuda.Event(disable_timing=True)
-            ev.record(cupy.cuda.get_current_stream())
-        self.comm_stream.wait_event(ev)
+        self._calls.begin(previous_event)
 
     def _end(self, async_finish: bool, keep: tuple = ()) -> EventHandle:
-        """The event of the call just enqueued on the communication stream; the
-        current stream waits for it unless ``async_finish``. Then the arrays in
-        ``keep`` (the call's inputs, and temporaries its kernels use: some may
-        be copies made by this call) are held until the event completes, so
-        that no stream reuses their memory while the kernels still read it.
-        (Under graph capture the graph's owner keeps its arrays alive.)"""
-        import cupy
-        ev = cupy.cuda.Event(disable_timing=True)
-        ev.record(self.comm_stream)
-        if not async_finish:
-            cupy.cuda.get_current_stream().wait_event(ev)
-        elif not self.comm_stream.is_capturing():
-            self._held = [(e, a) for e, a in self._held if not e.done]
-            self._held.append((ev, tuple(a for a in keep if a is not None)))
-        return EventHandle(ev)
+        """cupyep.streams.CommStream.end: ``keep`` are the call's inputs and the
+        temporaries its kernels use."""
+        return self._calls.end(async_finish, keep)
 
     def _guard(self, kernel: str):
         return jit.pack(K.GUARD_DTYPE, **self.group.guard(kernel))
@@ -640,7 +622,7 @@ class Buffer(DirectTransport):
     def destroy(self) -> None:
         """Collective: free the IPC buffer (after all ranks are done with it)."""
         import cupy
-        self._held = []  # destroy frees the buffers after every rank is done with them (SymmetricBuffer)
+        self._calls.release()  # destroy frees the buffers after every rank is done with them (SymmetricBuffer)
         if self._direct is not None:
             self._direct.destroy()
             self._direct = None
