@@ -51,7 +51,8 @@ class Advice:
 
     Attributes:
         mode: "normal" or "low_latency".
-        transport: "direct" or "queue" for normal mode, None for low-latency.
+        transport: "direct" or "queue" for normal mode within a node, "two_hop"
+            across nodes, None for low-latency.
         reasons: why, in order of the rules applied.
         warnings: what the caller should act on (skew, memory).
         crossover_tokens: the crossover used (measured, or the default).
@@ -148,7 +149,7 @@ def _faster_transport(records, num_ranks: int, tokens: int) -> tuple[str, str]:
 
 def advise(tokens_per_rank: int, num_ranks: int, hidden: int = 7168, num_experts: int = 256, num_topk: int = 8,
            memory_budget_bytes: int | None = None, latency_sensitive: bool = True,
-           imbalance_factor: float | None = None, records=()) -> Advice:
+           imbalance_factor: float | None = None, records=(), num_nodes: int = 1) -> Advice:
     """Recommend a mode (and transport) for this shape.
 
     Arguments:
@@ -161,6 +162,9 @@ def advise(tokens_per_rank: int, num_ranks: int, hidden: int = 7168, num_experts
             expected routing (cupyep.routing.imbalance_factor); None: unknown.
         records: measured results (benchmark, main-job or sweep records) that
             calibrate the crossover and the transport.
+        num_nodes: nodes the ranks span. Across nodes only normal mode's
+            two-hop path exists so far (cupyep.Buffer on such a group): the
+            advice is normal mode, transport "two_hop", with the reason.
 
     Returns:
         Advice.
@@ -168,8 +172,17 @@ def advise(tokens_per_rank: int, num_ranks: int, hidden: int = 7168, num_experts
     from .low_latency.layout import size_hint as ll_size_hint
     if tokens_per_rank < 1 or num_ranks < 1:
         raise ValueError(f"tokens_per_rank and num_ranks must be >= 1, got {tokens_per_rank}, {num_ranks}")
+    if not (isinstance(num_nodes, int) and num_nodes >= 1 and num_ranks % num_nodes == 0):
+        raise ValueError(f"num_nodes must be an int >= 1 dividing num_ranks={num_ranks}, got {num_nodes!r}")
     records = list(records)
     reasons, warnings = [], []
+    if num_nodes > 1:
+        if imbalance_factor is not None and imbalance_factor >= LOAD_BALANCE_AT:
+            warnings.append(f"expert imbalance {imbalance_factor:.1f} (max / mean): balance the load "
+                            "(replicate or move the hot experts)")
+        reasons.append(f"the ranks span {num_nodes} nodes: low-latency mode and the direct transport run within "
+                       "a node so far; normal mode runs across nodes in two hops")
+        return Advice("normal", "two_hop", reasons, warnings, float(DEFAULT_CROSSOVER), False)
     cross = crossover_tokens(records, num_ranks)
     calibrated = cross is not None
     if cross is None:

@@ -114,3 +114,11 @@ def test_without_a_crossover_the_measurement_at_the_shape_decides():
     a = advisor.advise(300, 8, records=recs)
     assert a.mode == "low_latency" and not a.calibrated and any("measured at 8 ranks" in r for r in a.reasons)
     assert advisor.advise(4096, 8, records=recs).mode == "normal"  # outside the measurements: the rule
+
+
+def test_across_nodes_the_advice_is_the_two_hop_normal_mode():
+    a = A.advise(32, 16, num_nodes=2, imbalance_factor=5.0)
+    assert (a.mode, a.transport) == ("normal", "two_hop")
+    assert any("2 nodes" in r for r in a.reasons) and any("imbalance" in w for w in a.warnings)
+    with pytest.raises(ValueError, match="num_nodes"):
+        A.advise(32, 16, num_nodes=3)
