@@ -85,8 +85,9 @@ def spec(num_threads: int = THREADS) -> jit.KernelSpec:
     """The two-hop notify, dispatch and combine (one module: they share the NVSHMEM registration)."""
     return jit.KernelSpec(name=f"internode_two_hop_threads_{num_threads}", source="internode/two_hop.cu",
                           kernels=(f"cupyep::internode::two_hop_dispatch<{num_threads}>",
-                                   f"cupyep::internode::two_hop_combine<{num_threads}>",
-                                   f"cupyep::internode::two_hop_notify<{NOTIFY_THREADS}>"), nvshmem=True)
+                                   f"cupyep::internode::two_hop_combine<{num_threads}, false>",
+                                   f"cupyep::internode::two_hop_notify<{NOTIFY_THREADS}>",
+                                   f"cupyep::internode::two_hop_combine<{num_threads}, true>"), nvshmem=True)
 
 
 def state_words(num_ranks: int, ranks_per_node: int) -> int:
@@ -200,8 +201,10 @@ class TwoHopDispatch:
         self.fn = fns[spec().kernels[0]]
         self.combine_fn = fns[spec().kernels[1]]
         self.notify_fn = fns[spec().kernels[2]]
+        self.combine_weights_fn = fns[spec().kernels[3]]  # the float32 rows of the top-k weights
         try:  # before anything is allocated: the same verdict on every rank
-            for fn, what in ((self.fn, "two-hop dispatch"), (self.combine_fn, "two-hop combine")):
+            for fn, what in ((self.fn, "two-hop dispatch"), (self.combine_fn, "two-hop combine"),
+                             (self.combine_weights_fn, "two-hop combine of the top-k weights")):
                 jit.require_resident(what, jit.max_resident_blocks(fn, THREADS), self.num_sms, THREADS,
                                      group.ranks_per_gpu, device_sms, "num_sms")
         except ValueError:
@@ -237,14 +240,26 @@ class TwoHopDispatch:
         self.calls = 0
         # Combine: direct rows from my node's ranks and the node's rows I reduce as a rail peer (IPC), the
         # partials from other nodes (NVSHMEM), and the counters of both.
+        # The top-k weights' pass (combine(..., topk_weights=)) has resources of its own: it runs right after
+        # the rows' pass with no barrier between them, so it must not write what that pass still reads.
         row = hidden * 2
-        self._clay = {"direct": 0, "gather": -(-self.max_tokens * self.K * row // 256) * 256}
-        self.cpool = SymmetricBuffer(group, self._clay["gather"] + -(-cap_net * self.K * row // 256) * 256)
-        self.csync = SymmetricBuffer(group, 256)
+        wrow = -(-num_topk // 4) * 16  # k float32, whole int4 words
+        self._clay, off = {}, 0
+        for name, nbytes in (("direct", self.max_tokens * self.K * row), ("gather", cap_net * self.K * row),
+                             ("wdirect", self.max_tokens * self.K * wrow), ("wgather", cap_net * self.K * wrow)):
+            self._clay[name] = off
+            off += -(-nbytes // 256) * 256
+        self.cpool = SymmetricBuffer(group, off)
+        self.csync = SymmetricBuffer(group, 256)  # int64 counters: [0] direct, [1] gather; [2], [3] the weights'
         self.counter_ptrs = cupy.asarray(np.asarray(self.csync.peer_ptr_list, dtype=u64))
+        self.wcounter_ptrs = self.counter_ptrs + np.uint64(16)
         self.cnet_in = core.array((self.N * self.max_tokens * row,), dtype="uint8")
         self.cnet_signal = core.array((self.N,), dtype="uint64")
         self.cnet_signal[...] = 0
+        self.wnet_in = core.array((self.N * self.max_tokens * wrow,), dtype="uint8")
+        self.wnet_signal = core.array((self.N,), dtype="uint64")
+        self.wnet_signal[...] = 0
+        self.wtargets = cupy.zeros(2 + self.N, dtype=np.int64)  # the weights' pass: combine_total, combine_net_total
         self._last = None
         self._failed = None  # the error that left the state undefined, once one has
         self._captured = []  # arrays of the calls captured in CUDA graphs, alive as long as this object
@@ -428,7 +443,7 @@ class TwoHopDispatch:
         self._check_errors()
         self.last_kernel_us = cupy.cuda.get_elapsed_time(start, end) * 1e3
 
-    def combine(self, y, hop_ns=None, row_weights=None):
+    def combine(self, y, hop_ns=None, row_weights=None, topk_weights=None):
         """Reduce the expert outputs of the last dispatch back to its tokens.
 
         Arguments:
@@ -441,12 +456,16 @@ class TwoHopDispatch:
                (one more BF16 rounding than the combine within a node, which
                weights in its float32 sum: calc_diff 2.3e-6 from the exact
                weighted sum at 2 x 4 ranks, T = 256, H = 7168, BF16 partials).
+            topk_weights: cupy [N, k] float32 or None (e.g. recv_topk_weights):
+               combined too, in float32 all the way (a second pass of the
+               same route over rows of k floats).
 
         Returns:
             cupy [T, H] uint16: per token, the FP32 sum over nodes in node order
             of the node's rows (own node: each rank's row in local rank order;
             other nodes: the rail peer's BF16 partial of its node's rows in
-            local rank order), rounded to BF16.
+            local rank order), rounded to BF16. With topk_weights, the tuple
+            (that, [T, k] float32 sums of the weights over the ranks).
         """
         import cupy
 
@@ -461,41 +480,65 @@ class TwoHopDispatch:
         if row_weights is not None:
             from .moe import bf16_bits_to_f32, f32_to_bf16_bits
             row_weights = check(row_weights, "row_weights", np.float32, shape=(L["n"],))
+        topk_weights = as_cupy(topk_weights, "topk_weights")
+        if topk_weights is not None:
+            check(topk_weights, "topk_weights", np.float32, shape=(L["n"], self.k))
         if L["call"] != self.calls:
             raise ValueError("combine reduces the last dispatch's rows; another dispatch came after it")
         if L["combined"]:
             raise ValueError("the last dispatch's rows are combined already (one combine per dispatch)")
-        R, K, me = self.R, self.K, self.me
         if row_weights is not None:  # on the current stream, before the combine reads the rows
             y = f32_to_bf16_bits(bf16_bits_to_f32(y) * row_weights[:, None])
+        L["combined"] = True
+        rows_pass = dict(direct_in=self._clay["direct"], gather=self._clay["gather"], counters=self.counter_ptrs,
+                         total=self._state["combine_total"], net_total=self._state["combine_net_total"],
+                         net_in=self.cnet_in, net_signal=self.cnet_signal)
+        out = self._route_back(L, y, self.combine_fn, hop_ns, rows_pass)
+        if topk_weights is None:
+            return out
+        kp = -(-self.k // 4) * 4  # rows of whole int4 words of floats
+        w_rows = cupy.zeros((L["n"], kp), dtype=np.float32)
+        w_rows[:, :self.k] = topk_weights
+        weights_pass = dict(direct_in=self._clay["wdirect"], gather=self._clay["wgather"],
+                            counters=self.wcounter_ptrs, total=self.wtargets[:2], net_total=self.wtargets[2:],
+                            net_in=self.wnet_in, net_signal=self.wnet_signal)
+        return out, self._route_back(L, w_rows, self.combine_weights_fn, None, weights_pass)[:, :self.k]
+
+    def _route_back(self, L, rows, fn, hop_ns, res: dict):
+        """One combine kernel over ``rows`` ([N, W] of int4 words: BF16 rows, or
+        float32 rows for the weights' pass) with the last dispatch's route and
+        the pass's own resources ``res`` (pool regions, counters, targets,
+        network buffer and signals); returns [T, W] of the same dtype. The
+        pass's cumulative targets move by the dispatch's steps first."""
+        import cupy
+        R, K, me = self.R, self.K, self.me
+        x_int4 = rows.shape[1] * rows.dtype.itemsize // 16
         # Partial rows this rank makes as a rail peer: their count is on the device in worst-token mode.
         rows_now = (self.N - 1) * self.max_tokens if L["worst"] else int(L["dev"]["net_count"].sum().get())
-        staging = cupy.empty((max(1, rows_now), self.hidden * 2), dtype=np.uint8)
-        out = cupy.zeros((L["T"], self.hidden), dtype=np.uint16)
+        staging = cupy.empty((max(1, rows_now), x_int4 * 16), dtype=np.uint8)
+        out = cupy.zeros((L["T"], rows.shape[1]), dtype=rows.dtype)
         args = jit.pack(
-            COMBINE_ARGS_DTYPE, y=y.data.ptr, recv_src_rank=L["src_rank"].data.ptr,
+            COMBINE_ARGS_DTYPE, y=rows.data.ptr, recv_src_rank=L["src_rank"].data.ptr,
             recv_src_idx=self.pool.view(self._lay["src"], (L["n"],), np.int32).data.ptr,
             recv_slot=self.pool.view(self._lay["slot"], (L["n"],), np.int64).data.ptr,
-            pools=self.cpool.peer_ptrs.data.ptr, direct_in=self._clay["direct"], gather=self._clay["gather"],
-            counters=self.counter_ptrs.data.ptr, targets=self._state["combine_total"].data.ptr,
+            pools=self.cpool.peer_ptrs.data.ptr, direct_in=res["direct_in"], gather=res["gather"],
+            counters=res["counters"].data.ptr, targets=res["total"].data.ptr,
             net_rows=self.net_rows.data.ptr,
             row_stride=L["stride"], meta_offset=L["meta_offset"], net_count=L["dev"]["net_count"].data.ptr,
             staging=staging.data.ptr,
-            net_in=self.cnet_in.data.ptr, net_signal=self.cnet_signal.data.ptr,
-            net_target=self._state["combine_net_total"].data.ptr, send_head=L["dev"]["head"].data.ptr,
+            net_in=res["net_in"].data.ptr, net_signal=res["net_signal"].data.ptr,
+            net_target=res["net_total"].data.ptr, send_head=L["dev"]["head"].data.ptr,
             out=out.data.ptr, notify_ok=self._state["ok"].data.ptr, hop_ns=jit.ptr(hop_ns), num_recv=L["n"],
-            num_tokens=L["T"],
-            max_tokens=self.max_tokens, x_int4=self.hidden * 2 // 16, num_topk=self.k, num_ranks=R,
+            num_tokens=L["T"], max_tokens=self.max_tokens, x_int4=x_int4, num_topk=self.k, num_ranks=R,
             ranks_per_node=K, rank=me, guard=jit.pack(GUARD_DTYPE, **self.group.guard("internode_two_hop_combine")))
         # This dispatch's steps of the combine's cumulative targets (on the device, in stream order).
         sl, d = state_slices(R, K), L["delta"]
         off = sl["combine_total"].start - 2
-        self._state["combine_total"][...] += d[off:off + 2]
-        self._state["combine_net_total"][...] += d[off + 2:off + 2 + self.N]
-        L["combined"] = True
+        res["total"][...] += d[off:off + 2]
+        res["net_total"][...] += d[off + 2:off + 2 + self.N]
         if cupy.cuda.get_current_stream().is_capturing():
-            self._captured.append((y, staging, out))
-        self._launch(self.combine_fn, args, wait=not L["worst"])
+            self._captured.append((rows, staging, out))
+        self._launch(fn, args, wait=not L["worst"])
         return out
 
     def destroy(self) -> None:
@@ -507,8 +550,8 @@ class TwoHopDispatch:
         self._captured = []
         for buf in (self.pool, self.sync, self.cpool, self.csync):
             buf.destroy()
-        for arr in (self.net_rows, self.net_signal, self.cnet_in, self.cnet_signal, self.row, self.matrix,
-                    self.row_signal):
+        for arr in (self.net_rows, self.net_signal, self.cnet_in, self.cnet_signal, self.wnet_in, self.wnet_signal,
+                    self.row, self.matrix, self.row_signal):
             self._core.free_array(arr)
         if self._host_ptr:
             self._host = None

@@ -14,11 +14,13 @@ The same calls as normal mode within a node, carried by the two-hop mode
   expert_alignment; None in worst-token mode), handle (a TwoHopHandle) and
   event. The rows are those of the dispatch within a node: one per (token,
   rank), by source rank then token.
-- ``combine(x, handle, row_weights=w)``: x [N, H] BF16, one row per received
-  row, optionally weighted per row; returns a cupyep.CombineResult whose
-  combined_x [T, H] is each token's (weighted) sum over the ranks it visited
-  (reduced inside each node, then across nodes), within calc_diff 5e-6 of
-  the exact sum (TwoHopDispatch.combine says how the weights round).
+- ``combine(x, handle, topk_weights=None, row_weights=w)``: x [N, H] BF16,
+  one row per received row, optionally weighted per row; returns a
+  cupyep.CombineResult whose combined_x [T, H] is each token's (weighted)
+  sum over the ranks it visited (reduced inside each node, then across
+  nodes), within calc_diff 5e-6 of the exact sum (TwoHopDispatch.combine
+  says how the weights round), and with topk_weights ([N, k] float32) their
+  float32 sums, combined_topk_weights [T, k].
 
 ``expert_major=True`` lays the received (row, local expert) pairs out in
 per-expert blocks as within a node (cupyep.intranode.expert_major, from the
@@ -29,7 +31,7 @@ across nodes unchanged. Every call runs on the buffer's communication stream, or
 caller's as within a node (``previous_event``, ``async_finish``,
 cupyep.intranode.streams). What the two-hop kernels do not carry yet raises
 ValueError before anything is launched: the direct transport, configs,
-combining ``topk_weights`` back, the normal-mode metrics. The layout hints
+the normal-mode metrics. The layout hints
 (``num_tokens_per_rank``, ``num_tokens_per_expert``, ``is_token_in_rank``)
 are accepted and not needed: the notify pass lays the tokens out itself.
 
@@ -184,18 +186,21 @@ class TwoHopBuffer:
                 async_finish: bool = False, pair_weights=None, expert_major=None, zero_copy: bool = False):
         """cupyep.Buffer.combine across nodes (module docstring)."""
         from .intranode.results import CombineResult
-        _refuse("combine", {"topk_weights": topk_weights, "config": config})
+        _refuse("combine", {"config": config})
         if zero_copy:
             raise ValueError("combine across nodes does not take zero_copy (the direct transport's)")
         if self._engine is None:
             raise ValueError("combine needs a dispatch of this buffer first")
         self._calls.begin(previous_event)
         with self.comm_stream:
-            combined, reduced = self._combine(x, handle, row_weights, pair_weights, expert_major)
-        return CombineResult(combined, None, self._calls.end(async_finish, (x, row_weights, pair_weights)), reduced)
+            combined, combined_w, reduced = self._combine(x, handle, topk_weights, row_weights, pair_weights,
+                                                          expert_major)
+        event = self._calls.end(async_finish, (x, topk_weights, row_weights, pair_weights))
+        return CombineResult(combined, combined_w, event, reduced)
 
-    def _combine(self, x, handle, row_weights, pair_weights, expert_major):
-        """(combined_x, the expert-major reduction or None), on the communication stream."""
+    def _combine(self, x, handle, topk_weights, row_weights, pair_weights, expert_major):
+        """(combined_x, combined_topk_weights or None, the expert-major reduction
+        or None), on the communication stream."""
         reduced = None
         em = self._em if self._em is not None and self._em[1] is handle else None
         if expert_major or (expert_major is None and em is not None and x.shape[0] == em[0].num_expert_rows):
@@ -212,7 +217,9 @@ class TwoHopBuffer:
                                     sms)
         elif pair_weights is not None:
             raise ValueError("pair_weights weight expert-major rows; x holds rank-major rows")
-        return self._engine.combine(x, row_weights=row_weights), reduced
+        got = self._engine.combine(x, row_weights=row_weights, topk_weights=topk_weights)
+        combined, combined_w = got if topk_weights is not None else (got, None)
+        return combined, combined_w, reduced
 
     # ------------------------------------------------------------- lifetime
     def synchronize(self) -> None:

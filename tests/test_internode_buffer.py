@@ -44,9 +44,9 @@ class _Engine:
                                handle=handle or SimpleNamespace(num_worst_tokens=num_worst_tokens,
                                                                 recv_expert_counts=None))
 
-    def combine(self, y, row_weights=None):
+    def combine(self, y, row_weights=None, topk_weights=None):
         self.calls.append(("combine", y, row_weights))
-        return "combined"
+        return ("combined", "combined weights") if topk_weights is not None else "combined"
 
     def destroy(self):
         self.calls.append(("destroy",))
@@ -132,6 +132,8 @@ def test_worst_token_and_cached_calls_pass_through():
     comb = buf.combine("y", again.handle, row_weights="rw")
     assert isinstance(comb, CombineResult) and comb.combined_x == "combined" and comb.combined_topk_weights is None
     assert buf._engine.calls[-1] == ("combine", "y", "rw")
+    comb = buf.combine("y", again.handle, topk_weights="w")
+    assert (comb.combined_x, comb.combined_topk_weights) == ("combined", "combined weights")
     buf.destroy()
     assert buf._engine is None
 
@@ -146,7 +148,7 @@ def test_what_the_two_hop_dispatch_does_not_carry_is_refused(kw):
     assert buf._engine is None  # nothing was made or launched
 
 
-@pytest.mark.parametrize("kw,match", [({"topk_weights": np.ones((4, 2), np.float32)}, "across nodes"),
+@pytest.mark.parametrize("kw,match", [({"config": object()}, "across nodes"),
                                       ({"zero_copy": True}, "across nodes"),
                                       ({"pair_weights": np.ones(4)}, "expert-major"),
                                       ({"expert_major": True}, "expert_major=True")])

@@ -536,8 +536,27 @@ __device__ __forceinline__ int4 bf16x8_pack(const float (&acc)[8]) {
     return make_int4((int)w[0], (int)w[1], (int)w[2], (int)w[3]);
 }
 
-template <int kNumThreads>
+// The rows a combine reduces, as int4 words: 8 BF16 values (the expert
+// outputs) or 4 float32 (top-k weights, summed exactly in float32 all the way).
+template <bool kF32>
+struct CombineWords {
+    __device__ __forceinline__ static void add(float (&acc)[8], const int4& v) { bf16x8_add(acc, v); }
+    __device__ __forceinline__ static int4 pack(const float (&acc)[8]) { return bf16x8_pack(acc); }
+};
+template <>
+struct CombineWords<true> {
+    __device__ __forceinline__ static void add(float (&acc)[8], const int4& v) {
+        acc[0] += __int_as_float(v.x); acc[1] += __int_as_float(v.y);
+        acc[2] += __int_as_float(v.z); acc[3] += __int_as_float(v.w);
+    }
+    __device__ __forceinline__ static int4 pack(const float (&acc)[8]) {
+        return make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]), __float_as_int(acc[3]));
+    }
+};
+
+template <int kNumThreads, bool kF32>
 __global__ void __launch_bounds__(kNumThreads, 1) two_hop_combine(TwoHopCombineArgs a) {
+    using Words = CombineWords<kF32>;
     constexpr int kWarps = kNumThreads / 32;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int K = a.ranks_per_node, R = a.num_ranks, N = R / K, me = a.rank, my_node = me / K, local = me % K;
@@ -600,8 +619,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_combine(TwoHopCombineA
         for (int64_t c = lane; c < w; c += 32) {
             float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
             for (int j = 0; j < K; ++j)  // local rank order
-                if (went >> j & 1u) bf16x8_add(acc, __ldcv(gather + (q * K + j) * w + c));
-            part[c] = bf16x8_pack(acc);
+                if (went >> j & 1u) Words::add(acc, __ldcv(gather + (q * K + j) * w + c));
+            part[c] = Words::pack(acc);
         }
         __syncwarp();
         __threadfence();  // the staging row is written before the put reads it
@@ -629,16 +648,16 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_combine(TwoHopCombineA
                 if (m == my_node) {
                     float own[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
                     for (int j = 0; j < K; ++j)  // local rank order
-                        if (head[m * K + j] >= 0) bf16x8_add(own, __ldcv(direct + (t * K + j) * w + c));
+                        if (head[m * K + j] >= 0) Words::add(own, __ldcv(direct + (t * K + j) * w + c));
 #pragma unroll
                     for (int i = 0; i < 8; ++i) acc[i] += own[i];
                 } else {
                     bool hit = false;
                     for (int j = 0; j < K; ++j) hit |= head[m * K + j] >= 0;
-                    if (hit) bf16x8_add(acc, __ldcv(a.net_in + ((int64_t)m * a.max_tokens + t) * w + c));
+                    if (hit) Words::add(acc, __ldcv(a.net_in + ((int64_t)m * a.max_tokens + t) * w + c));
                 }
             }
-            a.out[t * w + c] = bf16x8_pack(acc);
+            a.out[t * w + c] = Words::pack(acc);
         }
     }
     if (a.hop_ns) {

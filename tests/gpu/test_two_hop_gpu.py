@@ -382,9 +382,11 @@ def test_worst_token_capacity_is_checked(group, two_hop):
 def test_cupyep_buffer_across_nodes_is_the_two_hop_mode(group, nvshmem_session):
     """cupyep.Buffer(group) across nodes: the intranode calls (dispatch with
     num_experts, expert_alignment's per-expert counts, combine of the rows
-    with the handle, unweighted and with row_weights) give the one-node
-    oracle's rows and counts and combines within 5e-6 of the exact ones; an
-    expert-major request raises before launch."""
+    with the handle, unweighted and with row_weights, and the top-k weights
+    combined back) give the one-node oracle's rows and counts, combines
+    within 5e-6 of the exact ones and the weights exactly; an expert-major
+    combine after a rank-major dispatch and the direct transport raise
+    before launch."""
     import cupy
 
     import cupyep
@@ -427,12 +429,17 @@ def test_cupyep_buffer_across_nodes_is_the_two_hop_mode(group, nvshmem_session):
         # Weighted: row r of rank d by (1 + r % 3) / 2, against the exact weighted sum.
         wts = [((1.0 + np.arange(r.num_recv_tokens) % 3) / 2).astype(np.float32) for r in res]
         out = buf.dispatch(x, cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=E)
-        comb = buf.combine(out.recv_x.copy(), out.handle, row_weights=cupy.asarray(wts[me]))
+        comb = buf.combine(out.recv_x.copy(), out.handle, out.recv_topk_weights, row_weights=cupy.asarray(wts[me]))
         exact_w = ref.intranode_combine(ys, res, tokens, weights=wts)[me]
         checks["weighted combine"] = ref.calc_diff(bf16_to_f32(comb.combined_x.get()), exact_w) < 5e-6
+        # The top-k weights back: every slot's weight from its expert's rank, 0 for a -1 slot, exactly.
+        checks["topk weights"] = np.array_equal(comb.combined_topk_weights.get(),
+                                                ref.intranode_combine_topk_weights(res, tokens)[me])
         assert all_ranks(group.comm, all(checks.values())), {k: v for k, v in checks.items() if not v}
-        with pytest.raises(ValueError, match="expert_major"):
-            buf.dispatch(x, cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=E, expert_major=True)
+        with pytest.raises(ValueError, match="expert_major=True needs the handle"):
+            buf.combine(out.recv_x.copy(), out.handle, expert_major=True)  # its dispatch was rank-major
+        with pytest.raises(ValueError, match="two-hop"):
+            buf.dispatch(x, cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=E, transport="direct")
         group.comm.Barrier()
 
 
