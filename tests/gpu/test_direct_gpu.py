@@ -10,6 +10,7 @@ import pytest
 from cupyep import reference as ref
 from cupyep.fp8 import per_token_cast_to_fp8
 from cupyep.testing import all_ranks, bf16_to_f32
+from graphs import capture, replay
 from test_intranode_gpu import CASES, NUM_EXPERTS, NUM_TOPK, _expected, _inputs, _poison, _received_rows, \
     _worst_rows_checks
 
@@ -153,20 +154,15 @@ def test_direct_fused_grows_pools_and_in_cuda_graph(group):
             x_in.set(x); idx_in.set(idx[me]); w_in.set(w[me])
             step()
             stream.synchronize()
-            group.comm.Barrier()
-            stream.begin_capture()
-            out, comb = step()
-            graph = stream.end_capture()
+        graph, (out, comb) = capture(stream, group, step)
         for it in range(3):
             tokens, idx, w, x = _inputs(group, 65 + it, num_tokens, hidden)
-            with stream:
+
+            def prepare():
                 x_in.set(x); idx_in.set(idx[me]); w_in.set(w[me])
                 _poison(stream, out.recv_topk_idx, out.recv_topk_weights, out.handle.recv_src_idx)
-                stream.synchronize()
-                group.comm.Barrier()
-                graph.launch(stream)
-                stream.synchronize()
-            group.check_errors()
+
+            replay(stream, group, graph, prepare)
             res, exp, exp_rows = _expected(group, tokens, idx, w, hidden)
             expected = ref.intranode_combine(_received_rows(res, hidden), res, tokens)[me]
             checks = _worst_rows_checks(out, exp, exp_rows, worst)
@@ -231,20 +227,15 @@ def test_direct_worst_tokens_and_cuda_graph(group, buf):
         stream.synchronize()
         checks = _worst_rows_checks(cached, exp, exp_rows, worst)
         assert all_ranks(group.comm, all(checks.values())), {f"cached {k}": v for k, v in checks.items() if not v}
-        group.comm.Barrier()
-        stream.begin_capture()
-        out, comb = step()
-        graph = stream.end_capture()
+    graph, (out, comb) = capture(stream, group, step)
     for it in range(3):
         tokens, idx, w, x = _inputs(group, seed + 100 + it, num_tokens, hidden)
-        with stream:
+
+        def prepare():
             x_in.set(x); idx_in.set(idx[me]); w_in.set(w[me])
             _poison(stream, out.recv_topk_idx, out.recv_topk_weights, out.handle.recv_src_idx)
-            stream.synchronize()
-            group.comm.Barrier()
-            graph.launch(stream)
-            stream.synchronize()
-        group.check_errors()
+
+        replay(stream, group, graph, prepare)
         res, exp, exp_rows = _expected(group, tokens, idx, w, hidden)
         expected = ref.intranode_combine(_received_rows(res, hidden), res, tokens)[me]
         checks = _worst_rows_checks(out, exp, exp_rows, worst)

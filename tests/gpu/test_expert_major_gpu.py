@@ -19,6 +19,7 @@ from cupyep import reference as ref
 from cupyep.fp8 import per_token_cast_to_fp8
 from cupyep.reference.intranode import worst_token_rows
 from cupyep.testing import all_ranks, bf16_to_f32, f32_to_bf16, global_routing, payload_bf16
+from graphs import capture, replay
 
 pytestmark = pytest.mark.gpu
 NUM_EXPERTS = 256
@@ -316,19 +317,10 @@ def test_expert_major_worst_tokens_and_cuda_graph(group, buf, via, alignment):
                               **via)
         stream.synchronize()
         check(cached, None, 0)
-        group.comm.Barrier()
-        stream.begin_capture()
-        out, comb = step()
-        graph = stream.end_capture()
+    graph, (out, comb) = capture(stream, group, step)
     for it in range(1, 4):
-        with stream:
-            load(it)
-            poison(out)  # the replay must rewrite every padding entry (the tail of expert_x is not read)
-            stream.synchronize()
-            group.comm.Barrier()
-            graph.launch(stream)
-            stream.synchronize()
-        group.check_errors()
+        # The replay must rewrite every padding entry (the tail of expert_x is not read).
+        replay(stream, group, graph, lambda: (load(it), poison(out)))
         check(out, comb, it)
 
 

@@ -14,6 +14,7 @@ import pytest
 from cupyep import CommTimeoutError
 from cupyep import reference as ref
 from cupyep.testing import all_ranks, bf16_to_f32, f32_to_bf16, global_routing, payload_bf16
+from graphs import capture, replay
 
 pytestmark = pytest.mark.gpu
 E, K, H, MAX_TOKENS = 256, 8, 7168, 128
@@ -432,21 +433,16 @@ def test_cuda_graph_replay(group, llbuf):
         res = llbuf.dispatch(x_in, idx_in, use_fp8=False, validate=False)  # warm-up (compiles)
         llbuf.combine(res.recv_x, idx_in, w_in, res.handle)
         stream.synchronize()
-        group.comm.Barrier()
-        stream.begin_capture()
+
+    def step():
         res = llbuf.dispatch(x_in, idx_in, use_fp8=False, validate=False)
-        comb = llbuf.combine(res.recv_x, idx_in, w_in, res.handle)
-        graph = stream.end_capture()
+        return res, llbuf.combine(res.recv_x, idx_in, w_in, res.handle)
+
+    graph, (res, comb) = capture(stream, group, step)
     xs = [tagged_x(r, T) for r in range(R)]
     for it in range(10):
         idx, w = _routing(group, 600 + it, [T] * R)
-        with stream:
-            idx_in.set(idx[me]); w_in.set(w[me])
-            stream.synchronize()
-            group.comm.Barrier()
-            graph.launch(stream)
-            stream.synchronize()
-        group.check_errors()
+        replay(stream, group, graph, lambda: (idx_in.set(idx[me]), w_in.set(w[me])))
         ok, bad = _check_dispatch(group, res, [T] * R, idx, False, xs)
         diff = ref.calc_diff(bf16_to_f32(comb.combined_x.get()), _combine_expected(xs[me], idx[me], w[me]))
         assert all_ranks(group.comm, ok and diff < 1e-5), (it, bad, diff)

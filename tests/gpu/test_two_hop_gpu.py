@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from cupyep import reference as ref
-from cupyep.testing import all_ranks, global_routing, payload_bf16
+from cupyep.testing import all_ranks, bf16_to_f32, global_routing, payload_bf16
+from graphs import capture, replay
 
 pytestmark = pytest.mark.gpu
 E, K_TOPK, H, T_MAX = 64, 8, 2048, 256
@@ -27,6 +28,30 @@ def two_hop(group, nvshmem_session):
     d.destroy()
 
 
+def _tagged_rows(result, offset: int = 0):
+    """[N, H] uint16: what a rank received (its intranode_dispatch result),
+    rebuilt from the payload tags (source rank, source token + offset)."""
+    rows = np.empty((result.num_recv_tokens, H), dtype=np.uint16)
+    for s in np.unique(result.recv_src_rank):
+        sel = result.recv_src_rank == s
+        rows[sel] = payload_bf16(int(s), result.recv_src_idx[sel] + offset, H)
+    return rows
+
+
+def _routed(group, seed: int, num_tokens: int):
+    """(tokens, idx, w, res): every rank's num_tokens, the seeded routing and
+    the one-node oracle's results of every rank."""
+    tokens = [num_tokens] * group.world_size
+    idx, w = global_routing(seed, tokens, E, K_TOPK)
+    res = ref.intranode_dispatch([np.arange(t, dtype=np.int32)[:, None] for t in tokens], idx, E, topk_weights=w)
+    return tokens, idx, w, res
+
+
+def _received_f32(res):
+    """Every rank's received rows (identity experts) as float32, for the exact combine."""
+    return [bf16_to_f32(_tagged_rows(r)) for r in res]
+
+
 @pytest.mark.parametrize("seed,num_tokens,zero_rank", [(1, 256, None), (2, 100, 1), (3, 1, None), (4, 256, 0)])
 def test_two_hop_dispatch_matches_the_one_node_dispatch(group, two_hop, seed, num_tokens, zero_rank):
     import cupy
@@ -37,10 +62,7 @@ def test_two_hop_dispatch_matches_the_one_node_dispatch(group, two_hop, seed, nu
     x = payload_bf16(me, np.arange(tokens[me]), H)
     for call in range(2):  # the counters are cumulative: a second call must land the same
         out = two_hop.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), cupy.asarray(w[me]))
-        rows = np.empty((exp.num_recv_tokens, H), dtype=np.uint16)
-        for s in range(R):
-            sel = exp.recv_src_rank == s
-            rows[sel] = payload_bf16(s, exp.recv_src_idx[sel], H)
+        rows = _tagged_rows(exp)
         checks = {
             "recv_x": np.array_equal(out.recv_x.get(), rows),
             "recv_src_idx": np.array_equal(out.recv_src_idx.get(), exp.recv_src_idx),
@@ -111,12 +133,9 @@ def test_fp8_rows_travel_with_their_scales(group, two_hop):
     scales raise before launch."""
     import cupy
     from cupyep.fp8 import per_token_cast_to_fp8
-    from cupyep.testing import bf16_to_f32
     R, me = group.world_size, group.rank
     T = 120
-    tokens = [T] * R
-    idx, w = global_routing(71, tokens, E, K_TOPK)
-    res = ref.intranode_dispatch([np.arange(t, dtype=np.int32)[:, None] for t in tokens], idx, E, topk_weights=w)
+    tokens, idx, w, res = _routed(group, 71, T)
     exp = res[me]
     fp8 = [tuple(a.get() for a in per_token_cast_to_fp8(cupy.asarray(payload_bf16(s_, np.arange(T), H))))
            for s_ in range(R)]  # every source's FP8 rows and scales, by token
@@ -134,20 +153,8 @@ def test_fp8_rows_travel_with_their_scales(group, two_hop):
         checks[f"{name} x"] = o.recv_x.dtype == np.uint8 and np.array_equal(o.recv_x.get(), want_x)
         checks[f"{name} scales"] = np.array_equal(o.recv_x_scales.get(), want_s)
         checks[f"{name} src_idx"] = np.array_equal(o.recv_src_idx.get(), exp.recv_src_idx)
-    rows = np.empty((exp.num_recv_tokens, H), np.uint16)
-    for s_ in range(R):
-        sel = exp.recv_src_rank == s_
-        rows[sel] = payload_bf16(s_, exp.recv_src_idx[sel], H)
-    got = two_hop.combine(cupy.asarray(rows)).get()
-    ys = []  # every rank's received rows (identity experts), for the exact combine
-    for d in range(R):
-        r = res[d]
-        yd = np.empty((r.num_recv_tokens, H), np.uint16)
-        for s_ in range(R):
-            sel = r.recv_src_rank == s_
-            yd[sel] = payload_bf16(s_, r.recv_src_idx[sel], H)
-        ys.append(bf16_to_f32(yd))
-    exact = ref.intranode_combine(ys, res, tokens)[me]
+    got = two_hop.combine(cupy.asarray(_tagged_rows(exp))).get()
+    exact = ref.intranode_combine(_received_f32(res), res, tokens)[me]
     checks["combine"] = ref.calc_diff(bf16_to_f32(got), exact) < 5e-6
     assert all_ranks(group.comm, all(checks.values())), {k: v for k, v in checks.items() if not v}
     with pytest.raises(ValueError, match="x_scales"):
@@ -177,21 +184,14 @@ def test_two_hop_combine_is_bitwise_the_emulation(group, two_hop, seed, num_toke
     import cupy
     import ml_dtypes
     from cupyep.reference import internode as I
-    from cupyep.testing import bf16_to_f32, f32_to_bf16
+    from cupyep.testing import f32_to_bf16
     R, me, K = group.world_size, group.rank, group.local_size
     tokens = [0 if r == zero_rank else num_tokens for r in range(R)]
     idx, w = global_routing(seed, tokens, E, K_TOPK)
     res = ref.intranode_dispatch([np.arange(t, dtype=np.int32)[:, None] for t in tokens], idx, E, topk_weights=w)
 
-    def rows_of(d):  # what rank d received, rebuilt from the (source, token) tags
-        r = res[d]
-        out = np.empty((r.num_recv_tokens, H), dtype=np.uint16)
-        for s in range(R):
-            sel = r.recv_src_rank == s
-            out[sel] = payload_bf16(s, r.recv_src_idx[sel], H)
-        return out
-
-    ys = [f32_to_bf16(bf16_to_f32(rows_of(d)) * np.float32((d % 5 + 1) / 3)) for d in range(R)]  # per-rank experts
+    ys = [f32_to_bf16(bf16_to_f32(_tagged_rows(res[d])) * np.float32((d % 5 + 1) / 3))  # per-rank experts
+          for d in range(R)]
     x = payload_bf16(me, np.arange(tokens[me]), H)
     two_hop.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), cupy.asarray(w[me]))
     got = two_hop.combine(cupy.asarray(ys[me])).get()
@@ -205,13 +205,9 @@ def test_two_hop_combine_is_bitwise_the_emulation(group, two_hop, seed, num_toke
 
 def _oracle_rows(group, tokens, idx, w):
     """(this rank's oracle result, its rows rebuilt from the (source, token) tags)."""
-    me, R = group.rank, group.world_size
-    exp = ref.intranode_dispatch([np.arange(t, dtype=np.int32)[:, None] for t in tokens], idx, E, topk_weights=w)[me]
-    rows = np.empty((exp.num_recv_tokens, H), dtype=np.uint16)
-    for s in range(R):
-        sel = exp.recv_src_rank == s
-        rows[sel] = payload_bf16(s, exp.recv_src_idx[sel], H)
-    return exp, rows
+    exp = ref.intranode_dispatch([np.arange(t, dtype=np.int32)[:, None] for t in tokens], idx, E,
+                                 topk_weights=w)[group.rank]
+    return exp, _tagged_rows(exp)
 
 
 def _worst_checks(out, exp, rows) -> dict:
@@ -250,10 +246,7 @@ def test_a_cached_dispatch_reuses_the_plan(group, two_hop):
     cached_comb = two_hop.combine(out.recv_x.copy()).get()
     exp = ref.intranode_dispatch([np.arange(t, dtype=np.int32)[:, None] for t in tokens], idx, E,
                                  topk_weights=[(wi * 0.5).astype(np.float32) for wi in w])[me]
-    rows = np.empty((exp.num_recv_tokens, H), dtype=np.uint16)
-    for s_ in range(R):
-        sel = exp.recv_src_rank == s_
-        rows[sel] = payload_bf16(s_, exp.recv_src_idx[sel] + 1000, H)
+    rows = _tagged_rows(exp, offset=1000)
     checks = {
         "recv_x": np.array_equal(out.recv_x.get(), rows),
         "recv_src_idx": np.array_equal(out.recv_src_idx.get(), exp.recv_src_idx),
@@ -280,7 +273,6 @@ def test_worst_token_calls_pad_and_replay_in_a_cuda_graph(group, two_hop):
     (written into the captured inputs) give the oracle's rows each time, with
     nothing read back on the host."""
     import cupy
-    from cupyep.testing import bf16_to_f32
     R, me = group.world_size, group.rank
     T, worst = 200, group.world_size * T_MAX
     x_in = cupy.empty((T, H), dtype=np.uint16)
@@ -317,18 +309,11 @@ def test_worst_token_calls_pad_and_replay_in_a_cuda_graph(group, two_hop):
         checks = _worst_checks(out, exp, rows)
         checks["combine"] = np.array_equal(comb.get(), eager_comb)
         assert all_ranks(group.comm, all(checks.values())), {k: v for k, v in checks.items() if not v}
-        group.comm.Barrier()
-        stream.begin_capture()
-        gout, gcomb = step()
-        graph = stream.end_capture()
+    graph, (gout, gcomb) = capture(stream, group, step)
     for it in range(3):
-        with stream:
-            tokens, idx, w = load(30 + it)
-            stream.synchronize()
-            group.comm.Barrier()
-            graph.launch(stream)
-            stream.synchronize()
-        group.check_errors()
+        loaded = []
+        replay(stream, group, graph, lambda: loaded.append(load(30 + it)))
+        tokens, idx, w = loaded[0]
         exp, rows = _oracle_rows(group, tokens, idx, w)
         visits = ref.get_dispatch_layout(idx[me], E, R).is_token_in_rank.sum(axis=1)[:, None]
         want = bf16_to_f32(payload_bf16(me, np.arange(T), H)) * visits  # identity experts: row x ranks visited
@@ -391,23 +376,17 @@ def test_cupyep_buffer_across_nodes_is_the_two_hop_mode(group, nvshmem_session):
 
     import cupyep
     from cupyep.internode_buffer import TwoHopBuffer
-    from cupyep.testing import bf16_to_f32
     if group.num_nodes < 2:
         pytest.skip("needs ranks on two or more nodes (--ranks-per-node)")
     R, me = group.world_size, group.rank
     T = 90
-    tokens = [T] * R
-    idx, w = global_routing(81, tokens, E, K_TOPK)
-    res = ref.intranode_dispatch([np.arange(t, dtype=np.int32)[:, None] for t in tokens], idx, E, topk_weights=w)
+    tokens, idx, w, res = _routed(group, 81, T)
     exp = res[me]
     with cupyep.Buffer(group) as buf:
         assert isinstance(buf, TwoHopBuffer)
         x = cupy.asarray(payload_bf16(me, np.arange(T), H))
         out = buf.dispatch(x, cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=E, expert_alignment=4)
-        rows = np.empty((exp.num_recv_tokens, H), np.uint16)
-        for s_ in range(R):
-            sel = exp.recv_src_rank == s_
-            rows[sel] = payload_bf16(s_, exp.recv_src_idx[sel], H)
+        rows = _tagged_rows(exp)
         counts = np.bincount(exp.recv_topk_idx[exp.recv_topk_idx >= 0], minlength=E // R)
         checks = {
             "recv_x": np.array_equal(out.recv_x.get(), rows),
@@ -416,14 +395,7 @@ def test_cupyep_buffer_across_nodes_is_the_two_hop_mode(group, nvshmem_session):
             "per_expert": out.num_recv_tokens_per_expert == [int(-(-c // 4) * 4) for c in counts],
         }
         comb = buf.combine(out.recv_x.copy(), out.handle)
-        ys = []
-        for d in range(R):
-            r = res[d]
-            yd = np.empty((r.num_recv_tokens, H), np.uint16)
-            for s_ in range(R):
-                sel = r.recv_src_rank == s_
-                yd[sel] = payload_bf16(s_, r.recv_src_idx[sel], H)
-            ys.append(bf16_to_f32(yd))
+        ys = _received_f32(res)
         exact = ref.intranode_combine(ys, res, tokens)[me]
         checks["combine"] = ref.calc_diff(bf16_to_f32(comb.combined_x.get()), exact) < 5e-6
         # Weighted: row r of rank d by (1 + r % 3) / 2, against the exact weighted sum.
@@ -453,7 +425,7 @@ def test_the_moe_layer_runs_across_nodes(group, nvshmem_session, alignment):
 
     import cupyep
     from cupyep import moe
-    from cupyep.testing import bf16_to_f32, f32_to_bf16
+    from cupyep.testing import f32_to_bf16
     if group.num_nodes < 2:
         pytest.skip("needs ranks on two or more nodes (--ranks-per-node)")
     R, me = group.world_size, group.rank
