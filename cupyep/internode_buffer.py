@@ -68,6 +68,7 @@ class TwoHopBuffer:
         self._engine = None
         self._shape = None  # (max_tokens, hidden, num_topk, num_experts) of the engine
         self._em = None  # the last dispatch's expert-major layout: (layout, handle, device count, SMs)
+        self._captured = []  # arrays of calls captured in CUDA graphs, alive as long as this buffer
 
     # ----------------------------------------------------------------- sizing
     def _engine_for(self, num_tokens: int, hidden: int, num_topk: int, num_experts: int):
@@ -180,6 +181,8 @@ class TwoHopBuffer:
         sms = max(1, cupy.cuda.Device().attributes["MultiProcessorCount"] // max(1, self.group.ranks_per_gpu))
         em = EM.build(out.recv_x, out.recv_x_scales, out.recv_topk_idx, 0 if count is None else count.data.ptr, El,
                       alignment, m_cap, jit.pack(GUARD_DTYPE, **self.group.guard("intranode_expert_major")), sms)
+        if self.comm_stream.is_capturing():  # a graph keeps raw pointers: the count must outlive it
+            self._captured.append((count, em))
         return em, out.handle, count, sms
 
     def combine(self, x, handle, topk_weights=None, *, row_weights=None, config=None, previous_event=None,
@@ -232,6 +235,7 @@ class TwoHopBuffer:
     def destroy(self) -> None:
         """Collective: free the two-hop buffers (if a dispatch made them)."""
         self._calls.release()
+        self._captured = []
         if self._engine is not None:
             self._engine.destroy()
             self._engine = None
