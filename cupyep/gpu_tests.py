@@ -1,6 +1,6 @@
 """Run the GPU test suite under the launcher at several rank counts.
 
-    python -m cupyep.gpu_tests [--ranks 2 4 8] [-k EXPR] [--timeout 900] [--ranks-per-node K]
+    python -m cupyep.gpu_tests [--ranks 2 4 8] [-k EXPR] [--timeout 900] [--ranks-per-node K] [--shard I/N]
 
 For each rank count it runs ``python -m cupyep.launch -n N -- -m pytest -m gpu
 tests/gpu`` (with pytest's 15 slowest tests listed); the launcher starts CUDA
@@ -50,6 +50,18 @@ def verdict(rc: int, counts: dict[str, int]) -> tuple[str, bool]:
     return f"passed ({detail})" if detail else "passed", False
 
 
+def shard_files(files, shard: str) -> list:
+    """The test files of shard ``"i/n"`` (1-based): files i, i + n, i + 2n, ...
+    of the sorted list, so that n runs together take every file once."""
+    try:
+        i, n = (int(v) for v in shard.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard takes i/n (e.g. 1/2), got {shard!r}") from None
+    if not 1 <= i <= n:
+        raise ValueError(f"--shard {shard}: i must be in [1, n]")
+    return sorted(files)[i - 1::n]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cupyep.gpu_tests", description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
@@ -57,8 +69,16 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per rank count")
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="emulate nodes of K ranks (the launcher's option; the tests across nodes need it)")
+    p.add_argument("--shard", default=None, metavar="I/N",
+                   help="run the I-th of N interleaved shares of the test files (N runs cover the suite)")
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = p.parse_args(argv)
+    targets = [str(ROOT / "tests" / "gpu")]
+    if args.shard:
+        try:
+            targets = [str(f) for f in shard_files((ROOT / "tests" / "gpu").glob("test_*.py"), args.shard)]
+        except ValueError as exc:
+            p.error(str(exc))
     from .runtime import gpu_count
     if gpu_count() == 0:
         print(NO_GPU_MESSAGE, flush=True)
@@ -68,7 +88,7 @@ def main(argv=None) -> int:
         nodes = ["--ranks-per-node", str(args.ranks_per_node)] if args.ranks_per_node else []
         cmd = [sys.executable, "-m", "cupyep.launch", "-n", str(n), *nodes, "--timeout", str(int(args.timeout)), "--",
                "-m", "pytest", "-m", "gpu", "-x", "-q", "--color=no", "-p", "no:cacheprovider", "--durations=15",
-               str(ROOT / "tests" / "gpu")]
+               *targets]
         if args.k:
             cmd += ["-k", args.k]
         cmd += args.pytest_args

@@ -168,3 +168,13 @@ def test_main_without_gpu_writes_a_fresh_run_folder(tmp_path, monkeypatch, capsy
         assert [(r["kind"], r["ranks"]) for r in records] == [("dispatch_bf16", 2), ("combine_bf16", 2)]
         assert all(r["combine_check"] and r["backend"] == "numpy-reference (no GPU)" for r in records)
     assert "numpy-reference" in out and "median us" in out
+
+
+def test_gpu_test_shards_cover_every_file_once():
+    files = [f"tests/gpu/test_{c}.py" for c in "fbdaec"]
+    shards = [gpu_tests.shard_files(files, f"{i}/3") for i in (1, 2, 3)]
+    assert sorted(f for sh in shards for f in sh) == sorted(files)
+    assert shards[0] == ["tests/gpu/test_a.py", "tests/gpu/test_d.py"]
+    for bad in ("0/2", "3/2", "x", "1-2"):
+        with pytest.raises(ValueError, match="shard"):
+            gpu_tests.shard_files(files, bad)
