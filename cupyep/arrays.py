@@ -47,3 +47,36 @@ def check(a, name: str, dtype=None, shape: tuple | None = None, ndim: int | None
     if contiguous and not a.flags.c_contiguous:
         raise ValueError(f"{name} must be C-contiguous")
     return a
+
+
+def dispatch_rows(x, x_scales=None):
+    """The rows a dispatch sends and their FP8 scales, checked: x [T, H]
+    uint16 (BF16 bits) with no scales, or uint8 (FP8 e4m3 bits) with
+    x_scales [T, H / 128] float32, given beside it or as the tuple
+    (x, x_scales). Returns (x, x_scales or None) as cupy arrays."""
+    if isinstance(x, tuple):
+        if x_scales is not None:
+            raise ValueError("pass FP8 scales either in the x tuple or as x_scales, not both")
+        x, x_scales = x
+    x = check(as_cupy(x, "x"), "x", ndim=2)
+    if x.dtype not in (BF16, FP8):
+        raise ValueError(f"x must be uint16 (BF16 bits) or uint8 (FP8 bits), got {x.dtype}")
+    T, H = x.shape
+    x_scales = as_cupy(x_scales, "x_scales")
+    if x.dtype == FP8:
+        if x_scales is None:
+            raise ValueError("FP8 x needs x_scales [T, H / 128] float32")
+        check(x_scales, "x_scales", np.float32, shape=(T, H // 128))
+    elif x_scales is not None:
+        raise ValueError("x_scales is only for FP8 (uint8) x")
+    return x, x_scales
+
+
+def check_expert_ids(topk_idx, num_experts: int) -> None:
+    """ValueError unless every id of cupy ``topk_idx`` lies in [-1, num_experts)
+    (one reduction on the device and one read back; not under graph capture)."""
+    import cupy
+    if topk_idx.size:
+        lo, hi = (int(v) for v in cupy.stack([topk_idx.min(), topk_idx.max()]).get())
+        if lo < -1 or hi >= num_experts:
+            raise ValueError(f"topk_idx holds expert ids in [{lo}, {hi}], outside [-1, {num_experts})")

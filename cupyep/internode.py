@@ -314,25 +314,12 @@ class TwoHopDispatch:
         """
         import cupy
 
-        from .arrays import BF16, as_cupy, check
+        from .arrays import FP8, as_cupy, check, check_expert_ids, dispatch_rows
         self._usable()
-        if isinstance(x, tuple):
-            if x_scales is not None:
-                raise ValueError("pass FP8 scales either in the x tuple or as x_scales, not both")
-            x, x_scales = x
-        x = check(as_cupy(x, "x"), "x", None, ndim=2)
-        fp8 = x.dtype == np.uint8
-        if not fp8 and x.dtype != BF16:
-            raise ValueError(f"x must be uint16 (BF16 bits) or uint8 (FP8 bits), got {x.dtype}")
+        x, x_scales = dispatch_rows(x, x_scales)
         T, H = x.shape
+        fp8 = x.dtype == FP8
         ns = H // 128 if fp8 else 0
-        x_scales = as_cupy(x_scales, "x_scales")
-        if fp8:
-            if x_scales is None:
-                raise ValueError("FP8 x needs x_scales [T, H / 128] float32")
-            x_scales = check(x_scales, "x_scales", np.float32, shape=(T, ns))
-        elif x_scales is not None:
-            raise ValueError("x_scales is only for FP8 (uint8) x")
         hop_ns = _check_hop(hop_ns)
         if H != self.hidden or T > self.max_tokens:
             raise ValueError(f"x is [{T}, {H}]; this dispatch takes at most {self.max_tokens} tokens of {self.hidden}")
@@ -354,10 +341,8 @@ class TwoHopDispatch:
             raise ValueError(f"num_worst_tokens={num_worst_tokens} exceeds the {R} x {self.max_tokens} rows a rank "
                              "can receive")
         capturing = cupy.cuda.get_current_stream().is_capturing()
-        if validate and T and not capturing and handle is None:
-            lo, hi = (int(v) for v in cupy.stack([topk_idx.min(), topk_idx.max()]).get())
-            if lo < -1 or hi >= self.E:
-                raise ValueError(f"topk_idx holds expert ids in [{lo}, {hi}], outside [-1, {self.E})")
+        if validate and not capturing and handle is None:
+            check_expert_ids(topk_idx, self.E)
         if capturing and not worst:
             raise ValueError("a two-hop dispatch inside graph capture needs num_worst_tokens (no host read)")
         if handle is None:
@@ -490,10 +475,13 @@ class TwoHopDispatch:
         if row_weights is not None:  # on the current stream, before the combine reads the rows
             y = f32_to_bf16_bits(bf16_bits_to_f32(y) * row_weights[:, None])
         L["combined"] = True
+        # Partial rows this rank makes as a rail peer, for the staging of each pass: their count is on the
+        # device in worst-token mode (then the most there can be).
+        rows_now = (self.N - 1) * self.max_tokens if L["worst"] else int(L["dev"]["net_count"].sum().get())
         rows_pass = dict(direct_in=self._clay["direct"], gather=self._clay["gather"], counters=self.counter_ptrs,
                          total=self._state["combine_total"], net_total=self._state["combine_net_total"],
                          net_in=self.cnet_in, net_signal=self.cnet_signal)
-        out = self._route_back(L, y, self.combine_fn, hop_ns, rows_pass)
+        out = self._route_back(L, y, self.combine_fn, hop_ns, rows_pass, rows_now)
         if topk_weights is None:
             return out
         kp = -(-self.k // 4) * 4  # rows of whole int4 words of floats
@@ -502,19 +490,18 @@ class TwoHopDispatch:
         weights_pass = dict(direct_in=self._clay["wdirect"], gather=self._clay["wgather"],
                             counters=self.wcounter_ptrs, total=self.wtargets[:2], net_total=self.wtargets[2:],
                             net_in=self.wnet_in, net_signal=self.wnet_signal)
-        return out, self._route_back(L, w_rows, self.combine_weights_fn, None, weights_pass)[:, :self.k]
+        return out, self._route_back(L, w_rows, self.combine_weights_fn, None, weights_pass, rows_now)[:, :self.k]
 
-    def _route_back(self, L, rows, fn, hop_ns, res: dict):
+    def _route_back(self, L, rows, fn, hop_ns, res: dict, rows_now: int):
         """One combine kernel over ``rows`` ([N, W] of int4 words: BF16 rows, or
         float32 rows for the weights' pass) with the last dispatch's route and
         the pass's own resources ``res`` (pool regions, counters, targets,
-        network buffer and signals); returns [T, W] of the same dtype. The
+        network buffer and signals) and ``rows_now`` partial rows to stage;
+        returns [T, W] of the same dtype. The
         pass's cumulative targets move by the dispatch's steps first."""
         import cupy
         R, K, me = self.R, self.K, self.me
         x_int4 = rows.shape[1] * rows.dtype.itemsize // 16
-        # Partial rows this rank makes as a rail peer: their count is on the device in worst-token mode.
-        rows_now = (self.N - 1) * self.max_tokens if L["worst"] else int(L["dev"]["net_count"].sum().get())
         staging = cupy.empty((max(1, rows_now), x_int4 * 16), dtype=np.uint8)
         out = cupy.zeros((L["T"], rows.shape[1]), dtype=rows.dtype)
         args = jit.pack(

@@ -318,8 +318,10 @@ class _NoLaunch:
 def fake_buffer(monkeypatch):
     """A Buffer object without a GPU: host arrays pass the input checks, and
     anything that would launch or allocate fails the test."""
+    from cupyep import arrays
     from cupyep.intranode import buffer as B
     monkeypatch.setattr(B, "as_cupy", lambda a, name: a)
+    monkeypatch.setattr(arrays, "as_cupy", lambda a, name: a)  # dispatch_rows' conversion
     buf = object.__new__(B.Buffer)
     buf.num_ranks, buf.rank, buf.sm_budget, buf.num_device_sms = 2, 0, 66, 132
     buf.group = buf.buffer = buf.comm_stream = _NoLaunch()

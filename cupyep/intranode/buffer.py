@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .. import jit
-from ..arrays import BF16, FP8, as_cupy, check
+from ..arrays import BF16, FP8, as_cupy, check, check_expert_ids, dispatch_rows
 from ..calls import traced_call
 from ..ipc import SymmetricBuffer
 from .streams import CommStream
@@ -159,10 +159,8 @@ class Buffer(DirectTransport):
             raise ValueError(f"num_experts={num_experts} is not divisible by the {self.num_ranks} ranks")
         if num_experts // self.num_ranks > MAX_LOCAL_EXPERTS:
             raise ValueError(f"{num_experts // self.num_ranks} experts per rank exceed {MAX_LOCAL_EXPERTS}")
-        if validate and topk_idx.size and not cupy.cuda.get_current_stream().is_capturing():
-            lo, hi = (int(v) for v in cupy.stack([topk_idx.min(), topk_idx.max()]).get())
-            if lo < -1 or hi >= num_experts:
-                raise ValueError(f"topk_idx holds expert ids in [{lo}, {hi}], outside [-1, {num_experts})")
+        if validate and not cupy.cuda.get_current_stream().is_capturing():
+            check_expert_ids(topk_idx, num_experts)
         return topk_idx
 
     @traced_call("Buffer.get_dispatch_layout")
@@ -279,23 +277,10 @@ class Buffer(DirectTransport):
             dispatch with a worst-token handle.
         """
         import cupy
-        if isinstance(x, tuple):
-            if x_scales is not None:
-                raise ValueError("pass FP8 scales either in the x tuple or as x_scales, not both")
-            x, x_scales = x
-        x = check(as_cupy(x, "x"), "x", ndim=2)
-        if x.dtype not in (BF16, FP8):
-            raise ValueError(f"x must be uint16 (BF16 bits) or uint8 (FP8 bits), got {x.dtype}")
+        x, x_scales = dispatch_rows(x, x_scales)
         T, H = x.shape
         check_hidden(H)
         fp8 = x.dtype == FP8
-        x_scales = as_cupy(x_scales, "x_scales")
-        if fp8:
-            if x_scales is None:
-                raise ValueError("FP8 x needs x_scales [T, H / 128] float32")
-            check(x_scales, "x_scales", np.float32, shape=(T, H // 128))
-        elif x_scales is not None:
-            raise ValueError("x_scales is only for FP8 (uint8) x")
         R = self.num_ranks
         transport = self._transport(transport, handle)
         if transport == "direct":
