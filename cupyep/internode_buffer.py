@@ -167,8 +167,6 @@ class TwoHopBuffer:
     def _expert_major(self, out, per_expert, num_experts: int, alignment: int):
         """(the expert-major layout of a dispatch's rows, its handle, the device
         count of valid rows it was built for: an int32 array, or None)."""
-        import cupy
-
         from .barrier import GUARD_DTYPE
         from . import jit
         from .intranode import expert_major as EM
@@ -178,7 +176,7 @@ class TwoHopBuffer:
         count = None
         if per_expert is None:  # worst-token mode: the valid rows are counted on the device
             count = out.rank_prefix_matrix[self.num_ranks - 1, self.rank].astype(np.int32).reshape(1)
-        sms = max(1, cupy.cuda.Device().attributes["MultiProcessorCount"] // max(1, self.group.ranks_per_gpu))
+        sms = self._engine.num_sms  # the blocks per rank of the two-hop kernels: the rank's share of the SMs
         em = EM.build(out.recv_x, out.recv_x_scales, out.recv_topk_idx, 0 if count is None else count.data.ptr, El,
                       alignment, m_cap, jit.pack(GUARD_DTYPE, **self.group.guard("intranode_expert_major")), sms)
         if self.comm_stream.is_capturing():  # a graph keeps raw pointers: the count must outlive it

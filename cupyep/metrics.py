@@ -158,11 +158,11 @@ def low_latency_metrics(group, buf, x, topk_idx, calls: int = 10, use_fp8: bool 
     R = group.local_size
     El = buf.num_local_experts
     recv_stats = cupy.zeros(El, dtype=np.int32)
+    from .bench.timing import gpu_sleep
     waits, used = [], []
     for _ in range(calls):
         wait = cupy.zeros(R, dtype=np.int64)
         if barrier is not None:
-            from .bench.timing import gpu_sleep
             gpu_sleep(sleep_us)
             barrier()
         d = buf.dispatch(x, topk_idx, use_fp8=use_fp8, cumulative_local_expert_recv_stats=recv_stats,
