@@ -15,22 +15,17 @@ final reduction. The same measurement, as a sweep over knobs:
 """
 import argparse
 
-import numpy as np
-
 import cupyep
 from cupyep.bench import require_gpu
 from cupyep.bench.report import JsonlWriter
-from cupyep.testing import global_routing, payload_bf16
+from cupyep.testing import global_routing
 
 
 def main():
     require_gpu(__file__)
-    import cupy
-
-    from cupyep.bench.internode import KINDS, check_against_oracle, measure
+    from cupyep.bench.internode import KINDS, hop_times_of, measure, prepare
     from cupyep.internode import TwoHopDispatch
     from cupyep.metrics import two_hop_metrics
-    from cupyep.reference import internode as I
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="results/internode.jsonl")
     p.add_argument("--tokens", type=int, default=4096)
@@ -45,26 +40,18 @@ def main():
         if group.rank == 0:
             print("bench_internode needs ranks on two or more nodes: launch with --ranks-per-node K (K < ranks)")
         raise SystemExit(2)
-    R, me, K = group.world_size, group.rank, group.local_size
+    R, K = group.world_size, group.local_size
     T, H, E, k = args.tokens, args.hidden, args.experts, args.topk
-    tokens = [T] * R
-    idx, w = global_routing(0, tokens, E, k)
-    x = cupy.asarray(payload_bf16(me, np.arange(T), H))
-    ids, ws = cupy.asarray(idx[me]), cupy.asarray(w[me])
+    idx, w = global_routing(0, [T] * R, E, k)
     hop = TwoHopDispatch(group, T, H, k, E, num_sms=args.num_sms)
-    out = hop.dispatch(x, ids, ws)
-    comb = hop.combine(out.recv_x.copy())  # identity experts: each token's row times the ranks it visited
-    check_against_oracle(group, out, comb, idx, w, tokens, E, H)
+    x, ids, ws, traffic, handle = prepare(group, hop, idx, w)  # checked against the oracle first
     hops = two_hop_metrics(group, hop, x, ids, ws)  # untimed calls with the hop stamps (cupyep.metrics)
-    traffic = I.two_hop_traffic(I.two_hop_routes(idx, E, R, K), K, H * 2)
     writer = JsonlWriter(args.out, group)
-    handle = hop.dispatch(x, ids, ws).handle
     for kind in KINDS:
         rec = measure(group, hop, kind, x, ids, ws, handle, args.iters, traffic)
         writer.write({"bench": "internode", "kind": f"{kind}_two_hop", "ranks": R, "ranks_per_node": K,
                       "nodes": R // K, "tokens": T, "hidden": H, "topk": k, "experts": E, "num_sms": hop.num_sms,
-                      **rec, "hop_us": hops["combine_hop_us" if kind == "combine_bf16" else "dispatch_hop_us"],
-                      "checked": True, "version": "device notify"})
+                      **rec, "hop_us": hop_times_of(hops, kind), "checked": True, "version": "device notify"})
     hop.destroy()
     group.destroy()
 

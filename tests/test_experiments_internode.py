@@ -125,3 +125,9 @@ def test_the_oracle_check_passes_the_reference_rows_and_catches_a_misrouted_one(
     with pytest.raises(RuntimeError, match="differ from the oracle"):
         BI.check_against_oracle(group, SimpleNamespace(recv_x=_Host(swapped), recv_src_idx=out.recv_src_idx),
                                 _Host(combined), idx, w, tokens, E, H)
+
+
+def test_each_kind_takes_its_own_hop_times():
+    hops = {"dispatch_hop_us": {"network": 1.0}, "combine_hop_us": {"node": 2.0}}
+    assert BI.hop_times_of(hops, "dispatch_bf16") == BI.hop_times_of(hops, "dispatch_bf16_cached") == {"network": 1.0}
+    assert BI.hop_times_of(hops, "combine_bf16") == {"node": 2.0}

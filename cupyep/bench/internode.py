@@ -56,6 +56,31 @@ def check_against_oracle(group, out, combined, idx, w, tokens, num_experts: int,
         raise RuntimeError(f"two-hop dispatch / combine differ from the oracle (rank {me}: combine calc_diff {diff})")
 
 
+def prepare(group, hop, idx, w):
+    """This rank's rows (payload_bf16 tags) and routing on the GPU for the
+    TwoHopDispatch ``hop``, after one dispatch and its combine are checked
+    against the oracle (collective): (x, topk_idx, topk_weights, the
+    routing's TwoHopTraffic, a handle of a counted call for cached calls).
+    ``idx`` / ``w``: every rank's routing (lists of NumPy arrays)."""
+    import cupy
+
+    from ..reference import internode as I
+    from ..testing import payload_bf16
+    R, me, K = group.world_size, group.rank, group.local_size
+    tokens = [len(i) for i in idx]
+    x = cupy.asarray(payload_bf16(me, np.arange(tokens[me]), hop.hidden))
+    ids, ws = cupy.asarray(idx[me]), cupy.asarray(w[me])
+    out = hop.dispatch(x, ids, ws)
+    check_against_oracle(group, out, hop.combine(out.recv_x.copy()), idx, w, tokens, hop.E, hop.hidden)
+    traffic = I.two_hop_traffic(I.two_hop_routes(idx, hop.E, R, K), K, hop.hidden * 2)
+    return x, ids, ws, traffic, hop.dispatch(x, ids, ws).handle
+
+
+def hop_times_of(hops: dict, kind: str) -> dict:
+    """The per-hop times (cupyep.metrics.two_hop_metrics) that belong to ``kind``'s record."""
+    return hops["combine_hop_us" if kind == "combine_bf16" else "dispatch_hop_us"]
+
+
 def measure(group, hop, kind: str, x, topk_idx, topk_weights, handle, iters: int, traffic) -> dict:
     """Time ``iters`` calls of ``kind`` on the TwoHopDispatch ``hop`` (collective).
 

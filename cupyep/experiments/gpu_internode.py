@@ -47,37 +47,27 @@ def _two_hop(group, cfg: dict):
 
 def run(group, cfg: dict) -> dict:
     """Measure one configuration (collective); see the module docstring."""
-    import cupy
-    import numpy as np
-
     from .. import routing
-    from ..bench.internode import KINDS, check_against_oracle, measure
+    from ..bench.internode import KINDS, hop_times_of, measure, prepare
     from ..nvshmem import NvshmemUnavailable
-    from ..reference import internode as I
-    from ..testing import payload_bf16
     if cfg["kind"] not in KINDS:
         raise Skip(f"kind must be one of {KINDS}, got {cfg['kind']!r}")
     if group.num_nodes < 2:
         raise Skip("the two-hop mode needs ranks on two or more nodes: sweep with --ranks-per-node K (K < ranks)")
-    R, me, K = group.world_size, group.rank, group.local_size
-    T, H, k, E = cfg["tokens"], cfg["hidden"], cfg["topk"], cfg["experts"]
+    R, K = group.world_size, group.local_size
+    T, k, E = cfg["tokens"], cfg["topk"], cfg["experts"]
     idx, w = routing.make(cfg["routing"], cfg["seed"], [T] * R, E, k, **dict(cfg["routing_params"]))
     try:
         hop = _two_hop(group, cfg)
     except NvshmemUnavailable as exc:
         raise Skip(str(exc)) from None
-    x = cupy.asarray(payload_bf16(me, np.arange(T), H))
-    ids, ws = cupy.asarray(idx[me]), cupy.asarray(w[me])
-    out = hop.dispatch(x, ids, ws)
-    check_against_oracle(group, out, hop.combine(out.recv_x.copy()), idx, w, [T] * R, E, H)
-    traffic = I.two_hop_traffic(I.two_hop_routes(idx, E, R, K), K, H * 2)
-    handle = hop.dispatch(x, ids, ws).handle
+    x, ids, ws, traffic, handle = prepare(group, hop, idx, w)  # checked against the oracle first
     rec = measure(group, hop, cfg["kind"], x, ids, ws, handle, cfg["iters"], traffic)
     rec.update(nodes=R // K, imbalance_factor=routing.imbalance_factor(idx, E), num_sms_used=hop.num_sms)
     if cfg["hops"]:
         from ..metrics import two_hop_metrics
         hops = two_hop_metrics(group, hop, x, ids, ws)
-        rec["hop_us"] = hops["combine_hop_us" if cfg["kind"] == "combine_bf16" else "dispatch_hop_us"]
+        rec["hop_us"] = hop_times_of(hops, cfg["kind"])
     return rec
 
 
