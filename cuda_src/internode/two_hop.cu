@@ -89,6 +89,14 @@ struct TwoHopNotifyArgs {
     Guard guard;
 };
 
+// The notify's verdict to the host's status word (1 done, 3 failed), after
+// everything it wrote there before; nothing without a status word.
+__device__ __forceinline__ void publish_status(int* host, bool ok) {
+    if (host == nullptr) return;
+    __threadfence_system();
+    *reinterpret_cast<volatile int*>(host) = ok ? 1 : 3;
+}
+
 template <int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArgs a) {
     constexpr int kWarps = kNumThreads / 32;
@@ -121,10 +129,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArg
                 a.state[0] = call;
                 a.state[kNotifyOk] = 1;
             }
-            if (a.host) {
-                __threadfence_system();
-                *reinterpret_cast<volatile int*>(a.host) = s_fail ? 3 : 1;
-            }
+            publish_status(a.host, !s_fail);
         }
         return;
     }
@@ -167,10 +172,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArg
         s_fail = 1;
     __syncthreads();
     if (s_fail) {
-        if (threadIdx.x == 0 && a.host) {
-            __threadfence_system();
-            *reinterpret_cast<volatile int*>(a.host) = 3;
-        }
+        if (threadIdx.x == 0) publish_status(a.host, false);
         return;
     }
     // Rows other PEs put during this kernel: loads that bypass L1.
@@ -256,11 +258,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArg
         const bool fits = received <= a.capacity;
         if (!fits) report_error(a.guard, kErrorCapacity, /*phase=*/1, -1, received, a.capacity);
         a.state[kNotifyOk] = fits ? 1 : 0;
-        if (a.host) {
-            a.host[1] = (int)received;
-            __threadfence_system();
-            *reinterpret_cast<volatile int*>(a.host) = fits ? 1 : 3;
-        }
+        if (a.host) a.host[1] = (int)received;
+        publish_status(a.host, fits);
     }
 }
 
