@@ -49,7 +49,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
                                   "two-hop combine: a node's partials over the network (waits for its rail's "
                                   "signal)"),
     "internode_two_hop_notify": ("two-hop notify: count exchange (waits for a PE's row of counts)",
-                                 "two-hop notify: receive capacity (more rows than num_worst_tokens)",
+                                 "two-hop notify: receive capacity (a rank, this one or the peer named, would receive more "
+                                 "rows than its num_worst_tokens; nothing was sent)",
                                  "two-hop notify: routing check (expert id outside [-1, E))"),
 }
 KERNEL_NAMES: tuple[str, ...] = tuple(KERNELS)
@@ -81,7 +82,8 @@ class DeviceError(CupyepError):
                  timeout_s: float | None = None, detail: str = ""):
         self.kernel, self.phase, self.rank, self.peer = kernel, phase, rank, peer
         self.value, self.expected, self.timeout_s = value, expected, timeout_s
-        who = f"rank {rank}" + (f" waited for peer rank {peer}" if peer is not None and peer >= 0 else "")
+        link = " waited for peer rank" if self.what == "timeout" else ", because of peer rank"
+        who = f"rank {rank}" + (f"{link} {peer}" if peer is not None and peer >= 0 else "")
         msg = f"{kernel}: {self.what} in phase '{phase}': {who}"
         if timeout_s is not None and self.what == "timeout":
             msg += f" for more than {timeout_s:g} s"

@@ -227,7 +227,7 @@ class TwoHopDispatch:
         self.arrived_ptrs = cupy.asarray(np.asarray([self.sync.peer_ptr_list[j] for j in range(self.K)], dtype=u64))
         # The notify pass: my row of counts, every PE's rows (two matrices, by call parity), their signals,
         # the private cumulative state, and the mapped host ints it reports to.
-        W = self.R + self.N
+        W = self.R + self.N + 1  # TwoHopNotifyArgs::row: counts per rank, per node, then the capacity
         self.row = core.array((W,), dtype="int64")
         self.matrix = core.array((2 * self.R * W,), dtype="int64")
         self.row_signal = core.array((self.R,), dtype="uint64")

@@ -2,7 +2,8 @@
 
     python -m cupyep.launch -n 8 --ranks-per-node 4 experiments/bench_internode.py --out results/internode.jsonl
 
-One record per kind of cupyep.bench.internode (a counted dispatch with its
+One record per kind of cupyep.bench.internode and repeat (--repeats, 3 by
+default: the kinds' measurements interleaved, for a median and spread) (a counted dispatch with its
 notify pass across nodes, a cached dispatch, the combine) at this rank
 layout, with that module's times and traffic. The first call's output is
 checked against the one-node oracle (dispatch exactly, combine within
@@ -33,6 +34,8 @@ def main():
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="measurements of every kind, interleaved (one record each, field 'repeat')")
     p.add_argument("--num-sms", type=int, default=0, help="blocks per rank (0: the rank's share of the SMs)")
     args = p.parse_args()
     group = cupyep.init()
@@ -47,11 +50,13 @@ def main():
     x, ids, ws, traffic, handle = prepare(group, hop, idx, w)  # checked against the oracle first
     hops = two_hop_metrics(group, hop, x, ids, ws)  # untimed calls with the hop stamps (cupyep.metrics)
     writer = JsonlWriter(args.out, group)
-    for kind in KINDS:
-        rec = measure(group, hop, kind, x, ids, ws, handle, args.iters, traffic)
-        writer.write({"bench": "internode", "kind": f"{kind}_two_hop", "ranks": R, "ranks_per_node": K,
-                      "nodes": R // K, "tokens": T, "hidden": H, "topk": k, "experts": E, "num_sms": hop.num_sms,
-                      **rec, "hop_us": hop_times_of(hops, kind), "checked": True, "version": "device notify"})
+    for repeat in range(args.repeats):
+        for kind in KINDS:
+            rec = measure(group, hop, kind, x, ids, ws, handle, args.iters, traffic)
+            writer.write({"bench": "internode", "kind": f"{kind}_two_hop", "ranks": R, "ranks_per_node": K,
+                          "nodes": R // K, "tokens": T, "hidden": H, "topk": k, "experts": E,
+                          "num_sms": hop.num_sms, "repeat": repeat, **rec, "hop_us": hop_times_of(hops, kind),
+                          "checked": True, "version": "device notify"})
     hop.destroy()
     group.destroy()
 

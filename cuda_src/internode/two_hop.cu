@@ -68,13 +68,14 @@ struct TwoHopNotifyArgs {
     int64_t* rdma_slot;           // [T, N] out: row of (t, n) in the rail peer's network buffer, -1: none
     int64_t* rank_prefix;         // [R, R] out: rank_prefix_matrix (cumulative over sources)
     int64_t* net_count;           // [N] out: rows from each source node in my network buffer (0: my node)
-    int64_t* row;                 // symmetric [R + N]: my counts per rank, then per node
-    int64_t* matrix;              // symmetric [2, R, R + N]: every PE's row, by call parity
+    int64_t* row;                 // symmetric [R + N + 1]: my counts per rank, then per node, then my capacity
+    int64_t* matrix;              // symmetric [2, R, R + N + 1]: every PE's row, by call parity
     uint64_t* row_signal;         // symmetric [R]: rows arrived from each PE, all calls
     int64_t* state;               // private, see above
     int* host;                    // mapped host ints: [0] status (1 done, 3 failed), [1] rows I receive,
                                   // [2, 2 + R) rows from each source rank; null in worst-token mode
-    int capacity;                 // rows the caller's outputs hold: more to receive is a capacity error
+    int capacity;                 // rows the caller's outputs hold: more for any rank to receive is a
+                                  // capacity error on every rank (one verdict: nothing is sent, no target moves)
     int64_t* delta;               // [two_hop_state_words - 2] this call's steps of the cumulative targets:
                                   // written by a counting call; a cached one adds the dispatch's (the
                                   // first N + R); the host adds the combine's before a combine
@@ -103,13 +104,13 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArg
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int K = a.ranks_per_node, R = a.num_ranks, N = R / K, T = a.num_tokens, k = a.num_topk;
     const int me = a.rank, my_node = me / K, local = me % K, El = a.num_experts / R;
-    const int W = R + N;  // words of a row
+    const int W = R + N + 1;  // words of a row: counts per rank, per node, then the capacity
     extern __shared__ unsigned long long s_dyn64[];  // [R + N] my counts, then [N] the slot bases
     unsigned long long* s_cnt = s_dyn64;
-    int64_t* s_base = reinterpret_cast<int64_t*>(s_dyn64 + W);
+    int64_t* s_base = reinterpret_cast<int64_t*>(s_dyn64 + R + N);
     __shared__ int64_t s_call;
     __shared__ int s_fail;
-    for (int i = threadIdx.x; i < W; i += blockDim.x) s_cnt[i] = 0;
+    for (int i = threadIdx.x; i < R + N; i += blockDim.x) s_cnt[i] = 0;
     if (threadIdx.x == 0) {
         s_call = ld_volatile64(a.state) + 1;
         s_fail = 0;
@@ -161,7 +162,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArg
     // 2. Count exchange: my row to every PE (blocking puts: the row is reusable after), then every row here.
     const int64_t call = s_call;
     int64_t* mat = a.matrix + (call & 1) * (int64_t)R * W;
-    for (int i = threadIdx.x; i < W; i += blockDim.x) a.row[i] = (int64_t)s_cnt[i];
+    for (int i = threadIdx.x; i < W; i += blockDim.x) a.row[i] = i < R + N ? (int64_t)s_cnt[i] : a.capacity;
     __syncthreads();
     if (threadIdx.x < R) {
         __threadfence_system();
@@ -198,7 +199,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArg
     }
     __syncthreads();
     // send_head and rdma_slot: each token's position in its column, in token order; a warp per column.
-    for (int col = warp; col < W; col += kWarps) {
+    for (int col = warp; col < R + N; col += kWarps) {
         const bool node_col = col >= R;
         const int n = col - R;
         int64_t pos = 0;
@@ -221,7 +222,29 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArg
         }
     }
 
-    // 4. The cumulative targets of this call's dispatch and combine, and what the host needs.
+    // 4. One verdict on every rank: does every rank's share fit its capacity? If not, no target moves and
+    // nothing is sent, so the state stays consistent and the next call can run.
+    if (threadIdx.x == 0) {
+        int bad = -1;
+        int64_t bad_rows = 0, bad_cap = 0;
+        for (int d = 0; d < R && bad < 0; ++d) {
+            int64_t rows = 0;
+            for (int src = 0; src < R; ++src) rows += cnt(src, d);
+            const int64_t cap = __ldcv(mat + (int64_t)d * W + R + N);
+            if (rows > cap || (d == me && rows > a.capacity)) bad = d, bad_rows = rows, bad_cap = cap;
+        }
+        if (bad >= 0) {
+            // My own shortfall names no peer; a peer's names it (its rows and its capacity).
+            report_error(a.guard, kErrorCapacity, /*phase=*/1, bad == me ? -1 : bad, bad_rows, bad_cap);
+            a.state[0] = call;
+            s_fail = 1;
+            publish_status(a.host, false);
+        }
+    }
+    __syncthreads();
+    if (s_fail) return;
+
+    // 5. The cumulative targets of this call's dispatch and combine, and what the host needs.
     if (threadIdx.x == 0) {
         int64_t* net_total = a.state + 2;
         int64_t* arrived_total = net_total + N;
@@ -255,11 +278,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArg
             a.delta[N + R + 1] = gather;
         }
         a.state[0] = call;
-        const bool fits = received <= a.capacity;
-        if (!fits) report_error(a.guard, kErrorCapacity, /*phase=*/1, -1, received, a.capacity);
-        a.state[kNotifyOk] = fits ? 1 : 0;
+        a.state[kNotifyOk] = 1;
         if (a.host) a.host[1] = (int)received;
-        publish_status(a.host, fits);
+        publish_status(a.host, true);
     }
 }
 

@@ -102,7 +102,7 @@ def test_queue_occupancy_bounds_follow_the_received_rows(group, buf, fp8):
 def test_low_latency_metrics_match_the_routing(group, lined_up):
     """Slots used and tokens received per expert are exactly what the routing
     sends; the received-token imbalance equals the routing's imbalance factor;
-    every wait is a finite, non-negative time, one per (call, source rank) of
+    every wait is a non-negative time under the timeout, one per (call, source rank) of
     every rank; with a GPU barrier before each call as without."""
     import cupy
     import cupyep
@@ -120,7 +120,9 @@ def test_low_latency_metrics_match_the_routing(group, lined_up):
         ok = {
             "slot_utilisation": m["slot_utilisation"] == pytest.approx(pairs / R / slots),
             "imbalance": m["expert_recv_imbalance"] == pytest.approx(routing.imbalance_factor(idx, E)),
-            "waits": all(m[k] is not None and 0 <= m[k] < 1e6 for k in ("wait_us_p50", "wait_us_p99", "wait_us_max"))
+            # Unaligned, a wait holds a peer's late launch (seconds at 8 ranks on one GPU), never past the timeout.
+            "waits": all(m[k] is not None and 0 <= m[k] < group.timeout_s * 1e6
+                         for k in ("wait_us_p50", "wait_us_p99", "wait_us_max"))
                      and m["wait_us_p50"] <= m["wait_us_p99"] <= m["wait_us_max"],
             "samples": len(m["wait_us_samples"]) == calls * R * R and max(m["wait_us_samples"]) == m["wait_us_max"],
         }

@@ -324,11 +324,14 @@ def test_worst_token_calls_pad_and_replay_in_a_cuda_graph(group, two_hop):
 
 
 def test_worst_token_capacity_is_checked(group, two_hop):
-    """More rows than the pool can hold is a ValueError before launch; more
-    rows to receive than num_worst_tokens is a DeviceCapacityError from the
-    notify, and nothing is sent (never a silent drop); an expert id out of
-    range that the host did not check is a DeviceInputError on its rank. Both
-    run on a TwoHopDispatch of their own."""
+    """More rows than the pool can hold is a ValueError before launch. More
+    rows for one rank to receive than its num_worst_tokens is one verdict on
+    every rank: a DeviceCapacityError (on that rank naming no peer, on the
+    others naming it), nothing is sent and no target moves, so the next call
+    lands. An expert id out of range that the host did not check is a
+    DeviceInputError on its rank; the pair is dropped and every other rank
+    receives what the oracle gives without it. Both run on a TwoHopDispatch
+    of their own."""
     import cupy
     from cupyep.errors import DeviceCapacityError, DeviceInputError
     from cupyep.internode import TwoHopDispatch
@@ -338,26 +341,31 @@ def test_worst_token_capacity_is_checked(group, two_hop):
                          cupy.zeros((4, K_TOPK), np.float32), num_worst_tokens=R * T_MAX + 1)
     small = TwoHopDispatch(group, 64, H, K_TOPK, E)
     try:
-        idx, w = global_routing(41, [64] * R, E, K_TOPK)  # every rank receives far more than 2 rows
-        small.dispatch(cupy.asarray(payload_bf16(me, np.arange(64), H)), cupy.asarray(idx[me]),
-                       cupy.asarray(w[me]), num_worst_tokens=2)
+        tokens, idx, w, _ = _routed(group, 41, 64)  # rank 0 receives far more than 2 rows
+        x = cupy.asarray(payload_bf16(me, np.arange(64), H))
+        small.dispatch(x, cupy.asarray(idx[me]), cupy.asarray(w[me]), num_worst_tokens=2 if me == 0 else R * 64)
         cupy.cuda.runtime.deviceSynchronize()
         with pytest.raises(DeviceCapacityError) as info:
             group.check_errors()
-        ok = "capacity" in str(info.value) and info.value.expected == 2
+        ok = ("capacity" in str(info.value) and info.value.expected == 2
+              and info.value.peer == (None if me == 0 else 0))
         group.error_slot.reset()
         # An expert id past E with validate=False: the notify drops that pair and reports it on its rank.
-        bad = idx[me].copy()
-        if me == 0:
-            bad[0, 0] = E + 3
-        x = cupy.asarray(payload_bf16(me, np.arange(64), H))
+        bad = [i.copy() for i in idx]
+        bad[0][0, 0] = E + 3
         if me == 0:
             with pytest.raises(DeviceInputError) as info:
-                small.dispatch(x, cupy.asarray(bad), cupy.asarray(w[me]), validate=False)
+                small.dispatch(x, cupy.asarray(bad[0]), cupy.asarray(w[0]), validate=False)
             ok = ok and info.value.value == E + 3 and "routing check" in str(info.value)
             group.error_slot.reset()
         else:
-            small.dispatch(x, cupy.asarray(bad), cupy.asarray(w[me]), validate=False)
+            out = small.dispatch(x, cupy.asarray(bad[me]), cupy.asarray(w[me]), validate=False)
+            dropped = [i.copy() for i in idx]
+            dropped[0][0, 0] = -1
+            exp = ref.intranode_dispatch([np.arange(t, dtype=np.int32)[:, None] for t in tokens], dropped, E,
+                                         topk_weights=w)[me]
+            ok = ok and np.array_equal(out.recv_x.get(), _tagged_rows(exp)) and np.array_equal(
+                out.recv_topk_idx.get(), exp.recv_topk_idx)
     finally:
         group.comm.Barrier()
         small.destroy()
