@@ -160,13 +160,16 @@ def low_latency_metrics(group, buf, x, topk_idx, calls: int = 10, use_fp8: bool 
     recv_stats = cupy.zeros(El, dtype=np.int32)
     from .bench.timing import gpu_sleep
     waits, used = [], []
+    buf._check_routing(topk_idx, x.shape[0], validate=True)  # once: a host check inside the loop would sync
     for _ in range(calls):
         wait = cupy.zeros(R, dtype=np.int64)
         if barrier is not None:
             gpu_sleep(sleep_us)
             barrier()
+        # validate=False: the routing check reads back to the host, which would hold this launch until
+        # the sleep and the barrier ended, so the call would start as late as its host got there.
         d = buf.dispatch(x, topk_idx, use_fp8=use_fp8, cumulative_local_expert_recv_stats=recv_stats,
-                         dispatch_wait_recv_cost_stats=wait)
+                         dispatch_wait_recv_cost_stats=wait, validate=False)
         cupy.cuda.runtime.deviceSynchronize()
         waits.extend(float(v) / 1e3 for v in wait.get())
         used.append(int(d.recv_count.get().sum()))
