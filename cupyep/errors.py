@@ -52,11 +52,24 @@ KERNELS: dict[str, tuple[str, ...]] = {
                                  "two-hop notify: receive capacity (a rank, this one or the peer named, would receive more "
                                  "rows than its num_worst_tokens; nothing was sent)",
                                  "two-hop notify: routing check (expert id outside [-1, E))"),
+    # Low-latency mode across nodes (the CUPYEP_LL_NVSHMEM build): phases 0 and 1 as within a node.
+    "low_latency_dispatch_internode": ("dispatch flag (receiver waits for a source of its node; counter: blocks "
+                                       "arrived, expected: blocks announced)",
+                                       "routing check (expert id outside [-1, E))",
+                                       "dispatch counts over the network (receiver waits for a source of another "
+                                       "node to signal its counts)",
+                                       "dispatch rows over the network (receiver waits for a source of another "
+                                       "node; counter: messages arrived, expected: messages announced)"),
+    "low_latency_combine_internode": ("combine flag (token owner waits for an expert rank of its node; counter: "
+                                      "blocks arrived, expected: blocks announced)",
+                                      "combine rows over the network (token owner waits for an expert rank of "
+                                      "another node; counter: rows arrived, expected: rows it routed there)"),
 }
 KERNEL_NAMES: tuple[str, ...] = tuple(KERNELS)
 # Kernels whose reported peer is a global rank (an NVSHMEM PE), not a node-local index.
 GLOBAL_PEER_KERNELS = frozenset({"internode_put_signal", "internode_two_hop_dispatch", "internode_two_hop_combine",
-                                 "internode_two_hop_notify"})
+                                 "internode_two_hop_notify", "low_latency_dispatch_internode",
+                                 "low_latency_combine_internode"})
 
 
 def kernel_id(name: str) -> int:

@@ -51,6 +51,26 @@ def _malloc_everywhere(group, nbytes: int) -> int:
     return ptr
 
 
+def buffer_view(owner, base: int, nbytes: int, offset: int, shape, dtype, strides=None):
+    """A cupy array of ``shape`` starting ``offset`` bytes into the ``nbytes``
+    buffer at device address ``base`` (kept alive by ``owner``), C-contiguous
+    or with byte ``strides`` (non-negative); every element must lie inside it."""
+    import cupy
+    dtype = np.dtype(dtype)
+    shape = tuple(int(d) for d in shape)
+    if strides is None:
+        n = int(np.prod(shape)) * dtype.itemsize
+    else:
+        strides = tuple(int(s) for s in strides)
+        if len(strides) != len(shape) or min(strides, default=0) < 0:
+            raise ValueError(f"strides {strides} do not fit shape {shape}")
+        n = 0 if 0 in shape else sum((d - 1) * s for d, s in zip(shape, strides)) + dtype.itemsize
+    if offset < 0 or offset + n > nbytes:
+        raise ValueError(f"view [{offset}, {offset + n}) outside the {nbytes}-byte buffer")
+    mem = cupy.cuda.UnownedMemory(base + offset, n, owner, device_id=cupy.cuda.Device().id)
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0), strides=strides)
+
+
 class SymmetricBuffer:
     """``nbytes`` of device memory on every rank of the node, mapped by all.
 
@@ -102,21 +122,8 @@ class SymmetricBuffer:
         """A cupy array of ``shape`` starting ``offset`` bytes into this rank's
         buffer (or node-local rank ``peer``'s), C-contiguous or with byte
         ``strides`` (non-negative); every element must lie inside the buffer."""
-        import cupy
-        dtype = np.dtype(dtype)
-        shape = tuple(int(d) for d in shape)
-        if strides is None:
-            n = int(np.prod(shape)) * dtype.itemsize
-        else:
-            strides = tuple(int(s) for s in strides)
-            if len(strides) != len(shape) or min(strides, default=0) < 0:
-                raise ValueError(f"strides {strides} do not fit shape {shape}")
-            n = 0 if 0 in shape else sum((d - 1) * s for d, s in zip(shape, strides)) + dtype.itemsize
-        if offset < 0 or offset + n > self.nbytes:
-            raise ValueError(f"view [{offset}, {offset + n}) outside the {self.nbytes}-byte buffer")
-        base = self.ptr if peer is None else self.peer_ptr_list[peer]
-        mem = cupy.cuda.UnownedMemory(base + offset, n, self, device_id=cupy.cuda.Device().id)
-        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0), strides=strides)
+        return buffer_view(self, self.ptr if peer is None else self.peer_ptr_list[peer], self.nbytes, offset,
+                           shape, dtype, strides)
 
     def _release(self) -> None:
         import cupy

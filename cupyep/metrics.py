@@ -155,7 +155,7 @@ def low_latency_metrics(group, buf, x, topk_idx, calls: int = 10, use_fp8: bool 
     measures the protocol and not how late a peer's host launched. Without
     it the waits include that launch skew."""
     import cupy
-    R = group.local_size
+    R = buf.num_ranks
     El = buf.num_local_experts
     recv_stats = cupy.zeros(El, dtype=np.int32)
     from .bench.timing import gpu_sleep

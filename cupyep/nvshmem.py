@@ -236,3 +236,68 @@ def finalize() -> None:
     if _users == 0:
         import nvshmem.core as core
         core.finalize()
+
+
+class HeapBuffer:
+    """One buffer of ``nbytes`` per rank on the NVSHMEM symmetric heap (collective
+    over ``group``, which must span every PE), zeroed: what a kernel reaches by
+    NVSHMEM puts on ranks of other nodes and by plain stores, through the peer
+    pointers, on ranks of its own node.
+
+    Attributes:
+        nbytes: size of each rank's buffer.
+        ptr: this rank's buffer (device pointer, int; the symmetric address that
+            puts to any PE name).
+        peer_ptr_list: list[int] ``[world_size]``: each rank's buffer as this
+            rank can load and store it; 0 for ranks on other nodes (reached only
+            by puts). Entry ``group.rank`` is ``ptr``.
+        peer_ptrs: cupy ``[world_size]`` uint64, the same on the device.
+
+    Starts NVSHMEM if needed (:func:`init`) and releases it in :meth:`destroy`.
+    """
+
+    def __init__(self, group, nbytes: int):
+        import cupy
+        import numpy as np
+        nbytes = int(nbytes)
+        if nbytes <= 0:
+            raise ValueError(f"HeapBuffer size must be positive, got {nbytes}")
+        sizes = group.comm.allgather(nbytes)
+        if len(set(sizes)) != 1:
+            raise ValueError(f"HeapBuffer sizes differ across the ranks: {sizes}")
+        init(group)
+        import nvshmem.core as core
+        self._core, self.group, self.nbytes = core, group, nbytes
+        self._arr = core.array((nbytes,), dtype="uint8")
+        self._arr[...] = 0
+        self.ptr = int(self._arr.data.ptr)
+        nodes = group.comm.allgather(group.node)
+        self.peer_ptr_list = [self.ptr if pe == group.rank else
+                              int(core.get_peer_array(self._arr, pe).data.ptr) if nodes[pe] == group.node else 0
+                              for pe in range(group.world_size)]
+        self.peer_ptrs = cupy.asarray(np.asarray(self.peer_ptr_list, dtype=np.uint64))
+        cupy.cuda.runtime.deviceSynchronize()
+        group.comm.Barrier()
+
+    def view(self, offset: int, shape, dtype, peer: int | None = None, strides=None):
+        """As :meth:`cupyep.ipc.SymmetricBuffer.view`; ``peer``: a rank of this node."""
+        from .ipc import buffer_view
+        base = self.ptr if peer is None else self.peer_ptr_list[peer]
+        if not base:
+            raise ValueError(f"rank {peer} is on another node: its buffer has no address here")
+        return buffer_view(self, base, self.nbytes, offset, shape, dtype, strides)
+
+    @property
+    def alive(self) -> bool:
+        return self._arr is not None
+
+    def destroy(self) -> None:
+        """Collective: wait until no rank uses any buffer, free, release NVSHMEM."""
+        import cupy
+        if self._arr is None:
+            return
+        cupy.cuda.runtime.deviceSynchronize()
+        self.group.comm.Barrier()
+        self._core.free_array(self._arr)
+        self._arr, self.peer_ptrs, self.ptr = None, None, 0
+        finalize()

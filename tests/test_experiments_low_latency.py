@@ -121,11 +121,11 @@ def test_bad_values_raise_value_error_before_anything_touches_a_gpu(bad, match):
 def test_sizes_of_the_rank_count_and_routing_parameters_are_refused_on_the_host():
     # A group of attributes only: run() refuses these before it builds a buffer or touches CuPy.
     with pytest.raises(ValueError, match="multiple of the 3 ranks"):
-        G.run(SimpleNamespace(local_size=3, local_rank=0), _cfg())
+        G.run(SimpleNamespace(local_size=3, local_rank=0, num_nodes=1), _cfg())
     with pytest.raises(ValueError, match="takes no parameter"):
-        G.run(SimpleNamespace(local_size=2, local_rank=0), _cfg(routing_params={"s": 1.0}))
+        G.run(SimpleNamespace(local_size=2, local_rank=0, num_nodes=1), _cfg(routing_params={"s": 1.0}))
     with pytest.raises(ValueError, match="hot_fraction"):
-        G.run(SimpleNamespace(local_size=2, local_rank=0), _cfg(routing="hot_expert", routing_params={"hot_fraction": 2}))
+        G.run(SimpleNamespace(local_size=2, local_rank=0, num_nodes=1), _cfg(routing="hot_expert", routing_params={"hot_fraction": 2}))
 
 
 def test_measure_rejects_bad_kinds_before_anything_runs():
@@ -211,8 +211,8 @@ def _stamp(st, ns):
 class FakeBuffer:
     """Records the calls made and writes fixed durations into their stamps."""
 
-    def __init__(self, hidden, experts=16, max_tokens=8):
-        self.hidden, self.num_experts, self.max_tokens = hidden, experts, max_tokens
+    def __init__(self, hidden, experts=16, max_tokens=8, ranks=1):
+        self.hidden, self.num_experts, self.max_tokens, self.num_ranks = hidden, experts, max_tokens, ranks
         self.num_bytes, self.num_blocks, self.num_waiters, self.num_threads = 1 << 20, 4, 4, 512
         self.programmatic_launch = True
         self.max_topk = 16
@@ -277,7 +277,7 @@ def fake_gpu(monkeypatch):
 
 def _session(ranks=4, hidden=256, tokens=6, topk=3, copy_bw=COPY_BW, **kw):
     group = SimpleNamespace(comm=FakeComm(ranks), local_size=ranks, ranks_per_gpu=ranks)
-    buf = FakeBuffer(hidden)
+    buf = FakeBuffer(hidden, ranks=ranks)
     idx = np.tile(np.arange(topk, dtype=np.int64), (tokens, 1))
     idx[0, 0] = -1  # one empty slot: tokens * topk - 1 pairs
     barrier = SimpleNamespace(n=0)

@@ -51,10 +51,13 @@ def _documented_sizes(R, M, H, E, K):
         "recv_x": rows * (2 * H + 16),     # BF16 messages: row, then a 16-byte tag
         "combine_send": rows * 2 * H,
         "combine_recv": R * M * min(K, El) * 2 * H,  # [R][M * min(K, El)][H] BF16
+        "remote_signal": 3 * R * 8,          # [3][R] uint64
+        "stage": 0,                          # within one node (staged=False)
     }
 
 
-DOC_ORDER = ("dispatch_count", "dispatch_flag", "combine_flag", "recv_x", "combine_send", "combine_recv")
+DOC_ORDER = ("dispatch_count", "dispatch_flag", "combine_flag", "recv_x", "combine_send", "combine_recv",
+             "remote_signal", "stage")
 
 
 @pytest.mark.parametrize("H", [128, 384, 640, 4096, 7168])
@@ -72,6 +75,39 @@ def test_message_layout(H):
     src = strip_comments(ARGS_CUH.read_text())
     assert "fp8 ? ((hidden / 128) * (ue8m0 ? 1 : 4) + 15) / 16 * 16 : 0" in src
     assert "return {payload, payload + scales, payload + scales + 16};" in src
+
+
+def test_the_layout_across_nodes_stages_every_message():
+    """Across nodes each set holds [3][R] uint64 signals and a staging area of
+    M * max_topk BF16 messages (one per (token, slot)); within a node the
+    staging area is empty. The staged messages follow the dispatch's data copy,
+    the signals alternate with the flags."""
+    R, M, H, E, k = 8, 128, 7168, 256, 8
+    one, across = L.low_latency_layout(R, M, H, E, k), L.low_latency_layout(R, M, H, E, k, staged=True)
+    for s in one.sets:
+        assert s.stage - s.remote_signal == L._align(3 * R * 8) and s.end == s.stage
+    for s in across.sets:
+        assert s.end - s.stage == L._align(M * k * L.message_layout(H, False).nbytes)
+    assert across.nbytes - one.nbytes == 2 * L._align(M * k * L.message_layout(H, False).nbytes)
+    assert "stage" in L.DATA_FIELDS["dispatch"] and "remote_signal" in L.FLAG_FIELDS
+    c = L.call_offsets(across, 1, 0, 1)
+    assert c.stage == across.sets[0].stage and c.remote_signal == across.sets[1].remote_signal
+    assert L.size_hint(R, M, H, E, k, staged=True) == across.nbytes
+
+
+def test_the_kernels_across_nodes_are_an_nvshmem_build():
+    from cupyep.errors import GLOBAL_PEER_KERNELS, KERNELS
+    for t in K.THREAD_CHOICES:
+        for spec in (K.dispatch_spec(t, True), K.combine_spec(t, True)):
+            assert spec.nvshmem and ("CUPYEP_LL_NVSHMEM", 1) in spec.defines and spec.name.endswith("_nvshmem")
+        assert not K.dispatch_spec(t).nvshmem and not K.dispatch_spec(t).defines
+    assert {s.name for s in K.kernel_specs()} >= {K.dispatch_spec(512, True).name, K.combine_spec(512, True).name}
+    # Across nodes the kernels name peers by world rank, with the wait sites of args.cuh.
+    assert {"low_latency_dispatch_internode", "low_latency_combine_internode"} <= GLOBAL_PEER_KERNELS
+    assert len(KERNELS["low_latency_dispatch_internode"]) == 4 and len(KERNELS["low_latency_combine_internode"]) == 2
+    src = strip_comments(ARGS_CUH.read_text())
+    for name, phase in (("kWaitRemoteCounts", 2), ("kWaitRemoteRows", 3), ("kWaitRemoteReturn", 1)):
+        assert f"constexpr int {name} = {phase};" in src
 
 
 def test_return_rows():
@@ -143,11 +179,16 @@ def test_buffer_views_fit_their_regions(R, M, H, E, K):
         "dispatch_count": El * R * 4,
         "dispatch_flag": R * 4,
         "combine_flag": R * 4,
+        "remote_signal": 3 * R * 8,
+        "stage": 0,
     }
-    for s in lay.sets:
-        bounds = [getattr(s, n) for n in DOC_ORDER] + [s.end]
-        for name, start, nxt in zip(DOC_ORDER, bounds, bounds[1:]):
-            assert start + views[name] <= nxt, name
+    staged = dict(views, stage=M * K * max(m.nbytes for m in (L.message_layout(H, False), L.message_layout(H, True),
+                                                              L.message_layout(H, True, True))))
+    for lay, v in ((lay, views), (L.low_latency_layout(R, M, H, E, K, staged=True), staged)):
+        for s in lay.sets:
+            bounds = [getattr(s, n) for n in DOC_ORDER] + [s.end]
+            for name, start, nxt in zip(DOC_ORDER, bounds, bounds[1:]):
+                assert start + v[name] <= nxt, name
 
 
 def test_layout_deepseek_decode_numbers():
@@ -155,17 +196,19 @@ def test_layout_deepseek_decode_numbers():
     El = E // R                      # 32 local experts
     rows = El * R * M                # 32768 rows per set
     per_set = (_ceil128(4 * El * R) + 2 * 128  # counts and two flag arrays, each padded to 128
-               + rows * (2 * H + 16) + rows * 2 * H + R * M * K * 2 * H)
+               + rows * (2 * H + 16) + rows * 2 * H + R * M * K * 2 * H
+               + 256)  # the [3][R] uint64 signals of the ranks of other nodes, padded to 128
     lay = L.low_latency_layout(R, M, H, E)  # max_topk defaults to 16
     assert lay.max_topk == K
     assert lay.sets[0].end == per_set
-    assert lay.nbytes == 2 * per_set == 2_349_861_376
+    assert lay.nbytes == 2 * per_set == 2_349_861_888
     assert 2.3e9 < lay.nbytes < 2.4e9
     s = lay.sets[0]
     assert (s.dispatch_count, s.dispatch_flag, s.combine_flag, s.recv_x) == (0, 1024, 1152, 1280)
     assert s.combine_send - s.recv_x == rows * (2 * H + 16) == 470_286_336
     assert s.combine_recv - s.combine_send == rows * 2 * H
-    assert s.end - s.combine_recv == R * M * K * 2 * H == 234_881_024
+    assert s.remote_signal - s.combine_recv == R * M * K * 2 * H == 234_881_024
+    assert s.end - s.remote_signal == 256 and s.stage == s.end
     # Top-8 needs half the combine receive rows.
     assert L.size_hint(R, M, H, E, 8) == lay.nbytes - 2 * R * M * 8 * 2 * H
     from cupyep.low_latency import LowLatencyBuffer
@@ -181,8 +224,9 @@ def test_layout_grows_with_every_size():
     # One less top-k slot: R * M fewer BF16 combine rows per set; beyond El (4) more slots add nothing.
     assert L.size_hint(4, 16, 256, 16, 3) == base - 2 * 4 * 16 * 256 * 2
     assert L.size_hint(4, 16, 256, 16, 5) == base
-    # Dispatch rows per set are E * M whatever R; combine rows R * M * min(K, E / R): equal here.
-    assert L.size_hint(8, 16, 256, 16, 4) == base
+    # Dispatch rows per set are E * M whatever R; combine rows R * M * min(K, E / R): equal here; the
+    # [3][R] uint64 signals take 256 bytes per set at 8 ranks instead of 128.
+    assert L.size_hint(8, 16, 256, 16, 4) == base + 2 * 128
     assert L.size_hint(64, 16, 256, 64, 4) > L.size_hint(4, 16, 256, 64, 4)  # 4 * 64 bytes of flags > 128
 
 
@@ -425,16 +469,16 @@ def test_kernel_specs():
     specs = K.kernel_specs()
     names = [s.name for s in specs]
     assert len(names) == len(set(names))
-    assert len(specs) == 2 * len(K.THREAD_CHOICES)
+    assert len(specs) == 4 * len(K.THREAD_CHOICES)  # within a node and across nodes
     for s in specs:
         assert (jit.CUDA_SRC / s.source).is_file(), s
         assert len(s.kernels) == 1 and s.kernels[0].startswith("cupyep::low_latency::")
         hash(s)
     for t in K.THREAD_CHOICES:
-        d = [s for s in specs
-             if s.source == "low_latency/dispatch.cu" and s.kernels == (f"cupyep::low_latency::dispatch<{t}>",)]
-        c = [s for s in specs
-             if s.source == "low_latency/combine.cu" and s.kernels == (f"cupyep::low_latency::combine<{t}>",)]
+        d = [s for s in specs if not s.nvshmem and s.source == "low_latency/dispatch.cu"
+             and s.kernels == (f"cupyep::low_latency::dispatch<{t}>",)]
+        c = [s for s in specs if not s.nvshmem and s.source == "low_latency/combine.cu"
+             and s.kernels == (f"cupyep::low_latency::combine<{t}>",)]
         assert len(d) == 1 and len(c) == 1, t
         assert d[0] == K.dispatch_spec(t) and c[0] == K.combine_spec(t)
         assert d[0].name == f"low_latency_dispatch_threads_{t}"
@@ -467,10 +511,14 @@ def test_error_phases_match_wait_sites():
     assert len(KERNELS["low_latency_combine"]) == 1
     for kernel in ("low_latency_dispatch", "low_latency_combine"):
         assert "flag" in KERNELS[kernel][c["kWaitPeerFlag"]], kernel
-    # The only wait site in sync.cuh reports that phase; the send side never waits.
+    # The wait sites of sync.cuh: a peer's flag within the node, and across nodes a source's counts, then its
+    # messages; the combine's across nodes is in combine.cu. The send side never waits.
     sync = strip_comments((jit.CUDA_SRC / "low_latency" / "sync.cuh").read_text())
     assert re.search(r"wait_until\((?:(?!wait_until).)*?kWaitPeerFlag, r\)", sync, re.S)
-    assert len(re.findall(r"wait_(until|geq)\(", sync)) == 1
+    assert len(re.findall(r"wait_(until|geq)\(", sync)) == 3
+    assert "kWaitRemoteCounts, r)" in sync and "kWaitRemoteRows, r)" in sync
+    combine = strip_comments((jit.CUDA_SRC / "low_latency" / "combine.cu").read_text())
+    assert len(re.findall(r"wait_(until|geq)\(", combine)) == 1 and "kWaitRemoteReturn, r)" in combine
     dispatch = strip_comments((jit.CUDA_SRC / "low_latency" / "dispatch.cu").read_text())
     assert re.search(r"report_error\([^;]*kErrorBadInput, kBadExpertId", dispatch)
 

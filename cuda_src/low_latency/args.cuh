@@ -20,7 +20,22 @@
 // travel inside its message, and the combine returns each expert rank's rows
 // packed, so that a call writes few distinct pages of a peer's buffer
 // (cupyep/low_latency/layout.py).
+//
+// Across nodes (the specialisation built with CUPYEP_LL_NVSHMEM, linked
+// against NVSHMEM): the buffer is on the NVSHMEM symmetric heap, and a peer on
+// another node (CallArgs::ranks_per_node) is reached by puts instead of
+// stores. Two more regions per set serve it:
+//   remote_signal   [3][R] uint64: from each source on another node, [0] its
+//                   counts arrived (one per call), [1] its dispatch messages
+//                   arrived, [2] its combine rows arrived (NVSHMEM signals)
+//   stage           [M * max_topk] messages: my rows to ranks of other nodes,
+//                   staged for the puts (one message per (token, slot): the
+//                   tag differs by slot); size 0 within one node
 #pragma once
+#ifdef CUPYEP_LL_NVSHMEM
+#include <nvshmem.h>
+#include <nvshmemx.h>
+#endif
 #include "common/types.cuh"
 #include "common/timeout.cuh"
 #include "common/ptx.cuh"
@@ -43,10 +58,14 @@ constexpr int kAblateScales = 4;  // dispatch: FP8 scales are not stored
 // Wait sites, indexed as in cupyep/errors.py KERNELS["low_latency_*"].
 constexpr int kWaitPeerFlag = 0;  // a peer's flag
 constexpr int kBadExpertId = 1;   // not a wait: an expert id outside [-1, E) (dispatch)
+constexpr int kWaitRemoteCounts = 2;  // across nodes, dispatch: a source's counts (its signal)
+constexpr int kWaitRemoteRows = 3;    // across nodes, dispatch: a source's messages (their signal)
+constexpr int kWaitRemoteReturn = 1;  // across nodes, combine: an expert rank's rows (their signal)
 
 struct SetOffsets {
     int64_t dispatch_count, dispatch_flag, combine_flag;
     int64_t recv_x, combine_send, combine_recv;
+    int64_t remote_signal, stage;  // across nodes only (see above)
 };
 
 // Byte offsets within one dispatch message and its size: payload (H bytes FP8
@@ -86,8 +105,20 @@ struct CallArgs {
     int num_waiters;         // blocks b < num_waiters also wait and receive; the rest only send
     int rank;
     int ablate;              // kAblate* bits (profiling only; 0 for real calls)
+    int ranks_per_node;      // ranks d with d / ranks_per_node != rank / ranks_per_node are on other nodes
+                             // (reached by NVSHMEM puts; only in the CUPYEP_LL_NVSHMEM build)
     Guard guard;
 };
+
+// Whether rank d sits on another node than this rank (never within one node's build).
+__device__ __forceinline__ bool is_remote(const CallArgs& c, int d) {
+#ifdef CUPYEP_LL_NVSHMEM
+    return d / c.ranks_per_node != c.rank / c.ranks_per_node;
+#else
+    (void)c, (void)d;
+    return false;
+#endif
+}
 
 struct DispatchArgs {
     CallArgs c;

@@ -101,6 +101,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                         if (prefix[mid] <= r) lo = mid; else hi = mid;
                     }
                     const int le = lo / R, s = lo % R, q = r - prefix[lo];
+                    if (is_remote(a.c, s)) continue;  // whole rows, put below
                     const int64_t slot = (int64_t)le * slots + (int64_t)s * a.c.max_tokens + q;
                     const int64_t first = (int64_t)piece * kPiece;
                     const int4* src =
@@ -119,9 +120,36 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                 copy_rows(Unroll<kNumThreads <= 512 ? 16 : 8>{});
             else
                 copy_rows(Unroll<8>{});
+#ifdef CUPYEP_LL_NVSHMEM
+            // Rows for owners on other nodes: a warp per row, staged in the same slot of my own
+            // combine_send (unless x is that buffer already), then put with a signal that counts it.
+            for (int64_t r = (int64_t)b * num_warps + warp; r < prefix[P]; r += (int64_t)G * num_warps) {
+                int lo = 0, hi = P;  // last pair p with prefix[p] <= r
+                while (hi - lo > 1) {
+                    const int mid = (lo + hi) / 2;
+                    if (prefix[mid] <= r) lo = mid; else hi = mid;
+                }
+                const int le = lo / R, s = lo % R, q = (int)(r - prefix[lo]);
+                if (!is_remote(a.c, s)) continue;
+                const int64_t slot = (int64_t)le * slots + (int64_t)s * a.c.max_tokens + q;
+                int4* stage = local_send + slot * row_int4;
+                const int4* src =
+                    reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) + slot * a.x_row_bytes);
+                if (src != stage) {
+                    warp_copy<8, true>(stage, src, row_int4, lane, [](const int4* p) { return ld_nc_na_v4(p); },
+                                       [](int4* p, const int4& v) { st_na_v4(p, v); });
+                    __syncwarp();
+                    __threadfence();
+                }
+                nvshmemx_putmem_signal_nbi_warp(
+                    at<int4>(mine, a.c.cur.combine_recv) + ((int64_t)a.c.rank * ret_rows + colprefix[lo] + q) * row_int4,
+                    stage, row_int4 * 16, at<uint64_t>(mine, a.c.cur.remote_signal) + 2 * R + a.c.rank, 1,
+                    NVSHMEM_SIGNAL_ADD, s);
+            }
+#endif
             trace_mark(a.c.trace, kMarkSent);
         }
-        arrive(a.c.peers, a.c.cur.combine_flag, a.c.rank, R, moves_rows ? G : 1);
+        arrive(a.c, a.c.cur.combine_flag, moves_rows ? G : 1);
         trace_mark(a.c.trace, kMarkFlagged);
     }
 
@@ -165,7 +193,16 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
         const int4* next_row = nullptr;
         float next_w = 0.f;
         if (cached_t >= 0 && cached_t < last_t && lane < k) next_row = slot_row(cached_t + 1, lane, next_w);
-        if (!wait_peer_flags(at<int>(mine, a.c.cur.combine_flag), R, a.c.guard, nullptr)) return;
+        // An expert rank r of another node returns one row per slot of mine on its experts: that many signals.
+        auto remote_rows = [&](int r) {
+            int64_t n = 0;
+            for (int64_t tj = 0; tj < (int64_t)T * k; ++tj) {
+                const int e = (int)__ldg(a.topk_idx + tj);
+                n += e >= r * El && e < (r + 1) * El;
+            }
+            return wait_geq(at<int64_t>(mine, a.c.cur.remote_signal) + 2 * R + r, n, a.c.guard, kWaitRemoteReturn, r);
+        };
+        if (!wait_peer_flags(a.c, at<int>(mine, a.c.cur.combine_flag), a.c.guard, nullptr, remote_rows)) return;
         trace_mark(a.c.trace, kMarkArrived);
         const int row_words = H / 8;
         for (int64_t item = item_begin; item < item_end; ++item) {

@@ -89,8 +89,10 @@ __device__ __forceinline__ void send_item(const DispatchArgs& a, const int* own_
         if (e < 0) continue;
         const int dst = e / El, le = e % El;
         const int64_t row = ((int64_t)le * R + a.c.rank) * a.c.max_tokens + own_pos[tl * k + j];
-        void* peer = a.c.peers[dst];
-        char* base = at<char>(peer, a.c.cur.recv_x) + row * m.bytes;
+        // A rank of another node: into my staged message of (t, j), put once the block's are all written.
+        char* base = is_remote(a.c, dst)
+                         ? at<char>(a.c.peers[a.c.rank], a.c.cur.stage) + ((int64_t)t * k + j) * m.bytes
+                         : at<char>(a.c.peers[dst], a.c.cur.recv_x) + row * m.bytes;
         if (active) {
             if (a.fp8) {
                 if (!(a.c.ablate & kAblateRows)) st_na_v4(reinterpret_cast<int4*>(base + elem0), q);
@@ -108,6 +110,31 @@ __device__ __forceinline__ void send_item(const DispatchArgs& a, const int* own_
             *reinterpret_cast<int2*>(base + m.tag) = make_int2(t, j);  // source token; slot in the low byte
     }
 }
+
+#ifdef CUPYEP_LL_NVSHMEM
+// Across nodes: the block's staged messages to ranks of other nodes, a warp per
+// (own token, slot), each put with a signal that counts it at the destination.
+// Every thread fences its staging writes, then the block barrier: the whole
+// block's messages are staged before any warp puts one.
+__device__ __forceinline__ void put_remote_messages(const DispatchArgs& a, const int* own_e, const int* own_pos,
+                                                    int n_own, int b, int G, int warp, int num_warps) {
+    const int R = a.c.num_ranks, El = a.c.num_experts / R, k = a.c.num_topk;
+    const Message m = message_layout(a.c.hidden, a.fp8, a.ue8m0);
+    void* mine = a.c.peers[a.c.rank];
+    __threadfence();
+    __syncthreads();
+    for (int i = warp; i < n_own * k; i += num_warps) {  // warp-uniform: every lane takes part in the put
+        const int e = own_e[i];
+        if (e < 0 || !is_remote(a.c, e / El)) continue;
+        const int t = b + (i / k) * G, j = i % k;
+        const int64_t row = ((int64_t)(e % El) * R + a.c.rank) * a.c.max_tokens + own_pos[i];
+        nvshmemx_putmem_signal_nbi_warp(at<char>(mine, a.c.cur.recv_x) + row * m.bytes,
+                                        at<char>(mine, a.c.cur.stage) + ((int64_t)t * k + j) * m.bytes, m.bytes,
+                                        at<uint64_t>(mine, a.c.cur.remote_signal) + R + a.c.rank, 1,
+                                        NVSHMEM_SIGNAL_ADD, e / El);
+    }
+}
+#endif
 
 __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
     extern __shared__ int smem[];
@@ -214,18 +241,36 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
             }
         }
 
+#ifdef CUPYEP_LL_NVSHMEM
+        put_remote_messages(a, own_e, own_pos, n_own, b, G, warp, num_warps);
+#endif
         trace_mark(a.c.trace, kMarkSent);
         for (int dst = b; dst < R; dst += G) {
+            if (is_remote(a.c, dst)) continue;
             int* counts = at<int>(a.c.peers[dst], a.c.cur.dispatch_count);
             for (int le = threadIdx.x; le < El; le += blockDim.x) counts[le * R + a.c.rank] = total[dst * El + le];
         }
-        arrive(a.c.peers, a.c.cur.dispatch_flag, a.c.rank, R, G);
+#ifdef CUPYEP_LL_NVSHMEM
+        // Block 0 (which cleared the next set's signals first) sends every remote destination its counts:
+        // a thread per destination puts them, fences, then signals, so they land before the signal.
+        if (b == 0)
+            for (int dst = threadIdx.x; dst < R; dst += blockDim.x) {
+                if (!is_remote(a.c, dst)) continue;
+                int* counts = at<int>(mine, a.c.cur.dispatch_count);
+                for (int le = 0; le < El; ++le) nvshmem_int_p(counts + le * R + a.c.rank, total[dst * El + le], dst);
+                nvshmem_fence();
+                nvshmemx_signal_op(at<uint64_t>(mine, a.c.cur.remote_signal) + a.c.rank, 1, NVSHMEM_SIGNAL_ADD, dst);
+            }
+#endif
+        arrive(a.c, a.c.cur.dispatch_flag, G);
         trace_mark(a.c.trace, kMarkFlagged);
     }
 
     if (a.c.phases & kPhaseRecv) {
         if (b >= a.c.num_waiters) return;  // a sender only
-        if (!wait_peer_flags(at<int>(mine, a.c.cur.dispatch_flag), R, a.c.guard, a.wait_stats)) return;
+        if (!wait_peer_flags(a.c, at<int>(mine, a.c.cur.dispatch_flag), a.c.guard, a.wait_stats,
+                             [&](int r) { return wait_remote_dispatch(a.c, r, a.c.guard); }))
+            return;
         trace_mark(a.c.trace, kMarkArrived);
         const int* counts = at<int>(mine, a.c.cur.dispatch_count);
         __shared__ int s_sum;

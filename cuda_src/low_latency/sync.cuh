@@ -35,7 +35,9 @@ __device__ __forceinline__ T* at(void* base, int64_t offset) {
     return reinterpret_cast<T*>(static_cast<char*>(base) + offset);
 }
 
-// Block 0 zeroes the next set's flags.
+// Block 0 zeroes the next set's flags (and, across nodes, its signals: the
+// same argument covers them, since block 0 also sends the counts that
+// complete a remote peer's wait, after this clear).
 __device__ __forceinline__ void clear_next_flags(void* mine, const SetOffsets& next, int num_ranks) {
     if (blockIdx.x != 0) return;
     int* dispatch_flag = at<int>(mine, next.dispatch_flag);
@@ -44,6 +46,10 @@ __device__ __forceinline__ void clear_next_flags(void* mine, const SetOffsets& n
         dispatch_flag[i] = 0;
         combine_flag[i] = 0;
     }
+#ifdef CUPYEP_LL_NVSHMEM
+    uint64_t* signals = at<uint64_t>(mine, next.remote_signal);
+    for (int i = threadIdx.x; i < 3 * num_ranks; i += blockDim.x) signals[i] = 0;
+#endif
 }
 
 // The value block b adds to a flag when num_blocks (<= kernels.MAX_BLOCKS) blocks arrive.
@@ -55,30 +61,34 @@ __device__ __forceinline__ bool arrivals_complete(int v) {
 }
 
 // Blocks b < num_blocks (every block that wrote rows, or just block 0 when there
-// were none) arrive on flags[rank] of every peer's buffer at byte offset
-// flag_offset, after a block barrier so that the release covers the block's rows.
-__device__ __forceinline__ void arrive(void* const* peers, int64_t flag_offset, int rank, int num_ranks,
-                                       int num_blocks) {
+// were none) arrive on flags[rank] of every peer's buffer of this node at byte
+// offset flag_offset, after a block barrier so that the release covers the
+// block's rows. (Peers on other nodes learn of their rows from signals.)
+__device__ __forceinline__ void arrive(const CallArgs& c, int64_t flag_offset, int num_blocks) {
     __syncthreads();
     if ((int)blockIdx.x >= num_blocks) return;
     const int v = arrival(blockIdx.x, num_blocks);
-    for (int dst = threadIdx.x; dst < num_ranks; dst += blockDim.x)
-        atomic_add_release_sys(at<int>(peers[dst], flag_offset) + rank, v);
+    for (int dst = threadIdx.x; dst < c.num_ranks; dst += blockDim.x)
+        if (!is_remote(c, dst)) atomic_add_release_sys(at<int>(c.peers[dst], flag_offset) + c.rank, v);
 }
 
-// Wait (every block) until all R peers' flags in `flags` are complete.
+// Wait (every block) until all R peers' flags in `flags` are complete; a peer
+// on another node through remote(r) instead (bool: false after a timeout).
 // Block 0 adds the nanoseconds it waited for each peer to wait_stats.
-__device__ __forceinline__ bool wait_peer_flags(const int* flags, int num_ranks, const Guard& guard,
-                                                int64_t* wait_stats) {
+template <typename Remote>
+__device__ __forceinline__ bool wait_peer_flags(const CallArgs& c, const int* flags, const Guard& guard,
+                                                int64_t* wait_stats, Remote&& remote) {
     __shared__ int s_fail;
     if (threadIdx.x == 0) s_fail = 0;
     __syncthreads();
-    for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
+    for (int r = threadIdx.x; r < c.num_ranks; r += blockDim.x) {
         const uint64_t t0 = global_timer_ns();
         // A timeout reports (blocks arrived, blocks announced; 0 before block 0 arrived).
-        if (!wait_until(
-                flags + r, [](int v) { return arrivals_complete(v); },
-                [](int v) { return make_longlong2(v & 0xffff, (unsigned)v >> 16); }, guard, kWaitPeerFlag, r))
+        if (is_remote(c, r) ? !remote(r)
+                            : !wait_until(
+                                  flags + r, [](int v) { return arrivals_complete(v); },
+                                  [](int v) { return make_longlong2(v & 0xffff, (unsigned)v >> 16); }, guard,
+                                  kWaitPeerFlag, r))
             s_fail = 1;
         else if (wait_stats && blockIdx.x == 0)
             atomicAdd(reinterpret_cast<unsigned long long*>(wait_stats + r),
@@ -86,6 +96,20 @@ __device__ __forceinline__ bool wait_peer_flags(const int* flags, int num_ranks,
     }
     __syncthreads();
     return !s_fail;
+}
+
+// Across nodes: source r's dispatch to me, on another node: its counts'
+// signal (block 0 of r puts the counts, fences, then signals), then as many
+// messages as the counts announce (each put with a signal). Thread-level.
+__device__ __forceinline__ bool wait_remote_dispatch(const CallArgs& c, int r, const Guard& guard) {
+    const int R = c.num_ranks, El = c.num_experts / R;
+    void* mine = c.peers[c.rank];
+    const int64_t* sig = at<int64_t>(mine, c.cur.remote_signal);
+    if (!wait_geq(sig + r, 1, guard, kWaitRemoteCounts, r)) return false;
+    const int* counts = at<int>(mine, c.cur.dispatch_count);
+    int64_t n = 0;
+    for (int le = 0; le < El; ++le) n += ld_volatile(counts + le * R + r);
+    return wait_geq(sig + R + r, n, guard, kWaitRemoteRows, r);
 }
 
 }  // namespace low_latency

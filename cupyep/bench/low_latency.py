@@ -186,7 +186,7 @@ class Session:
         T, H = x.shape
         self.pairs = int((topk_idx >= 0).sum())
         self.rows = row_bytes(H)
-        self.base = {"bench": "low_latency", "ranks": group.local_size, "tokens": T, "hidden": H,
+        self.base = {"bench": "low_latency", "ranks": buf.num_ranks, "tokens": T, "hidden": H,
                      "topk": int(topk_idx.shape[1]), "experts": buf.num_experts, "max_tokens": buf.max_tokens,
                      "buffer_bytes": buf.num_bytes, "num_blocks": buf.num_blocks, "num_waiters": buf.num_waiters,
                      "num_threads": buf.num_threads, "copy_GBps": copy_bw / 1e9 if copy_bw else None,

@@ -142,7 +142,8 @@ def run(group, cfg: dict) -> dict:
     check_config(cfg)
     from .. import routing
     from ..low_latency.layout import check_sizes
-    R, me = group.local_size, group.local_rank
+    from ..low_latency.buffer import ranks_of
+    me, R = ranks_of(group)
     T, k, E = cfg["tokens"], cfg["topk"], cfg["experts"]
     args = buffer_args(cfg)
     check_sizes(R, args["num_max_dispatch_tokens_per_rank"], cfg["hidden"], E, args["max_topk"])

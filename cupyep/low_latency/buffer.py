@@ -1,9 +1,13 @@
-"""Low-latency dispatch and combine between the ranks of one node.
+"""Low-latency dispatch and combine between the ranks of one node, or across nodes.
 
 :class:`LowLatencyBuffer` owns a symmetric IPC buffer of two sets (see
 :mod:`cupyep.low_latency.layout`). Signals alternate between the sets with
 every call; data regions follow :class:`~cupyep.low_latency.layout.CallSchedule`,
-so results of a dispatch stay valid until the next dispatch. Kernels run on the caller's
+so results of a dispatch stay valid until the next dispatch. Across nodes
+(``group.num_nodes > 1``) the buffer is on the NVSHMEM symmetric heap, every
+rank of the world takes part, and ranks of other nodes are reached by
+NVSHMEM puts with signals (the CUPYEP_LL_NVSHMEM build of the kernels,
+``cuda_src/low_latency/args.cuh``); the calls are the same. Kernels run on the caller's
 current stream (or on a communication stream with ``async_finish``), never
 wait on the host, and can be captured in CUDA graphs. Every wait on a peer is
 bounded by ``group.timeout_s`` and reported as ``CommTimeoutError``.
@@ -22,6 +26,15 @@ from .layout import CallSchedule, call_offsets, check_sizes, low_latency_layout,
 from .results import LowLatencyCombineResult, LowLatencyDispatchResult, LowLatencyHandle
 
 
+def ranks_of(group) -> tuple[int, int]:
+    """(this rank, number of ranks) of a low-latency buffer on ``group``: the
+    node's local rank and size, or with ranks on several nodes the world rank
+    and size (every rank of the world takes part)."""
+    if group.num_nodes > 1:
+        return group.rank, group.world_size
+    return group.local_rank, group.local_size
+
+
 def _time_ptr(kernel_time_ns) -> int:
     t = as_cupy(kernel_time_ns, "kernel_time_ns")
     if t is not None:
@@ -30,10 +43,12 @@ def _time_ptr(kernel_time_ns) -> int:
 
 
 class LowLatencyBuffer:
-    """Low-latency mode buffer for one node.
+    """Low-latency mode buffer.
 
     Arguments:
-        group: from :func:`cupyep.init`; every rank of the node takes part.
+        group: from :func:`cupyep.init`; every rank of the node takes part, or
+            with ranks on several nodes every rank of the world (needs
+            nvshmem4py; the same number of ranks on every node).
         num_max_dispatch_tokens_per_rank: most tokens any rank dispatches per call.
         hidden: hidden size (multiple of 128) every call uses.
         num_experts: E, divisible by the number of ranks.
@@ -65,15 +80,17 @@ class LowLatencyBuffer:
                  num_threads: int = K.DEFAULT_THREADS, programmatic_launch: bool | None = None):
         import cupy
         group.require_gpu("cupyep.LowLatencyBuffer")
-        if group.num_nodes > 1:
-            raise ValueError(f"low-latency mode across {group.num_nodes} nodes needs the NVSHMEM transport; "
-                             "this buffer connects the ranks of one node")
-        R = group.local_size
+        # Across nodes every rank of the world takes part: ranks of my node by stores, the others by NVSHMEM puts.
+        self.across_nodes = group.num_nodes > 1
+        me, R = ranks_of(group)
         check_sizes(R, num_max_dispatch_tokens_per_rank, hidden, num_experts, max_topk)
         if num_threads not in K.THREAD_CHOICES:
             raise ValueError(f"num_threads must be one of {K.THREAD_CHOICES}, got {num_threads}")
+        if self.across_nodes and len(set(group.comm.allgather(group.local_size))) != 1:
+            raise ValueError("low-latency mode across nodes needs the same number of ranks on every node")
         self.group = group
-        self.num_ranks, self.rank = R, group.local_rank
+        self.num_ranks, self.rank = R, me
+        self.ranks_per_node = group.local_size
         self.max_tokens, self.hidden, self.num_experts = num_max_dispatch_tokens_per_rank, hidden, num_experts
         self.num_local_experts = num_experts // R
         dev = cupy.cuda.Device()
@@ -88,16 +105,25 @@ class LowLatencyBuffer:
         devices = group.node_comm.allgather(group.device_id)
         K.check_peer_atomics(devices, driver.peer_native_atomics)
         self._one_gpu = len(set(devices)) == 1  # every local rank on this GPU (under MPS)
-        self.layout = low_latency_layout(R, num_max_dispatch_tokens_per_rank, hidden, num_experts, max_topk)
-        self.buffer = SymmetricBuffer(group, self.layout.nbytes)
+        self.layout = low_latency_layout(R, num_max_dispatch_tokens_per_rank, hidden, num_experts, max_topk,
+                                         staged=self.across_nodes)
+        if self.across_nodes:
+            from ..nvshmem import HeapBuffer
+            self.buffer = HeapBuffer(group, self.layout.nbytes)  # raises NvshmemUnavailable (how to install)
+        else:
+            self.buffer = SymmetricBuffer(group, self.layout.nbytes)
         self._structs = {}
         self.comm_stream = cupy.cuda.Stream(non_blocking=True)
         self._schedule = CallSchedule()
         self._pending_hook = None
         self.ablate = 0
-        self._dispatch_fn = jit.kernel(K.dispatch_spec(num_threads), group)
-        self._combine_fn = jit.kernel(K.combine_spec(num_threads), group)
-        self._check_resident()
+        try:
+            self._dispatch_fn = jit.kernel(K.dispatch_spec(num_threads, self.across_nodes), group)
+            self._combine_fn = jit.kernel(K.combine_spec(num_threads, self.across_nodes), group)
+            self._check_resident()
+        except BaseException:
+            self.buffer.destroy()
+            raise
 
     # ------------------------------------------------------------------ sizes
     @staticmethod
@@ -121,7 +147,8 @@ class LowLatencyBuffer:
         """The CallArgs fields of a call (args.cuh) but its phases, waiters and ablations."""
         return dict(peers=self.buffer.peer_ptrs.data.ptr, **sets, **profile, num_tokens=num_tokens,
                     hidden=self.hidden, num_topk=num_topk, num_experts=self.num_experts, num_ranks=self.num_ranks,
-                    max_tokens=self.max_tokens, max_topk=self.max_topk, rank=self.rank, guard=self._guard(kernel))
+                    max_tokens=self.max_tokens, max_topk=self.max_topk, rank=self.rank,
+                    ranks_per_node=self.ranks_per_node, guard=self._guard(kernel))
 
     def _check_resident(self) -> None:
         # Raises ValueError when the dispatch's shared memory cannot fit these sizes.
@@ -157,7 +184,8 @@ class LowLatencyBuffer:
         return self._structs[key]
 
     def _guard(self, kernel: str):
-        return jit.pack(K.GUARD_DTYPE, **self.group.guard(kernel))
+        # Across nodes the kernels name peers by world rank (errors.GLOBAL_PEER_KERNELS).
+        return jit.pack(K.GUARD_DTYPE, **self.group.guard(kernel + ("_internode" if self.across_nodes else "")))
 
     def _stream(self, async_finish: bool):
         import cupy
@@ -394,6 +422,9 @@ class LowLatencyBuffer:
                                  f"recv_x); its strides are {st}")
         if out is not None:
             out = check(as_cupy(out, "out"), "out", BF16, shape=(T, H))
+        if pull and self.across_nodes:
+            raise ValueError("pull=True reads the expert ranks' buffers, which ranks of other nodes cannot; "
+                             "across nodes the combine pushes (pull=None or False)")
         profile = self._profile_args(kernel_time_ns, trace)
         _, _, _, sets = self._take_set("combine")
         stream = self._stream(async_finish)
@@ -404,7 +435,8 @@ class LowLatencyBuffer:
         args = dict(x=src.data.ptr, layout_count=handle.layout_count.data.ptr,
                     combine_pos=handle.combine_pos.data.ptr, slot_pos=handle.slot_pos.data.ptr,
                     topk_idx=topk_idx.data.ptr, topk_weights=topk_weights.data.ptr, out=out.data.ptr,
-                    x_row_bytes=src.strides[1], pull=int(zero_copy and self._one_gpu if pull is None else bool(pull)))
+                    x_row_bytes=src.strides[1],
+                    pull=int(zero_copy and self._one_gpu and not self.across_nodes if pull is None else bool(pull)))
         smem = K.combine_smem(self.num_experts)
 
         hook = self._run(self._combine_fn, K.COMBINE_ARGS_DTYPE, call_args, args, smem, stream, return_recv_hook)

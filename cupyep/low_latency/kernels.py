@@ -46,7 +46,7 @@ CALL_DTYPE = jit.struct_dtype([
     ("peers", u64), ("cur", SET_DTYPE), ("next", SET_DTYPE), ("kernel_time", u64), ("trace", u64),
     ("num_tokens", i32), ("hidden", i32), ("num_topk", i32), ("num_experts", i32), ("num_ranks", i32),
     ("max_tokens", i32), ("max_topk", i32), ("phases", i32), ("num_waiters", i32), ("rank", i32), ("ablate", i32),
-    ("guard", GUARD_DTYPE)])
+    ("ranks_per_node", i32), ("guard", GUARD_DTYPE)])
 DISPATCH_ARGS_DTYPE = jit.struct_dtype([
     ("c", CALL_DTYPE), ("x", u64), ("topk_idx", u64), ("layout_count", u64), ("recv_count", u64),
     ("combine_pos", u64), ("slot_pos", u64), ("cumulative_stats", u64), ("wait_stats", u64), ("mask_words", i32),
@@ -56,19 +56,27 @@ COMBINE_ARGS_DTYPE = jit.struct_dtype([
     ("topk_idx", u64), ("topk_weights", u64), ("out", u64), ("x_row_bytes", i64), ("pull", i32)])
 
 
-def dispatch_spec(num_threads: int = DEFAULT_THREADS) -> jit.KernelSpec:
-    return jit.KernelSpec(name=f"low_latency_dispatch_threads_{num_threads}", source="low_latency/dispatch.cu",
-                          kernels=(f"cupyep::low_latency::dispatch<{num_threads}>",))
+def _spec(kind: str, num_threads: int, across_nodes: bool) -> jit.KernelSpec:
+    """``kind`` (dispatch or combine); ``across_nodes``: the build that reaches
+    ranks of other nodes by NVSHMEM puts (CUPYEP_LL_NVSHMEM, args.cuh)."""
+    suffix = "_nvshmem" if across_nodes else ""
+    return jit.KernelSpec(name=f"low_latency_{kind}_threads_{num_threads}{suffix}", source=f"low_latency/{kind}.cu",
+                          kernels=(f"cupyep::low_latency::{kind}<{num_threads}>",),
+                          defines=(("CUPYEP_LL_NVSHMEM", 1),) if across_nodes else (), nvshmem=across_nodes)
 
 
-def combine_spec(num_threads: int = DEFAULT_THREADS) -> jit.KernelSpec:
-    return jit.KernelSpec(name=f"low_latency_combine_threads_{num_threads}", source="low_latency/combine.cu",
-                          kernels=(f"cupyep::low_latency::combine<{num_threads}>",))
+def dispatch_spec(num_threads: int = DEFAULT_THREADS, across_nodes: bool = False) -> jit.KernelSpec:
+    return _spec("dispatch", num_threads, across_nodes)
+
+
+def combine_spec(num_threads: int = DEFAULT_THREADS, across_nodes: bool = False) -> jit.KernelSpec:
+    return _spec("combine", num_threads, across_nodes)
 
 
 def kernel_specs() -> list[jit.KernelSpec]:
-    """Specialisations compiled by ``python -m cupyep.jit --check``."""
-    return [s for t in THREAD_CHOICES for s in (dispatch_spec(t), combine_spec(t))]
+    """Specialisations compiled by ``python -m cupyep.jit --check`` (those
+    across nodes need the NVSHMEM library, as every NVSHMEM kernel)."""
+    return [s for t in THREAD_CHOICES for a in (False, True) for s in (dispatch_spec(t, a), combine_spec(t, a))]
 
 
 def set_struct(s) -> np.void:

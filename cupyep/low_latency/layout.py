@@ -13,6 +13,10 @@ with ``El = E / R`` local experts, ``M = max_tokens``
     recv_x         [El][R * M] messages of D bytes (see message_layout), sized for BF16
     combine_send   [El][R * M][H] BF16  zero-copy combine input
     combine_recv   [R][M * Kc][H] BF16  rows expert rank r returns to me
+    remote_signal  [3][R] uint64      across nodes: NVSHMEM signals from each source on another node
+                                      (its counts, its dispatch messages, its combine rows)
+    stage          [M * max_topk] messages  across nodes: my messages to other nodes, staged for the
+                                      puts; 0 bytes unless the layout is ``staged``
 
 with ``Kc = min(max_topk, El)`` (a token sends at most that many rows to one
 rank). Every region starts on a 128-byte boundary.
@@ -38,7 +42,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 ALIGN = 128
-FIELDS = ("dispatch_count", "dispatch_flag", "combine_flag", "recv_x", "combine_send", "combine_recv")
+FIELDS = ("dispatch_count", "dispatch_flag", "combine_flag", "recv_x", "combine_send", "combine_recv",
+          "remote_signal", "stage")
 MAX_TOPK = 255  # a message's tag holds the top-k slot in one byte
 TAG_BYTES = 16
 
@@ -76,6 +81,8 @@ class SetLayout:
     recv_x: int
     combine_send: int
     combine_recv: int
+    remote_signal: int
+    stage: int
     end: int
 
 
@@ -131,10 +138,11 @@ def check_sizes(num_ranks: int, max_tokens: int, hidden: int, num_experts: int, 
 
 
 def low_latency_layout(num_ranks: int, max_tokens: int, hidden: int, num_experts: int,
-                       max_topk: int = 16) -> LowLatencyLayout:
+                       max_topk: int = 16, staged: bool = False) -> LowLatencyLayout:
     """Layout of a buffer for ``num_ranks`` ranks, ``max_tokens`` tokens per
     rank and call, hidden size ``hidden``, ``num_experts`` experts and top-k
-    up to ``max_topk``."""
+    up to ``max_topk``; ``staged``: with the staging region of the buffer
+    across nodes."""
     check_sizes(num_ranks, max_tokens, hidden, num_experts, max_topk)
     R, E, M, H = (operator.index(v) for v in (num_ranks, num_experts, max_tokens, hidden))
     max_topk = operator.index(max_topk)
@@ -147,6 +155,8 @@ def low_latency_layout(num_ranks: int, max_tokens: int, hidden: int, num_experts
         "recv_x": rows * message_layout(H, False).nbytes,
         "combine_send": rows * 2 * H,
         "combine_recv": R * return_rows(M, max_topk, El) * 2 * H,
+        "remote_signal": 3 * R * 8,
+        "stage": M * max_topk * message_layout(H, False).nbytes if staged else 0,
     }
     sets = []
     offset = 0
@@ -159,13 +169,16 @@ def low_latency_layout(num_ranks: int, max_tokens: int, hidden: int, num_experts
     return LowLatencyLayout(R, E, M, H, max_topk, tuple(sets), offset)
 
 
-def size_hint(num_ranks: int, max_tokens: int, hidden: int, num_experts: int, max_topk: int = 16) -> int:
-    """Bytes per rank of a LowLatencyBuffer for these sizes."""
-    return low_latency_layout(num_ranks, max_tokens, hidden, num_experts, max_topk).nbytes
+def size_hint(num_ranks: int, max_tokens: int, hidden: int, num_experts: int, max_topk: int = 16,
+              staged: bool = False) -> int:
+    """Bytes per rank of a LowLatencyBuffer for these sizes (``staged``: across nodes)."""
+    return low_latency_layout(num_ranks, max_tokens, hidden, num_experts, max_topk, staged).nbytes
 
 
-FLAG_FIELDS = ("dispatch_count", "dispatch_flag", "combine_flag")
-DATA_FIELDS = {"dispatch": ("recv_x",),
+FLAG_FIELDS = ("dispatch_count", "dispatch_flag", "combine_flag", "remote_signal")
+# The staged messages follow the dispatch's data copy: a copy is written again only once every peer has
+# received what it held (the argument of CallSchedule), so a put has always read it by then.
+DATA_FIELDS = {"dispatch": ("recv_x", "stage"),
                "combine": ("combine_send", "combine_recv")}
 
 

@@ -13,11 +13,19 @@ import pytest
 
 from cupyep import CommTimeoutError
 from cupyep import reference as ref
+from cupyep.low_latency.buffer import ranks_of as ranks
 from cupyep.testing import all_ranks, bf16_to_f32, f32_to_bf16, global_routing, payload_bf16
 from graphs import capture, replay
 
 pytestmark = pytest.mark.gpu
 E, K, H, MAX_TOKENS = 256, 8, 7168, 128
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _nvshmem_across_nodes(request, group):
+    """Across nodes the buffers live on the NVSHMEM heap: NVSHMEM for the session."""
+    if group.num_nodes > 1:
+        request.getfixturevalue("nvshmem_session")
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +72,7 @@ def _expert_outputs(res, use_fp8, ue8m0=False):
 
 def _check_dispatch(group, res, tokens, idx, use_fp8, xs, E=E, MAX_TOKENS=MAX_TOKENS):
     """Exact per-(expert, source) comparison with the reference dispatch."""
-    me, R = group.local_rank, group.local_size
+    me, R = ranks(group)
     refs = ref.low_latency_dispatch(xs, idx, E, MAX_TOKENS)
     mine = refs[me]
     counts = res.handle.layout_count.get()
@@ -109,7 +117,7 @@ def _combine_expected(x_bits, idx, w):
 @pytest.mark.parametrize("use_fp8", [True, False])
 def test_dispatch_combine(group, llbuf, num_tokens, k, use_fp8):
     import cupy
-    me, R = group.local_rank, group.local_size
+    me, R = ranks(group)
     tokens = [num_tokens] * R
     idx, w = _routing(group, 3 + num_tokens + use_fp8, tokens, k)
     xs = [tagged_x(r, num_tokens) for r in range(R)]
@@ -135,7 +143,7 @@ def test_dispatch_combine(group, llbuf, num_tokens, k, use_fp8):
 
 def test_hook_zero_copy_ue8m0(group, llbuf):
     import cupy
-    me, R = group.local_rank, group.local_size
+    me, R = ranks(group)
     tokens = [MAX_TOKENS - 7] * R
     idx, w = _routing(group, 21, tokens)
     xs = [tagged_x(r, tokens[r]) for r in range(R)]
@@ -175,7 +183,7 @@ def test_position_windows(group, use_fp8):
     import cupy
     import cupyep
     from cupyep.low_latency import kernels as LK
-    me, R = group.local_rank, group.local_size
+    me, R = ranks(group)
     E2, H2, M2 = 2048, 256, 256
     buf = cupyep.LowLatencyBuffer(group, M2, H2, E2)
     try:
@@ -201,9 +209,10 @@ def test_pull_and_push(group, llbuf, hook):
     """Owners pulling the outputs from the expert ranks' combine buffers (from x
     copied there, or written there as zero-copy) give the reference result, bit
     for bit what the pushing combines give, over repeated dispatch/combine
-    rounds with uneven token counts."""
+    rounds with uneven token counts. Across nodes only the push runs (pull is
+    refused before launch)."""
     import cupy
-    me, R = group.local_rank, group.local_size
+    me, R = ranks(group)
     tokens = [MAX_TOKENS - 5 * r for r in range(R)]
     for it in range(3):
         idx, w = _routing(group, 40 + 2 * it + hook, tokens)
@@ -212,7 +221,10 @@ def test_pull_and_push(group, llbuf, hook):
         res = llbuf.dispatch(cupy.asarray(xs[me]), i_me, use_fp8=False)
         y = res.recv_x.copy()
         outs = []
-        for pull in (True, False):
+        if group.num_nodes > 1:  # ranks of other nodes cannot be read: across nodes the combine pushes
+            with pytest.raises(ValueError, match="pull=True"):
+                llbuf.combine(y, i_me, w_me, res.handle, pull=True)
+        for pull in ((False,) if group.num_nodes > 1 else (True, False)):
             for zero_copy in (True, False):
                 if zero_copy:
                     llbuf.get_next_combine_buffer(res.handle)[...] = y
@@ -233,7 +245,7 @@ def test_profiling_stamps(group, llbuf, hook):
     mark in order, and the kernel stamps bracket the marks."""
     import cupy
     from cupyep.low_latency.kernels import NUM_TRACE_SLOTS, TRACE_MARKS
-    me, R = group.local_rank, group.local_size
+    me, R = ranks(group)
     tokens = [MAX_TOKENS] * R
     idx, w = _routing(group, 41 + hook, tokens)
     xs = [tagged_x(r, MAX_TOKENS) for r in range(R)]
@@ -273,7 +285,7 @@ def test_senders_beyond_waiters(group, llbuf, hook):
     import cupy
     import cupyep
     from cupyep.low_latency.kernels import NUM_TRACE_SLOTS, TRACE_MARKS
-    me, R = group.local_rank, group.local_size
+    me, R = ranks(group)
     G = 3 * llbuf.num_blocks
     W = 1 if hook else max(min(R, G), llbuf.num_blocks // 2)
     b = cupyep.LowLatencyBuffer(group, MAX_TOKENS, H, E, num_blocks=G, num_waiters=W)
@@ -310,7 +322,7 @@ def test_stress_1000_calls(group, llbuf):
     """1000 dispatch/combine pairs with new routing every call, alternating
     FP8/BF16; counts, sources and row tags checked on the device every call."""
     import cupy
-    me, R = group.local_rank, group.local_size
+    me, R = ranks(group)
     El = E // R
     x = cupy.asarray(tagged_x(me, MAX_TOKENS))
     bad = cupy.zeros(4, dtype=np.int64)
@@ -357,7 +369,7 @@ def test_call_sequences(group, llbuf, pattern):
     two dispatches then their combines newest first, one dispatch combined twice, and the
     decode loop; each dispatch is checked exactly and each combine against x * sum(w)."""
     import cupy
-    me, R = group.local_rank, group.local_size
+    me, R = ranks(group)
     xs = [tagged_x(r, MAX_TOKENS) for r in range(R)]
     x = cupy.asarray(xs[me])
     pending, ok, bad = [], True, []
@@ -384,7 +396,7 @@ def test_call_sequences(group, llbuf, pattern):
 
 def test_overwritten_handle_is_rejected(group, llbuf):
     import cupy
-    me, R = group.local_rank, group.local_size
+    me, R = ranks(group)
     idx, w = _routing(group, 77, [8] * R)
     x = cupy.asarray(tagged_x(me, 8))
     first = llbuf.dispatch(x, cupy.asarray(idx[me]), use_fp8=False)
@@ -401,7 +413,7 @@ def test_ablations_keep_the_protocol(group, llbuf):
     (only payloads are skipped); cleared, calls are exact again."""
     import cupy
     from cupyep.low_latency import kernels as K
-    me, R = group.local_rank, group.local_size
+    me, R = ranks(group)
     idx, w = _routing(group, 91, [32] * R)
     xs = [tagged_x(r, 32) for r in range(R)]
     x = cupy.asarray(xs[me])
@@ -421,7 +433,7 @@ def test_ablations_keep_the_protocol(group, llbuf):
 
 def test_cuda_graph_replay(group, llbuf):
     import cupy
-    me, R = group.local_rank, group.local_size
+    me, R = ranks(group)
     T = MAX_TOKENS
     stream = cupy.cuda.Stream(non_blocking=True)
     x_in = cupy.asarray(tagged_x(me, T))
@@ -456,7 +468,7 @@ def test_launch_modes(group, llbuf, graph, programmatic):
     graph."""
     import cupy
     from cupyep.barrier import GpuBarrier
-    me, R = group.local_rank, group.local_size
+    me, R = ranks(group)
     T = MAX_TOKENS
     bar = GpuBarrier(group)
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -523,18 +535,18 @@ def test_bad_input(group, llbuf):
     with pytest.raises(ValueError, match="use_ue8m0"):
         llbuf.dispatch(x, idx, use_ue8m0=True)
     with pytest.raises(ValueError, match="int32"):
-        llbuf.dispatch(x, idx, cumulative_local_expert_recv_stats=cupy.zeros(E // group.local_size, np.int64))
+        llbuf.dispatch(x, idx, cumulative_local_expert_recv_stats=cupy.zeros(E // ranks(group)[1], np.int64))
     with pytest.raises(ValueError, match="uint16"):
         llbuf.dispatch(x.astype(np.float32), idx)
     with pytest.raises(ValueError, match="max_topk=16"):
         llbuf.dispatch(x, cupy.asarray(np.tile(np.arange(17, dtype=np.int64), (4, 1))))
     res = llbuf.dispatch(x, idx, use_fp8=False)
     with pytest.raises(ValueError, match="columns"):
-        llbuf.combine(cupy.zeros((E // group.local_size, group.local_size * MAX_TOKENS, H), np.uint16),
+        llbuf.combine(cupy.zeros((E // ranks(group)[1], ranks(group)[1] * MAX_TOKENS, H), np.uint16),
                       idx[:, :4].copy(), cupy.zeros((4, 4), np.float32), res.handle)
     with pytest.raises(ValueError, match="shape"):
         llbuf.combine(cupy.zeros((1, 2, H), np.uint16), idx, cupy.zeros((4, K), np.float32), res.handle)
-    El, S = E // group.local_size, group.local_size * MAX_TOKENS
+    El, S = E // ranks(group)[1], ranks(group)[1] * MAX_TOKENS
     for bad in (cupy.zeros((El, S, H + 1), np.uint16)[:, :, :H],       # row stride not a multiple of 16 bytes
                 cupy.zeros((El, H, S), np.uint16).transpose(0, 2, 1),  # rows not contiguous
                 cupy.zeros((2 * El, S, H), np.uint16)[::2]):           # gaps between experts
@@ -546,14 +558,18 @@ def test_bad_input(group, llbuf):
 
 
 def test_timeout_names_missing_rank(group):
+    """A rank that never dispatches: every other rank's wait times out naming it
+    (across nodes, ranks of its node wait on its flag, the others on its
+    counts' signal)."""
     import cupy
     import cupyep
-    if group.local_size < 2:
+    me, R = ranks(group)
+    if R < 2:
         pytest.skip("needs two ranks")
-    missing = group.local_size - 1
+    missing = R - 1
     b = cupyep.LowLatencyBuffer(group, 8, 1024, E)
     try:
-        if group.local_rank != missing:
+        if me != missing:
             x = cupy.zeros((8, 1024), dtype=np.uint16)
             idx = cupy.asarray(np.tile(np.arange(K, dtype=np.int64), (8, 1)))
             t0 = time.monotonic()
@@ -563,7 +579,11 @@ def test_timeout_names_missing_rank(group):
             elapsed = time.monotonic() - t0
             group.error_slot.reset()
             err = info.value
-            assert err.kernel == "low_latency_dispatch" and err.peer == missing and err.rank == group.rank, str(err)
+            kernel = "low_latency_dispatch" + ("_internode" if group.num_nodes > 1 else "")
+            assert err.kernel == kernel and err.peer == missing and err.rank == group.rank, str(err)
+            if group.num_nodes > 1:
+                same_node = group.rank // group.local_size == missing // group.local_size
+                assert ("dispatch flag" if same_node else "counts over the network") in err.phase, str(err)
             assert elapsed < group.timeout_s + 5, elapsed
         group.comm.Barrier()
     finally:
@@ -575,7 +595,7 @@ def test_fault_device_finds_bad_expert_id(group, llbuf):
     the slot is skipped consistently, and the buffer keeps working."""
     import cupy
     from cupyep import DeviceInputError
-    me, R = group.local_rank, group.local_size
+    me, R = ranks(group)
     idx = np.tile(np.arange(K, dtype=np.int64), (4, 1))
     idx[1, 3] = E + 5
     res = llbuf.dispatch(cupy.zeros((4, H), dtype=np.uint16), cupy.asarray(idx), validate=False)
