@@ -25,9 +25,12 @@
 // against NVSHMEM): the buffer is on the NVSHMEM symmetric heap, and a peer on
 // another node (CallArgs::ranks_per_node) is reached by puts instead of
 // stores. Two more regions per set serve it:
-//   remote_signal   [3][R] uint64: from each source on another node, [0] its
+//   remote_signal   [4][R] uint64: from each rank on another node, [0] its
 //                   counts arrived (one per call), [1] its dispatch messages
-//                   arrived, [2] its combine rows arrived (NVSHMEM signals)
+//                   arrived, [2] its combine rows arrived, [3] its combine
+//                   started (one per call, so that an owner finishes a
+//                   combine only once every expert rank has finished the
+//                   dispatch before it, rows for the owner or not)
 //   stage           [M * max_topk] messages: my rows to ranks of other nodes,
 //                   staged for the puts (one message per (token, slot): the
 //                   tag differs by slot); size 0 within one node
@@ -60,7 +63,7 @@ constexpr int kWaitPeerFlag = 0;  // a peer's flag
 constexpr int kBadExpertId = 1;   // not a wait: an expert id outside [-1, E) (dispatch)
 constexpr int kWaitRemoteCounts = 2;  // across nodes, dispatch: a source's counts (its signal)
 constexpr int kWaitRemoteRows = 3;    // across nodes, dispatch: a source's messages (their signal)
-constexpr int kWaitRemoteReturn = 1;  // across nodes, combine: an expert rank's rows (their signal)
+constexpr int kWaitRemoteReturn = 1;  // across nodes, combine: an expert rank's start, then its rows (signals)
 
 struct SetOffsets {
     int64_t dispatch_count, dispatch_flag, combine_flag;

@@ -57,6 +57,15 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
     if (a.c.phases & kPhaseSend) {
         trace_mark(a.c.trace, kMarkStart);
         clear_next_flags(mine, a.c.next, R);
+#ifdef CUPYEP_LL_NVSHMEM
+        // Block 0, after its clear: every owner on another node learns that this combine began (so this
+        // rank's dispatch before it is done), even one I return no rows to.
+        if (b == 0)
+            for (int dst = threadIdx.x; dst < R; dst += blockDim.x)
+                if (is_remote(a.c, dst))
+                    nvshmemx_signal_op(at<uint64_t>(mine, a.c.cur.remote_signal) + 3 * R + a.c.rank, 1,
+                                       NVSHMEM_SIGNAL_ADD, dst);
+#endif
         int4* local_send = at<int4>(mine, a.c.cur.combine_send);
         // Pulled from where they are (zero-copy): no rows to move, only flags to set.
         const bool moves_rows = !(a.pull && a.x == local_send);
@@ -193,8 +202,11 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
         const int4* next_row = nullptr;
         float next_w = 0.f;
         if (cached_t >= 0 && cached_t < last_t && lane < k) next_row = slot_row(cached_t + 1, lane, next_w);
-        // An expert rank r of another node returns one row per slot of mine on its experts: that many signals.
+        // An expert rank r of another node: its start (as a flag within the node, also with no rows for
+        // me), then one row per slot of mine on its experts: that many signals.
         auto remote_rows = [&](int r) {
+            if (!wait_geq(at<int64_t>(mine, a.c.cur.remote_signal) + 3 * R + r, 1, a.c.guard, kWaitRemoteReturn, r))
+                return false;
             int64_t n = 0;
             for (int64_t tj = 0; tj < (int64_t)T * k; ++tj) {
                 const int e = (int)__ldg(a.topk_idx + tj);

@@ -48,7 +48,7 @@ __device__ __forceinline__ void clear_next_flags(void* mine, const SetOffsets& n
     }
 #ifdef CUPYEP_LL_NVSHMEM
     uint64_t* signals = at<uint64_t>(mine, next.remote_signal);
-    for (int i = threadIdx.x; i < 3 * num_ranks; i += blockDim.x) signals[i] = 0;
+    for (int i = threadIdx.x; i < 4 * num_ranks; i += blockDim.x) signals[i] = 0;
 #endif
 }
 

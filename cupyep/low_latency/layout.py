@@ -13,8 +13,8 @@ with ``El = E / R`` local experts, ``M = max_tokens``
     recv_x         [El][R * M] messages of D bytes (see message_layout), sized for BF16
     combine_send   [El][R * M][H] BF16  zero-copy combine input
     combine_recv   [R][M * Kc][H] BF16  rows expert rank r returns to me
-    remote_signal  [3][R] uint64      across nodes: NVSHMEM signals from each source on another node
-                                      (its counts, its dispatch messages, its combine rows)
+    remote_signal  [4][R] uint64      across nodes: NVSHMEM signals from each rank on another node
+                                      (its counts, its dispatch messages, its combine rows, its combine start)
     stage          [M * max_topk] messages  across nodes: my messages to other nodes, staged for the
                                       puts; 0 bytes unless the layout is ``staged``
 
@@ -155,7 +155,7 @@ def low_latency_layout(num_ranks: int, max_tokens: int, hidden: int, num_experts
         "recv_x": rows * message_layout(H, False).nbytes,
         "combine_send": rows * 2 * H,
         "combine_recv": R * return_rows(M, max_topk, El) * 2 * H,
-        "remote_signal": 3 * R * 8,
+        "remote_signal": 4 * R * 8,
         "stage": M * max_topk * message_layout(H, False).nbytes if staged else 0,
     }
     sets = []
