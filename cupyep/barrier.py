@@ -1,4 +1,5 @@
-"""GPU barrier across the ranks of a node, and the IPC self-check.
+"""GPU barriers: across the ranks of a node, and (WorldBarrier, on NVSHMEM)
+across every rank of several nodes; and the IPC self-check.
 
 The barrier runs in one block per rank, through the ranks' symmetric IPC
 buffers (``cuda_src/common/barrier.cuh``); every wait is bounded by the
@@ -23,7 +24,7 @@ RUNTIME_SPEC = jit.KernelSpec(
 
 
 def kernel_specs() -> list[jit.KernelSpec]:
-    return [RUNTIME_SPEC]
+    return [RUNTIME_SPEC, WORLD_BARRIER_SPEC]
 
 
 def barrier_region_bytes(num_ranks: int) -> int:
@@ -86,6 +87,83 @@ class GpuBarrier:
 
     def __exit__(self, *exc):
         self.destroy()
+
+
+WORLD_BARRIER_ARGS_DTYPE = jit.struct_dtype([("arrive", np.uint64), ("epoch", np.uint64), ("num_pes", np.int32),
+                                             ("my_pe", np.int32), ("guard", GUARD_DTYPE)])
+WORLD_BARRIER_SPEC = jit.KernelSpec(name="internode_world_barrier", source="internode/world_barrier.cu",
+                                    kernels=("cupyep::internode::world_barrier",), nvshmem=True)
+
+
+class WorldBarrier:
+    """Barrier over every rank of the world on the GPU, through NVSHMEM signals
+    (``cuda_src/internode/world_barrier.cu``): what lines calls up when the
+    ranks span nodes. The same calls as :class:`GpuBarrier`; it orders the
+    ranks in time, not their memory. Needs nvshmem4py (starts NVSHMEM,
+    released by :meth:`destroy`). A missing rank raises CommTimeoutError
+    naming it (by world rank)."""
+
+    def __init__(self, group):
+        import cupy
+        from . import nvshmem as NV
+        NV.init(group)
+        import nvshmem.core as core
+        self.group, self._core = group, core
+        self._arrive = core.array((group.world_size,), dtype="uint64")
+        self._arrive[...] = 0
+        self._epoch = cupy.zeros(1, dtype=np.int64)
+        self._fn = jit.kernel(WORLD_BARRIER_SPEC)
+        cupy.cuda.runtime.deviceSynchronize()
+        group.comm.Barrier()
+
+    def args(self, timeout_s: float | None = None) -> np.void:
+        g = self.group
+        return jit.pack(WORLD_BARRIER_ARGS_DTYPE, arrive=self._arrive.data.ptr, epoch=self._epoch.data.ptr,
+                        num_pes=g.world_size, my_pe=g.rank,
+                        guard=jit.pack(GUARD_DTYPE, **g.guard("internode_world_barrier", timeout_s)))
+
+    def __call__(self, stream=None, timeout_s: float | None = None) -> None:
+        """Enqueue one barrier on ``stream`` (default: current stream)."""
+        self.loop(1, stream, timeout_s)
+
+    def loop(self, iters: int, stream=None, timeout_s: float | None = None) -> None:
+        """Enqueue ``iters`` barriers inside one kernel."""
+        import cupy
+        with (stream or cupy.cuda.get_current_stream()):
+            self._fn((1,), (min(1024, max(32, -(-self.group.world_size // 32) * 32)),),
+                     (self.args(timeout_s), np.int32(iters)))
+
+    def sync(self, timeout_s: float | None = None) -> None:
+        """Barrier, then a bounded host wait for it (raises CommTimeoutError)."""
+        import cupy
+        self(timeout_s=timeout_s)
+        ev = cupy.cuda.Event()
+        ev.record()
+        self.group.wait(ev, "internode_world_barrier")
+
+    def destroy(self) -> None:
+        """Collective: free the signals and release NVSHMEM."""
+        import cupy
+        from . import nvshmem as NV
+        if self._arrive is None:
+            return
+        cupy.cuda.runtime.deviceSynchronize()
+        self.group.comm.Barrier()
+        self._core.free_array(self._arrive)
+        self._arrive = None
+        NV.finalize()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.destroy()
+
+
+def gpu_barrier(group):
+    """The GPU barrier that lines up every rank a call involves: the node's
+    (:class:`GpuBarrier`), or across nodes the world's (:class:`WorldBarrier`)."""
+    return WorldBarrier(group) if group.num_nodes > 1 else GpuBarrier(group)
 
 
 def ipc_pattern_check(group, buffer: SymmetricBuffer, barrier: GpuBarrier, num_words: int, offset: int = 0) -> int:

@@ -52,6 +52,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
                                  "two-hop notify: receive capacity (a rank, this one or the peer named, would receive more "
                                  "rows than its num_worst_tokens; nothing was sent)",
                                  "two-hop notify: routing check (expert id outside [-1, E))"),
+    "internode_world_barrier": ("world barrier arrival (waits for a PE's signal)",),
     # Low-latency mode across nodes (the CUPYEP_LL_NVSHMEM build): phases 0 and 1 as within a node.
     "low_latency_dispatch_internode": ("dispatch flag (receiver waits for a source of its node; counter: blocks "
                                        "arrived, expected: blocks announced)",
@@ -68,7 +69,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
 KERNEL_NAMES: tuple[str, ...] = tuple(KERNELS)
 # Kernels whose reported peer is a global rank (an NVSHMEM PE), not a node-local index.
 GLOBAL_PEER_KERNELS = frozenset({"internode_put_signal", "internode_two_hop_dispatch", "internode_two_hop_combine",
-                                 "internode_two_hop_notify", "low_latency_dispatch_internode",
+                                 "internode_two_hop_notify", "internode_world_barrier", "low_latency_dispatch_internode",
                                  "low_latency_combine_internode"})
 
 

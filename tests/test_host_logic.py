@@ -460,6 +460,7 @@ MIRRORS = [
     (errors.ERROR_SLOT_DTYPE, "ErrorSlot"),
     (barrier.GUARD_DTYPE, "Guard"),
     (barrier.BARRIER_ARGS_DTYPE, "BarrierArgs"),
+    (barrier.WORLD_BARRIER_ARGS_DTYPE, "WorldBarrierArgs"),
     (K.OFFSETS_DTYPE, "BufferOffsets"),
     (K.RING_DTYPE, "RingShape"),
     (K.LAYOUT_ARGS_DTYPE, "LayoutArgs"),
@@ -629,7 +630,7 @@ def test_all_specs():
 
 def test_all_specs_rejects_duplicates(monkeypatch):
     monkeypatch.setattr(jit, "SPEC_MODULES", jit.SPEC_MODULES + ("cupyep.barrier",))
-    with pytest.raises(ValueError, match=r"duplicate kernel spec names: \['runtime'\]"):
+    with pytest.raises(ValueError, match=r"duplicate kernel spec names: \['internode_world_barrier', 'runtime'\]"):
         jit.all_specs()
 
 
@@ -803,3 +804,7 @@ def test_kernels_across_nodes_report_global_peers():
     glob = error_from_slot(_slot(flag=1, kernel=kernel_id("internode_two_hop_dispatch"), rank=5, peer=2, phase=0),
                            1.0, base)
     assert local.peer == 6 and glob.peer == 2 and "network" in glob.phase
+    for kernel, phase in (("internode_world_barrier", 0), ("low_latency_dispatch_internode", 2),
+                          ("low_latency_combine_internode", 1)):
+        err = error_from_slot(_slot(flag=1, kernel=kernel_id(kernel), rank=5, peer=2, phase=phase), 1.0, base)
+        assert err.peer == 2 and err.kernel == kernel, kernel

@@ -71,13 +71,14 @@ class Study:
 
 
 def gpu_fixtures(group, state: dict):
-    """(GpuBarrier, copy bytes/s) a GPU study keeps in its ``state`` across
-    configurations: made on the first call; the copy bandwidth (read +
-    write) measured once on local rank 0 and shared, for the efficiencies."""
+    """(GPU barrier, copy bytes/s) a GPU study keeps in its ``state`` across
+    configurations: made on the first call (the node's barrier, or across
+    nodes the world's: cupyep.barrier.gpu_barrier); the copy bandwidth (read
+    + write) measured once on local rank 0 and shared, for the efficiencies."""
     if "barrier" not in state:
-        from ..barrier import GpuBarrier
+        from ..barrier import gpu_barrier
         from ..bench.copy import copy_bandwidth
-        state["barrier"] = GpuBarrier(group)
+        state["barrier"] = gpu_barrier(group)
         bw = copy_bandwidth(2 << 30) if group.local_rank == 0 else 0.0
         state["copy_bw"] = group.comm.bcast(bw)
     return state["barrier"], state["copy_bw"]

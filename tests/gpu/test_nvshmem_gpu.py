@@ -76,3 +76,40 @@ def test_a_pe_that_never_sends_times_out_naming_it(group, pe):
         assert "put with signal" in str(info.value) and info.value.peer == 0
         group.error_slot.reset()
     group.comm.Barrier()
+
+
+def test_the_world_barrier_holds_every_rank_until_the_last_arrives(group, nvshmem_session):
+    """cupyep.barrier.WorldBarrier (every rank of every node, on NVSHMEM
+    signals): a rank that reaches it 200 ms late on the GPU holds every other
+    rank's barrier that long; 50 barriers in one launch complete; a rank that
+    never arrives is a CommTimeoutError naming it, and the next barrier of all
+    ranks completes again."""
+    import cupy
+    from cupyep.barrier import WorldBarrier
+    from cupyep.bench.timing import gpu_sleep
+    if group.world_size < 2:
+        pytest.skip("needs two ranks")
+    with WorldBarrier(group) as bar:
+        bar.sync()
+        late = group.world_size - 1
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        group.comm.Barrier()
+        start.record()
+        if group.rank == late:
+            gpu_sleep(200_000.0)
+        bar()
+        end.record()
+        end.synchronize()
+        waited_ms = cupy.cuda.get_elapsed_time(start, end)
+        bar.loop(50)
+        bar.sync()
+        assert all_ranks(group.comm, waited_ms > 150.0), waited_ms
+        group.comm.Barrier()
+        if group.rank != 0:  # rank 0 stays away from this one
+            with pytest.raises(CommTimeoutError) as info:
+                bar.sync(timeout_s=2.0)
+            err = info.value
+            assert "world barrier" in str(err) and err.peer == 0 and err.rank == group.rank, str(err)
+            group.error_slot.reset()
+        group.comm.Barrier()
+        bar.sync()
