@@ -35,15 +35,18 @@ INT32_MAX = 2**31 - 1
 u64, i64, i32 = np.uint64, np.int64, np.int32
 NOTIFY_ARGS_DTYPE = jit.struct_dtype([
     ("topk_idx", u64), ("in_rank", u64), ("send_head", u64), ("rdma_slot", u64), ("rank_prefix", u64),
-    ("net_count", u64), ("row", u64), ("matrix", u64), ("row_signal", u64), ("state", u64), ("host", u64),
+    ("net_count", u64), ("node_tokens", u64), ("send_node", u64), ("row", u64), ("matrix", u64),
+    ("row_signal", u64), ("state", u64), ("host", u64),
     ("capacity", i32), ("delta", u64), ("cached", i32), ("num_tokens", i32), ("num_topk", i32),
     ("num_experts", i32), ("num_ranks", i32), ("ranks_per_node", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
 ARGS_DTYPE = jit.struct_dtype([
     ("x", u64), ("x_scales", u64), ("topk_idx", u64), ("topk_weights", u64), ("rdma_slot", u64),
-    ("send_head", u64), ("rank_prefix", u64), ("staging", u64), ("net_rows", u64), ("net_signal", u64),
+    ("send_head", u64), ("rank_prefix", u64), ("node_tokens", u64), ("send_node", u64), ("staging", u64),
+    ("net_rows", u64), ("net_signal", u64),
     ("net_target", u64), ("net_count", u64), ("pools", u64), ("out_x", i64), ("out_idx", i64), ("out_w", i64),
     ("out_src", i64), ("out_slot", i64), ("arrived", u64), ("arrived_target", u64), ("row_stride", i64),
-    ("out_scales", i64), ("notify_ok", u64), ("capacity", i64), ("hop_ns", u64), ("num_tokens", i32),
+    ("out_scales", i64), ("notify_ok", u64), ("capacity", i64), ("rdma_chunk", i32), ("nvlink_chunk", i32),
+    ("hop_ns", u64), ("num_tokens", i32),
     ("num_topk", i32), ("x_int4", i32), ("num_scales", i32), ("num_ranks", i32), ("ranks_per_node", i32),
     ("num_local_experts", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
 COMBINE_ARGS_DTYPE = jit.struct_dtype([
@@ -111,6 +114,13 @@ def kernel_specs() -> list[jit.KernelSpec]:
     return [spec()]
 
 
+def check_chunk(name: str, value) -> int:
+    """A chunk knob of the two-hop dispatch: an int >= 1; ValueError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return int(value)
+
+
 def row_stride(hidden: int, num_topk: int, ranks_per_node: int, fp8: bool = False) -> int:
     """Bytes of a network row: the payload (BF16: 2 H bytes; FP8: H), then
     the source token, the k top-k ids, the k weights (each in an int64-sized
@@ -173,10 +183,16 @@ class TwoHopDispatch:
     error (a timeout) its state is undefined: later calls raise until it is
     destroyed."""
 
-    def __init__(self, group, max_tokens: int, hidden: int, num_topk: int, num_experts: int, num_sms: int = 0):
+    def __init__(self, group, max_tokens: int, hidden: int, num_topk: int, num_experts: int, num_sms: int = 0,
+                 rdma_chunk: int = 1, nvlink_chunk: int = 1):
         """Collective. ``num_sms``: blocks per rank of the dispatch and the
         combine (0: the rank's share of the GPU's SMs); every rank's blocks
-        must fit on the GPU at once, or ValueError names the most that do."""
+        must fit on the GPU at once, or ValueError names the most that do.
+        The dispatch's knobs (attributes of the same names, settable between
+        calls, alike on every rank): ``rdma_chunk``, how many of a rank's
+        rows for one node a warp stages and sends with one put (consecutive
+        network rows, one signal); ``nvlink_chunk``, how many consecutive
+        network rows a warp of the rail peer forwards."""
         import cupy
 
         from . import nvshmem as NV
@@ -194,6 +210,8 @@ class TwoHopDispatch:
         device_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self.num_sms = int(num_sms) or max(1, device_sms // max(1, group.ranks_per_gpu))
         self.max_tokens, self.hidden, self.k, self.E = int(max_tokens), int(hidden), int(num_topk), int(num_experts)
+        self.rdma_chunk, self.nvlink_chunk = check_chunk("rdma_chunk", rdma_chunk), check_chunk("nvlink_chunk",
+                                                                                                nvlink_chunk)
         NV.init(group)
         import nvshmem.core as core
         self._core = core
@@ -348,7 +366,8 @@ class TwoHopDispatch:
         if handle is None:
             dev = {"in_rank": cupy.empty((max(T, 1), R), dtype=np.uint8),
                    "head": cupy.empty((max(T, 1), R), np.int64), "slot": cupy.empty((max(T, 1), N), np.int64),
-                   "rpm": cupy.empty((R, R), np.int64), "net_count": cupy.empty(N, np.int64)}
+                   "rpm": cupy.empty((R, R), np.int64), "net_count": cupy.empty(N, np.int64),
+                   "node_tokens": cupy.empty((N, max(T, 1)), np.int32), "send_node": cupy.empty(N, np.int64)}
             delta = cupy.empty(state_words(R, self.K) - 2, dtype=np.int64)
         else:
             dev, delta = handle.plan, handle.delta
@@ -361,7 +380,8 @@ class TwoHopDispatch:
         nargs = jit.pack(
             NOTIFY_ARGS_DTYPE, topk_idx=topk_idx.data.ptr, in_rank=dev["in_rank"].data.ptr,
             send_head=dev["head"].data.ptr, rdma_slot=dev["slot"].data.ptr, rank_prefix=dev["rpm"].data.ptr,
-            net_count=dev["net_count"].data.ptr, row=self.row.data.ptr, matrix=self.matrix.data.ptr,
+            net_count=dev["net_count"].data.ptr, node_tokens=dev["node_tokens"].data.ptr,
+            send_node=dev["send_node"].data.ptr, row=self.row.data.ptr, matrix=self.matrix.data.ptr,
             row_signal=self.row_signal.data.ptr, state=self.state.data.ptr, host=0 if worst else self._host_ptr,
             capacity=int(num_worst_tokens) if worst else INT32_MAX, delta=delta.data.ptr,
             cached=int(handle is not None), num_tokens=T, num_topk=self.k,
@@ -374,13 +394,15 @@ class TwoHopDispatch:
             ARGS_DTYPE, x=x.data.ptr, x_scales=jit.ptr(x_scales), topk_idx=topk_idx.data.ptr,
             topk_weights=topk_weights.data.ptr,
             rdma_slot=dev["slot"].data.ptr, send_head=dev["head"].data.ptr, rank_prefix=dev["rpm"].data.ptr,
-            staging=staging.data.ptr, net_rows=self.net_rows.data.ptr, net_signal=self.net_signal.data.ptr,
+            node_tokens=dev["node_tokens"].data.ptr, send_node=dev["send_node"].data.ptr, staging=staging.data.ptr, net_rows=self.net_rows.data.ptr, net_signal=self.net_signal.data.ptr,
             net_target=self._state["net_total"].data.ptr, net_count=dev["net_count"].data.ptr,
             pools=self.pool.peer_ptrs.data.ptr, out_x=self._lay["x"], out_idx=self._lay["idx"],
             out_w=self._lay["w"], out_src=self._lay["src"], out_slot=self._lay["slot"],
             arrived=self.arrived_ptrs.data.ptr, arrived_target=self._state["arrived_total"].data.ptr,
             row_stride=stride, out_scales=self._lay["scales"], notify_ok=self._state["ok"].data.ptr,
-            capacity=int(num_worst_tokens) if worst else 0, hop_ns=jit.ptr(hop_ns), num_tokens=T, num_topk=self.k,
+            capacity=int(num_worst_tokens) if worst else 0, rdma_chunk=check_chunk("rdma_chunk", self.rdma_chunk),
+            nvlink_chunk=check_chunk("nvlink_chunk", self.nvlink_chunk), hop_ns=jit.ptr(hop_ns), num_tokens=T,
+            num_topk=self.k,
             x_int4=H * x.dtype.itemsize // 16, num_scales=ns, num_ranks=self.R, ranks_per_node=self.K,
             num_local_experts=self.E // self.R,
             rank=self.me, guard=jit.pack(GUARD_DTYPE, **self.group.guard("internode_two_hop_dispatch")))

@@ -37,6 +37,8 @@ def main():
     p.add_argument("--repeats", type=int, default=3,
                    help="measurements of every kind, interleaved (one record each, field 'repeat')")
     p.add_argument("--num-sms", type=int, default=0, help="blocks per rank (0: the rank's share of the SMs)")
+    p.add_argument("--rdma-chunk", type=int, default=1, help="rows a warp sends to one node with one put")
+    p.add_argument("--nvlink-chunk", type=int, default=1, help="network rows a warp of the rail peer forwards")
     args = p.parse_args()
     group = cupyep.init()
     if group.num_nodes < 2:
@@ -46,7 +48,8 @@ def main():
     R, K = group.world_size, group.local_size
     T, H, E, k = args.tokens, args.hidden, args.experts, args.topk
     idx, w = global_routing(0, [T] * R, E, k)
-    hop = TwoHopDispatch(group, T, H, k, E, num_sms=args.num_sms)
+    hop = TwoHopDispatch(group, T, H, k, E, num_sms=args.num_sms, rdma_chunk=args.rdma_chunk,
+                         nvlink_chunk=args.nvlink_chunk)
     x, ids, ws, traffic, handle = prepare(group, hop, idx, w)  # checked against the oracle first
     hops = two_hop_metrics(group, hop, x, ids, ws)  # untimed calls with the hop stamps (cupyep.metrics)
     writer = JsonlWriter(args.out, group)
@@ -55,7 +58,8 @@ def main():
             rec = measure(group, hop, kind, x, ids, ws, handle, args.iters, traffic)
             writer.write({"bench": "internode", "kind": f"{kind}_two_hop", "ranks": R, "ranks_per_node": K,
                           "nodes": R // K, "tokens": T, "hidden": H, "topk": k, "experts": E,
-                          "num_sms": hop.num_sms, "repeat": repeat, **rec, "hop_us": hop_times_of(hops, kind),
+                          "num_sms": hop.num_sms, "rdma_chunk": hop.rdma_chunk, "nvlink_chunk": hop.nvlink_chunk,
+                          "repeat": repeat, **rec, "hop_us": hop_times_of(hops, kind),
                           "checked": True, "version": "device notify"})
     hop.destroy()
     group.destroy()

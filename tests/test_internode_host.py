@@ -47,3 +47,16 @@ def test_hop_times_are_differences_of_the_stamps_and_none_where_unwritten():
     assert unset == {"network": None, "forward": None, "total": None}
     with pytest.raises(ValueError):
         INTER.hop_times_us([1, 2, 3], INTER.DISPATCH_HOPS)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "4", None])
+def test_a_chunk_knob_is_an_int_of_at_least_one(value):
+    from cupyep.internode import check_chunk
+    with pytest.raises(ValueError, match="rdma_chunk must be an int >= 1"):
+        check_chunk("rdma_chunk", value)
+
+
+def test_chunk_knobs_pass_through():
+    import numpy as np
+    from cupyep.internode import check_chunk
+    assert check_chunk("nvlink_chunk", 1) == 1 and check_chunk("nvlink_chunk", np.int64(64)) == 64

@@ -68,6 +68,8 @@ struct TwoHopNotifyArgs {
     int64_t* rdma_slot;           // [T, N] out: row of (t, n) in the rail peer's network buffer, -1: none
     int64_t* rank_prefix;         // [R, R] out: rank_prefix_matrix (cumulative over sources)
     int64_t* net_count;           // [N] out: rows from each source node in my network buffer (0: my node)
+    int* node_tokens;             // [N, T] out: my tokens for node n in token order (its network rows' order)
+    int64_t* send_node;           // [N] out: my tokens for each node (0: my node)
     int64_t* row;                 // symmetric [R + N + 1]: my counts per rank, then per node, then my capacity
     int64_t* matrix;              // symmetric [2, R, R + N + 1]: every PE's row, by call parity
     uint64_t* row_signal;         // symmetric [R]: rows arrived from each PE, all calls
@@ -191,6 +193,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArg
     // My rows at the rail peer of node n come after those of the earlier source nodes' ranks with my
     // local index; my network buffer holds each source node's block in node order.
     for (int n = threadIdx.x; n < N; n += blockDim.x) {
+        a.send_node[n] = n == my_node ? 0 : (int64_t)s_cnt[R + n];
         int64_t base = 0;
         for (int m = 0; m < my_node; ++m)
             if (m != n) base += node_cnt(m * K + local, n);
@@ -217,6 +220,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArg
             if (t < T) {
                 if (!node_col) a.send_head[(int64_t)t * R + col] = in ? mine : -1;
                 else a.rdma_slot[(int64_t)t * N + n] = in ? s_base[n] + mine : -1;
+                if (node_col && in) a.node_tokens[(int64_t)n * T + mine] = t;
             }
             pos += __popc(m);
         }
@@ -292,7 +296,9 @@ struct TwoHopDispatchArgs {
     const int64_t* rdma_slot;     // [T, N] row of (t, n) in the rail peer's network buffer, -1: none
     const int64_t* send_head;     // [T, R] t's position among my tokens for each rank, -1: not sent
     const int64_t* rank_prefix;   // [R, R] rank_prefix_matrix (cumulative over sources)
-    char* staging;                // [T * N, row_stride] private staging rows of the network hop
+    const int* node_tokens;       // [N, T] my tokens for each node, in their network rows' order (notify)
+    const int64_t* send_node;     // [N] my tokens for each node (notify)
+    char* staging;                // [N, T, row_stride] private staging rows of the network hop, by node
     char* net_rows;               // symmetric: [net_rows_cap, row_stride] this rank's network buffer
     uint64_t* net_signal;         // symmetric: [N] rows arrived from each source node, all calls
     const int64_t* net_target;    // [N] this call's cumulative target of net_signal (own node: unused)
@@ -309,6 +315,9 @@ struct TwoHopDispatchArgs {
     int64_t out_scales;           // byte offset of recv_x_scales [N, num_scales] in every pool (FP8)
     const int64_t* notify_ok;     // the notify's verdict (state[kNotifyOk]): the kernel runs only when 1
     int64_t capacity;             // rows of the caller's outputs; rows [received, capacity) are padding
+    int rdma_chunk;               // network rows a warp stages and sends with one put (consecutive rows
+                                  // of one node; one signal add of their number)
+    int nvlink_chunk;             // network rows a warp forwards in a row (consecutive slots)
     uint64_t* hop_ns;             // [4] or null (a metric, %globaltimer ns): the earliest block start (min),
                                   // when a block saw every source node's rows, when a block finished
                                   // forwarding, when block 0 saw every row arrive (max each); the caller
@@ -394,40 +403,58 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
         }
     };
 
-    // 1. Network hop and 2. direct rows: a warp per (token, node) pair.
-    for (int64_t pair = gw; pair < (int64_t)T * N; pair += num_gw) {
-        const int64_t t = pair / N;
-        const int n = (int)(pair % N);
+    // 1. Network hop: a warp per chunk of up to rdma_chunk of my rows for one remote node (consecutive
+    // network rows at its rail peer), staged together and sent with one put whose signal adds their number.
+    const int C = a.rdma_chunk;
+    int64_t num_chunks = 0;
+    for (int n = 0; n < N; ++n) num_chunks += (a.send_node[n] + C - 1) / C;
+    for (int64_t item = gw; item < num_chunks; item += num_gw) {
+        int n = 0;
+        int64_t c = item;
+        for (; n < N; ++n) {  // the item's node: chunks are numbered node after node
+            const int64_t nc = (a.send_node[n] + C - 1) / C;
+            if (c < nc) break;
+            c -= nc;
+        }
+        const int64_t first = c * C, rows = min((int64_t)C, a.send_node[n] - first);
+        char* stage0 = a.staging + ((int64_t)n * T + first) * a.row_stride;
+        for (int64_t i = 0; i < rows; ++i) {
+            const int64_t t = a.node_tokens[(int64_t)n * T + first + i];
+            const int64_t* ids = a.topk_idx + t * k;
+            const float* ws = a.topk_weights + t * k;
+            const int64_t* head = a.send_head + t * R;
+            char* stage = stage0 + i * a.row_stride;
+            warp_copy<4, true>(reinterpret_cast<int4*>(stage), a.x + t * a.x_int4, a.x_int4, lane, ld, st);
+            int64_t* meta = reinterpret_cast<int64_t*>(stage + payload);
+            if (lane == 0) meta[0] = t;
+            for (int q = lane; q < k; q += 32) {
+                meta[1 + q] = ids[q];
+                reinterpret_cast<float*>(meta + 1 + k)[q] = ws[q];  // k floats in k int64-sized words
+            }
+            for (int j = lane; j < K; j += 32) meta[1 + 2 * k + j] = head[n * K + j];
+            for (int q = lane; q < ns; q += 32)
+                reinterpret_cast<float*>(meta + 1 + 2 * k + K)[q] = a.x_scales[t * ns + q];
+        }
+        __syncwarp();
+        __threadfence();  // the staging rows are written before the put reads them
+        const int64_t slot = a.rdma_slot[a.node_tokens[(int64_t)n * T + first] * N + n];  // then consecutive
+        nvshmemx_putmem_signal_nbi_warp(a.net_rows + slot * a.row_stride, stage0, rows * a.row_stride,
+                                        a.net_signal + my_node, (uint64_t)rows, NVSHMEM_SIGNAL_ADD, n * K + local);
+    }
+
+    // 2. Direct rows, to the ranks of my node: a warp per token.
+    for (int64_t t = gw; t < T; t += num_gw) {
         const int4* row = a.x + t * a.x_int4;
         const int64_t* ids = a.topk_idx + t * k;
         const float* ws = a.topk_weights + t * k;
         const int64_t* head = a.send_head + t * R;
         const float* scales = ns ? a.x_scales + t * ns : nullptr;
-        if (n == my_node) {
-            for (int j = 0; j < K; ++j) {
-                const int d = n * K + j;
-                if (head[d] < 0) continue;
-                deliver(j, (me > 0 ? a.rank_prefix[(me - 1) * R + d] : 0) + head[d], row, t, ids, ws, scales, -1);
-                count_arrival(j, me);
-            }
-            continue;
+        for (int j = 0; j < K; ++j) {
+            const int d = my_node * K + j;
+            if (head[d] < 0) continue;
+            deliver(j, (me > 0 ? a.rank_prefix[(me - 1) * R + d] : 0) + head[d], row, t, ids, ws, scales, -1);
+            count_arrival(j, me);
         }
-        const int64_t slot = a.rdma_slot[t * N + n];
-        if (slot < 0) continue;
-        char* stage = a.staging + pair * a.row_stride;
-        warp_copy<4, true>(reinterpret_cast<int4*>(stage), row, a.x_int4, lane, ld, st);
-        int64_t* meta = reinterpret_cast<int64_t*>(stage + payload);
-        if (lane == 0) meta[0] = t;
-        for (int q = lane; q < k; q += 32) {
-            meta[1 + q] = ids[q];
-            reinterpret_cast<float*>(meta + 1 + k)[q] = ws[q];  // k floats in k int64-sized words
-        }
-        for (int j = lane; j < K; j += 32) meta[1 + 2 * k + j] = head[n * K + j];
-        for (int q = lane; q < ns; q += 32) reinterpret_cast<float*>(meta + 1 + 2 * k + K)[q] = scales[q];
-        __syncwarp();
-        __threadfence();  // the staging row is written before the put reads it
-        nvshmemx_putmem_signal_nbi_warp(a.net_rows + slot * a.row_stride, stage, a.row_stride,
-                                        a.net_signal + my_node, 1, NVSHMEM_SIGNAL_ADD, n * K + local);
     }
 
     // 3. Forwarding, once every source node's rows are here.
@@ -444,25 +471,28 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
     __threadfence_system();
     int64_t rows_now = 0;
     for (int m = 0; m < N; ++m) rows_now += a.net_count[m];
-    for (int64_t q = gw; q < rows_now; q += num_gw) {
-        const char* nrow = a.net_rows + q * a.row_stride;
-        const int64_t* meta = reinterpret_cast<const int64_t*>(nrow + payload);
-        int s = -1;  // the source of slot q: blocks are in source-node order (two_hop_plan)
-        for (int64_t m = 0, acc = 0; m < N && s < 0; acc += a.net_count[m], ++m)
-            if (q < acc + a.net_count[m]) s = (int)m * K + local;
-        if (s < 0) continue;
-        const int64_t t = __ldcv(meta);
-        const int64_t* ids = meta + 1;
-        const float* ws = reinterpret_cast<const float*>(meta + 1 + k);
-        const int64_t* pos = meta + 1 + 2 * k;
-        const float* scales = reinterpret_cast<const float*>(pos + K);
-        for (int j = 0; j < K; ++j) {
-            const int64_t p = __ldcv(pos + j);
-            if (p < 0) continue;
-            const int d = my_node * K + j;
-            deliver(j, (s > 0 ? a.rank_prefix[(s - 1) * R + d] : 0) + p, reinterpret_cast<const int4*>(nrow), t,
-                    ids, ws, scales, q);
-            count_arrival(j, s);
+    const int64_t F = a.nvlink_chunk;  // a warp forwards rows [c0, c0 + F) of the network buffer
+    for (int64_t c0 = gw * F; c0 < rows_now; c0 += num_gw * F) {
+        for (int64_t q = c0; q < min(rows_now, c0 + F); ++q) {
+            const char* nrow = a.net_rows + q * a.row_stride;
+            const int64_t* meta = reinterpret_cast<const int64_t*>(nrow + payload);
+            int s = -1;  // the source of slot q: blocks are in source-node order (two_hop_plan)
+            for (int64_t m = 0, acc = 0; m < N && s < 0; acc += a.net_count[m], ++m)
+                if (q < acc + a.net_count[m]) s = (int)m * K + local;
+            if (s < 0) continue;
+            const int64_t t = __ldcv(meta);
+            const int64_t* ids = meta + 1;
+            const float* ws = reinterpret_cast<const float*>(meta + 1 + k);
+            const int64_t* pos = meta + 1 + 2 * k;
+            const float* scales = reinterpret_cast<const float*>(pos + K);
+            for (int j = 0; j < K; ++j) {
+                const int64_t p = __ldcv(pos + j);
+                if (p < 0) continue;
+                const int d = my_node * K + j;
+                deliver(j, (s > 0 ? a.rank_prefix[(s - 1) * R + d] : 0) + p, reinterpret_cast<const int4*>(nrow), t,
+                        ids, ws, scales, q);
+                count_arrival(j, s);
+            }
         }
     }
     if (a.hop_ns) {  // the same for every thread: the block's forwarding is done

@@ -11,6 +11,9 @@ Knobs (defaults: the benchmark's shape):
 - routing: ``routing`` (a cupyep.routing kind), ``routing_params``, ``seed``;
 - ``num_sms``: blocks per rank of the dispatch and combine (0: the rank's
   share of the SMs);
+- ``rdma_chunk``: a rank's rows for one node that a warp stages and sends
+  with one put; ``nvlink_chunk``: consecutive network rows a warp of the
+  rail peer forwards (the dispatch's knobs, TwoHopDispatch);
 - ``iters``: timed calls; ``hops``: also the per-hop times of 10 untimed
   calls (cupyep.metrics.two_hop_metrics).
 
@@ -27,7 +30,8 @@ from __future__ import annotations
 from .studies import Skip, Study, register
 
 KNOBS = {"kind": "dispatch_bf16", "tokens": 4096, "hidden": 7168, "topk": 8, "experts": 256, "routing": "uniform",
-         "routing_params": {}, "seed": 0, "num_sms": 0, "iters": 10, "hops": True}
+         "routing_params": {}, "seed": 0, "num_sms": 0, "rdma_chunk": 1, "nvlink_chunk": 1, "iters": 10,
+         "hops": True}
 
 _state: dict = {}
 
@@ -60,6 +64,12 @@ def run(group, cfg: dict) -> dict:
     try:
         hop = _two_hop(group, cfg)
     except NvshmemUnavailable as exc:
+        raise Skip(str(exc)) from None
+    from ..internode import check_chunk
+    try:
+        hop.rdma_chunk = check_chunk("rdma_chunk", cfg["rdma_chunk"])
+        hop.nvlink_chunk = check_chunk("nvlink_chunk", cfg["nvlink_chunk"])
+    except ValueError as exc:
         raise Skip(str(exc)) from None
     x, ids, ws, traffic, handle = prepare(group, hop, idx, w)  # checked against the oracle first
     rec = measure(group, hop, cfg["kind"], x, ids, ws, handle, cfg["iters"], traffic)
