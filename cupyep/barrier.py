@@ -32,7 +32,27 @@ def barrier_region_bytes(num_ranks: int) -> int:
     return ((num_ranks + 1) * 4 + 127) // 128 * 128
 
 
-class GpuBarrier:
+class _BarrierCalls:
+    """What both GPU barriers share: a bounded host wait, and use as a context
+    (destroyed at its end). Subclasses have ``group``, ``KERNEL`` (their
+    guard's kernel name), ``__call__`` and ``destroy``."""
+
+    def sync(self, timeout_s: float | None = None) -> None:
+        """Barrier, then a bounded host wait for it (raises CommTimeoutError)."""
+        import cupy
+        self(timeout_s=timeout_s)
+        ev = cupy.cuda.Event()
+        ev.record()
+        self.group.wait(ev, self.KERNEL)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.destroy()
+
+
+class GpuBarrier(_BarrierCalls):
     """Barrier over the node's ranks on the GPU.
 
     Arguments:
@@ -41,6 +61,8 @@ class GpuBarrier:
             allocate a private one (freed by :meth:`destroy`).
         offset: byte offset of the region in ``buffer``.
     """
+
+    KERNEL = "barrier"
 
     def __init__(self, group, buffer: SymmetricBuffer | None = None, offset: int = 0):
         self.group = group
@@ -56,7 +78,7 @@ class GpuBarrier:
         g = self.group
         return jit.pack(BARRIER_ARGS_DTYPE, peers=self.buffer.peer_ptrs.data.ptr, offset=self.offset,
                         rank=g.local_rank, num_ranks=g.local_size,
-                        guard=jit.pack(GUARD_DTYPE, **g.guard("barrier", timeout_s)))
+                        guard=jit.pack(GUARD_DTYPE, **g.guard(self.KERNEL, timeout_s)))
 
     def __call__(self, stream=None, timeout_s: float | None = None) -> None:
         """Enqueue one barrier on ``stream`` (default: current stream)."""
@@ -70,23 +92,9 @@ class GpuBarrier:
         with (stream or cupy.cuda.get_current_stream()):
             self.module["cupyep::barrier_loop_kernel"]((1,), (32,), (self.args(timeout_s), np.int32(iters)))
 
-    def sync(self, timeout_s: float | None = None) -> None:
-        """Barrier, then a bounded host wait for it (raises CommTimeoutError)."""
-        import cupy
-        self(timeout_s=timeout_s)
-        ev = cupy.cuda.Event()
-        ev.record()
-        self.group.wait(ev, "barrier")
-
     def destroy(self) -> None:
         if self._owns and self.buffer.alive:
             self.buffer.destroy()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.destroy()
 
 
 WORLD_BARRIER_ARGS_DTYPE = jit.struct_dtype([("arrive", np.uint64), ("epoch", np.uint64), ("num_pes", np.int32),
@@ -95,13 +103,15 @@ WORLD_BARRIER_SPEC = jit.KernelSpec(name="internode_world_barrier", source="inte
                                     kernels=("cupyep::internode::world_barrier",), nvshmem=True)
 
 
-class WorldBarrier:
+class WorldBarrier(_BarrierCalls):
     """Barrier over every rank of the world on the GPU, through NVSHMEM signals
     (``cuda_src/internode/world_barrier.cu``): what lines calls up when the
     ranks span nodes. The same calls as :class:`GpuBarrier`; it orders the
     ranks in time, not their memory. Needs nvshmem4py (starts NVSHMEM,
     released by :meth:`destroy`). A missing rank raises CommTimeoutError
     naming it (by world rank)."""
+
+    KERNEL = "internode_world_barrier"
 
     def __init__(self, group):
         import cupy
@@ -120,7 +130,7 @@ class WorldBarrier:
         g = self.group
         return jit.pack(WORLD_BARRIER_ARGS_DTYPE, arrive=self._arrive.data.ptr, epoch=self._epoch.data.ptr,
                         num_pes=g.world_size, my_pe=g.rank,
-                        guard=jit.pack(GUARD_DTYPE, **g.guard("internode_world_barrier", timeout_s)))
+                        guard=jit.pack(GUARD_DTYPE, **g.guard(self.KERNEL, timeout_s)))
 
     def __call__(self, stream=None, timeout_s: float | None = None) -> None:
         """Enqueue one barrier on ``stream`` (default: current stream)."""
@@ -133,14 +143,6 @@ class WorldBarrier:
             self._fn((1,), (min(1024, max(32, -(-self.group.world_size // 32) * 32)),),
                      (self.args(timeout_s), np.int32(iters)))
 
-    def sync(self, timeout_s: float | None = None) -> None:
-        """Barrier, then a bounded host wait for it (raises CommTimeoutError)."""
-        import cupy
-        self(timeout_s=timeout_s)
-        ev = cupy.cuda.Event()
-        ev.record()
-        self.group.wait(ev, "internode_world_barrier")
-
     def destroy(self) -> None:
         """Collective: free the signals and release NVSHMEM."""
         import cupy
@@ -152,12 +154,6 @@ class WorldBarrier:
         self._core.free_array(self._arrive)
         self._arrive = None
         NV.finalize()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.destroy()
 
 
 def gpu_barrier(group):

@@ -51,6 +51,18 @@ def _malloc_everywhere(group, nbytes: int) -> int:
     return ptr
 
 
+def same_size(comm, nbytes, what: str, who: str) -> int:
+    """``nbytes`` as an int, checked positive and equal on every rank of
+    ``comm`` (collective); ValueError naming ``what`` and ``who`` otherwise."""
+    nbytes = int(nbytes)
+    if nbytes <= 0:
+        raise ValueError(f"{what} size must be positive, got {nbytes}")
+    sizes = comm.allgather(nbytes)
+    if len(set(sizes)) != 1:
+        raise ValueError(f"{what} sizes differ across {who}: {sizes}")
+    return nbytes
+
+
 def buffer_view(owner, base: int, nbytes: int, offset: int, shape, dtype, strides=None):
     """A cupy array of ``shape`` starting ``offset`` bytes into the ``nbytes``
     buffer at device address ``base`` (kept alive by ``owner``), C-contiguous
@@ -87,12 +99,7 @@ class SymmetricBuffer:
     def __init__(self, group, nbytes: int):
         import cupy
         group.require_gpu("SymmetricBuffer")
-        nbytes = int(nbytes)
-        if nbytes <= 0:
-            raise ValueError(f"SymmetricBuffer size must be positive, got {nbytes}")
-        sizes = group.node_comm.allgather(nbytes)
-        if len(set(sizes)) != 1:
-            raise ValueError(f"SymmetricBuffer sizes differ across the node's ranks: {sizes}")
+        nbytes = same_size(group.node_comm, nbytes, "SymmetricBuffer", "the node's ranks")
         rt = cupy.cuda.runtime
         self.group = group
         self.nbytes = nbytes

@@ -259,12 +259,8 @@ class HeapBuffer:
     def __init__(self, group, nbytes: int):
         import cupy
         import numpy as np
-        nbytes = int(nbytes)
-        if nbytes <= 0:
-            raise ValueError(f"HeapBuffer size must be positive, got {nbytes}")
-        sizes = group.comm.allgather(nbytes)
-        if len(set(sizes)) != 1:
-            raise ValueError(f"HeapBuffer sizes differ across the ranks: {sizes}")
+        from .ipc import same_size
+        nbytes = same_size(group.comm, nbytes, "HeapBuffer", "the ranks")
         init(group)
         import nvshmem.core as core
         self._core, self.group, self.nbytes = core, group, nbytes
