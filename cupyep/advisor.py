@@ -23,7 +23,9 @@ The rules (the seed articles' serving practice):
   advice also says to balance the load (replicate or move hot experts).
 
 For normal mode the transport is the faster one in the records at this rank
-count (dispatch + combine), else "direct" (one copy instead of two).
+count (dispatch + combine), else "direct" (one copy instead of two). Across
+nodes the same rules choose between low-latency mode across nodes and the
+two-hop normal mode, from records of the same node layout.
 """
 from __future__ import annotations
 
@@ -37,12 +39,17 @@ SEVERE_IMBALANCE = 8.0
 LOAD_BALANCE_AT = 4.0
 
 # The kinds whose times make one call of a mode: (dispatch kinds, combine kinds), first present wins.
-STUDY_BENCH = {"normal": "normal", "low_latency": "low_latency"}  # sweep study -> the benchmark it times
+STUDY_BENCH = {"normal": "normal", "low_latency": "low_latency",  # sweep study -> the benchmark it times
+               "internode": "internode"}
 MODE_KINDS = {
     "low_latency": (("dispatch_fp8", "dispatch_bf16"), ("combine",)),
     "normal": (("dispatch_bf16_notify", "dispatch_bf16"), ("combine_bf16",)),
     "normal_direct": (("dispatch_bf16_notify_direct", "dispatch_bf16_direct"), ("combine_bf16_direct",)),
+    # across nodes: the two-hop mode (the internode study's kinds, or the benchmark's)
+    "normal_two_hop": (("dispatch_bf16", "dispatch_bf16_two_hop"), ("combine_bf16", "combine_bf16_two_hop")),
 }
+MODE_BENCH = {"low_latency": "low_latency", "normal": "normal", "normal_direct": "normal",
+              "normal_two_hop": "internode"}
 
 
 @dataclass(frozen=True)
@@ -73,15 +80,19 @@ def _time_us(rec: dict) -> float | None:
     return None
 
 
-def mode_times(records, num_ranks: int, mode: str) -> dict:
+def mode_times(records, num_ranks: int, mode: str, ranks_per_node: int | None = None) -> dict:
     """{tokens: dispatch + combine microseconds} of ``mode`` (a MODE_KINDS key)
-    at ``num_ranks`` ranks, from benchmark or sweep records on the default
-    timing boundary (sweep points and other boundaries are skipped)."""
-    bench = "low_latency" if mode == "low_latency" else "normal"
+    at ``num_ranks`` ranks in nodes of ``ranks_per_node`` (default: one node
+    of all of them), from benchmark or sweep records on the default timing
+    boundary (sweep points and other boundaries are skipped)."""
+    bench = MODE_BENCH[mode]
+    per_node = num_ranks if ranks_per_node is None else ranks_per_node
     by_kind: dict = {}
     for r in records:
         source = r.get("bench") or STUDY_BENCH.get(r.get("study"), bench)  # benchmark or sweep record
         if source != bench or r.get("ranks") != num_ranks or r.get("sweep"):
+            continue
+        if (r.get("ranks_per_node") or num_ranks) != per_node:  # records without it are of one node
             continue
         if r.get("timing") not in (None, "strict") or r.get("status", "ok") != "ok":
             continue
@@ -108,13 +119,16 @@ def _interp_loglog(points: dict, t: float) -> float | None:
     return points[xs[-1]] if t == xs[-1] else None
 
 
-def crossover_tokens(records, num_ranks: int, normal_mode: str = "normal") -> float | None:
-    """Tokens per rank above which ``normal_mode`` ("normal" or
-    "normal_direct") is faster than low-latency mode at ``num_ranks``,
-    interpolated in log-log over the token counts both modes were measured
-    at (at least two, with the order changing between them); None when the
-    records do not bracket a crossover."""
-    ll, nm = mode_times(records, num_ranks, "low_latency"), mode_times(records, num_ranks, normal_mode)
+def crossover_tokens(records, num_ranks: int, normal_mode: str = "normal",
+                     ranks_per_node: int | None = None) -> float | None:
+    """Tokens per rank above which ``normal_mode`` ("normal", "normal_direct",
+    or across nodes "normal_two_hop") is faster than low-latency mode at
+    ``num_ranks`` (in nodes of ``ranks_per_node``), interpolated in log-log
+    over the token counts both modes were measured at (at least two, with
+    the order changing between them); None when the records do not bracket
+    a crossover."""
+    ll = mode_times(records, num_ranks, "low_latency", ranks_per_node)
+    nm = mode_times(records, num_ranks, normal_mode, ranks_per_node)
     lo, hi = max(min(ll, default=0), min(nm, default=0)), min(max(ll, default=0), max(nm, default=0))
     shared = sorted(t for t in set(ll) | set(nm) if lo <= t <= hi and t > 0)
     pts = [(t, _interp_loglog(ll, t), _interp_loglog(nm, t)) for t in shared]
@@ -127,13 +141,14 @@ def crossover_tokens(records, num_ranks: int, normal_mode: str = "normal") -> fl
     return None
 
 
-def _measured_at(records, num_ranks: int, tokens: int) -> tuple[float, float] | None:
+def _measured_at(records, num_ranks: int, tokens: int, ranks_per_node: int | None = None,
+                 normal_modes=("normal", "normal_direct")) -> tuple[float, float] | None:
     """(low-latency, best normal-mode) dispatch + combine microseconds at
     ``tokens``, interpolated in log-log between measured token counts; None
     unless both modes were measured on both sides of it (or at it)."""
-    ll = _interp_loglog(mode_times(records, num_ranks, "low_latency"), tokens)
-    normal = [v for v in (_interp_loglog(mode_times(records, num_ranks, m), tokens)
-                          for m in ("normal", "normal_direct")) if v is not None]
+    ll = _interp_loglog(mode_times(records, num_ranks, "low_latency", ranks_per_node), tokens)
+    normal = [v for v in (_interp_loglog(mode_times(records, num_ranks, m, ranks_per_node), tokens)
+                          for m in normal_modes) if v is not None]
     return (ll, min(normal)) if ll is not None and normal else None
 
 
@@ -162,9 +177,10 @@ def advise(tokens_per_rank: int, num_ranks: int, hidden: int = 7168, num_experts
             expected routing (cupyep.routing.imbalance_factor); None: unknown.
         records: measured results (benchmark, main-job or sweep records) that
             calibrate the crossover and the transport.
-        num_nodes: nodes the ranks span. Across nodes only normal mode's
-            two-hop path exists so far (cupyep.Buffer on such a group): the
-            advice is normal mode, transport "two_hop", with the reason.
+        num_nodes: nodes the ranks span. Across nodes the same rules apply
+            between low-latency mode across nodes and normal mode's two-hop
+            path (transport "two_hop", the only one there), calibrated by
+            records of the same node layout (their ``ranks_per_node``).
 
     Returns:
         Advice.
@@ -176,22 +192,22 @@ def advise(tokens_per_rank: int, num_ranks: int, hidden: int = 7168, num_experts
         raise ValueError(f"num_nodes must be an int >= 1 dividing num_ranks={num_ranks}, got {num_nodes!r}")
     records = list(records)
     reasons, warnings = [], []
-    if num_nodes > 1:
-        if imbalance_factor is not None and imbalance_factor >= LOAD_BALANCE_AT:
-            warnings.append(f"expert imbalance {imbalance_factor:.1f} (max / mean): balance the load "
-                            "(replicate or move the hot experts)")
-        reasons.append(f"the ranks span {num_nodes} nodes: low-latency mode and the direct transport run within "
-                       "a node so far; normal mode runs across nodes in two hops")
-        return Advice("normal", "two_hop", reasons, warnings, float(DEFAULT_CROSSOVER), False)
-    cross = crossover_tokens(records, num_ranks)
+    across = num_nodes > 1
+    per_node = num_ranks // num_nodes
+    where = f"{num_ranks} ranks in {num_nodes} nodes of {per_node}" if across else f"{num_ranks} ranks"
+    normal_modes = ("normal_two_hop",) if across else ("normal", "normal_direct")
+    if across:
+        reasons.append(f"the ranks span {num_nodes} nodes: low-latency mode across nodes, or normal mode in two "
+                       "hops (the direct transport runs within a node only)")
+    cross = crossover_tokens(records, num_ranks, normal_modes[0], per_node)
     calibrated = cross is not None
     if cross is None:
         cross = DEFAULT_CROSSOVER
-        reasons.append(f"uncalibrated: no records at {num_ranks} ranks bracket the crossover; using {cross} tokens")
+        reasons.append(f"uncalibrated: no records at {where} bracket the crossover; using {cross} tokens")
     else:
-        reasons.append(f"measured crossover at {num_ranks} ranks: {cross:.0f} tokens per rank")
-    measured = None if calibrated else _measured_at(records, num_ranks, tokens_per_rank)
-    ll_bytes = ll_size_hint(num_ranks, tokens_per_rank, hidden, num_experts, max(num_topk, 1))
+        reasons.append(f"measured crossover at {where}: {cross:.0f} tokens per rank")
+    measured = None if calibrated else _measured_at(records, num_ranks, tokens_per_rank, per_node, normal_modes)
+    ll_bytes = ll_size_hint(num_ranks, tokens_per_rank, hidden, num_experts, max(num_topk, 1), staged=across)
     fits = memory_budget_bytes is None or ll_bytes <= memory_budget_bytes
     skew = imbalance_factor is not None and imbalance_factor >= SEVERE_IMBALANCE
     if imbalance_factor is not None and imbalance_factor >= LOAD_BALANCE_AT:
@@ -211,7 +227,7 @@ def advise(tokens_per_rank: int, num_ranks: int, hidden: int = 7168, num_experts
     elif measured is not None:
         ll_us, normal_us = measured
         mode = "low_latency" if ll_us <= normal_us else "normal"
-        reasons.append(f"measured at {num_ranks} ranks around {tokens_per_rank} tokens per rank: low-latency "
+        reasons.append(f"measured at {where} around {tokens_per_rank} tokens per rank: low-latency "
                        f"{ll_us:.0f} us, normal {normal_us:.0f} us (dispatch + combine)")
     elif tokens_per_rank > NORMAL_ABOVE:
         mode = "normal"
@@ -223,7 +239,9 @@ def advise(tokens_per_rank: int, num_ranks: int, hidden: int = 7168, num_experts
         mode = "low_latency" if tokens_per_rank < cross and latency_sensitive else "normal"
         reasons.append(f"{tokens_per_rank} tokens per rank between the rules: the default crossover decides")
     transport = None
-    if mode == "normal":
+    if mode == "normal" and across:
+        transport = "two_hop"
+    elif mode == "normal":
         transport, why = _faster_transport(records, num_ranks, tokens_per_rank)
         reasons.append(why)
     return Advice(mode, transport, reasons, warnings, float(cross), calibrated)

@@ -116,9 +116,39 @@ def test_without_a_crossover_the_measurement_at_the_shape_decides():
     assert advisor.advise(4096, 8, records=recs).mode == "normal"  # outside the measurements: the rule
 
 
-def test_across_nodes_the_advice_is_the_two_hop_normal_mode():
+def test_across_nodes_the_rules_choose_low_latency_or_two_hop():
+    """Across nodes the same rules choose between low-latency mode across nodes
+    and the two-hop normal mode (its only transport there)."""
     a = A.advise(32, 16, num_nodes=2, imbalance_factor=5.0)
-    assert (a.mode, a.transport) == ("normal", "two_hop")
+    assert (a.mode, a.transport, a.calibrated) == ("low_latency", None, False)
     assert any("2 nodes" in r for r in a.reasons) and any("imbalance" in w for w in a.warnings)
+    assert (A.advise(1024, 16, num_nodes=2).mode, A.advise(1024, 16, num_nodes=2).transport) == ("normal", "two_hop")
+    skewed = A.advise(32, 16, num_nodes=2, imbalance_factor=10.0)
+    assert (skewed.mode, skewed.transport) == ("normal", "two_hop")
     with pytest.raises(ValueError, match="num_nodes"):
         A.advise(32, 16, num_nodes=3)
+
+
+def _study(study, kind, tokens, us, ranks=8, per_node=4):
+    return {"study": study, "kind": kind, "tokens": tokens, "time_us": us, "ranks": ranks,
+            "ranks_per_node": per_node, "status": "ok", "timing": "strict" if study == "low_latency" else None}
+
+
+def test_across_nodes_the_crossover_comes_from_records_of_the_same_layout():
+    # 2 nodes of 4: low-latency 300 -> 3000 us, two-hop 1000 -> 1500 us from 64 to 512 tokens per rank.
+    across = [_study("low_latency", "dispatch_fp8", 64, 150), _study("low_latency", "combine", 64, 150),
+              _study("low_latency", "dispatch_fp8", 512, 1500), _study("low_latency", "combine", 512, 1500),
+              _study("internode", "dispatch_bf16", 64, 500), _study("internode", "combine_bf16", 64, 500),
+              _study("internode", "dispatch_bf16", 512, 750), _study("internode", "combine_bf16", 512, 750)]
+    # One node of 8 (no ranks_per_node, as intranode records): low-latency always faster here.
+    one_node = [{k: v for k, v in r.items() if k != "ranks_per_node"} | {"time_us": r["time_us"] / 10}
+                for r in across if r["study"] == "low_latency"]
+    cross = A.crossover_tokens(across, 8, "normal_two_hop", 4)
+    assert 64 < cross < 512
+    assert A.crossover_tokens(across + one_node, 8, "normal_two_hop", 4) == pytest.approx(cross)
+    assert A.crossover_tokens(across, 8, "normal_two_hop", 8) is None  # no two-hop records of one node
+    a = A.advise(int(cross) + 50, 8, num_nodes=2, records=across + one_node)
+    b = A.advise(max(1, int(cross) - 50), 8, num_nodes=2, records=across + one_node)
+    assert (a.mode, a.transport, a.calibrated) == ("normal", "two_hop", True)
+    assert (b.mode, b.transport, b.calibrated) == ("low_latency", None, True)
+    assert any("2 nodes of 4" in r for r in a.reasons)
