@@ -114,6 +114,13 @@ def kernel_specs() -> list[jit.KernelSpec]:
     return [spec()]
 
 
+def notify_smem(num_ranks: int, num_nodes: int) -> int:
+    """Dynamic shared memory of the notify (two_hop_notify): my counts per rank
+    and node and the slot bases (int64), then each warp's positions per column
+    (int32 [NOTIFY_THREADS / 32][R + N])."""
+    return 8 * (num_ranks + 2 * num_nodes) + 4 * (NOTIFY_THREADS // 32) * (num_ranks + num_nodes)
+
+
 def check_chunk(name: str, value) -> int:
     """A chunk knob of the two-hop dispatch: an int >= 1; ValueError otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -388,7 +395,7 @@ class TwoHopDispatch:
             num_experts=self.E, num_ranks=R, ranks_per_node=self.K, rank=self.me, guard=jit.pack(GUARD_DTYPE, **guard))
         notify_start, notify_end = cupy.cuda.Event(), cupy.cuda.Event()
         notify_start.record()
-        self.notify_fn((1,), (NOTIFY_THREADS,), (nargs,), shared_mem=8 * (R + 2 * N))
+        self.notify_fn((1,), (NOTIFY_THREADS,), (nargs,), shared_mem=notify_smem(R, N))
         notify_end.record()
         args = jit.pack(
             ARGS_DTYPE, x=x.data.ptr, x_scales=jit.ptr(x_scales), topk_idx=topk_idx.data.ptr,

@@ -60,3 +60,11 @@ def test_chunk_knobs_pass_through():
     import numpy as np
     from cupyep.internode import check_chunk
     assert check_chunk("nvlink_chunk", 1) == 1 and check_chunk("nvlink_chunk", np.int64(64)) == 64
+
+
+def test_the_notify_shared_memory_fits_a_block():
+    """two_hop_notify's dynamic shared memory: int64 counts and slot bases, then
+    int32 positions per warp and column; under the 48 KiB default up to 256 ranks."""
+    from cupyep.internode import NOTIFY_THREADS, notify_smem
+    assert notify_smem(8, 2) == 8 * (8 + 4) + 4 * (NOTIFY_THREADS // 32) * 10
+    assert notify_smem(256, 32) < 48 * 1024

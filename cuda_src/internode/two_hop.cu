@@ -107,7 +107,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArg
     const int K = a.ranks_per_node, R = a.num_ranks, N = R / K, T = a.num_tokens, k = a.num_topk;
     const int me = a.rank, my_node = me / K, local = me % K, El = a.num_experts / R;
     const int W = R + N + 1;  // words of a row: counts per rank, per node, then the capacity
-    extern __shared__ unsigned long long s_dyn64[];  // [R + N] my counts, then [N] the slot bases
+    // [R + N] my counts, then [N] the slot bases, then int [kWarps][R + N] the plan's positions per warp
+    extern __shared__ unsigned long long s_dyn64[];
     unsigned long long* s_cnt = s_dyn64;
     int64_t* s_base = reinterpret_cast<int64_t*>(s_dyn64 + R + N);
     __shared__ int64_t s_call;
@@ -182,13 +183,18 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArg
     auto cnt = [&](int src, int d) { return __ldcv(mat + (int64_t)src * W + d); };
     auto node_cnt = [&](int src, int n) { return __ldcv(mat + (int64_t)src * W + R + n); };
 
-    // 3. The plan. rank_prefix_matrix, a thread per destination column.
+    // 3. The plan. rank_prefix_matrix, a thread per destination column, which also checks that
+    // column's rows against its rank's capacity (the first rank short of room: s_bad).
+    __shared__ int s_bad;
+    if (threadIdx.x == 0) s_bad = R;
+    __syncthreads();
     for (int d = threadIdx.x; d < R; d += blockDim.x) {
         int64_t acc = 0;
         for (int src = 0; src < R; ++src) {
             acc += cnt(src, d);
             a.rank_prefix[(int64_t)src * R + d] = acc;
         }
+        if (acc > __ldcv(mat + (int64_t)d * W + R + N)) atomicMin(&s_bad, d);  // d's capacity, from its row
     }
     // My rows at the rail peer of node n come after those of the earlier source nodes' ranks with my
     // local index; my network buffer holds each source node's block in node order.
@@ -201,43 +207,72 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArg
         a.net_count[n] = n == my_node ? 0 : node_cnt(n * K + local, my_node);
     }
     __syncthreads();
-    // send_head and rdma_slot: each token's position in its column, in token order; a warp per column.
-    for (int col = warp; col < R + N; col += kWarps) {
-        const bool node_col = col >= R;
+    // send_head, rdma_slot and node_tokens: each token's position in each column (a rank, then a
+    // node), in token order. Warp w takes tokens [w * seg, (w + 1) * seg) and, 32 tokens at a time, all
+    // columns of them (a lane's token row loaded once): pass 1 counts each column's tokens per warp,
+    // a prefix over the warps gives every warp's first position in each column, pass 2 writes.
+    const int C = R + N;
+    int* s_pos = reinterpret_cast<int*>(s_base + N);  // [kWarps][C]
+    const int seg = (T + kWarps - 1) / kWarps;
+    const int t_begin = min(T, warp * seg), t_end = min(T, t_begin + seg);
+    auto member = [&](const uint8_t* row, int col) {  // is the lane's token in column col
+        if (col < R) return row[col] != 0;
         const int n = col - R;
-        int64_t pos = 0;
-        for (int t0 = 0; t0 < T; t0 += 32) {  // warp-uniform bounds: every lane takes part in the ballot
-            const int t = t0 + lane;
-            bool in = false;
-            if (t < T) {
-                const uint8_t* row = a.in_rank + (int64_t)t * R;
-                if (!node_col) in = row[col];
-                else if (n != my_node)
-                    for (int j = 0; j < K; ++j) in = in || row[n * K + j];
-            }
+        bool in = false;
+        if (n != my_node)
+            for (int j = 0; j < K; ++j) in = in || row[n * K + j];
+        return in;
+    };
+    for (int col = lane; col < C; col += 32) s_pos[warp * C + col] = 0;
+    __syncwarp();
+    for (int t0 = t_begin; t0 < t_end; t0 += 32) {  // warp-uniform bounds: every lane takes part in the ballots
+        const int t = t0 + lane;
+        const uint8_t* row = a.in_rank + (int64_t)t * R;
+        for (int col = 0; col < C; ++col) {
+            const unsigned m = __ballot_sync(0xffffffffu, t < t_end && member(row, col));
+            if (lane == 0) s_pos[warp * C + col] += __popc(m);
+        }
+    }
+    __syncthreads();
+    for (int col = threadIdx.x; col < C; col += blockDim.x) {  // exclusive prefix over the warps
+        int acc = 0;
+        for (int w = 0; w < kWarps; ++w) {
+            const int v = s_pos[w * C + col];
+            s_pos[w * C + col] = acc;
+            acc += v;
+        }
+    }
+    __syncthreads();
+    for (int t0 = t_begin; t0 < t_end; t0 += 32) {
+        const int t = t0 + lane;
+        const uint8_t* row = a.in_rank + (int64_t)t * R;
+        for (int col = 0; col < C; ++col) {
+            const bool in = t < t_end && member(row, col);
             const unsigned m = __ballot_sync(0xffffffffu, in);
-            const int64_t mine = pos + __popc(m & ((1u << lane) - 1u));
-            if (t < T) {
-                if (!node_col) a.send_head[(int64_t)t * R + col] = in ? mine : -1;
-                else a.rdma_slot[(int64_t)t * N + n] = in ? s_base[n] + mine : -1;
-                if (node_col && in) a.node_tokens[(int64_t)n * T + mine] = t;
+            const int64_t mine = s_pos[warp * C + col] + __popc(m & ((1u << lane) - 1u));
+            if (t < t_end) {
+                if (col < R) {
+                    a.send_head[(int64_t)t * R + col] = in ? mine : -1;
+                } else {
+                    const int n = col - R;
+                    a.rdma_slot[(int64_t)t * N + n] = in ? s_base[n] + mine : -1;
+                    if (in) a.node_tokens[(int64_t)n * T + mine] = t;
+                }
             }
-            pos += __popc(m);
+            __syncwarp();
+            if (lane == 0) s_pos[warp * C + col] += __popc(m);
+            __syncwarp();
         }
     }
 
-    // 4. One verdict on every rank: does every rank's share fit its capacity? If not, no target moves and
-    // nothing is sent, so the state stays consistent and the next call can run.
+    // 4. One verdict on every rank: does every rank's share fit its capacity (checked in step 3)? If
+    // not, no target moves and nothing is sent, so the state stays consistent and the next call can run.
+    __syncthreads();
     if (threadIdx.x == 0) {
-        int bad = -1;
-        int64_t bad_rows = 0, bad_cap = 0;
-        for (int d = 0; d < R && bad < 0; ++d) {
-            int64_t rows = 0;
-            for (int src = 0; src < R; ++src) rows += cnt(src, d);
-            const int64_t cap = __ldcv(mat + (int64_t)d * W + R + N);
-            if (rows > cap || (d == me && rows > a.capacity)) bad = d, bad_rows = rows, bad_cap = cap;
-        }
+        const int bad = s_bad < R ? s_bad : -1;
         if (bad >= 0) {
+            const int64_t bad_rows = a.rank_prefix[(int64_t)(R - 1) * R + bad];
+            const int64_t bad_cap = __ldcv(mat + (int64_t)bad * W + R + N);  // mine is my a.capacity
             // My own shortfall names no peer; a peer's names it (its rows and its capacity).
             report_error(a.guard, kErrorCapacity, /*phase=*/1, bad == me ? -1 : bad, bad_rows, bad_cap);
             a.state[0] = call;
