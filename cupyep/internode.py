@@ -46,14 +46,16 @@ ARGS_DTYPE = jit.struct_dtype([
     ("net_target", u64), ("net_count", u64), ("pools", u64), ("out_x", i64), ("out_idx", i64), ("out_w", i64),
     ("out_src", i64), ("out_slot", i64), ("arrived", u64), ("arrived_target", u64), ("row_stride", i64),
     ("out_scales", i64), ("notify_ok", u64), ("capacity", i64), ("rdma_chunk", i32), ("nvlink_chunk", i32),
-    ("hop_ns", u64), ("num_tokens", i32),
+    ("direct", i32), ("heap_pool", u64), ("direct_signal", u64), ("direct_stage", u64), ("hop_ns", u64),
+    ("num_tokens", i32),
     ("num_topk", i32), ("x_int4", i32), ("num_scales", i32), ("num_ranks", i32), ("ranks_per_node", i32),
     ("num_local_experts", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
 COMBINE_ARGS_DTYPE = jit.struct_dtype([
     ("y", u64), ("recv_src_rank", u64), ("recv_src_idx", u64), ("recv_slot", u64), ("pools", u64),
     ("direct_in", i64), ("gather", i64), ("counters", u64), ("targets", u64), ("net_rows", u64),
     ("row_stride", i64), ("meta_offset", i64), ("net_count", u64), ("staging", u64), ("net_in", u64),
-    ("net_signal", u64), ("net_target", u64), ("send_head", u64), ("out", u64), ("notify_ok", u64),
+    ("net_signal", u64), ("net_target", u64), ("send_head", u64), ("direct", i32), ("rank_in", u64),
+    ("rank_signal", u64), ("rank_target", u64), ("rank_stage", u64), ("out", u64), ("notify_ok", u64),
     ("hop_ns", u64), ("num_recv", i32), ("num_tokens", i32), ("max_tokens", i32), ("x_int4", i32),
     ("num_topk", i32), ("num_ranks", i32), ("ranks_per_node", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
 
@@ -87,24 +89,27 @@ def _check_hop(hop_ns):
 def spec(num_threads: int = THREADS) -> jit.KernelSpec:
     """The two-hop notify, dispatch and combine (one module: they share the NVSHMEM registration)."""
     return jit.KernelSpec(name=f"internode_two_hop_threads_{num_threads}", source="internode/two_hop.cu",
-                          kernels=(f"cupyep::internode::two_hop_dispatch<{num_threads}>",
+                          kernels=(f"cupyep::internode::two_hop_dispatch<{num_threads}, false>",
                                    f"cupyep::internode::two_hop_combine<{num_threads}, false>",
                                    f"cupyep::internode::two_hop_notify<{NOTIFY_THREADS}>",
-                                   f"cupyep::internode::two_hop_combine<{num_threads}, true>"), nvshmem=True)
+                                   f"cupyep::internode::two_hop_combine<{num_threads}, true>",
+                                   f"cupyep::internode::two_hop_dispatch<{num_threads}, true>"), nvshmem=True)
 
 
 def state_words(num_ranks: int, ranks_per_node: int) -> int:
     """int64 words of the notify's private state (two_hop_state_words in two_hop.cu)."""
     n = num_ranks // ranks_per_node
-    return 2 + n + num_ranks + 2 + n
+    return 2 + n + num_ranks + 2 + n + num_ranks
 
 
 def state_slices(num_ranks: int, ranks_per_node: int) -> dict:
     """Where each part of the state lies: {"calls", "ok", "net_total",
-    "arrived_total", "combine_total", "combine_net_total"} -> slice."""
+    "arrived_total", "combine_total", "combine_net_total",
+    "combine_rank_total"} -> slice."""
     R, N = num_ranks, num_ranks // ranks_per_node
     out, off = {"calls": slice(0, 1), "ok": slice(1, 2)}, 2
-    for name, n in (("net_total", N), ("arrived_total", R), ("combine_total", 2), ("combine_net_total", N)):
+    for name, n in (("net_total", N), ("arrived_total", R), ("combine_total", 2), ("combine_net_total", N),
+                    ("combine_rank_total", R)):
         out[name] = slice(off, off + n)
         off += n
     return out
@@ -119,6 +124,18 @@ def notify_smem(num_ranks: int, num_nodes: int) -> int:
     and node and the slot bases (int64), then each warp's positions per column
     (int32 [NOTIFY_THREADS / 32][R + N])."""
     return 8 * (num_ranks + 2 * num_nodes) + 4 * (NOTIFY_THREADS // 32) * (num_ranks + num_nodes)
+
+
+ROUTES = ("two_hop", "direct")
+
+
+def direct_row_bytes(hidden: int, num_topk: int) -> int:
+    """Bytes of a staged row of the direct route (DirectRow in two_hop.cu: the
+    payload, the scales, k int64 ids, k float32 weights, the source index and
+    the slot, each part at a 16-byte boundary), the larger of BF16 and FP8."""
+    a16 = lambda n: -(-n // 16) * 16  # noqa: E731
+    rest = a16(8 * num_topk) + a16(4 * num_topk) + 32
+    return max(a16(2 * hidden) + rest, a16(hidden + 4 * (hidden // 128)) + rest)
 
 
 def check_chunk(name: str, value) -> int:
@@ -191,7 +208,7 @@ class TwoHopDispatch:
     destroyed."""
 
     def __init__(self, group, max_tokens: int, hidden: int, num_topk: int, num_experts: int, num_sms: int = 0,
-                 rdma_chunk: int = 1, nvlink_chunk: int = 1):
+                 rdma_chunk: int = 1, nvlink_chunk: int = 1, route: str = "two_hop"):
         """Collective. ``num_sms``: blocks per rank of the dispatch and the
         combine (0: the rank's share of the GPU's SMs); every rank's blocks
         must fit on the GPU at once, or ValueError names the most that do.
@@ -199,7 +216,15 @@ class TwoHopDispatch:
         calls, alike on every rank): ``rdma_chunk``, how many of a rank's
         rows for one node a warp stages and sends with one put (consecutive
         network rows, one signal); ``nvlink_chunk``, how many consecutive
-        network rows a warp of the rail peer forwards."""
+        network rows a warp of the rail peer forwards.
+
+        ``route``: "two_hop" (the default: one network row per (token, node)
+        to the rail peer, which forwards it in its node; the combine reduces
+        in the node first) or "direct" (no node dedup: every row to a rank
+        of another node is put straight into its final row there, the
+        receive pools on the NVSHMEM heap, and the combine sends each row
+        back to its owner, which sums over the ranks in rank order in FP32).
+        The outputs are the same; the chunk knobs apply to "two_hop"."""
         import cupy
 
         from . import nvshmem as NV
@@ -219,11 +244,14 @@ class TwoHopDispatch:
         self.max_tokens, self.hidden, self.k, self.E = int(max_tokens), int(hidden), int(num_topk), int(num_experts)
         self.rdma_chunk, self.nvlink_chunk = check_chunk("rdma_chunk", rdma_chunk), check_chunk("nvlink_chunk",
                                                                                                 nvlink_chunk)
+        if route not in ROUTES:
+            raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+        self.route, self.direct = route, route == "direct"
         NV.init(group)
         import nvshmem.core as core
         self._core = core
         fns = jit.load(spec())  # built, loaded and registered with NVSHMEM (after its init)
-        self.fn = fns[spec().kernels[0]]
+        self.fn = fns[spec().kernels[4 if self.direct else 0]]
         self.combine_fn = fns[spec().kernels[1]]
         self.notify_fn = fns[spec().kernels[2]]
         self.combine_weights_fn = fns[spec().kernels[3]]  # the float32 rows of the top-k weights
@@ -247,7 +275,19 @@ class TwoHopDispatch:
                              ("src", cap * 4), ("slot", cap * 8), ("scales", cap * (hidden // 128) * 4)):
             self._lay[name] = off
             off += -(-nbytes // 256) * 256
-        self.pool = SymmetricBuffer(group, off)
+        if self.direct:  # rows from other nodes are put straight into it: the pool is on the NVSHMEM heap
+            from .nvshmem import HeapBuffer
+            self.pool = HeapBuffer(group, off)
+            node = self.me // self.K
+            self.pool_ptrs = cupy.asarray(np.asarray(self.pool.peer_ptr_list[node * self.K:(node + 1) * self.K],
+                                                     dtype=u64))
+            self.direct_signal = core.array((self.R,), dtype="uint64")
+            self.direct_signal[...] = 0
+            self.direct_stage = core.array((self.max_tokens * self.R * direct_row_bytes(hidden, num_topk),),
+                                           dtype="uint8")
+        else:
+            self.pool = SymmetricBuffer(group, off)
+            self.pool_ptrs = self.pool.peer_ptrs
         self.sync = SymmetricBuffer(group, -(-self.R * 8 // 256) * 256)
         self.arrived_ptrs = cupy.asarray(np.asarray([self.sync.peer_ptr_list[j] for j in range(self.K)], dtype=u64))
         # The notify pass: my row of counts, every PE's rows (two matrices, by call parity), their signals,
@@ -284,7 +324,15 @@ class TwoHopDispatch:
         self.wnet_in = core.array((self.N * self.max_tokens * wrow,), dtype="uint8")
         self.wnet_signal = core.array((self.N,), dtype="uint64")
         self.wnet_signal[...] = 0
-        self.wtargets = cupy.zeros(2 + self.N, dtype=np.int64)  # the weights' pass: combine_total, combine_net_total
+        # the weights' pass: combine_total, combine_net_total, combine_rank_total
+        self.wtargets = cupy.zeros(2 + self.N + self.R, dtype=np.int64)
+        self._rank = {}  # the direct route's combine: rows from each rank of another node, per pass
+        if self.direct:
+            for name, nbytes in (("rows", row), ("weights", wrow)):
+                sig = core.array((self.R,), dtype="uint64")
+                sig[...] = 0
+                self._rank[name] = dict(rank_in=core.array((self.max_tokens * self.R * nbytes,), dtype="uint8"),
+                                        rank_signal=sig, rank_stage=core.array((cap * nbytes,), dtype="uint8"))
         self._last = None
         self._failed = None  # the error that left the state undefined, once one has
         self._captured = []  # arrays of the calls captured in CUDA graphs, alive as long as this object
@@ -403,12 +451,15 @@ class TwoHopDispatch:
             rdma_slot=dev["slot"].data.ptr, send_head=dev["head"].data.ptr, rank_prefix=dev["rpm"].data.ptr,
             node_tokens=dev["node_tokens"].data.ptr, send_node=dev["send_node"].data.ptr, staging=staging.data.ptr, net_rows=self.net_rows.data.ptr, net_signal=self.net_signal.data.ptr,
             net_target=self._state["net_total"].data.ptr, net_count=dev["net_count"].data.ptr,
-            pools=self.pool.peer_ptrs.data.ptr, out_x=self._lay["x"], out_idx=self._lay["idx"],
+            pools=self.pool_ptrs.data.ptr, out_x=self._lay["x"], out_idx=self._lay["idx"],
             out_w=self._lay["w"], out_src=self._lay["src"], out_slot=self._lay["slot"],
             arrived=self.arrived_ptrs.data.ptr, arrived_target=self._state["arrived_total"].data.ptr,
             row_stride=stride, out_scales=self._lay["scales"], notify_ok=self._state["ok"].data.ptr,
             capacity=int(num_worst_tokens) if worst else 0, rdma_chunk=check_chunk("rdma_chunk", self.rdma_chunk),
-            nvlink_chunk=check_chunk("nvlink_chunk", self.nvlink_chunk), hop_ns=jit.ptr(hop_ns), num_tokens=T,
+            nvlink_chunk=check_chunk("nvlink_chunk", self.nvlink_chunk), direct=int(self.direct),
+            heap_pool=self.pool.ptr if self.direct else 0,
+            direct_signal=self.direct_signal.data.ptr if self.direct else 0,
+            direct_stage=self.direct_stage.data.ptr if self.direct else 0, hop_ns=jit.ptr(hop_ns), num_tokens=T,
             num_topk=self.k,
             x_int4=H * x.dtype.itemsize // 16, num_scales=ns, num_ranks=self.R, ranks_per_node=self.K,
             num_local_experts=self.E // self.R,
@@ -509,7 +560,8 @@ class TwoHopDispatch:
         rows_now = (self.N - 1) * self.max_tokens if L["worst"] else int(L["dev"]["net_count"].sum().get())
         rows_pass = dict(direct_in=self._clay["direct"], gather=self._clay["gather"], counters=self.counter_ptrs,
                          total=self._state["combine_total"], net_total=self._state["combine_net_total"],
-                         net_in=self.cnet_in, net_signal=self.cnet_signal)
+                         rank_total=self._state["combine_rank_total"], net_in=self.cnet_in,
+                         net_signal=self.cnet_signal, **self._rank.get("rows", {}))
         out = self._route_back(L, y, self.combine_fn, hop_ns, rows_pass, rows_now)
         if topk_weights is None:
             return out
@@ -517,8 +569,9 @@ class TwoHopDispatch:
         w_rows = cupy.zeros((L["n"], kp), dtype=np.float32)
         w_rows[:, :self.k] = topk_weights
         weights_pass = dict(direct_in=self._clay["wdirect"], gather=self._clay["wgather"],
-                            counters=self.wcounter_ptrs, total=self.wtargets[:2], net_total=self.wtargets[2:],
-                            net_in=self.wnet_in, net_signal=self.wnet_signal)
+                            counters=self.wcounter_ptrs, total=self.wtargets[:2],
+                            net_total=self.wtargets[2:2 + self.N], rank_total=self.wtargets[2 + self.N:],
+                            net_in=self.wnet_in, net_signal=self.wnet_signal, **self._rank.get("weights", {}))
         return out, self._route_back(L, w_rows, self.combine_weights_fn, None, weights_pass, rows_now)[:, :self.k]
 
     def _route_back(self, L, rows, fn, hop_ns, res: dict, rows_now: int):
@@ -543,7 +596,9 @@ class TwoHopDispatch:
             row_stride=L["stride"], meta_offset=L["meta_offset"], net_count=L["dev"]["net_count"].data.ptr,
             staging=staging.data.ptr,
             net_in=res["net_in"].data.ptr, net_signal=res["net_signal"].data.ptr,
-            net_target=res["net_total"].data.ptr, send_head=L["dev"]["head"].data.ptr,
+            net_target=res["net_total"].data.ptr, send_head=L["dev"]["head"].data.ptr, direct=int(self.direct),
+            rank_in=jit.ptr(res.get("rank_in")), rank_signal=jit.ptr(res.get("rank_signal")),
+            rank_target=res["rank_total"].data.ptr, rank_stage=jit.ptr(res.get("rank_stage")),
             out=out.data.ptr, notify_ok=self._state["ok"].data.ptr, hop_ns=jit.ptr(hop_ns), num_recv=L["n"],
             num_tokens=L["T"], max_tokens=self.max_tokens, x_int4=x_int4, num_topk=self.k, num_ranks=R,
             ranks_per_node=K, rank=me, guard=jit.pack(GUARD_DTYPE, **self.group.guard("internode_two_hop_combine")))
@@ -552,6 +607,7 @@ class TwoHopDispatch:
         off = sl["combine_total"].start - 2
         res["total"][...] += d[off:off + 2]
         res["net_total"][...] += d[off + 2:off + 2 + self.N]
+        res["rank_total"][...] += d[off + 2 + self.N:off + 2 + self.N + R]
         if cupy.cuda.get_current_stream().is_capturing():
             self._captured.append((rows, staging, out))
         self._launch(fn, args, wait=not L["worst"])
@@ -566,8 +622,10 @@ class TwoHopDispatch:
         self._captured = []
         for buf in (self.pool, self.sync, self.cpool, self.csync):
             buf.destroy()
+        extra = [self.direct_signal, self.direct_stage] if self.direct else []
+        extra += [arr for res in self._rank.values() for arr in res.values()]
         for arr in (self.net_rows, self.net_signal, self.cnet_in, self.cnet_signal, self.wnet_in, self.wnet_signal,
-                    self.row, self.matrix, self.row_signal):
+                    self.row, self.matrix, self.row_signal, *extra):
             self._core.free_array(arr)
         if self._host_ptr:
             self._host = None

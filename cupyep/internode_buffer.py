@@ -29,9 +29,12 @@ and ``combine(y, handle, pair_weights=..., expert_major=True)`` reduces such
 outputs back to one row per received row first, so cupyep.moe.MoELayer runs
 across nodes unchanged. Every call runs on the buffer's communication stream, ordered with the
 caller's as within a node (``previous_event``, ``async_finish``,
-cupyep.intranode.streams). What the two-hop kernels do not carry yet raises
-ValueError before anything is launched: the direct transport, configs,
-the normal-mode metrics. The layout hints
+cupyep.intranode.streams). ``transport="direct"`` runs the direct route
+across nodes (TwoHopDispatch(route="direct"): every row put straight into
+its final row, no node dedup); a buffer keeps the route of its first
+dispatch, and a call with the other one raises ValueError. What the
+kernels across nodes do not carry yet raises ValueError before anything is
+launched: configs, the normal-mode metrics. The layout hints
 (``num_tokens_per_rank``, ``num_tokens_per_expert``, ``is_token_in_rank``)
 are accepted and not needed: the notify pass lays the tokens out itself.
 
@@ -67,13 +70,17 @@ class TwoHopBuffer:
         self.comm_stream = self._calls.stream
         self._engine = None
         self._shape = None  # (max_tokens, hidden, num_topk, num_experts) of the engine
+        self._route = None  # the engine's route: "two_hop" or "direct" (the first dispatch's transport)
         self._em = None  # the last dispatch's expert-major layout: (layout, handle, device count, SMs)
         self._captured = []  # arrays of calls captured in CUDA graphs, alive as long as this buffer
 
     # ----------------------------------------------------------------- sizing
-    def _engine_for(self, num_tokens: int, hidden: int, num_topk: int, num_experts: int):
-        """The TwoHopDispatch for these sizes, made collectively at the first call."""
+    def _engine_for(self, num_tokens: int, hidden: int, num_topk: int, num_experts: int, route: str = "two_hop"):
+        """The TwoHopDispatch for these sizes and ``route``, made collectively at the first call."""
         if self._engine is not None:
+            if route != self._route:
+                raise ValueError(f"this buffer runs the {self._route} route across nodes (its first dispatch's "
+                                 f"transport); make another cupyep.Buffer for the {route} route")
             most, h, k, e = self._shape
             if (hidden, num_topk, num_experts) != (h, k, e):
                 raise ValueError(f"this buffer carries hidden={h}, top-k={k}, num_experts={e} (its first call's); "
@@ -87,13 +94,13 @@ class TwoHopBuffer:
         if not (sizes[:, 1:] == sizes[0, 1:]).all():
             raise ValueError(f"hidden, top-k and num_experts differ between ranks: {sizes[:, 1:].tolist()}")
         most = max(1, int(sizes[:, 0].max()))
-        self._engine = self._make_engine(most, hidden, num_topk, num_experts)
-        self._shape = (most, hidden, num_topk, num_experts)
+        self._engine = self._make_engine(most, hidden, num_topk, num_experts, route)
+        self._shape, self._route = (most, hidden, num_topk, num_experts), route
         return self._engine
 
-    def _make_engine(self, max_tokens: int, hidden: int, num_topk: int, num_experts: int):
+    def _make_engine(self, max_tokens: int, hidden: int, num_topk: int, num_experts: int, route: str = "two_hop"):
         from .internode import TwoHopDispatch
-        return TwoHopDispatch(self.group, max_tokens, hidden, num_topk, num_experts)
+        return TwoHopDispatch(self.group, max_tokens, hidden, num_topk, num_experts, route=route)
 
     # ---------------------------------------------------------------- calls
     def dispatch(self, x, topk_idx=None, topk_weights=None, *, x_scales=None, num_experts: int | None = None,
@@ -103,9 +110,10 @@ class TwoHopBuffer:
                  transport: str | None = None, notify_time_ns=None, queue_occupancy=None):
         """cupyep.Buffer.dispatch across nodes (module docstring)."""
         _refuse("dispatch", {"config": config, "notify_time_ns": notify_time_ns, "queue_occupancy": queue_occupancy})
-        if transport not in (None, "queue", "two_hop"):
-            raise ValueError(f"across nodes the transport is the two-hop mode (transport None, 'queue' or "
-                             f"'two_hop'), got transport={transport!r}")
+        if transport not in (None, "queue", "two_hop", "direct"):
+            raise ValueError(f"across nodes the transport is the two-hop mode (None, 'queue' or 'two_hop') or "
+                             f"the direct route ('direct'), got transport={transport!r}")
+        route = "direct" if transport == "direct" else "two_hop"
         if not (isinstance(expert_alignment, (int, np.integer)) and expert_alignment >= 1):
             raise ValueError(f"expert_alignment must be an integer >= 1, got {expert_alignment!r}")
         if isinstance(x, tuple):
@@ -124,7 +132,7 @@ class TwoHopBuffer:
             k, num_experts = self._shape[2], self._shape[3]
         if x.ndim != 2:
             raise ValueError(f"x must be 2-D [T, H], got shape {tuple(x.shape)}")
-        engine = self._engine_for(x.shape[0], x.shape[1], k, int(num_experts))
+        engine = self._engine_for(x.shape[0], x.shape[1], k, int(num_experts), route)
         self._calls.begin(previous_event)
         with self.comm_stream:
             out = engine.dispatch(x, None if handle is not None else topk_idx, topk_weights, x_scales=x_scales,

@@ -37,6 +37,8 @@ def main():
     p.add_argument("--repeats", type=int, default=3,
                    help="measurements of every kind, interleaved (one record each, field 'repeat')")
     p.add_argument("--num-sms", type=int, default=0, help="blocks per rank (0: the rank's share of the SMs)")
+    p.add_argument("--route", default="two_hop", choices=("two_hop", "direct"),
+                   help="two_hop: node dedup and forwarding; direct: every row straight to its final row")
     p.add_argument("--rdma-chunk", type=int, default=1, help="rows a warp sends to one node with one put")
     p.add_argument("--nvlink-chunk", type=int, default=1, help="network rows a warp of the rail peer forwards")
     args = p.parse_args()
@@ -49,16 +51,17 @@ def main():
     T, H, E, k = args.tokens, args.hidden, args.experts, args.topk
     idx, w = global_routing(0, [T] * R, E, k)
     hop = TwoHopDispatch(group, T, H, k, E, num_sms=args.num_sms, rdma_chunk=args.rdma_chunk,
-                         nvlink_chunk=args.nvlink_chunk)
+                         nvlink_chunk=args.nvlink_chunk, route=args.route)
     x, ids, ws, traffic, handle = prepare(group, hop, idx, w)  # checked against the oracle first
     hops = two_hop_metrics(group, hop, x, ids, ws)  # untimed calls with the hop stamps (cupyep.metrics)
     writer = JsonlWriter(args.out, group)
     for repeat in range(args.repeats):
         for kind in KINDS:
             rec = measure(group, hop, kind, x, ids, ws, handle, args.iters, traffic)
-            writer.write({"bench": "internode", "kind": f"{kind}_two_hop", "ranks": R, "ranks_per_node": K,
+            writer.write({"bench": "internode", "kind": f"{kind}_{args.route}", "ranks": R, "ranks_per_node": K,
                           "nodes": R // K, "tokens": T, "hidden": H, "topk": k, "experts": E,
-                          "num_sms": hop.num_sms, "rdma_chunk": hop.rdma_chunk, "nvlink_chunk": hop.nvlink_chunk,
+                          "num_sms": hop.num_sms, "route": args.route, "rdma_chunk": hop.rdma_chunk,
+                          "nvlink_chunk": hop.nvlink_chunk,
                           "repeat": repeat, **rec, "hop_us": hop_times_of(hops, kind),
                           "checked": True, "version": "device notify"})
     hop.destroy()

@@ -131,3 +131,15 @@ def test_each_kind_takes_its_own_hop_times():
     hops = {"dispatch_hop_us": {"network": 1.0}, "combine_hop_us": {"node": 2.0}}
     assert BI.hop_times_of(hops, "dispatch_bf16") == BI.hop_times_of(hops, "dispatch_bf16_cached") == {"network": 1.0}
     assert BI.hop_times_of(hops, "combine_bf16") == {"node": 2.0}
+
+
+def test_the_direct_route_counts_its_own_traffic():
+    """The direct route sends one row per (token, remote rank) over the network
+    and only the rows within a node over NVLink; the two-hop route's counts
+    are the reference's as they are."""
+    from types import SimpleNamespace
+    t = SimpleNamespace(rdma_bytes=40, rdma_bytes_without_dedup=100, saved_bytes=60, nvlink_bytes=250)
+    two_hop, direct = BI.route_bytes(t, False, 1.0), BI.route_bytes(t, True, 1.0)
+    assert (two_hop["rdma_bytes"], two_hop["nvlink_bytes"], two_hop["dedup_saved_bytes"]) == (40, 250, 60)
+    assert (direct["rdma_bytes"], direct["nvlink_bytes"], direct["dedup_saved_bytes"]) == (100, 150, 0)
+    assert direct["rdma_GBps"] == 100 / 1e3 and G.KNOBS["route"] == "two_hop"

@@ -85,7 +85,8 @@ def _no_cuda_streams(monkeypatch):
 
 def _buffer(group):
     buf = TwoHopBuffer(group)
-    buf._make_engine = lambda *shape: _Engine(shape)
+    buf.routes = []
+    buf._make_engine = lambda *shape: buf.routes.append(shape[4]) or _Engine(shape[:4])
     return buf
 
 
@@ -115,6 +116,23 @@ def test_the_first_dispatch_sizes_the_mode_from_every_rank():
         buf.dispatch(np.zeros((4, 512), np.uint16), idx, np.zeros((4, 2), np.float32), num_experts=8)
 
 
+def test_the_first_dispatch_picks_the_route_and_keeps_it():
+    """transport="direct" makes the direct route's engine; a buffer keeps its
+    first dispatch's route, and a call with the other raises before launch."""
+    x, idx, w = np.zeros((4, 256), np.uint16), np.zeros((4, 2), np.int64), np.zeros((4, 2), np.float32)
+    direct = _buffer(_Group())
+    direct.dispatch(x, idx, w, num_experts=8, transport="direct")
+    assert direct.routes == ["direct"] and direct._route == "direct"
+    with pytest.raises(ValueError, match="runs the direct route"):
+        direct.dispatch(x, idx, w, num_experts=8)
+    two_hop = _buffer(_Group())
+    two_hop.dispatch(x, idx, w, num_experts=8, transport="queue")
+    assert two_hop.routes == ["two_hop"]
+    with pytest.raises(ValueError, match="make another cupyep.Buffer for the direct route"):
+        two_hop.dispatch(x, idx, w, num_experts=8, transport="direct")
+    assert len(two_hop._engine.calls) == 1  # the refused call launched nothing
+
+
 def test_ranks_that_disagree_on_the_sizes_raise():
     g = _Group(others=[[4, 256, 2, 8], [4, 128, 2, 8], [4, 256, 2, 8]])
     with pytest.raises(ValueError, match="differ between ranks"):
@@ -138,7 +156,7 @@ def test_worst_token_and_cached_calls_pass_through():
     assert buf._engine is None
 
 
-@pytest.mark.parametrize("kw", [{"config": object()}, {"transport": "direct"}, {"notify_time_ns": object()},
+@pytest.mark.parametrize("kw", [{"config": object()}, {"transport": "ring"}, {"notify_time_ns": object()},
                                 {"queue_occupancy": object()}, {"expert_alignment": 0}])
 def test_what_the_two_hop_dispatch_does_not_carry_is_refused(kw):
     buf = _buffer(_Group())

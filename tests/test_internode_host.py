@@ -15,17 +15,18 @@ def test_state_slices_cover_the_state_in_the_kernels_order(R, K):
     targets."""
     sl = INTER.state_slices(R, K)
     N = R // K
-    assert list(sl) == ["calls", "ok", "net_total", "arrived_total", "combine_total", "combine_net_total"]
+    assert list(sl) == ["calls", "ok", "net_total", "arrived_total", "combine_total", "combine_net_total",
+                        "combine_rank_total"]
     sizes = [sl[k].stop - sl[k].start for k in sl]
-    assert sizes == [1, 1, N, R, 2, N]
+    assert sizes == [1, 1, N, R, 2, N, R]
     assert all(sl[a].stop == sl[b].start for a, b in zip(list(sl), list(sl)[1:]))
-    assert sl["combine_net_total"].stop == INTER.state_words(R, K) == 2 + N + R + 2 + N
+    assert sl["combine_rank_total"].stop == INTER.state_words(R, K) == 2 + N + R + 2 + N + R
 
 
 def test_the_kernels_state_size_is_the_hosts():
     from cupyep import jit
     src = (jit.CUDA_SRC / "internode" / "two_hop.cu").read_text()
-    assert "two_hop_state_words(int R, int N) { return 2 + N + R + 2 + N; }" in src
+    assert "two_hop_state_words(int R, int N) { return 2 + N + R + 2 + N + R; }" in src
     assert "constexpr int kNotifyOk = 1;" in src
 
 
@@ -68,3 +69,18 @@ def test_the_notify_shared_memory_fits_a_block():
     from cupyep.internode import NOTIFY_THREADS, notify_smem
     assert notify_smem(8, 2) == 8 * (8 + 4) + 4 * (NOTIFY_THREADS // 32) * 10
     assert notify_smem(256, 32) < 48 * 1024
+
+
+@pytest.mark.parametrize("H,k", [(7168, 8), (128, 1), (4096, 9)])
+def test_the_direct_routes_staged_row_holds_every_part(H, k):
+    """cupyep.internode.direct_row_bytes: the larger of the BF16 and FP8 rows of
+    DirectRow (two_hop.cu): payload, scales, k ids, k weights, source, slot,
+    each at a 16-byte boundary."""
+    a16 = lambda n: -(-n // 16) * 16  # noqa: E731
+    rest = a16(8 * k) + a16(4 * k) + 16 + 16
+    assert INTER.direct_row_bytes(H, k) == max(2 * H, a16(H + 4 * (H // 128))) + rest
+    assert INTER.direct_row_bytes(H, k) % 16 == 0
+    from cupyep import jit
+    src = (jit.CUDA_SRC / "internode" / "two_hop.cu").read_text()
+    assert "r.ids = align16(payload + 4 * (int64_t)num_scales);" in src and "r.bytes = r.slot + 16;" in src
+    assert INTER.ROUTES == ("two_hop", "direct")

@@ -57,8 +57,9 @@ namespace internode {
 // cumulative targets: net_total [N] (dispatch: network rows from each
 // source node), arrived_total [R] (dispatch: rows from each source rank),
 // combine_total [2] (combine: direct rows in, gather rows in),
-// combine_net_total [N] (combine: partials from each node).
-__host__ __device__ constexpr int two_hop_state_words(int R, int N) { return 2 + N + R + 2 + N; }
+// combine_net_total [N] (combine: partials from each node),
+// combine_rank_total [R] (combine, direct route: rows from each rank of another node).
+__host__ __device__ constexpr int two_hop_state_words(int R, int N) { return 2 + N + R + 2 + N + R; }
 constexpr int kNotifyOk = 1;
 
 struct TwoHopNotifyArgs {
@@ -312,6 +313,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArg
                 for (int j = 0; j < K; ++j) gather += cnt(m * K + local, my_node * K + j);
         }
         for (int j = 0; j < K; ++j) direct += cnt(me, my_node * K + j);
+        if (a.delta)  // the direct route's combine: rows back from each rank of another node (0 for my node's)
+            for (int d = 0; d < R; ++d) a.delta[N + R + 2 + N + d] = d / K == my_node ? 0 : cnt(me, d);
         if (a.delta) {
             a.delta[N + R] = direct;
             a.delta[N + R + 1] = gather;
@@ -353,6 +356,14 @@ struct TwoHopDispatchArgs {
     int rdma_chunk;               // network rows a warp stages and sends with one put (consecutive rows
                                   // of one node; one signal add of their number)
     int nvlink_chunk;             // network rows a warp forwards in a row (consecutive slots)
+    int direct;                   // 1: the direct route (the kernel's kDirect, which it must match): every
+                                  // row to a rank of another node is put straight into its final row there
+                                  // (no node dedup, no forwarding)
+    char* heap_pool;              // direct route: my receive pool's symmetric address (a destination's pool
+                                  // is at the same address on its PE); `pools` then point into the same heap
+    uint64_t* direct_signal;      // direct route, symmetric [R]: rows arrived from each source of another
+                                  // node, all calls (one add per row, after its parts, behind a fence)
+    char* direct_stage;           // direct route: [T, R, direct_row_bytes(H, ns, k)] my staged rows
     uint64_t* hop_ns;             // [4] or null (a metric, %globaltimer ns): the earliest block start (min),
                                   // when a block saw every source node's rows, when a block finished
                                   // forwarding, when block 0 saw every row arrive (max each); the caller
@@ -368,6 +379,24 @@ struct TwoHopDispatchArgs {
     Guard guard;
 };
 
+// A staged row of the direct route, parts at 16-byte boundaries: the payload, the
+// scales, the k local ids (int64), the k weights, the source index (int32), the
+// network slot (int64, -1). Mirrored by cupyep.internode.direct_row_layout.
+struct DirectRow {
+    int64_t scales, ids, weights, src, slot, bytes;
+};
+__host__ __device__ __forceinline__ int64_t align16(int64_t n) { return (n + 15) / 16 * 16; }
+__host__ __device__ __forceinline__ DirectRow direct_row_layout(int64_t payload, int num_scales, int k) {
+    DirectRow r;
+    r.scales = payload;
+    r.ids = align16(payload + 4 * (int64_t)num_scales);
+    r.weights = r.ids + align16(8 * (int64_t)k);
+    r.src = r.weights + align16(4 * (int64_t)k);
+    r.slot = r.src + 16;
+    r.bytes = r.slot + 16;
+    return r;
+}
+
 // The hop metric: stamp `which` of a [4] stamps array with this moment
 // (slot 0 keeps the earliest, the others the latest). Thread 0 of a block.
 __device__ __forceinline__ void hop_stamp(uint64_t* hop_ns, int which) {
@@ -378,7 +407,7 @@ __device__ __forceinline__ void hop_stamp(uint64_t* hop_ns, int which) {
     else atomicMax(h + which, now);
 }
 
-template <int kNumThreads>
+template <int kNumThreads, bool kDirect>  // kDirect: the direct route (TwoHopDispatchArgs::direct)
 __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatchArgs a) {
     constexpr int kWarps = kNumThreads / 32;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -442,7 +471,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
     // network rows at its rail peer), staged together and sent with one put whose signal adds their number.
     const int C = a.rdma_chunk;
     int64_t num_chunks = 0;
-    for (int n = 0; n < N; ++n) num_chunks += (a.send_node[n] + C - 1) / C;
+    for (int n = 0; n < N && !kDirect; ++n) num_chunks += (a.send_node[n] + C - 1) / C;
     for (int64_t item = gw; item < num_chunks; item += num_gw) {
         int n = 0;
         int64_t c = item;
@@ -477,6 +506,47 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
                                         a.net_signal + my_node, (uint64_t)rows, NVSHMEM_SIGNAL_ADD, n * K + local);
     }
 
+    // 1'. The direct route instead: a warp per (token, rank of another node) stages the row as the
+    // destination keeps it (DirectRow), puts each part into its final row there, fences, and adds 1 to
+    // that rank's direct_signal[me].
+    if (kDirect) {
+        const DirectRow L = direct_row_layout(payload, ns, k);
+        for (int64_t pair = gw; pair < (int64_t)T * R; pair += num_gw) {  // warp-uniform
+            const int64_t t = pair / R;
+            const int d = (int)(pair % R);
+            const int64_t h = a.send_head[t * R + d];
+            if (d / K == my_node || h < 0) continue;
+            const int64_t row = (me > 0 ? a.rank_prefix[(me - 1) * R + d] : 0) + h;
+            char* stage = a.direct_stage + pair * L.bytes;
+            warp_copy<4, true>(reinterpret_cast<int4*>(stage), a.x + t * a.x_int4, a.x_int4, lane, ld, st);
+            for (int q = lane; q < ns; q += 32) reinterpret_cast<float*>(stage + L.scales)[q] = a.x_scales[t * ns + q];
+            for (int q = lane; q < k; q += 32) {
+                const int64_t e = a.topk_idx[t * k + q];
+                const bool mine = e >= (int64_t)d * El && e < (int64_t)(d + 1) * El;
+                reinterpret_cast<int64_t*>(stage + L.ids)[q] = mine ? e - (int64_t)d * El : -1;
+                reinterpret_cast<float*>(stage + L.weights)[q] = mine ? a.topk_weights[t * k + q] : 0.f;
+            }
+            if (lane == 0) {
+                *reinterpret_cast<int*>(stage + L.src) = (int)t;
+                *reinterpret_cast<int64_t*>(stage + L.slot) = -1;
+            }
+            __syncwarp();
+            __threadfence();  // the staged row is written before the puts read it
+            char* pool = a.heap_pool;
+            nvshmemx_putmem_nbi_warp(pool + a.out_x + row * payload, stage, payload, d);
+            if (ns) nvshmemx_putmem_nbi_warp(pool + a.out_scales + row * ns * 4, stage + L.scales, ns * 4, d);
+            nvshmemx_putmem_nbi_warp(pool + a.out_idx + row * k * 8, stage + L.ids, k * 8, d);
+            nvshmemx_putmem_nbi_warp(pool + a.out_w + row * k * 4, stage + L.weights, k * 4, d);
+            nvshmemx_putmem_nbi_warp(pool + a.out_src + row * 4, stage + L.src, 4, d);
+            nvshmemx_putmem_nbi_warp(pool + a.out_slot + row * 8, stage + L.slot, 8, d);
+            __syncwarp();
+            if (lane == 0) {
+                nvshmem_fence();  // the parts are delivered before the signal
+                nvshmemx_signal_op(a.direct_signal + me, 1, NVSHMEM_SIGNAL_ADD, d);
+            }
+        }
+    }
+
     // 2. Direct rows, to the ranks of my node: a warp per token.
     for (int64_t t = gw; t < T; t += num_gw) {
         const int4* row = a.x + t * a.x_int4;
@@ -496,7 +566,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
     __shared__ int s_fail;
     if (threadIdx.x == 0) s_fail = 0;
     __syncthreads();
-    if (threadIdx.x < N && threadIdx.x != my_node) {
+    if (threadIdx.x < N && threadIdx.x != my_node && !kDirect) {  // the direct route forwards nothing
         const int m = threadIdx.x;
         if (!wait_signal(a.net_signal + m, a.net_target[m], a.guard, /*phase=*/0, m * K + local)) s_fail = 1;
     }
@@ -505,7 +575,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
     if (threadIdx.x == 0) hop_stamp(a.hop_ns, 1);
     __threadfence_system();
     int64_t rows_now = 0;
-    for (int m = 0; m < N; ++m) rows_now += a.net_count[m];
+    for (int m = 0; m < N && !kDirect; ++m) rows_now += a.net_count[m];
     const int64_t F = a.nvlink_chunk;  // a warp forwards rows [c0, c0 + F) of the network buffer
     for (int64_t c0 = gw * F; c0 < rows_now; c0 += num_gw * F) {
         for (int64_t q = c0; q < min(rows_now, c0 + F); ++q) {
@@ -538,7 +608,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
     // 4. Block 0 waits until every source's rows have arrived here.
     if (blockIdx.x == 0) {
         for (int s = threadIdx.x; s < R; s += blockDim.x) {
-            if (!wait_geq(a.arrived[local] + s, a.arrived_target[s], a.guard, 1, s)) break;
+            const bool put = kDirect && s / K != my_node;  // the direct route: counted by its signal
+            if (put ? !wait_signal(a.direct_signal + s, a.arrived_target[s], a.guard, 1, s)
+                    : !wait_geq(a.arrived[local] + s, a.arrived_target[s], a.guard, 1, s))
+                break;
         }
         if (a.hop_ns) {
             __syncthreads();
@@ -582,6 +655,12 @@ struct TwoHopCombineArgs {
     uint64_t* net_signal;         // symmetric: [N] partial rows arrived from each node, all calls
     const int64_t* net_target;    // [N] this call's cumulative targets of net_signal (own node: unused)
     const int64_t* send_head;     // [T, R] the dispatch's: where token t went (-1: not to that rank)
+    int direct;                   // 1: the direct route: rows for an owner of another node are put straight
+                                  // to it, which sums over ranks (no partials in the node)
+    int4* rank_in;                // direct route, symmetric: [T_max, R, x_int4] rows from each rank
+    uint64_t* rank_signal;        // direct route, symmetric [R]: rows arrived from each rank of another node
+    const int64_t* rank_target;   // direct route: [R] this call's cumulative targets of rank_signal
+    char* rank_stage;             // direct route: [num_recv, x_int4 * 16] my staged rows for other nodes
     int4* out;                    // [T, x_int4] BF16
     const int64_t* notify_ok;     // the notify's verdict: the kernel runs only when 1
     uint64_t* hop_ns;             // [4] or null (a metric, as the dispatch's): the earliest block start, when
@@ -662,6 +741,15 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_combine(TwoHopCombineA
         if (s < 0) continue;  // a padding row (worst-token mode)
         const int t = a.recv_src_idx[r];
         const int64_t slot = a.recv_slot[r];
+        if (a.direct && s / K != my_node) {  // the direct route: straight to the owner, with a signal
+            int4* stage = reinterpret_cast<int4*>(a.rank_stage + r * w * 16);
+            warp_copy<4, true>(stage, a.y + r * w, w, lane, ld, st);
+            __syncwarp();
+            __threadfence();  // the staged row is written before the put reads it
+            nvshmemx_putmem_signal_nbi_warp(a.rank_in + ((int64_t)t * R + me) * w, stage, w * 16,
+                                            a.rank_signal + me, 1, NVSHMEM_SIGNAL_ADD, s);
+            continue;
+        }
         // s itself (own node) or the rail peer in my node for s: either has s's local index.
         const int target = s % K;
         const bool direct = s / K == my_node;
@@ -679,15 +767,15 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_combine(TwoHopCombineA
 
     // 2. As a rail peer: once my node's rows for every slot are here, one partial per slot to its source.
     __syncthreads();
-    if (threadIdx.x == 0) {
-        if (!wait_geq(a.counters[local] + 1, a.targets[1], a.guard, 0, -1)) s_fail = 1;
+    if (threadIdx.x == 0) {  // (the direct route makes no partials: nothing to wait for)
+        if (!a.direct && !wait_geq(a.counters[local] + 1, a.targets[1], a.guard, 0, -1)) s_fail = 1;
         else hop_stamp(a.hop_ns, 1);
     }
     __syncthreads();
     if (s_fail) return;
     __threadfence_system();
     int64_t rows_now = 0;
-    for (int m = 0; m < N; ++m) rows_now += a.net_count[m];
+    for (int m = 0; m < N && !a.direct; ++m) rows_now += a.net_count[m];
     const int64_t payload = w * 16;
     const int4* gather = reinterpret_cast<const int4*>(static_cast<const char*>(a.pools[local]) + a.gather);
     for (int64_t q = gw; q < rows_now; q += num_gw) {
@@ -716,8 +804,11 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_combine(TwoHopCombineA
     // 3. As a source: my own node's rows and every other node's partials, then the sums.
     if (threadIdx.x == 0) {
         if (!wait_geq(a.counters[local] + 0, a.targets[0], a.guard, 1, -1)) s_fail = 1;
-        for (int m = 0; m < N && !s_fail; ++m)
+        for (int m = 0; m < N && !s_fail && !a.direct; ++m)
             if (m != my_node && !wait_signal(a.net_signal + m, a.net_target[m], a.guard, /*phase=*/2, m * K + local))
+                s_fail = 1;
+        for (int d = 0; d < R && !s_fail && a.direct; ++d)  // the direct route: every rank of another node
+            if (d / K != my_node && !wait_signal(a.rank_signal + d, a.rank_target[d], a.guard, /*phase=*/2, d))
                 s_fail = 1;
         if (!s_fail) hop_stamp(a.hop_ns, 2);
     }
@@ -727,7 +818,16 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_combine(TwoHopCombineA
     const int4* direct = reinterpret_cast<const int4*>(static_cast<const char*>(a.pools[local]) + a.direct_in);
     for (int64_t t = gw; t < a.num_tokens; t += num_gw) {
         const int64_t* head = a.send_head + t * R;
-        for (int64_t c = lane; c < w; c += 32) {
+        for (int64_t c = lane; c < w && a.direct; c += 32) {  // the direct route: the FP32 sum in rank order
+            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            for (int d = 0; d < R; ++d) {
+                if (head[d] < 0) continue;
+                Words::add(acc, d / K == my_node ? __ldcv(direct + (t * K + d % K) * w + c)
+                                                 : __ldcv(a.rank_in + (t * R + d) * w + c));
+            }
+            a.out[t * w + c] = Words::pack(acc);
+        }
+        for (int64_t c = lane; c < w && !a.direct; c += 32) {
             float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
             for (int m = 0; m < N; ++m) {  // node order
                 if (m == my_node) {

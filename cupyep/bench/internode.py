@@ -120,6 +120,16 @@ def measure(group, hop, kind: str, x, topk_idx, topk_weights, handle, iters: int
     return {"time_us": t_us, "kernel_us_p90": slowest(np.percentile(kernel, 90)),
             "host_us": slowest(np.median(host) * 1e6),
             "notify_us": slowest(np.median(notify)) if notify else None,
-            "rdma_bytes": traffic.rdma_bytes, "rdma_bytes_without_dedup": traffic.rdma_bytes_without_dedup,
-            "dedup_saved_bytes": traffic.saved_bytes, "nvlink_bytes": traffic.nvlink_bytes,
-            "rdma_GBps": traffic.rdma_bytes / t_us / 1e3, "nvlink_GBps": traffic.nvlink_bytes / t_us / 1e3}
+            **route_bytes(traffic, getattr(hop, "direct", False), t_us)}
+
+
+def route_bytes(traffic, direct: bool, t_us: float) -> dict:
+    """A record's traffic fields for the route: the two-hop route's network
+    bytes are one row per (token, remote node) and every received row crosses
+    NVLink last; the direct route sends one row per (token, remote rank)
+    over the network (no dedup) and only the rows within a node over NVLink."""
+    rdma = traffic.rdma_bytes_without_dedup if direct else traffic.rdma_bytes
+    nvlink = traffic.nvlink_bytes - traffic.rdma_bytes_without_dedup if direct else traffic.nvlink_bytes
+    return {"rdma_bytes": rdma, "rdma_bytes_without_dedup": traffic.rdma_bytes_without_dedup,
+            "dedup_saved_bytes": 0 if direct else traffic.saved_bytes, "nvlink_bytes": nvlink,
+            "rdma_GBps": rdma / t_us / 1e3, "nvlink_GBps": nvlink / t_us / 1e3}

@@ -11,6 +11,8 @@ Knobs (defaults: the benchmark's shape):
 - routing: ``routing`` (a cupyep.routing kind), ``routing_params``, ``seed``;
 - ``num_sms``: blocks per rank of the dispatch and combine (0: the rank's
   share of the SMs);
+- ``route``: "two_hop" (node dedup, forwarding in the node) or "direct"
+  (every row put straight into its final row; cupyep.internode.ROUTES);
 - ``rdma_chunk``: a rank's rows for one node that a warp stages and sends
   with one put; ``nvlink_chunk``: consecutive network rows a warp of the
   rail peer forwards (the dispatch's knobs, TwoHopDispatch);
@@ -22,15 +24,15 @@ Metrics: cupyep.bench.internode.measure's fields ("time_us", "notify_us",
 "imbalance_factor" of the routing and "num_sms_used". Every configuration
 first checks one dispatch and its combine against the one-node oracle.
 Skipped: one node only (launch with ``--ranks-per-node``), no nvshmem4py.
-The TwoHopDispatch is kept between configurations of the same shape and
-``num_sms``.
+The TwoHopDispatch is kept between configurations of the same shape,
+``num_sms`` and ``route``.
 """
 from __future__ import annotations
 
 from .studies import Skip, Study, register
 
 KNOBS = {"kind": "dispatch_bf16", "tokens": 4096, "hidden": 7168, "topk": 8, "experts": 256, "routing": "uniform",
-         "routing_params": {}, "seed": 0, "num_sms": 0, "rdma_chunk": 1, "nvlink_chunk": 1, "iters": 10,
+         "routing_params": {}, "seed": 0, "num_sms": 0, "route": "two_hop", "rdma_chunk": 1, "nvlink_chunk": 1, "iters": 10,
          "hops": True}
 
 _state: dict = {}
@@ -39,12 +41,12 @@ _state: dict = {}
 def _two_hop(group, cfg: dict):
     """The TwoHopDispatch of this configuration's shape, made (collectively) when it changes."""
     from ..internode import TwoHopDispatch
-    shape = (cfg["tokens"], cfg["hidden"], cfg["topk"], cfg["experts"], cfg["num_sms"])
+    shape = (cfg["tokens"], cfg["hidden"], cfg["topk"], cfg["experts"], cfg["num_sms"], cfg["route"])
     if _state.get("shape") != shape:
         old = _state.pop("hop", None)
         if old is not None:
             old.destroy()
-        _state["hop"] = TwoHopDispatch(group, *shape[:4], num_sms=shape[4])
+        _state["hop"] = TwoHopDispatch(group, *shape[:4], num_sms=shape[4], route=shape[5])
         _state["shape"] = shape
     return _state["hop"]
 
@@ -58,6 +60,9 @@ def run(group, cfg: dict) -> dict:
         raise Skip(f"kind must be one of {KINDS}, got {cfg['kind']!r}")
     if group.num_nodes < 2:
         raise Skip("the two-hop mode needs ranks on two or more nodes: sweep with --ranks-per-node K (K < ranks)")
+    from ..internode import ROUTES
+    if cfg["route"] not in ROUTES:
+        raise Skip(f"route must be one of {ROUTES}, got {cfg['route']!r}")
     R, K = group.world_size, group.local_size
     T, k, E = cfg["tokens"], cfg["topk"], cfg["experts"]
     idx, w = routing.make(cfg["routing"], cfg["seed"], [T] * R, E, k, **dict(cfg["routing_params"]))

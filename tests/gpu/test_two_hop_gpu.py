@@ -18,12 +18,15 @@ pytestmark = pytest.mark.gpu
 E, K_TOPK, H, T_MAX = 64, 8, 2048, 256
 
 
-@pytest.fixture(scope="module")
-def two_hop(group, nvshmem_session):
+@pytest.fixture(scope="module", params=["two_hop", "direct"])
+def two_hop(request, group, nvshmem_session):
+    """A TwoHopDispatch of each route: every test that takes it runs on the
+    two-hop route (node dedup, forwarding) and on the direct one (each row put
+    straight into its final row)."""
     if group.num_nodes < 2:
         pytest.skip("needs ranks on two or more nodes (--ranks-per-node)")
     from cupyep.internode import TwoHopDispatch
-    d = TwoHopDispatch(group, T_MAX, H, K_TOPK, E)
+    d = TwoHopDispatch(group, T_MAX, H, K_TOPK, E, route=request.param)
     yield d
     d.destroy()
 
@@ -205,7 +208,9 @@ def test_two_hop_bad_input_raises_before_launch(group, two_hop):
 def test_two_hop_combine_is_bitwise_the_emulation(group, two_hop, seed, num_tokens, zero_rank):
     """The combine's result equals, bit for bit, the emulation of its
     reduction order (cupyep.reference.internode.emulate_two_hop_combine with
-    BF16 partials), and is within 5e-6 of the exact combine."""
+    BF16 partials; for the direct route, the FP32 sum over ranks in rank
+    order, which is that emulation with nodes of one rank), and is within
+    5e-6 of the exact combine."""
     import cupy
     import ml_dtypes
     from cupyep.reference import internode as I
@@ -220,7 +225,8 @@ def test_two_hop_combine_is_bitwise_the_emulation(group, two_hop, seed, num_toke
     x = payload_bf16(me, np.arange(tokens[me]), H)
     two_hop.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), cupy.asarray(w[me]))
     got = two_hop.combine(cupy.asarray(ys[me])).get()
-    emul = I.emulate_two_hop_combine([bf16_to_f32(y) for y in ys], res, tokens, K, partial_dtype=ml_dtypes.bfloat16)
+    emul = I.emulate_two_hop_combine([bf16_to_f32(y) for y in ys], res, tokens, 1 if two_hop.direct else K,
+                                     partial_dtype=ml_dtypes.bfloat16)
     exact = ref.intranode_combine([bf16_to_f32(y) for y in ys], res, tokens)
     want = f32_to_bf16(emul[me])
     diff = ref.calc_diff(bf16_to_f32(got), exact[me]) if got.size else 0.0
@@ -397,14 +403,16 @@ def test_worst_token_capacity_is_checked(group, two_hop):
     assert all_ranks(group.comm, ok)
 
 
-def test_cupyep_buffer_across_nodes_is_the_two_hop_mode(group, nvshmem_session):
-    """cupyep.Buffer(group) across nodes: the intranode calls (dispatch with
+@pytest.mark.parametrize("transport", [None, "direct"])
+def test_cupyep_buffer_across_nodes_is_the_two_hop_mode(group, nvshmem_session, transport):
+    """cupyep.Buffer(group) across nodes, on the two-hop route (transport
+    None) and the direct one: the intranode calls (dispatch with
     num_experts, expert_alignment's per-expert counts, combine of the rows
     with the handle, unweighted and with row_weights, and the top-k weights
     combined back) give the one-node oracle's rows and counts, combines
     within 5e-6 of the exact ones and the weights exactly; an expert-major
-    combine after a rank-major dispatch and the direct transport raise
-    before launch."""
+    combine after a rank-major dispatch and a dispatch on the buffer's other
+    route raise before launch."""
     import cupy
 
     import cupyep
@@ -418,7 +426,8 @@ def test_cupyep_buffer_across_nodes_is_the_two_hop_mode(group, nvshmem_session):
     with cupyep.Buffer(group) as buf:
         assert isinstance(buf, TwoHopBuffer)
         x = cupy.asarray(payload_bf16(me, np.arange(T), H))
-        out = buf.dispatch(x, cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=E, expert_alignment=4)
+        out = buf.dispatch(x, cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=E, expert_alignment=4,
+                           transport=transport)
         rows = _tagged_rows(exp)
         counts = np.bincount(exp.recv_topk_idx[exp.recv_topk_idx >= 0], minlength=E // R)
         checks = {
@@ -433,7 +442,7 @@ def test_cupyep_buffer_across_nodes_is_the_two_hop_mode(group, nvshmem_session):
         checks["combine"] = ref.calc_diff(bf16_to_f32(comb.combined_x.get()), exact) < 5e-6
         # Weighted: row r of rank d by (1 + r % 3) / 2, against the exact weighted sum.
         wts = [((1.0 + np.arange(r.num_recv_tokens) % 3) / 2).astype(np.float32) for r in res]
-        out = buf.dispatch(x, cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=E)
+        out = buf.dispatch(x, cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=E, transport=transport)
         comb = buf.combine(out.recv_x.copy(), out.handle, out.recv_topk_weights, row_weights=cupy.asarray(wts[me]))
         exact_w = ref.intranode_combine(ys, res, tokens, weights=wts)[me]
         checks["weighted combine"] = ref.calc_diff(bf16_to_f32(comb.combined_x.get()), exact_w) < 5e-6
@@ -443,8 +452,9 @@ def test_cupyep_buffer_across_nodes_is_the_two_hop_mode(group, nvshmem_session):
         assert all_ranks(group.comm, all(checks.values())), {k: v for k, v in checks.items() if not v}
         with pytest.raises(ValueError, match="expert_major=True needs the handle"):
             buf.combine(out.recv_x.copy(), out.handle, expert_major=True)  # its dispatch was rank-major
-        with pytest.raises(ValueError, match="two-hop"):
-            buf.dispatch(x, cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=E, transport="direct")
+        with pytest.raises(ValueError, match="make another cupyep.Buffer"):
+            buf.dispatch(x, cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=E,
+                         transport="two_hop" if transport == "direct" else "direct")
         group.comm.Barrier()
 
 
