@@ -7,7 +7,10 @@ rail peer, which forwards it over the node's IPC peer pointers to every
 destination rank there; tokens for the own node go straight over IPC. Every
 rank receives exactly what the dispatch within a node gives (one row per
 (token, rank), by source rank then source token), so the oracle is
-``cupyep.reference.intranode_dispatch``.
+``cupyep.reference.intranode_dispatch``. With ``route="direct"`` there is
+no node dedup and no forwarding: each row for a rank of another node is put
+straight into its final row there (the receive pools on the NVSHMEM heap),
+and the combine returns each row to its owner, which sums over the ranks.
 
 Each call runs three kernels on the current stream: the notify pass across
 nodes (the layout, the count exchange over put with signal, the plan and the
