@@ -52,7 +52,8 @@ import numpy as np
 
 import cupyep
 from cupyep.bench import require_gpu
-from cupyep.barrier import GpuBarrier
+from cupyep.barrier import gpu_barrier
+from cupyep.low_latency import ranks_of
 from cupyep.bench.copy import copy_bandwidth
 from cupyep.bench.low_latency import WARMUP, Session
 from cupyep.bench.report import JsonlWriter
@@ -107,12 +108,12 @@ def main():
     import cupy
     group = cupyep.init()
     out = JsonlWriter(args.out, group)
-    R, me = group.local_size, group.local_rank
+    me, R = ranks_of(group)  # the node's ranks, or across nodes (--ranks-per-node) every rank of the world
     copy_bw = group.comm.bcast(copy_bandwidth(2 << 30) if me == 0 else 0.0)
     buf = cupyep.LowLatencyBuffer(group, args.max_tokens, args.hidden, args.experts, num_blocks=args.num_blocks,
                                   num_waiters=args.num_waiters, num_threads=args.threads,
                                   programmatic_launch=False if args.plain_launch else None)
-    bar = GpuBarrier(group)
+    bar = gpu_barrier(group)  # lines up every rank a call involves, across nodes too
     H, warmup = args.hidden, WARMUP
 
     for T in args.tokens:
