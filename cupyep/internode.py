@@ -141,6 +141,13 @@ def direct_row_bytes(hidden: int, num_topk: int) -> int:
     return max(a16(2 * hidden) + rest, a16(hidden + 4 * (hidden // 128)) + rest)
 
 
+def check_route(route) -> str:
+    """A route of TwoHopDispatch (one of ROUTES); ValueError otherwise."""
+    if route not in ROUTES:
+        raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+    return route
+
+
 def check_chunk(name: str, value) -> int:
     """A chunk knob of the two-hop dispatch: an int >= 1; ValueError otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -247,9 +254,8 @@ class TwoHopDispatch:
         self.max_tokens, self.hidden, self.k, self.E = int(max_tokens), int(hidden), int(num_topk), int(num_experts)
         self.rdma_chunk, self.nvlink_chunk = check_chunk("rdma_chunk", rdma_chunk), check_chunk("nvlink_chunk",
                                                                                                 nvlink_chunk)
-        if route not in ROUTES:
-            raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
-        self.route, self.direct = route, route == "direct"
+        self.route = check_route(route)
+        self.direct = self.route == "direct"
         NV.init(group)
         import nvshmem.core as core
         self._core = core

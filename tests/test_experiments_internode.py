@@ -47,6 +47,7 @@ class _FakeHop:
 
     def __init__(self, kernel_us, notify_us=5.0):
         self.kernel_us, self.notify_us, self.calls = list(kernel_us), notify_us, []
+        self.direct = False  # the two-hop route
         self.last_kernel_us = self.last_notify_us = None
 
     def dispatch(self, x, topk_idx=None, topk_weights=None, handle=None):

@@ -313,11 +313,11 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArg
                 for (int j = 0; j < K; ++j) gather += cnt(m * K + local, my_node * K + j);
         }
         for (int j = 0; j < K; ++j) direct += cnt(me, my_node * K + j);
-        if (a.delta)  // the direct route's combine: rows back from each rank of another node (0 for my node's)
-            for (int d = 0; d < R; ++d) a.delta[N + R + 2 + N + d] = d / K == my_node ? 0 : cnt(me, d);
         if (a.delta) {
             a.delta[N + R] = direct;
             a.delta[N + R + 1] = gather;
+            // the direct route's combine: rows back from each rank of another node (0 for my node's)
+            for (int d = 0; d < R; ++d) a.delta[N + R + 2 + N + d] = d / K == my_node ? 0 : cnt(me, d);
         }
         a.state[0] = call;
         a.state[kNotifyOk] = 1;
@@ -363,7 +363,7 @@ struct TwoHopDispatchArgs {
                                   // is at the same address on its PE); `pools` then point into the same heap
     uint64_t* direct_signal;      // direct route, symmetric [R]: rows arrived from each source of another
                                   // node, all calls (one add per row, after its parts, behind a fence)
-    char* direct_stage;           // direct route: [T, R, direct_row_bytes(H, ns, k)] my staged rows
+    char* direct_stage;           // direct route: [T, R, DirectRow::bytes] my staged rows
     uint64_t* hop_ns;             // [4] or null (a metric, %globaltimer ns): the earliest block start (min),
                                   // when a block saw every source node's rows, when a block finished
                                   // forwarding, when block 0 saw every row arrive (max each); the caller
@@ -381,7 +381,7 @@ struct TwoHopDispatchArgs {
 
 // A staged row of the direct route, parts at 16-byte boundaries: the payload, the
 // scales, the k local ids (int64), the k weights, the source index (int32), the
-// network slot (int64, -1). Mirrored by cupyep.internode.direct_row_layout.
+// network slot (int64, -1). Its size is cupyep.internode.direct_row_bytes.
 struct DirectRow {
     int64_t scales, ids, weights, src, slot, bytes;
 };
@@ -395,6 +395,12 @@ __host__ __device__ __forceinline__ DirectRow direct_row_layout(int64_t payload,
     r.slot = r.src + 16;
     r.bytes = r.slot + 16;
     return r;
+}
+
+// Global expert e as rank d's local expert, -1 when d does not own it.
+__device__ __forceinline__ int64_t local_expert(int64_t e, int d, int num_local_experts) {
+    return e >= (int64_t)d * num_local_experts && e < (int64_t)(d + 1) * num_local_experts
+               ? e - (int64_t)d * num_local_experts : -1;
 }
 
 // The hop metric: stamp `which` of a [4] stamps array with this moment
@@ -449,16 +455,17 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
             reinterpret_cast<float*>(pool + a.out_scales)[row * ns + q] = landed ? __ldcv(scales + q) : scales[q];
         const int d = my_node * K + d_local;
         for (int q = lane; q < k; q += 32) {
-            const int64_t e = __ldcv(ids + q);
-            const bool mine = e >= (int64_t)d * El && e < (int64_t)(d + 1) * El;
-            reinterpret_cast<int64_t*>(pool + a.out_idx)[row * k + q] = mine ? e - (int64_t)d * El : -1;
-            reinterpret_cast<float*>(pool + a.out_w)[row * k + q] = mine ? __ldcv(ws + q) : 0.f;
+            const int64_t le = local_expert(__ldcv(ids + q), d, El);
+            reinterpret_cast<int64_t*>(pool + a.out_idx)[row * k + q] = le;
+            reinterpret_cast<float*>(pool + a.out_w)[row * k + q] = le >= 0 ? __ldcv(ws + q) : 0.f;
         }
         if (lane == 0) {
             reinterpret_cast<int*>(pool + a.out_src)[row] = (int)t;
             reinterpret_cast<int64_t*>(pool + a.out_slot)[row] = slot;
         }
     };
+    // Rank-major row of source s's row at position p among its rows for rank d (the queue transport's order).
+    auto row_at = [&](int s, int d, int64_t p) { return (s > 0 ? a.rank_prefix[(s - 1) * R + d] : 0) + p; };
     auto count_arrival = [&](int d_local, int s) {  // after the warp's writes: release add of one row
         __syncwarp();
         if (lane == 0) {
@@ -516,15 +523,14 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
             const int d = (int)(pair % R);
             const int64_t h = a.send_head[t * R + d];
             if (d / K == my_node || h < 0) continue;
-            const int64_t row = (me > 0 ? a.rank_prefix[(me - 1) * R + d] : 0) + h;
+            const int64_t row = row_at(me, d, h);
             char* stage = a.direct_stage + pair * L.bytes;
             warp_copy<4, true>(reinterpret_cast<int4*>(stage), a.x + t * a.x_int4, a.x_int4, lane, ld, st);
             for (int q = lane; q < ns; q += 32) reinterpret_cast<float*>(stage + L.scales)[q] = a.x_scales[t * ns + q];
             for (int q = lane; q < k; q += 32) {
-                const int64_t e = a.topk_idx[t * k + q];
-                const bool mine = e >= (int64_t)d * El && e < (int64_t)(d + 1) * El;
-                reinterpret_cast<int64_t*>(stage + L.ids)[q] = mine ? e - (int64_t)d * El : -1;
-                reinterpret_cast<float*>(stage + L.weights)[q] = mine ? a.topk_weights[t * k + q] : 0.f;
+                const int64_t le = local_expert(a.topk_idx[t * k + q], d, El);
+                reinterpret_cast<int64_t*>(stage + L.ids)[q] = le;
+                reinterpret_cast<float*>(stage + L.weights)[q] = le >= 0 ? a.topk_weights[t * k + q] : 0.f;
             }
             if (lane == 0) {
                 *reinterpret_cast<int*>(stage + L.src) = (int)t;
@@ -557,7 +563,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
         for (int j = 0; j < K; ++j) {
             const int d = my_node * K + j;
             if (head[d] < 0) continue;
-            deliver(j, (me > 0 ? a.rank_prefix[(me - 1) * R + d] : 0) + head[d], row, t, ids, ws, scales, -1);
+            deliver(j, row_at(me, d, head[d]), row, t, ids, ws, scales, -1);
             count_arrival(j, me);
         }
     }
@@ -594,8 +600,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
                 const int64_t p = __ldcv(pos + j);
                 if (p < 0) continue;
                 const int d = my_node * K + j;
-                deliver(j, (s > 0 ? a.rank_prefix[(s - 1) * R + d] : 0) + p, reinterpret_cast<const int4*>(nrow), t,
-                        ids, ws, scales, q);
+                deliver(j, row_at(s, d, p), reinterpret_cast<const int4*>(nrow), t, ids, ws, scales, q);
                 count_arrival(j, s);
             }
         }

@@ -120,7 +120,7 @@ def measure(group, hop, kind: str, x, topk_idx, topk_weights, handle, iters: int
     return {"time_us": t_us, "kernel_us_p90": slowest(np.percentile(kernel, 90)),
             "host_us": slowest(np.median(host) * 1e6),
             "notify_us": slowest(np.median(notify)) if notify else None,
-            **route_bytes(traffic, getattr(hop, "direct", False), t_us)}
+            **route_bytes(traffic, hop.direct, t_us)}
 
 
 def route_bytes(traffic, direct: bool, t_us: float) -> dict:

@@ -60,9 +60,13 @@ def run(group, cfg: dict) -> dict:
         raise Skip(f"kind must be one of {KINDS}, got {cfg['kind']!r}")
     if group.num_nodes < 2:
         raise Skip("the two-hop mode needs ranks on two or more nodes: sweep with --ranks-per-node K (K < ranks)")
-    from ..internode import ROUTES
-    if cfg["route"] not in ROUTES:
-        raise Skip(f"route must be one of {ROUTES}, got {cfg['route']!r}")
+    from ..internode import check_chunk, check_route
+    try:  # the knobs, checked before anything is made
+        check_route(cfg["route"])
+        check_chunk("rdma_chunk", cfg["rdma_chunk"])
+        check_chunk("nvlink_chunk", cfg["nvlink_chunk"])
+    except ValueError as exc:
+        raise Skip(str(exc)) from None
     R, K = group.world_size, group.local_size
     T, k, E = cfg["tokens"], cfg["topk"], cfg["experts"]
     idx, w = routing.make(cfg["routing"], cfg["seed"], [T] * R, E, k, **dict(cfg["routing_params"]))
@@ -70,12 +74,7 @@ def run(group, cfg: dict) -> dict:
         hop = _two_hop(group, cfg)
     except NvshmemUnavailable as exc:
         raise Skip(str(exc)) from None
-    from ..internode import check_chunk
-    try:
-        hop.rdma_chunk = check_chunk("rdma_chunk", cfg["rdma_chunk"])
-        hop.nvlink_chunk = check_chunk("nvlink_chunk", cfg["nvlink_chunk"])
-    except ValueError as exc:
-        raise Skip(str(exc)) from None
+    hop.rdma_chunk, hop.nvlink_chunk = cfg["rdma_chunk"], cfg["nvlink_chunk"]
     x, ids, ws, traffic, handle = prepare(group, hop, idx, w)  # checked against the oracle first
     rec = measure(group, hop, cfg["kind"], x, ids, ws, handle, cfg["iters"], traffic)
     rec.update(nodes=R // K, imbalance_factor=routing.imbalance_factor(idx, E), num_sms_used=hop.num_sms)
