@@ -92,6 +92,14 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
             trace_mark(a.c.trace, kMarkPrep);
             // Pieces of 8 KiB (16 words per lane in one round) when they keep every warp
             // busy, else of 4 KiB, so that a few rows still spread over many warps.
+            auto pair_of = [&](int64_t r) {  // the pair of received row r: the last p with prefix[p] <= r
+                int lo = 0, hi = P;
+                while (hi - lo > 1) {
+                    const int mid = (lo + hi) / 2;
+                    if (prefix[mid] <= r) lo = mid; else hi = mid;
+                }
+                return lo;
+            };
             const int64_t row_int4 = H / 8, ret_rows = return_rows(a.c.max_tokens, a.c.max_topk, El);
             const int64_t big_pieces = (int64_t)prefix[P] * ((row_int4 + 16 * 32 - 1) / (16 * 32));
             auto copy_rows = [&](auto unroll) {
@@ -104,11 +112,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                 const int64_t num_pieces = (int64_t)prefix[P] * pieces;
                 for (int64_t item = (int64_t)b * num_warps + warp; item < num_pieces; item += (int64_t)G * num_warps) {
                     const int r = (int)(item / pieces), piece = (int)(item % pieces);
-                    int lo = 0, hi = P;  // last pair p with prefix[p] <= r
-                    while (hi - lo > 1) {
-                        const int mid = (lo + hi) / 2;
-                        if (prefix[mid] <= r) lo = mid; else hi = mid;
-                    }
+                    const int lo = pair_of(r);
                     const int le = lo / R, s = lo % R, q = r - prefix[lo];
                     if (is_remote(a.c, s)) continue;  // whole rows, put below
                     const int64_t slot = (int64_t)le * slots + (int64_t)s * a.c.max_tokens + q;
@@ -133,11 +137,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
             // Rows for owners on other nodes: a warp per row, staged in the same slot of my own
             // combine_send (unless x is that buffer already), then put with a signal that counts it.
             for (int64_t r = (int64_t)b * num_warps + warp; r < prefix[P]; r += (int64_t)G * num_warps) {
-                int lo = 0, hi = P;  // last pair p with prefix[p] <= r
-                while (hi - lo > 1) {
-                    const int mid = (lo + hi) / 2;
-                    if (prefix[mid] <= r) lo = mid; else hi = mid;
-                }
+                const int lo = pair_of(r);
                 const int le = lo / R, s = lo % R, q = (int)(r - prefix[lo]);
                 if (!is_remote(a.c, s)) continue;
                 const int64_t slot = (int64_t)le * slots + (int64_t)s * a.c.max_tokens + q;
