@@ -123,7 +123,9 @@ def two_hop_metrics(group, two_hop, x, topk_idx, topk_weights, calls: int = 10) 
     (identity experts: each received row combined back), untimed. Returns
     {"dispatch_hop_us": {"network", "forward", "total"}, "combine_hop_us":
     {"node", "network", "reduce", "total"}}, each the slowest rank's median
-    over the calls (cupyep.internode.DISPATCH_HOPS / COMBINE_HOPS)."""
+    over the calls (cupyep.internode.DISPATCH_HOPS / COMBINE_HOPS). The
+    direct route forwards nothing: its "forward" is None and its "network"
+    ends when every row from other nodes has arrived."""
     import cupy
 
     from .internode import COMBINE_HOPS, DISPATCH_HOPS, HOP_STAMPS_INIT, hop_times_us

@@ -365,9 +365,10 @@ struct TwoHopDispatchArgs {
                                   // node, all calls (one add per row, after its parts, behind a fence)
     char* direct_stage;           // direct route: [T, R, DirectRow::bytes] my staged rows
     uint64_t* hop_ns;             // [4] or null (a metric, %globaltimer ns): the earliest block start (min),
-                                  // when a block saw every source node's rows, when a block finished
-                                  // forwarding, when block 0 saw every row arrive (max each); the caller
-                                  // sets it to {UINT64_MAX, 0, 0, 0} before the call
+                                  // when a block saw every source node's rows (the direct route: when
+                                  // block 0 saw every row from other nodes), when a block finished
+                                  // forwarding (not on the direct route), when block 0 saw every row
+                                  // arrive (max each); the caller sets it to {UINT64_MAX, 0, 0, 0} first
     int num_tokens;
     int num_topk;
     int x_int4;
@@ -578,7 +579,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
     }
     __syncthreads();
     if (s_fail) return;
-    if (threadIdx.x == 0) hop_stamp(a.hop_ns, 1);
+    if (threadIdx.x == 0 && !kDirect) hop_stamp(a.hop_ns, 1);
     __threadfence_system();
     int64_t rows_now = 0;
     for (int m = 0; m < N && !kDirect; ++m) rows_now += a.net_count[m];
@@ -605,19 +606,26 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
             }
         }
     }
-    if (a.hop_ns) {  // the same for every thread: the block's forwarding is done
+    if (a.hop_ns && !kDirect) {  // the same for every thread: the block's forwarding is done
         __syncthreads();
         if (threadIdx.x == 0) hop_stamp(a.hop_ns, 2);
     }
 
-    // 4. Block 0 waits until every source's rows have arrived here.
+    // 4. Block 0 waits until every source's rows have arrived here. The direct route waits for the
+    //    sources of other nodes first (counted by their signals) and stamps that as its network hop;
+    //    it has no forwarding hop (stamp 2 stays unset).
     if (blockIdx.x == 0) {
-        for (int s = threadIdx.x; s < R; s += blockDim.x) {
-            const bool put = kDirect && s / K != my_node;  // the direct route: counted by its signal
-            if (put ? !wait_signal(a.direct_signal + s, a.arrived_target[s], a.guard, 1, s)
-                    : !wait_geq(a.arrived[local] + s, a.arrived_target[s], a.guard, 1, s))
-                break;
+        bool ok = true;  // this thread's waits so far (after a timeout it waits for nothing more)
+        if (kDirect) {
+            for (int s = threadIdx.x; s < R && ok; s += blockDim.x)
+                if (s / K != my_node) ok = wait_signal(a.direct_signal + s, a.arrived_target[s], a.guard, 1, s);
+            if (a.hop_ns) {
+                __syncthreads();
+                if (threadIdx.x == 0) hop_stamp(a.hop_ns, 1);
+            }
         }
+        for (int s = threadIdx.x; s < R && ok; s += blockDim.x)
+            if (!kDirect || s / K == my_node) ok = wait_geq(a.arrived[local] + s, a.arrived_target[s], a.guard, 1, s);
         if (a.hop_ns) {
             __syncthreads();
             if (threadIdx.x == 0) hop_stamp(a.hop_ns, 3);

@@ -133,13 +133,16 @@ def test_the_device_notify_computes_the_reference_plan(group, two_hop, seed, num
         "combine_total": np.array([counts[me, own * K:(own + 1) * K].sum(),
                                    sum(counts[m * K + local, own * K:(own + 1) * K].sum() for m in range(N) if m != own)]),
         "combine_net_total": np.array([0 if m == own else node_counts[me, m] for m in range(N)]),
+        # the direct route's: rows back from each rank of another node
+        "combine_rank_total": np.array([0 if d // K == own else counts[me, d] for d in range(R)]),
     }
     # A dispatch moves its own targets; the combine's move when a combine runs (from the handle's steps).
     want_delta = {"calls": np.array([1]), "net_total": net_count, "arrived_total": counts[:, me],
-                  "combine_total": np.zeros(2, np.int64), "combine_net_total": np.zeros(N, np.int64)}
+                  "combine_total": np.zeros(2, np.int64), "combine_net_total": np.zeros(N, np.int64),
+                  "combine_rank_total": np.zeros(R, np.int64)}
     steps = two_hop._last["delta"].get()
     want_steps = np.concatenate([net_count, counts[:, me], combine_steps["combine_total"],
-                                 combine_steps["combine_net_total"]])
+                                 combine_steps["combine_net_total"], combine_steps["combine_rank_total"]])
     checks = {
         "send_head": np.array_equal(dev["head"][:T], plan.send_head[me]),
         "rdma_slot": np.array_equal(dev["slot"][:T], plan.rdma_slot[me]),
@@ -491,7 +494,8 @@ def test_the_moe_layer_runs_across_nodes(group, nvshmem_session, alignment):
 
 def test_hop_stamps_delimit_every_hop(group, two_hop):
     """With hop_ns the kernels stamp every hop: each duration is written,
-    non-negative and below the whole kernel's; the results are those of a
+    non-negative and below the whole kernel's (the direct route has no
+    forwarding hop: None); the results are those of a
     call without stamps (the metric changes nothing else)."""
     import cupy
     from cupyep import internode as INTER
@@ -507,12 +511,16 @@ def test_hop_stamps_delimit_every_hop(group, two_hop):
     stamps = cupy.asarray(np.array(INTER.HOP_STAMPS_INIT, dtype=np.uint64))
     two_hop.combine(out.recv_x.copy(), hop_ns=stamps)
     c = INTER.hop_times_us(stamps.get(), INTER.COMBINE_HOPS)
-    ok = same and all(v is not None and 0 <= v < 1e6 for v in (*d.values(), *c.values()))
+    # the direct route forwards nothing: its forward hop is None
+    forward = d.pop("forward")
+    timed = [*d.values(), *c.values(), *([] if two_hop.direct else [forward])]
+    ok = same and (forward is None) == two_hop.direct and all(v is not None and 0 <= v < 1e6 for v in timed)
     ok = ok and d["network"] <= d["total"] and abs(c["node"] + c["network"] + c["reduce"] - c["total"]) < 1e-6
-    assert all_ranks(group.comm, ok), (same, d, c)
+    assert all_ranks(group.comm, ok), (same, forward, d, c)
     m = two_hop_metrics(group, two_hop, x, ids, ws, calls=3)
+    timed = [v for part in m.values() for k, v in part.items() if k != "forward" or not two_hop.direct]
     ok = set(m["dispatch_hop_us"]) == {"network", "forward", "total"} and \
-        all(v is not None and v >= 0 for part in m.values() for v in part.values())
+        (m["dispatch_hop_us"]["forward"] is None) == two_hop.direct and all(v is not None and v >= 0 for v in timed)
     assert all_ranks(group.comm, ok), m
     with pytest.raises(ValueError, match="hop_ns"):
         two_hop.dispatch(x, ids, ws, hop_ns=cupy.zeros(4, dtype=np.int64))
