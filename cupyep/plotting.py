@@ -7,6 +7,7 @@
     python -m cupyep.plotting FILE.jsonl crossover --x tokens --y time_us --by mode --out cross
     python -m cupyep.plotting FILE.jsonl scatter --x rank_GBps --y calc_diff --by kind --out fp8
     python -m cupyep.plotting RUN_DIR main      # RUN_DIR/normal.png, low_latency.png (+ .svg)
+    python -m cupyep.plotting RUN1 RUN2 RUN3 main --out DIR   # medians of the runs, bars min-max
 
 Records are the JSON objects of a JSONL file (the benchmarks', the main
 job's and the sweeps' all work). A field is named by its key, or by a dotted
@@ -30,7 +31,9 @@ runs alike); :func:`save` writes a figure as PNG and SVG.
   bandwidth; imbalance factor against straggler time);
 - :func:`main_normal_figure` and :func:`main_low_latency_figure`: the main
   job's two figures of a run folder (``results/main/<UTC time>/``), which
-  :func:`main_figures` saves there as ``normal`` and ``low_latency``.
+  :func:`main_figures` saves there as ``normal`` and ``low_latency``; given
+  several run folders, each bar is the median over the runs with an error
+  bar from their min to their max.
 
 The main job's normal-mode figure has GB/s per rank (received rows x row
 bytes / time) per kind and rank count, the naive baseline's dispatch and
@@ -385,17 +388,24 @@ def _default_timing(records, bench: str) -> list[dict]:
             and not r.get("sweep")]
 
 
-def _by_ranks(records, kind, value) -> dict:
-    """{ranks: value(rec)} of the last record of ``kind`` at each rank count."""
-    return {r["ranks"]: value(r) for r in records if r.get("kind") == kind and value(r) is not None}
+def _by_ranks(runs, kind, value) -> dict:
+    """{ranks: [value(rec) of each run]}: per run (a list of records), the
+    last record of ``kind`` at each rank count."""
+    out: dict = {}
+    for records in runs:
+        last = {r["ranks"]: value(r) for r in records if r.get("kind") == kind and value(r) is not None}
+        for n, v in last.items():
+            out.setdefault(n, []).append(v)
+    return out
 
 
 def _bars(ax, series, ranks, order, width=0.8) -> None:
     """Grouped bars, a group per rank count (x ticks at the counts only).
 
-    ``series``: [(label, {ranks: value}, hatched)]; ``order``: every label of
-    the figure, so that a label has the same colour in every panel. Hatched
-    series (the naive baseline) are grey."""
+    ``series``: [(label, {ranks: [value of each run]}, hatched)]: a bar is
+    the median over the runs, with a min-max error bar where there are
+    several; ``order``: every label of the figure, so that a label has the
+    same colour in every panel. Hatched series (the naive baseline) are grey."""
     from matplotlib import colormaps
     greys = ("0.55", "0.8", "0.35", "0.95")
     plain = [lab for lab, hatched in order if not hatched]
@@ -410,7 +420,14 @@ def _bars(ax, series, ranks, order, width=0.8) -> None:
                          linewidth=0.5)
         else:
             style = dict(color=colours[plain.index(lab) % len(colours)])
-        ax.bar(xs, [vals.get(n, 0) for n in ranks], w, label=lab, **style)
+        runs = [vals.get(n, []) for n in ranks]
+        heights = [float(np.median(v)) if v else 0.0 for v in runs]
+        ax.bar(xs, heights, w, label=lab, **style)
+        spread = [(x, h, min(v), max(v)) for x, h, v in zip(xs, heights, runs) if len(v) > 1]
+        if spread:
+            x, h, lo, hi = (list(c) for c in zip(*spread))
+            ax.errorbar(x, h, yerr=[np.subtract(h, lo), np.subtract(hi, h)], fmt="none", ecolor="black",
+                        elinewidth=0.8, capsize=1.5)
     ax.set_xticks(range(len(ranks)), [str(n) for n in ranks])
     ax.set_xlim(-0.5, len(ranks) - 0.5)
 
@@ -429,9 +446,19 @@ def _gpu(records) -> str:
     return next((r["env"]["gpu"] for r in records if (r.get("env") or {}).get("gpu")), "GPU")
 
 
-def _run_file(run_dir, name) -> list[dict]:
-    path = Path(run_dir) / name
-    return load(path) if path.exists() else []
+def _run_dirs(run_dir) -> list[Path]:
+    """One run folder or several (a list)."""
+    return [Path(run_dir)] if isinstance(run_dir, (str, Path)) else [Path(d) for d in run_dir]
+
+
+def _run_files(run_dir, name, bench) -> list[list[dict]]:
+    """Per run folder, the default-timing records of its ``name`` (none where absent)."""
+    return [_default_timing(load(d / name) if (d / name).exists() else [], bench) for d in _run_dirs(run_dir)]
+
+
+def _runs_note(runs) -> str:
+    n = sum(1 for recs in runs if recs)
+    return f"; median of {n} runs, bars min-max" if n > 1 else ""
 
 
 def main_normal_figure(run_dir, title: str | None = None):
@@ -441,7 +468,9 @@ def main_normal_figure(run_dir, title: str | None = None):
     hatched) and the copy roofline per rank over each rank count's bars.
 
     Arguments:
-        run_dir: a folder the main job wrote (``results/main/<UTC time>/``).
+        run_dir: a folder the main job wrote (``results/main/<UTC time>/``),
+            or a list of such folders: each bar is then the median over the
+            runs with their min-max, and the roofline the runs' median.
         title: figure title (default: the GPU and the tokens per rank, or the
             backend when the run was not on the kernels).
 
@@ -449,28 +478,33 @@ def main_normal_figure(run_dir, title: str | None = None):
         matplotlib.figure.Figure.
 
     Raises:
-        ValueError: no normal-mode record with ``rank_GBps`` in the folder.
+        ValueError: no normal-mode record with ``rank_GBps`` in the folders.
     """
-    recs = [r for r in _default_timing(_run_file(run_dir, "normal.jsonl"), "normal") if r.get("rank_GBps") is not None]
+    runs = [[r for r in recs if r.get("rank_GBps") is not None]
+            for recs in _run_files(run_dir, "normal.jsonl", "normal")]
+    recs = [r for rs in runs for r in rs]
     if not recs:
         raise ValueError(f"no normal-mode records with rank_GBps in {run_dir}")
     tokens = {r.get("tokens") for r in recs}
-    naive = [r for r in _default_timing(_run_file(run_dir, "naive.jsonl"), "naive") if r.get("tokens") in tokens]
+    naive_runs = [[r for r in rs if r.get("tokens") in tokens] for rs in _run_files(run_dir, "naive.jsonl", "naive")]
+    naive = [r for rs in naive_runs for r in rs]
     ranks = sorted({r["ranks"] for r in recs} | {r["ranks"] for r in naive})
     kinds = [k for k in MAIN_NORMAL_KINDS if any(r["kind"] == k for r in recs)]
     kinds += sorted({r["kind"] for r in recs} - set(kinds))
 
     def gbps(r):
         return r.get("rank_GBps")
-    series = [(k, _by_ranks(recs, k, gbps), False) for k in kinds]
-    series += [(f"naive {k}", _by_ranks(naive, k, gbps), True) for k in MAIN_NAIVE_KINDS
+    series = [(k, _by_ranks(runs, k, gbps), False) for k in kinds]
+    series += [(f"naive {k}", _by_ranks(naive_runs, k, gbps), True) for k in MAIN_NAIVE_KINDS
                if any(r["kind"] == k for r in naive)]
     fig, ax = _figure(width=11.0, height=4.8)
     _bars(ax, series, ranks, [(lab, hatched) for lab, _, hatched in series])
     labelled = False
     for j, n in enumerate(ranks):
-        roof = next((copy_roofline_per_rank(r) for r in reversed(recs)
-                     if r["ranks"] == n and copy_roofline_per_rank(r)), None)
+        roofs = [next((copy_roofline_per_rank(r) for r in reversed(rs) if r["ranks"] == n and copy_roofline_per_rank(r)),
+                      None) for rs in runs]
+        roofs = [v for v in roofs if v]
+        roof = float(np.median(roofs)) if roofs else None
         if roof:
             ax.hlines(roof, j - 0.45, j + 0.45, colors="black", linestyles="--", linewidth=1.2,
                       label=None if labelled else ROOFLINE_LABEL)
@@ -479,7 +513,8 @@ def main_normal_figure(run_dir, title: str | None = None):
     tok = ", ".join(str(t) for t in sorted(tokens))
     _finish(ax, "ranks", "received bytes per rank / time (GB/s)",
             title or (f"{backend}: small size, not kernel speed" if backend else
-                      f"cupyep normal mode, {_gpu(recs)}, {tok} tokens per rank"), legend=False, grid="y")
+                      f"cupyep normal mode, {_gpu(recs)}, {tok} tokens per rank{_runs_note(runs)}"),
+            legend=False, grid="y")
     _legend_beside(fig, [ax])
     return fig
 
@@ -491,7 +526,8 @@ def main_low_latency_figure(run_dir, tokens=(128, 1), title: str | None = None):
     it (``naive.jsonl``, hatched), log scale.
 
     Arguments:
-        run_dir: a folder the main job wrote.
+        run_dir: a folder the main job wrote, or a list of them (each bar the
+            median over the runs, with their min-max).
         tokens: token counts per rank, a panel each (those present).
         title: figure title (default: the GPU).
 
@@ -501,9 +537,11 @@ def main_low_latency_figure(run_dir, tokens=(128, 1), title: str | None = None):
     Raises:
         ValueError: no low-latency record with ``kernel_median_us`` at ``tokens``.
     """
-    recs = [r for r in _default_timing(_run_file(run_dir, "low_latency.jsonl"), "low_latency")
-            if r.get("kernel_median_us")]
-    naive = _default_timing(_run_file(run_dir, "naive.jsonl"), "naive")
+    runs = [[r for r in rs if r.get("kernel_median_us")]
+            for rs in _run_files(run_dir, "low_latency.jsonl", "low_latency")]
+    naive_runs = _run_files(run_dir, "naive.jsonl", "naive")
+    recs = [r for rs in runs for r in rs]
+    naive = [r for rs in naive_runs for r in rs]
     panels = [t for t in tokens if any(r.get("tokens") == t for r in recs + naive)]
     if not recs or not panels:
         raise ValueError(f"no low-latency records with kernel_median_us at {tokens} tokens in {run_dir}")
@@ -515,26 +553,33 @@ def main_low_latency_figure(run_dir, tokens=(128, 1), title: str | None = None):
         here = [r for r in recs if r.get("tokens") == T]
         nv = [r for r in naive if r.get("tokens") == T]
         ranks = sorted({r["ranks"] for r in here + nv})
-        series = [(k, _by_ranks(here, k, lambda r: r["kernel_median_us"]), False) for k in kinds
+        at_T = [[r for r in rs if r.get("tokens") == T] for rs in runs]
+        nv_T = [[r for r in rs if r.get("tokens") == T] for rs in naive_runs]
+        series = [(k, _by_ranks(at_T, k, lambda r: r["kernel_median_us"]), False) for k in kinds
                   if any(r["kind"] == k for r in here)]
-        series += [(f"naive {k} (whole call)", _by_ranks(nv, k, record_time_us), True) for k in naive_kinds
+        series += [(f"naive {k} (whole call)", _by_ranks(nv_T, k, record_time_us), True) for k in naive_kinds
                    if any(r["kind"] == k for r in nv)]
         _bars(ax, series, ranks, order)
         _log_y_plain(ax)
         _finish(ax, "ranks", "median time (us): kernel; naive: whole call",
                 f"{T} token{'s' if T != 1 else ''} per rank", legend=False, grid="y")
-    fig.suptitle(title or f"cupyep low-latency mode, {_gpu(recs)}", fontsize="large")
+    fig.suptitle(title or f"cupyep low-latency mode, {_gpu(recs)}{_runs_note(runs)}", fontsize="large")
     _legend_beside(fig, axes)
     return fig
 
 
 def main_figures(run_dir, out_dir=None) -> list[Path]:
-    """Save the main job's figures of ``run_dir`` that its files allow:
+    """Save the main job's figures of ``run_dir`` (a run folder, or a list of
+    them: medians over the runs with their min-max) that its files allow:
     ``normal.png``/``.svg`` (from ``normal.jsonl``) and
     ``low_latency.png``/``.svg`` (from ``low_latency.jsonl``), with the naive
-    baseline of ``naive.jsonl``, into ``out_dir`` (default ``run_dir``).
-    Returns the paths written (none when the folder has neither file)."""
-    out_dir = Path(out_dir) if out_dir else Path(run_dir)
+    baseline of ``naive.jsonl``, into ``out_dir`` (default the run folder;
+    required for several). Returns the paths written (none when the folders
+    have neither file)."""
+    dirs = _run_dirs(run_dir)
+    if out_dir is None and len(dirs) > 1:
+        raise ValueError("several run folders need an out_dir for their figures")
+    out_dir = Path(out_dir) if out_dir else dirs[0]
     written = []
     for stem, draw in (("normal", main_normal_figure), ("low_latency", main_low_latency_figure)):
         try:
@@ -588,7 +633,9 @@ def _where(items) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cupyep.plotting", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("file", help="JSONL results file (main: a folder the main job wrote)")
+    p.add_argument("file", nargs="+",
+                   help="JSONL results file (main: a folder the main job wrote, or several with --out: "
+                        "medians over the runs)")
     p.add_argument("figure", choices=("knob", "heatmap", "cdf", "crossover", "scatter", "main"),
                    help="main: the main job's normal-mode and low-latency figures of a run folder")
     p.add_argument("--x")
@@ -607,11 +654,14 @@ def main(argv=None) -> int:
     import matplotlib
     matplotlib.use("Agg")
     if args.figure == "main":
-        if not Path(args.file).is_dir():
-            p.error(f"the main figures need a run folder, got {args.file}")
+        bad = [f for f in args.file if not Path(f).is_dir()]
+        if bad:
+            p.error(f"the main figures need run folders, got {bad[0]}")
+        if len(args.file) > 1 and not args.out:
+            p.error("several run folders need --out (the folder for their figures)")
         paths = main_figures(args.file, args.out)
         if not paths:
-            print(f"cupyep.plotting: no normal.jsonl or low_latency.jsonl records to plot in {args.file}",
+            print(f"cupyep.plotting: no normal.jsonl or low_latency.jsonl records to plot in {' '.join(args.file)}",
                   file=sys.stderr)
             return 2
         for path in paths:
@@ -623,7 +673,9 @@ def main(argv=None) -> int:
     missing = [f"--{n}" for n in needs[args.figure] if getattr(args, n) is None]
     if missing:
         p.error(f"the {args.figure} figure needs {' and '.join(missing)}")
-    recs = load(args.file)
+    if len(args.file) > 1:
+        p.error(f"the {args.figure} figure reads one JSONL file, got {len(args.file)}")
+    recs = load(args.file[0])
     where = _where(args.where)
     try:
         if args.figure == "knob":

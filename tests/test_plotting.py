@@ -158,7 +158,9 @@ def _main_run(path, low_latency=True):
 
 def _bars_of(ax):
     """{legend label: ([bar heights], hatched)} of a bar chart."""
-    return {c.get_label(): ([b.get_height() for b in c], bool(c[0].get_hatch())) for c in ax.containers}
+    from matplotlib.container import BarContainer
+    return {c.get_label(): ([b.get_height() for b in c], bool(c[0].get_hatch())) for c in ax.containers
+            if isinstance(c, BarContainer)}
 
 
 def test_main_normal_figure_bars_naive_and_roofline(tmp_path):
@@ -225,3 +227,41 @@ def test_main_figures_and_command_write_png_and_svg(tmp_path, capsys):
         P.main([str(run / "normal.jsonl"), "main"])  # a file, not a run folder
     with pytest.raises(SystemExit):
         P.main([str(run / "normal.jsonl"), "knob", "--x", "ranks"])  # the other figures still need --out
+
+
+def test_main_figures_over_several_runs_are_medians_with_min_max(tmp_path, capsys):
+    """Several run folders: each bar is the median over the runs, with an
+    error bar from the runs' min to their max; the title says how many."""
+    runs = []
+    for i, scale in enumerate((1.0, 3.0, 2.0)):
+        run = _main_run(tmp_path / f"run{i}")
+        for name in ("normal.jsonl", "low_latency.jsonl"):
+            recs = P.load(run / name)
+            for r in recs:
+                for key in ("rank_GBps", "kernel_median_us"):
+                    if key in r:
+                        r[key] *= scale
+            (run / name).write_text("".join(json.dumps(r) + "\n" for r in recs))
+        runs.append(run)
+    fig = P.main_normal_figure(runs)
+    ax, = fig.axes
+    assert ax.get_title() == "cupyep normal mode, Test GPU, 4096 tokens per rank; median of 3 runs, bars min-max"
+    bars = _bars_of(ax)
+    assert bars["dispatch_bf16"] == ([400.0, 1600.0], False)  # the median of x1, x3, x2
+    assert bars["naive dispatch"] == ([20.0, 80.0], True)  # the same in every run: no spread
+    # the error bars: one set per series with a spread, from the min to the max of the runs
+    segments = [seg for c in ax.collections if c.get_label() != P.ROOFLINE_LABEL for seg in c.get_segments()
+                if len(seg) == 2 and seg[0][0] == seg[1][0]]
+    spans = sorted((round(float(seg[0][1]), 6), round(float(seg[1][1]), 6)) for seg in segments)
+    assert (200.0, 600.0) in spans and (800.0, 2400.0) in spans  # dispatch_bf16 at 2 and 8 ranks
+    ll = P.main_low_latency_figure(runs)
+    assert ll.get_suptitle() == "cupyep low-latency mode, Test GPU; median of 3 runs, bars min-max"
+    assert _bars_of(ll.axes[0])["dispatch_fp8"] == ([80.0, 320.0], False)  # 40 and 160 us, x2 (the median)
+    with pytest.raises(ValueError, match="out_dir"):
+        P.main_figures(runs)
+    paths = P.main_figures(runs, tmp_path / "out")
+    assert [p.name for p in paths] == ["normal.png", "normal.svg", "low_latency.png", "low_latency.svg"]
+    with pytest.raises(SystemExit):
+        P.main([*map(str, runs), "main"])  # several folders need --out
+    assert P.main([*map(str, runs), "main", "--out", str(tmp_path / "cli")]) == 0
+    assert f"wrote {tmp_path / 'cli' / 'normal.png'}" in capsys.readouterr().out
