@@ -40,7 +40,7 @@ NOTIFY_ARGS_DTYPE = jit.struct_dtype([
     ("topk_idx", u64), ("in_rank", u64), ("send_head", u64), ("rdma_slot", u64), ("rank_prefix", u64),
     ("net_count", u64), ("node_tokens", u64), ("send_node", u64), ("row", u64), ("matrix", u64),
     ("row_signal", u64), ("state", u64), ("host", u64),
-    ("capacity", i32), ("delta", u64), ("cached", i32), ("num_tokens", i32), ("num_topk", i32),
+    ("capacity", i32), ("delta", u64), ("cached", i32), ("kernel_time", u64), ("num_tokens", i32), ("num_topk", i32),
     ("num_experts", i32), ("num_ranks", i32), ("ranks_per_node", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
 ARGS_DTYPE = jit.struct_dtype([
     ("x", u64), ("x_scales", u64), ("topk_idx", u64), ("topk_weights", u64), ("rdma_slot", u64),
@@ -50,7 +50,7 @@ ARGS_DTYPE = jit.struct_dtype([
     ("out_src", i64), ("out_slot", i64), ("arrived", u64), ("arrived_target", u64), ("row_stride", i64),
     ("out_scales", i64), ("notify_ok", u64), ("capacity", i64), ("rdma_chunk", i32), ("nvlink_chunk", i32),
     ("direct", i32), ("heap_pool", u64), ("direct_signal", u64), ("direct_stage", u64), ("hop_ns", u64),
-    ("num_tokens", i32),
+    ("kernel_time", u64), ("num_tokens", i32),
     ("num_topk", i32), ("x_int4", i32), ("num_scales", i32), ("num_ranks", i32), ("ranks_per_node", i32),
     ("num_local_experts", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
 COMBINE_ARGS_DTYPE = jit.struct_dtype([
@@ -59,7 +59,7 @@ COMBINE_ARGS_DTYPE = jit.struct_dtype([
     ("row_stride", i64), ("meta_offset", i64), ("net_count", u64), ("staging", u64), ("net_in", u64),
     ("net_signal", u64), ("net_target", u64), ("send_head", u64), ("direct", i32), ("rank_in", u64),
     ("rank_signal", u64), ("rank_target", u64), ("rank_stage", u64), ("out", u64), ("notify_ok", u64),
-    ("hop_ns", u64), ("num_recv", i32), ("num_tokens", i32), ("max_tokens", i32), ("x_int4", i32),
+    ("hop_ns", u64), ("kernel_time", u64), ("num_recv", i32), ("num_tokens", i32), ("max_tokens", i32), ("x_int4", i32),
     ("num_topk", i32), ("num_ranks", i32), ("ranks_per_node", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
 
 
@@ -82,11 +82,21 @@ def hop_times_us(stamps, hops) -> dict:
             for name, a, b in hops}
 
 
-def _check_hop(hop_ns):
-    if hop_ns is None:
+def _check_stamps(arr, name: str, dtype, n: int):
+    """A stamps argument: None, or a cupy ``dtype`` [n] array (ValueError otherwise)."""
+    if arr is None:
         return None
     from .arrays import as_cupy, check
-    return check(as_cupy(hop_ns, "hop_ns"), "hop_ns", np.uint64, shape=(4,))
+    return check(as_cupy(arr, name), name, dtype, shape=(n,))
+
+
+def _check_hop(hop_ns):
+    return _check_stamps(hop_ns, "hop_ns", np.uint64, 4)
+
+
+def _check_kernel_ns(arr, name: str):
+    """Kernel stamps (cupyep.bench.stamps.new_kernel_stamps, a row): int64 [2]."""
+    return _check_stamps(arr, name, np.int64, 2)
 
 
 def spec(num_threads: int = THREADS) -> jit.KernelSpec:
@@ -364,7 +374,8 @@ class TwoHopDispatch:
             raise
 
     def dispatch(self, x, topk_idx=None, topk_weights=None, hop_ns=None, num_worst_tokens: int = 0,
-                 validate: bool = True, handle: TwoHopHandle | None = None, x_scales=None) -> TwoHopResult:
+                 validate: bool = True, handle: TwoHopHandle | None = None, x_scales=None,
+                 kernel_ns=None, notify_ns=None) -> TwoHopResult:
         """One two-hop dispatch (collective).
 
         Arguments:
@@ -380,6 +391,10 @@ class TwoHopDispatch:
                 :data:`HOP_STAMPS_INIT` before the call and the kernel writes
                 its stamps (TwoHopDispatchArgs::hop_ns; :func:`hop_times_us`
                 turns them into each hop's time).
+            kernel_ns, notify_ns: cupy int64 [2] or None, kernel stamps (a
+                row of cupyep.bench.stamps.new_kernel_stamps): the dispatch
+                kernel's, and the notify kernel's, first block start (min) and
+                last block end (max) in %globaltimer ns.
             num_worst_tokens: if > 0, the outputs hold this many rows and the
                 host reads nothing back (CUDA-graph capturable): rows past the
                 received count are padding (recv_topk_idx, recv_src_idx,
@@ -403,6 +418,7 @@ class TwoHopDispatch:
         fp8 = x.dtype == FP8
         ns = H // 128 if fp8 else 0
         hop_ns = _check_hop(hop_ns)
+        kernel_ns, notify_ns = _check_kernel_ns(kernel_ns, "kernel_ns"), _check_kernel_ns(notify_ns, "notify_ns")
         if H != self.hidden or T > self.max_tokens:
             raise ValueError(f"x is [{T}, {H}]; this dispatch takes at most {self.max_tokens} tokens of {self.hidden}")
         if handle is not None:
@@ -448,7 +464,7 @@ class TwoHopDispatch:
             send_node=dev["send_node"].data.ptr, row=self.row.data.ptr, matrix=self.matrix.data.ptr,
             row_signal=self.row_signal.data.ptr, state=self.state.data.ptr, host=0 if worst else self._host_ptr,
             capacity=int(num_worst_tokens) if worst else INT32_MAX, delta=delta.data.ptr,
-            cached=int(handle is not None), num_tokens=T, num_topk=self.k,
+            cached=int(handle is not None), kernel_time=jit.ptr(notify_ns), num_tokens=T, num_topk=self.k,
             num_experts=self.E, num_ranks=R, ranks_per_node=self.K, rank=self.me, guard=jit.pack(GUARD_DTYPE, **guard))
         notify_start, notify_end = cupy.cuda.Event(), cupy.cuda.Event()
         notify_start.record()
@@ -468,7 +484,8 @@ class TwoHopDispatch:
             nvlink_chunk=check_chunk("nvlink_chunk", self.nvlink_chunk), direct=int(self.direct),
             heap_pool=self.pool.ptr if self.direct else 0,
             direct_signal=self.direct_signal.data.ptr if self.direct else 0,
-            direct_stage=self.direct_stage.data.ptr if self.direct else 0, hop_ns=jit.ptr(hop_ns), num_tokens=T,
+            direct_stage=self.direct_stage.data.ptr if self.direct else 0, hop_ns=jit.ptr(hop_ns),
+            kernel_time=jit.ptr(kernel_ns), num_tokens=T,
             num_topk=self.k,
             x_int4=H * x.dtype.itemsize // 16, num_scales=ns, num_ranks=self.R, ranks_per_node=self.K,
             num_local_experts=self.E // self.R,
@@ -517,7 +534,7 @@ class TwoHopDispatch:
         self._check_errors()
         self.last_kernel_us = cupy.cuda.get_elapsed_time(start, end) * 1e3
 
-    def combine(self, y, hop_ns=None, row_weights=None, topk_weights=None):
+    def combine(self, y, hop_ns=None, row_weights=None, topk_weights=None, kernel_ns=None):
         """Reduce the expert outputs of the last dispatch back to its tokens.
 
         Arguments:
@@ -525,6 +542,8 @@ class TwoHopDispatch:
                received (its order).
             hop_ns: cupy uint64 [4] or None: the hop metric, as dispatch's
                (TwoHopCombineArgs::hop_ns).
+            kernel_ns: cupy int64 [2] or None: the combine kernel's stamps,
+               as dispatch's (the rows' pass; the weights' pass has none).
             row_weights: cupy [N] float32 or None: row r counts as
                BF16(weight_r * y_r), scaled in float32 before it leaves
                (one more BF16 rounding than the combine within a node, which
@@ -550,6 +569,7 @@ class TwoHopDispatch:
         L = self._last
         y = check(as_cupy(y, "y"), "y", BF16, shape=(L["n"], self.hidden))
         hop_ns = _check_hop(hop_ns)
+        kernel_ns = _check_kernel_ns(kernel_ns, "kernel_ns")
         row_weights = as_cupy(row_weights, "row_weights")
         if row_weights is not None:
             from .moe import bf16_bits_to_f32, f32_to_bf16_bits
@@ -571,7 +591,7 @@ class TwoHopDispatch:
                          total=self._state["combine_total"], net_total=self._state["combine_net_total"],
                          rank_total=self._state["combine_rank_total"], net_in=self.cnet_in,
                          net_signal=self.cnet_signal, **self._rank.get("rows", {}))
-        out = self._route_back(L, y, self.combine_fn, hop_ns, rows_pass, rows_now)
+        out = self._route_back(L, y, self.combine_fn, hop_ns, rows_pass, rows_now, kernel_ns)
         if topk_weights is None:
             return out
         kp = -(-self.k // 4) * 4  # rows of whole int4 words of floats
@@ -583,7 +603,7 @@ class TwoHopDispatch:
                             net_in=self.wnet_in, net_signal=self.wnet_signal, **self._rank.get("weights", {}))
         return out, self._route_back(L, w_rows, self.combine_weights_fn, None, weights_pass, rows_now)[:, :self.k]
 
-    def _route_back(self, L, rows, fn, hop_ns, res: dict, rows_now: int):
+    def _route_back(self, L, rows, fn, hop_ns, res: dict, rows_now: int, kernel_ns=None):
         """One combine kernel over ``rows`` ([N, W] of int4 words: BF16 rows, or
         float32 rows for the weights' pass) with the last dispatch's route and
         the pass's own resources ``res`` (pool regions, counters, targets,
@@ -608,7 +628,8 @@ class TwoHopDispatch:
             net_target=res["net_total"].data.ptr, send_head=L["dev"]["head"].data.ptr, direct=int(self.direct),
             rank_in=jit.ptr(res.get("rank_in")), rank_signal=jit.ptr(res.get("rank_signal")),
             rank_target=res["rank_total"].data.ptr, rank_stage=jit.ptr(res.get("rank_stage")),
-            out=out.data.ptr, notify_ok=self._state["ok"].data.ptr, hop_ns=jit.ptr(hop_ns), num_recv=L["n"],
+            out=out.data.ptr, notify_ok=self._state["ok"].data.ptr, hop_ns=jit.ptr(hop_ns),
+            kernel_time=jit.ptr(kernel_ns), num_recv=L["n"],
             num_tokens=L["T"], max_tokens=self.max_tokens, x_int4=x_int4, num_topk=self.k, num_ranks=R,
             ranks_per_node=K, rank=me, guard=jit.pack(GUARD_DTYPE, **self.group.guard("internode_two_hop_combine")))
         # This dispatch's steps of the combine's cumulative targets (on the device, in stream order).

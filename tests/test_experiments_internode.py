@@ -18,15 +18,19 @@ from cupyep.testing import bf16_to_f32, f32_to_bf16, global_routing, payload_bf1
 
 
 class _Comm:
-    """allreduce over this rank and fixed other ranks' values (MAX / LAND)."""
+    """allreduce over this rank and fixed other ranks' values (MAX / LAND);
+    allgather: this rank's value, then ``gathered`` (the other ranks')."""
 
-    def __init__(self, others=()):
-        self.others = list(others)
+    def __init__(self, others=(), gathered=()):
+        self.others, self.gathered = list(others), list(gathered)
 
     def allreduce(self, v, op=None):
         from mpi4py import MPI
         vals = [v, *self.others]
         return all(vals) if op is MPI.LAND else max(vals)
+
+    def allgather(self, v):
+        return [v, *self.gathered]
 
 
 class _Host:
@@ -42,22 +46,50 @@ class _Host:
         return _Host(self.a.copy())
 
 
-class _FakeHop:
-    """Records the calls; each kernel 'takes' the next duration."""
+def _stamp(row, start_ns, us):
+    """Fill a kernel-stamps row as a kernel would: start, start + us."""
+    if row is not None:
+        row[0], row[1] = start_ns, start_ns + int(round(us * 1e3))
 
-    def __init__(self, kernel_us, notify_us=5.0):
+
+class _FakeHop:
+    """Records the calls; each kernel 'takes' the next duration on the
+    kernel clock (its stamps) and event_factor times it on CUDA events."""
+
+    def __init__(self, kernel_us, notify_us=5.0, event_factor=1.5):
         self.kernel_us, self.notify_us, self.calls = list(kernel_us), notify_us, []
+        self.event_factor = event_factor
         self.direct = False  # the two-hop route
         self.last_kernel_us = self.last_notify_us = None
+        self.clock = 10_000
 
-    def dispatch(self, x, topk_idx=None, topk_weights=None, handle=None):
+    def _run(self, row):
+        us = self.kernel_us.pop(0)
+        self.clock += 1_000_000
+        _stamp(row, self.clock, us)
+        self.last_kernel_us = us * self.event_factor
+
+    def dispatch(self, x, topk_idx=None, topk_weights=None, handle=None, kernel_ns=None, notify_ns=None):
         self.calls.append(("dispatch", "cached" if handle is not None else "counted"))
-        self.last_kernel_us, self.last_notify_us = self.kernel_us.pop(0), self.notify_us
+        _stamp(notify_ns, self.clock, self.notify_us)
+        self._run(kernel_ns)
+        self.last_notify_us = self.notify_us * self.event_factor
         return SimpleNamespace(recv_x=_Host(np.zeros((3, 4), np.uint16)), handle="h")
 
-    def combine(self, y):
+    def combine(self, y, kernel_ns=None):
         self.calls.append(("combine", None))
-        self.last_kernel_us = self.kernel_us.pop(0)
+        self._run(kernel_ns)
+
+
+def _host_stamps(n):
+    """cupyep.bench.stamps.new_kernel_stamps on the host."""
+    st = np.zeros((n, 2), dtype=np.int64)
+    st[:, 0] = np.iinfo(np.int64).max
+    return st
+
+
+def _group(others=(), gathered=(), ranks_per_gpu=2):
+    return SimpleNamespace(comm=_Comm(others, gathered), world_size=2, ranks_per_gpu=ranks_per_gpu)
 
 
 TRAFFIC = I.TwoHopTraffic(rdma_bytes=4000, rdma_bytes_without_dedup=6000, saved_bytes=2000, nvlink_bytes=8000,
@@ -84,22 +116,33 @@ def test_a_bad_kind_and_one_node_are_skipped_before_any_gpu_work():
     ("combine_bf16", [("dispatch", "counted"), ("combine", None)] * 3),
 ])
 def test_measure_makes_each_kinds_calls_and_reports_the_slowest_rank(kind, calls):
-    group = SimpleNamespace(comm=_Comm(others=[0.0]))
     durations = [10.0, 30.0, 20.0] if kind != "combine_bf16" else [1.0, 10.0, 1.0, 30.0, 1.0, 20.0]
     hop = _FakeHop(durations)
-    rec = BI.measure(group, hop, kind, "x", "ids", "ws", "h", 3, TRAFFIC)
+    # the other rank's kernels: each starts 4 us before this rank's and ends 2 us before it (one GPU's
+    # timer); a combine's untimed dispatch before it also moves the fake's clock
+    mine = _host_stamps(3)
+    for i, us in enumerate(durations[1::2] if kind == "combine_bf16" else durations):
+        _stamp(mine[i], 10_000 + (i + 1) * 1_000_000 * (2 if kind == "combine_bf16" else 1) - 4_000, us + 2.0)
+    rec = BI.measure(_group([0.0], [mine]), hop, kind, "x", "ids", "ws", "h", 3, TRAFFIC, new_stamps=_host_stamps)
     assert hop.calls == calls
-    assert rec["time_us"] == 20.0 and rec["kernel_us_p90"] == pytest.approx(28.0)
-    assert rec["notify_us"] == (None if kind == "combine_bf16" else 5.0)
+    assert rec["clock"] == "kernel"
+    assert rec["time_us"] == pytest.approx(20.0) and rec["kernel_us_p90"] == pytest.approx(28.0)
+    assert rec["event_us"] == pytest.approx(30.0)  # the events, beside: 1.5 x the kernel in the fake
+    assert rec["span_us"] == pytest.approx(24.0)  # the other rank's start to this rank's end
+    assert rec["notify_us"] == (None if kind == "combine_bf16" else pytest.approx(5.0))
+    assert rec["notify_event_us"] == (None if kind == "combine_bf16" else pytest.approx(7.5))
     assert rec["rdma_GBps"] == pytest.approx(4000 / 20.0 / 1e3) and rec["nvlink_GBps"] == pytest.approx(0.4)
     assert rec["dedup_saved_bytes"] == 2000 and rec["rdma_bytes_without_dedup"] == 6000
-    slow = BI.measure(SimpleNamespace(comm=_Comm(others=[50.0])), _FakeHop(durations), kind, "x", "ids", "ws",
-                      "h", 3, TRAFFIC)
+    slow = BI.measure(_group([50.0], [mine]), _FakeHop(durations), kind, "x", "ids", "ws", "h", 3, TRAFFIC,
+                      new_stamps=_host_stamps)
     assert slow["time_us"] == 50.0  # another rank was slower
+    apart = BI.measure(_group([0.0], [mine], ranks_per_gpu=1), _FakeHop(durations), kind, "x", "ids", "ws", "h",
+                       3, TRAFFIC, new_stamps=_host_stamps)
+    assert apart["span_us"] is None  # ranks on different GPUs: their timers are not comparable
 
 
 def test_measure_refuses_a_bad_kind_or_no_calls():
-    group = SimpleNamespace(comm=_Comm())
+    group = _group()
     with pytest.raises(ValueError, match="kind"):
         BI.measure(group, _FakeHop([1.0]), "dispatch_fp8", "x", "i", "w", None, 1, TRAFFIC)
     with pytest.raises(ValueError, match="iters"):

@@ -105,4 +105,18 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
     uint64_t t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t;
 }
 
+// Kernel stamps, what a profiler shows of a kernel: t[0] the first block's start (min), t[1] the last
+// block's end (max), %globaltimer ns; the caller sets t to {INT64_MAX, 0} first
+// (cupyep.bench.stamps.new_kernel_stamps). Null t: nothing. stamp_end synchronises the block, so every
+// thread of it must reach the call.
+__device__ __forceinline__ void stamp_start(int64_t* t) {
+    if (t && threadIdx.x == 0) atomicMin(reinterpret_cast<unsigned long long*>(t), (unsigned long long)global_timer_ns());
+}
+__device__ __forceinline__ void stamp_end(int64_t* t) {
+    if (t) {
+        __syncthreads();
+        if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned long long*>(t) + 1, (unsigned long long)global_timer_ns());
+    }
+}
+
 }  // namespace cupyep

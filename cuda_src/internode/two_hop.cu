@@ -84,6 +84,7 @@ struct TwoHopNotifyArgs {
                                   // first N + R); the host adds the combine's before a combine
     int cached;                   // 1: reuse a handle's plan: only the barrier (a signal to every PE) and
                                   // the targets' steps from `delta`
+    int64_t* kernel_time;         // [2] or null: the kernel's start and end (stamp_start / stamp_end)
     int num_tokens;
     int num_topk;
     int num_experts;
@@ -114,6 +115,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArg
     int64_t* s_base = reinterpret_cast<int64_t*>(s_dyn64 + R + N);
     __shared__ int64_t s_call;
     __shared__ int s_fail;
+    stamp_start(a.kernel_time);
     for (int i = threadIdx.x; i < R + N; i += blockDim.x) s_cnt[i] = 0;
     if (threadIdx.x == 0) {
         s_call = ld_volatile64(a.state) + 1;
@@ -136,6 +138,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArg
             }
             publish_status(a.host, !s_fail);
         }
+        stamp_end(a.kernel_time);
         return;
     }
 
@@ -324,6 +327,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArg
         if (a.host) a.host[1] = (int)received;
         publish_status(a.host, true);
     }
+    stamp_end(a.kernel_time);
 }
 
 struct TwoHopDispatchArgs {
@@ -369,6 +373,7 @@ struct TwoHopDispatchArgs {
                                   // block 0 saw every row from other nodes), when a block finished
                                   // forwarding (not on the direct route), when block 0 saw every row
                                   // arrive (max each); the caller sets it to {UINT64_MAX, 0, 0, 0} first
+    int64_t* kernel_time;         // [2] or null: first block start, last block end (stamp_start / stamp_end)
     int num_tokens;
     int num_topk;
     int x_int4;
@@ -426,6 +431,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
     auto ld_cv = [](const int4* p) { return __ldcv(p); };     // network rows: written by peers during it
     auto st = [](int4* p, const int4& v) { st_na_v4(p, v); };
     if (ld_volatile64(a.notify_ok) != 1) return;  // this call's notify failed: nothing to send
+    stamp_start(a.kernel_time);
     if (threadIdx.x == 0) hop_stamp(a.hop_ns, 0);
     {   // Padding rows of my outputs (worst-token mode): ids and sources -1, weights 0, slots -1. No row
         // arrives at or past the count, so these writes never meet a delivery.
@@ -631,6 +637,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
             if (threadIdx.x == 0) hop_stamp(a.hop_ns, 3);
         }
     }
+    stamp_end(a.kernel_time);
 }
 
 // Two-hop combine: the reverse route with the reduction inside each node
@@ -680,6 +687,7 @@ struct TwoHopCombineArgs {
                                   // a block saw its node's rows for every slot (rail peer), when a block saw
                                   // every row and partial of its tokens (source), when a block finished
                                   // its final sums
+    int64_t* kernel_time;         // [2] or null: first block start, last block end (stamp_start / stamp_end)
     int num_recv;
     int num_tokens;
     int max_tokens;
@@ -743,6 +751,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_combine(TwoHopCombineA
     auto st = [](int4* p, const int4& v) { st_na_v4(p, v); };
     __shared__ int s_fail;
     if (ld_volatile64(a.notify_ok) != 1) return;  // the dispatch's notify failed
+    stamp_start(a.kernel_time);
     if (threadIdx.x == 0) {
         s_fail = 0;
         hop_stamp(a.hop_ns, 0);
@@ -862,6 +871,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_combine(TwoHopCombineA
         __syncthreads();
         if (threadIdx.x == 0) hop_stamp(a.hop_ns, 3);
     }
+    stamp_end(a.kernel_time);
 }
 
 }  // namespace internode

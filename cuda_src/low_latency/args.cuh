@@ -172,17 +172,6 @@ __device__ __forceinline__ void trace_mark(int64_t* trace, int m) {
     }
 }
 
-// Profiling stamps: first block start and last block end, in %globaltimer ns.
-__device__ __forceinline__ void stamp_start(int64_t* t) {
-    if (t && threadIdx.x == 0) atomicMin(reinterpret_cast<unsigned long long*>(t), (unsigned long long)global_timer_ns());
-}
-__device__ __forceinline__ void stamp_end(int64_t* t) {
-    if (t) {
-        __syncthreads();
-        if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned long long*>(t) + 1, (unsigned long long)global_timer_ns());
-    }
-}
-
 // A kernel's frame around its body: the wait for the work ahead (programmatic
 // dependent launch), start stamp, the end mark of the
 // blocks that received, end stamp (all no-ops without the profiling arrays).

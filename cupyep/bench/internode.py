@@ -12,10 +12,15 @@ Kinds (:data:`KINDS`):
 - ``combine_bf16``: the combine of the last dispatch's rows (identity
   experts: each received row goes back unchanged).
 
-Times: CUDA events around each kernel, the median over ``iters`` calls of the
-slowest rank (MPI MAX): "time_us" the dispatch or combine kernel,
-"notify_us" the notify kernel before a dispatch, "host_us" the whole call on
-the host. Traffic as DeepEP's internode test counts it
+Times, the median over ``iters`` calls of the slowest rank (MPI MAX), on the
+kernel clock ("clock": "kernel"): first block start to last block end, from
+the stamps the kernels write (cupyep.bench.stamps): "time_us" the dispatch
+or combine kernel, "kernel_us_p90" its p90, "notify_us" the notify kernel
+before a dispatch; "span_us" the median over calls of the first start on any
+rank to the last end on any rank, when every rank is on one GPU (whose timer
+they share; None otherwise). CUDA
+events around the same kernels beside them: "event_us", "notify_event_us".
+"host_us": the whole call on the host. Traffic as DeepEP's internode test counts it
 (cupyep.reference.internode.two_hop_traffic): "rdma_bytes" one row per
 (token, remote node), "rdma_bytes_without_dedup" one per (token, remote
 rank), "dedup_saved_bytes" their difference, "nvlink_bytes" every row a rank
@@ -81,13 +86,16 @@ def hop_times_of(hops: dict, kind: str) -> dict:
     return hops["combine_hop_us" if kind == "combine_bf16" else "dispatch_hop_us"]
 
 
-def measure(group, hop, kind: str, x, topk_idx, topk_weights, handle, iters: int, traffic) -> dict:
+def measure(group, hop, kind: str, x, topk_idx, topk_weights, handle, iters: int, traffic,
+            new_stamps=None) -> dict:
     """Time ``iters`` calls of ``kind`` on the TwoHopDispatch ``hop`` (collective).
 
     Arguments:
         x: cupy [T, H] uint16; topk_idx [T, k] int64; topk_weights [T, k] float32.
         handle: the TwoHopHandle a cached dispatch reuses.
         traffic: cupyep.reference.internode.TwoHopTraffic of the routing.
+        new_stamps: n -> int64 [n, 2] kernel stamps (default
+            cupyep.bench.stamps.new_kernel_stamps, on the device).
 
     Returns the record fields of the module docstring.
     """
@@ -96,30 +104,46 @@ def measure(group, hop, kind: str, x, topk_idx, topk_weights, handle, iters: int
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
-    kernel, host, notify = [], [], []
-    for _ in range(iters):
-        if kind == "combine_bf16":  # one combine per dispatch: each after its own (untimed) dispatch
+    if new_stamps is None:
+        from .stamps import new_kernel_stamps as new_stamps
+    dispatching = kind != "combine_bf16"
+    stamps, notify_stamps = new_stamps(iters), new_stamps(iters) if dispatching else None
+    events, host, notify_events = [], [], []
+    for i in range(iters):
+        if not dispatching:  # one combine per dispatch: each after its own (untimed) dispatch
             y = hop.dispatch(x, topk_idx, topk_weights).recv_x.copy()
             t0 = time.perf_counter()
-            hop.combine(y)
+            hop.combine(y, kernel_ns=stamps[i])
         else:
             t0 = time.perf_counter()
             if kind == "dispatch_bf16":
-                hop.dispatch(x, topk_idx, topk_weights)
+                hop.dispatch(x, topk_idx, topk_weights, kernel_ns=stamps[i], notify_ns=notify_stamps[i])
             else:
-                hop.dispatch(x, handle=handle, topk_weights=topk_weights)
+                hop.dispatch(x, handle=handle, topk_weights=topk_weights, kernel_ns=stamps[i],
+                             notify_ns=notify_stamps[i])
         host.append(time.perf_counter() - t0)
-        kernel.append(hop.last_kernel_us)
-        if kind != "combine_bf16":
-            notify.append(hop.last_notify_us)
+        events.append(hop.last_kernel_us)
+        if dispatching:
+            notify_events.append(hop.last_notify_us)
 
     def slowest(v):
         return group.comm.allreduce(float(v), op=MPI.MAX)
 
-    t_us = slowest(np.median(kernel))
-    return {"time_us": t_us, "kernel_us_p90": slowest(np.percentile(kernel, 90)),
+    def on_host(st):
+        return np.asarray(st.get() if hasattr(st, "get") else st, dtype=np.int64)
+
+    from .stamps import cross_rank, kernel_seconds
+    kernel = on_host(stamps)
+    kernel_us = kernel_seconds(kernel) * 1e6
+    notify_us = kernel_seconds(on_host(notify_stamps)) * 1e6 if dispatching else None
+    one_timer = getattr(group, "ranks_per_gpu", 1) == group.world_size  # every rank on one GPU
+    span = cross_rank(np.stack(group.comm.allgather(kernel)))["span"]["median_us"] if one_timer else None
+    t_us = slowest(np.median(kernel_us))
+    return {"clock": "kernel", "time_us": t_us, "kernel_us_p90": slowest(np.percentile(kernel_us, 90)),
+            "span_us": span, "event_us": slowest(np.median(events)),
             "host_us": slowest(np.median(host) * 1e6),
-            "notify_us": slowest(np.median(notify)) if notify else None,
+            "notify_us": slowest(np.median(notify_us)) if dispatching else None,
+            "notify_event_us": slowest(np.median(notify_events)) if dispatching else None,
             **route_bytes(traffic, hop.direct, t_us)}
 
 

@@ -19,8 +19,9 @@ Knobs (defaults: the benchmark's shape):
 - ``iters``: timed calls; ``hops``: also the per-hop times of 10 untimed
   calls (cupyep.metrics.two_hop_metrics).
 
-Metrics: cupyep.bench.internode.measure's fields ("time_us", "notify_us",
-"host_us", the traffic and its GB/s), "hop_us" when ``hops``, "nodes",
+Metrics: cupyep.bench.internode.measure's fields ("time_us" and
+"notify_us" on the kernel clock, "event_us" and "notify_event_us" on CUDA
+events, "span_us", "host_us", the traffic and its GB/s), "hop_us" when ``hops``, "nodes",
 "imbalance_factor" of the routing and "num_sms_used". Every configuration
 first checks one dispatch and its combine against the one-node oracle.
 Skipped: one node only (launch with ``--ranks-per-node``), no nvshmem4py.

@@ -492,6 +492,35 @@ def test_the_moe_layer_runs_across_nodes(group, nvshmem_session, alignment):
     assert all_ranks(group.comm, ok), {"rank": me, "calc_diff": d, "worst token": worst}
 
 
+def test_kernel_stamps_bound_each_kernel_inside_its_events(group, two_hop):
+    """kernel_ns / notify_ns: the dispatch, notify and combine kernels write
+    their first block start and last block end; each span is positive and
+    inside the CUDA events around the kernel; the results are those of a
+    call without stamps; a stamps array of the wrong dtype or shape is a
+    ValueError before anything is launched."""
+    import cupy
+    from cupyep.bench.stamps import kernel_seconds, new_kernel_stamps
+    me = group.rank
+    idx, w = global_routing(9, [200] * group.world_size, E, K_TOPK)
+    x, ids, ws = cupy.asarray(payload_bf16(me, np.arange(200), H)), cupy.asarray(idx[me]), cupy.asarray(w[me])
+    plain = two_hop.dispatch(x, ids, ws).recv_x.get()
+    st = new_kernel_stamps(3)
+    out = two_hop.dispatch(x, ids, ws, kernel_ns=st[0], notify_ns=st[1])
+    events = [two_hop.last_kernel_us, two_hop.last_notify_us]
+    same = np.array_equal(out.recv_x.get(), plain)
+    two_hop.combine(out.recv_x.copy(), kernel_ns=st[2])
+    events.append(two_hop.last_kernel_us)
+    us = kernel_seconds(st.get()) * 1e6
+    ok = same and all(0 < u <= e + 2.0 for u, e in zip(us, events))
+    assert all_ranks(group.comm, ok), {"same": same, "kernel_us": us.tolist(), "event_us": events}
+    for bad in (cupy.zeros(2, dtype=np.uint64), cupy.zeros((1, 2), dtype=np.int64)):
+        with pytest.raises(ValueError, match="kernel_ns"):
+            two_hop.dispatch(x, ids, ws, kernel_ns=bad)
+        with pytest.raises(ValueError, match="notify_ns"):
+            two_hop.dispatch(x, ids, ws, notify_ns=bad)
+    group.comm.Barrier()
+
+
 def test_hop_stamps_delimit_every_hop(group, two_hop):
     """With hop_ns the kernels stamp every hop: each duration is written,
     non-negative and below the whole kernel's (the direct route has no
