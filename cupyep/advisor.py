@@ -84,7 +84,10 @@ def mode_times(records, num_ranks: int, mode: str, ranks_per_node: int | None = 
     """{tokens: dispatch + combine microseconds} of ``mode`` (a MODE_KINDS key)
     at ``num_ranks`` ranks in nodes of ``ranks_per_node`` (default: one node
     of all of them), from benchmark or sweep records on the default timing
-    boundary (sweep points and other boundaries are skipped)."""
+    boundary (sweep points and other boundaries are skipped). A two-hop
+    dispatch's time includes its notify kernel (``notify_us``), as normal
+    mode's counted dispatch within a node includes its count exchange; the
+    internode records of the direct route are left out."""
     bench = MODE_BENCH[mode]
     per_node = num_ranks if ranks_per_node is None else ranks_per_node
     by_kind: dict = {}
@@ -96,8 +99,12 @@ def mode_times(records, num_ranks: int, mode: str, ranks_per_node: int | None = 
             continue
         if r.get("timing") not in (None, "strict") or r.get("status", "ok") != "ok":
             continue
+        if bench == "internode" and r.get("route", "two_hop") != "two_hop":  # the direct route is another path
+            continue
         kind = r.get("measured_kind") or r.get("kind")
         t, tok = _time_us(r), r.get("tokens")
+        if bench == "internode" and t is not None and r.get("notify_us") is not None:  # its notify kernel first
+            t += float(r["notify_us"])
         if t is not None and tok is not None:
             by_kind.setdefault(kind, {})[int(tok)] = t
     dispatch_kinds, combine_kinds = MODE_KINDS[mode]

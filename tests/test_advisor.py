@@ -152,3 +152,15 @@ def test_across_nodes_the_crossover_comes_from_records_of_the_same_layout():
     assert (a.mode, a.transport, a.calibrated) == ("normal", "two_hop", True)
     assert (b.mode, b.transport, b.calibrated) == ("low_latency", None, True)
     assert any("2 nodes of 4" in r for r in a.reasons)
+
+def test_a_two_hop_dispatch_counts_its_notify_and_the_direct_route_is_left_out():
+    """A two-hop dispatch's time is its kernel plus its notify kernel (the
+    counted call runs both); records of the direct route across nodes are not
+    the two-hop mode's."""
+    recs = [_study("internode", "dispatch_bf16", 64, 500) | {"notify_us": 200.0},
+            _study("internode", "combine_bf16", 64, 400) | {"notify_us": None},
+            _study("internode", "dispatch_bf16", 64, 50) | {"route": "direct", "notify_us": 10.0},
+            _study("internode", "combine_bf16", 64, 40) | {"route": "direct"}]
+    assert A.mode_times(recs, 8, "normal_two_hop", 4) == {64: 1100.0}
+    direct_only = [r for r in recs if r.get("route") == "direct"]
+    assert A.mode_times(direct_only, 8, "normal_two_hop", 4) == {}
