@@ -178,3 +178,14 @@ def test_gpu_test_shards_cover_every_file_once():
     for bad in ("0/2", "3/2", "x", "1-2"):
         with pytest.raises(ValueError, match="shard"):
             gpu_tests.shard_files(files, bad)
+
+
+def test_the_job_times_both_routes_across_nodes_where_the_ranks_make_two_nodes():
+    from cupyep.bench import main as bench_main
+    within = [r[0] for r in bench_main.planned_runs(8, None)]
+    assert "bench_internode.py" not in within and within == [b[0] for b in bench_main.BENCHES]
+    across = [r for r in bench_main.planned_runs(8, 4) if r[0] == "bench_internode.py"]
+    assert [r[2] for r in across] == [("--route", "two_hop"), ("--route", "direct")]
+    assert all(r[1] == "internode.jsonl" and r[3] == ("--ranks-per-node", "4") for r in across)
+    assert not [r for r in bench_main.planned_runs(4, 4) if r[0] == "bench_internode.py"]  # one node of 4
+    assert not [r for r in bench_main.planned_runs(6, 4) if r[0] == "bench_internode.py"]  # not whole nodes

@@ -17,7 +17,8 @@ share a GPU) and runs, at each rank count, ``experiments/bench_normal.py``
 ``experiments/bench_low_latency.py --zero-copy`` (128 and 1 tokens per rank)
 and ``experiments/bench_naive.py`` (the naive baseline at 4096, 128 and 1
 tokens); with ``--ranks-per-node K`` also ``experiments/bench_internode.py``
-(the two-hop mode across emulated nodes of K ranks) into ``internode.jsonl``. A benchmark that fails does not stop the others; the job's status is
+across emulated nodes of K ranks, ``--route two_hop`` then ``--route direct``,
+into ``internode.jsonl``. A benchmark that fails does not stop the others; the job's status is
 then the first failure's. Without a GPU it runs the normal-mode experiment at
 a small size on the NumPy reference, labelled as such in the output and the
 plot, so that the toolkit can be seen working anywhere.
@@ -112,6 +113,19 @@ def environment(ngpu: int) -> dict:
     return env
 
 
+def planned_runs(num_ranks: int, ranks_per_node: int | None) -> list[tuple]:
+    """The benchmarks the job launches at ``num_ranks``: (script, results file,
+    script arguments, launcher arguments) for each of BENCHES, then, with
+    ``ranks_per_node`` K where the ranks make two or more nodes of K, the
+    benchmark across nodes on both routes, the two-hop route first."""
+    runs = [(script, dest, tuple(extra), ()) for script, dest, extra in BENCHES]
+    K = ranks_per_node
+    if K and num_ranks % K == 0 and num_ranks // K >= 2:
+        runs += [("bench_internode.py", "internode.jsonl", ("--route", route), ("--ranks-per-node", str(K)))
+                 for route in ("two_hop", "direct")]
+    return runs
+
+
 def _write_manifest(run_dir: Path, manifest: dict) -> None:
     (run_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
 
@@ -126,7 +140,7 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", type=int, nargs="+", default=None)
     p.add_argument("--out", default="results/main", help="parent folder of the run folders")
     p.add_argument("--ranks-per-node", type=int, default=None,
-                   help="also time the two-hop mode across nodes of K ranks (experiments/bench_internode.py) "
+                   help="also time both routes across nodes of K ranks (experiments/bench_internode.py) "
                         "at every rank count with two or more such nodes")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
@@ -168,12 +182,8 @@ def main(argv=None) -> int:
                 print(f"== {script} at {n} ranks failed (status {rc}); going on with the others", flush=True)
             return rc
 
-        K = args.ranks_per_node
         for n in ranks:
-            runs = [(script, dest, extra, ()) for script, dest, extra in BENCHES]
-            if K and n % K == 0 and n // K >= 2:
-                runs.append(("bench_internode.py", "internode.jsonl", (), ("--ranks-per-node", str(K))))
-            for script, dest, extra, launcher in runs:
+            for script, dest, extra, launcher in planned_runs(n, args.ranks_per_node):
                 rc = bench(n, script, dest, extra, launcher)  # every benchmark runs, whatever failed before
                 rc_first = rc_first or rc
     figures = plotting.main_figures(run_dir)
