@@ -34,6 +34,7 @@ from .barrier import GUARD_DTYPE
 
 THREADS = 512
 NOTIFY_THREADS = 1024
+MAX_RANKS_PER_NODE = 32  # two_hop_combine: a network row's destinations in its node, one bit each
 INT32_MAX = 2**31 - 1
 u64, i64, i32 = np.uint64, np.int64, np.int32
 NOTIFY_ARGS_DTYPE = jit.struct_dtype([
@@ -251,6 +252,10 @@ class TwoHopDispatch:
         from .ipc import SymmetricBuffer
         if group.num_nodes < 2:
             raise ValueError("the two-hop dispatch needs ranks on at least two nodes (or --ranks-per-node)")
+        if group.local_size > MAX_RANKS_PER_NODE:
+            raise ValueError(f"the two-hop kernels take at most {MAX_RANKS_PER_NODE} ranks per node (a rail peer "
+                             f"keeps the ranks of its node a network row goes to in one 32-bit mask), got "
+                             f"{group.local_size}")
         if hidden % 128 or hidden <= 0:
             raise ValueError(f"hidden must be a positive multiple of 128, got {hidden}")
         self.group, self.R, self.K = group, group.world_size, group.local_size

@@ -808,3 +808,16 @@ def test_kernels_across_nodes_report_global_peers():
                           ("low_latency_combine_internode", 1)):
         err = error_from_slot(_slot(flag=1, kernel=kernel_id(kernel), rank=5, peer=2, phase=phase), 1.0, base)
         assert err.peer == 2 and err.kernel == kernel, kernel
+
+
+def test_the_two_hop_dispatch_refuses_nodes_wider_than_its_masks_before_any_gpu_work():
+    """A rail peer keeps a network row's destinations in its node as one
+    32-bit mask: more ranks per node is a ValueError before anything is made."""
+    from types import SimpleNamespace
+    wide = SimpleNamespace(num_nodes=2, world_size=2 * (INTER.MAX_RANKS_PER_NODE + 1),
+                           local_size=INTER.MAX_RANKS_PER_NODE + 1, rank=0)
+    with pytest.raises(ValueError, match=f"at most {INTER.MAX_RANKS_PER_NODE} ranks per node"):
+        INTER.TwoHopDispatch(wide, max_tokens=16, hidden=128, num_topk=2, num_experts=2 * wide.world_size)
+    one_node = SimpleNamespace(num_nodes=1, world_size=8, local_size=8, rank=0)
+    with pytest.raises(ValueError, match="at least two nodes"):
+        INTER.TwoHopDispatch(one_node, max_tokens=16, hidden=128, num_topk=2, num_experts=16)
