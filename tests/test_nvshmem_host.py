@@ -6,6 +6,7 @@ the Python binding is missing. No GPU needed."""
 import importlib.util
 import os
 import shutil
+import sys
 
 import pytest
 
@@ -79,7 +80,8 @@ def test_device_build_links_and_is_cached(tmp_path, monkeypatch):
 
 
 def test_runtime_without_the_binding_says_how_to_install(monkeypatch):
-    if importlib.util.find_spec("nvshmem") is not None:
-        pytest.skip("nvshmem4py is installed here")
+    # as if nvshmem4py were not installed (None in sys.modules: its import fails), whether or not it is
+    for name in [m for m in sys.modules if m == "nvshmem" or m.startswith("nvshmem.")] + ["nvshmem", "nvshmem.core"]:
+        monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(NV.NvshmemUnavailable, match=r'pip install -e "\.\[nvshmem\]"'):
         NV.init(object())
