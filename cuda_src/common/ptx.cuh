@@ -107,15 +107,16 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 
 // Kernel stamps, what a profiler shows of a kernel: t[0] the first block's start (min), t[1] the last
 // block's end (max), %globaltimer ns; the caller sets t to {INT64_MAX, 0} first
-// (cupyep.bench.stamps.new_kernel_stamps). Null t: nothing. stamp_end synchronises the block, so every
-// thread of it must reach the call.
+// (cupyep.bench.stamps.new_kernel_stamps). Null t: nothing. stamp_end is per warp (the latest warp's end
+// is the last block's), so it holds no block barrier: every lane of a warp that reaches it must reach it.
 __device__ __forceinline__ void stamp_start(int64_t* t) {
     if (t && threadIdx.x == 0) atomicMin(reinterpret_cast<unsigned long long*>(t), (unsigned long long)global_timer_ns());
 }
 __device__ __forceinline__ void stamp_end(int64_t* t) {
     if (t) {
-        __syncthreads();
-        if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned long long*>(t) + 1, (unsigned long long)global_timer_ns());
+        __syncwarp();
+        if (threadIdx.x % 32 == 0)
+            atomicMax(reinterpret_cast<unsigned long long*>(t) + 1, (unsigned long long)global_timer_ns());
     }
 }
 
