@@ -140,6 +140,20 @@ def notify_smem(num_ranks: int, num_nodes: int) -> int:
     return 8 * (num_ranks + 2 * num_nodes) + 4 * (NOTIFY_THREADS // 32) * (num_ranks + num_nodes)
 
 
+DEFAULT_DYNAMIC_SMEM = 48 * 1024  # a kernel's dynamic shared memory without the opt-in attribute
+
+
+def check_notify_smem(num_ranks: int, num_nodes: int, optin_limit: int) -> int:
+    """The notify's dynamic shared memory (:func:`notify_smem`), or ValueError
+    when it exceeds ``optin_limit``, the device's opt-in maximum per block
+    (MaxSharedMemoryPerBlockOptin): a world too large for one notify block."""
+    smem = notify_smem(num_ranks, num_nodes)
+    if smem > optin_limit:
+        raise ValueError(f"the two-hop notify needs {smem} bytes of shared memory for {num_ranks} ranks in "
+                         f"{num_nodes} nodes; this GPU gives a block at most {optin_limit}")
+    return smem
+
+
 ROUTES = ("two_hop", "direct")
 
 
@@ -264,7 +278,10 @@ class TwoHopDispatch:
             raise ValueError(f"num_experts ({num_experts}) must be divisible by the {self.R} ranks")
         if not (isinstance(num_sms, (int, np.integer)) and num_sms >= 0):
             raise ValueError(f"num_sms must be an integer >= 0 (0: the rank's share of the SMs), got {num_sms!r}")
+        rt = cupy.cuda.runtime
         device_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        self._notify_smem = check_notify_smem(
+            self.R, self.N, rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, cupy.cuda.Device().id))
         self.num_sms = int(num_sms) or max(1, device_sms // max(1, group.ranks_per_gpu))
         self.max_tokens, self.hidden, self.k, self.E = int(max_tokens), int(hidden), int(num_topk), int(num_experts)
         self.rdma_chunk, self.nvlink_chunk = check_chunk("rdma_chunk", rdma_chunk), check_chunk("nvlink_chunk",
@@ -279,6 +296,8 @@ class TwoHopDispatch:
         self.combine_fn = fns[spec().kernels[1]]
         self.notify_fn = fns[spec().kernels[2]]
         self.combine_weights_fn = fns[spec().kernels[3]]  # the float32 rows of the top-k weights
+        if self._notify_smem > DEFAULT_DYNAMIC_SMEM:  # large worlds: the opt-in, checked against the device above
+            self.notify_fn.max_dynamic_shared_size_bytes = self._notify_smem
         try:  # before anything is allocated: the same verdict on every rank
             for fn, what in ((self.fn, "two-hop dispatch"), (self.combine_fn, "two-hop combine"),
                              (self.combine_weights_fn, "two-hop combine of the top-k weights")):
@@ -473,7 +492,7 @@ class TwoHopDispatch:
             num_experts=self.E, num_ranks=R, ranks_per_node=self.K, rank=self.me, guard=jit.pack(GUARD_DTYPE, **guard))
         notify_start, notify_end = cupy.cuda.Event(), cupy.cuda.Event()
         notify_start.record()
-        self.notify_fn((1,), (NOTIFY_THREADS,), (nargs,), shared_mem=notify_smem(R, N))
+        self.notify_fn((1,), (NOTIFY_THREADS,), (nargs,), shared_mem=self._notify_smem)
         notify_end.record()
         args = jit.pack(
             ARGS_DTYPE, x=x.data.ptr, x_scales=jit.ptr(x_scales), topk_idx=topk_idx.data.ptr,

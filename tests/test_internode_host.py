@@ -84,3 +84,12 @@ def test_the_direct_routes_staged_row_holds_every_part(H, k):
     src = (jit.CUDA_SRC / "internode" / "two_hop.cu").read_text()
     assert "r.ids = align16(payload + 4 * (int64_t)num_scales);" in src and "r.bytes = r.slot + 16;" in src
     assert INTER.ROUTES == ("two_hop", "direct")
+
+
+def test_a_world_too_large_for_one_notify_block_is_refused_by_its_shared_memory():
+    from cupyep.internode import DEFAULT_DYNAMIC_SMEM, check_notify_smem, notify_smem
+    optin = 227 * 1024  # an H100 / H200 block's opt-in maximum
+    assert check_notify_smem(8, 2, optin) == notify_smem(8, 2) <= DEFAULT_DYNAMIC_SMEM
+    assert DEFAULT_DYNAMIC_SMEM < check_notify_smem(512, 64, optin) <= optin  # needs the opt-in attribute
+    with pytest.raises(ValueError, match="shared memory for 2048 ranks in 256 nodes"):
+        check_notify_smem(2048, 256, optin)
