@@ -550,11 +550,10 @@ def main_low_latency_figure(run_dir, tokens=(128, 1), title: str | None = None):
     order = [(k, False) for k in kinds] + [(f"naive {k} (whole call)", True) for k in naive_kinds]
     fig, axes = _figure(width=6.0 * len(panels) + 2.5, height=4.5, ncols=len(panels))
     for ax, T in zip(axes, panels):
-        here = [r for r in recs if r.get("tokens") == T]
-        nv = [r for r in naive if r.get("tokens") == T]
-        ranks = sorted({r["ranks"] for r in here + nv})
-        at_T = [[r for r in rs if r.get("tokens") == T] for rs in runs]
+        at_T = [[r for r in rs if r.get("tokens") == T] for rs in runs]  # per run
         nv_T = [[r for r in rs if r.get("tokens") == T] for rs in naive_runs]
+        here, nv = [r for rs in at_T for r in rs], [r for rs in nv_T for r in rs]
+        ranks = sorted({r["ranks"] for r in here + nv})
         series = [(k, _by_ranks(at_T, k, lambda r: r["kernel_median_us"]), False) for k in kinds
                   if any(r["kind"] == k for r in here)]
         series += [(f"naive {k} (whole call)", _by_ranks(nv_T, k, record_time_us), True) for k in naive_kinds

@@ -276,7 +276,7 @@ def fake_gpu(monkeypatch):
 
 
 def _session(ranks=4, hidden=256, tokens=6, topk=3, copy_bw=COPY_BW, **kw):
-    group = SimpleNamespace(comm=FakeComm(ranks), local_size=ranks, ranks_per_gpu=ranks)
+    group = SimpleNamespace(comm=FakeComm(ranks), local_size=ranks, world_size=ranks, ranks_per_gpu=ranks)
     buf = FakeBuffer(hidden, ranks=ranks)
     idx = np.tile(np.arange(topk, dtype=np.int64), (tokens, 1))
     idx[0, 0] = -1  # one empty slot: tokens * topk - 1 pairs

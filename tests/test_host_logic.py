@@ -821,3 +821,14 @@ def test_the_two_hop_dispatch_refuses_nodes_wider_than_its_masks_before_any_gpu_
     one_node = SimpleNamespace(num_nodes=1, world_size=8, local_size=8, rank=0)
     with pytest.raises(ValueError, match="at least two nodes"):
         INTER.TwoHopDispatch(one_node, max_tokens=16, hidden=128, num_topk=2, num_experts=16)
+
+
+def test_stamps_compare_across_ranks_only_when_every_rank_is_on_one_gpu():
+    """Emulated nodes on one GPU share its timer; ranks of one real node per
+    host (one rank per GPU) do not, even when each host has one rank."""
+    from types import SimpleNamespace
+
+    from cupyep.bench.stamps import one_timer
+    assert one_timer(SimpleNamespace(world_size=8, local_size=4, ranks_per_gpu=8))  # 2 x 4 emulated, one GPU
+    assert not one_timer(SimpleNamespace(world_size=2, local_size=1, ranks_per_gpu=1))  # two hosts, a GPU each
+    assert not one_timer(SimpleNamespace(world_size=8, local_size=8, ranks_per_gpu=1))  # one host, 8 GPUs

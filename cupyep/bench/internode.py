@@ -132,12 +132,11 @@ def measure(group, hop, kind: str, x, topk_idx, topk_weights, handle, iters: int
     def on_host(st):
         return np.asarray(st.get() if hasattr(st, "get") else st, dtype=np.int64)
 
-    from .stamps import cross_rank, kernel_seconds
+    from .stamps import cross_rank, kernel_seconds, one_timer
     kernel = on_host(stamps)
     kernel_us = kernel_seconds(kernel) * 1e6
     notify_us = kernel_seconds(on_host(notify_stamps)) * 1e6 if dispatching else None
-    one_timer = getattr(group, "ranks_per_gpu", 1) == group.world_size  # every rank on one GPU
-    span = cross_rank(np.stack(group.comm.allgather(kernel)))["span"]["median_us"] if one_timer else None
+    span = cross_rank(np.stack(group.comm.allgather(kernel)))["span"]["median_us"] if one_timer(group) else None
     t_us = slowest(np.median(kernel_us))
     return {"clock": "kernel", "time_us": t_us, "kernel_us_p90": slowest(np.percentile(kernel_us, 90)),
             "span_us": span, "event_us": slowest(np.median(events)),

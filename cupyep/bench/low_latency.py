@@ -239,8 +239,9 @@ class Session:
 
     def record(self, kind: str, timed, bytes_to_peers: int) -> dict:
         """:func:`strict_record` of ``timed`` (collective)."""
+        from .stamps import one_timer
         return strict_record(self.group.comm, self.base, kind, timed, bytes_to_peers, self.copy_bw,
-                             self.group.ranks_per_gpu == self.group.local_size)
+                             one_timer(self.group))
 
     def _strict_calls(self, name: str) -> list:
         """The calls of round ``name``, in order, each with the kind it records (or None)."""

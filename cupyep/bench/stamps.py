@@ -17,6 +17,13 @@ from __future__ import annotations
 import numpy as np
 
 
+def one_timer(group) -> bool:
+    """Every rank of ``group``'s world is on one GPU (ranks_per_gpu counts a
+    host's ranks on one device), so all their stamps read one %globaltimer
+    and compare across ranks (:func:`cross_rank`)."""
+    return group.ranks_per_gpu == group.world_size
+
+
 def new_kernel_stamps(n: int):
     """Device int64 [n, 2] for n profiled calls: column 0 starts at the int64
     maximum (the kernels atomicMin their start into it), column 1 at 0 (atomicMax end)."""
