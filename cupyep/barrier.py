@@ -115,20 +115,15 @@ class WorldBarrier(_BarrierCalls):
 
     def __init__(self, group):
         import cupy
-        from . import nvshmem as NV
-        NV.init(group)
-        import nvshmem.core as core
-        self.group, self._core = group, core
-        self._arrive = core.array((group.world_size,), dtype="uint64")
-        self._arrive[...] = 0
+        from .nvshmem import HeapBuffer
+        self.group = group
         self._epoch = cupy.zeros(1, dtype=np.int64)
+        self._arrive = HeapBuffer(group, 8 * group.world_size)  # uint64 [R], zeroed: each PE's epoch
         self._fn = jit.kernel(WORLD_BARRIER_SPEC)
-        cupy.cuda.runtime.deviceSynchronize()
-        group.comm.Barrier()
 
     def args(self, timeout_s: float | None = None) -> np.void:
         g = self.group
-        return jit.pack(WORLD_BARRIER_ARGS_DTYPE, arrive=self._arrive.data.ptr, epoch=self._epoch.data.ptr,
+        return jit.pack(WORLD_BARRIER_ARGS_DTYPE, arrive=self._arrive.ptr, epoch=self._epoch.data.ptr,
                         num_pes=g.world_size, my_pe=g.rank,
                         guard=jit.pack(GUARD_DTYPE, **g.guard(self.KERNEL, timeout_s)))
 
@@ -145,15 +140,7 @@ class WorldBarrier(_BarrierCalls):
 
     def destroy(self) -> None:
         """Collective: free the signals and release NVSHMEM."""
-        import cupy
-        from . import nvshmem as NV
-        if self._arrive is None:
-            return
-        cupy.cuda.runtime.deviceSynchronize()
-        self.group.comm.Barrier()
-        self._core.free_array(self._arrive)
-        self._arrive = None
-        NV.finalize()
+        self._arrive.destroy()
 
 
 def gpu_barrier(group):
