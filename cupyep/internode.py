@@ -100,6 +100,13 @@ def _check_kernel_ns(arr, name: str):
     return _check_stamps(arr, name, np.int64, 2)
 
 
+def _signals(core, n: int):
+    """n NVSHMEM signal words on the symmetric heap (uint64), zeroed."""
+    sig = core.array((n,), dtype="uint64")
+    sig[...] = 0
+    return sig
+
+
 def spec(num_threads: int = THREADS) -> jit.KernelSpec:
     """The two-hop notify, dispatch and combine (one module: they share the NVSHMEM registration)."""
     return jit.KernelSpec(name=f"internode_two_hop_threads_{num_threads}", source="internode/two_hop.cu",
@@ -278,10 +285,10 @@ class TwoHopDispatch:
             raise ValueError(f"num_experts ({num_experts}) must be divisible by the {self.R} ranks")
         if not (isinstance(num_sms, (int, np.integer)) and num_sms >= 0):
             raise ValueError(f"num_sms must be an integer >= 0 (0: the rank's share of the SMs), got {num_sms!r}")
-        rt = cupy.cuda.runtime
-        device_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        rt, device = cupy.cuda.runtime, cupy.cuda.Device()
+        device_sms = device.attributes["MultiProcessorCount"]
         self._notify_smem = check_notify_smem(
-            self.R, self.N, rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, cupy.cuda.Device().id))
+            self.R, self.N, rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, device.id))
         self.num_sms = int(num_sms) or max(1, device_sms // max(1, group.ranks_per_gpu))
         self.max_tokens, self.hidden, self.k, self.E = int(max_tokens), int(hidden), int(num_topk), int(num_experts)
         self.rdma_chunk, self.nvlink_chunk = check_chunk("rdma_chunk", rdma_chunk), check_chunk("nvlink_chunk",
@@ -309,8 +316,7 @@ class TwoHopDispatch:
         self.stride = row_stride(hidden, num_topk, self.K)
         cap_net = max(1, (self.N - 1) * self.max_tokens)
         self.net_rows = core.array((cap_net * self.stride,), dtype="uint8")
-        self.net_signal = core.array((self.N,), dtype="uint64")
-        self.net_signal[...] = 0
+        self.net_signal = _signals(core, self.N)
         cap = self.R * self.max_tokens  # the most rows a rank can receive
         self._lay = {}
         off = 0
@@ -324,8 +330,7 @@ class TwoHopDispatch:
             node = self.me // self.K
             self.pool_ptrs = cupy.asarray(np.asarray(self.pool.peer_ptr_list[node * self.K:(node + 1) * self.K],
                                                      dtype=u64))
-            self.direct_signal = core.array((self.R,), dtype="uint64")
-            self.direct_signal[...] = 0
+            self.direct_signal = _signals(core, self.R)
             self.direct_stage = core.array((self.max_tokens * self.R * direct_row_bytes(hidden, num_topk),),
                                            dtype="uint8")
         else:
@@ -338,8 +343,7 @@ class TwoHopDispatch:
         W = self.R + self.N + 1  # TwoHopNotifyArgs::row: counts per rank, per node, then the capacity
         self.row = core.array((W,), dtype="int64")
         self.matrix = core.array((2 * self.R * W,), dtype="int64")
-        self.row_signal = core.array((self.R,), dtype="uint64")
-        self.row_signal[...] = 0
+        self.row_signal = _signals(core, self.R)
         self.state = cupy.zeros(state_words(self.R, self.K), dtype=np.int64)
         self._state = {name: self.state[sl] for name, sl in state_slices(self.R, self.K).items()}
         self._host_ptr = cupy.cuda.runtime.hostAlloc(4 * (2 + self.R), 2)  # cudaHostAllocMapped
@@ -362,20 +366,17 @@ class TwoHopDispatch:
         self.counter_ptrs = cupy.asarray(np.asarray(self.csync.peer_ptr_list, dtype=u64))
         self.wcounter_ptrs = self.counter_ptrs + np.uint64(16)
         self.cnet_in = core.array((self.N * self.max_tokens * row,), dtype="uint8")
-        self.cnet_signal = core.array((self.N,), dtype="uint64")
-        self.cnet_signal[...] = 0
+        self.cnet_signal = _signals(core, self.N)
         self.wnet_in = core.array((self.N * self.max_tokens * wrow,), dtype="uint8")
-        self.wnet_signal = core.array((self.N,), dtype="uint64")
-        self.wnet_signal[...] = 0
+        self.wnet_signal = _signals(core, self.N)
         # the weights' pass: combine_total, combine_net_total, combine_rank_total
         self.wtargets = cupy.zeros(2 + self.N + self.R, dtype=np.int64)
         self._rank = {}  # the direct route's combine: rows from each rank of another node, per pass
         if self.direct:
             for name, nbytes in (("rows", row), ("weights", wrow)):
-                sig = core.array((self.R,), dtype="uint64")
-                sig[...] = 0
                 self._rank[name] = dict(rank_in=core.array((self.max_tokens * self.R * nbytes,), dtype="uint8"),
-                                        rank_signal=sig, rank_stage=core.array((cap * nbytes,), dtype="uint8"))
+                                        rank_signal=_signals(core, self.R),
+                                        rank_stage=core.array((cap * nbytes,), dtype="uint8"))
         self._last = None
         self._failed = None  # the error that left the state undefined, once one has
         self._captured = []  # arrays of the calls captured in CUDA graphs, alive as long as this object
