@@ -63,7 +63,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
         if (b == 0)
             for (int dst = threadIdx.x; dst < R; dst += blockDim.x)
                 if (is_remote(a.c, dst))
-                    nvshmemx_signal_op(at<uint64_t>(mine, a.c.cur.remote_signal) + 3 * R + a.c.rank, 1,
+                    nvshmemx_signal_op(signal_word(remote_signal(mine, a.c.cur, R, kSigCombineStart, a.c.rank)), 1,
                                        NVSHMEM_SIGNAL_ADD, dst);
 #endif
         int4* local_send = at<int4>(mine, a.c.cur.combine_send);
@@ -152,7 +152,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                 }
                 nvshmemx_putmem_signal_nbi_warp(
                     at<int4>(mine, a.c.cur.combine_recv) + ((int64_t)a.c.rank * ret_rows + colprefix[lo] + q) * row_int4,
-                    stage, row_int4 * 16, at<uint64_t>(mine, a.c.cur.remote_signal) + 2 * R + a.c.rank, 1,
+                    stage, row_int4 * 16, signal_word(remote_signal(mine, a.c.cur, R, kSigReturnRows, a.c.rank)), 1,
                     NVSHMEM_SIGNAL_ADD, s);
             }
 #endif
@@ -205,14 +205,14 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
         // An expert rank r of another node: its start (as a flag within the node, also with no rows for
         // me), then one row per slot of mine on its experts: that many signals.
         auto remote_rows = [&](int r) {
-            if (!wait_geq(at<int64_t>(mine, a.c.cur.remote_signal) + 3 * R + r, 1, a.c.guard, kWaitRemoteReturn, r))
+            if (!wait_geq(remote_signal(mine, a.c.cur, R, kSigCombineStart, r), 1, a.c.guard, kWaitRemoteReturn, r))
                 return false;
             int64_t n = 0;
             for (int64_t tj = 0; tj < (int64_t)T * k; ++tj) {
                 const int e = (int)__ldg(a.topk_idx + tj);
                 n += e >= r * El && e < (r + 1) * El;
             }
-            return wait_geq(at<int64_t>(mine, a.c.cur.remote_signal) + 2 * R + r, n, a.c.guard, kWaitRemoteReturn, r);
+            return wait_geq(remote_signal(mine, a.c.cur, R, kSigReturnRows, r), n, a.c.guard, kWaitRemoteReturn, r);
         };
         if (!wait_peer_flags(a.c, at<int>(mine, a.c.cur.combine_flag), a.c.guard, nullptr, remote_rows)) return;
         trace_mark(a.c.trace, kMarkArrived);

@@ -130,7 +130,7 @@ __device__ __forceinline__ void put_remote_messages(const DispatchArgs& a, const
         const int64_t row = ((int64_t)(e % El) * R + a.c.rank) * a.c.max_tokens + own_pos[i];
         nvshmemx_putmem_signal_nbi_warp(at<char>(mine, a.c.cur.recv_x) + row * m.bytes,
                                         at<char>(mine, a.c.cur.stage) + ((int64_t)t * k + j) * m.bytes, m.bytes,
-                                        at<uint64_t>(mine, a.c.cur.remote_signal) + R + a.c.rank, 1,
+                                        signal_word(remote_signal(mine, a.c.cur, R, kSigRows, a.c.rank)), 1,
                                         NVSHMEM_SIGNAL_ADD, e / El);
     }
 }
@@ -259,7 +259,8 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
                 int* counts = at<int>(mine, a.c.cur.dispatch_count);
                 for (int le = 0; le < El; ++le) nvshmem_int_p(counts + le * R + a.c.rank, total[dst * El + le], dst);
                 nvshmem_fence();
-                nvshmemx_signal_op(at<uint64_t>(mine, a.c.cur.remote_signal) + a.c.rank, 1, NVSHMEM_SIGNAL_ADD, dst);
+                nvshmemx_signal_op(signal_word(remote_signal(mine, a.c.cur, R, kSigCounts, a.c.rank)), 1,
+                                   NVSHMEM_SIGNAL_ADD, dst);
             }
 #endif
         arrive(a.c, a.c.cur.dispatch_flag, G);

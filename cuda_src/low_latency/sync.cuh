@@ -35,6 +35,17 @@ __device__ __forceinline__ T* at(void* base, int64_t offset) {
     return reinterpret_cast<T*>(static_cast<char*>(base) + offset);
 }
 
+// Across nodes: the rows of a set's remote_signal [4][R] (args.cuh), and the word of row `which` that
+// rank r on another node adds to (int64: the waits read it as a count).
+enum RemoteSignal { kSigCounts = 0, kSigRows = 1, kSigReturnRows = 2, kSigCombineStart = 3 };
+constexpr int kRemoteSignalRows = 4;  // cupyep.low_latency.layout: remote_signal is 4 * R words
+__device__ __forceinline__ int64_t* remote_signal(void* base, const SetOffsets& set, int num_ranks, RemoteSignal which,
+                                                  int r) {
+    return at<int64_t>(base, set.remote_signal) + (int64_t)which * num_ranks + r;
+}
+// The same word as NVSHMEM's signal operations name it.
+__device__ __forceinline__ uint64_t* signal_word(int64_t* p) { return reinterpret_cast<uint64_t*>(p); }
+
 // Block 0 zeroes the next set's flags (and, across nodes, its signals: the
 // same argument covers them, since block 0 also sends the counts that
 // complete a remote peer's wait, after this clear).
@@ -48,7 +59,7 @@ __device__ __forceinline__ void clear_next_flags(void* mine, const SetOffsets& n
     }
 #ifdef CUPYEP_LL_NVSHMEM
     uint64_t* signals = at<uint64_t>(mine, next.remote_signal);
-    for (int i = threadIdx.x; i < 4 * num_ranks; i += blockDim.x) signals[i] = 0;
+    for (int i = threadIdx.x; i < kRemoteSignalRows * num_ranks; i += blockDim.x) signals[i] = 0;
 #endif
 }
 
@@ -104,12 +115,11 @@ __device__ __forceinline__ bool wait_peer_flags(const CallArgs& c, const int* fl
 __device__ __forceinline__ bool wait_remote_dispatch(const CallArgs& c, int r, const Guard& guard) {
     const int R = c.num_ranks, El = c.num_experts / R;
     void* mine = c.peers[c.rank];
-    const int64_t* sig = at<int64_t>(mine, c.cur.remote_signal);
-    if (!wait_geq(sig + r, 1, guard, kWaitRemoteCounts, r)) return false;
+    if (!wait_geq(remote_signal(mine, c.cur, R, kSigCounts, r), 1, guard, kWaitRemoteCounts, r)) return false;
     const int* counts = at<int>(mine, c.cur.dispatch_count);
     int64_t n = 0;
     for (int le = 0; le < El; ++le) n += ld_volatile(counts + le * R + r);
-    return wait_geq(sig + R + r, n, guard, kWaitRemoteRows, r);
+    return wait_geq(remote_signal(mine, c.cur, R, kSigRows, r), n, guard, kWaitRemoteRows, r);
 }
 
 }  // namespace low_latency
