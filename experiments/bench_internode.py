@@ -24,6 +24,7 @@ from cupyep.testing import global_routing
 
 def main():
     require_gpu(__file__)
+    from cupyep.barrier import gpu_barrier
     from cupyep.bench.internode import KINDS, hop_times_of, measure, prepare
     from cupyep.internode import TwoHopDispatch
     from cupyep.metrics import two_hop_metrics
@@ -55,15 +56,17 @@ def main():
     x, ids, ws, traffic, handle = prepare(group, hop, idx, w)  # checked against the oracle first
     hops = two_hop_metrics(group, hop, x, ids, ws)  # untimed calls with the hop stamps (cupyep.metrics)
     writer = JsonlWriter(args.out, group)
+    barrier = gpu_barrier(group)  # each timed call lined up across every rank (cupyep.bench.internode)
     for repeat in range(args.repeats):
         for kind in KINDS:
-            rec = measure(group, hop, kind, x, ids, ws, handle, args.iters, traffic)
+            rec = measure(group, hop, kind, x, ids, ws, handle, args.iters, traffic, before=barrier)
             writer.write({"bench": "internode", "kind": f"{kind}_{args.route}", "ranks": R, "ranks_per_node": K,
                           "nodes": R // K, "tokens": T, "hidden": H, "topk": k, "experts": E,
                           "num_sms": hop.num_sms, "route": args.route, "rdma_chunk": hop.rdma_chunk,
                           "nvlink_chunk": hop.nvlink_chunk,
                           "repeat": repeat, **rec, "hop_us": hop_times_of(hops, kind),
                           "checked": True, "version": "device notify"})
+    barrier.destroy()
     hop.destroy()
     group.destroy()
 

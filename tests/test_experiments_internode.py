@@ -141,6 +141,23 @@ def test_measure_makes_each_kinds_calls_and_reports_the_slowest_rank(kind, calls
     assert apart["span_us"] is None  # ranks on different GPUs: their timers are not comparable
 
 
+@pytest.mark.parametrize("kind,calls", [
+    ("dispatch_bf16", ["barrier", ("dispatch", "counted")] * 2),
+    ("combine_bf16", [("dispatch", "counted"), "barrier", ("combine", None)] * 2),
+])
+def test_measure_lines_each_timed_call_up_behind_the_barrier(kind, calls):
+    """With ``before`` (a GPU barrier), the barrier runs right before each
+    timed call (a combine's untimed dispatch comes before it); the record
+    says so, and says when it was not."""
+    hop = _FakeHop([10.0, 20.0] if kind != "combine_bf16" else [1.0, 10.0, 1.0, 20.0])
+    rec = BI.measure(_group(), hop, kind, "x", "ids", "ws", "h", 2, TRAFFIC, new_stamps=_host_stamps,
+                     before=lambda: hop.calls.append("barrier"), sleep_us=0)
+    assert hop.calls == calls and rec["lined_up"] is True
+    plain = BI.measure(_group(), _FakeHop([10.0, 20.0, 30.0, 40.0]), kind, "x", "ids", "ws", "h", 2, TRAFFIC,
+                       new_stamps=_host_stamps)
+    assert plain["lined_up"] is False
+
+
 def test_measure_refuses_a_bad_kind_or_no_calls():
     group = _group()
     with pytest.raises(ValueError, match="kind"):

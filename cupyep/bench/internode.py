@@ -12,6 +12,14 @@ Kinds (:data:`KINDS`):
 - ``combine_bf16``: the combine of the last dispatch's rows (identity
   experts: each received row goes back unchanged).
 
+Each timed call starts lined up across ranks when ``measure`` is given a GPU
+barrier (``before``; the benchmark and the study pass cupyep.barrier.gpu_barrier):
+a GPU sleep (so the host has queued what follows), the barrier, then the call,
+as the low-latency benchmark's strict timing does. Without it a kernel's time
+holds the ranks' host skew: a combine follows its untimed dispatch's read-back
+on each rank's own schedule, and a notify waits for the last rank to arrive.
+Records say which ("lined_up").
+
 Times, the median over ``iters`` calls of the slowest rank (MPI MAX), on the
 kernel clock ("clock": "kernel"): first block start to last block end, from
 the stamps the kernels write (cupyep.bench.stamps): "time_us" the dispatch
@@ -86,8 +94,11 @@ def hop_times_of(hops: dict, kind: str) -> dict:
     return hops["combine_hop_us" if kind == "combine_bf16" else "dispatch_hop_us"]
 
 
+LINE_UP_SLEEP_US = 400.0  # the GPU sleep before the barrier (timing.timed_rounds' default)
+
+
 def measure(group, hop, kind: str, x, topk_idx, topk_weights, handle, iters: int, traffic,
-            new_stamps=None) -> dict:
+            new_stamps=None, before=None, sleep_us: float = LINE_UP_SLEEP_US) -> dict:
     """Time ``iters`` calls of ``kind`` on the TwoHopDispatch ``hop`` (collective).
 
     Arguments:
@@ -96,6 +107,10 @@ def measure(group, hop, kind: str, x, topk_idx, topk_weights, handle, iters: int
         traffic: cupyep.reference.internode.TwoHopTraffic of the routing.
         new_stamps: n -> int64 [n, 2] kernel stamps (default
             cupyep.bench.stamps.new_kernel_stamps, on the device).
+        before: None, or a callable enqueuing a GPU barrier over every rank
+            (cupyep.barrier.gpu_barrier): each timed call then runs behind a
+            GPU sleep of ``sleep_us`` and that barrier (its untimed dispatch,
+            for a combine, before them).
 
     Returns the record fields of the module docstring.
     """
@@ -109,12 +124,23 @@ def measure(group, hop, kind: str, x, topk_idx, topk_weights, handle, iters: int
     dispatching = kind != "combine_bf16"
     stamps, notify_stamps = new_stamps(iters), new_stamps(iters) if dispatching else None
     events, host, notify_events = [], [], []
+
+    def line_up():
+        if before is None:
+            return
+        if sleep_us:
+            from .timing import gpu_sleep
+            gpu_sleep(sleep_us)
+        before()
+
     for i in range(iters):
         if not dispatching:  # one combine per dispatch: each after its own (untimed) dispatch
             y = hop.dispatch(x, topk_idx, topk_weights).recv_x.copy()
+            line_up()
             t0 = time.perf_counter()
             hop.combine(y, kernel_ns=stamps[i])
         else:
+            line_up()
             t0 = time.perf_counter()
             if kind == "dispatch_bf16":
                 hop.dispatch(x, topk_idx, topk_weights, kernel_ns=stamps[i], notify_ns=notify_stamps[i])
@@ -138,7 +164,7 @@ def measure(group, hop, kind: str, x, topk_idx, topk_weights, handle, iters: int
     notify_us = kernel_seconds(on_host(notify_stamps)) * 1e6 if dispatching else None
     span = cross_rank(np.stack(group.comm.allgather(kernel)))["span"]["median_us"] if one_timer(group) else None
     t_us = slowest(np.median(kernel_us))
-    return {"clock": "kernel", "time_us": t_us, "kernel_us_p90": slowest(np.percentile(kernel_us, 90)),
+    return {"clock": "kernel", "lined_up": before is not None, "time_us": t_us, "kernel_us_p90": slowest(np.percentile(kernel_us, 90)),
             "span_us": span, "event_us": slowest(np.median(events)),
             "host_us": slowest(np.median(host) * 1e6),
             "notify_us": slowest(np.median(notify_us)) if dispatching else None,

@@ -20,7 +20,8 @@ Knobs (defaults: the benchmark's shape):
   calls (cupyep.metrics.two_hop_metrics).
 
 Metrics: cupyep.bench.internode.measure's fields ("time_us" and
-"notify_us" on the kernel clock, "event_us" and "notify_event_us" on CUDA
+"notify_us" on the kernel clock, each call lined up across the ranks by a
+GPU barrier ("lined_up"), "event_us" and "notify_event_us" on CUDA
 events, "span_us", "host_us", the traffic and its GB/s), "hop_us" when ``hops``, "nodes",
 "imbalance_factor" of the routing and "num_sms_used". Every configuration
 first checks one dispatch and its combine against the one-node oracle.
@@ -77,7 +78,9 @@ def run(group, cfg: dict) -> dict:
         raise Skip(str(exc)) from None
     hop.rdma_chunk, hop.nvlink_chunk = cfg["rdma_chunk"], cfg["nvlink_chunk"]
     x, ids, ws, traffic, handle = prepare(group, hop, idx, w)  # checked against the oracle first
-    rec = measure(group, hop, cfg["kind"], x, ids, ws, handle, cfg["iters"], traffic)
+    from ..barrier import gpu_barrier
+    with gpu_barrier(group) as barrier:  # each timed call lined up across every rank
+        rec = measure(group, hop, cfg["kind"], x, ids, ws, handle, cfg["iters"], traffic, before=barrier)
     rec.update(nodes=R // K, imbalance_factor=routing.imbalance_factor(idx, E), num_sms_used=hop.num_sms)
     if cfg["hops"]:
         from ..metrics import two_hop_metrics
