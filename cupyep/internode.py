@@ -315,9 +315,25 @@ class TwoHopDispatch:
             raise
         self.stride = row_stride(hidden, num_topk, self.K)
         cap_net = max(1, (self.N - 1) * self.max_tokens)
-        self.net_rows = core.array((cap_net * self.stride,), dtype="uint8")
-        self.net_signal = _signals(core, self.N)
         cap = self.R * self.max_tokens  # the most rows a rank can receive
+        W = self.R + self.N + 1  # TwoHopNotifyArgs::row: counts per rank, per node, then the capacity
+        row = hidden * 2
+        wrow = -(-num_topk // 4) * 16  # k float32, whole int4 words
+        # Every array this object takes from the NVSHMEM heap (bytes; the signal words aside), checked
+        # against the GPU's free memory before the first is allocated.
+        heap = {"net_rows": cap_net * self.stride, "row": 8 * W, "matrix": 8 * 2 * self.R * W,
+                "cnet_in": self.N * self.max_tokens * row, "wnet_in": self.N * self.max_tokens * wrow}
+        if self.direct:
+            heap.update(direct_stage=self.max_tokens * self.R * direct_row_bytes(hidden, num_topk),
+                        **{f"{name}_{part}": (self.max_tokens * self.R if part == "in" else cap) * nbytes
+                           for name, nbytes in (("rows", row), ("weights", wrow)) for part in ("in", "stage")})
+        try:
+            NV.reserve_heap(group, sum(heap.values()), "TwoHopDispatch")
+        except MemoryError:
+            NV.finalize()
+            raise
+        self.net_rows = core.array((heap["net_rows"],), dtype="uint8")
+        self.net_signal = _signals(core, self.N)
         self._lay = {}
         off = 0
         for name, nbytes in (("x", cap * hidden * 2), ("idx", cap * num_topk * 8), ("w", cap * num_topk * 4),
@@ -331,8 +347,7 @@ class TwoHopDispatch:
             self.pool_ptrs = cupy.asarray(np.asarray(self.pool.peer_ptr_list[node * self.K:(node + 1) * self.K],
                                                      dtype=u64))
             self.direct_signal = _signals(core, self.R)
-            self.direct_stage = core.array((self.max_tokens * self.R * direct_row_bytes(hidden, num_topk),),
-                                           dtype="uint8")
+            self.direct_stage = core.array((heap["direct_stage"],), dtype="uint8")
         else:
             self.pool = SymmetricBuffer(group, off)
             self.pool_ptrs = self.pool.peer_ptrs
@@ -340,7 +355,6 @@ class TwoHopDispatch:
         self.arrived_ptrs = cupy.asarray(np.asarray([self.sync.peer_ptr_list[j] for j in range(self.K)], dtype=u64))
         # The notify pass: my row of counts, every PE's rows (two matrices, by call parity), their signals,
         # the private cumulative state, and the mapped host ints it reports to.
-        W = self.R + self.N + 1  # TwoHopNotifyArgs::row: counts per rank, per node, then the capacity
         self.row = core.array((W,), dtype="int64")
         self.matrix = core.array((2 * self.R * W,), dtype="int64")
         self.row_signal = _signals(core, self.R)
@@ -354,8 +368,6 @@ class TwoHopDispatch:
         # partials from other nodes (NVSHMEM), and the counters of both.
         # The top-k weights' pass (combine(..., topk_weights=)) has resources of its own: it runs right after
         # the rows' pass with no barrier between them, so it must not write what that pass still reads.
-        row = hidden * 2
-        wrow = -(-num_topk // 4) * 16  # k float32, whole int4 words
         self._clay, off = {}, 0
         for name, nbytes in (("direct", self.max_tokens * self.K * row), ("gather", cap_net * self.K * row),
                              ("wdirect", self.max_tokens * self.K * wrow), ("wgather", cap_net * self.K * wrow)):
@@ -365,18 +377,18 @@ class TwoHopDispatch:
         self.csync = SymmetricBuffer(group, 256)  # int64 counters: [0] direct, [1] gather; [2], [3] the weights'
         self.counter_ptrs = cupy.asarray(np.asarray(self.csync.peer_ptr_list, dtype=u64))
         self.wcounter_ptrs = self.counter_ptrs + np.uint64(16)
-        self.cnet_in = core.array((self.N * self.max_tokens * row,), dtype="uint8")
+        self.cnet_in = core.array((heap["cnet_in"],), dtype="uint8")
         self.cnet_signal = _signals(core, self.N)
-        self.wnet_in = core.array((self.N * self.max_tokens * wrow,), dtype="uint8")
+        self.wnet_in = core.array((heap["wnet_in"],), dtype="uint8")
         self.wnet_signal = _signals(core, self.N)
         # the weights' pass: combine_total, combine_net_total, combine_rank_total
         self.wtargets = cupy.zeros(2 + self.N + self.R, dtype=np.int64)
         self._rank = {}  # the direct route's combine: rows from each rank of another node, per pass
         if self.direct:
-            for name, nbytes in (("rows", row), ("weights", wrow)):
-                self._rank[name] = dict(rank_in=core.array((self.max_tokens * self.R * nbytes,), dtype="uint8"),
+            for name in ("rows", "weights"):
+                self._rank[name] = dict(rank_in=core.array((heap[f"{name}_in"],), dtype="uint8"),
                                         rank_signal=_signals(core, self.R),
-                                        rank_stage=core.array((cap * nbytes,), dtype="uint8"))
+                                        rank_stage=core.array((heap[f"{name}_stage"],), dtype="uint8"))
         self._last = None
         self._failed = None  # the error that left the state undefined, once one has
         self._captured = []  # arrays of the calls captured in CUDA graphs, alive as long as this object

@@ -238,6 +238,43 @@ def finalize() -> None:
         core.finalize()
 
 
+HEAP_MARGIN_BYTES = 1 << 30  # per GPU, beyond what the ranks ask: NVSHMEM's heap grows in chunks
+
+
+def heap_shortfall(requests, margin: int = HEAP_MARGIN_BYTES) -> list[tuple]:
+    """The GPUs that cannot hold a symmetric allocation. ``requests``: one
+    ``(host, device_id, nbytes, free_bytes)`` per rank. Returns ``(host,
+    device_id, demand, free)`` for each GPU whose ranks together ask for more
+    than its free memory (the least any of them saw) less ``margin``."""
+    gpus: dict = {}
+    for host, dev, nbytes, free in requests:
+        demand, seen = gpus.get((host, dev), (0, free))
+        gpus[(host, dev)] = (demand + int(nbytes), min(seen, int(free)))
+    return [(host, dev, demand, free) for (host, dev), (demand, free) in gpus.items() if demand + margin > free]
+
+
+def reserve_heap(group, nbytes: int, what: str) -> None:
+    """Collective, before ``nbytes`` per rank are taken from the NVSHMEM heap:
+    MemoryError on every rank, naming the GPU, when the ranks sharing some GPU
+    ask for more than its free memory (:func:`heap_shortfall`; CuPy's cached
+    blocks are returned to the device first). Without it NVSHMEM, finding no
+    memory to grow its heap inside a collective allocation, leaves the other
+    PEs in its barrier and the process ends with an illegal address. The
+    check assumes the heap grows by all of ``nbytes`` (memory a freed heap
+    buffer left inside the heap is not counted)."""
+    import platform
+
+    import cupy
+    cupy.get_default_memory_pool().free_all_blocks()
+    free, _ = cupy.cuda.runtime.memGetInfo()
+    short = heap_shortfall(group.comm.allgather((platform.node(), group.device_id, int(nbytes), int(free))))
+    if short:
+        host, dev, demand, free = short[0]
+        raise MemoryError(f"{what}: {nbytes} bytes per rank on the NVSHMEM heap do not fit: the ranks on GPU {dev} "
+                          f"of {host} ask for {demand} bytes together, {free} are free (less a margin of "
+                          f"{HEAP_MARGIN_BYTES})")
+
+
 class HeapBuffer:
     """One buffer of ``nbytes`` per rank on the NVSHMEM symmetric heap (collective
     over ``group``, which must span every PE), zeroed: what a kernel reaches by
@@ -254,6 +291,8 @@ class HeapBuffer:
         peer_ptrs: cupy ``[world_size]`` uint64, the same on the device.
 
     Starts NVSHMEM if needed (:func:`init`) and releases it in :meth:`destroy`.
+    MemoryError on every rank, before NVSHMEM is asked, when the buffers of
+    the ranks sharing a GPU do not fit in it (:func:`reserve_heap`).
     """
 
     def __init__(self, group, nbytes: int):
@@ -262,6 +301,11 @@ class HeapBuffer:
         from .ipc import same_size
         nbytes = same_size(group.comm, nbytes, "HeapBuffer", "the ranks")
         init(group)
+        try:
+            reserve_heap(group, nbytes, "HeapBuffer")
+        except MemoryError:
+            finalize()
+            raise
         import nvshmem.core as core
         self._core, self.group, self.nbytes = core, group, nbytes
         self._arr = core.array((nbytes,), dtype="uint8")

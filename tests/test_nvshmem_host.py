@@ -85,3 +85,16 @@ def test_runtime_without_the_binding_says_how_to_install(monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(NV.NvshmemUnavailable, match=r'pip install -e "\.\[nvshmem\]"'):
         NV.init(object())
+
+
+def test_the_heap_check_sums_the_ranks_of_each_gpu():
+    """heap_shortfall: the ranks sharing a GPU ask together; each GPU is held to
+    the least free memory its ranks saw, less the margin."""
+    G = 1 << 30
+    fits = [("a", 0, 10 * G, 80 * G), ("a", 0, 10 * G, 79 * G), ("a", 1, 60 * G, 80 * G)]
+    assert NV.heap_shortfall(fits) == []
+    short = [("a", 0, 40 * G, 80 * G), ("a", 0, 40 * G, 80 * G), ("b", 0, 40 * G, 80 * G)]
+    assert NV.heap_shortfall(short) == [("a", 0, 80 * G, 80 * G)]
+    assert NV.heap_shortfall([("a", 0, 79 * G, 80 * G)]) == []
+    assert NV.heap_shortfall([("a", 0, 79 * G + 1, 80 * G)]) == [("a", 0, 79 * G + 1, 80 * G)]
+    assert NV.heap_shortfall([("a", 0, 79 * G + 1, 80 * G)], margin=0) == []

@@ -113,3 +113,22 @@ def test_the_world_barrier_holds_every_rank_until_the_last_arrives(group, nvshme
             group.error_slot.reset()
         group.comm.Barrier()
         bar.sync()
+
+
+def test_a_heap_buffer_too_large_for_the_gpu_is_a_memory_error_on_every_rank(group, nvshmem_session):
+    """A HeapBuffer whose ranks together ask for more than the GPU holds is a
+    MemoryError on every rank, naming the GPU, before NVSHMEM is asked (which
+    would end the process); the heap stays usable: a buffer that fits is made,
+    written through and freed afterwards."""
+    import cupy
+    from cupyep.nvshmem import HeapBuffer
+    _, total = cupy.cuda.runtime.memGetInfo()
+    with pytest.raises(MemoryError, match="do not fit") as info:
+        HeapBuffer(group, total)  # every rank of this GPU asks for all of it
+    assert f"GPU {group.device_id}" in str(info.value)
+    buf = HeapBuffer(group, 1 << 20)
+    view = buf.view(0, (1 << 18,), np.uint32)
+    view[...] = group.rank
+    ok = bool((view == group.rank).all())
+    buf.destroy()
+    assert all_ranks(group.comm, ok)
