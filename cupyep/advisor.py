@@ -204,8 +204,8 @@ def advise(tokens_per_rank: int, num_ranks: int, hidden: int = 7168, num_experts
     where = f"{num_ranks} ranks in {num_nodes} nodes of {per_node}" if across else f"{num_ranks} ranks"
     normal_modes = ("normal_two_hop",) if across else ("normal", "normal_direct")
     if across:
-        reasons.append(f"the ranks span {num_nodes} nodes: low-latency mode across nodes, or normal mode in two "
-                       "hops (the direct transport runs within a node only)")
+        reasons.append(f"the ranks span {num_nodes} nodes: low-latency mode across nodes, or the two-hop normal "
+                       "mode (timed by the two-hop route's records)")
     cross = crossover_tokens(records, num_ranks, normal_modes[0], per_node)
     calibrated = cross is not None
     if cross is None:
