@@ -44,7 +44,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "internode_two_hop_dispatch": ("two-hop dispatch: a source node's rows over the network (the rail waits for "
                                    "its signal)",
                                    "two-hop dispatch: rows arrived (receiver waits for a source's rows)"),
-    "internode_two_hop_combine": ("two-hop combine: the node's rows at the rail peer (waits for its local ranks)",
+    "internode_two_hop_combine": ("two-hop combine: the node's rows at the rail peer (waits for a rank of its "
+                                  "node)",
                                   "two-hop combine: the own node's rows at the source",
                                   "two-hop combine: a node's partials over the network (waits for its rail's "
                                   "signal)"),

@@ -120,7 +120,7 @@ def spec(num_threads: int = THREADS) -> jit.KernelSpec:
 def state_words(num_ranks: int, ranks_per_node: int) -> int:
     """int64 words of the notify's private state (two_hop_state_words in two_hop.cu)."""
     n = num_ranks // ranks_per_node
-    return 2 + n + num_ranks + 2 + n + num_ranks
+    return 2 + n + num_ranks + 1 + ranks_per_node + n + num_ranks
 
 
 def state_slices(num_ranks: int, ranks_per_node: int) -> dict:
@@ -129,7 +129,8 @@ def state_slices(num_ranks: int, ranks_per_node: int) -> dict:
     "combine_rank_total"} -> slice."""
     R, N = num_ranks, num_ranks // ranks_per_node
     out, off = {"calls": slice(0, 1), "ok": slice(1, 2)}, 2
-    for name, n in (("net_total", N), ("arrived_total", R), ("combine_total", 2), ("combine_net_total", N),
+    for name, n in (("net_total", N), ("arrived_total", R), ("combine_total", 1 + ranks_per_node),
+                    ("combine_net_total", N),
                     ("combine_rank_total", R)):
         out[name] = slice(off, off + n)
         off += n
@@ -374,15 +375,18 @@ class TwoHopDispatch:
             self._clay[name] = off
             off += -(-nbytes // 256) * 256
         self.cpool = SymmetricBuffer(group, off)
-        self.csync = SymmetricBuffer(group, 256)  # int64 counters: [0] direct, [1] gather; [2], [3] the weights'
+        # int64 counters of each pass, [1 + K]: direct rows in, then gather rows in from each rank of the
+        # node (so a rail peer's wait names the rank whose rows are missing); the rows' pass, then the weights'
+        pass_words = 1 + self.K
+        self.csync = SymmetricBuffer(group, -(-2 * pass_words * 8 // 256) * 256)
         self.counter_ptrs = cupy.asarray(np.asarray(self.csync.peer_ptr_list, dtype=u64))
-        self.wcounter_ptrs = self.counter_ptrs + np.uint64(16)
+        self.wcounter_ptrs = self.counter_ptrs + np.uint64(8 * pass_words)
         self.cnet_in = core.array((heap["cnet_in"],), dtype="uint8")
         self.cnet_signal = _signals(core, self.N)
         self.wnet_in = core.array((heap["wnet_in"],), dtype="uint8")
         self.wnet_signal = _signals(core, self.N)
         # the weights' pass: combine_total, combine_net_total, combine_rank_total
-        self.wtargets = cupy.zeros(2 + self.N + self.R, dtype=np.int64)
+        self.wtargets = cupy.zeros(pass_words + self.N + self.R, dtype=np.int64)
         self._rank = {}  # the direct route's combine: rows from each rank of another node, per pass
         if self.direct:
             for name in ("rows", "weights"):
@@ -635,8 +639,9 @@ class TwoHopDispatch:
         w_rows = cupy.zeros((L["n"], kp), dtype=np.float32)
         w_rows[:, :self.k] = topk_weights
         weights_pass = dict(direct_in=self._clay["wdirect"], gather=self._clay["wgather"],
-                            counters=self.wcounter_ptrs, total=self.wtargets[:2],
-                            net_total=self.wtargets[2:2 + self.N], rank_total=self.wtargets[2 + self.N:],
+                            counters=self.wcounter_ptrs, total=self.wtargets[:1 + self.K],
+                            net_total=self.wtargets[1 + self.K:1 + self.K + self.N],
+                            rank_total=self.wtargets[1 + self.K + self.N:],
                             net_in=self.wnet_in, net_signal=self.wnet_signal, **self._rank.get("weights", {}))
         return out, self._route_back(L, w_rows, self.combine_weights_fn, None, weights_pass, rows_now)[:, :self.k]
 
@@ -671,10 +676,10 @@ class TwoHopDispatch:
             ranks_per_node=K, rank=me, guard=jit.pack(GUARD_DTYPE, **self.group.guard("internode_two_hop_combine")))
         # This dispatch's steps of the combine's cumulative targets (on the device, in stream order).
         sl, d = state_slices(R, K), L["delta"]
-        off = sl["combine_total"].start - 2
-        res["total"][...] += d[off:off + 2]
-        res["net_total"][...] += d[off + 2:off + 2 + self.N]
-        res["rank_total"][...] += d[off + 2 + self.N:off + 2 + self.N + R]
+        off, c = sl["combine_total"].start - 2, 1 + K
+        res["total"][...] += d[off:off + c]
+        res["net_total"][...] += d[off + c:off + c + self.N]
+        res["rank_total"][...] += d[off + c + self.N:off + c + self.N + R]
         if cupy.cuda.get_current_stream().is_capturing():
             self._captured.append((rows, staging, out))
         self._launch(fn, args, wait=not L["worst"])

@@ -18,15 +18,15 @@ def test_state_slices_cover_the_state_in_the_kernels_order(R, K):
     assert list(sl) == ["calls", "ok", "net_total", "arrived_total", "combine_total", "combine_net_total",
                         "combine_rank_total"]
     sizes = [sl[k].stop - sl[k].start for k in sl]
-    assert sizes == [1, 1, N, R, 2, N, R]
+    assert sizes == [1, 1, N, R, 1 + K, N, R]
     assert all(sl[a].stop == sl[b].start for a, b in zip(list(sl), list(sl)[1:]))
-    assert sl["combine_rank_total"].stop == INTER.state_words(R, K) == 2 + N + R + 2 + N + R
+    assert sl["combine_rank_total"].stop == INTER.state_words(R, K) == 2 + N + R + 1 + K + N + R
 
 
 def test_the_kernels_state_size_is_the_hosts():
     from cupyep import jit
     src = (jit.CUDA_SRC / "internode" / "two_hop.cu").read_text()
-    assert "two_hop_state_words(int R, int N) { return 2 + N + R + 2 + N + R; }" in src
+    assert "two_hop_state_words(int R, int K) { return 2 + R / K + R + 1 + K + R / K + R; }" in src
     assert "constexpr int kNotifyOk = 1;" in src
 
 

@@ -56,10 +56,10 @@ namespace internode {
 // [1] 1 when the latest notify succeeded (0 from its start), then the
 // cumulative targets: net_total [N] (dispatch: network rows from each
 // source node), arrived_total [R] (dispatch: rows from each source rank),
-// combine_total [2] (combine: direct rows in, gather rows in),
+// combine_total [1 + K] (combine: direct rows in, then gather rows in from each rank of my node),
 // combine_net_total [N] (combine: partials from each node),
 // combine_rank_total [R] (combine, direct route: rows from each rank of another node).
-__host__ __device__ constexpr int two_hop_state_words(int R, int N) { return 2 + N + R + 2 + N + R; }
+__host__ __device__ constexpr int two_hop_state_words(int R, int K) { return 2 + R / K + R + 1 + K + R / K + R; }
 constexpr int kNotifyOk = 1;
 
 struct TwoHopNotifyArgs {
@@ -303,24 +303,27 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_notify(TwoHopNotifyArg
             received += c;
             if (a.host) a.host[2 + src] = (int)c;
         }
-        int64_t direct = 0, gather = 0;
+        int64_t direct = 0;
         for (int m = 0; m < N; ++m) {
             const int64_t net = m == my_node ? 0 : node_cnt(m * K + local, my_node);
             const int64_t partials = m == my_node ? 0 : node_cnt(me, m);
             net_total[m] += net;
             if (a.delta) {
                 a.delta[m] = net;
-                a.delta[N + R + 2 + m] = partials;
+                a.delta[N + R + 1 + K + m] = partials;
             }
-            if (m != my_node)
-                for (int j = 0; j < K; ++j) gather += cnt(m * K + local, my_node * K + j);
         }
         for (int j = 0; j < K; ++j) direct += cnt(me, my_node * K + j);
         if (a.delta) {
             a.delta[N + R] = direct;
-            a.delta[N + R + 1] = gather;
+            for (int j = 0; j < K; ++j) {  // as a rail peer: the rows my node's rank j got from my rail sources
+                int64_t gather = 0;
+                for (int m = 0; m < N; ++m)
+                    if (m != my_node) gather += cnt(m * K + local, my_node * K + j);
+                a.delta[N + R + 1 + j] = gather;
+            }
             // the direct route's combine: rows back from each rank of another node (0 for my node's)
-            for (int d = 0; d < R; ++d) a.delta[N + R + 2 + N + d] = d / K == my_node ? 0 : cnt(me, d);
+            for (int d = 0; d < R; ++d) a.delta[N + R + 1 + K + N + d] = d / K == my_node ? 0 : cnt(me, d);
         }
         a.state[0] = call;
         a.state[kNotifyOk] = 1;
@@ -647,7 +650,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_dispatch(TwoHopDispatc
 //      source s in d's node goes straight into s's direct_in[t, d % K]; a row
 //      of another node's source goes into gather[slot, d % K] of the rail
 //      peer in d's node for s (slot: the network slot the row came through,
-//      recv_rail_slot of the dispatch). Release counters count both.
+//      recv_rail_slot of the dispatch). Release counters count both; a
+//      gather row counts in its sender's own counter at the rail peer, so a
+//      wait there names the rank whose rows are missing.
 //   2. Each rail peer, once its K local ranks' rows for every slot are there,
 //      sums each slot's rows in FP32 in local rank order (the ranks the
 //      token went to, from the slot's metadata), rounds to BF16 and puts the
@@ -664,8 +669,9 @@ struct TwoHopCombineArgs {
     void* const* pools;           // [K] combine pools of my node's ranks (IPC)
     int64_t direct_in;            // byte offset of direct_in [T_max, K, x_int4] in every pool
     int64_t gather;               // byte offset of gather [net_cap, K, x_int4] in every pool
-    int64_t* const* counters;     // [K] each local rank's counters (IPC): [0] direct rows in, [1] gather rows in
-    const int64_t* targets;       // [2] this call's cumulative targets of my counters [0] and [1]
+    int64_t* const* counters;     // [K] each local rank's counters (IPC): [0] direct rows in, [1 + j] gather
+                                  // rows in from the node's rank j
+    const int64_t* targets;       // [1 + K] this call's cumulative targets of my counters
     const char* net_rows;         // symmetric: my network buffer of the dispatch (the slots' metadata)
     int64_t row_stride;           // bytes of a network row of the dispatch
     int64_t meta_offset;          // where a network row's metadata starts (the dispatch's payload bytes)
@@ -777,7 +783,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_combine(TwoHopCombineA
         const bool direct = s / K == my_node;
         const int64_t off = direct ? a.direct_in + ((int64_t)t * K + local) * w * 16
                                    : a.gather + (slot * K + local) * w * 16;
-        const int which = direct ? 0 : 1;
+        const int which = direct ? 0 : 1 + local;  // as a gather row: counted as mine at the rail peer
         char* pool = static_cast<char*>(a.pools[target]);
         warp_copy<4, true>(reinterpret_cast<int4*>(pool + off), a.y + r * w, w, lane, ld, st);
         __syncwarp();
@@ -789,12 +795,13 @@ __global__ void __launch_bounds__(kNumThreads, 1) two_hop_combine(TwoHopCombineA
 
     // 2. As a rail peer: once my node's rows for every slot are here, one partial per slot to its source.
     __syncthreads();
-    if (threadIdx.x == 0) {  // (the direct route makes no partials: nothing to wait for)
-        if (!a.direct && !wait_geq(a.counters[local] + 1, a.targets[1], a.guard, 0, -1)) s_fail = 1;
-        else hop_stamp(a.hop_ns, 1);
-    }
+    // Thread j waits for the rows of my node's rank j (the direct route makes no partials: nothing to wait for).
+    if (!a.direct && threadIdx.x < K &&
+        !wait_geq(a.counters[local] + 1 + threadIdx.x, a.targets[1 + threadIdx.x], a.guard, 0, my_node * K + threadIdx.x))
+        s_fail = 1;
     __syncthreads();
     if (s_fail) return;
+    if (threadIdx.x == 0) hop_stamp(a.hop_ns, 1);
     __threadfence_system();
     int64_t rows_now = 0;
     for (int m = 0; m < N && !a.direct; ++m) rows_now += a.net_count[m];

@@ -130,15 +130,17 @@ def test_the_device_notify_computes_the_reference_plan(group, two_hop, seed, num
     sl = INTER.state_slices(R, K)
     delta = {name: after[s_] - before[s_] for name, s_ in sl.items()}
     combine_steps = {
-        "combine_total": np.array([counts[me, own * K:(own + 1) * K].sum(),
-                                   sum(counts[m * K + local, own * K:(own + 1) * K].sum() for m in range(N) if m != own)]),
+        # direct rows in, then the gather rows each rank j of my node got from my rail sources
+        "combine_total": np.array([counts[me, own * K:(own + 1) * K].sum()] +
+                                  [sum(counts[m * K + local, own * K + j] for m in range(N) if m != own)
+                                   for j in range(K)]),
         "combine_net_total": np.array([0 if m == own else node_counts[me, m] for m in range(N)]),
         # the direct route's: rows back from each rank of another node
         "combine_rank_total": np.array([0 if d // K == own else counts[me, d] for d in range(R)]),
     }
     # A dispatch moves its own targets; the combine's move when a combine runs (from the handle's steps).
     want_delta = {"calls": np.array([1]), "net_total": net_count, "arrived_total": counts[:, me],
-                  "combine_total": np.zeros(2, np.int64), "combine_net_total": np.zeros(N, np.int64),
+                  "combine_total": np.zeros(1 + K, np.int64), "combine_net_total": np.zeros(N, np.int64),
                   "combine_rank_total": np.zeros(R, np.int64)}
     steps = two_hop._last["delta"].get()
     want_steps = np.concatenate([net_count, counts[:, me], combine_steps["combine_total"],
