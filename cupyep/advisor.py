@@ -30,6 +30,7 @@ two-hop normal mode, from records of the same node layout.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 
 NORMAL_ABOVE = 256
@@ -87,7 +88,9 @@ def mode_times(records, num_ranks: int, mode: str, ranks_per_node: int | None = 
     boundary (sweep points and other boundaries are skipped). A two-hop
     dispatch's time includes its notify kernel (``notify_us``), as normal
     mode's counted dispatch within a node includes its count exchange; the
-    internode records of the direct route are left out."""
+    internode records of the direct route are left out. Several records of
+    one kind and token count (repeats, or the files of several runs) count
+    as their median."""
     bench = MODE_BENCH[mode]
     per_node = num_ranks if ranks_per_node is None else ranks_per_node
     by_kind: dict = {}
@@ -106,7 +109,8 @@ def mode_times(records, num_ranks: int, mode: str, ranks_per_node: int | None = 
         if bench == "internode" and t is not None and r.get("notify_us") is not None:  # its notify kernel first
             t += float(r["notify_us"])
         if t is not None and tok is not None:
-            by_kind.setdefault(kind, {})[int(tok)] = t
+            by_kind.setdefault(kind, {}).setdefault(int(tok), []).append(t)
+    by_kind = {kind: {tok: statistics.median(ts) for tok, ts in pts.items()} for kind, pts in by_kind.items()}
     dispatch_kinds, combine_kinds = MODE_KINDS[mode]
     d = next((by_kind[k] for k in dispatch_kinds if k in by_kind), {})
     c = next((by_kind[k] for k in combine_kinds if k in by_kind), {})

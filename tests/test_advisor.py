@@ -164,3 +164,11 @@ def test_a_two_hop_dispatch_counts_its_notify_and_the_direct_route_is_left_out()
     assert A.mode_times(recs, 8, "normal_two_hop", 4) == {64: 1100.0}
     direct_only = [r for r in recs if r.get("route") == "direct"]
     assert A.mode_times(direct_only, 8, "normal_two_hop", 4) == {}
+
+
+def test_several_runs_of_one_point_count_as_their_median():
+    """Records of one kind and token count from several runs (or repeats)
+    give their median, not whichever came last."""
+    runs = [_records(ll={64: (d, 60.0), 256: (200.0, 400.0)}) for d in (30.0, 90.0, 40.0)]
+    times = A.mode_times([r for run in runs for r in run], 8, "low_latency")
+    assert times[64] == pytest.approx(40.0 + 60.0) and times[256] == pytest.approx(600.0)
