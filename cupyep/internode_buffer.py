@@ -73,6 +73,12 @@ class TwoHopBuffer:
         self._route = None  # the engine's route: "two_hop" or "direct" (the first dispatch's transport)
         self._em = None  # the last dispatch's expert-major layout: (layout, handle, device count, SMs)
         self._captured = []  # arrays of calls captured in CUDA graphs, alive as long as this buffer
+        # The expert-major layout's kernels, compiled once per node collectively here rather than by each
+        # rank inside its first expert-major dispatch: a rank still compiling there would leave its peers'
+        # combine waiting on its rows for as long (against the group's timeout).
+        from . import jit
+        from .intranode import expert_major as EM
+        jit.load(EM.permute_spec(), group)
 
     # ----------------------------------------------------------------- sizing
     def _engine_for(self, num_tokens: int, hidden: int, num_topk: int, num_experts: int, route: str = "two_hop"):

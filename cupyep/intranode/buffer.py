@@ -110,11 +110,13 @@ class Buffer(DirectTransport):
         self._host_counts = np.frombuffer((ctypes.c_int32 * n_counts).from_address(self._host_counts_ptr),
                                           dtype=np.int32)
         self._direct: D.DirectPools | None = None  # created by the first direct call (collective)
-        # Compile the default specialisations once per node, collectively.
+        # Compile the default specialisations once per node, collectively (so that no rank compiles
+        # inside a call while its peers' kernels already wait on it), the expert-major layout's too.
         jit.load(K.layout_spec(), group)
         jit.load(K.notify_spec(self.num_ranks), group)
         jit.load(K.dispatch_spec_for(self.num_ranks, self.default_dispatch_config()), group)
         jit.load(K.combine_spec_for(self.num_ranks, self.default_combine_config()), group)
+        jit.load(EM.permute_spec(), group)
 
     # ------------------------------------------------------------------ config
     def default_dispatch_config(self, fp8: bool = False, handle: DispatchHandle | None = None) -> Config:
