@@ -73,12 +73,7 @@ class TwoHopBuffer:
         self._route = None  # the engine's route: "two_hop" or "direct" (the first dispatch's transport)
         self._em = None  # the last dispatch's expert-major layout: (layout, handle, device count, SMs)
         self._captured = []  # arrays of calls captured in CUDA graphs, alive as long as this buffer
-        # The expert-major layout's kernels, compiled once per node collectively here rather than by each
-        # rank inside its first expert-major dispatch: a rank still compiling there would leave its peers'
-        # combine waiting on its rows for as long (against the group's timeout).
-        from . import jit
-        from .intranode import expert_major as EM
-        jit.load(EM.permute_spec(), group)
+        self._em_loaded = False  # the expert-major kernels, loaded by the first expert-major dispatch
 
     # ----------------------------------------------------------------- sizing
     def _engine_for(self, num_tokens: int, hidden: int, num_topk: int, num_experts: int, route: str = "two_hop"):
@@ -139,6 +134,8 @@ class TwoHopBuffer:
         if x.ndim != 2:
             raise ValueError(f"x must be 2-D [T, H], got shape {tuple(x.shape)}")
         engine = self._engine_for(x.shape[0], x.shape[1], k, int(num_experts), route)
+        if expert_major:
+            self._load_expert_major()
         self._calls.begin(previous_event)
         with self.comm_stream:
             out = engine.dispatch(x, None if handle is not None else topk_idx, topk_weights, x_scales=x_scales,
@@ -167,6 +164,20 @@ class TwoHopBuffer:
             result.expert_x, result.expert_x_scales = em.expert_x, em.expert_x_scales
             result.expert_offsets, result.expert_src_row = em.expert_offsets, em.expert_src_row
         return result
+
+    def _load_expert_major(self) -> None:
+        """Collective, at the first expert-major dispatch and before its kernels:
+        the expert-major kernels compiled once per node (jit.load with the
+        group), then every rank lined up on the host. Each rank compiling them
+        itself inside the call, after the dispatch kernels, left a slow rank's
+        peers waiting in the combine for its rows against the group's timeout."""
+        if self._em_loaded:
+            return
+        from . import jit
+        from .intranode import expert_major as EM
+        jit.load(EM.permute_spec(), self.group)
+        self.group.comm.Barrier()
+        self._em_loaded = True
 
     def _expert_counts(self, recv_topk_idx, num_experts: int) -> list[int]:
         """(row, slot) pairs of each local expert (host ints; one read back)."""
