@@ -137,6 +137,9 @@ def state_slices(num_ranks: int, ranks_per_node: int) -> dict:
     return out
 
 
+COMBINE_TARGETS = ("combine_total", "combine_net_total", "combine_rank_total")  # the state's combine part, in order
+
+
 def kernel_specs() -> list[jit.KernelSpec]:
     return [spec()]
 
@@ -385,8 +388,11 @@ class TwoHopDispatch:
         self.cnet_signal = _signals(core, self.N)
         self.wnet_in = core.array((heap["wnet_in"],), dtype="uint8")
         self.wnet_signal = _signals(core, self.N)
-        # the weights' pass: combine_total, combine_net_total, combine_rank_total
-        self.wtargets = cupy.zeros(pass_words + self.N + self.R, dtype=np.int64)
+        # the weights' pass: its own copy of the state's combine targets (COMBINE_TARGETS, the same layout)
+        sl = state_slices(self.R, self.K)
+        base = sl[COMBINE_TARGETS[0]].start
+        wtargets = cupy.zeros(sl[COMBINE_TARGETS[-1]].stop - base, dtype=np.int64)
+        self._wtargets = {n: wtargets[sl[n].start - base:sl[n].stop - base] for n in COMBINE_TARGETS}
         self._rank = {}  # the direct route's combine: rows from each rank of another node, per pass
         if self.direct:
             for name in ("rows", "weights"):
@@ -629,8 +635,7 @@ class TwoHopDispatch:
         # device in worst-token mode (then the most there can be).
         rows_now = (self.N - 1) * self.max_tokens if L["worst"] else int(L["dev"]["net_count"].sum().get())
         rows_pass = dict(direct_in=self._clay["direct"], gather=self._clay["gather"], counters=self.counter_ptrs,
-                         total=self._state["combine_total"], net_total=self._state["combine_net_total"],
-                         rank_total=self._state["combine_rank_total"], net_in=self.cnet_in,
+                         **{n: self._state[n] for n in COMBINE_TARGETS}, net_in=self.cnet_in,
                          net_signal=self.cnet_signal, **self._rank.get("rows", {}))
         out = self._route_back(L, y, self.combine_fn, hop_ns, rows_pass, rows_now, kernel_ns)
         if topk_weights is None:
@@ -639,9 +644,7 @@ class TwoHopDispatch:
         w_rows = cupy.zeros((L["n"], kp), dtype=np.float32)
         w_rows[:, :self.k] = topk_weights
         weights_pass = dict(direct_in=self._clay["wdirect"], gather=self._clay["wgather"],
-                            counters=self.wcounter_ptrs, total=self.wtargets[:1 + self.K],
-                            net_total=self.wtargets[1 + self.K:1 + self.K + self.N],
-                            rank_total=self.wtargets[1 + self.K + self.N:],
+                            counters=self.wcounter_ptrs, **self._wtargets,
                             net_in=self.wnet_in, net_signal=self.wnet_signal, **self._rank.get("weights", {}))
         return out, self._route_back(L, w_rows, self.combine_weights_fn, None, weights_pass, rows_now)[:, :self.k]
 
@@ -662,24 +665,22 @@ class TwoHopDispatch:
             recv_src_idx=self.pool.view(self._lay["src"], (L["n"],), np.int32).data.ptr,
             recv_slot=self.pool.view(self._lay["slot"], (L["n"],), np.int64).data.ptr,
             pools=self.cpool.peer_ptrs.data.ptr, direct_in=res["direct_in"], gather=res["gather"],
-            counters=res["counters"].data.ptr, targets=res["total"].data.ptr,
+            counters=res["counters"].data.ptr, targets=res["combine_total"].data.ptr,
             net_rows=self.net_rows.data.ptr,
             row_stride=L["stride"], meta_offset=L["meta_offset"], net_count=L["dev"]["net_count"].data.ptr,
             staging=staging.data.ptr,
             net_in=res["net_in"].data.ptr, net_signal=res["net_signal"].data.ptr,
-            net_target=res["net_total"].data.ptr, send_head=L["dev"]["head"].data.ptr, direct=int(self.direct),
+            net_target=res["combine_net_total"].data.ptr, send_head=L["dev"]["head"].data.ptr, direct=int(self.direct),
             rank_in=jit.ptr(res.get("rank_in")), rank_signal=jit.ptr(res.get("rank_signal")),
-            rank_target=res["rank_total"].data.ptr, rank_stage=jit.ptr(res.get("rank_stage")),
+            rank_target=res["combine_rank_total"].data.ptr, rank_stage=jit.ptr(res.get("rank_stage")),
             out=out.data.ptr, notify_ok=self._state["ok"].data.ptr, hop_ns=jit.ptr(hop_ns),
             kernel_time=jit.ptr(kernel_ns), num_recv=L["n"],
             num_tokens=L["T"], max_tokens=self.max_tokens, x_int4=x_int4, num_topk=self.k, num_ranks=R,
             ranks_per_node=K, rank=me, guard=jit.pack(GUARD_DTYPE, **self.group.guard("internode_two_hop_combine")))
         # This dispatch's steps of the combine's cumulative targets (on the device, in stream order).
-        sl, d = state_slices(R, K), L["delta"]
-        off, c = sl["combine_total"].start - 2, 1 + K
-        res["total"][...] += d[off:off + c]
-        res["net_total"][...] += d[off + c:off + c + self.N]
-        res["rank_total"][...] += d[off + c + self.N:off + c + self.N + R]
+        sl, d = state_slices(R, K), L["delta"]  # delta: the state past its first two words
+        for name in COMBINE_TARGETS:
+            res[name][...] += d[sl[name].start - 2:sl[name].stop - 2]
         if cupy.cuda.get_current_stream().is_capturing():
             self._captured.append((rows, staging, out))
         self._launch(fn, args, wait=not L["worst"])

@@ -19,6 +19,7 @@ def test_state_slices_cover_the_state_in_the_kernels_order(R, K):
                         "combine_rank_total"]
     sizes = [sl[k].stop - sl[k].start for k in sl]
     assert sizes == [1, 1, N, R, 1 + K, N, R]
+    assert list(sl)[-3:] == list(INTER.COMBINE_TARGETS)  # the weights' pass copies this tail's layout
     assert all(sl[a].stop == sl[b].start for a, b in zip(list(sl), list(sl)[1:]))
     assert sl["combine_rank_total"].stop == INTER.state_words(R, K) == 2 + N + R + 1 + K + N + R
 
