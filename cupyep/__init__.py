@@ -8,7 +8,8 @@ Entry points:
     cupyep.reference                      # the NumPy oracle that defines the semantics
     python -m cupyep.launch -n 8 app.py   # launcher (starts MPS when ranks share a GPU)
 """
-from .errors import CommTimeoutError, CupyepError, DeviceCapacityError, DeviceError, DeviceInputError
+from .errors import (CommTimeoutError, CupyepError, DeviceCapacityError, DeviceError, DeviceInputError,
+                     StaleResultError)
 from .runtime import Group, init
 from .moe import MoELayer, MoEWeights  # the end-to-end MoE layer (cupyep.moe; imports NumPy only)
 
@@ -27,5 +28,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'cupyep' has no attribute {name!r}")
 
 
-__all__ = ["init", "Group", "CommTimeoutError", "CupyepError", "DeviceError", "DeviceCapacityError", "DeviceInputError", "Buffer", "Config", "DispatchResult",
+__all__ = ["init", "Group", "CommTimeoutError", "CupyepError", "StaleResultError", "DeviceError", "DeviceCapacityError", "DeviceInputError", "Buffer", "Config", "DispatchResult",
            "CombineResult", "DispatchHandle", "EventHandle", "LowLatencyBuffer", "__version__"]

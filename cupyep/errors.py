@@ -152,3 +152,9 @@ def error_from_slot(slot: np.void, timeout_s: float, rank_of_peer=lambda p: p) -
     return cls(kernel, phase, int(slot["rank"]), rank_of_peer(peer) if peer >= 0 else None,
                             int(slot["value"]), int(slot["expected"]), timeout_s,
                             detail=f"block {int(slot['block'])}")
+
+
+class StaleResultError(CupyepError):
+    """A dispatch result read after the pool slot it lives in was reused by a
+    later dispatch (``num_in_flight`` dispatches later). Names the call that
+    made the result and the one that reused its slot."""

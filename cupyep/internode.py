@@ -12,16 +12,24 @@ no node dedup and no forwarding: each row for a rank of another node is put
 straight into its final row there (the receive pools on the NVSHMEM heap),
 and the combine returns each row to its owner, which sums over the ranks.
 
-Each call runs three kernels on the current stream: the notify pass across
+Each dispatch runs two kernels on the current stream: the notify pass across
 nodes (the layout, the count exchange over put with signal, the plan and the
-cumulative targets, all on the device; it is also the barrier between calls),
-the dispatch, and, for ``combine``, the combine. The host reads back only
-how many rows it received from each source (mapped memory), to shape the
-outputs.
+cumulative targets, all on the device; it is also the barrier between calls)
+and the dispatch. A combine runs the combine kernel (twice with top-k
+weights), behind a GPU barrier over every rank when the call before it was
+a combine too. The host reads back only how many rows it received from each
+source (mapped memory), to shape the outputs.
+
+Lifetime: the received rows are views of one of ``num_in_flight`` slots of
+the receive pool, taken round-robin by the dispatches (cupyep.slots; the
+result's ``lease`` says whether its slot still holds it). Everything a
+combine needs is in the dispatch's handle (TwoHopHandle): any live handle
+can be combined, any number of times, in any order.
 
 Shapes: x [T, H] uint16 (BF16 bits), or uint8 (FP8 e4m3) with x_scales
-[T, H / 128] float32; topk_idx [T, k] int64, topk_weights [T, k] float32;
-T <= max_tokens, the same k on every rank. The combine takes BF16 rows.
+[T, H / 128] float32; topk_idx [T, k] int64, topk_weights [T, k] float32 or
+None; T <= max_tokens, H <= hidden (a multiple of 128), k <= num_topk, the
+same H and k on every rank in one call. The combine takes BF16 rows.
 """
 from __future__ import annotations
 
@@ -31,6 +39,7 @@ import numpy as np
 
 from . import jit
 from .barrier import GUARD_DTYPE
+from .slots import DEFAULT_IN_FLIGHT
 
 THREADS = 512
 NOTIFY_THREADS = 1024
@@ -184,6 +193,15 @@ def check_route(route) -> str:
     return route
 
 
+def check_num_experts(num_experts, num_ranks: int) -> int:
+    """E as an int >= 1 that the ``num_ranks`` ranks divide; ValueError otherwise."""
+    if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)) or num_experts < 1:
+        raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
+    if num_experts % num_ranks:
+        raise ValueError(f"num_experts ({num_experts}) must be divisible by the {num_ranks} ranks")
+    return int(num_experts)
+
+
 def check_chunk(name: str, value) -> int:
     """A chunk knob of the two-hop dispatch: an int >= 1; ValueError otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -201,14 +219,112 @@ def row_stride(hidden: int, num_topk: int, ranks_per_node: int, fp8: bool = Fals
     return -(-n // 16) * 16
 
 
+def meta_words(num_topk: int, ranks_per_node: int) -> int:
+    """int64 words of a network row's metadata (two_hop_dispatch's staging row):
+    the source token, k top-k ids, k weights, K positions in the node."""
+    return 1 + 2 * num_topk + ranks_per_node
+
+
+def receive_layout(rows: int, hidden: int, num_topk: int) -> tuple[dict, int]:
+    """One slot of the receive pool, for ``rows`` rows of at most ``hidden``
+    channels and ``num_topk`` ids: ({array: byte offset in the slot}, the
+    slot's bytes). The arrays, each at a 256-byte boundary: "x" recv_x
+    [rows, H] (BF16 bytes, the larger), "idx" recv_topk_idx [rows, k] int64,
+    "w" recv_topk_weights [rows, k] float32, "src" recv_src_idx [rows] int32,
+    "slot" the network slot of each row [rows] int64, "scales" recv_x_scales
+    [rows, H / 128] float32. A call of smaller H or k lays its arrays at the
+    same offsets, shorter. Slot s starts at s * slot bytes."""
+    lay, off = {}, 0
+    for name, nbytes in (("x", rows * hidden * 2), ("idx", rows * num_topk * 8), ("w", rows * num_topk * 4),
+                         ("src", rows * 4), ("slot", rows * 8), ("scales", rows * (hidden // 128) * 4)):
+        lay[name] = off
+        off += -(-nbytes // 256) * 256
+    return lay, off
+
+
+def slot_layout(lay: dict, slot: int, slot_bytes: int) -> dict:
+    """The byte offsets of slot ``slot``'s arrays in the receive pool, from
+    :func:`receive_layout`'s offsets ``lay`` and slot size."""
+    return {name: off + slot * slot_bytes for name, off in lay.items()}
+
+
+def meta_block(rows: int, payload: int, stride: int, num_topk: int, ranks_per_node: int) -> tuple:
+    """(byte offset, shape, byte strides) of the int64 metadata words of the
+    first ``rows`` network rows in the network buffer: rows of ``stride``
+    bytes whose metadata starts after ``payload`` bytes (the dispatch's row
+    bytes), meta_words(k, K) words each. A handle keeps a C-contiguous copy
+    of that block, which the combine reads as rows of 8 * meta_words bytes
+    from offset 0."""
+    return payload, (rows, meta_words(num_topk, ranks_per_node)), (stride, 8)
+
+
+def heap_table(route: str, num_ranks: int, ranks_per_node: int, max_tokens: int, hidden: int, num_topk: int,
+               pool_bytes: int) -> dict:
+    """{array: bytes} of everything a TwoHopDispatch takes from the NVSHMEM heap
+    (the signal words aside), reserved together before the first is taken:
+    the network buffer, the notify's row and matrices, the combine's inputs
+    from other nodes (rows and top-k weights), the world barrier's words,
+    and on the direct route the receive pool (``pool_bytes``: its
+    num_in_flight slots), the staged rows and the combine's per-rank inputs
+    and staging."""
+    R, K = num_ranks, ranks_per_node
+    N = R // K
+    W = R + N + 1  # TwoHopNotifyArgs::row: counts per rank, per node, then the capacity
+    row, wrow = hidden * 2, -(-num_topk // 4) * 16  # a BF16 row; k float32 in whole int4 words
+    cap = R * max_tokens
+    heap = {"net_rows": max(1, (N - 1) * max_tokens) * row_stride(hidden, num_topk, K), "row": 8 * W,
+            "matrix": 8 * 2 * R * W, "cnet_in": N * max_tokens * row, "wnet_in": N * max_tokens * wrow,
+            "barrier": 8 * R}
+    if route == "direct":
+        heap.update(pool=pool_bytes, direct_stage=max_tokens * R * direct_row_bytes(hidden, num_topk),
+                    **{f"{name}_{part}": (max_tokens * R if part == "in" else cap) * nbytes
+                       for name, nbytes in (("rows", row), ("weights", wrow)) for part in ("in", "stage")})
+    return heap
+
+
+def combine_needs_barrier(previous_call: str | None, capturing: bool = False) -> bool:
+    """Whether a combine must wait at a GPU barrier over every rank first
+    (TwoHopDispatch's NOTES): when the engine's previous call was a combine,
+    when it was captured in a CUDA graph ("graph": replays may run between
+    it and this call), and when this combine is captured (what a replay
+    follows is unknown)."""
+    return capturing or previous_call in ("combine", "graph")
+
+
 @dataclass
 class TwoHopHandle:
-    """A counted call's plan, for cached calls (``dispatch(x, handle=h,
-    topk_weights=w)``): the routing (topk_idx [T, k] int64), the plan arrays
-    the notify made (send_head, network slots, rank_prefix_matrix, rows per
-    source node), the steps of the cumulative targets (``delta``), the rows
-    received (``num_rows``: the count, or num_worst_tokens) and each row's
-    source rank. All cupy; owned by the TwoHopDispatch that made it."""
+    """What a combine and a cached dispatch of a counted dispatch's routing
+    need, all of it the handle's own (cupy arrays; nothing in a pool a later
+    call overwrites). Made by the TwoHopDispatch ``owner`` (its id) on its
+    ``route``; a cached dispatch returns the handle it was given.
+
+    Attributes:
+        topk_idx: [T, k] int64, the routing.
+        plan: the notify's plan: "head" send_head [T, R] int64, "slot" the
+            network slots [T, N] int64, "rpm" rank_prefix_matrix [R, R]
+            int64, "net_count" rows from each source node in this rank's
+            network buffer [N] int64, and the notify's scratch.
+        delta: [state_words - 2] int64, the call's steps of the cumulative
+            targets (a combine adds its combine part each time).
+        num_rows: n, the rows received (the count, or num_worst_tokens).
+        num_worst_tokens: > 0 in worst-token mode, else 0.
+        src_rank: [n] int32, each row's source rank (-1: padding).
+        num_experts: E of the routing.
+        recv_src_idx: [n] int32, each row's source token (-1: padding).
+        recv_slot: [n] int64, the network slot a forwarded row came through
+            at its rail peer (-1: a direct row or padding).
+        net_meta: [rows, meta_words(k, K)] int64 or None (direct route): the
+            metadata of this rank's network rows as a rail peer (source
+            token, k ids, k weights, K positions); rows = the network rows
+            received, or (N - 1) * max_tokens in worst-token mode (the count
+            is on the device: net_count).
+        ok: [1] int64, the notify's verdict (1: it succeeded); the combine
+            runs only then.
+        recv_expert_counts: unaligned per-local-expert pair counts (host
+            ints, set by cupyep.Buffer), None where unknown.
+        expert_map: cupyep.Buffer's expert-major map of the dispatch
+            (cupyep.internode_buffer.ExpertMap), or None.
+    """
     owner: int
     topk_idx: object
     plan: dict
@@ -216,7 +332,22 @@ class TwoHopHandle:
     num_rows: int
     num_worst_tokens: int
     src_rank: object
-    recv_expert_counts: tuple | None = None  # unaligned per-local-expert pair counts (cupyep.Buffer sets them)
+    num_experts: int = 0
+    recv_src_idx: object = None
+    recv_slot: object = None
+    net_meta: object = None
+    ok: object = None
+    route: str = "two_hop"
+    recv_expert_counts: tuple | None = None
+    expert_map: object = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.topk_idx.shape[0])
+
+    @property
+    def num_topk(self) -> int:
+        return int(self.topk_idx.shape[1])
 
 
 @dataclass
@@ -224,12 +355,14 @@ class TwoHopResult:
     """What this rank received, all cupy: recv_x [N, H] uint16 (FP8: uint8,
     with recv_x_scales [N, H / 128] float32; None for BF16), recv_topk_idx
     [N, k] int64 (local ids, -1 elsewhere), recv_topk_weights [N, k] float32
-    (0 there), recv_src_idx [N] int32, recv_src_rank [N] int32,
-    rank_prefix_matrix [R, R] int64. N: the rows received, or
-    num_worst_tokens in worst-token mode (padding rows past the count: -1
-    ids, sources and ranks, 0 weights). The row arrays are views of the
-    receive pool, valid until the next call. ``handle``: for cached calls
-    of the same routing."""
+    (0 there; None for a dispatch without topk_weights), recv_src_idx [N]
+    int32, recv_src_rank [N] int32, rank_prefix_matrix [R, R] int64. N: the
+    rows received, or num_worst_tokens in worst-token mode (padding rows
+    past the count: -1 ids, sources and ranks, 0 weights). recv_x,
+    recv_x_scales, recv_topk_idx and recv_topk_weights are views of the
+    receive pool slot ``lease`` names (cupyep.slots.Lease), valid while
+    ``lease.valid``; the rest are the handle's. ``handle``: for combine and
+    cached calls of the same routing."""
     recv_x: object
     recv_topk_idx: object
     recv_topk_weights: object
@@ -238,24 +371,55 @@ class TwoHopResult:
     rank_prefix_matrix: object
     handle: TwoHopHandle = None
     recv_x_scales: object = None
+    lease: object = None
 
 
 class TwoHopDispatch:
-    """The two-hop dispatch and its combine (``combine(y)`` reduces the last
-    dispatch's rows, once; call it before the next dispatch, or not at all). Collective over every
-    rank (nodes from the group: real or emulated with ``--ranks-per-node``).
-    Every call runs on the current stream, the same one for all calls: the
-    next call's notify pass is the barrier that keeps peers from writing the
-    pools this call's outputs live in. Worst-token calls (num_worst_tokens)
-    read nothing back on the host, so a CUDA graph can capture a dispatch and
-    its combine; the arrays such a graph uses live as long as this object.
-    Needs NVSHMEM (cupyep.nvshmem), which it initialises. After a device
-    error (a timeout) its state is undefined: later calls raise until it is
-    destroyed."""
+    """The two-hop dispatch and its combine. Collective over every rank
+    (nodes from the group: real or emulated with ``--ranks-per-node``):
+    every rank makes the same calls in the same order. Every call runs on
+    the current stream, the same one for all calls. Each dispatch (counted
+    or cached) takes the next of ``num_in_flight`` receive pool slots; its
+    result's rows live there until the slot is taken again. ``combine(y,
+    handle)`` takes any live handle of this object, any number of times, in
+    any order.
 
-    def __init__(self, group, max_tokens: int, hidden: int, num_topk: int, num_experts: int, num_sms: int = 0,
-                 rdma_chunk: int = 1, nvlink_chunk: int = 1, route: str = "two_hop"):
-        """Collective. ``num_sms``: blocks per rank of the dispatch and the
+    NOTES (what keeps the calls from racing each other across ranks): a
+    dispatch's notify pass is a barrier over every rank (a rank puts its
+    row of counts only after its stream has finished the calls before it),
+    so a dispatch finds every peer done with what the calls before it read,
+    and so does a combine right after a dispatch. Two combines in a row have
+    no such pass between them: a fast rank's second combine would write a
+    peer's combine inputs (direct_in and gather over IPC, net_in and the
+    direct route's rank_in by puts) and move its counters while that peer
+    still sums the first. So a combine whose previous call was a combine
+    waits at a GPU barrier over every rank first (cupyep.barrier.WorldBarrier,
+    in stream order: a rank passes it once every rank's stream has finished
+    the first combine, both its passes). A graph's replays run between the
+    host's calls unseen, so a captured combine always waits at the barrier,
+    and so does the first combine after a captured call unless a dispatch
+    came between. Within one combine the top-k weights' pass needs none
+    after the rows' pass: it has pools, counters, signals and targets of its
+    own.
+
+    Worst-token calls (num_worst_tokens) read nothing back on the host, so
+    a CUDA graph can capture a dispatch and its combine; the arrays such a
+    graph uses live as long as this object. A replay writes the receive
+    pool slot the captured dispatch took, whichever dispatch holds it now:
+    keep eager results of other dispatches out of it (or take them with
+    fresh copies). Needs NVSHMEM (cupyep.nvshmem), which it initialises.
+    After a device error (a timeout) its state is undefined: later calls
+    raise until it is destroyed."""
+
+    def __init__(self, group, max_tokens: int, hidden: int, num_topk: int, num_experts: int | None = None,
+                 num_sms: int = 0, rdma_chunk: int = 1, nvlink_chunk: int = 1, route: str = "two_hop",
+                 num_in_flight: int = DEFAULT_IN_FLIGHT):
+        """Collective. Sized for at most ``max_tokens`` tokens per rank of at
+        most ``hidden`` channels and ``num_topk`` experts each (a call may
+        pass fewer); ``num_experts``: the calls' default E (None: every
+        dispatch passes its own), divisible by the world size.
+        ``num_in_flight``: receive pool slots (results in use at once).
+        ``num_sms``: blocks per rank of the dispatch and the
         combine (0: the rank's share of the GPU's SMs); every rank's blocks
         must fit on the GPU at once, or ValueError names the most that do.
         The dispatch's knobs (attributes of the same names, settable between
@@ -274,7 +438,9 @@ class TwoHopDispatch:
         import cupy
 
         from . import nvshmem as NV
+        from .barrier import WorldBarrier
         from .ipc import SymmetricBuffer
+        from .slots import InFlightSlots, check_num_in_flight
         if group.num_nodes < 2:
             raise ValueError("the two-hop dispatch needs ranks on at least two nodes (or --ranks-per-node)")
         if group.local_size > MAX_RANKS_PER_NODE:
@@ -285,16 +451,18 @@ class TwoHopDispatch:
             raise ValueError(f"hidden must be a positive multiple of 128, got {hidden}")
         self.group, self.R, self.K = group, group.world_size, group.local_size
         self.N, self.me = self.R // self.K, group.rank
-        if num_experts % self.R:
-            raise ValueError(f"num_experts ({num_experts}) must be divisible by the {self.R} ranks")
+        if num_experts is not None:
+            check_num_experts(num_experts, self.R)
         if not (isinstance(num_sms, (int, np.integer)) and num_sms >= 0):
             raise ValueError(f"num_sms must be an integer >= 0 (0: the rank's share of the SMs), got {num_sms!r}")
+        num_in_flight = check_num_in_flight(num_in_flight)
         rt, device = cupy.cuda.runtime, cupy.cuda.Device()
         device_sms = device.attributes["MultiProcessorCount"]
         self._notify_smem = check_notify_smem(
             self.R, self.N, rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, device.id))
         self.num_sms = int(num_sms) or max(1, device_sms // max(1, group.ranks_per_gpu))
-        self.max_tokens, self.hidden, self.k, self.E = int(max_tokens), int(hidden), int(num_topk), int(num_experts)
+        self.max_tokens, self.hidden, self.k = int(max_tokens), int(hidden), int(num_topk)
+        self.E = None if num_experts is None else int(num_experts)
         self.rdma_chunk, self.nvlink_chunk = check_chunk("rdma_chunk", rdma_chunk), check_chunk("nvlink_chunk",
                                                                                                 nvlink_chunk)
         self.route = check_route(route)
@@ -323,37 +491,31 @@ class TwoHopDispatch:
         W = self.R + self.N + 1  # TwoHopNotifyArgs::row: counts per rank, per node, then the capacity
         row = hidden * 2
         wrow = -(-num_topk // 4) * 16  # k float32, whole int4 words
+        # The receive pool: num_in_flight slots of one layout, taken round-robin by the dispatches.
+        self._lay, self.slot_bytes = receive_layout(cap, hidden, num_topk)
+        self.slots = InFlightSlots(num_in_flight, f"two-hop receive pool ({self.route} route)")
         # Every array this object takes from the NVSHMEM heap (bytes; the signal words aside), checked
         # against the GPU's free memory before the first is allocated.
-        heap = {"net_rows": cap_net * self.stride, "row": 8 * W, "matrix": 8 * 2 * self.R * W,
-                "cnet_in": self.N * self.max_tokens * row, "wnet_in": self.N * self.max_tokens * wrow}
-        if self.direct:
-            heap.update(direct_stage=self.max_tokens * self.R * direct_row_bytes(hidden, num_topk),
-                        **{f"{name}_{part}": (self.max_tokens * self.R if part == "in" else cap) * nbytes
-                           for name, nbytes in (("rows", row), ("weights", wrow)) for part in ("in", "stage")})
+        heap = heap_table(self.route, self.R, self.K, self.max_tokens, hidden, num_topk,
+                          num_in_flight * self.slot_bytes)
         try:
             NV.reserve_heap(group, sum(heap.values()), "TwoHopDispatch")
         except MemoryError:
             NV.finalize()
             raise
         self.net_rows = core.array((heap["net_rows"],), dtype="uint8")
+        self._net_bytes = heap["net_rows"]
         self.net_signal = _signals(core, self.N)
-        self._lay = {}
-        off = 0
-        for name, nbytes in (("x", cap * hidden * 2), ("idx", cap * num_topk * 8), ("w", cap * num_topk * 4),
-                             ("src", cap * 4), ("slot", cap * 8), ("scales", cap * (hidden // 128) * 4)):
-            self._lay[name] = off
-            off += -(-nbytes // 256) * 256
         if self.direct:  # rows from other nodes are put straight into it: the pool is on the NVSHMEM heap
             from .nvshmem import HeapBuffer
-            self.pool = HeapBuffer(group, off)
+            self.pool = HeapBuffer(group, heap["pool"])
             node = self.me // self.K
             self.pool_ptrs = cupy.asarray(np.asarray(self.pool.peer_ptr_list[node * self.K:(node + 1) * self.K],
                                                      dtype=u64))
             self.direct_signal = _signals(core, self.R)
             self.direct_stage = core.array((heap["direct_stage"],), dtype="uint8")
         else:
-            self.pool = SymmetricBuffer(group, off)
+            self.pool = SymmetricBuffer(group, num_in_flight * self.slot_bytes)
             self.pool_ptrs = self.pool.peer_ptrs
         self.sync = SymmetricBuffer(group, -(-self.R * 8 // 256) * 256)
         self.arrived_ptrs = cupy.asarray(np.asarray([self.sync.peer_ptr_list[j] for j in range(self.K)], dtype=u64))
@@ -399,7 +561,8 @@ class TwoHopDispatch:
                 self._rank[name] = dict(rank_in=core.array((heap[f"{name}_in"],), dtype="uint8"),
                                         rank_signal=_signals(core, self.R),
                                         rank_stage=core.array((heap[f"{name}_stage"],), dtype="uint8"))
-        self._last = None
+        self.barrier = WorldBarrier(group)  # between two combines in a row (class NOTES)
+        self._previous = None  # the kind of the latest call launched: "dispatch" or "combine"
         self._failed = None  # the error that left the state undefined, once one has
         self._captured = []  # arrays of the calls captured in CUDA graphs, alive as long as this object
         cupy.cuda.runtime.deviceSynchronize()
@@ -422,18 +585,21 @@ class TwoHopDispatch:
 
     def dispatch(self, x, topk_idx=None, topk_weights=None, hop_ns=None, num_worst_tokens: int = 0,
                  validate: bool = True, handle: TwoHopHandle | None = None, x_scales=None,
-                 kernel_ns=None, notify_ns=None) -> TwoHopResult:
-        """One two-hop dispatch (collective).
+                 kernel_ns=None, notify_ns=None, num_experts: int | None = None) -> TwoHopResult:
+        """One two-hop dispatch (collective), into the next receive pool slot.
 
         Arguments:
             x, topk_idx, topk_weights: see the module docstring (topk_weights
-                is required). x may also be FP8: [T, H] uint8 (e4m3 bytes)
+                None: the rows carry weight 0 and recv_topk_weights is None).
+                x may also be FP8: [T, H] uint8 (e4m3 bytes)
                 with x_scales [T, H / 128] float32 (or a tuple (x, x_scales)),
                 which travel with the rows (recv_x_scales).
+            num_experts: E of topk_idx's ids (default: the constructor's),
+                divisible by the world size; with a handle, the handle's.
             handle: a TwoHopHandle of an earlier call of this object: reuse
                 its routing and plan ("cached dispatch": topk_idx must be None,
                 num_worst_tokens is the handle's); the notify pass is then only
-                the barrier between calls.
+                the barrier between calls. Returns that handle again.
             hop_ns: cupy uint64 [4] or None, the hop metric: set it to
                 :data:`HOP_STAMPS_INIT` before the call and the kernel writes
                 its stamps (TwoHopDispatchArgs::hop_ns; :func:`hop_times_us`
@@ -452,9 +618,9 @@ class TwoHopDispatch:
                 graph capture, where nothing may wait for the device).
 
         Returns:
-            TwoHopResult; the host waits for the kernels unless worst-token
-            mode, whose device errors the next call (or group.check_errors())
-            raises.
+            TwoHopResult (its pool arrays valid while ``lease.valid``); the
+            host waits for the kernels unless worst-token mode, whose device
+            errors the next call (or group.check_errors()) raises.
         """
         import cupy
 
@@ -466,20 +632,32 @@ class TwoHopDispatch:
         ns = H // 128 if fp8 else 0
         hop_ns = _check_hop(hop_ns)
         kernel_ns, notify_ns = _check_kernel_ns(kernel_ns, "kernel_ns"), _check_kernel_ns(notify_ns, "notify_ns")
-        if H != self.hidden or T > self.max_tokens:
-            raise ValueError(f"x is [{T}, {H}]; this dispatch takes at most {self.max_tokens} tokens of {self.hidden}")
+        if H <= 0 or H % 128 or H > self.hidden or T > self.max_tokens:
+            raise ValueError(f"x is [{T}, {H}]; this TwoHopDispatch takes at most {self.max_tokens} tokens of at "
+                             f"most {self.hidden} channels (a multiple of 128)")
         if handle is not None:
-            if not isinstance(handle, TwoHopHandle) or handle.owner != id(self):
-                raise ValueError("handle must be a TwoHopHandle made by this TwoHopDispatch")
+            self._check_handle(handle)
             if topk_idx is not None:
                 raise ValueError("a cached dispatch reuses the handle's topk_idx: pass topk_idx=None")
-            if T != handle.topk_idx.shape[0]:
-                raise ValueError(f"the handle was made for {handle.topk_idx.shape[0]} tokens, x has {T}")
-            topk_idx, num_worst_tokens = handle.topk_idx, handle.num_worst_tokens
-        if topk_idx is None or topk_weights is None:
-            raise ValueError("dispatch needs topk_idx (or a handle) and topk_weights")
-        topk_idx = check(as_cupy(topk_idx, "topk_idx"), "topk_idx", np.int64, shape=(T, self.k))
-        topk_weights = check(as_cupy(topk_weights, "topk_weights"), "topk_weights", np.float32, shape=(T, self.k))
+            if T != handle.num_tokens:
+                raise ValueError(f"the handle was made for {handle.num_tokens} tokens, x has {T}")
+            topk_idx, num_worst_tokens, E = handle.topk_idx, handle.num_worst_tokens, handle.num_experts
+        else:
+            if topk_idx is None:
+                raise ValueError("dispatch needs topk_idx (or a handle)")
+            if num_experts is None and self.E is None:
+                raise ValueError("dispatch needs num_experts (this TwoHopDispatch was made without a default)")
+            E = check_num_experts(self.E if num_experts is None else num_experts, self.R)
+            topk_idx = check(as_cupy(topk_idx, "topk_idx"), "topk_idx", np.int64, ndim=2)
+            if topk_idx.shape[0] != T:
+                raise ValueError(f"topk_idx has {topk_idx.shape[0]} rows, x has {T}")
+        k = int(topk_idx.shape[1])
+        if not 1 <= k <= self.k:
+            raise ValueError(f"topk_idx has {k} experts per token; this TwoHopDispatch takes 1 to {self.k} "
+                             f"(its num_topk)")
+        weighted = topk_weights is not None
+        if weighted:
+            topk_weights = check(as_cupy(topk_weights, "topk_weights"), "topk_weights", np.float32, shape=(T, k))
         R, N = self.R, self.N
         worst = int(num_worst_tokens) > 0
         if worst and num_worst_tokens > R * self.max_tokens:
@@ -487,9 +665,11 @@ class TwoHopDispatch:
                              "can receive")
         capturing = cupy.cuda.get_current_stream().is_capturing()
         if validate and not capturing and handle is None:
-            check_expert_ids(topk_idx, self.E)
+            check_expert_ids(topk_idx, E)
         if capturing and not worst:
             raise ValueError("a two-hop dispatch inside graph capture needs num_worst_tokens (no host read)")
+        if not weighted:  # the rows always carry weights: zeros
+            topk_weights = cupy.zeros((T, k), dtype=np.float32)
         if handle is None:
             dev = {"in_rank": cupy.empty((max(T, 1), R), dtype=np.uint8),
                    "head": cupy.empty((max(T, 1), R), np.int64), "slot": cupy.empty((max(T, 1), N), np.int64),
@@ -498,8 +678,11 @@ class TwoHopDispatch:
             delta = cupy.empty(state_words(R, self.K) - 2, dtype=np.int64)
         else:
             dev, delta = handle.plan, handle.delta
-        stride = row_stride(H, self.k, self.K, fp8)  # at most self.stride, which the network buffer holds
+        stride = row_stride(H, k, self.K, fp8)  # at most self.stride, which the network buffer holds
         staging = cupy.empty((max(1, T * N), stride), dtype=np.uint8)
+        lease = self.slots.take(f"TwoHopDispatch.dispatch ({self.route} route)", pin=capturing)
+        lay = slot_layout(self._lay, lease.slot, self.slot_bytes)
+        self._order("dispatch", capturing)
         self.calls += 1
         if not worst:
             self._host[:] = 0
@@ -511,8 +694,8 @@ class TwoHopDispatch:
             send_node=dev["send_node"].data.ptr, row=self.row.data.ptr, matrix=self.matrix.data.ptr,
             row_signal=self.row_signal.data.ptr, state=self.state.data.ptr, host=0 if worst else self._host_ptr,
             capacity=int(num_worst_tokens) if worst else INT32_MAX, delta=delta.data.ptr,
-            cached=int(handle is not None), kernel_time=jit.ptr(notify_ns), num_tokens=T, num_topk=self.k,
-            num_experts=self.E, num_ranks=R, ranks_per_node=self.K, rank=self.me, guard=jit.pack(GUARD_DTYPE, **guard))
+            cached=int(handle is not None), kernel_time=jit.ptr(notify_ns), num_tokens=T, num_topk=k,
+            num_experts=E, num_ranks=R, ranks_per_node=self.K, rank=self.me, guard=jit.pack(GUARD_DTYPE, **guard))
         notify_start, notify_end = cupy.cuda.Event(), cupy.cuda.Event()
         notify_start.record()
         self.notify_fn((1,), (NOTIFY_THREADS,), (nargs,), shared_mem=self._notify_smem)
@@ -521,21 +704,21 @@ class TwoHopDispatch:
             ARGS_DTYPE, x=x.data.ptr, x_scales=jit.ptr(x_scales), topk_idx=topk_idx.data.ptr,
             topk_weights=topk_weights.data.ptr,
             rdma_slot=dev["slot"].data.ptr, send_head=dev["head"].data.ptr, rank_prefix=dev["rpm"].data.ptr,
-            node_tokens=dev["node_tokens"].data.ptr, send_node=dev["send_node"].data.ptr, staging=staging.data.ptr, net_rows=self.net_rows.data.ptr, net_signal=self.net_signal.data.ptr,
+            node_tokens=dev["node_tokens"].data.ptr, send_node=dev["send_node"].data.ptr, staging=staging.data.ptr,
+            net_rows=self.net_rows.data.ptr, net_signal=self.net_signal.data.ptr,
             net_target=self._state["net_total"].data.ptr, net_count=dev["net_count"].data.ptr,
-            pools=self.pool_ptrs.data.ptr, out_x=self._lay["x"], out_idx=self._lay["idx"],
-            out_w=self._lay["w"], out_src=self._lay["src"], out_slot=self._lay["slot"],
-            arrived=self.arrived_ptrs.data.ptr, arrived_target=self._state["arrived_total"].data.ptr,
-            row_stride=stride, out_scales=self._lay["scales"], notify_ok=self._state["ok"].data.ptr,
+            pools=self.pool_ptrs.data.ptr, out_x=lay["x"], out_idx=lay["idx"], out_w=lay["w"], out_src=lay["src"],
+            out_slot=lay["slot"], arrived=self.arrived_ptrs.data.ptr,
+            arrived_target=self._state["arrived_total"].data.ptr,
+            row_stride=stride, out_scales=lay["scales"], notify_ok=self._state["ok"].data.ptr,
             capacity=int(num_worst_tokens) if worst else 0, rdma_chunk=check_chunk("rdma_chunk", self.rdma_chunk),
             nvlink_chunk=check_chunk("nvlink_chunk", self.nvlink_chunk), direct=int(self.direct),
             heap_pool=self.pool.ptr if self.direct else 0,
             direct_signal=self.direct_signal.data.ptr if self.direct else 0,
             direct_stage=self.direct_stage.data.ptr if self.direct else 0, hop_ns=jit.ptr(hop_ns),
-            kernel_time=jit.ptr(kernel_ns), num_tokens=T,
-            num_topk=self.k,
+            kernel_time=jit.ptr(kernel_ns), num_tokens=T, num_topk=k,
             x_int4=H * x.dtype.itemsize // 16, num_scales=ns, num_ranks=self.R, ranks_per_node=self.K,
-            num_local_experts=self.E // self.R,
+            num_local_experts=E // self.R,
             rank=self.me, guard=jit.pack(GUARD_DTYPE, **self.group.guard("internode_two_hop_dispatch")))
         self._launch(self.fn, args, wait=not worst)
         if not worst:
@@ -544,27 +727,72 @@ class TwoHopDispatch:
                 raise RuntimeError(f"rank {self.me}: the two-hop notify ended without publishing its counts "
                                    f"(status {int(self._host[0])})")
         if handle is not None:
-            n, src_rank, keep = handle.num_rows, handle.src_rank, ()
+            made, keep = handle, ()
         else:
-            n = int(num_worst_tokens) if worst else int(self._host[1])
-            # Each row's source: the first source whose cumulative count to me passes the row (-1: padding).
-            rows = cupy.arange(n, dtype=np.int64)
-            upto = cupy.ascontiguousarray(dev["rpm"][:, self.me])  # rows from sources 0..s, cumulative
-            first = cupy.searchsorted(upto, rows, side="right").astype(np.int32)
-            src_rank = cupy.where(first < R, first, np.int32(-1))
-            keep = (rows, upto, first)
+            made, keep = self._handle(topk_idx, dev, delta, int(num_worst_tokens) if worst else 0, E, lay,
+                                      H * x.dtype.itemsize, stride)
         if capturing:  # a graph keeps raw pointers: its memory must outlive it
-            self._captured.append((x, topk_idx, topk_weights, dev, delta, staging, src_rank, *keep))
-        self._last = {"T": T, "dev": dev, "n": n, "call": self.calls, "src_rank": src_rank, "worst": worst,
-                      "delta": delta, "combined": False, "stride": stride, "meta_offset": H * x.dtype.itemsize}
-        made = handle or TwoHopHandle(owner=id(self), topk_idx=topk_idx, plan=dev, delta=delta, num_rows=n,
-                                      num_worst_tokens=int(num_worst_tokens) if worst else 0, src_rank=src_rank)
-        return TwoHopResult(recv_x=self.pool.view(self._lay["x"], (n, H), x.dtype),
-                            recv_x_scales=self.pool.view(self._lay["scales"], (n, ns), np.float32) if fp8 else None,
-                            recv_topk_idx=self.pool.view(self._lay["idx"], (n, self.k), np.int64),
-                            recv_topk_weights=self.pool.view(self._lay["w"], (n, self.k), np.float32),
-                            recv_src_idx=self.pool.view(self._lay["src"], (n,), np.int32),
-                            recv_src_rank=src_rank, rank_prefix_matrix=dev["rpm"], handle=made)
+            self._captured.append((x, x_scales, topk_idx, topk_weights, staging, made, *keep))
+        n = made.num_rows
+        view = self.pool.view
+        return TwoHopResult(recv_x=view(lay["x"], (n, H), x.dtype),
+                            recv_x_scales=view(lay["scales"], (n, ns), np.float32) if fp8 else None,
+                            recv_topk_idx=view(lay["idx"], (n, k), np.int64),
+                            recv_topk_weights=view(lay["w"], (n, k), np.float32) if weighted else None,
+                            recv_src_idx=made.recv_src_idx, recv_src_rank=made.src_rank, rank_prefix_matrix=dev["rpm"],
+                            handle=made, lease=lease)
+
+    def _handle(self, topk_idx, dev, delta, num_worst_tokens: int, num_experts: int, lay: dict, payload: int,
+                stride: int):
+        """(the TwoHopHandle of a counted dispatch that just ran, the temporaries
+        a captured graph keeps): its copies of what the combine reads, made on
+        the current stream right after the dispatch kernel, before a later
+        call can overwrite them (the next dispatch's notify orders the peers'
+        writes after this stream's work): the rows' sources and network
+        slots from the pool slot ``lay``, the notify's verdict, and on the
+        two-hop route the metadata of this rank's network rows (``payload``:
+        where it starts in a row of ``stride`` bytes)."""
+        import cupy
+        R, k = self.R, int(topk_idx.shape[1])
+        worst = num_worst_tokens > 0
+        n = num_worst_tokens if worst else int(self._host[1])
+        # Each row's source: the first source whose cumulative count to me passes the row (-1: padding).
+        rows = cupy.arange(n, dtype=np.int64)
+        upto = cupy.ascontiguousarray(dev["rpm"][:, self.me])  # rows from sources 0..s, cumulative
+        first = cupy.searchsorted(upto, rows, side="right").astype(np.int32)
+        src_rank = cupy.where(first < R, first, np.int32(-1))
+        net_meta = None
+        if not self.direct:  # the counted rows (the host has waited for the kernels), or the most there can be
+            net = max(1, (self.N - 1) * self.max_tokens) if worst else int(dev["net_count"].get().sum())
+            net_meta = self._net_meta(net, payload, stride, k)
+        made = TwoHopHandle(owner=id(self), topk_idx=topk_idx, plan=dev, delta=delta, num_rows=n,
+                            num_worst_tokens=num_worst_tokens, src_rank=src_rank, num_experts=num_experts,
+                            recv_src_idx=self.pool.view(lay["src"], (n,), np.int32).copy(),
+                            recv_slot=self.pool.view(lay["slot"], (n,), np.int64).copy(), net_meta=net_meta,
+                            ok=self._state["ok"].copy(), route=self.route)
+        return made, (rows, upto, first)
+
+    def _net_meta(self, rows: int, payload: int, stride: int, num_topk: int):
+        """A copy ([rows, meta_words] int64, on the current stream) of the
+        metadata of this rank's first ``rows`` network rows: the words the
+        combine's rail-peer step reads (two_hop_combine, step 2)."""
+        from .ipc import buffer_view
+        offset, shape, strides = meta_block(rows, payload, stride, num_topk, self.K)
+        view = buffer_view(self.net_rows, self.net_rows.data.ptr, self._net_bytes, offset, shape, np.int64, strides)
+        return view.copy()  # always a copy (a view of one row counts as contiguous)
+
+    def _check_handle(self, handle) -> None:
+        if not isinstance(handle, TwoHopHandle) or handle.owner != id(self):
+            raise ValueError("handle must be a TwoHopHandle made by this TwoHopDispatch")
+
+    def _order(self, kind: str, capturing: bool) -> None:
+        """Enqueue what keeps this call (``kind``: "dispatch" or "combine")
+        from racing the one before it on other ranks (class NOTES): a GPU
+        barrier over every rank before a combine that may follow a combine.
+        A call captured in a graph leaves the order unknown ("graph")."""
+        if kind == "combine" and combine_needs_barrier(self._previous, capturing):
+            self.barrier()
+        self._previous = "graph" if capturing else kind
 
     def _launch(self, fn, args, wait: bool = True) -> None:
         """Launch ``fn`` on ``num_sms`` blocks (every block resident: the kernels
@@ -581,22 +809,25 @@ class TwoHopDispatch:
         self._check_errors()
         self.last_kernel_us = cupy.cuda.get_elapsed_time(start, end) * 1e3
 
-    def combine(self, y, hop_ns=None, row_weights=None, topk_weights=None, kernel_ns=None):
-        """Reduce the expert outputs of the last dispatch back to its tokens.
+    def combine(self, y, handle: TwoHopHandle, hop_ns=None, row_weights=None, topk_weights=None, kernel_ns=None):
+        """Reduce the expert outputs of a dispatch's rows back to its tokens
+        (collective). Any live handle of this object, any number of times,
+        in any order (class NOTES).
 
         Arguments:
-            y: cupy [N, H] uint16 BF16 bits, one row per row the last dispatch
-               received (its order).
+            y: cupy [n, H] uint16 BF16 bits, one row per row the dispatch
+               received (its order); H <= hidden, a multiple of 128.
+            handle: the dispatch's TwoHopHandle.
             hop_ns: cupy uint64 [4] or None: the hop metric, as dispatch's
                (TwoHopCombineArgs::hop_ns).
             kernel_ns: cupy int64 [2] or None: the combine kernel's stamps,
                as dispatch's (the rows' pass; the weights' pass has none).
-            row_weights: cupy [N] float32 or None: row r counts as
+            row_weights: cupy [n] float32 or None: row r counts as
                BF16(weight_r * y_r), scaled in float32 before it leaves
                (one more BF16 rounding than the combine within a node, which
                weights in its float32 sum: calc_diff 2.3e-6 from the exact
                weighted sum at 2 x 4 ranks, T = 256, H = 7168, BF16 partials).
-            topk_weights: cupy [N, k] float32 or None (e.g. recv_topk_weights):
+            topk_weights: cupy [n, k] float32 or None (e.g. recv_topk_weights):
                combined too, in float32 all the way (a second pass of the
                same route over rows of k floats).
 
@@ -611,79 +842,76 @@ class TwoHopDispatch:
 
         from .arrays import BF16, as_cupy, check
         self._usable()
-        if self._last is None:
-            raise ValueError("combine needs a dispatch first (it reduces the last dispatch's rows)")
-        L = self._last
-        y = check(as_cupy(y, "y"), "y", BF16, shape=(L["n"], self.hidden))
+        self._check_handle(handle)
+        n, k = handle.num_rows, handle.num_topk
+        y = check(as_cupy(y, "y"), "y", BF16, ndim=2)
+        if y.shape[0] != n or y.shape[1] <= 0 or y.shape[1] % 128 or y.shape[1] > self.hidden:
+            raise ValueError(f"y must be [{n}, H], one row per received row, H a multiple of 128 up to "
+                             f"{self.hidden}; got {list(y.shape)}")
         hop_ns = _check_hop(hop_ns)
         kernel_ns = _check_kernel_ns(kernel_ns, "kernel_ns")
         row_weights = as_cupy(row_weights, "row_weights")
         if row_weights is not None:
             from .moe import bf16_bits_to_f32, f32_to_bf16_bits
-            row_weights = check(row_weights, "row_weights", np.float32, shape=(L["n"],))
+            row_weights = check(row_weights, "row_weights", np.float32, shape=(n,))
         topk_weights = as_cupy(topk_weights, "topk_weights")
         if topk_weights is not None:
-            check(topk_weights, "topk_weights", np.float32, shape=(L["n"], self.k))
-        if L["call"] != self.calls:
-            raise ValueError("combine reduces the last dispatch's rows; another dispatch came after it")
-        if L["combined"]:
-            raise ValueError("the last dispatch's rows are combined already (one combine per dispatch)")
+            check(topk_weights, "topk_weights", np.float32, shape=(n, k))
         if row_weights is not None:  # on the current stream, before the combine reads the rows
             y = f32_to_bf16_bits(bf16_bits_to_f32(y) * row_weights[:, None])
-        L["combined"] = True
-        # Partial rows this rank makes as a rail peer, for the staging of each pass: their count is on the
-        # device in worst-token mode (then the most there can be).
-        rows_now = (self.N - 1) * self.max_tokens if L["worst"] else int(L["dev"]["net_count"].sum().get())
+        self._order("combine", cupy.cuda.get_current_stream().is_capturing())
+        # Partial rows this rank makes as a rail peer, for the staging of each pass (the handle's network rows).
+        rows_now = 0 if self.direct else int(handle.net_meta.shape[0])
         rows_pass = dict(direct_in=self._clay["direct"], gather=self._clay["gather"], counters=self.counter_ptrs,
-                         **{n: self._state[n] for n in COMBINE_TARGETS}, net_in=self.cnet_in,
+                         **{name: self._state[name] for name in COMBINE_TARGETS}, net_in=self.cnet_in,
                          net_signal=self.cnet_signal, **self._rank.get("rows", {}))
-        out = self._route_back(L, y, self.combine_fn, hop_ns, rows_pass, rows_now, kernel_ns)
+        out = self._route_back(handle, y, self.combine_fn, hop_ns, rows_pass, rows_now, kernel_ns)
         if topk_weights is None:
             return out
-        kp = -(-self.k // 4) * 4  # rows of whole int4 words of floats
-        w_rows = cupy.zeros((L["n"], kp), dtype=np.float32)
-        w_rows[:, :self.k] = topk_weights
+        kp = -(-k // 4) * 4  # rows of whole int4 words of floats
+        w_rows = cupy.zeros((n, kp), dtype=np.float32)
+        w_rows[:, :k] = topk_weights
         weights_pass = dict(direct_in=self._clay["wdirect"], gather=self._clay["wgather"],
                             counters=self.wcounter_ptrs, **self._wtargets,
                             net_in=self.wnet_in, net_signal=self.wnet_signal, **self._rank.get("weights", {}))
-        return out, self._route_back(L, w_rows, self.combine_weights_fn, None, weights_pass, rows_now)[:, :self.k]
+        return out, self._route_back(handle, w_rows, self.combine_weights_fn, None, weights_pass, rows_now)[:, :k]
 
-    def _route_back(self, L, rows, fn, hop_ns, res: dict, rows_now: int, kernel_ns=None):
-        """One combine kernel over ``rows`` ([N, W] of int4 words: BF16 rows, or
-        float32 rows for the weights' pass) with the last dispatch's route and
-        the pass's own resources ``res`` (pool regions, counters, targets,
-        network buffer and signals) and ``rows_now`` partial rows to stage;
-        returns [T, W] of the same dtype. The
-        pass's cumulative targets move by the dispatch's steps first."""
+    def _route_back(self, h: TwoHopHandle, rows, fn, hop_ns, res: dict, rows_now: int, kernel_ns=None):
+        """One combine kernel over ``rows`` ([n, W] of int4 words: BF16 rows, or
+        float32 rows for the weights' pass) with the route of the dispatch of
+        handle ``h`` and the pass's own resources ``res`` (pool regions,
+        counters, targets, network buffer and signals) and ``rows_now``
+        partial rows to stage; returns [T, W] of the same dtype. The pass's
+        cumulative targets move by the dispatch's steps first. The rail
+        peer's step reads the handle's copy of its network rows' metadata
+        (rows of meta_words int64, from their first word)."""
         import cupy
         R, K, me = self.R, self.K, self.me
         x_int4 = rows.shape[1] * rows.dtype.itemsize // 16
         staging = cupy.empty((max(1, rows_now), x_int4 * 16), dtype=np.uint8)
-        out = cupy.zeros((L["T"], rows.shape[1]), dtype=rows.dtype)
+        out = cupy.zeros((h.num_tokens, rows.shape[1]), dtype=rows.dtype)
         args = jit.pack(
-            COMBINE_ARGS_DTYPE, y=rows.data.ptr, recv_src_rank=L["src_rank"].data.ptr,
-            recv_src_idx=self.pool.view(self._lay["src"], (L["n"],), np.int32).data.ptr,
-            recv_slot=self.pool.view(self._lay["slot"], (L["n"],), np.int64).data.ptr,
+            COMBINE_ARGS_DTYPE, y=rows.data.ptr, recv_src_rank=h.src_rank.data.ptr,
+            recv_src_idx=h.recv_src_idx.data.ptr, recv_slot=h.recv_slot.data.ptr,
             pools=self.cpool.peer_ptrs.data.ptr, direct_in=res["direct_in"], gather=res["gather"],
             counters=res["counters"].data.ptr, targets=res["combine_total"].data.ptr,
-            net_rows=self.net_rows.data.ptr,
-            row_stride=L["stride"], meta_offset=L["meta_offset"], net_count=L["dev"]["net_count"].data.ptr,
-            staging=staging.data.ptr,
+            net_rows=jit.ptr(h.net_meta), row_stride=8 * meta_words(h.num_topk, K), meta_offset=0,
+            net_count=h.plan["net_count"].data.ptr, staging=staging.data.ptr,
             net_in=res["net_in"].data.ptr, net_signal=res["net_signal"].data.ptr,
-            net_target=res["combine_net_total"].data.ptr, send_head=L["dev"]["head"].data.ptr, direct=int(self.direct),
+            net_target=res["combine_net_total"].data.ptr, send_head=h.plan["head"].data.ptr, direct=int(self.direct),
             rank_in=jit.ptr(res.get("rank_in")), rank_signal=jit.ptr(res.get("rank_signal")),
             rank_target=res["combine_rank_total"].data.ptr, rank_stage=jit.ptr(res.get("rank_stage")),
-            out=out.data.ptr, notify_ok=self._state["ok"].data.ptr, hop_ns=jit.ptr(hop_ns),
-            kernel_time=jit.ptr(kernel_ns), num_recv=L["n"],
-            num_tokens=L["T"], max_tokens=self.max_tokens, x_int4=x_int4, num_topk=self.k, num_ranks=R,
+            out=out.data.ptr, notify_ok=h.ok.data.ptr, hop_ns=jit.ptr(hop_ns),
+            kernel_time=jit.ptr(kernel_ns), num_recv=h.num_rows,
+            num_tokens=h.num_tokens, max_tokens=self.max_tokens, x_int4=x_int4, num_topk=h.num_topk, num_ranks=R,
             ranks_per_node=K, rank=me, guard=jit.pack(GUARD_DTYPE, **self.group.guard("internode_two_hop_combine")))
         # This dispatch's steps of the combine's cumulative targets (on the device, in stream order).
-        sl, d = state_slices(R, K), L["delta"]  # delta: the state past its first two words
+        sl, d = state_slices(R, K), h.delta  # delta: the state past its first two words
         for name in COMBINE_TARGETS:
             res[name][...] += d[sl[name].start - 2:sl[name].stop - 2]
         if cupy.cuda.get_current_stream().is_capturing():
             self._captured.append((rows, staging, out))
-        self._launch(fn, args, wait=not L["worst"])
+        self._launch(fn, args, wait=h.num_worst_tokens == 0)
         return out
 
     def destroy(self) -> None:
@@ -693,7 +921,8 @@ class TwoHopDispatch:
         cupy.cuda.runtime.deviceSynchronize()
         self.group.comm.Barrier()
         self._captured = []
-        for buf in (self.pool, self.sync, self.cpool, self.csync):
+        self.slots.invalidate_all()
+        for buf in (self.pool, self.sync, self.cpool, self.csync, self.barrier):
             buf.destroy()
         extra = [self.direct_signal, self.direct_stage] if self.direct else []
         extra += [arr for res in self._rank.values() for arr in res.values()]

@@ -136,7 +136,7 @@ def two_hop_metrics(group, two_hop, x, topk_idx, topk_weights, calls: int = 10) 
         out = two_hop.dispatch(x, topk_idx, topk_weights, hop_ns=stamps)
         d.append(hop_times_us(stamps.get(), DISPATCH_HOPS))
         stamps = cupy.asarray(init)
-        two_hop.combine(out.recv_x.copy(), hop_ns=stamps)
+        two_hop.combine(out.recv_x.copy(), out.handle, hop_ns=stamps)
         c.append(hop_times_us(stamps.get(), COMBINE_HOPS))
     return {"dispatch_hop_us": slowest_medians(group, d), "combine_hop_us": slowest_medians(group, c)}
 

@@ -547,7 +547,8 @@ def run_direct(group, args, out, bar, idx, w, splits) -> list:
     copy_bw = comm.bcast(copy_bandwidth(2 << 30) if me == 0 else 0.0)
     x = cupy.asarray(payload_bf16(me, np.arange(args.tokens), args.hidden))
     topk_idx, topk_w = cupy.asarray(idx[me]), cupy.asarray(w[me])
-    buf = cupyep.Buffer(group, cupyep.Buffer.size_hint(R, args.hidden, max(args.topk, 16)))
+    buf = cupyep.Buffer(group, cupyep.Buffer.size_hint(R, args.hidden, max(args.topk, 16)), max_tokens=args.tokens,
+                        hidden=args.hidden, num_topk=args.topk)
     records = []
     try:
         for kind in DIRECT_KINDS:

@@ -78,7 +78,7 @@ def main():
     topk_idx, topk_w = cupy.asarray(idx[me]), cupy.asarray(w[me])
     most = Config(num_sms=max([48] + [m for m in args.sms if m]), queue_depth=max(args.depths))
     buf_bytes = cupyep.Buffer.size_hint(R, args.hidden, args.topk, most, most)
-    buf = cupyep.Buffer(group, buf_bytes)
+    buf = cupyep.Buffer(group, buf_bytes, max_tokens=args.tokens, hidden=args.hidden, num_topk=args.topk)
     bar = GpuBarrier(group)
 
     def run(kind, dcfg, ccfg, timing="strict", transport="queue"):

@@ -97,7 +97,7 @@ class Soak:
         if E & (E - 1) or E % self.R or args.topk > E:
             raise SystemExit(f"--experts {E} must be a power of two, divisible by the {self.R} ranks and >= --topk")
         self.El = E // self.R
-        self.buf = cupyep.Buffer(group)
+        self.buf = cupyep.Buffer(group, max_tokens=args.max_tokens, hidden=H, num_topk=max(args.topk, 8))
         self.ll = cupyep.LowLatencyBuffer(group, args.ll_max_tokens, H, E, max_topk=args.topk)
         rows = 2 * max(args.max_tokens, args.ll_max_tokens)
         self.x_all = cupy.asarray(payload_bf16(self.me, np.arange(rows), H))   # [rows, H] BF16 bits

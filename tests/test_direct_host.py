@@ -1,5 +1,5 @@
 """Host side of the direct transport (cupyep.intranode.direct): pool layouts,
-the rows a pool holds, growth sizes, block counts and config checks; the
+the rows a pool holds, the fixed slot sizes, block counts and config checks; the
 kernel constants the layouts rely on."""
 import re
 
@@ -33,7 +33,7 @@ def test_recv_layout_rejects_rows_that_are_not_16_byte_words():
         D.recv_layout(4, 100, 0, 8, True, True)
 
 
-@pytest.mark.parametrize("nbytes", [1 << 20, 5 << 20, 123456789, D.grown_size(4096 * 8 * 14400)])
+@pytest.mark.parametrize("nbytes", [1 << 20, 5 << 20, 123456789, 4096 * 8 * 14400])
 @pytest.mark.parametrize("shape", [(14336, 0, 8, True, True), (7168, 56, 8, True, True), (4096, 0, 0, False, False)])
 def test_rows_that_fit_is_the_most_that_fit(nbytes, shape):
     rows = D.rows_that_fit(nbytes, *shape)
@@ -50,10 +50,23 @@ def test_combine_layout_and_rows_that_fit(nbytes, hidden, k):
     assert D.combine_layout(rows + 1, hidden, k)[2] > nbytes
 
 
-def test_grown_size_has_headroom_and_granule():
-    for n in (1, 1000, D.POOL_GRANULE, 470 << 20):
-        g = D.grown_size(n)
-        assert g >= n * D.GROWTH and g % D.POOL_GRANULE == 0
+def test_default_slot_holds_the_rank_major_worst_case_and_twice_the_mean_pairs():
+    from cupyep.sizes import DeclaredSizes
+    sizes = DeclaredSizes(max_tokens=4096, hidden=7168, num_topk=8)
+    slot = D.default_slot_bytes(8, sizes)
+    for shape in ((14336, 0, 8, True, True), (7168, 56, 8, True, True)):
+        assert D.rows_that_fit(slot, *shape) >= 8 * 4096
+    m = D.expert_rows_that_fit(slot, 8 * 4096, 14336, 0, 8, True)
+    assert m >= 2 * 4096 * 8 and slot % D.ALIGN == 0
+
+
+@pytest.mark.parametrize("nbytes,rows", [(1 << 20, 10), (64 << 20, 4096), (300 << 20, 21504), (4096, 100)])
+def test_expert_rows_that_fit_is_the_most_that_fit(nbytes, rows):
+    shape = (14336, 0, 8, True, True)
+    m = D.expert_rows_that_fit(nbytes, rows, 14336, 0, 8, True)
+    if m:
+        assert D.recv_layout(rows, *shape, expert_rows=m).end <= nbytes
+    assert D.recv_layout(rows, *shape, expert_rows=m + 1).end > nbytes
 
 
 def test_default_num_sms_is_bounded_by_rows_and_budget():
@@ -96,21 +109,48 @@ def test_kernel_constants_match_the_host():
     assert D.SYNC_DTYPE.itemsize == 32 and np.dtype(D.DISPATCH_ARGS_DTYPE).itemsize > 0
 
 
-def test_pool_layouts_are_cached_per_pool_size():
+def _pools(num_in_flight=2, max_tokens=512, hidden=1024, num_topk=8, ranks=4, slot_bytes=None):
+    """DirectPools without a GPU: the host-side sizing and layouts only."""
+    from cupyep.sizes import DeclaredSizes
+    from cupyep.slots import InFlightSlots
     pools = D.DirectPools.__new__(D.DirectPools)
-    pools.pools, pools._layouts = {"dispatch": None, "combine": None}, {}
+    sizes = DeclaredSizes(max_tokens, hidden, num_topk)
+    pools.num_ranks, pools.sizes, pools.max_rows, pools._layouts = ranks, sizes, ranks * max_tokens, {}
+    pools.slot_bytes = slot_bytes or D.default_slot_bytes(ranks, sizes)
+    pools.zero_copy_bytes = D.zero_copy_layout(pools.max_rows, hidden, pools.max_rows)[2]
+    pools.combine_bytes = D.combine_layout(pools.max_rows, hidden, num_topk)[2]
+    pools.slots = InFlightSlots(num_in_flight, "test pool")
+    return pools
 
-    class Fake:
-        nbytes = 64 << 20
-    pools.pools["dispatch"] = pools.pools["combine"] = Fake()
-    shape = (14336, 0, 8, True, True)
-    lay = pools.recv_layout(*shape)
-    assert lay is pools.recv_layout(*shape)
-    assert lay == D.recv_layout(D.rows_that_fit(64 << 20, *shape), *shape)
-    px, pm, rows = pools.combine_layout(7168, 8)
-    assert rows == D.combine_rows_that_fit(64 << 20, 7168, 8) and (px, pm) == D.combine_layout(rows, 7168, 8)[:2]
-    Fake.nbytes = 128 << 20  # a grown pool: a new layout
-    assert pools.recv_layout(*shape).rows > lay.rows
+
+def test_slot_layouts_are_the_same_layout_shifted_by_whole_slots():
+    pools = _pools(num_in_flight=3)
+    shape = (2048, 0, 8, True, True)
+    base = pools.recv_layout(shape, 0)
+    assert base == D.recv_layout(D.rows_that_fit(pools.slot_bytes, *shape), *shape)
+    assert base.rows >= pools.max_rows
+    for slot in (1, 2):
+        lay = pools.recv_layout(shape, slot)
+        off = slot * pools.slot_bytes
+        assert (lay.x, lay.topk_idx, lay.topk_weights, lay.src_idx) == (base.x + off, base.topk_idx + off,
+                                                                        base.topk_weights + off, base.src_idx + off)
+        assert lay.x_scales == -1 and lay.rows == base.rows and lay.end == base.end + off
+        assert lay.end <= (slot + 1) * pools.slot_bytes  # inside its own slot
+    em = pools.expand_layout(shape, 2)
+    assert em.x == -1 and em.rows == pools.max_rows and em.em_rows >= 2 * 512 * 8
+    assert em.em_x >= 2 * pools.slot_bytes and em.end <= 3 * pools.slot_bytes
+    assert pools.expand_bytes(shape, em.em_rows + 1) > pools.slot_bytes
+
+
+def test_fixed_combine_and_zero_copy_layouts_hold_the_declared_rows():
+    pools = _pools()
+    px, pm, rows = pools.combine_layout(1024, 8)
+    assert rows >= pools.max_rows and (px, pm) == D.combine_layout(rows, 1024, 8)[:2]
+    assert pools.combine_layout(512, 4)[2] >= rows  # a smaller call fits more
+    z0, m0, r0 = pools.zero_copy_layout(1024, 0)
+    z1, m1, r1 = pools.zero_copy_layout(1024, 1)
+    assert r0 == r1 == pools.max_rows and (z1 - z0, m1 - m0) == (pools.zero_copy_bytes,) * 2
+    assert D.zero_copy_layout(pools.max_rows, 1024, pools.max_rows)[2] <= pools.zero_copy_bytes
 
 
 @pytest.mark.parametrize("rows,m,x_bytes,ns,k", [(1, 8, 256, 0, 8), (21504, 32768, 14336, 0, 8),
@@ -134,25 +174,6 @@ def test_expert_major_recv_layout_has_no_rank_major_payload(rows, m, x_bytes, ns
     assert int(s["em_rows"]) == m and int(s["em_x"]) == lay.em_x and int(s["x"]) == -1
     plain = D.recv_layout(rows, x_bytes, ns, k, True, True)
     assert plain.em_x == -1 and int(plain.struct()["em_x"]) == -1
-
-
-def test_expand_layout_is_kept_while_it_holds_the_call_and_grows_with_headroom():
-    pools = D.DirectPools.__new__(D.DirectPools)
-    pools._layouts = {}
-
-    class Fake:
-        nbytes = 0
-    pools.pools = {"dispatch": Fake()}
-    shape = (14336, 0, 8, True, True)
-    assert pools.expand_layout(shape) is None  # nothing laid out yet
-    lay = pools.expand_layout(shape, 1000, 3000)
-    assert lay.rows >= 1000 * D.GROWTH and lay.em_rows >= 3000 * D.GROWTH
-    assert pools.expand_layout(shape) is None  # the pool does not hold it yet
-    Fake.nbytes = lay.end
-    assert pools.expand_layout(shape) is lay
-    assert pools.expand_layout(shape, 1100, 3000) is lay  # within the headroom: the same layout
-    bigger = pools.expand_layout(shape, 1000, 5000)
-    assert bigger.em_rows >= 5000 * D.GROWTH and bigger.rows >= lay.rows  # never shrinks the other capacity
 
 
 def test_position_pass_warps_fit_the_block_and_shared_memory():

@@ -76,7 +76,7 @@ class _FakeHop:
         self.last_notify_us = self.notify_us * self.event_factor
         return SimpleNamespace(recv_x=_Host(np.zeros((3, 4), np.uint16)), handle="h")
 
-    def combine(self, y, kernel_ns=None):
+    def combine(self, y, handle, kernel_ns=None):
         self.calls.append(("combine", None))
         self._run(kernel_ns)
 

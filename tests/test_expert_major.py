@@ -324,6 +324,8 @@ def fake_buffer(monkeypatch):
     monkeypatch.setattr(arrays, "as_cupy", lambda a, name: a)  # dispatch_rows' conversion
     buf = object.__new__(B.Buffer)
     buf.num_ranks, buf.rank, buf.sm_budget, buf.num_device_sms = 2, 0, 66, 132
+    from cupyep.sizes import DeclaredSizes
+    buf.sizes = DeclaredSizes()
     buf.group = buf.buffer = buf.comm_stream = _NoLaunch()
     buf.layout = _NoLaunch()
     return buf

@@ -84,7 +84,7 @@ def prepare(group, hop, idx, w):
     x = cupy.asarray(payload_bf16(me, np.arange(tokens[me]), hop.hidden))
     ids, ws = cupy.asarray(idx[me]), cupy.asarray(w[me])
     out = hop.dispatch(x, ids, ws)
-    check_against_oracle(group, out, hop.combine(out.recv_x.copy()), idx, w, tokens, hop.E, hop.hidden)
+    check_against_oracle(group, out, hop.combine(out.recv_x.copy(), out.handle), idx, w, tokens, hop.E, hop.hidden)
     traffic = I.two_hop_traffic(I.two_hop_routes(idx, hop.E, R, K), K, hop.hidden * 2)
     return x, ids, ws, traffic, hop.dispatch(x, ids, ws).handle
 
@@ -135,10 +135,11 @@ def measure(group, hop, kind: str, x, topk_idx, topk_weights, handle, iters: int
 
     for i in range(iters):
         if not dispatching:  # one combine per dispatch: each after its own (untimed) dispatch
-            y = hop.dispatch(x, topk_idx, topk_weights).recv_x.copy()
+            made = hop.dispatch(x, topk_idx, topk_weights)
+            y = made.recv_x.copy()
             line_up()
             t0 = time.perf_counter()
-            hop.combine(y, kernel_ns=stamps[i])
+            hop.combine(y, made.handle, kernel_ns=stamps[i])
         else:
             line_up()
             t0 = time.perf_counter()

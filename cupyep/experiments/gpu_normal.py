@@ -42,15 +42,21 @@ NOTIFY_KINDS = ("dispatch_bf16_notify", "dispatch_bf16_notify_unfused", "dispatc
 _state: dict = {}
 
 
-def _resources(group, nbytes: int):
-    """(Buffer of at least ``nbytes``, GpuBarrier, copy bytes/s), kept across configurations."""
+def _resources(group, nbytes: int, tokens: int, hidden: int, topk: int):
+    """(Buffer of at least ``nbytes`` made for at least these sizes, GpuBarrier,
+    copy bytes/s), kept across configurations."""
     import cupyep
+    from ..sizes import DeclaredSizes
     barrier, copy_bw = gpu_fixtures(group, _state)
     buf = _state.get("buffer")
-    if buf is None or buf.buffer.nbytes < nbytes:
+    want = DeclaredSizes(max(tokens, DeclaredSizes.max_tokens), max(hidden, DeclaredSizes.hidden),
+                         max(topk, DeclaredSizes.num_topk))
+    if buf is None or buf.buffer.nbytes < nbytes or any(getattr(buf.sizes, f) < getattr(want, f)
+                                                        for f in ("max_tokens", "hidden", "num_topk")):
         if buf is not None:
             buf.destroy()
-        _state["buffer"] = buf = cupyep.Buffer(group, nbytes)
+        _state["buffer"] = buf = cupyep.Buffer(group, nbytes, max_tokens=want.max_tokens, hidden=want.hidden,
+                                               num_topk=want.num_topk)
     return buf, barrier, copy_bw
 
 
@@ -97,7 +103,7 @@ def run(group, cfg: dict) -> dict:
     params = dict(cfg["routing_params"])
     idx, w = routing.make(cfg["routing"], cfg["seed"], [T] * R, E, k, **params)
     biggest = Config(num_sms=max(48, cfg["num_sms"] or 0), queue_depth=max(128, cfg["queue_depth"] or 0))
-    buf, bar, copy_bw = _resources(group, cupyep.Buffer.size_hint(R, H, max(k, 16), biggest, biggest))
+    buf, bar, copy_bw = _resources(group, cupyep.Buffer.size_hint(R, H, max(k, 16), biggest, biggest), T, H, k)
     dcfg, ccfg = _configs(buf, cfg)
     x = cupy.asarray(payload_bf16(me, np.arange(T), H))
     x_fp8 = per_token_cast_to_fp8(x) if cfg["kind"] == "dispatch_fp8" else None

@@ -24,6 +24,8 @@ from .. import jit
 from ..arrays import BF16, FP8, as_cupy, check, check_expert_ids, dispatch_rows
 from ..calls import traced_call
 from ..ipc import SymmetricBuffer
+from ..sizes import DEFAULT_HIDDEN, DEFAULT_MAX_TOKENS, DEFAULT_NUM_TOPK, DeclaredSizes
+from ..slots import DEFAULT_IN_FLIGHT, check_num_in_flight
 from .streams import CommStream
 from . import direct as D
 from . import expert_major as EM
@@ -48,11 +50,14 @@ class LayoutResult:
         num_tokens_per_expert: [E] int32.
         is_token_in_rank: [T, R] bool.
         event: EventHandle.
+        num_tokens_per_rdma_rank: [num_nodes] int32 across nodes (tokens with an
+            expert on each node; DeepEP's name), None within a node.
     """
     num_tokens_per_rank: object
     num_tokens_per_expert: object
     is_token_in_rank: object
     event: EventHandle | None = None
+    num_tokens_per_rdma_rank: object = None
 
 
 
@@ -67,23 +72,45 @@ class Buffer(DirectTransport):
 
     Arguments:
         group: from :func:`cupyep.init`; all ranks of the node take part.
-        num_bytes: bytes of each rank's IPC buffer (default: enough for
-            hidden 7168, top-16 and the default configs; see :meth:`size_hint`).
+        num_bytes: bytes of each rank's ring-queue IPC buffer (default: enough
+            for ``hidden``, ``num_topk`` and the default configs; see :meth:`size_hint`).
+        max_tokens, hidden, num_topk: the most tokens per rank, channels per
+            row and experts per token of any call (cupyep.sizes); a call past
+            them raises ValueError naming the argument. The direct transport's
+            pools are sized from them.
+        num_in_flight: dispatch slots of the direct transport's pools (>= 1):
+            the results of the last ``num_in_flight`` direct dispatches are
+            valid at once (two micro-batches need 2); an older one raises
+            StaleResultError when read.
+        num_direct_bytes: bytes of one direct dispatch slot (default:
+            cupyep.intranode.direct.default_slot_bytes of the declared sizes:
+            R * max_tokens rows, or an expert-major layout of twice the mean
+            pairs). Each rank's direct memory, allocated by the first call
+            that uses it: num_in_flight slots of this, a combine pool of
+            R * max_tokens partial rows, and, for zero-copy combines,
+            num_in_flight slots of R * max_tokens rows of ``hidden``.
 
     The buffer is collective: create, call and destroy it on every rank of
     the node in the same order. Use it as a context manager or call
     :meth:`destroy`.
     """
 
-    def __new__(cls, group, num_bytes: int | None = None):
+    def __new__(cls, group, num_bytes: int | None = None, **sizes):
         # A group across nodes gets the two-hop mode's buffer (cupyep.internode_buffer), with these calls.
         if cls is Buffer and getattr(group, "num_nodes", 1) > 1:
             from ..internode_buffer import TwoHopBuffer
-            return TwoHopBuffer(group, num_bytes)
+            return TwoHopBuffer(group, num_bytes, **sizes)
         return super().__new__(cls)
 
-    def __init__(self, group, num_bytes: int | None = None):
+    def __init__(self, group, num_bytes: int | None = None, *, max_tokens: int = DEFAULT_MAX_TOKENS,
+                 hidden: int = DEFAULT_HIDDEN, num_topk: int = DEFAULT_NUM_TOPK, num_in_flight: int = DEFAULT_IN_FLIGHT,
+                 num_direct_bytes: int | None = None):
         import cupy
+        self.sizes = DeclaredSizes(max_tokens, hidden, num_topk)
+        self.num_in_flight = check_num_in_flight(num_in_flight)
+        if num_direct_bytes is not None and (not isinstance(num_direct_bytes, int) or num_direct_bytes < 1):
+            raise ValueError(f"num_direct_bytes must be an int >= 1 (or None: from the sizes), got {num_direct_bytes!r}")
+        self.num_direct_bytes = num_direct_bytes
         group.require_gpu("cupyep.Buffer")
         if group.num_nodes > 1:
             raise ValueError(f"normal mode within a node needs all {group.world_size} ranks on one node, "
@@ -94,7 +121,8 @@ class Buffer(DirectTransport):
         dev = cupy.cuda.Device()
         self.num_device_sms = dev.attributes["MultiProcessorCount"]
         self.sm_budget = self.num_device_sms // max(1, group.ranks_per_gpu)
-        num_bytes = int(num_bytes or max(size_hint(self.num_ranks, dispatch_config=self.default_dispatch_config(fp8),
+        num_bytes = int(num_bytes or max(size_hint(self.num_ranks, self.sizes.hidden, self.sizes.num_topk,
+                                                   dispatch_config=self.default_dispatch_config(fp8),
                                                    combine_config=self.default_combine_config())
                                          for fp8 in (False, True)))
         self.layout = buffer_layout(self.num_ranks, num_bytes)
@@ -209,7 +237,7 @@ class Buffer(DirectTransport):
                  is_token_in_rank=None, num_worst_tokens: int = 0, expert_alignment: int = 1,
                  config: Config | None = None, previous_event=None, async_finish: bool = False,
                  validate: bool = True, expert_major: bool = False, transport: str | None = None,
-                 notify_time_ns=None, queue_occupancy=None) -> DispatchResult:
+                 notify_time_ns=None, queue_occupancy=None, fresh: bool = False) -> DispatchResult:
         """Send each token to every rank owning one of its experts.
 
         Arguments:
@@ -251,14 +279,17 @@ class Buffer(DirectTransport):
                 capturable). See cupyep.intranode.expert_major.
             transport: "queue" (default) or "direct"; with a handle, the handle's
                 (None: that one). Direct: the receive arrays (recv_x, recv_x_scales,
-                recv_topk_idx, recv_topk_weights, handle.recv_src_idx) are views of
-                this rank's receive pool, valid until the next direct dispatch of this
-                buffer; the pool grows (collectively) when a call needs more, and in
-                worst-token mode every rank must pass the same num_worst_tokens.
+                recv_topk_idx, recv_topk_weights) are views of the next of this
+                rank's num_in_flight dispatch slots (DispatchResult's lease says
+                which; read after the slot goes to a later dispatch they raise
+                StaleResultError); the handle owns its routing and stays valid.
                 Direct with expert_major: the senders write the rows straight into
-                the expert blocks (views of the pool too) and no rank-major payload
+                the expert blocks (views of the slot too) and no rank-major payload
                 exists, so recv_x and recv_x_scales are None; a cached call keeps the
                 handle's expert_alignment.
+            fresh: the direct transport's receive arrays copied into arrays of
+                the caller's own (one more pass over the rows; lease None). The
+                queue transport's are the caller's own always.
             notify_time_ns: cupy int64 [2] or None (a metric, off by default): a
                 call that runs the notify pass adds the pass's device time in
                 nanoseconds (%globaltimer in the block that runs it) to [0] and
@@ -310,6 +341,10 @@ class Buffer(DirectTransport):
                 raise ValueError("dispatch needs topk_idx and num_experts (or a handle)")
             topk_idx = self._check_topk_idx(topk_idx, num_experts, validate)
         k = topk_idx.shape[1] if topk_idx is not None else 0
+        self.sizes.check("Buffer.dispatch", T, H, k if topk_idx is not None else None)
+        if num_worst_tokens > R * self.sizes.max_tokens:
+            raise ValueError(f"num_worst_tokens={num_worst_tokens} exceeds the {R} x max_tokens="
+                             f"{self.sizes.max_tokens} rows a rank can receive")
         if topk_idx is not None and topk_idx.shape[0] != T:
             raise ValueError(f"topk_idx has {topk_idx.shape[0]} rows but x has {T}")
         topk_weights = as_cupy(topk_weights, "topk_weights")
@@ -330,7 +365,7 @@ class Buffer(DirectTransport):
             return self._dispatch_direct(x, x_scales, topk_idx, topk_weights, num_experts, handle,
                                          (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank),
                                          num_worst_tokens, expert_alignment, cfg, previous_event, async_finish,
-                                         expert_major, notify_time_ns)
+                                         expert_major, notify_time_ns, fresh)
         rs = ring_set(self.layout, "dispatch", H, k, fp8, cfg)
         dispatch_fn = jit.kernel(K.dispatch_spec_for(R, cfg))
         self._check_resident(dispatch_fn, cfg, "dispatch")
@@ -553,9 +588,9 @@ class Buffer(DirectTransport):
         row_weights = as_cupy(row_weights, "row_weights")
         if row_weights is not None:
             check(row_weights, "row_weights", np.float32, shape=(N,))
-        direct_rows = self._combine_rows(handle) if handle.transport == "direct" else None
+        self.sizes.check("Buffer.combine", T, H, k or None)
         if zero_copy:
-            self._check_zero_copy(x, handle, em, k, direct_rows)
+            self._check_zero_copy(x, handle, em, k)
         if handle.transport == "direct":
             if config is not None and not isinstance(config, D.DirectConfig):
                 raise ValueError(f"the direct transport takes a DirectConfig, got {type(config).__name__}")
@@ -582,7 +617,7 @@ class Buffer(DirectTransport):
             combined_w = cupy.empty((T, k), dtype=np.float32) if topk_weights is not None else None
             if handle.transport == "direct":
                 self._combine_direct(fn, cfg, x, handle, row_weights, topk_weights, combined, combined_w, N,
-                                     direct_rows, zero_copy)
+                                     zero_copy)
         if handle.transport == "direct":  # the caller's stream waits (or not) outside the communication stream
             return CombineResult(combined, combined_w, self._end(async_finish, (x_in, topk_weights, row_weights,
                                                                                  pair_weights)), reduced)

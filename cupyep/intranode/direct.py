@@ -4,15 +4,17 @@ argument structs and kernel specialisations (kernels: cuda_src/intranode/direct.
 A sender writes each row straight into the receiver's output, so every
 received byte crosses HBM once (the queue transport moves it twice: into a
 ring, then out of it). The outputs live in IPC-registered pools, one per
-rank and kind, exchanged once and grown (collectively) when a call needs
-more; a dispatch's ``recv_x`` and its other receive arrays are views of this
-rank's dispatch pool, valid until the next direct dispatch of the buffer.
+rank and kind, sized from the buffer's declared sizes and exchanged once
+(:class:`DirectPools`); a dispatch's ``recv_x`` and its other receive arrays
+are views of one of the dispatch pool's ``num_in_flight`` slots, valid until
+that slot goes to a later dispatch (cupyep.slots: reading them through the
+result then raises StaleResultError).
 
 Pools of every rank (the same sizes on every rank):
 
 - sync: four [R] arrays of int64 counters (:data:`SYNC_STRIDE` bytes apart):
   dispatch ready / arrived, combine ready / arrived (see direct_args.cuh);
-- dispatch: the receive arrays of a call, laid out by :func:`recv_layout`;
+- dispatch: the receive arrays of a call, laid out by :func:`recv_layout`, in slots;
 - combine: the partial rows an owner receives, laid out by :func:`combine_layout`;
 - zero_copy: the caller's expert outputs of a zero-copy combine (which the
   owners read in place) and the pushed weights, laid out by
@@ -38,8 +40,6 @@ u64, i64, i32 = np.uint64, np.int64, np.int32
 
 SYNC_STRIDE = 64       # bytes between counters (kDirectSyncStride)
 ALIGN = 256            # alignment of every array in a pool
-POOL_GRANULE = 2 << 20  # pools grow in multiples of this many bytes
-GROWTH = 1.25          # headroom when a pool grows
 THREADS = 512
 STATE_HEADER = 9       # kStateHeader
 ZERO_COPY_MAX_TOPK = 32  # top-k weights a zero-copy combine carries (its metadata stride is fixed)
@@ -172,6 +172,15 @@ class RecvLayout:
     em_recv_row: int = -1
     em_rows: int = 0
 
+    def at(self, base: int) -> "RecvLayout":
+        """This layout with every array ``base`` bytes further into the pool (a slot's base)."""
+        if not base:
+            return self
+        sh = lambda o: o + base if o >= 0 else o  # noqa: E731
+        return RecvLayout(sh(self.x), sh(self.x_scales), sh(self.topk_idx), sh(self.topk_weights), sh(self.src_idx),
+                          self.x_bytes, self.rows, self.end + base, sh(self.em_x), sh(self.em_x_scales),
+                          sh(self.em_src_row), sh(self.em_recv_row), self.em_rows)
+
     def struct(self) -> np.void:
         return jit.pack(RECV_LAYOUT_DTYPE, x=self.x, x_scales=self.x_scales, topk_idx=self.topk_idx,
                         topk_weights=self.topk_weights, src_idx=self.src_idx, x_bytes=self.x_bytes, rows=self.rows,
@@ -250,25 +259,68 @@ def combine_rows_that_fit(nbytes: int, hidden: int, num_topk: int) -> int:
     return rows
 
 
-def grown_size(nbytes: int) -> int:
-    """Bytes a pool that must hold ``nbytes`` is allocated with (headroom, granule)."""
-    return -(-int(nbytes * GROWTH) // POOL_GRANULE) * POOL_GRANULE
+def default_slot_bytes(num_ranks: int, sizes) -> int:
+    """Bytes of one dispatch slot for the declared sizes (cupyep.sizes.DeclaredSizes):
+    the larger of the rank-major worst case (every rank's max_tokens to this
+    rank: R * max_tokens rows of BF16, FP8 or expert-major metadata) and an
+    expert-major layout with twice the mean (row, expert) pairs a rank
+    receives (2 * max_tokens * num_topk rows)."""
+    rows = num_ranks * sizes.max_tokens
+    H, k = sizes.hidden, sizes.num_topk
+    rank_major = max(recv_layout(rows, 2 * H, 0, k, True, True).end,
+                     recv_layout(rows, H, H // 128, k, True, True).end)
+    expert_major = recv_layout(rows, 2 * H, 0, k, True, True, expert_rows=2 * sizes.max_tokens * k).end
+    return _align(max(rank_major, expert_major))
+
+
+def expert_rows_that_fit(nbytes: int, rows: int, x_bytes: int, num_scales: int, num_topk: int,
+                         with_weights: bool) -> int:
+    """The most expert-major rows M whose recv_layout(rows, ..., expert_rows=M) fits ``nbytes`` (0: none)."""
+    shape = (x_bytes, num_scales, num_topk, True, with_weights)
+    base = recv_layout(rows, *shape, expert_rows=0).end
+    per_row = x_bytes + 4 * num_scales + 4
+    m = max(0, (int(nbytes) - base) // per_row)
+    while m and recv_layout(rows, *shape, expert_rows=m).end > nbytes:
+        m -= 1
+    return m
 
 
 class DirectPools:
     """The direct transport's memory of one Buffer (collective, like the buffer).
 
+    Sized when made, from the declared sizes (cupyep.sizes.DeclaredSizes) and
+    never grown, so no result's memory is ever freed under it:
+
+    - dispatch: ``num_in_flight`` slots of ``slot_bytes`` (default
+      :func:`default_slot_bytes`), taken round-robin (cupyep.slots); a
+      dispatch's receive arrays are views of its slot;
+    - combine: the partial rows an owner receives, for R * max_tokens rows of
+      the declared hidden size and top-k (one region: combines run in order
+      on the communication stream, each behind its own handshake);
+    - zero_copy: ``num_in_flight`` slots of the same shape, slot s holding the
+      expert outputs of the dispatch in dispatch slot s.
+
+    Each pool is allocated (collectively) by the first call that uses it.
+
     Attributes:
         sync: SymmetricBuffer of the counters.
         pools: {"dispatch", "combine", "zero_copy"}: SymmetricBuffer pools, or None before first use.
+        slots: cupyep.slots.InFlightSlots of the dispatch (and zero-copy) slots.
         state: cupy int64 [4 + 2R], private.
     """
 
-    def __init__(self, group):
+    def __init__(self, group, sizes, num_in_flight: int, slot_bytes: int | None = None):
         import cupy
+        from ..slots import InFlightSlots
         self.group = group
         R = group.local_size
         self.num_ranks = R
+        self.sizes = sizes
+        self.max_rows = R * sizes.max_tokens  # the most rows a rank receives, and partial rows an owner gets back
+        self.slot_bytes = _align(slot_bytes) if slot_bytes else default_slot_bytes(R, sizes)
+        self.zero_copy_bytes = zero_copy_layout(self.max_rows, sizes.hidden, self.max_rows)[2]
+        self.combine_bytes = combine_layout(self.max_rows, sizes.hidden, sizes.num_topk)[2]
+        self.slots = InFlightSlots(num_in_flight, "direct transport's dispatch pool")
         self.sync = SymmetricBuffer(group, _align(4 * R * SYNC_STRIDE))
         self.sync_struct = jit.pack(SYNC_DTYPE, dispatch_ready=0, dispatch_arrived=R * SYNC_STRIDE,
                                     combine_ready=2 * R * SYNC_STRIDE, combine_arrived=3 * R * SYNC_STRIDE)
@@ -276,69 +328,68 @@ class DirectPools:
         self.pools = {"dispatch": None, "combine": None, "zero_copy": None}
         self._layouts: dict = {}
 
-    def recv_layout(self, *shape) -> RecvLayout:
-        """recv_layout of the most rows the dispatch pool holds for ``shape``
-        (x_bytes, num_scales, num_topk, with_idx, with_weights); cached."""
-        key = ("dispatch", self.nbytes("dispatch"), shape)
-        if key not in self._layouts:
-            self._layouts[key] = recv_layout(rows_that_fit(self.nbytes("dispatch"), *shape), *shape)
-        return self._layouts[key]
-
-    def expand_layout(self, shape: tuple, rows: int | None = None, expert_rows: int | None = None):
-        """The expert-major recv_layout of ``shape`` (recv_layout's arguments
-        after rows): the one in use when it holds ``rows`` rows and
-        ``expert_rows`` expert-major rows (None: whatever it holds, or None
-        before the first), else a new one with headroom. The caller ensures
-        the pool holds its ``end`` (every rank asks for the same numbers, so
-        every rank lays its pool out alike)."""
-        key = ("expand", shape)
-        lay = self._layouts.get(key)
-        if rows is None:
-            return lay if lay is not None and lay.end <= self.nbytes("dispatch") else None
-        if lay is None or lay.rows < rows or lay.em_rows < expert_rows:
-            grow = lambda n: int(math.ceil(max(n, 1) * GROWTH))
-            lay = recv_layout(max(grow(rows), lay.rows if lay else 0), *shape,
-                              expert_rows=max(grow(expert_rows), lay.em_rows if lay else 0))
-            self._layouts[key] = lay
-        return lay
-
-    def combine_layout(self, hidden: int, num_topk: int) -> tuple[int, int, int]:
-        """(partial_x, partial_meta, rows) of the combine pool for this row shape; cached."""
-        key = ("combine", self.nbytes("combine"), hidden, num_topk)
-        if key not in self._layouts:
-            rows = combine_rows_that_fit(self.nbytes("combine"), hidden, num_topk)
-            self._layouts[key] = (*combine_layout(rows, hidden, num_topk)[:2], rows)
-        return self._layouts[key]
-
-    def nbytes(self, kind: str) -> int:
+    def pool(self, kind: str) -> SymmetricBuffer:
+        """Collective at the first call that uses ``kind``: the pool, allocated
+        at its fixed size (MemoryError naming the bytes when a rank lacks them)."""
         pool = self.pools[kind]
-        return pool.nbytes if pool is not None else 0
-
-    def ensure(self, kind: str, nbytes: int) -> SymmetricBuffer:
-        """Collective: the ``kind`` pool, grown to hold ``nbytes`` if it is
-        smaller. Every rank must ask for the same ``nbytes`` (the callers
-        derive it from the count matrix every rank knows, or agree on it)."""
-        pool = self.pools[kind]
-        if pool is not None and pool.nbytes >= nbytes:
+        if pool is not None:
             return pool
         import cupy
-        size = grown_size(max(nbytes, 1))
-        cupy.cuda.runtime.deviceSynchronize()
-        free = cupy.cuda.runtime.memGetInfo()[0] + (pool.nbytes if pool is not None else 0)
+        size = {"dispatch": self.slots.num_in_flight * self.slot_bytes, "combine": self.combine_bytes,
+                "zero_copy": self.slots.num_in_flight * self.zero_copy_bytes}[kind]
+        if cupy.cuda.get_current_stream().is_capturing():
+            raise ValueError(f"the direct transport's {kind} pool is allocated by the first call that uses it; "
+                             f"run that call once outside graph capture first")
+        free = cupy.cuda.runtime.memGetInfo()[0]
         oks = self.group.node_comm.allgather(free >= size)
         if not all(oks):
             short = [r for r, ok in enumerate(oks) if not ok]
-            raise MemoryError(f"the direct transport's {kind} pool needs {size} bytes on every rank "
-                              f"({nbytes} for this call); node-local rank(s) {short} lack the free device memory "
-                              f"(this rank: {free} bytes free)")
-        if pool is not None:
-            pool.destroy()
-            self.pools[kind] = None
+            raise MemoryError(f"the direct transport's {kind} pool needs {size} bytes on every rank; node-local "
+                              f"rank(s) {short} lack the free device memory (this rank: {free} bytes free); make "
+                              f"the Buffer with smaller max_tokens, hidden, num_topk or num_in_flight")
         self.pools[kind] = SymmetricBuffer(self.group, size)
         return self.pools[kind]
 
+    def recv_layout(self, shape: tuple, slot: int) -> RecvLayout:
+        """The rank-major recv_layout of ``shape`` (x_bytes, num_scales, num_topk,
+        with_idx, with_weights) in dispatch slot ``slot``: the most rows the slot holds."""
+        key = ("dispatch", shape)
+        if key not in self._layouts:
+            self._layouts[key] = recv_layout(rows_that_fit(self.slot_bytes, *shape), *shape)
+        return self._layouts[key].at(slot * self.slot_bytes)
+
+    def expand_layout(self, shape: tuple, slot: int) -> RecvLayout:
+        """The expert-major recv_layout of ``shape`` in dispatch slot ``slot``:
+        R * max_tokens rows of metadata, and the most expert-major rows the rest
+        of the slot holds (``em_rows``)."""
+        key = ("expand", shape)
+        if key not in self._layouts:
+            x_bytes, ns, k, _, with_w = shape
+            m = expert_rows_that_fit(self.slot_bytes, self.max_rows, x_bytes, ns, k, with_w)
+            self._layouts[key] = recv_layout(self.max_rows, *shape, expert_rows=m)
+        return self._layouts[key].at(slot * self.slot_bytes)
+
+    def expand_bytes(self, shape: tuple, expert_rows: int) -> int:
+        """Slot bytes an expert-major call of ``expert_rows`` rows needs (for the error message)."""
+        return recv_layout(self.max_rows, *shape, expert_rows=expert_rows).end
+
+    def combine_layout(self, hidden: int, num_topk: int) -> tuple[int, int, int]:
+        """(partial_x, partial_meta, rows) of the combine pool for this row shape; cached."""
+        key = ("combine", hidden, num_topk)
+        if key not in self._layouts:
+            rows = combine_rows_that_fit(self.combine_bytes, hidden, num_topk)
+            self._layouts[key] = (*combine_layout(rows, hidden, num_topk)[:2], rows)
+        return self._layouts[key]
+
+    def zero_copy_layout(self, hidden: int, slot: int) -> tuple[int, int, int]:
+        """(zc_x, partial_meta, rows) of zero-copy slot ``slot`` for rows of ``hidden``."""
+        zc_x, meta, _ = zero_copy_layout(self.max_rows, hidden, self.max_rows)
+        base = slot * self.zero_copy_bytes
+        return zc_x + base, meta + base, self.max_rows
+
     def destroy(self) -> None:
-        """Collective: free every pool."""
+        """Collective: free every pool (every lease of its slots becomes stale)."""
+        self.slots.invalidate_all()
         for kind, pool in self.pools.items():
             if pool is not None:
                 pool.destroy()

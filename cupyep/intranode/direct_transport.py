@@ -31,36 +31,16 @@ class DirectTransport:
 
     def _direct_pools(self) -> D.DirectPools:
         if self._direct is None:
-            self._direct = D.DirectPools(self.group)
+            self._direct = D.DirectPools(self.group, self.sizes, self.num_in_flight, self.num_direct_bytes)
         return self._direct
-
-    def _agreed_rows(self, rows: int) -> int:
-        """The most of ``rows`` over the node's ranks (worst-token mode, whose
-        counts never reach the host). Under graph capture no rank may talk to
-        the others: this rank's own number then, which the pool must already
-        hold (checked by the caller)."""
-        import cupy
-        if cupy.cuda.get_current_stream().is_capturing() or self.comm_stream.is_capturing():
-            return int(rows)
-        from mpi4py import MPI
-        return int(self.group.node_comm.allreduce(int(rows), op=MPI.MAX))
-
-    def _direct_pool(self, kind: str, nbytes: int):
-        """The ``kind`` pool holding ``nbytes``: grown collectively when it is
-        smaller, except under graph capture, where a pool too small is an error."""
-        import cupy
-        pools = self._direct_pools()
-        capturing = cupy.cuda.get_current_stream().is_capturing() or self.comm_stream.is_capturing()
-        if capturing and pools.nbytes(kind) < nbytes:
-            raise ValueError(f"the direct transport's {kind} pool holds {pools.nbytes(kind)} bytes, this call needs "
-                             f"{nbytes}: run the same call once outside graph capture first, so that it grows")
-        return pools.ensure(kind, nbytes)
 
     def _dispatch_direct(self, x, x_scales, topk_idx, topk_weights, num_experts, handle, arrays, num_worst_tokens,
                          expert_alignment, cfg, previous_event, async_finish, expert_major,
-                         notify_time_ns=None) -> DispatchResult:
+                         notify_time_ns=None, fresh: bool = False) -> DispatchResult:
         """Dispatch over the direct transport (arguments checked by dispatch).
 
+        The receive arrays are views of the next dispatch slot (its Lease in
+        the result and the handle); ``fresh``: copied out of it instead.
         expert_major: the senders write each row straight into its experts'
         blocks (once per local slot); no rank-major payload is written, so
         the result's recv_x and recv_x_scales are None."""
@@ -78,25 +58,28 @@ class DirectTransport:
         if expert_major and handle is not None and handle.expand.alignment != expert_alignment:
             raise ValueError(f"a cached expert-major dispatch on the direct transport keeps the expert_alignment of "
                              f"the handle's dispatch ({handle.expand.alignment}), got {expert_alignment}")
-        pools = self._direct
-        fused = cfg.fused and handle is None and pools is not None and pools.pools["dispatch"] is not None and \
-            (not expert_major or pools.expand_layout(shape) is not None or num_worst_tokens > 0)
+        pools = self._direct_pools()
+        slot = pools.slots.peek()
+        lay = pools.expand_layout(shape, slot) if expert_major else pools.recv_layout(shape, slot)
+        worst = handle.num_worst_tokens if handle is not None else num_worst_tokens
+        if expert_major and worst > 0:  # the expert-major bound must fit the slot before anything is launched
+            self._check_expert_rows(shape, lay, EM.expert_rows_capacity(None, worst, k, E_local, expert_alignment))
+        fused = cfg.fused and handle is None
         if fused:
             fused_fn = jit.kernel(D.fused_spec(R, cfg.num_threads))
             self._check_direct_resident(fused_fn, cfg, "fused direct dispatch")
-        worst = handle.num_worst_tokens if handle is not None else num_worst_tokens
-        worst_rows = self._agreed_rows(worst) if worst > 0 else 0  # worst-token mode: no counts reach the host
-        if worst_rows:  # sized before any launch (no host wait follows); a pool that cannot grow raises here
-            self._worst_token_pool(shape, worst_rows, expert_major, k, E_local, expert_alignment)
+        pool = pools.pool("dispatch")
+        capturing = cupy.cuda.get_current_stream().is_capturing() or self.comm_stream.is_capturing()
+        lease = pools.slots.take("Buffer.dispatch (direct)", pin=capturing)
         self._begin(previous_event)
         sent = False
         with self.comm_stream:
             # On the communication stream, which its kernels use: memory the caller's stream
             # could reuse as soon as this call returns (async_finish) would be overwritten under them.
             pos = cupy.empty((T, k), dtype=np.int32) if expert_major else None
-            if fused:  # layout, notify and (if the pools hold every receiver's rows) the send in one launch
-                handle, sent = self._dispatch_fused(fused_fn, cfg, x, x_scales, topk_idx, topk_weights, num_experts,
-                                                    num_worst_tokens, expert_alignment, shape, worst_rows, pos,
+            if fused:  # layout, notify and the send in one launch
+                handle, sent = self._dispatch_fused(fused_fn, cfg, pool, lay, shape, x, x_scales, topk_idx, topk_weights,
+                                                    num_experts, num_worst_tokens, expert_alignment, pos,
                                                     notify_time_ns)
                 notified = True
             elif handle is None:
@@ -107,17 +90,13 @@ class DirectTransport:
             else:
                 notified = False
             N = handle.num_worst_tokens or handle.num_recv_tokens
-            rows, rows_sent, m_view, m_cap = self._direct_rows(handle, worst_rows, notified, expert_major, k, E_local,
-                                                               expert_alignment)
+            rows_sent, m_view, m_need = self._direct_rows(handle, notified, expert_major, k, E_local,
+                                                          expert_alignment)
             if expert_major:
-                lay = self._direct_pools().expand_layout(shape, rows, m_cap)
-                pool = self._direct_pool("dispatch", lay.end)
-            else:
-                pool = self._direct_pool("dispatch", D.recv_layout(rows, *shape).end)
-                lay = self._direct.recv_layout(*shape)
+                self._check_expert_rows(shape, lay, m_need)  # the same verdict on every rank (global counts)
             recv_topk_idx = pool.view(lay.topk_idx, (N, k), np.int64) if topk_idx is not None else None
             recv_topk_weights = pool.view(lay.topk_weights, (N, k), np.float32) if topk_weights is not None else None
-            handle = replace(handle, recv_src_idx=pool.view(lay.src_idx, (N,), np.int32))
+            recv_src_idx = pool.view(lay.src_idx, (N,), np.int32)
             if not sent:
                 blocks = cfg.num_sms or D.default_num_sms(self.sm_budget, rows_sent, cfg.num_threads)
                 args = self._direct_dispatch_struct(handle, pool, lay, x, x_scales, topk_idx, topk_weights,
@@ -126,6 +105,9 @@ class DirectTransport:
                     jit.kernel(D.positions_spec())((1,), (D.POSITIONS_THREADS,), (args,),
                                                     shared_mem=4 * D.hist_warps(num_experts) * num_experts)
                 fn((blocks,), (cfg.num_threads,), (args,))
+            # The handle owns its routing: the source indices (and the expert-major map) are copied out
+            # of the slot, so combine and cached dispatch take it whatever happens to the slot later.
+            handle = replace(handle, recv_src_idx=recv_src_idx.copy(), lease=lease)
             per_expert = aligned_expert_counts(handle.recv_expert_counts, expert_alignment)
             if expert_major:
                 em = EM.ExpertMajorOutput(
@@ -133,7 +115,7 @@ class DirectTransport:
                     expert_x_scales=pool.view(lay.em_x_scales, (m_view, ns), np.float32) if fp8 else None,
                     expert_offsets=handle.expand.meta[:E_local + 1],
                     expert_src_row=pool.view(lay.em_src_row, (m_view,), np.int32),
-                    recv_expert_row=pool.view(lay.em_recv_row, (N, k), np.int32), num_expert_rows=m_view)
+                    recv_expert_row=pool.view(lay.em_recv_row, (N, k), np.int32).copy(), num_expert_rows=m_view)
                 handle = replace(handle, recv_expert_row=em.recv_expert_row, num_expert_rows=m_view)
                 recv_x = recv_scales = None
             else:
@@ -141,41 +123,45 @@ class DirectTransport:
                 recv_scales = pool.view(lay.x_scales, (N, ns), np.float32) if fp8 else None
                 handle, em = self._with_expert_major(handle, False, None, recv_x, recv_scales, recv_topk_idx,
                                                      num_experts, expert_alignment)
-        return dispatch_result(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle,
-                                self._end(async_finish, (x, x_scales, topk_idx, topk_weights, pos)), em)
+            if fresh:  # the caller's own arrays: one more pass over the rows, never stale
+                recv_x, recv_scales, recv_topk_idx, recv_topk_weights = (
+                    a.copy() if a is not None else None for a in (recv_x, recv_scales, recv_topk_idx,
+                                                                  recv_topk_weights))
+                if em is not None:
+                    em = replace(em, expert_x=em.expert_x.copy(), expert_src_row=em.expert_src_row.copy(),
+                                 expert_x_scales=em.expert_x_scales.copy() if em.expert_x_scales is not None
+                                 else None)
+        result = dispatch_result(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle,
+                                 self._end(async_finish, (x, x_scales, topk_idx, topk_weights, pos)), em)
+        result.lease = None if fresh else lease
+        return result
 
-    def _worst_token_pool(self, shape, worst_rows: int, expert_major: bool, k: int, E_local: int,
-                          alignment: int) -> None:
-        """Grow the dispatch pool (collectively) to hold a worst-token call of
-        ``worst_rows`` rows (and their expert-major bound) before anything is
-        launched; MemoryError naming the bytes when it cannot."""
-        if expert_major:
-            m = EM.expert_rows_capacity(None, worst_rows, k, E_local, alignment)
-            self._direct_pool("dispatch", self._direct_pools().expand_layout(shape, worst_rows, m).end)
-        else:
-            self._direct_pool("dispatch", D.recv_layout(worst_rows, *shape).end)
+    def _check_expert_rows(self, shape: tuple, lay, rows: int) -> None:
+        """ValueError unless the slot's expert-major layout ``lay`` holds ``rows``
+        expert-major rows, naming the num_direct_bytes that would."""
+        if rows > lay.em_rows:
+            raise ValueError(f"this expert-major dispatch needs {rows} expert-major rows; a dispatch slot of "
+                             f"{self._direct.slot_bytes} bytes holds {lay.em_rows} of them: make the Buffer with "
+                             f"num_direct_bytes>={self._direct.expand_bytes(shape, rows)}")
 
-    def _direct_rows(self, handle, worst_rows: int, notified: bool, expert_major: bool, k: int, E_local: int,
-                     alignment: int) -> tuple[int, int, int, int]:
-        """(rows every rank's pool must hold, rows this rank sends, this rank's
-        expert-major rows M_cap, expert-major rows every rank's pool must
-        hold) of a direct dispatch; the expert-major ones are 0 without
-        expert_major. M_cap is exact for a notified call with counts on the
-        host, else the bound EM.worst_expert_rows, as on the queue transport."""
-        me = self.rank
+    def _direct_rows(self, handle, notified: bool, expert_major: bool, k: int, E_local: int,
+                     alignment: int) -> tuple[int, int, int]:
+        """(rows this rank sends, this rank's expert-major rows M_cap, the most
+        expert-major rows any rank lays out) of a direct dispatch; the
+        expert-major ones are 0 without expert_major. M_cap is exact for a
+        notified call with counts on the host, else the bound
+        EM.worst_expert_rows, as on the queue transport."""
         N = handle.num_worst_tokens or handle.num_recv_tokens
-        if handle.counts is not None:
-            rows, rows_sent = max(N, int(handle.counts.sum(axis=0).max())), int(handle.counts[me].sum())
-        else:
-            rows, rows_sent = worst_rows, handle.num_tokens * self.num_ranks
+        rows_sent = int(handle.counts[self.rank].sum()) if handle.counts is not None else \
+            handle.num_tokens * self.num_ranks
         if not expert_major:
-            return rows, rows_sent, 0, 0
-        bound = lambda n: EM.expert_rows_capacity(None, n, k, E_local, alignment)
+            return rows_sent, 0, 0
         if notified and handle.counts is not None:
             m_view = EM.expert_rows_capacity(aligned_expert_counts(handle.recv_expert_counts, alignment), N, k,
                                              E_local, alignment)
-            return rows, rows_sent, m_view, handle.expand.most_rows
-        return rows, rows_sent, bound(N), bound(rows)
+            return rows_sent, m_view, handle.expand.most_rows
+        bound = EM.expert_rows_capacity(None, N, k, E_local, alignment)
+        return rows_sent, bound, bound
 
     def _direct_dispatch_struct(self, handle, pool, lay, x, x_scales, topk_idx, topk_weights, num_experts,
                                 capacity: int, pos=None, compute_pos: bool = False,
@@ -204,25 +190,21 @@ class DirectTransport:
             num_topk=k, num_local_experts=num_experts // self.num_ranks, num_channels=handle.num_channels,
             capacity=capacity, rank=self.rank, guard=self._guard("intranode_direct_dispatch"))
 
-    def _dispatch_fused(self, fn, cfg, x, x_scales, topk_idx, topk_weights, num_experts, num_worst_tokens,
-                        alignment, shape, worst_rows: int, pos, notify_time_ns=None) -> tuple[DispatchHandle, bool]:
-        """One launch of the fused kernel (layout + notify + send), on the
-        communication stream. Returns (handle, sent): sent is False when the
-        pools were too small for some receiver's rows, so nothing was sent
-        (the caller grows them and sends with the plain kernel). Outside
-        worst-token mode the host waits, bounded, for the counts only (the
-        kernel's status word), not for the send. ``worst_rows``: in worst-token
-        mode, the rows every rank's pool must hold (_agreed_rows). ``pos``:
-        the [T, k] expert-major positions the kernel fills (expert-major
-        dispatch), else None."""
+    def _dispatch_fused(self, fn, cfg, pool, lay, shape, x, x_scales, topk_idx, topk_weights, num_experts,
+                        num_worst_tokens, alignment, pos, notify_time_ns=None) -> tuple[DispatchHandle, bool]:
+        """One launch of the fused kernel (layout + notify + send into ``pool``
+        laid out as ``lay``), on the communication stream. Returns (handle,
+        True). Outside worst-token mode the host waits, bounded, for the counts
+        only (the kernel's status word), not for the send. When the slot is
+        too small for some receiver's expert-major rows the kernel sends
+        nothing (status 2, the same verdict on every rank) and this raises
+        ValueError. ``pos``: the [T, k] expert-major positions the kernel
+        fills (expert-major dispatch), else None."""
         import cupy
         R = self.num_ranks
         T, H = x.shape
         C = D.notify_channels(R)
         worst = num_worst_tokens > 0
-        pools = self._direct
-        lay = pools.expand_layout(shape) if pos is not None else pools.recv_layout(*shape)
-        pool = pools.pools["dispatch"]
         in_rank = cupy.empty((T, R), dtype=np.bool_)
         nargs, arrays = self._notify_struct(T, num_experts, None, None, in_rank, C, alignment, num_worst_tokens,
                                             "direct", notify_time_ns)
@@ -241,9 +223,13 @@ class DirectTransport:
             return handle, True
         status = self._wait_host_status()
         handle = self._notify_handle(arrays, T, H, num_experts, C, num_worst_tokens, "direct")
-        if status == 2:  # the pools are too small: the kernel sent nothing and ends at once
+        if status == 2:  # nothing was sent: the slot cannot hold some receiver's rows
             self.synchronize()
-        return handle, status == 1
+            if pos is not None:
+                self._check_expert_rows(shape, lay, handle.expand.most_rows)
+            raise RuntimeError(f"the fused direct dispatch found a receiver with more rows than its slot holds "
+                               f"({lay.rows}), with at most max_tokens={self.sizes.max_tokens} tokens per rank")
+        return handle, True
 
     def _wait_host_status(self) -> int:
         """Bounded host wait for the fused kernel's status word (1 sent, 2 pools
@@ -267,25 +253,16 @@ class DirectTransport:
             raise RuntimeError("the fused direct dispatch's notify pass failed without a device error")
         return status
 
-    def _combine_rows(self, handle) -> tuple[int, int]:
-        """(the most rows any rank received in the handle's dispatch, the most
-        partial rows any owner receives back), the same on every rank."""
-        R = self.num_ranks
-        if handle.counts is not None:
-            return int(handle.counts.sum(axis=0).max()), int(handle.counts.sum(axis=1).max())
-        N = handle.num_worst_tokens
-        return self._agreed_rows(N), self._agreed_rows(handle.num_tokens * R)  # a token goes once to each rank
-
-
     @traced_call("Buffer.get_combine_buffer")
     def get_combine_buffer(self, handle: DispatchHandle, hidden: int | None = None):
         """Where to write the expert outputs of a direct dispatch for a
         zero-copy combine (``combine(buf, handle, zero_copy=True)``).
 
-        Collective when the zero-copy pool must grow (every rank calls it
-        for the same dispatch). The buffer is this rank's part of that pool: write it after the dispatch that made ``handle`` and before
-        its combine; it is reused by the next zero-copy combine (one per
-        dispatch in flight).
+        The buffer is this rank's part of the zero-copy slot of the handle's
+        dispatch slot: write it after that dispatch and combine it before the
+        slot goes to a later dispatch (num_in_flight dispatches later; then
+        this raises StaleResultError). Collective at its first call (the
+        zero-copy pool is allocated).
 
         Returns:
             cupy [N, H] uint16 (BF16 bits), N the handle's received rows (or
@@ -297,43 +274,44 @@ class DirectTransport:
             raise ValueError("a zero-copy combine needs a handle of the direct transport")
         H = int(hidden or handle.hidden)
         check_hidden(H)
-        out_rows, meta_rows = self._combine_rows(handle)
-        zc_x, _, end = D.zero_copy_layout(out_rows, H, meta_rows)
-        pool = self._direct_pool("zero_copy", end)
+        self.sizes.check("Buffer.get_combine_buffer", handle.num_tokens, H)
+        handle.lease.check("the zero-copy combine buffer")
+        zc_x, _, _ = self._direct.zero_copy_layout(H, handle.lease.slot)
         N = handle.num_worst_tokens or handle.num_recv_tokens
-        return pool.view(zc_x, (N, H), BF16)
+        return self._direct.pool("zero_copy").view(zc_x, (N, H), BF16)
 
-    def _check_zero_copy(self, x, handle, expert_major: bool, k: int, rows: tuple[int, int]) -> None:
-        """ValueError unless x is ``handle``'s get_combine_buffer (``rows``: _combine_rows(handle))."""
+    def _check_zero_copy(self, x, handle, expert_major: bool, k: int) -> None:
+        """ValueError unless x is ``handle``'s get_combine_buffer; StaleResultError
+        when the handle's slot went to a later dispatch."""
         if handle.transport != "direct":
             raise ValueError("zero_copy needs a handle of the direct transport")
         if expert_major:
             raise ValueError("zero_copy takes one row per received row, not expert-major outputs")
         if k > D.ZERO_COPY_MAX_TOPK:
             raise ValueError(f"a zero-copy combine carries at most {D.ZERO_COPY_MAX_TOPK} top-k weights, got {k}")
-        pool = self._direct.pools["zero_copy"] if self._direct is not None else None
-        zc_x, _, end = D.zero_copy_layout(rows[0], x.shape[1], rows[1])
-        if pool is None or pool.nbytes < end or x.data.ptr != pool.ptr + zc_x:
+        handle.lease.check("the zero-copy combine buffer")
+        pool = self._direct.pools["zero_copy"]
+        zc_x, _, _ = self._direct.zero_copy_layout(x.shape[1], handle.lease.slot)
+        if pool is None or x.data.ptr != pool.ptr + zc_x:
             raise ValueError("zero_copy needs x = get_combine_buffer(handle), written with the expert outputs")
 
     def _combine_direct(self, fn, cfg, x, handle, row_weights, topk_weights, combined, combined_w, N,
-                        rows: tuple[int, int], zero_copy: bool = False) -> None:
+                        zero_copy: bool = False) -> None:
         """Combine over the direct transport, on the communication stream:
         each expert rank pushes its rows (zero-copy: only their weights) into
-        the owners' partial rows, each owner reduces them in rank order.
-        ``rows``: _combine_rows(handle)."""
+        the owners' partial rows, each owner reduces them in rank order."""
         me = self.rank
         T, H = combined.shape
         k = topk_weights.shape[1] if topk_weights is not None else 0
+        pools = self._direct
         if zero_copy:
-            zc_x, partial_meta, _ = D.zero_copy_layout(rows[0], H, rows[1])
-            pool, partial_x, fit, meta_stride = self._direct.pools["zero_copy"], 0, rows[1], 1 + D.ZERO_COPY_MAX_TOPK
+            zc_x, partial_meta, fit = pools.zero_copy_layout(H, handle.lease.slot)
+            pool, partial_x, meta_stride = pools.pools["zero_copy"], 0, 1 + D.ZERO_COPY_MAX_TOPK
         else:
-            pool = self._direct_pool("combine", D.combine_layout(rows[1], H, k)[2])
-            partial_x, partial_meta, fit = self._direct.combine_layout(H, k)
+            pool = pools.pool("combine")
+            partial_x, partial_meta, fit = pools.combine_layout(H, k)
             zc_x, meta_stride = -1, 1 + k
         blocks = cfg.num_sms or D.default_num_sms(self.sm_budget, max(N, T), cfg.num_threads)
-        pools = self._direct
         args = jit.pack(
             D.COMBINE_ARGS_DTYPE, pools=jit.ptr(pool.peer_ptrs), syncs=jit.ptr(pools.sync.peer_ptrs),
             sync=pools.sync_struct, partial_x=partial_x, partial_meta=partial_meta, zc_x=zc_x, rows=fit,

@@ -72,6 +72,11 @@ class DispatchHandle:
             rank d (every rank has the same); None in worst-token mode.
         expand: ExpandTables of a direct-transport dispatch (where its pairs
             go in expert-major dispatches), else None.
+        lease: the direct transport's cupyep.slots.Lease of the dispatch slot
+            that holds this dispatch's rows (its zero-copy combine buffer is
+            that slot's), else None. The routing above is the handle's own:
+            combine and cached dispatch take the handle whatever became of
+            the slot.
     """
     rank_prefix_matrix: object
     recv_channel_prefix: object
@@ -95,6 +100,7 @@ class DispatchHandle:
     transport: str = "queue"
     counts: object = None
     expand: object = None
+    lease: object = None
 
 
 @dataclass
@@ -126,6 +132,14 @@ class DispatchResult:
     (zeroing them would write every padding row on every call); skip them by their
     -1 ids.
 
+    Lifetime: on the queue route every array is the caller's own. On the
+    one-copy direct routes (within and across nodes) the receive arrays are
+    views of one of the buffer's ``num_in_flight`` pool slots, and ``lease``
+    says which: reading any of them through this result after the slot went
+    to a later dispatch raises cupyep.StaleResultError. An array taken out of
+    the result earlier is not checked; ``dispatch(..., fresh=True)`` copies
+    the rows into arrays of the caller's own instead (lease None).
+
     With ``expert_major=True`` (see cupyep.intranode.expert_major; None otherwise):
         expert_x: [M_cap, H], dtype of x: the (row, local expert) pairs in
             per-expert blocks; alignment padding rows inside the blocks are zero; rows
@@ -148,6 +162,24 @@ class DispatchResult:
     expert_x_scales: object = None
     expert_offsets: object = None
     expert_src_row: object = None
+    lease: object = None
+
+    def __getattribute__(self, name):
+        if name in POOL_FIELDS:  # a view of a pool slot: valid while the slot holds this dispatch
+            lease = object.__getattribute__(self, "lease")
+            if lease is not None:
+                lease.check(name)
+        return object.__getattribute__(self, name)
+
+    @property
+    def stale(self) -> bool:
+        """True once the pool slot this result's arrays live in went to a later dispatch."""
+        return self.lease is not None and not self.lease.valid
+
+
+# DispatchResult fields that are views of a pool slot on the one-copy routes.
+POOL_FIELDS = frozenset({"recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "expert_x",
+                         "expert_x_scales", "expert_src_row"})
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Normal mode's direct (one-copy) transport on the GPU: against the NumPy
 reference (dispatch exactly, combine within 5e-6 and bitwise deterministic)
 and bitwise against the queue transport on the same input; cached,
-worst-token inside a CUDA graph, FP8, expert-major, pool growth, bad input and
-a missing rank.
+worst-token inside a CUDA graph, FP8, expert-major, the fixed pools, bad input
+and a missing rank.
 """
 import numpy as np
 import pytest
@@ -73,6 +73,7 @@ def test_direct_matches_reference_and_queue(group, buf, seed, num_tokens, hidden
     diff = ref.calc_diff(bf16_to_f32(cx), expected) if cx.size else 0.0
     exp_w = ref.intranode_combine_topk_weights(res, tokens)[me]
     wdiff = float(np.abs(comb.combined_topk_weights.get() - exp_w).max()) if exp_w.size else 0.0
+    group.comm.Barrier()  # the reference above is seconds of host work per rank: line the ranks up again
     again = buf.combine(out.recv_x, out.handle, topk_weights=out.recv_topk_weights, row_weights=row_w)
     ok = diff < 5e-6 and wdiff < 1e-6 and np.array_equal(again.combined_x.get(), cx)
     assert all_ranks(group.comm, ok), ("combine", diff, wdiff)
@@ -89,9 +90,8 @@ def test_direct_matches_reference_and_queue(group, buf, seed, num_tokens, hidden
 @pytest.mark.parametrize("seed,num_tokens,hidden,case,zero_rank", CASES)
 def test_direct_fused_matches_two_launches(group, buf, seed, num_tokens, hidden, case, zero_rank):
     """DirectConfig(fused=True), the default: layout, notify and send in one launch give
-    bitwise the unfused dispatch (and the same handle and counts), also when
-    the pools must grow first (the kernel then sends nothing and the host
-    sends with the plain kernel), and its handle combines the same."""
+    bitwise the unfused dispatch (and the same handle and counts), and its
+    handle combines the same."""
     import cupy
     from cupyep.intranode.direct import DirectConfig
     tokens, idx, w, x = _inputs(group, seed, num_tokens, hidden, case, zero_rank)
@@ -116,27 +116,28 @@ def test_direct_fused_matches_two_launches(group, buf, seed, num_tokens, hidden,
     assert all_ranks(group.comm, all(same.values())), {f"fused {k}": v for k, v in same.items() if not v}
 
 
-def test_direct_fused_grows_pools_and_in_cuda_graph(group):
-    """Fused dispatch on a fresh buffer: a small call, then one too big for
-    the pools (grown, then sent apart), then worst-token calls captured and
+def test_direct_fused_on_a_fresh_buffer_and_in_cuda_graph(group):
+    """Fused dispatch on a fresh buffer (its first call allocates the fixed
+    pools, which no later call changes), then worst-token calls captured and
     replayed in a CUDA graph with new routings."""
     import cupy
     import cupyep
     from cupyep.intranode.direct import DirectConfig
     R, me = group.local_size, group.local_rank
     cfg = DirectConfig(fused=True)
-    b = cupyep.Buffer(group)
+    b = cupyep.Buffer(group, max_tokens=2048)
     try:
+        sizes = []
         for seed, T, H in ((61, 16, 2048), (62, 16, 2048), (63, 2048, 7168)):
             tokens, idx, w, x = _inputs(group, seed, T, H)
-            before = b._direct.nbytes("dispatch") if b._direct is not None else 0
             out = b.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=NUM_EXPERTS,
                              transport="direct", config=cfg)
             res, exp, exp_rows = _expected(group, tokens, idx, w, H)
             ok = (np.array_equal(out.recv_x.get(), exp_rows) and np.array_equal(out.recv_topk_idx.get(), exp.recv_topk_idx)
                   and np.array_equal(out.handle.recv_src_idx.get(), exp.recv_src_idx))
-            assert all_ranks(group.comm, ok), (seed, before, b._direct.nbytes("dispatch"))
-        assert b._direct.nbytes("dispatch") > before
+            assert all_ranks(group.comm, ok), seed
+            sizes.append((b._direct.pools["dispatch"].nbytes, b._direct.pools["dispatch"].ptr))
+        assert len(set(sizes)) == 1 and sizes[0][0] == 2 * b._direct.slot_bytes, sizes
         num_tokens, hidden = 128, 2048
         worst = num_tokens * R
         stream = cupy.cuda.Stream(non_blocking=True)
@@ -306,38 +307,62 @@ def test_direct_zero_copy_combine(group, buf, worst):
     group.comm.Barrier()
 
 
-def test_direct_pool_grows_and_stays(group, buf):
-    """The receive pool grows when a call needs more and is reused (not
-    reallocated) by smaller calls."""
+def test_direct_pool_is_sized_when_made_and_a_call_past_it_names_the_argument(group):
+    """The dispatch pool holds num_in_flight slots of the declared sizes and
+    never changes; a call past max_tokens or num_worst_tokens past R *
+    max_tokens is a ValueError naming the constructor argument, before
+    anything is launched; the buffer then works as before."""
     import cupy
-    me = group.local_rank
-    sizes = []
-    for seed, T, H in ((31, 64, 2048), (32, 2048, 7168), (33, 64, 2048)):
-        tokens, idx, w, x = _inputs(group, seed, T, H)
-        out = buf.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), num_experts=NUM_EXPERTS, transport="direct")
-        exp_rows = _expected(group, tokens, idx, w, H)[2]
-        assert all_ranks(group.comm, np.array_equal(out.recv_x.get(), exp_rows)), (seed, T, H)
-        sizes.append(buf._direct.nbytes("dispatch"))
-    assert sizes[1] >= sizes[0] and sizes[2] == sizes[1], sizes
-    assert sizes[1] >= 2048 * 7168 * 2, sizes
+    import cupyep
+    me, R = group.local_rank, group.local_size
+    b = cupyep.Buffer(group, max_tokens=64, hidden=2048, num_topk=8, num_in_flight=3)
+    try:
+        tokens, idx, w, x = _inputs(group, 31, 64, 2048)
+        xs, ids = cupy.asarray(x), cupy.asarray(idx[me])
+        out = b.dispatch(xs, ids, num_experts=NUM_EXPERTS, transport="direct")
+        pool = b._direct.pools["dispatch"]
+        assert pool.nbytes == 3 * b._direct.slot_bytes
+        with pytest.raises(ValueError, match="max_tokens=64"):
+            b.dispatch(cupy.concatenate([xs, xs]), cupy.concatenate([ids, ids]), num_experts=NUM_EXPERTS,
+                       transport="direct")
+        with pytest.raises(ValueError, match="hidden=2048"):
+            b.dispatch(cupy.zeros((4, 4096), np.uint16), ids[:4], num_experts=NUM_EXPERTS, transport="direct")
+        with pytest.raises(ValueError, match="max_tokens=64"):
+            b.dispatch(xs, ids, num_experts=NUM_EXPERTS, num_worst_tokens=R * 64 + 1, transport="direct")
+        again = b.dispatch(xs, ids, num_experts=NUM_EXPERTS, transport="direct")
+        exp_rows = _expected(group, tokens, idx, w, 2048)[2]
+        assert all_ranks(group.comm, np.array_equal(again.recv_x.get(), exp_rows) and
+                         np.array_equal(out.recv_x.get(), exp_rows) and b._direct.pools["dispatch"] is pool)
+        group.comm.Barrier()
+    finally:
+        b.destroy()
 
 
-def test_direct_pool_that_cannot_grow_names_the_bytes(group, buf):
-    """A worst-token call whose receive pool would not fit the GPU: MemoryError
-    on every rank naming the bytes the pool needs, before anything is launched;
-    the buffer then works as before."""
+def test_direct_pool_that_does_not_fit_names_the_bytes(group):
+    """Declared sizes whose pool does not fit the GPU: MemoryError on every
+    rank naming the bytes, at the first direct call and before anything is
+    launched; a buffer of sizes that fit then works."""
     import cupy
+    import cupyep
     me = group.local_rank
+    free, total = cupy.cuda.runtime.memGetInfo()
+    huge = int(total // (group.local_size * 7168 * 2)) + 1  # a slot of more rows of 14 KB than the GPU holds
     tokens, idx, w, x = _inputs(group, 35, 64, 7168)
     xs, ids = cupy.asarray(x), cupy.asarray(idx[me])
-    free, total = cupy.cuda.runtime.memGetInfo()
-    rows = total // (7168 * 2) + 1  # more rows of 14 KB than the whole GPU holds
-    with pytest.raises(MemoryError, match=r"dispatch pool needs \d+ bytes") as info:
-        buf.dispatch(xs, ids, num_experts=NUM_EXPERTS, num_worst_tokens=int(rows), transport="direct")
-    assert "lack the free device memory" in str(info.value)
-    out = buf.dispatch(xs, ids, num_experts=NUM_EXPERTS, transport="direct")
-    exp_rows = _expected(group, tokens, idx, w, 7168)[2]
-    assert all_ranks(group.comm, np.array_equal(out.recv_x.get(), exp_rows))
+    b = cupyep.Buffer(group, max_tokens=huge)
+    try:
+        with pytest.raises(MemoryError, match=r"dispatch pool needs \d+ bytes") as info:
+            b.dispatch(xs, ids, num_experts=NUM_EXPERTS, transport="direct")
+        assert "lack the free device memory" in str(info.value)
+    finally:
+        b.destroy()
+    b = cupyep.Buffer(group, max_tokens=64)
+    try:
+        out = b.dispatch(xs, ids, num_experts=NUM_EXPERTS, transport="direct")
+        exp_rows = _expected(group, tokens, idx, w, 7168)[2]
+        assert all_ranks(group.comm, np.array_equal(out.recv_x.get(), exp_rows))
+    finally:
+        b.destroy()
 
 
 def test_direct_bad_input_raises_before_launch(group, buf):

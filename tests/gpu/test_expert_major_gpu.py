@@ -29,7 +29,7 @@ BF16_NAN = np.uint16(0x7FC0)
 @pytest.fixture(scope="module")
 def buf(group):
     import cupyep
-    b = cupyep.Buffer(group)
+    b = cupyep.Buffer(group, num_topk=16)
     yield b
     b.destroy()
 

@@ -94,7 +94,7 @@ def test_the_chunk_knobs_keep_every_row(group, two_hop, rdma_chunk, nvlink_chunk
               and np.array_equal(out.recv_src_idx.get(), exp.recv_src_idx)
               and np.array_equal(out.recv_topk_idx.get(), exp.recv_topk_idx)
               and np.array_equal(out.recv_topk_weights.get(), exp.recv_topk_weights))
-        combined = bf16_to_f32(two_hop.combine(out.recv_x.copy()).get())
+        combined = bf16_to_f32(two_hop.combine(out.recv_x.copy(), out.handle).get())
         exact = ref.intranode_combine(_received_f32(res), res, tokens)[me]
         ok = ok and ref.calc_diff(combined, exact) < 5e-6
     finally:
@@ -122,9 +122,9 @@ def test_the_device_notify_computes_the_reference_plan(group, two_hop, seed, num
     node_counts = np.stack([get_dispatch_layout(i, E, R, K).num_tokens_per_node for i in idx]).astype(np.int64)
     before = two_hop.state.get()
     x = payload_bf16(me, np.arange(tokens[me]), H)
-    two_hop.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), cupy.asarray(w[me]))
+    out = two_hop.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), cupy.asarray(w[me]))
     after = two_hop.state.get()
-    dev = {k: v.get() for k, v in two_hop._last["dev"].items()}
+    dev = {k: v.get() for k, v in out.handle.plan.items()}
     T = tokens[me]
     net_count = np.array([0 if m == own else node_counts[m * K + local, own] for m in range(N)])
     sl = INTER.state_slices(R, K)
@@ -142,7 +142,7 @@ def test_the_device_notify_computes_the_reference_plan(group, two_hop, seed, num
     want_delta = {"calls": np.array([1]), "net_total": net_count, "arrived_total": counts[:, me],
                   "combine_total": np.zeros(1 + K, np.int64), "combine_net_total": np.zeros(N, np.int64),
                   "combine_rank_total": np.zeros(R, np.int64)}
-    steps = two_hop._last["delta"].get()
+    steps = out.handle.delta.get()
     want_steps = np.concatenate([net_count, counts[:, me], combine_steps["combine_total"],
                                  combine_steps["combine_net_total"], combine_steps["combine_rank_total"]])
     checks = {
@@ -186,7 +186,7 @@ def test_fp8_rows_travel_with_their_scales(group, two_hop):
         checks[f"{name} x"] = o.recv_x.dtype == np.uint8 and np.array_equal(o.recv_x.get(), want_x)
         checks[f"{name} scales"] = np.array_equal(o.recv_x_scales.get(), want_s)
         checks[f"{name} src_idx"] = np.array_equal(o.recv_src_idx.get(), exp.recv_src_idx)
-    got = two_hop.combine(cupy.asarray(_tagged_rows(exp))).get()
+    got = two_hop.combine(cupy.asarray(_tagged_rows(exp)), out.handle).get()
     exact = ref.intranode_combine(_received_f32(res), res, tokens)[me]
     checks["combine"] = ref.calc_diff(bf16_to_f32(got), exact) < 5e-6
     assert all_ranks(group.comm, all(checks.values())), {k: v for k, v in checks.items() if not v}
@@ -228,8 +228,8 @@ def test_two_hop_combine_is_bitwise_the_emulation(group, two_hop, seed, num_toke
     ys = [f32_to_bf16(bf16_to_f32(_tagged_rows(res[d])) * np.float32((d % 5 + 1) / 3))  # per-rank experts
           for d in range(R)]
     x = payload_bf16(me, np.arange(tokens[me]), H)
-    two_hop.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), cupy.asarray(w[me]))
-    got = two_hop.combine(cupy.asarray(ys[me])).get()
+    out = two_hop.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), cupy.asarray(w[me]))
+    got = two_hop.combine(cupy.asarray(ys[me]), out.handle).get()
     emul = I.emulate_two_hop_combine([bf16_to_f32(y) for y in ys], res, tokens, 1 if two_hop.direct else K,
                                      partial_dtype=ml_dtypes.bfloat16)
     exact = ref.intranode_combine([bf16_to_f32(y) for y in ys], res, tokens)
@@ -279,7 +279,7 @@ def test_a_cached_dispatch_reuses_the_plan(group, two_hop):
     w2 = (w[me] * 0.5).astype(np.float32)
     x2 = cupy.asarray(payload_bf16(me, np.arange(T) + 1000, H))  # other rows: the tags of tokens + 1000
     out = two_hop.dispatch(x2, handle=h, topk_weights=cupy.asarray(w2))
-    cached_comb = two_hop.combine(out.recv_x.copy()).get()
+    cached_comb = two_hop.combine(out.recv_x.copy(), out.handle).get()
     exp = ref.intranode_dispatch([np.arange(t, dtype=np.int32)[:, None] for t in tokens], idx, E,
                                  topk_weights=[(wi * 0.5).astype(np.float32) for wi in w])[me]
     rows = _tagged_rows(exp, offset=1000)
@@ -290,7 +290,7 @@ def test_a_cached_dispatch_reuses_the_plan(group, two_hop):
         "handle": out.handle is h,
     }
     counted = two_hop.dispatch(x2, cupy.asarray(idx[me]), cupy.asarray(w2))
-    checks["combine"] = np.array_equal(two_hop.combine(counted.recv_x.copy()).get(), cached_comb)
+    checks["combine"] = np.array_equal(two_hop.combine(counted.recv_x.copy(), counted.handle).get(), cached_comb)
     assert all_ranks(group.comm, all(checks.values())), {k: v for k, v in checks.items() if not v}
     with pytest.raises(ValueError, match="topk_idx=None"):
         two_hop.dispatch(x2, cupy.asarray(idx[me]), cupy.asarray(w2), handle=h)
@@ -318,7 +318,7 @@ def test_worst_token_calls_pad_and_replay_in_a_cuda_graph(group, two_hop):
 
     def step():
         out = two_hop.dispatch(x_in, idx_in, w_in, num_worst_tokens=worst, validate=False)
-        return out, two_hop.combine(out.recv_x)
+        return out, two_hop.combine(out.recv_x, out.handle)
 
     def load(seed):
         tokens = [T] * R
@@ -332,14 +332,18 @@ def test_worst_token_calls_pad_and_replay_in_a_cuda_graph(group, two_hop):
         tokens, idx, w = load(21)
         exp, rows = _oracle_rows(group, tokens, idx, w)
         counted = two_hop.dispatch(x_in, idx_in, w_in)
-        eager_comb = two_hop.combine(counted.recv_x).get()
+        eager_comb = two_hop.combine(counted.recv_x, counted.handle).get()
         out, comb = step()
         stream.synchronize()
-        for arr, junk in ((out.recv_topk_idx, 5), (out.recv_topk_weights, 3.0), (out.recv_src_idx, 9)):
+        from cupyep.internode import slot_layout
+        src = two_hop.pool.view(slot_layout(two_hop._lay, out.lease.slot, two_hop.slot_bytes)["src"], (worst,),
+                                np.int32)  # the slot's sources (the handle keeps a copy)
+        for arr, junk in ((out.recv_topk_idx, 5), (out.recv_topk_weights, 3.0), (src, 9)):
             arr[...] = junk  # the padding must be written again
         stream.synchronize()
         group.comm.Barrier()
-        out, comb = step()
+        for _ in range(two_hop.slots.num_in_flight):  # the last lands in the poisoned slot again
+            out, comb = step()
         stream.synchronize()
         group.check_errors()
         checks = _worst_checks(out, exp, rows)
@@ -416,8 +420,8 @@ def test_cupyep_buffer_across_nodes_is_the_two_hop_mode(group, nvshmem_session, 
     with the handle, unweighted and with row_weights, and the top-k weights
     combined back) give the one-node oracle's rows and counts, combines
     within 5e-6 of the exact ones and the weights exactly; an expert-major
-    combine after a rank-major dispatch and a dispatch on the buffer's other
-    route raise before launch."""
+    combine after a rank-major dispatch and a cached dispatch on the other
+    route than its handle's raise before launch."""
     import cupy
 
     import cupyep
@@ -457,9 +461,8 @@ def test_cupyep_buffer_across_nodes_is_the_two_hop_mode(group, nvshmem_session, 
         assert all_ranks(group.comm, all(checks.values())), {k: v for k, v in checks.items() if not v}
         with pytest.raises(ValueError, match="expert_major=True needs the handle"):
             buf.combine(out.recv_x.copy(), out.handle, expert_major=True)  # its dispatch was rank-major
-        with pytest.raises(ValueError, match="make another cupyep.Buffer"):
-            buf.dispatch(x, cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=E,
-                         transport="two_hop" if transport == "direct" else "direct")
+        with pytest.raises(ValueError, match="a cached dispatch runs on its handle's route"):
+            buf.dispatch(x, handle=out.handle, transport="two_hop" if transport == "direct" else "direct")
         group.comm.Barrier()
 
 
@@ -510,7 +513,7 @@ def test_kernel_stamps_bound_each_kernel_inside_its_events(group, two_hop):
     out = two_hop.dispatch(x, ids, ws, kernel_ns=st[0], notify_ns=st[1])
     events = [two_hop.last_kernel_us, two_hop.last_notify_us]
     same = np.array_equal(out.recv_x.get(), plain)
-    two_hop.combine(out.recv_x.copy(), kernel_ns=st[2])
+    two_hop.combine(out.recv_x.copy(), out.handle, kernel_ns=st[2])
     events.append(two_hop.last_kernel_us)
     us = kernel_seconds(st.get()) * 1e6
     ok = same and all(0 < u <= e + 2.0 for u, e in zip(us, events))
@@ -540,7 +543,7 @@ def test_hop_stamps_delimit_every_hop(group, two_hop):
     d = INTER.hop_times_us(stamps.get(), INTER.DISPATCH_HOPS)
     same = np.array_equal(out.recv_x.get(), plain)
     stamps = cupy.asarray(np.array(INTER.HOP_STAMPS_INIT, dtype=np.uint64))
-    two_hop.combine(out.recv_x.copy(), hop_ns=stamps)
+    two_hop.combine(out.recv_x.copy(), out.handle, hop_ns=stamps)
     c = INTER.hop_times_us(stamps.get(), INTER.COMBINE_HOPS)
     # the direct route forwards nothing: its forward hop is None
     forward = d.pop("forward")
