@@ -272,8 +272,9 @@ class Buffer(DirectTransport):
                 expert_src_row and the handle's recv_expert_row, for a grouped GEMM
                 and for combine of expert-major outputs. M_cap rows: the exact
                 sum(num_recv_tokens_per_expert) after a notify pass that brings the
-                counts to the host; in worst-token mode and in cached dispatch (which
-                does not count this call's topk_idx) the bound
+                counts to the host (on the direct transport also in a cached dispatch
+                of such a handle); in worst-token mode and in the queue transport's
+                cached dispatch (which does not count this call's topk_idx) the bound
                 N * min(k, E_local) + E_local * (expert_alignment - 1), N =
                 num_worst_tokens (or the handle's rows), with no host wait (CUDA-graph
                 capturable). See cupyep.intranode.expert_major.

@@ -148,15 +148,17 @@ class DirectTransport:
                      alignment: int) -> tuple[int, int, int]:
         """(rows this rank sends, this rank's expert-major rows M_cap, the most
         expert-major rows any rank lays out) of a direct dispatch; the
-        expert-major ones are 0 without expert_major. M_cap is exact for a
-        notified call with counts on the host, else the bound
-        EM.worst_expert_rows, as on the queue transport."""
+        expert-major ones are 0 without expert_major. M_cap is exact whenever
+        the handle's counts are on the host (a notified call, or a cached one:
+        the pairs go where the handle's expand tables say, so the handle's
+        counts are this call's), else (worst-token mode) the bound
+        EM.worst_expert_rows."""
         N = handle.num_worst_tokens or handle.num_recv_tokens
         rows_sent = int(handle.counts[self.rank].sum()) if handle.counts is not None else \
             handle.num_tokens * self.num_ranks
         if not expert_major:
             return rows_sent, 0, 0
-        if notified and handle.counts is not None:
+        if handle.counts is not None:
             m_view = EM.expert_rows_capacity(aligned_expert_counts(handle.recv_expert_counts, alignment), N, k,
                                              E_local, alignment)
             return rows_sent, m_view, handle.expand.most_rows
