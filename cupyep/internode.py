@@ -404,10 +404,9 @@ class TwoHopDispatch:
 
     Worst-token calls (num_worst_tokens) read nothing back on the host, so
     a CUDA graph can capture a dispatch and its combine; the arrays such a
-    graph uses live as long as this object. A replay writes the receive
-    pool slot the captured dispatch took, whichever dispatch holds it now:
-    keep eager results of other dispatches out of it (or take them with
-    fresh copies). Needs NVSHMEM (cupyep.nvshmem), which it initialises.
+    graph uses live as long as this object. A captured dispatch pins its
+    receive pool slot while its result's lease lives (cupyep.slots), so no
+    eager dispatch takes the slot its replays write. Needs NVSHMEM (cupyep.nvshmem), which it initialises.
     After a device error (a timeout) its state is undefined: later calls
     raise until it is destroyed."""
 

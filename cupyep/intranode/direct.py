@@ -123,9 +123,7 @@ class DirectConfig:
         num_threads: threads per block (THREADS is the compiled default).
         fused: a dispatch that runs the notify pass does it, and the layout,
             inside the send kernel (one launch; the host waits only for the
-            counts, while the rows are moving). The first such call of a
-            buffer, and any whose rows outgrow the pools, runs them apart.
-            The default: it saves about 340 us of the 1770 us dispatch at 8
+            counts, while the rows are moving). The default: it saves about 340 us of the 1770 us dispatch at 8
             ranks, T = 4096 (results/direct/). False: layout, notify and send
             as three launches.
     """
