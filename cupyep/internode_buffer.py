@@ -207,19 +207,11 @@ class TwoHopBuffer:
         topk_idx = check(as_cupy(topk_idx, "topk_idx"), "topk_idx", np.int64, ndim=2)
         if validate and not cupy.cuda.get_current_stream().is_capturing():
             check_expert_ids(topk_idx, E)
-        fn = jit.kernel(KI.layout_spec(), self.group)
-        R = self.num_ranks
+        guard = jit.pack(GUARD_DTYPE, **self.group.guard("intranode_layout"))
+        jit.load(KI.layout_spec(), self.group)  # once per node, collectively, before the stream's work
         self._calls.begin(previous_event)
         with self.comm_stream:
-            per_rank = cupy.zeros(R, dtype=np.int32)
-            per_expert = cupy.zeros(E, dtype=np.int32)
-            in_rank = cupy.empty((T, R), dtype=np.bool_)
-            if T:
-                args = jit.pack(KI.LAYOUT_ARGS_DTYPE, topk_idx=jit.ptr(topk_idx), num_tokens_per_rank=jit.ptr(per_rank),
-                                num_tokens_per_expert=jit.ptr(per_expert), is_token_in_rank=jit.ptr(in_rank),
-                                num_tokens=T, num_topk=k, num_experts=E, num_ranks=R,
-                                guard=jit.pack(GUARD_DTYPE, **self.group.guard("intranode_layout")))
-                fn((-(-T // KI.LAYOUT_THREADS),), (KI.LAYOUT_THREADS,), (args,), shared_mem=4 * (R + E))
+            per_rank, per_expert, in_rank = KI.launch_layout(topk_idx, E, self.num_ranks, guard)
             per_node = tokens_per_node(in_rank, self.group.local_size)
         res = LayoutResult(num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert, is_token_in_rank=in_rank,
                            num_tokens_per_rdma_rank=per_node)

@@ -214,21 +214,9 @@ class Buffer(DirectTransport):
         return res
 
     def _layout(self, topk_idx, num_experts: int) -> LayoutResult:
-        import cupy
-        T, k = topk_idx.shape
-        R = self.num_ranks
         with self.comm_stream:
-            per_rank = cupy.zeros(R, dtype=np.int32)
-            per_expert = cupy.zeros(num_experts, dtype=np.int32)
-            in_rank = cupy.empty((T, R), dtype=np.bool_)
-            if T:
-                args = jit.pack(K.LAYOUT_ARGS_DTYPE, topk_idx=jit.ptr(topk_idx), num_tokens_per_rank=jit.ptr(per_rank),
-                                num_tokens_per_expert=jit.ptr(per_expert), is_token_in_rank=jit.ptr(in_rank),
-                                num_tokens=T, num_topk=k, num_experts=num_experts, num_ranks=R,
-                                guard=self._guard("intranode_layout"))
-                jit.kernel(K.layout_spec())(((T + K.LAYOUT_THREADS - 1) // K.LAYOUT_THREADS,), (K.LAYOUT_THREADS,),
-                                              (args,), shared_mem=4 * (R + num_experts))
-        return LayoutResult(per_rank, per_expert, in_rank)
+            counts = K.launch_layout(topk_idx, num_experts, self.num_ranks, self._guard("intranode_layout"))
+        return LayoutResult(*counts)
 
     # ---------------------------------------------------------------- dispatch
     @traced_call("Buffer.dispatch")

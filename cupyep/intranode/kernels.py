@@ -52,6 +52,32 @@ def layout_spec() -> jit.KernelSpec:
                           kernels=("cupyep::intranode::get_dispatch_layout",))
 
 
+def launch_layout(topk_idx, num_experts: int, num_ranks: int, guard: np.void):
+    """The layout kernel on the current stream, over any ``num_ranks`` ranks
+    (within a node, or the world's across nodes).
+
+    Arguments:
+        topk_idx: cupy [T, k] int64 expert ids (checked), -1 for none.
+        guard: the kernel's packed Guard (the group's ``guard("intranode_layout")``).
+
+    Returns:
+        (num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32,
+        is_token_in_rank [T, R] bool), cupy.
+    """
+    import cupy
+    T, k = topk_idx.shape
+    per_rank = cupy.zeros(num_ranks, dtype=np.int32)
+    per_expert = cupy.zeros(num_experts, dtype=np.int32)
+    in_rank = cupy.empty((T, num_ranks), dtype=np.bool_)
+    fn = jit.kernel(layout_spec())
+    if T:
+        args = jit.pack(LAYOUT_ARGS_DTYPE, topk_idx=jit.ptr(topk_idx), num_tokens_per_rank=jit.ptr(per_rank),
+                        num_tokens_per_expert=jit.ptr(per_expert), is_token_in_rank=jit.ptr(in_rank),
+                        num_tokens=T, num_topk=k, num_experts=num_experts, num_ranks=num_ranks, guard=guard)
+        fn((-(-T // LAYOUT_THREADS),), (LAYOUT_THREADS,), (args,), shared_mem=4 * (num_ranks + num_experts))
+    return per_rank, per_expert, in_rank
+
+
 def notify_spec(num_ranks: int) -> jit.KernelSpec:
     return jit.KernelSpec(name=f"intranode_notify_ranks_{num_ranks}", source="intranode/notify.cu",
                           kernels=(f"cupyep::intranode::notify<{num_ranks}>",))
