@@ -3,11 +3,11 @@ against the serial schedule of the same work.
 
     python -m cupyep.launch -n 8 experiments/bench_moe_overlap.py --mode both --out results/moe_overlap/overlap.jsonl
 
-Each rank's tokens are split into micro-batches A and B (halves). Each has
-its own buffer (two ``cupyep.Buffer`` in normal mode, two
-``cupyep.LowLatencyBuffer`` in low-latency mode): a direct-transport
-dispatch's outputs are views of its buffer's pool, valid only until that
-buffer's next dispatch, and a low-latency buffer holds one receive hook at a
+Each rank's tokens are split into micro-batches A and B (halves). In normal
+mode both share one ``cupyep.Buffer`` made with ``num_in_flight=2`` (a
+direct-transport dispatch's outputs are views of one of its two pool slots,
+so both micro-batches' results are valid at once); in low-latency mode each
+has its own ``cupyep.LowLatencyBuffer``, which holds one receive hook at a
 time. The expert FFN is cupyep.moe's (``expert_ffn`` over the per-expert
 blocks of ``result_blocks``; weights from ``MoEWeights.random``, this rank's
 E / R experts, seeded by the rank; routing from cupyep.testing.global_routing).
@@ -17,7 +17,7 @@ Schedules (:func:`schedule`; steps (op, micro-batch) in host order):
 - serial: A dispatch -> FFN -> combine, then B likewise, all stream-ordered.
 - overlapped, normal mode (an SM split: the communication kernels get
   ``num_sms`` blocks per rank, the GEMMs the rest of the GPU): dispatch A;
-  FFN A on the compute stream while dispatch B runs on B's buffer's
+  FFN A on the compute stream while dispatch B runs on the buffer's
   communication stream; combine A (A's stream) while FFN B; combine B. The
   communication steps form one lane in list order (each waits for the one
   before it, through events), so two communication kernels of one rank never
@@ -526,22 +526,23 @@ def normal_configs(buf, transport: str, sms):
     return dcfg, ccfg
 
 
-def normal_buffers(group, args) -> dict:
-    """Micro-batch -> cupyep.Buffer, sized for the queue rings of every --comm-sms (collective)."""
+def normal_buffers(group, args, num_tokens: int) -> dict:
+    """Micro-batch -> cupyep.Buffer: one buffer for both micro-batches (as one
+    buffer serves every layer and micro-batch in a model), made for their
+    tokens with two dispatches in flight and sized for the queue rings of
+    every --comm-sms (collective)."""
     import cupyep
     R = group.local_size
-    a = cupyep.Buffer(group)  # the default size: the default configs at H 7168, top-16
-    need = max([cupyep.Buffer.size_hint(R, args.hidden, args.topk, *normal_configs(a, "queue", s))
-                for s in args.comm_sms if comm_sms_problem("queue", s) is None and (s or 0) <= a.sm_budget],
+    sizes = dict(max_tokens=max(s.stop - s.start for s in split_tokens(num_tokens).values()), hidden=args.hidden,
+                 num_topk=max(args.topk, 8), num_in_flight=len(MICRO_BATCHES))
+    buf = cupyep.Buffer(group, **sizes)
+    need = max([cupyep.Buffer.size_hint(R, args.hidden, args.topk, *normal_configs(buf, "queue", s))
+                for s in args.comm_sms if comm_sms_problem("queue", s) is None and (s or 0) <= buf.sm_budget],
                default=0)
-    if need > a.buffer.nbytes:
-        a.destroy()
-        a = cupyep.Buffer(group, need)
-    try:
-        return {"a": a, "b": cupyep.Buffer(group, a.buffer.nbytes)}
-    except BaseException:
-        a.destroy()
-        raise
+    if need > buf.buffer.nbytes:
+        buf.destroy()
+        buf = cupyep.Buffer(group, need, **sizes)
+    return dict.fromkeys(MICRO_BATCHES, buf)
 
 
 def agreed_refusal(comm, problem: str | None) -> str | None:
@@ -565,7 +566,7 @@ def run_normal(group, args, out, barrier) -> None:
     R = group.local_size
     T = tokens_for("normal", args.tokens)
     x, topk_idx, topk_w, _ = routing_of(group, args, T)
-    bufs = normal_buffers(group, args)
+    bufs = normal_buffers(group, args, T)
     try:
         mbs = micro_batches(x, topk_idx, topk_w, bufs, T)
         budget = bufs["a"].sm_budget
@@ -583,7 +584,7 @@ def run_normal(group, args, out, barrier) -> None:
                     runner = NormalRunner(mbs, args.experts, transport, dcfg, ccfg, args.alignment, w1, w2,
                                           expert_ffn)
                     if problem is None:
-                        try:  # the first run grows the direct pools and compiles; a refused config raises
+                        try:  # the first run allocates the direct pools and compiles; a refused config raises
                             warm = runner.run(schedule("normal", False), {})  # before any launch, on every rank
                         except ValueError as e:
                             problem = str(e)
@@ -596,8 +597,7 @@ def run_normal(group, args, out, barrier) -> None:
                     out.write({**rec, **measure(group, runner, "normal", barrier, args)})
             del w1, w2
     finally:
-        for b in bufs.values():
-            b.destroy()
+        bufs["a"].destroy()  # the one buffer of both micro-batches
 
 
 def run_low_latency(group, args, out, barrier) -> None:

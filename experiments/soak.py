@@ -3,13 +3,23 @@ call, each one checked on the GPU, in every mode.
 
     python -m cupyep.launch -n 8 experiments/soak.py --calls 10000 --out results/soak/soak.jsonl
 
-Calls go round-robin over ``--modes`` (comma-separated; default all):
+Calls go round-robin over ``--modes`` (comma-separated; default all), each
+normal-mode one on every route of ``--routes`` (default both: ``default``,
+the queue transport within a node and the two-hop route across nodes, and
+``direct``, the one-copy route of either); one buffer serves them all:
 
 - ``normal``: Buffer.get_dispatch_layout, dispatch with its arrays, combine.
 - ``cached``: dispatch, then a cached dispatch (``handle=``) of other rows
   with the same routing, and the combine of the cached one.
 - ``worst``: dispatch with ``num_worst_tokens`` (R x max tokens; no host
   wait), combine.
+- ``micro_batches``: two micro-batches in flight: dispatch A, dispatch B,
+  then their combines, in an order that changes from call to call.
+- ``backward``: dispatch and combine (the forward), another dispatch and
+  combine (the next layer), then the backward on the first handle: a
+  cached dispatch of other rows (x alone) and their combine on that
+  handle. On a route whose results live in pool slots the first forward
+  result is then stale, and reading it must raise StaleResultError.
 - ``expert_major``: dispatch(expert_major=True), alignment 1, 4, 128 in turn,
   every other call in worst-token mode; combine of expert_x, every other call
   weighted by the received top-k weights (pair_weights).
@@ -50,7 +60,9 @@ from cupyep.bench import require_gpu
 from cupyep.bench.report import JsonlWriter
 from cupyep.testing import payload_bf16
 
-MODES = ("normal", "cached", "worst", "expert_major", "ll", "ll_hook", "ll_zero_copy")
+MODES = ("normal", "cached", "worst", "micro_batches", "backward", "expert_major", "ll", "ll_hook",
+         "ll_zero_copy")
+ROUTES = ("default", "direct")  # the transport of a normal-mode call: None, or "direct"
 BF16_LIMIT, FP8_LIMIT = 1e-4, 5e-2
 ALIGNMENTS = (1, 4, 128)
 WARMUP_CALLS = 12  # per mode: every (alignment, worst-token, pair-weights) and every FP8 variant
@@ -62,6 +74,23 @@ def _modes(text: str) -> list[str]:
     if bad or not modes:
         raise argparse.ArgumentTypeError(f"unknown mode(s) {bad}; choose from {','.join(MODES)}")
     return modes
+
+
+def _routes(text: str) -> list[str]:
+    routes = [r for r in text.split(",") if r]
+    bad = [r for r in routes if r not in ROUTES]
+    if bad or not routes:
+        raise argparse.ArgumentTypeError(f"unknown route(s) {bad}; choose from {','.join(ROUTES)}")
+    return routes
+
+
+def soak_keys(modes, routes, num_nodes: int = 1) -> list[str]:
+    """The tallies of a soak: each normal-mode mode on each route ("mode@route",
+    the default route named "queue" within a node and "two_hop" across
+    nodes), then the low-latency modes."""
+    name = {"default": "two_hop" if num_nodes > 1 else "queue", "direct": "direct"}
+    return [f"{m}@{name[r]}" for m in modes if not m.startswith("ll") for r in routes] + \
+        [m for m in modes if m.startswith("ll")]
 
 
 def host_rss_bytes() -> int:
@@ -92,12 +121,13 @@ class Soak:
         import cupy
         self.cupy = cupy
         self.group, self.args = group, args
-        self.R, self.me = group.local_size, group.local_rank
+        self.R, self.me = group.world_size, group.rank  # every rank of every node takes part
         E, H = args.experts, args.hidden
         if E & (E - 1) or E % self.R or args.topk > E:
             raise SystemExit(f"--experts {E} must be a power of two, divisible by the {self.R} ranks and >= --topk")
         self.El = E // self.R
-        self.buf = cupyep.Buffer(group, max_tokens=args.max_tokens, hidden=H, num_topk=max(args.topk, 8))
+        self.buf = cupyep.Buffer(group, max_tokens=args.max_tokens, hidden=H, num_topk=max(args.topk, 8),
+                                 num_in_flight=2)
         self.ll = cupyep.LowLatencyBuffer(group, args.ll_max_tokens, H, E, max_topk=args.topk)
         rows = 2 * max(args.max_tokens, args.ll_max_tokens)
         self.x_all = cupy.asarray(payload_bf16(self.me, np.arange(rows), H))   # [rows, H] BF16 bits
@@ -106,11 +136,13 @@ class Soak:
         self.e4m3 = cupy.asarray(np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32))
         self.host_rng = np.random.default_rng([args.seed, group.rank])
         self.rs = cupy.random.RandomState(args.seed * 7919 + group.rank)
-        n = len(MODES)
-        self.bad = cupy.zeros(n, dtype=np.int64)        # rows over the limit (or NaN), per mode
-        self.checked = cupy.zeros(n, dtype=np.int64)    # rows checked, per mode
-        self.worst = cupy.zeros(n, dtype=np.float32)    # largest row dissimilarity, per mode
-        self.calls = dict.fromkeys(MODES, 0)
+        self.keys = soak_keys(args.modes, args.routes, group.num_nodes)
+        n = len(self.keys)
+        self.bad = cupy.zeros(n, dtype=np.int64)        # rows over the limit (or NaN), per key
+        self.checked = cupy.zeros(n, dtype=np.int64)    # rows checked, per key
+        self.worst = cupy.zeros(n, dtype=np.float32)    # largest row dissimilarity, per key
+        self.stale = 0                                  # stale results read without StaleResultError
+        self.calls = dict.fromkeys(self.keys, 0)
 
     # ------------------------------------------------------------ helpers
     def bf16_to_f32(self, bits):
@@ -147,10 +179,10 @@ class Soak:
         hit = (dst[:, :, None] == cupy.arange(self.R)[None, None, :]).any(axis=1)
         return hit.sum(axis=1).astype(np.float32)
 
-    def check(self, mode: str, combined, xf, factor, limit: float) -> None:
+    def check(self, key: str, combined, xf, factor, limit: float) -> None:
         """Tally the rows of ``combined`` [T, H] (BF16 bits) unlike xf * factor[:, None]."""
         cupy = self.cupy
-        m = MODES.index(mode)
+        m = self.keys.index(key)
         g = self.bf16_to_f32(combined)
         e = xf * factor[:, None]
         num = (g * e).sum(axis=1)
@@ -170,44 +202,72 @@ class Soak:
         return self.f32_to_bf16(vals)
 
     # -------------------------------------------------------------- modes
-    def call(self, mode: str) -> None:
-        self.calls[mode] += 1
-        n = self.calls[mode]
-        if mode.startswith("ll"):
-            self.low_latency(mode, n)
+    def call(self, key: str) -> None:
+        self.calls[key] += 1
+        n = self.calls[key]
+        if key.startswith("ll"):
+            self.low_latency(key, n)
         else:
-            self.normal(mode, n)
+            self.normal(key, n)
 
-    def normal(self, mode: str, n: int) -> None:
+    def normal(self, key: str, n: int) -> None:
         buf, E = self.buf, self.args.experts
+        mode, route = key.split("@")
+        kw = dict(num_experts=E, validate=False, transport="direct" if route == "direct" else None)
         x, xf, idx, w = self.draw(self.args.max_tokens)
         worst = self.R * self.args.max_tokens
         if mode == "normal":
             lay = buf.get_dispatch_layout(idx, E, validate=False)
-            out = buf.dispatch(x, idx, w, num_experts=E, num_tokens_per_rank=lay.num_tokens_per_rank,
+            out = buf.dispatch(x, idx, w, num_tokens_per_rank=lay.num_tokens_per_rank,
                                num_tokens_per_expert=lay.num_tokens_per_expert,
-                               is_token_in_rank=lay.is_token_in_rank, validate=False)
+                               is_token_in_rank=lay.is_token_in_rank, **kw)
             comb = buf.combine(out.recv_x, out.handle)
         elif mode == "cached":
-            first = buf.dispatch(x, idx, w, num_experts=E, validate=False)
+            first = buf.dispatch(x, idx, w, **kw)
             x, xf = self.rows(x.shape[0])  # other rows along the same routing
             out = buf.dispatch(x, handle=first.handle)
             comb = buf.combine(out.recv_x, out.handle)
         elif mode == "worst":
-            out = buf.dispatch(x, idx, w, num_experts=E, num_worst_tokens=worst, validate=False)
+            out = buf.dispatch(x, idx, w, num_worst_tokens=worst, **kw)
             comb = buf.combine(out.recv_x, out.handle)
+        elif mode == "micro_batches":
+            x2, xf2, idx2, w2 = self.draw(self.args.max_tokens)
+            a = buf.dispatch(x, idx, w, **kw)
+            b = buf.dispatch(x2, idx2, w2, **kw)
+            batches = [(a, xf, idx), (b, xf2, idx2)]
+            for out, f, i in (batches if n % 2 else batches[::-1]):  # combines are collective: one order on all
+                self.check(key, buf.combine(out.recv_x, out.handle).combined_x, f, self.ranks_visited(i), BF16_LIMIT)
+            return
+        elif mode == "backward":
+            fwd = buf.dispatch(x, idx, w, **kw)
+            self.check(key, buf.combine(fwd.recv_x, fwd.handle).combined_x, xf, self.ranks_visited(idx), BF16_LIMIT)
+            x2, xf2, idx2, w2 = self.draw(self.args.max_tokens)
+            nxt = buf.dispatch(x2, idx2, w2, **kw)
+            self.check(key, buf.combine(nxt.recv_x, nxt.handle).combined_x, xf2, self.ranks_visited(idx2),
+                       BF16_LIMIT)
+            gx, gxf = self.rows(x.shape[0])  # the gradient rows, along the forward's routing
+            grad = buf.dispatch(gx, handle=fwd.handle)
+            comb = buf.combine(grad.recv_x, fwd.handle)
+            if fwd.lease is not None and not fwd.lease.valid:  # a slot route: the forward's slot is grad's now
+                try:
+                    fwd.recv_x
+                    self.stale += 1
+                except cupyep.StaleResultError:
+                    pass
+            self.check(key, comb.combined_x, gxf, self.ranks_visited(idx), BF16_LIMIT)
+            return
         else:  # expert_major
             alignment = ALIGNMENTS[n % len(ALIGNMENTS)]
-            out = buf.dispatch(x, idx, w, num_experts=E, expert_alignment=alignment, expert_major=True,
-                               num_worst_tokens=worst if n % 2 else 0, validate=False)
+            out = buf.dispatch(x, idx, w, expert_alignment=alignment, expert_major=True,
+                               num_worst_tokens=worst if n % 2 else 0, **kw)
             weighted = (n // 2) % 2 == 1
             comb = buf.combine(out.expert_x, out.handle, pair_weights=out.recv_topk_weights if weighted else None,
                                expert_major=True)
             valid = (idx >= 0).astype(np.float32)
             factor = (w * valid).sum(axis=1) if weighted else valid.sum(axis=1)
-            self.check(mode, comb.combined_x, xf, factor, BF16_LIMIT)
+            self.check(key, comb.combined_x, xf, factor, BF16_LIMIT)
             return
-        self.check(mode, comb.combined_x, xf, self.ranks_visited(idx), BF16_LIMIT)
+        self.check(key, comb.combined_x, xf, self.ranks_visited(idx), BF16_LIMIT)
 
     def low_latency(self, mode: str, n: int) -> None:
         ll = self.ll
@@ -244,7 +304,11 @@ class Soak:
         bad, rows, worst = bad.sum(axis=0), rows.sum(axis=0), worst.max(axis=0)
         return {m: {"calls": self.calls[m], "rows": int(rows[i]), "bad_rows": int(bad[i]),
                     "worst_row_diff": float(worst[i])}
-                for i, m in enumerate(MODES) if self.calls[m]}
+                for i, m in enumerate(self.keys) if self.calls[m]}
+
+    def stale_unraised(self) -> int:
+        """Stale results read without StaleResultError, over all ranks."""
+        return int(sum(self.group.comm.allgather(self.stale)))
 
     def destroy(self) -> None:
         self.ll.synchronize()
@@ -258,6 +322,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=int, default=10000, help="dispatch + combine calls in all (default 10000)")
     p.add_argument("--modes", type=_modes, default=list(MODES), help=f"comma-separated, of {','.join(MODES)}")
+    p.add_argument("--routes", type=_routes, default=list(ROUTES),
+                   help="normal-mode routes, comma-separated: default (queue / two-hop), direct")
     p.add_argument("--out", default="results/soak/soak.jsonl")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--hidden", type=int, default=2048)
@@ -272,15 +338,16 @@ def main(argv=None) -> int:
     group = cupyep.init(timeout_s=args.timeout_s)
     out = JsonlWriter(args.out, group)
     soak = Soak(group, args)
-    modes = args.modes
-    for _ in range(WARMUP_CALLS):  # every variant of every mode once: compiles, fills the pools
+    modes = soak.keys
+    for _ in range(WARMUP_CALLS):  # every variant of every mode once: compiles, allocates the pools
         for mode in modes:
             soak.call(mode)
     soak.wait()
     soak.bad.fill(0)
     soak.checked.fill(0)
     soak.worst.fill(0)
-    soak.calls = dict.fromkeys(MODES, 0)
+    soak.calls = dict.fromkeys(modes, 0)
+    soak.stale = 0
     group.comm.Barrier()
     start_mem = memory_point(group)
     t0 = time.monotonic()
@@ -295,12 +362,14 @@ def main(argv=None) -> int:
     wall = time.monotonic() - t0
     end_mem = memory_point(group)
     totals = soak.totals()
+    stale = soak.stale_unraised()
     soak.destroy()
-    passed = all(v["bad_rows"] == 0 for v in totals.values())
+    passed = all(v["bad_rows"] == 0 for v in totals.values()) and stale == 0
     growth = [{k: e[k] - s[k] for k in ("pool_used_bytes", "pool_total_bytes", "host_rss_bytes")}
               | {"device_used_bytes": s["device_free_bytes"] - e["device_free_bytes"]}
               for s, e in zip(start_mem, end_mem)]
-    out.write({"study": "soak", "calls": args.calls, "modes": modes, "passed": passed, "wall_s": round(wall, 2),
+    out.write({"study": "soak", "calls": args.calls, "modes": modes, "passed": passed,
+               "stale_results_unraised": stale, "num_nodes": group.num_nodes, "wall_s": round(wall, 2),
                "calls_per_s": round(args.calls / wall, 1), "per_mode": totals,
                "sizes": {"hidden": args.hidden, "experts": args.experts, "topk": args.topk,
                          "max_tokens": args.max_tokens, "ll_max_tokens": args.ll_max_tokens, "seed": args.seed},
