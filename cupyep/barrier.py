@@ -10,10 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 from . import jit
+from .errors import GUARD_DTYPE
 from .ipc import SymmetricBuffer
 
-GUARD_DTYPE = jit.struct_dtype([("slot", np.uint64), ("timeout_ns", np.uint64),
-                                ("kernel", np.int32), ("rank", np.int32)])
 BARRIER_ARGS_DTYPE = jit.struct_dtype([("peers", np.uint64), ("offset", np.int64), ("rank", np.int32),
                                        ("num_ranks", np.int32), ("guard", GUARD_DTYPE)])
 

@@ -15,6 +15,11 @@ ERROR_SLOT_DTYPE = np.dtype([
     ("phase", np.int32), ("block", np.int32), ("value", np.int64), ("expected", np.int64),
 ], align=True)
 
+# Must match `struct Guard` in cuda_src/common/timeout.cuh: where a kernel reports (the error slot's
+# device address), its wait budget, and which kernel and rank it is.
+GUARD_DTYPE = np.dtype([("slot", np.uint64), ("timeout_ns", np.uint64), ("kernel", np.int32), ("rank", np.int32)],
+                       align=True)
+
 # Kernel ids passed to kernels in their Guard, and the wait sites (phases) of
 # each kernel, indexed by the phase number the kernel reports.
 KERNELS: dict[str, tuple[str, ...]] = {

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import jit
-from .barrier import GUARD_DTYPE
+from .errors import GUARD_DTYPE
 from .slots import DEFAULT_IN_FLIGHT
 
 THREADS = 512

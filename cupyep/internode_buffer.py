@@ -194,7 +194,7 @@ class TwoHopBuffer:
 
         from . import jit
         from .arrays import as_cupy, check, check_expert_ids
-        from .barrier import GUARD_DTYPE
+        from .errors import GUARD_DTYPE
         from .intranode import kernels as KI
         from .intranode.buffer import MAX_EXPERTS, LayoutResult
         if getattr(topk_idx, "ndim", None) != 2:
@@ -318,7 +318,7 @@ class TwoHopBuffer:
         """(the expert-major layout of a dispatch's rows, its ExpertMap); ``sms``:
         the blocks per rank of the two-hop kernels (the rank's share of the SMs)."""
         from . import jit
-        from .barrier import GUARD_DTYPE
+        from .errors import GUARD_DTYPE
         from .intranode import expert_major as EM
         N, k = recv_topk_idx.shape
         El = num_experts // self.num_ranks

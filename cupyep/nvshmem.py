@@ -1,14 +1,10 @@
-"""NVSHMEM for the modes whose ranks span nodes: the library, device-side
-kernels built against it, and the rank runtime.
+"""NVSHMEM for the modes whose ranks span nodes: the rank runtime, the
+heap, and the put-with-signal primitive.
 
-Device side: a :class:`cupyep.jit.KernelSpec` with ``nvshmem=True`` is
-compiled by nvcc as relocatable device code (``-rdc``), linked by nvlink
-against NVSHMEM's device library (``libnvshmem_device.a``), loaded with
-``cupy.RawModule(path=...)`` and registered with NVSHMEM
-(``nvshmem.bindings.cumodule_init``) so that its ``nvshmem*`` calls work.
-The linked cubin is cached on disk under :func:`cache_dir`, keyed by the
-specialisation, the hash of ``cuda_src/``, the NVSHMEM version, the
-architecture and the nvcc version.
+Device side (:mod:`cupyep.nvshmem_build`, whose names this module also
+gives): a :class:`cupyep.jit.KernelSpec` with ``nvshmem=True`` is built by
+nvcc and nvlink against NVSHMEM's device library, cached on disk, and
+registered with NVSHMEM when loaded.
 
 Host side: :func:`init` starts NVSHMEM over a group's mpi4py communicator
 (nvshmem4py's ``nvshmem.core.init(..., initializer_method="mpi")``) after
@@ -21,143 +17,18 @@ are in the ``nvshmem`` extra (``pip install -e ".[nvshmem]"``).
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import re
-import shutil
-import subprocess
-from functools import lru_cache
-from pathlib import Path
 
-INSTALL_HINT = ('NVSHMEM is needed for the modes whose ranks span nodes: pip install -e ".[nvshmem]" '
-                "(the nvidia-nvshmem-cu13 library and the nvshmem4py-cu13 binding)")
+from .errors import GUARD_DTYPE
+# The library and its device-side build, also used as cupyep.nvshmem.root, .version, .build, ...
+from .nvshmem_build import (INSTALL_HINT, NvshmemUnavailable, build, cache_dir, cache_key,  # noqa: F401
+                            check_versions, include_options, link_cubin, load_module, root, version)
+
 # Environment for NVSHMEM when every PE is on this host (nodes emulated with
 # --ranks-per-node): no InfiniBand, peers reachable by load/store, MPS.
 SINGLE_HOST_ENV = {"NVSHMEM_IB_ENABLE_IBGDA": "0", "NVSHMEM_REMOTE_TRANSPORT": "none",
                    "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo", "NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "1",
                    "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-class NvshmemUnavailable(RuntimeError):
-    """NVSHMEM (the library or its Python binding) is not installed, or its
-    versions do not match."""
-
-
-@lru_cache(maxsize=1)
-def root() -> Path:
-    """The NVSHMEM library's folder (``include/``, ``lib/``): $NVSHMEM_HOME,
-    else the nvidia-nvshmem-cu13 wheel's."""
-    home = os.environ.get("NVSHMEM_HOME")
-    if home:
-        path = Path(home)
-    else:
-        try:
-            import nvidia.nvshmem as pkg
-        except ImportError:
-            raise NvshmemUnavailable(INSTALL_HINT) from None
-        path = Path(list(pkg.__path__)[0])
-    if not (path / "include" / "nvshmem.h").exists() or not (path / "lib" / "libnvshmem_device.a").exists():
-        raise NvshmemUnavailable(f"{path} holds no NVSHMEM headers and device library; {INSTALL_HINT}")
-    return path
-
-
-@lru_cache(maxsize=1)
-def version() -> tuple[int, int, int]:
-    """(major, minor, patch) of the NVSHMEM headers and device library in use."""
-    text = (root() / "include" / "non_abi" / "nvshmem_version.h").read_text()
-    parts = [re.search(rf"#define NVSHMEM_VENDOR_{p}_VERSION\s+(\d+)", text) for p in ("MAJOR", "MINOR", "PATCH")]
-    if not all(parts):
-        raise NvshmemUnavailable(f"cannot read the NVSHMEM version from {root()}/include/non_abi/nvshmem_version.h")
-    return tuple(int(m.group(1)) for m in parts)
-
-
-def include_options() -> tuple[str, ...]:
-    """nvcc include options of a device-side NVSHMEM source (its headers need CUDA's CCCL)."""
-    from .jit import find_nvcc
-    cuda = Path(find_nvcc()).resolve().parent.parent
-    return (f"-I{root() / 'include'}", f"-I{cuda / 'include' / 'cccl'}")
-
-
-def link_cubin(unlinked: Path, out: Path, arch: str = "sm_90") -> None:
-    """nvlink ``unlinked`` (relocatable device code) against NVSHMEM's device library into ``out``."""
-    from .jit import find_nvcc
-    nvlink = shutil.which("nvlink") or str(Path(find_nvcc()).parent / "nvlink")
-    cmd = [nvlink, f"-arch={arch}", str(unlinked), str(root() / "lib" / "libnvshmem_device.a"), "-o", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"nvlink failed ({' '.join(cmd)}):\n{proc.stdout}{proc.stderr}")
-
-
-def cache_dir() -> Path:
-    """Where linked NVSHMEM cubins are kept: $CUPYEP_CACHE_DIR/nvshmem, else ~/.cache/cupyep/nvshmem."""
-    base = os.environ.get("CUPYEP_CACHE_DIR") or str(Path.home() / ".cache" / "cupyep")
-    return Path(base) / "nvshmem"
-
-
-def _nvcc_version() -> str:
-    from .jit import find_nvcc
-    out = subprocess.run([find_nvcc(), "--version"], capture_output=True, text=True).stdout
-    return out.strip().splitlines()[-1] if out.strip() else "unknown"
-
-
-def cache_key(spec, arch: str) -> str:
-    """The disk-cache key of ``spec``'s linked cubin."""
-    from .jit import source_hash
-    h = hashlib.sha256(json.dumps([repr(spec), source_hash(), version(), arch, _nvcc_version()]).encode())
-    return h.hexdigest()[:32]
-
-
-def build(spec, arch: str = "sm_90") -> tuple[Path, dict[str, str]]:
-    """(linked cubin, {name expression: symbol}) of ``spec``, from the disk
-    cache or built now (nvcc -rdc, then nvlink)."""
-    from .jit import kernel_symbols, nvcc_cubin
-    folder = cache_dir() / f"{spec.name}-{cache_key(spec, arch)}"
-    cubin, names = folder / "kernels.cubin", folder / "symbols.json"
-    if cubin.exists() and names.exists():
-        return cubin, json.loads(names.read_text())
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f"unlinked.{os.getpid()}.cubin"
-    try:
-        symbols = kernel_symbols(spec, nvcc_cubin(spec, tmp, arch))
-        link_cubin(tmp, folder / f"kernels.{os.getpid()}.cubin", arch)
-        os.replace(folder / f"kernels.{os.getpid()}.cubin", cubin)  # atomic: ranks may build at once
-        names.write_text(json.dumps(symbols))
-    finally:
-        tmp.unlink(missing_ok=True)
-    return cubin, symbols
-
-
-def _arch() -> str:
-    import cupy
-    return f"sm_{cupy.cuda.Device().compute_capability}"  # "90" on an H100/H200
-
-
-def load_module(spec):
-    """(cupy.RawModule, {name expression: function}) of an NVSHMEM spec on
-    the current device, registered with NVSHMEM (which must be initialised:
-    :func:`init`)."""
-    import cupy
-    cubin, symbols = build(spec, _arch())
-    module = cupy.RawModule(path=str(cubin))
-    functions = {k: module.get_function(sym) for k, sym in symbols.items()}
-    try:
-        from nvshmem import bindings
-    except ImportError:
-        raise NvshmemUnavailable(INSTALL_HINT) from None
-    status = bindings.cumodule_init(int(module.module.ptr))
-    if status != 0:
-        raise RuntimeError(f"nvshmem cumodule_init of {spec.name} returned {status} (is NVSHMEM initialised?)")
-    return module, functions
-
-
-def check_versions(host: tuple[int, ...], device: tuple[int, ...]) -> None:
-    """NvshmemUnavailable unless the host library's (major, minor, patch)
-    equals the device library's, which kernels were linked against."""
-    if tuple(host)[:3] != tuple(device)[:3]:
-        raise NvshmemUnavailable(f"NVSHMEM host library {'.'.join(map(str, host))} does not match the device "
-                                 f"library {'.'.join(map(str, device))} the kernels link against; install one "
-                                 "nvidia-nvshmem-cu13 for both")
 
 
 def _host_version() -> tuple[int, int, int]:
@@ -208,7 +79,6 @@ def put_signal_args_dtype():
     import numpy as np
 
     from . import jit
-    from .barrier import GUARD_DTYPE
     u64, i64, i32 = np.uint64, np.int64, np.int32
     return jit.struct_dtype([("dst", u64), ("src", u64), ("sig", u64), ("peers", u64), ("bytes", i64),
                              ("expected", u64), ("num_peers", i32), ("my_slot", i32), ("guard", GUARD_DTYPE)])

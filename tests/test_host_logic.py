@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cupyep import barrier, errors, jit, testing
+from cupyep import barrier, errors, jit, nvcc, testing
 from cupyep.arrays import BF16, FP8, as_cupy, check
 from cupyep.bench.stamps import cross_rank, trace_marks
 from cupyep.bench.timing import Timing
@@ -458,7 +458,7 @@ def test_error_slot_dtype():
 
 MIRRORS = [
     (errors.ERROR_SLOT_DTYPE, "ErrorSlot"),
-    (barrier.GUARD_DTYPE, "Guard"),
+    (errors.GUARD_DTYPE, "Guard"),
     (barrier.BARRIER_ARGS_DTYPE, "BarrierArgs"),
     (barrier.WORLD_BARRIER_ARGS_DTYPE, "WorldBarrierArgs"),
     (K.OFFSETS_DTYPE, "BufferOffsets"),
@@ -533,7 +533,7 @@ def test_struct_dtype_natural_alignment(dtype, cname):
 
 
 def test_guard_dtype():
-    g = barrier.GUARD_DTYPE
+    g = errors.GUARD_DTYPE
     assert g.itemsize == 24
     assert [g.fields[n][1] for n in g.names] == [0, 8, 16, 20]
     assert K.NOTIFY_ARGS_DTYPE.fields["guard"][1] % 8 == 0
@@ -545,8 +545,8 @@ def test_struct_dtype_pads_like_c():
 
 
 def test_pack_sets_fields_and_zeroes_the_rest():
-    v = jit.pack(barrier.GUARD_DTYPE, timeout_ns=5, rank=3)
-    assert isinstance(v, np.void) and v.dtype == barrier.GUARD_DTYPE
+    v = jit.pack(errors.GUARD_DTYPE, timeout_ns=5, rank=3)
+    assert isinstance(v, np.void) and v.dtype == errors.GUARD_DTYPE
     assert (int(v["slot"]), int(v["timeout_ns"]), int(v["kernel"]), int(v["rank"])) == (0, 5, 0, 3)
     raw = np.frombuffer(v.tobytes(), np.uint8)
     assert raw[8] == 5 and raw[20] == 3 and raw.sum() == 8
@@ -573,7 +573,7 @@ def src_copy(tmp_path, monkeypatch):
     original = jit.source_hash()
     copy = tmp_path / "cuda_src"
     shutil.copytree(jit.CUDA_SRC, copy)
-    monkeypatch.setattr(jit, "CUDA_SRC", copy)
+    monkeypatch.setattr(nvcc, "CUDA_SRC", copy)
     jit.source_hash.cache_clear()
     yield copy, original
     jit.source_hash.cache_clear()

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cupyep import barrier, jit
+from cupyep import errors, jit
 from cupyep.errors import KERNELS, CommTimeoutError, ERROR_SLOT_DTYPE, error_from_slot, kernel_id
 from cupyep.low_latency import kernels as K
 from cupyep.low_latency import layout as L
@@ -408,7 +408,7 @@ def test_nested_dtypes_are_the_shared_ones():
     for d in (K.DISPATCH_ARGS_DTYPE, K.COMBINE_ARGS_DTYPE):
         assert d.fields["c"][0] == K.CALL_DTYPE
     assert K.CALL_DTYPE.fields["cur"][0] == K.SET_DTYPE and K.CALL_DTYPE.fields["next"][0] == K.SET_DTYPE
-    assert K.CALL_DTYPE.fields["guard"][0] == barrier.GUARD_DTYPE
+    assert K.CALL_DTYPE.fields["guard"][0] == errors.GUARD_DTYPE
     assert K.SET_DTYPE.names == L.FIELDS
     assert K.SET_DTYPE.itemsize == 8 * len(L.FIELDS)
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import jit
-from ..barrier import GUARD_DTYPE
+from ..errors import GUARD_DTYPE
 from .kernels import NOTIFY_ARGS_DTYPE
 from ..ipc import SymmetricBuffer
 

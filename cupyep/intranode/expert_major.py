@@ -51,7 +51,7 @@ import numpy as np
 
 from .. import jit
 from ..arrays import BF16, as_cupy, check
-from ..barrier import GUARD_DTYPE
+from ..errors import GUARD_DTYPE
 
 u64, i64, i32 = np.uint64, np.int64, np.int32
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import jit
-from ..barrier import GUARD_DTYPE
+from ..errors import GUARD_DTYPE
 
 u64, i64, i32 = np.uint64, np.int64, np.int32
 

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import jit
-from ..barrier import GUARD_DTYPE
+from ..errors import GUARD_DTYPE
 from .layout import FIELDS
 
 u64, i64, i32 = np.uint64, np.int64, np.int32

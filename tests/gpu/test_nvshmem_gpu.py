@@ -37,7 +37,7 @@ def _launch(group, fn, dst, sig, expected: int, timeout_s: float | None = None):
     import cupy
     from cupyep import jit
     from cupyep import nvshmem as NV
-    from cupyep.barrier import GUARD_DTYPE
+    from cupyep.errors import GUARD_DTYPE
     R, me = group.world_size, group.rank  # PE numbers are world ranks
     src = cupy.asarray(np.stack([_tags(me, b) for b in range(R)]))
     peers = cupy.arange(R, dtype=np.int32)
