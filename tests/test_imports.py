@@ -1,0 +1,84 @@
+"""The package's import graph: the layers below the modes (the error slot,
+the nvcc build, the JIT, NVSHMEM, the barriers) import each other in no
+circle. Every relative import counts, those inside functions too."""
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "cupyep"
+BELOW_THE_MODES = {"cupyep.errors", "cupyep.nvcc", "cupyep.jit", "cupyep.nvshmem_build", "cupyep.nvshmem",
+                   "cupyep.barrier", "cupyep.ipc", "cupyep.sizes", "cupyep.slots"}
+
+
+def _modules() -> dict:
+    mods = {}
+    for p in PKG.rglob("*.py"):
+        parts = p.relative_to(PKG.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        mods[name] = p
+    return mods
+
+
+def import_graph() -> dict:
+    """{module: the package's modules it imports}."""
+    mods = _modules()
+    graph = {}
+    for name, path in mods.items():
+        base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or not node.level:
+                continue
+            here = base[:len(base) - node.level + 1]
+            if node.module:
+                targets = [".".join(here + node.module.split("."))]
+            else:
+                targets = [".".join(here + [a.name]) for a in node.names]
+            deps.update(t for t in targets if t in mods)
+        graph[name] = deps - {name}
+    return graph
+
+
+def cycles(graph: dict) -> list[set]:
+    """The strongly connected components of more than one module."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(comp)
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_graph_sees_lazy_imports():
+    g = import_graph()
+    assert "cupyep.nvshmem" in g["cupyep.barrier"]  # WorldBarrier's import inside __init__
+    assert "cupyep.nvcc" in g["cupyep.jit"] and "cupyep.nvshmem_build" in g["cupyep.jit"]
+
+
+def test_no_circle_runs_through_the_layers_below_the_modes():
+    bad = [c for c in cycles(import_graph()) if c & BELOW_THE_MODES]
+    assert not bad, bad
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
