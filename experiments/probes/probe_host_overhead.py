@@ -1,22 +1,32 @@
-"""Where a notified normal-mode dispatch's time goes when the kernels are
-short: the host's share of each call, per transport.
+"""The host's share of a notified normal-mode dispatch, per route: where the
+call's time goes when the kernels are short.
 
-    python -m cupyep.launch -n 2 experiments/probes/probe_host_overhead.py --out results/direct/host_overhead.json
+    python -m cupyep.launch -n 2 experiments/probes/probe_host_overhead.py --out host_overhead.json
+    python -m cupyep.launch -n 8 --ranks-per-node 4 experiments/probes/probe_host_overhead.py --out host_2x4.json
 
-For each variant (queue; direct fused, the default; direct unfused), after
-warm-up, ``--iters`` calls each start after a device synchronisation and a
-host MPI barrier; per call, ``host`` is the time until dispatch returns
-(the host's own work plus its bounded wait for the counts) and ``total``
-until the device is idle again. ``total - host`` is the GPU work still
-running when the call returns: near zero means the host, not the GPU, set
-the call's time. Rank 0 also profiles the direct fused calls (cProfile, the
-top functions by own time). Medians over calls, max over ranks, microseconds.
+Routes: within a node the queue transport, the direct one (fused, the
+default) and the direct one unfused; across nodes the two-hop and the direct
+route. After warm-up, ``--iters`` calls each start after a device
+synchronisation and a host barrier. Per call:
+
+- ``host_us``: until dispatch returns;
+- ``wait_us``: the part of it the host spends in its bounded waits for the
+  GPU (the counts of the notify pass, or the whole call across nodes);
+- ``host_work_us`` = host_us - wait_us: the host's own work, the figure the
+  target of at most 50 us is about;
+- ``gpu_us``: CUDA events on the caller's stream around the call (the call's
+  GPU span, as the caller's stream sees it);
+- ``total_us``: until the device is idle again;
+- ``python_calls``: Python function calls made during the call (a
+  ``sys.setprofile`` counter, on a separate pass of calls so that the
+  counting does not slow the timed ones).
+
+Each record holds the medians over calls, the slowest rank's (max over
+ranks), in microseconds.
 """
 import argparse
-import cProfile
-import io
 import json
-import pstats
+import sys
 import time
 
 import numpy as np
@@ -27,6 +37,56 @@ from cupyep.intranode.direct import DirectConfig
 from cupyep.testing import global_routing, payload_bf16
 
 
+class WaitClock:
+    """Time spent inside the host's bounded waits for the GPU: the group's
+    ``wait``, the fused direct dispatch's status wait and the engines' kernel
+    waits across nodes, wrapped for this probe."""
+
+    def __init__(self, group):
+        self.seconds = 0.0
+        self._wrap(group, "wait")
+        from cupyep.intranode.direct_transport import DirectTransport
+        self._wrap(DirectTransport, "_wait_host_status")
+        if group.num_nodes > 1:
+            from cupyep.internode import TwoHopDispatch
+            self._wrap(TwoHopDispatch, "_launch")  # launch, then (counted calls) wait for the kernel
+
+    def _wrap(self, owner, name):
+        inner = getattr(owner, name)
+        clock = self
+
+        def timed(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kw)
+            finally:
+                clock.seconds += time.perf_counter() - t0
+        setattr(owner, name, timed)
+
+
+def count_calls(fn) -> int:
+    """Python function calls made while ``fn()`` runs."""
+    n = 0
+
+    def prof(frame, event, arg):
+        nonlocal n
+        if event == "call":
+            n += 1
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return n
+
+
+def routes(group) -> dict:
+    if group.num_nodes > 1:
+        return {"two_hop": {"transport": None}, "direct": {"transport": "direct"}}
+    return {"queue": {"transport": "queue"}, "direct_fused": {"transport": "direct"},
+            "direct_unfused": {"transport": "direct", "config": DirectConfig(fused=False)}}
+
+
 def main():
     require_gpu(__file__)
     import cupy
@@ -34,54 +94,61 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--topk", type=int, default=8)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     group = cupyep.init()
-    R, me = group.local_size, group.local_rank
-    T, H, E = args.tokens, args.hidden, 256
-    idx, w = global_routing(0, [T] * R, E, 8)
+    R, me = group.world_size, group.rank
+    T, H, E = args.tokens, args.hidden, args.experts
+    idx, w = global_routing(0, [T] * R, E, args.topk)
     x = cupy.asarray(payload_bf16(me, np.arange(T), H))
     ids, ws = cupy.asarray(idx[me]), cupy.asarray(w[me])
-    buf = cupyep.Buffer(group)
-    variants = {"queue": {"transport": "queue"}, "direct_fused": {"transport": "direct"},
-                "direct_unfused": {"transport": "direct", "config": DirectConfig(fused=False)}}
-    out = {"ranks": R, "tokens": T, "hidden": H, "iters": args.iters, "variants": {}}
-    for name, kw in variants.items():
-        call = lambda: buf.dispatch(x, ids, ws, num_experts=E, validate=False, **kw)  # noqa: E731
+    buf = cupyep.Buffer(group, max_tokens=T, hidden=H, num_topk=args.topk)
+    clock = WaitClock(group)
+    out = {"probe": "host_overhead", "ranks": R, "ranks_per_node": group.local_size, "tokens": T, "hidden": H,
+           "experts": E, "topk": args.topk, "iters": args.iters, "routes": {}}
+    worst = lambda v: group.comm.allreduce(float(np.median(v)) * 1e6, op=MPI.MAX)  # noqa: E731
+    for name, kw in routes(group).items():
+        def call():
+            return buf.dispatch(x, ids, ws, num_experts=E, validate=False, **kw)
         for _ in range(3):
             call()
-        host, total = [], []
-        prof = cProfile.Profile() if name == "direct_fused" and me == 0 else None
+        samples = {k: [] for k in ("host", "wait", "gpu", "total")}
         for _ in range(args.iters):
             cupy.cuda.runtime.deviceSynchronize()
             group.comm.Barrier()
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            clock.seconds = 0.0
             t0 = time.perf_counter()
-            if prof:
-                prof.enable()
+            start.record()
             call()
-            if prof:
-                prof.disable()
             t1 = time.perf_counter()
+            end.record()
             cupy.cuda.runtime.deviceSynchronize()
             t2 = time.perf_counter()
-            host.append(t1 - t0)
-            total.append(t2 - t0)
-        rec = {k: group.comm.allreduce(float(np.median(v)) * 1e6, op=MPI.MAX)
-               for k, v in (("host_us", host), ("total_us", total))}
-        rec["gpu_after_return_us"] = group.comm.allreduce(
-            float(np.median(np.subtract(total, host))) * 1e6, op=MPI.MAX)
-        if prof:
-            s = io.StringIO()
-            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
-            rec["profile_rank0"] = s.getvalue().splitlines()
-        out["variants"][name] = rec
+            samples["host"].append(t1 - t0)
+            samples["wait"].append(clock.seconds)
+            samples["gpu"].append(cupy.cuda.get_elapsed_time(start, end) * 1e-3)
+            samples["total"].append(t2 - t0)
+        calls = []
+        for _ in range(3):
+            cupy.cuda.runtime.deviceSynchronize()
+            group.comm.Barrier()
+            calls.append(count_calls(call))
+        rec = {f"{k}_us": worst(v) for k, v in samples.items()}
+        rec["host_work_us"] = worst(np.subtract(samples["host"], samples["wait"]))
+        rec["python_calls"] = int(group.comm.allreduce(int(np.median(calls)), op=MPI.MAX))
+        out["routes"][name] = rec
     if me == 0:
         text = json.dumps(out, indent=1)
         print(text)
         if args.out:
             with open(args.out, "w") as f:
                 f.write(text + "\n")
+    buf.synchronize()
+    group.comm.Barrier()
     buf.destroy()
     group.destroy()
 
