@@ -5,8 +5,8 @@ each other across ranks."""
 
 def capture(stream, group, step):
     """``step()`` captured on ``stream`` into a CUDA graph, after a host barrier
-    (run it once outside capture first, so that it compiles and its pools
-    grow). Returns (graph, what step returned: the captured outputs, which
+    (run it once outside capture first, so that it compiles and allocates its
+    pools). Returns (graph, what step returned: the captured outputs, which
     every replay rewrites)."""
     with stream:
         group.comm.Barrier()

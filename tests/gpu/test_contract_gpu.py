@@ -147,7 +147,8 @@ def test_two_micro_batches(group, buf, transport, fp8):
     _check(group, checks, "combines of two micro-batches")
 
 
-def test_forward_then_backward(group, buf, transport):
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_forward_then_backward(group, buf, transport, fp8):
     """A two-layer forward (dispatch, experts, combine per layer), then the
     backward in reverse layer order: the backward of combine is a cached
     dispatch of the layer's gradient rows on the forward handle (only x),
@@ -157,46 +158,57 @@ def test_forward_then_backward(group, buf, transport):
     layers = [Batch(group, 21), Batch(group, 22, tag=7000)]
     fwd = []
     for i, layer in enumerate(layers):
-        out = _dispatch(buf, layer, transport)
-        _check(group, _dispatch_checks(out, layer, False), f"forward dispatch {i}")
+        out = _dispatch(buf, layer, transport, fp8)
+        _check(group, _dispatch_checks(out, layer, fp8), f"forward dispatch {i}")
         fwd.append((out.handle, _combine(buf, layer, out.handle)))
     checks = {}
     for i in reversed(range(len(layers))):
         layer, (handle, y_fwd) = layers[i], fwd[i]
-        grad = buf.dispatch(_x(layer, False, tag=GRAD + 1000 * i), handle=handle)
-        for k, v in _dispatch_checks(grad, layer, False, tag=GRAD + 1000 * i, with_routing=False).items():
+        grad = buf.dispatch(_x(layer, fp8, tag=GRAD + 1000 * i), handle=handle)
+        for k, v in _dispatch_checks(grad, layer, fp8, tag=GRAD + 1000 * i, with_routing=False).items():
             checks[f"backward cached dispatch {i} {k}"] = v
         checks[f"backward cached dispatch {i} has no weights"] = grad.recv_topk_weights is None
         g = _combine(buf, layer, handle, tag=GRAD + 1000 * i)
         checks[f"backward combine {i} reference"] = _close(g, layer.combined(tag=GRAD + 1000 * i))
         checks[f"forward combine {i} reference"] = _close(y_fwd, layer.combined())
-        serial = _dispatch(buf, layer, transport)
+        serial = _dispatch(buf, layer, transport, fp8)
         checks[f"backward combine {i} bitwise serial"] = np.array_equal(
             g, _combine(buf, layer, serial.handle, tag=GRAD + 1000 * i))
     _check(group, checks, "forward then backward")
 
 
-def test_graph_replay_of_two_micro_batches(group, buf, transport):
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_graph_replay_of_two_micro_batches(group, buf, transport, fp8):
     """Worst-token mode (no host read) captured in one CUDA graph: dispatch A,
     dispatch B, combine A, combine B; replayed with new routings written into
-    the captured inputs, each replay against the reference."""
+    the captured inputs (the combines' inputs too: the expected BF16 rows of
+    identity experts, padded with zeros), each replay against the reference."""
     import cupy
+    from cupyep.fp8 import per_token_cast_to_fp8
     W = group.world_size
     worst = W * T_MAX
     stream = cupy.cuda.Stream(non_blocking=True)
     ins = [{"x": cupy.empty((T_MAX, H), np.uint16), "idx": cupy.empty((T_MAX, K_TOPK), np.int64),
-            "w": cupy.empty((T_MAX, K_TOPK), np.float32)} for _ in range(2)]
+            "w": cupy.empty((T_MAX, K_TOPK), np.float32), "y": cupy.zeros((worst, H), np.uint16),
+            "x8": cupy.empty((T_MAX, H), np.uint8), "s8": cupy.empty((T_MAX, H // 128), np.float32)}
+           for _ in range(2)]
 
     def load(batches):
         for i, bt in zip(ins, batches):
             i["x"].set(bt.x.get())
             i["idx"].set(bt.idx[bt.me])
             i["w"].set(bt.w[bt.me])
+            rows = bt.rows()
+            i["y"].fill(0)
+            i["y"][:len(rows)].set(rows)
+            if fp8:
+                x8, s8 = per_token_cast_to_fp8(i["x"])
+                i["x8"][...], i["s8"][...] = x8, s8
 
     def step():
-        outs = [buf.dispatch(i["x"], i["idx"], i["w"], num_experts=E, num_worst_tokens=worst, validate=False,
-                             transport=transport) for i in ins]
-        return outs, [buf.combine(o.recv_x, o.handle).combined_x for o in outs]
+        outs = [buf.dispatch((i["x8"], i["s8"]) if fp8 else i["x"], i["idx"], i["w"], num_experts=E,
+                             num_worst_tokens=worst, validate=False, transport=transport) for i in ins]
+        return outs, [buf.combine(i["y"], o.handle).combined_x for i, o in zip(ins, outs)]
 
     with stream:
         load([Batch(group, 30), Batch(group, 31, tag=3000)])
@@ -209,7 +221,12 @@ def test_graph_replay_of_two_micro_batches(group, buf, transport):
         checks = {}
         for name, out, comb, bt in zip("AB", outs, combined, batches):
             n = bt.res[bt.me].num_recv_tokens
-            checks[f"{name} recv_x"] = np.array_equal(out.recv_x.get()[:n], bt.rows())
+            if fp8:
+                want_x, want_s = per_token_cast_to_fp8(cupy.asarray(bt.rows()))
+                checks[f"{name} recv_x"] = np.array_equal(out.recv_x.get()[:n], want_x.get())
+                checks[f"{name} recv_x_scales"] = np.array_equal(out.recv_x_scales.get()[:n], want_s.get())
+            else:
+                checks[f"{name} recv_x"] = np.array_equal(out.recv_x.get()[:n], bt.rows())
             checks[f"{name} recv_topk_idx"] = np.array_equal(out.recv_topk_idx.get()[:n], bt.res[bt.me].recv_topk_idx)
             checks[f"{name} padding ids"] = bool((out.recv_topk_idx.get()[n:] == -1).all())
             checks[f"{name} combine"] = _close(comb.get(), bt.combined())
