@@ -68,20 +68,18 @@ ALIGNMENTS = (1, 4, 128)
 WARMUP_CALLS = 12  # per mode: every (alignment, worst-token, pair-weights) and every FP8 variant
 
 
-def _modes(text: str) -> list[str]:
-    modes = [m for m in text.split(",") if m]
-    bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
-        raise argparse.ArgumentTypeError(f"unknown mode(s) {bad}; choose from {','.join(MODES)}")
-    return modes
+def _choices(allowed: tuple, what: str):
+    """An argparse type: a comma-separated, non-empty list of ``allowed`` names."""
+    def parse(text: str) -> list[str]:
+        names = [n for n in text.split(",") if n]
+        bad = [n for n in names if n not in allowed]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"unknown {what}(s) {bad}; choose from {','.join(allowed)}")
+        return names
+    return parse
 
 
-def _routes(text: str) -> list[str]:
-    routes = [r for r in text.split(",") if r]
-    bad = [r for r in routes if r not in ROUTES]
-    if bad or not routes:
-        raise argparse.ArgumentTypeError(f"unknown route(s) {bad}; choose from {','.join(ROUTES)}")
-    return routes
+_modes, _routes = _choices(MODES, "mode"), _choices(ROUTES, "route")
 
 
 def soak_keys(modes, routes, num_nodes: int = 1) -> list[str]:
