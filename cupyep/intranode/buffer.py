@@ -278,7 +278,9 @@ class Buffer(DirectTransport):
                 handle's expert_alignment.
             fresh: the direct transport's receive arrays copied into arrays of
                 the caller's own (one more pass over the rows; lease None). The
-                queue transport's are the caller's own always.
+                rows still land in the next slot first, which the call takes, so
+                the result num_in_flight dispatches back goes stale all the
+                same. The queue transport's are the caller's own always.
             notify_time_ns: cupy int64 [2] or None (a metric, off by default): a
                 call that runs the notify pass adds the pass's device time in
                 nanoseconds (%globaltimer in the block that runs it) to [0] and

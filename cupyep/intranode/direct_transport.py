@@ -72,32 +72,25 @@ class DirectTransport:
         capturing = cupy.cuda.get_current_stream().is_capturing() or self.comm_stream.is_capturing()
         lease = pools.slots.take("Buffer.dispatch (direct)", pin=capturing)
         self._begin(previous_event)
-        sent = False
         with self.comm_stream:
             # On the communication stream, which its kernels use: memory the caller's stream
             # could reuse as soon as this call returns (async_finish) would be overwritten under them.
             pos = cupy.empty((T, k), dtype=np.int32) if expert_major else None
             if fused:  # layout, notify and the send in one launch
-                handle, sent = self._dispatch_fused(fused_fn, cfg, pool, lay, shape, x, x_scales, topk_idx, topk_weights,
-                                                    num_experts, num_worst_tokens, expert_alignment, pos,
-                                                    notify_time_ns)
-                notified = True
+                handle = self._dispatch_fused(fused_fn, cfg, pool, lay, shape, x, x_scales, topk_idx, topk_weights,
+                                              num_experts, num_worst_tokens, expert_alignment, pos, notify_time_ns)
             elif handle is None:
                 routing = self._routing(topk_idx, num_experts, T, arrays)
                 handle = self._notify(T, H, num_experts, *routing, D.notify_channels(R), expert_alignment,
                                       num_worst_tokens, transport="direct", notify_time_ns=notify_time_ns)
-                notified = True
-            else:
-                notified = False
             N = handle.num_worst_tokens or handle.num_recv_tokens
-            rows_sent, m_view, m_need = self._direct_rows(handle, notified, expert_major, k, E_local,
-                                                          expert_alignment)
+            rows_sent, m_view, m_need = self._direct_rows(handle, expert_major, k, E_local, expert_alignment)
             if expert_major:
                 self._check_expert_rows(shape, lay, m_need)  # the same verdict on every rank (global counts)
             recv_topk_idx = pool.view(lay.topk_idx, (N, k), np.int64) if topk_idx is not None else None
             recv_topk_weights = pool.view(lay.topk_weights, (N, k), np.float32) if topk_weights is not None else None
             recv_src_idx = pool.view(lay.src_idx, (N,), np.int32)
-            if not sent:
+            if not fused:  # the send (the fused kernel has sent already)
                 blocks = cfg.num_sms or D.default_num_sms(self.sm_budget, rows_sent, cfg.num_threads)
                 args = self._direct_dispatch_struct(handle, pool, lay, x, x_scales, topk_idx, topk_weights,
                                                     num_experts, capacity=N, pos=pos, compute_pos=False)
@@ -144,8 +137,7 @@ class DirectTransport:
                              f"{self._direct.slot_bytes} bytes holds {lay.em_rows} of them: make the Buffer with "
                              f"num_direct_bytes>={self._direct.expand_bytes(shape, rows)}")
 
-    def _direct_rows(self, handle, notified: bool, expert_major: bool, k: int, E_local: int,
-                     alignment: int) -> tuple[int, int, int]:
+    def _direct_rows(self, handle, expert_major: bool, k: int, E_local: int, alignment: int) -> tuple[int, int, int]:
         """(rows this rank sends, this rank's expert-major rows M_cap, the most
         expert-major rows any rank lays out) of a direct dispatch; the
         expert-major ones are 0 without expert_major. M_cap is exact whenever
@@ -193,11 +185,12 @@ class DirectTransport:
             capacity=capacity, rank=self.rank, guard=self._guard("intranode_direct_dispatch"))
 
     def _dispatch_fused(self, fn, cfg, pool, lay, shape, x, x_scales, topk_idx, topk_weights, num_experts,
-                        num_worst_tokens, alignment, pos, notify_time_ns=None) -> tuple[DispatchHandle, bool]:
+                        num_worst_tokens, alignment, pos, notify_time_ns=None) -> DispatchHandle:
         """One launch of the fused kernel (layout + notify + send into ``pool``
-        laid out as ``lay``), on the communication stream. Returns (handle,
-        True). Outside worst-token mode the host waits, bounded, for the counts
-        only (the kernel's status word), not for the send. When the slot is
+        laid out as ``lay``; ``shape``: its recv_layout shape), on the
+        communication stream. Returns the handle. Outside worst-token mode
+        the host waits, bounded, for the counts only (the kernel's status
+        word), not for the send. When the slot is
         too small for some receiver's expert-major rows the kernel sends
         nothing (status 2, the same verdict on every rank) and this raises
         ValueError. ``pos``: the [T, k] expert-major positions the kernel
@@ -222,7 +215,7 @@ class DirectTransport:
         smem = max(R * (C + 1) + R + num_experts, hist)
         fn((blocks,), (cfg.num_threads,), (args,), shared_mem=4 * smem)
         if worst:
-            return handle, True
+            return handle
         status = self._wait_host_status()
         handle = self._notify_handle(arrays, T, H, num_experts, C, num_worst_tokens, "direct")
         if status == 2:  # nothing was sent: the slot cannot hold some receiver's rows
@@ -231,7 +224,7 @@ class DirectTransport:
                 self._check_expert_rows(shape, lay, handle.expand.most_rows)
             raise RuntimeError(f"the fused direct dispatch found a receiver with more rows than its slot holds "
                                f"({lay.rows}), with at most max_tokens={self.sizes.max_tokens} tokens per rank")
-        return handle, True
+        return handle
 
     def _wait_host_status(self) -> int:
         """Bounded host wait for the fused kernel's status word (1 sent, 2 pools
