@@ -58,7 +58,7 @@ and ``combine(y, handle, pair_weights=..., expert_major=True)`` reduces such
 outputs back to one row per received row first (the map is in the handle),
 so cupyep.moe.MoELayer runs across nodes unchanged. Every call runs on the
 buffer's communication stream, ordered with the caller's as within a node
-(``previous_event``, ``async_finish``, cupyep.intranode.streams). What the
+(``previous_event``, ``async_finish``, cupyep.streams). What the
 kernels across nodes do not carry yet raises ValueError before anything is
 launched: configs, the normal-mode metrics. The layout hints
 (``num_tokens_per_rank``, ``num_tokens_per_expert``, ``is_token_in_rank``)
@@ -135,7 +135,7 @@ class TwoHopBuffer:
         self.num_in_flight = check_num_in_flight(num_in_flight)
         self.group = group
         self.num_ranks, self.rank = group.world_size, group.rank
-        from .intranode.streams import CommStream
+        from .streams import CommStream
         self._calls = CommStream(group)  # every call of the two-hop mode runs on this one stream
         self.comm_stream = self._calls.stream
         self._engines = {}  # route -> its TwoHopDispatch, made at the route's first call
@@ -196,7 +196,8 @@ class TwoHopBuffer:
         from .arrays import as_cupy, check, check_expert_ids
         from .errors import GUARD_DTYPE
         from .intranode import kernels as KI
-        from .intranode.buffer import MAX_EXPERTS, LayoutResult
+        from .results import LayoutResult
+        from .sizes import MAX_EXPERTS
         if getattr(topk_idx, "ndim", None) != 2:
             raise ValueError(f"topk_idx must be 2-D [T, k], got shape {tuple(getattr(topk_idx, 'shape', ()))}")
         T, k = topk_idx.shape
@@ -227,7 +228,7 @@ class TwoHopBuffer:
         """cupyep.Buffer.dispatch across nodes (module docstring). ``fresh``:
         return copies of the receive arrays, the caller's own (lease None),
         instead of views of the receive pool slot."""
-        from .intranode.results import check_hidden
+        from .results import check_hidden
         _refuse("dispatch", {"config": config, "notify_time_ns": notify_time_ns, "queue_occupancy": queue_occupancy})
         route = route_of(transport)
         if not (isinstance(expert_alignment, (int, np.integer)) and expert_alignment >= 1):
@@ -270,7 +271,7 @@ class TwoHopBuffer:
         """The DispatchResult of an engine's dispatch (on the communication
         stream), its expert-major layout built when asked and its map put in
         a handle of its own; the event is set by the caller."""
-        from .intranode.results import DispatchResult, aligned_expert_counts
+        from .results import DispatchResult, aligned_expert_counts
         counts = out.handle.recv_expert_counts  # a cached dispatch's: its handle's routing
         if counts is None and not out.handle.num_worst_tokens:
             counts = tuple(self._expert_counts(out.recv_topk_idx, num_experts))
@@ -336,7 +337,7 @@ class TwoHopBuffer:
                 async_finish: bool = False, pair_weights=None, expert_major=None, zero_copy: bool = False):
         """cupyep.Buffer.combine across nodes (module docstring): any live
         handle of this buffer, any number of times, in any order."""
-        from .intranode.results import CombineResult
+        from .results import CombineResult
         _refuse("combine", {"config": config})
         if zero_copy:
             raise ValueError("combine across nodes does not take zero_copy (the direct transport's)")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 DEFAULT_MAX_TOKENS = 4096
 DEFAULT_HIDDEN = 7168
 DEFAULT_NUM_TOPK = 8
+MAX_EXPERTS = 8192  # experts a layout counts (its shared memory holds one counter each)
 
 
 def _positive_int(name: str, value) -> int:

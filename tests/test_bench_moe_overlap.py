@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cupyep.intranode.results import EventHandle
+from cupyep.results import EventHandle
 from cupyep.moe import MoEWeights, expert_ffn
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ import pytest
 import cupyep.reference as ref
 from cupyep import errors, jit
 from cupyep.intranode import expert_major as EM
-from cupyep.intranode.results import DispatchHandle
+from cupyep.results import DispatchHandle
 
 from cstructs import assert_mirrors, c_structs
 

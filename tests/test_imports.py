@@ -6,7 +6,8 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "cupyep"
 BELOW_THE_MODES = {"cupyep.errors", "cupyep.nvcc", "cupyep.jit", "cupyep.nvshmem_build", "cupyep.nvshmem",
-                   "cupyep.barrier", "cupyep.ipc", "cupyep.sizes", "cupyep.slots"}
+                   "cupyep.barrier", "cupyep.ipc", "cupyep.sizes", "cupyep.slots", "cupyep.results",
+                   "cupyep.streams"}
 
 
 def _modules() -> dict:
@@ -78,6 +79,14 @@ def test_the_graph_sees_lazy_imports():
 def test_no_circle_runs_through_the_layers_below_the_modes():
     bad = [c for c in cycles(import_graph()) if c & BELOW_THE_MODES]
     assert not bad, bad
+
+
+def test_the_shared_types_import_no_mode():
+    g = import_graph()
+    modes = {m for m in g if m.startswith(("cupyep.intranode", "cupyep.low_latency", "cupyep.internode"))}
+    for below in ("cupyep.results", "cupyep.streams", "cupyep.sizes", "cupyep.slots"):
+        assert not g[below] & modes, (below, g[below] & modes)
+    assert "cupyep.intranode.results" not in g["cupyep.low_latency.buffer"]
 
 
 def test_the_cycle_finder_finds_a_cycle():

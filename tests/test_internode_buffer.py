@@ -18,7 +18,7 @@ from cupyep import internode as INTER
 from cupyep.errors import StaleResultError
 from cupyep.internode import TwoHopHandle
 from cupyep.internode_buffer import TwoHopBuffer, route_of, tokens_per_node
-from cupyep.intranode.results import CombineResult, DispatchResult
+from cupyep.results import CombineResult, DispatchResult
 from cupyep.sizes import DEFAULT_HIDDEN, DEFAULT_MAX_TOKENS, DEFAULT_NUM_TOPK
 from cupyep.slots import DEFAULT_IN_FLIGHT, InFlightSlots
 
@@ -76,7 +76,7 @@ class _Stream:
 
 
 class _Calls:
-    """cupyep.intranode.streams.CommStream without a GPU: records the ordering requests."""
+    """cupyep.streams.CommStream without a GPU: records the ordering requests."""
 
     def __init__(self, group):
         self.stream, self.log = _Stream(), []
@@ -94,7 +94,7 @@ class _Calls:
 
 @pytest.fixture(autouse=True)
 def _no_cuda_streams(monkeypatch):
-    from cupyep.intranode import streams
+    from cupyep import streams
     monkeypatch.setattr(streams, "CommStream", _Calls)
 
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import cupyep.reference as ref
-from cupyep.intranode.buffer import aligned_expert_counts
-from cupyep.intranode.results import DispatchHandle, DispatchResult
+from cupyep.results import aligned_expert_counts
+from cupyep.results import DispatchHandle, DispatchResult
 from cupyep.reference.intranode import worst_token_rows
 
 NUM_EXPERTS, NUM_TOPK = 16, 4

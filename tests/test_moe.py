@@ -319,7 +319,7 @@ class _HostBuffer:
     def dispatch(self, *args, **kwargs):
         import inspect
         from cupyep.intranode.buffer import Buffer
-        from cupyep.intranode.results import DispatchResult
+        from cupyep.results import DispatchResult
         bound = inspect.signature(Buffer.dispatch).bind(self, *args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
@@ -351,7 +351,7 @@ class _HostBuffer:
     def combine(self, *args, **kwargs):
         import inspect
         from cupyep.intranode.buffer import Buffer
-        from cupyep.intranode.results import CombineResult
+        from cupyep.results import CombineResult
         bound = inspect.signature(Buffer.combine).bind(self, *args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments

@@ -2,7 +2,7 @@
 import pytest
 
 from cupyep.errors import StaleResultError
-from cupyep.intranode.results import POOL_FIELDS, DispatchResult
+from cupyep.results import POOL_FIELDS, DispatchResult
 from cupyep.slots import InFlightSlots, check_num_in_flight
 
 

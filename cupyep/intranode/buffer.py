@@ -16,7 +16,7 @@ and every wait is bounded by ``group.timeout_s`` (``CommTimeoutError``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
@@ -24,44 +24,21 @@ from .. import jit
 from ..arrays import BF16, FP8, as_cupy, check, check_expert_ids, dispatch_rows
 from ..calls import traced_call
 from ..ipc import SymmetricBuffer
-from ..sizes import DEFAULT_HIDDEN, DEFAULT_MAX_TOKENS, DEFAULT_NUM_TOPK, DeclaredSizes
+from ..sizes import DEFAULT_HIDDEN, DEFAULT_MAX_TOKENS, DEFAULT_NUM_TOPK, MAX_EXPERTS, DeclaredSizes
 from ..slots import DEFAULT_IN_FLIGHT, check_num_in_flight
-from .streams import CommStream
+from ..streams import CommStream
 from . import direct as D
 from . import expert_major as EM
 from . import kernels as K
 from .config import Config, get_combine_config, get_dispatch_config
 from .layout import MAX_LOCAL_EXPERTS, buffer_layout, ring_set, size_hint
 from .direct_transport import DirectTransport
-from .results import (CombineResult, DispatchHandle, DispatchResult, EventHandle, ExpandTables, aligned_expert_counts,
+from ..results import (CombineResult, DispatchHandle, DispatchResult, EventHandle, ExpandTables, LayoutResult,
+                       aligned_expert_counts,
                       check_hidden, dispatch_result)
 
-MAX_EXPERTS = 8192
 TRANSPORTS = ("queue", "direct")
 INT_MAX = 2**31 - 1
-
-
-@dataclass
-class LayoutResult:
-    """Output of :meth:`Buffer.get_dispatch_layout` (device arrays).
-
-    Attributes:
-        num_tokens_per_rank: [R] int32.
-        num_tokens_per_expert: [E] int32.
-        is_token_in_rank: [T, R] bool.
-        event: EventHandle.
-        num_tokens_per_rdma_rank: [num_nodes] int32 across nodes (tokens with an
-            expert on each node; DeepEP's name), None within a node.
-    """
-    num_tokens_per_rank: object
-    num_tokens_per_expert: object
-    is_token_in_rank: object
-    event: EventHandle | None = None
-    num_tokens_per_rdma_rank: object = None
-
-
-
-
 
 
 class Buffer(DirectTransport):

@@ -20,7 +20,7 @@ from .. import driver, jit
 from ..arrays import BF16, as_cupy, check
 from ..calls import traced_call
 from ..ipc import SymmetricBuffer
-from ..intranode.results import EventHandle
+from ..results import EventHandle
 from . import kernels as K
 from .layout import CallSchedule, call_offsets, check_sizes, low_latency_layout, message_layout
 from .results import LowLatencyCombineResult, LowLatencyDispatchResult, LowLatencyHandle

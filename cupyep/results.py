@@ -1,4 +1,6 @@
-"""Named results of normal-mode dispatch and combine."""
+"""Named results and handles of normal-mode layout, dispatch and combine,
+within and across nodes, and the event of a call (EventHandle, which
+low-latency mode returns too). Below every mode: it imports none."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,6 +21,25 @@ class EventHandle:
 
     def synchronize(self) -> None:
         self.event.synchronize()
+
+
+@dataclass
+class LayoutResult:
+    """Output of :meth:`Buffer.get_dispatch_layout` (device arrays).
+
+    Attributes:
+        num_tokens_per_rank: [R] int32.
+        num_tokens_per_expert: [E] int32.
+        is_token_in_rank: [T, R] bool.
+        event: EventHandle.
+        num_tokens_per_rdma_rank: [num_nodes] int32 across nodes (tokens with an
+            expert on each node; DeepEP's name), None within a node.
+    """
+    num_tokens_per_rank: object
+    num_tokens_per_expert: object
+    is_token_in_rank: object
+    event: EventHandle | None = None
+    num_tokens_per_rdma_rank: object = None
 
 
 @dataclass(frozen=True)

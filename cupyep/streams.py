@@ -1,5 +1,5 @@
-"""The communication stream of a buffer, and how its calls are ordered with
-the caller's stream (normal mode within a node, and across nodes: cupyep.internode_buffer).
+"""The communication stream of a normal-mode buffer, and how its calls are
+ordered with the caller's stream (within a node and across nodes).
 
 A call begins with :meth:`CommStream.begin`: the communication stream waits
 for ``previous_event`` (an EventHandle or a cupy Event), or else for the
