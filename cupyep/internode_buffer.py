@@ -52,7 +52,7 @@ straight into its final row, no node dedup); both may run in one buffer
 (one engine each), and a cached dispatch or a combine runs on its handle's.
 
 ``expert_major=True`` lays the received (row, local expert) pairs out in
-per-expert blocks as within a node (cupyep.intranode.expert_major, from the
+per-expert blocks as within a node (cupyep.expert_major, from the
 rank-major rows; DispatchResult's expert_x, expert_offsets, expert_src_row),
 and ``combine(y, handle, pair_weights=..., expert_major=True)`` reduces such
 outputs back to one row per received row first (the map is in the handle),
@@ -195,7 +195,7 @@ class TwoHopBuffer:
         from . import jit
         from .arrays import as_cupy, check, check_expert_ids
         from .errors import GUARD_DTYPE
-        from .intranode import kernels as KI
+        from . import dispatch_layout
         from .results import LayoutResult
         from .sizes import MAX_EXPERTS
         if getattr(topk_idx, "ndim", None) != 2:
@@ -209,10 +209,10 @@ class TwoHopBuffer:
         if validate and not cupy.cuda.get_current_stream().is_capturing():
             check_expert_ids(topk_idx, E)
         guard = jit.pack(GUARD_DTYPE, **self.group.guard("intranode_layout"))
-        jit.load(KI.layout_spec(), self.group)  # once per node, collectively, before the stream's work
+        jit.load(dispatch_layout.layout_spec(), self.group)  # once per node, collectively, before the stream's work
         self._calls.begin(previous_event)
         with self.comm_stream:
-            per_rank, per_expert, in_rank = KI.launch_layout(topk_idx, E, self.num_ranks, guard)
+            per_rank, per_expert, in_rank = dispatch_layout.launch_layout(topk_idx, E, self.num_ranks, guard)
             per_node = tokens_per_node(in_rank, self.group.local_size)
         res = LayoutResult(num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert, is_token_in_rank=in_rank,
                            num_tokens_per_rdma_rank=per_node)
@@ -299,7 +299,7 @@ class TwoHopBuffer:
         if self._em_loaded:
             return
         from . import jit
-        from .intranode import expert_major as EM
+        from . import expert_major as EM
         jit.load(EM.permute_spec(), self.group)
         self.group.comm.Barrier()
         self._em_loaded = True
@@ -320,7 +320,7 @@ class TwoHopBuffer:
         the blocks per rank of the two-hop kernels (the rank's share of the SMs)."""
         from . import jit
         from .errors import GUARD_DTYPE
-        from .intranode import expert_major as EM
+        from . import expert_major as EM
         N, k = recv_topk_idx.shape
         El = num_experts // self.num_ranks
         m_cap = EM.expert_rows_capacity(per_expert, N, k, El, alignment)
@@ -351,7 +351,7 @@ class TwoHopBuffer:
                 raise ValueError("expert_major=True needs the handle of a dispatch(..., expert_major=True)")
             if x.shape[0] != em.num_expert_rows:
                 raise ValueError(f"expert-major x has {x.shape[0]} rows, the dispatch laid out {em.num_expert_rows}")
-            from .intranode import expert_major as EM
+            from . import expert_major as EM
             EM.check_pair_weights(pair_weights, *em.recv_expert_row.shape)
         elif pair_weights is not None:
             raise ValueError("pair_weights weight expert-major rows; x holds rank-major rows")
@@ -362,7 +362,7 @@ class TwoHopBuffer:
             reduced = None
             if em is not None:  # expert-major outputs -> one row per received row
                 from . import jit
-                from .intranode import expert_major as EM
+                from . import expert_major as EM
                 x = reduced = EM.reduce(x, em.recv_expert_row, pair_weights, jit.ptr(em.count), engine.num_sms)
             got = engine.combine(x, handle, row_weights=row_weights, topk_weights=topk_weights)
             combined, combined_w = got if topk_weights is not None else (got, None)

@@ -38,10 +38,11 @@ SPEC_MODULES = (
     "cupyep.bench.skew",
     "cupyep.bench.timing",
     "cupyep.fp8",
+    "cupyep.dispatch_layout",
     "cupyep.intranode.kernels",
     "cupyep.intranode.direct",
     "cupyep.low_latency.kernels",
-    "cupyep.intranode.expert_major",
+    "cupyep.expert_major",
     "cupyep.nvshmem",
     "cupyep.internode",
 )

@@ -1,6 +1,6 @@
 """CPU tests of the expert-major layout: the NumPy reference
 (expert_major_order with alignment, expert_major_reduce) and the host logic of
-cupyep.intranode.expert_major (M_cap sizing, struct mirrors, input checks,
+cupyep.expert_major (M_cap sizing, struct mirrors, input checks,
 ValueErrors raised by Buffer before any launch). Nothing here needs a GPU."""
 
 import re
@@ -11,7 +11,7 @@ import pytest
 
 import cupyep.reference as ref
 from cupyep import errors, jit
-from cupyep.intranode import expert_major as EM
+from cupyep import expert_major as EM
 from cupyep.results import DispatchHandle
 
 from cstructs import assert_mirrors, c_structs
@@ -236,7 +236,7 @@ def test_struct_sizes():
 def test_permute_spec_is_registered_and_names_its_kernels():
     spec = EM.permute_spec()
     assert spec in jit.all_specs()
-    assert "cupyep.intranode.expert_major" in jit.SPEC_MODULES
+    assert "cupyep.expert_major" in jit.SPEC_MODULES
     text = (jit.CUDA_SRC / spec.source).read_text()
     for name in spec.kernels:
         assert name.startswith("cupyep::intranode::")

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cupyep import barrier, errors, jit, nvcc, testing
+from cupyep import barrier, dispatch_layout, errors, jit, nvcc, testing
 from cupyep.arrays import BF16, FP8, as_cupy, check
 from cupyep.bench.stamps import cross_rank, trace_marks
 from cupyep.bench.timing import Timing
@@ -463,7 +463,7 @@ MIRRORS = [
     (barrier.WORLD_BARRIER_ARGS_DTYPE, "WorldBarrierArgs"),
     (K.OFFSETS_DTYPE, "BufferOffsets"),
     (K.RING_DTYPE, "RingShape"),
-    (K.LAYOUT_ARGS_DTYPE, "LayoutArgs"),
+    (dispatch_layout.LAYOUT_ARGS_DTYPE, "LayoutArgs"),
     (K.NOTIFY_ARGS_DTYPE, "NotifyArgs"),
     (K.DISPATCH_ARGS_DTYPE, "DispatchArgs"),
     (K.COMBINE_ARGS_DTYPE, "CombineArgs"),

@@ -28,7 +28,8 @@ from ..sizes import DEFAULT_HIDDEN, DEFAULT_MAX_TOKENS, DEFAULT_NUM_TOPK, MAX_EX
 from ..slots import DEFAULT_IN_FLIGHT, check_num_in_flight
 from ..streams import CommStream
 from . import direct as D
-from . import expert_major as EM
+from .. import dispatch_layout
+from .. import expert_major as EM
 from . import kernels as K
 from .config import Config, get_combine_config, get_dispatch_config
 from .layout import MAX_LOCAL_EXPERTS, buffer_layout, ring_set, size_hint
@@ -117,7 +118,7 @@ class Buffer(DirectTransport):
         self._direct: D.DirectPools | None = None  # created by the first direct call (collective)
         # Compile the default specialisations once per node, collectively (so that no rank compiles
         # inside a call while its peers' kernels already wait on it), the expert-major layout's too.
-        jit.load(K.layout_spec(), group)
+        jit.load(dispatch_layout.layout_spec(), group)
         jit.load(K.notify_spec(self.num_ranks), group)
         jit.load(K.dispatch_spec_for(self.num_ranks, self.default_dispatch_config()), group)
         jit.load(K.combine_spec_for(self.num_ranks, self.default_combine_config()), group)
@@ -192,7 +193,8 @@ class Buffer(DirectTransport):
 
     def _layout(self, topk_idx, num_experts: int) -> LayoutResult:
         with self.comm_stream:
-            counts = K.launch_layout(topk_idx, num_experts, self.num_ranks, self._guard("intranode_layout"))
+            counts = dispatch_layout.launch_layout(topk_idx, num_experts, self.num_ranks,
+                                                   self._guard("intranode_layout"))
         return LayoutResult(*counts)
 
     # ---------------------------------------------------------------- dispatch
@@ -242,7 +244,7 @@ class Buffer(DirectTransport):
                 cached dispatch (which does not count this call's topk_idx) the bound
                 N * min(k, E_local) + E_local * (expert_alignment - 1), N =
                 num_worst_tokens (or the handle's rows), with no host wait (CUDA-graph
-                capturable). See cupyep.intranode.expert_major.
+                capturable). See cupyep.expert_major.
             transport: "queue" (default) or "direct"; with a handle, the handle's
                 (None: that one). Direct: the receive arrays (recv_x, recv_x_scales,
                 recv_topk_idx, recv_topk_weights) are views of the next of this

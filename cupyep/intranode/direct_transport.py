@@ -14,7 +14,7 @@ from .. import jit
 from ..arrays import BF16, FP8
 from ..calls import traced_call
 from . import direct as D
-from . import expert_major as EM
+from .. import expert_major as EM
 from ..results import (DispatchHandle, DispatchResult, ExpandTables, aligned_expert_counts, check_hidden,
                       dispatch_result)
 

@@ -19,9 +19,6 @@ OFFSETS_DTYPE = jit.struct_dtype([(n, i64) for n in (
     "dispatch_ring", "combine_ring")])
 RING_DTYPE = jit.struct_dtype([("ring", i64), ("counter_tail", i64), ("counter_head", i64), ("slot_bytes", i64),
                                ("x_bytes", i64), ("depth", i32), ("chunk", i32)])
-LAYOUT_ARGS_DTYPE = jit.struct_dtype([
-    ("topk_idx", u64), ("num_tokens_per_rank", u64), ("num_tokens_per_expert", u64), ("is_token_in_rank", u64),
-    ("num_tokens", i32), ("num_topk", i32), ("num_experts", i32), ("num_ranks", i32), ("guard", GUARD_DTYPE)])
 NOTIFY_ARGS_DTYPE = jit.struct_dtype([
     ("peers", u64), ("off", OFFSETS_DTYPE), ("is_token_in_rank", u64), ("num_tokens_per_rank", u64),
     ("num_tokens_per_expert", u64), ("send_head", u64), ("send_list", u64), ("send_channel_prefix", u64),
@@ -42,40 +39,8 @@ COMBINE_ARGS_DTYPE = jit.struct_dtype([
     ("guard", GUARD_DTYPE)])
 
 NOTIFY_THREADS = 1024
-LAYOUT_THREADS = 256
 # Threads per block of the dispatch/combine specialisations the offline check compiles.
 THREAD_CHOICES = (512, 768)
-
-
-def layout_spec() -> jit.KernelSpec:
-    return jit.KernelSpec(name="intranode_layout", source="intranode/layout.cu",
-                          kernels=("cupyep::intranode::get_dispatch_layout",))
-
-
-def launch_layout(topk_idx, num_experts: int, num_ranks: int, guard: np.void):
-    """The layout kernel on the current stream, over any ``num_ranks`` ranks
-    (within a node, or the world's across nodes).
-
-    Arguments:
-        topk_idx: cupy [T, k] int64 expert ids (checked), -1 for none.
-        guard: the kernel's packed Guard (the group's ``guard("intranode_layout")``).
-
-    Returns:
-        (num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32,
-        is_token_in_rank [T, R] bool), cupy.
-    """
-    import cupy
-    T, k = topk_idx.shape
-    per_rank = cupy.zeros(num_ranks, dtype=np.int32)
-    per_expert = cupy.zeros(num_experts, dtype=np.int32)
-    in_rank = cupy.empty((T, num_ranks), dtype=np.bool_)
-    fn = jit.kernel(layout_spec())
-    if T:
-        args = jit.pack(LAYOUT_ARGS_DTYPE, topk_idx=jit.ptr(topk_idx), num_tokens_per_rank=jit.ptr(per_rank),
-                        num_tokens_per_expert=jit.ptr(per_expert), is_token_in_rank=jit.ptr(in_rank),
-                        num_tokens=T, num_topk=k, num_experts=num_experts, num_ranks=num_ranks, guard=guard)
-        fn((-(-T // LAYOUT_THREADS),), (LAYOUT_THREADS,), (args,), shared_mem=4 * (num_ranks + num_experts))
-    return per_rank, per_expert, in_rank
 
 
 def notify_spec(num_ranks: int) -> jit.KernelSpec:
@@ -109,7 +74,7 @@ def kernel_specs() -> list[jit.KernelSpec]:
     """Specialisations compiled by ``python -m cupyep.jit --check``: 1 to 8
     ranks with the declared thread counts and every L2 mode."""
     from .config import L2_HINTS
-    specs = [layout_spec()]
+    specs = []
     for r in range(1, 9):
         specs.append(notify_spec(r))
         for t in THREAD_CHOICES:

@@ -49,9 +49,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import jit
-from ..arrays import BF16, as_cupy, check
-from ..errors import GUARD_DTYPE
+from . import jit
+from .arrays import BF16, as_cupy, check
+from .errors import GUARD_DTYPE
 
 u64, i64, i32 = np.uint64, np.int64, np.int32
 
