@@ -77,6 +77,11 @@ from .slots import DEFAULT_IN_FLIGHT, check_num_in_flight
 TRANSPORTS = (None, "queue", "two_hop", "direct")
 
 
+# The result fields that are views of a receive pool slot across nodes (the expert-major arrays are built
+# from them into arrays of their own).
+RECEIVE_FIELDS = frozenset({"recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights"})
+
+
 def route_of(transport) -> str:
     """The route a call's ``transport`` runs on: None, "queue" or "two_hop"
     -> "two_hop"; "direct" -> "direct"; ValueError otherwise."""
@@ -285,7 +290,7 @@ class TwoHopBuffer:
         handle = replace(out.handle, recv_expert_counts=counts, expert_map=expert_map)
         result = DispatchResult(recv_x=recv[0], recv_x_scales=recv[1], recv_topk_idx=recv[2],
                                 recv_topk_weights=recv[3], num_recv_tokens_per_expert=per_expert, handle=handle,
-                                lease=None if fresh else out.lease)
+                                lease=None if fresh else out.lease, pooled=RECEIVE_FIELDS)
         if em is not None:
             result.expert_x, result.expert_x_scales = em.expert_x, em.expert_x_scales
             result.expert_offsets, result.expert_src_row = em.expert_offsets, em.expert_src_row

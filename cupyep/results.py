@@ -184,11 +184,13 @@ class DispatchResult:
     expert_offsets: object = None
     expert_src_row: object = None
     lease: object = None
+    pooled: frozenset = None  # the fields that are views of the lease's slot (None: every POOL_FIELDS one)
 
     def __getattribute__(self, name):
         if name in POOL_FIELDS:  # a view of a pool slot: valid while the slot holds this dispatch
             lease = object.__getattribute__(self, "lease")
-            if lease is not None:
+            pooled = object.__getattribute__(self, "pooled")
+            if lease is not None and (pooled is None or name in pooled):
                 lease.check(name)
         return object.__getattribute__(self, name)
 
@@ -198,7 +200,7 @@ class DispatchResult:
         return self.lease is not None and not self.lease.valid
 
 
-# DispatchResult fields that are views of a pool slot on the one-copy routes.
+# DispatchResult fields that may be views of a pool slot (those of a result's ``pooled``, else all of them).
 POOL_FIELDS = frozenset({"recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "expert_x",
                          "expert_x_scales", "expert_src_row"})
 

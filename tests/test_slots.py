@@ -49,6 +49,10 @@ def test_a_stale_result_raises_on_every_pool_field_and_a_fresh_one_never():
     assert res.handle == "h" and res.num_recv_tokens_per_expert == [1]  # not pool memory: still readable
     own = DispatchResult("x", None, "idx", "w")
     assert own.recv_x == "x" and not own.stale
+    part = DispatchResult("x", None, "idx", "w", expert_x="ex", lease=lease, pooled=frozenset({"recv_x"}))
+    assert part.expert_x == "ex" and part.recv_topk_idx == "idx"  # arrays of its own: readable when stale
+    with pytest.raises(StaleResultError, match="recv_x"):
+        part.recv_x
 
 
 def test_declared_sizes_name_the_constructor_argument():
