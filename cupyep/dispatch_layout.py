@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import jit
+from .arrays import carve
 from .errors import GUARD_DTYPE
 
 u64, i32 = np.uint64, np.int32
@@ -37,8 +38,8 @@ def launch_layout(topk_idx, num_experts: int, num_ranks: int, guard: np.void):
     """
     import cupy
     T, k = topk_idx.shape
-    per_rank = cupy.zeros(num_ranks, dtype=np.int32)
-    per_expert = cupy.zeros(num_experts, dtype=np.int32)
+    counts = carve({"per_rank": (num_ranks,), "per_expert": (num_experts,)}, zero=True)
+    per_rank, per_expert = counts["per_rank"], counts["per_expert"]
     in_rank = cupy.empty((T, num_ranks), dtype=np.bool_)
     fn = jit.kernel(layout_spec())
     if T:

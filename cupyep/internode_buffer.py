@@ -77,11 +77,6 @@ from .slots import DEFAULT_IN_FLIGHT, check_num_in_flight
 TRANSPORTS = (None, "queue", "two_hop", "direct")
 
 
-# The result fields that are views of a receive pool slot across nodes (the expert-major arrays are built
-# from them into arrays of their own).
-RECEIVE_FIELDS = frozenset({"recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights"})
-
-
 def route_of(transport) -> str:
     """The route a call's ``transport`` runs on: None, "queue" or "two_hop"
     -> "two_hop"; "direct" -> "direct"; ValueError otherwise."""
@@ -276,7 +271,7 @@ class TwoHopBuffer:
         """The DispatchResult of an engine's dispatch (on the communication
         stream), its expert-major layout built when asked and its map put in
         a handle of its own; the event is set by the caller."""
-        from .results import DispatchResult, aligned_expert_counts
+        from .results import RECEIVE_FIELDS, DispatchResult, aligned_expert_counts
         counts = out.handle.recv_expert_counts  # a cached dispatch's: its handle's routing
         if counts is None and not out.handle.num_worst_tokens:
             counts = tuple(self._expert_counts(out.recv_topk_idx, num_experts))

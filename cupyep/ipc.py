@@ -13,6 +13,8 @@ every buffer's destroy unmaps what it mapped.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 _IPC_LAZY_ENABLE_PEER_ACCESS = 1
@@ -63,15 +65,17 @@ def same_size(comm, nbytes, what: str, who: str) -> int:
     return nbytes
 
 
-def buffer_view(owner, base: int, nbytes: int, offset: int, shape, dtype, strides=None):
+def buffer_view(owner, base: int, nbytes: int, offset: int, shape, dtype, strides=None, memptr=None):
     """A cupy array of ``shape`` starting ``offset`` bytes into the ``nbytes``
     buffer at device address ``base`` (kept alive by ``owner``), C-contiguous
-    or with byte ``strides`` (non-negative); every element must lie inside it."""
+    or with byte ``strides`` (non-negative); every element must lie inside it.
+    ``memptr``: a cupy MemoryPointer of the whole buffer, to view through
+    (else one is made for the view)."""
     import cupy
     dtype = np.dtype(dtype)
     shape = tuple(int(d) for d in shape)
     if strides is None:
-        n = int(np.prod(shape)) * dtype.itemsize
+        n = math.prod(shape) * dtype.itemsize
     else:
         strides = tuple(int(s) for s in strides)
         if len(strides) != len(shape) or min(strides, default=0) < 0:
@@ -79,8 +83,10 @@ def buffer_view(owner, base: int, nbytes: int, offset: int, shape, dtype, stride
         n = 0 if 0 in shape else sum((d - 1) * s for d, s in zip(shape, strides)) + dtype.itemsize
     if offset < 0 or offset + n > nbytes:
         raise ValueError(f"view [{offset}, {offset + n}) outside the {nbytes}-byte buffer")
-    mem = cupy.cuda.UnownedMemory(base + offset, n, owner, device_id=cupy.cuda.Device().id)
-    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0), strides=strides)
+    if memptr is None:
+        mem = cupy.cuda.UnownedMemory(base + offset, n, owner, device_id=cupy.cuda.Device().id)
+        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0), strides=strides)
+    return cupy.ndarray(shape, dtype, memptr + offset, strides=strides)
 
 
 class SymmetricBuffer:
@@ -105,6 +111,7 @@ class SymmetricBuffer:
         self.nbytes = nbytes
         self.ptr = _malloc_everywhere(group, nbytes)
         self._opened: list[int] = []
+        self._memptrs: dict = {}  # base address -> MemoryPointer of the whole buffer (views go through it)
         try:
             rt.memset(self.ptr, 0, nbytes)
             rt.deviceSynchronize()
@@ -129,8 +136,13 @@ class SymmetricBuffer:
         """A cupy array of ``shape`` starting ``offset`` bytes into this rank's
         buffer (or node-local rank ``peer``'s), C-contiguous or with byte
         ``strides`` (non-negative); every element must lie inside the buffer."""
-        return buffer_view(self, self.ptr if peer is None else self.peer_ptr_list[peer], self.nbytes, offset,
-                           shape, dtype, strides)
+        import cupy
+        base = self.ptr if peer is None else self.peer_ptr_list[peer]
+        memptr = self._memptrs.get(base)
+        if memptr is None:
+            mem = cupy.cuda.UnownedMemory(base, self.nbytes, self, device_id=cupy.cuda.Device().id)
+            memptr = self._memptrs[base] = cupy.cuda.MemoryPointer(mem, 0)
+        return buffer_view(self, base, self.nbytes, offset, shape, dtype, strides, memptr)
 
     def _release(self) -> None:
         import cupy
@@ -139,6 +151,7 @@ class SymmetricBuffer:
             rt.ipcCloseMemHandle(p)
             _count_mappings(-1)
         self._opened = []
+        self._memptrs = {}
         if self.ptr:
             rt.free(self.ptr)
             self.ptr = 0

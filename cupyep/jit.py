@@ -106,12 +106,60 @@ def struct_dtype(fields: list[tuple[str, object]]) -> np.dtype:
     return np.dtype(fields, align=True)
 
 
+_STRUCT_CODES = {"i1": "b", "u1": "B", "b1": "?", "i2": "h", "u2": "H", "i4": "i", "u4": "I", "i8": "q", "u8": "Q",
+                 "f4": "f", "f8": "d"}
+
+
+class _Packer:
+    """How :func:`pack` writes one struct dtype: a little-endian ``struct``
+    format with the dtype's padding, and per field its default."""
+
+    def __init__(self, dtype: np.dtype):
+        import struct
+        fmt, fields, end = ["<"], [], 0
+        for name, (ft, offset) in sorted(dtype.fields.items(), key=lambda kv: kv[1][1]):
+            if offset > end:
+                fmt.append(f"{offset - end}x")
+            if ft.fields:  # a nested struct: its bytes
+                fmt.append(f"{ft.itemsize}s")
+                fields.append((name, ft, bytes(ft.itemsize)))
+            else:
+                code = _STRUCT_CODES.get(f"{ft.kind}{ft.itemsize}")
+                if code is None or ft.subdtype is not None:
+                    raise TypeError(f"pack cannot write field {name!r} of type {ft}")
+                fmt.append(code)
+                fields.append((name, None, 0))
+            end = offset + ft.itemsize
+        if dtype.itemsize > end:
+            fmt.append(f"{dtype.itemsize - end}x")
+        self.struct = struct.Struct("".join(fmt))
+        self.fields = fields
+        self.names = frozenset(n for n, _, _ in fields)
+        self.dtype = dtype
+
+    def __call__(self, values: dict) -> np.void:
+        if not self.names.issuperset(values):
+            raise ValueError(f"{self.dtype} has no field(s) {sorted(set(values) - self.names)}")
+        args = []
+        for name, nested, default in self.fields:
+            v = values.get(name, default)
+            if nested is not None and not isinstance(v, bytes):
+                v = v.tobytes() if isinstance(v, np.void) and v.dtype == nested else \
+                    np.asarray(v, dtype=nested).tobytes()
+            args.append(v)
+        return np.frombuffer(self.struct.pack(*args), dtype=self.dtype)[0]
+
+
+_packers: dict[np.dtype, _Packer] = {}
+
+
 def pack(dtype: np.dtype, **values) -> np.void:
-    """One struct value of ``dtype``; unspecified fields are zero."""
-    a = np.zeros((), dtype=dtype)
-    for k, v in values.items():
-        a[k] = v
-    return a[()]
+    """One struct value of ``dtype`` (a :func:`struct_dtype`); unspecified
+    fields are zero, nested structs are np.void values of their dtype."""
+    packer = _packers.get(dtype)
+    if packer is None:
+        packer = _packers[dtype] = _Packer(dtype)
+    return packer(values)
 
 
 def ptr(a) -> int:
@@ -119,10 +167,18 @@ def ptr(a) -> int:
     return 0 if a is None else a.data.ptr
 
 
+_resident: dict[tuple[int, int, int], int] = {}
+
+
 def max_resident_blocks(function, num_threads: int, shared_bytes: int = 0) -> int:
-    """Blocks of a loaded kernel ``function`` one SM can hold at once."""
-    from cupy.cuda import driver
-    return driver.occupancyMaxActiveBlocksPerMultiprocessor(function.kernel.ptr, num_threads, shared_bytes)
+    """Blocks of a loaded kernel ``function`` one SM can hold at once (asked
+    of the driver once per kernel and launch shape)."""
+    key = (function.kernel.ptr, num_threads, shared_bytes)
+    per_sm = _resident.get(key)
+    if per_sm is None:
+        from cupy.cuda import driver
+        per_sm = _resident[key] = driver.occupancyMaxActiveBlocksPerMultiprocessor(*key)
+    return per_sm
 
 
 def require_resident(what: str, per_sm: int, blocks: int, num_threads: int, ranks_per_gpu: int, num_sms: int,

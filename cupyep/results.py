@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 class EventHandle:
     """A CUDA event recorded on the communication stream after an operation.
@@ -203,6 +205,8 @@ class DispatchResult:
 # DispatchResult fields that may be views of a pool slot (those of a result's ``pooled``, else all of them).
 POOL_FIELDS = frozenset({"recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "expert_x",
                          "expert_x_scales", "expert_src_row"})
+# The rank-major ones: a result's ``pooled`` when its expert-major arrays are its own.
+RECEIVE_FIELDS = frozenset({"recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights"})
 
 
 @dataclass
@@ -244,7 +248,10 @@ def aligned_expert_counts(recv_expert_counts, expert_alignment: int) -> list[int
     """
     if recv_expert_counts is None:
         return None
-    return [-(-int(c) // expert_alignment) * expert_alignment for c in recv_expert_counts]
+    if expert_alignment == 1:
+        return list(recv_expert_counts)
+    a = np.asarray(recv_expert_counts, dtype=np.int64)
+    return (-(-a // expert_alignment) * expert_alignment).tolist()
 
 
 def dispatch_result(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle, event,

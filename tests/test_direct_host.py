@@ -139,7 +139,7 @@ def test_slot_layouts_are_the_same_layout_shifted_by_whole_slots():
     em = pools.expand_layout(shape, 2)
     assert em.x == -1 and em.rows == pools.max_rows and em.em_rows >= 2 * 512 * 8
     assert em.em_x >= 2 * pools.slot_bytes and em.end <= 3 * pools.slot_bytes
-    assert pools.expand_bytes(shape, em.em_rows + 1) > pools.slot_bytes
+    assert D.recv_layout(pools.max_rows, *shape, expert_rows=em.em_rows + 1).end > pools.slot_bytes  # the most
 
 
 def test_fixed_combine_and_zero_copy_layouts_hold_the_declared_rows():

@@ -21,7 +21,7 @@ from dataclasses import replace
 import numpy as np
 
 from .. import jit
-from ..arrays import BF16, FP8, as_cupy, check, check_expert_ids, dispatch_rows
+from ..arrays import BF16, FP8, as_cupy, carve, check, check_expert_ids, dispatch_rows
 from ..calls import traced_call
 from ..ipc import SymmetricBuffer
 from ..sizes import DEFAULT_HIDDEN, DEFAULT_MAX_TOKENS, DEFAULT_NUM_TOPK, MAX_EXPERTS, DeclaredSizes
@@ -116,6 +116,7 @@ class Buffer(DirectTransport):
         self._host_counts = np.frombuffer((ctypes.c_int32 * n_counts).from_address(self._host_counts_ptr),
                                           dtype=np.int32)
         self._direct: D.DirectPools | None = None  # created by the first direct call (collective)
+        self._guards: dict = {}
         # Compile the default specialisations once per node, collectively (so that no rank compiles
         # inside a call while its peers' kernels already wait on it), the expert-major layout's too.
         jit.load(dispatch_layout.layout_spec(), group)
@@ -155,7 +156,12 @@ class Buffer(DirectTransport):
         return self._calls.end(async_finish, keep)
 
     def _guard(self, kernel: str):
-        return jit.pack(K.GUARD_DTYPE, **self.group.guard(kernel))
+        """The packed Guard of ``kernel`` (cached per kernel and timeout)."""
+        key = (kernel, self.group.timeout_s)
+        guard = self._guards.get(key)
+        if guard is None:
+            guard = self._guards[key] = jit.pack(K.GUARD_DTYPE, **self.group.guard(kernel))
+        return guard
 
     # ------------------------------------------------------------------ layout
     def _check_topk_idx(self, topk_idx, num_experts: int, validate: bool):
@@ -254,7 +260,10 @@ class Buffer(DirectTransport):
                 Direct with expert_major: the senders write the rows straight into
                 the expert blocks (views of the slot too) and no rank-major payload
                 exists, so recv_x and recv_x_scales are None; a cached call keeps the
-                handle's expert_alignment.
+                handle's expert_alignment. When some receiver's expert-major rows
+                (padding included) do not fit the slot, the rows go rank-major into
+                the slot and the expert-major arrays are the result's own
+                (result.pooled == cupyep.results.RECEIVE_FIELDS; recv_x is set).
             fresh: the direct transport's receive arrays copied into arrays of
                 the caller's own (one more pass over the rows; lease None). The
                 rows still land in the next slot first, which the call takes, so
@@ -444,23 +453,22 @@ class Buffer(DirectTransport):
     def _notify_struct(self, T, num_experts, per_rank, per_expert, in_rank, C, alignment, num_worst_tokens,
                        transport: str = "queue", notify_time_ns=None):
         """(NotifyArgs, the handle's arrays) of a notify pass; resets the host
-        counts (not in worst-token mode, where they never reach the host).
-        The direct transport's pass also fills its expert-major tables
-        (expand_base [R, E_local + 1], expert_meta [2 E_local + 1])."""
-        import cupy
+        counts' first words (not in worst-token mode, where they never reach
+        the host). The direct transport's pass also fills its expert-major
+        tables (expand_base [R, E_local + 1], expert_meta [2 E_local + 1])."""
         R = self.num_ranks
         E_local = num_experts // R
-        arrays = {"send_head": cupy.empty((T, R), dtype=np.int32), "send_list": cupy.empty((R, max(T, 1)), dtype=np.int32),
-                  "send_cp": cupy.empty((R, C + 1), dtype=np.int32), "recv_cp": cupy.empty((R, C + 1), dtype=np.int32),
-                  "recv_off": cupy.empty(R + 1, dtype=np.int32), "rpm": cupy.empty((R, R), dtype=np.int32),
-                  "recv_per_expert": cupy.empty(E_local, dtype=np.int32), "in_rank": in_rank}
+        shapes = {"send_head": (T, R), "send_list": (R, max(T, 1)), "send_cp": (R, C + 1), "recv_cp": (R, C + 1),
+                  "recv_off": (R + 1,), "rpm": (R, R), "recv_per_expert": (E_local,)}
         if transport == "direct":
-            arrays["expand_base"] = cupy.empty((R, E_local + 1), dtype=np.int32)
-            arrays["expert_meta"] = cupy.empty(2 * E_local + 1, dtype=np.int32)
+            shapes.update(expand_base=(R, E_local + 1), expert_meta=(2 * E_local + 1,))
+        arrays = carve(shapes)  # one allocation
+        arrays["in_rank"] = in_rank
+        if transport == "direct":
             arrays["alignment"] = int(alignment)
         worst = num_worst_tokens > 0
-        if not worst:
-            self._host_counts[:] = -1
+        if not worst:  # the words the host reads first (the kernel writes the counts before them)
+            self._host_counts[0] = self._host_counts[self._host_status_index] = -1
         args = jit.pack(
             K.NOTIFY_ARGS_DTYPE, peers=jit.ptr(self.buffer.peer_ptrs), off=K.offsets_struct(self.layout),
             is_token_in_rank=jit.ptr(in_rank), num_tokens_per_rank=jit.ptr(per_rank),
@@ -482,7 +490,7 @@ class Buffer(DirectTransport):
             n_recv, counts, matrix = -1, None, None
         else:
             n_recv = int(self._host_counts[0])
-            counts = tuple(int(c) for c in self._host_counts[1:1 + E_local])  # unaligned
+            counts = tuple(self._host_counts[1:1 + E_local].tolist())  # unaligned
             matrix = self._host_counts[1 + E_local:1 + E_local + R * R].astype(np.int64).reshape(R, R)
         expand = None
         if "expand_base" in arrays:

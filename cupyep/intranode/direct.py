@@ -367,10 +367,6 @@ class DirectPools:
             self._layouts[key] = recv_layout(self.max_rows, *shape, expert_rows=m)
         return self._layouts[key].at(slot * self.slot_bytes)
 
-    def expand_bytes(self, shape: tuple, expert_rows: int) -> int:
-        """Slot bytes an expert-major call of ``expert_rows`` rows needs (for the error message)."""
-        return recv_layout(self.max_rows, *shape, expert_rows=expert_rows).end
-
     def combine_layout(self, hidden: int, num_topk: int) -> tuple[int, int, int]:
         """(partial_x, partial_meta, rows) of the combine pool for this row shape; cached."""
         key = ("combine", hidden, num_topk)

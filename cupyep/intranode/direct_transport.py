@@ -11,12 +11,12 @@ from dataclasses import replace
 import numpy as np
 
 from .. import jit
-from ..arrays import BF16, FP8
+from ..arrays import BF16, FP8, copy
 from ..calls import traced_call
 from . import direct as D
 from .. import expert_major as EM
-from ..results import (DispatchHandle, DispatchResult, ExpandTables, aligned_expert_counts, check_hidden,
-                      dispatch_result)
+from ..results import (RECEIVE_FIELDS, DispatchHandle, DispatchResult, ExpandTables, aligned_expert_counts,
+                      check_hidden, dispatch_result)
 
 
 class DirectTransport:
@@ -43,7 +43,12 @@ class DirectTransport:
         the result and the handle); ``fresh``: copied out of it instead.
         expert_major: the senders write each row straight into its experts'
         blocks (once per local slot); no rank-major payload is written, so
-        the result's recv_x and recv_x_scales are None."""
+        the result's recv_x and recv_x_scales are None. When some receiver's
+        expert-major rows (padding included) do not fit the slot, the same
+        verdict on every rank, the rows are sent rank-major into the slot
+        instead and laid out expert-major locally into arrays of the result's
+        own (``result.pooled`` is then RECEIVE_FIELDS): a slower call, never
+        a refused one."""
         import cupy
         R = self.num_ranks
         T, H = x.shape
@@ -51,20 +56,21 @@ class DirectTransport:
         k = topk_idx.shape[1] if topk_idx is not None else 0
         ns = H // 128 if fp8 else 0
         E_local = num_experts // R
-        x_bytes = H * x.dtype.itemsize
         fn = jit.kernel(D.dispatch_spec(R, cfg.num_threads))
         self._check_direct_resident(fn, cfg, "direct dispatch")
-        shape = (x_bytes, ns, k, topk_idx is not None, topk_weights is not None)
+        shape = (H * x.dtype.itemsize, ns, k, topk_idx is not None, topk_weights is not None)
         if expert_major and handle is not None and handle.expand.alignment != expert_alignment:
             raise ValueError(f"a cached expert-major dispatch on the direct transport keeps the expert_alignment of "
                              f"the handle's dispatch ({handle.expand.alignment}), got {expert_alignment}")
         pools = self._direct_pools()
         slot = pools.slots.peek()
+        direct_em = expert_major  # the expert-major rows go straight into the slot
         lay = pools.expand_layout(shape, slot) if expert_major else pools.recv_layout(shape, slot)
         worst = handle.num_worst_tokens if handle is not None else num_worst_tokens
-        if expert_major and worst > 0:  # the expert-major bound must fit the slot before anything is launched
-            self._check_expert_rows(shape, lay, EM.expert_rows_capacity(None, worst, k, E_local, expert_alignment))
-        fused = cfg.fused and handle is None
+        if expert_major and worst > 0 and EM.expert_rows_capacity(None, worst, k, E_local, expert_alignment) > lay.em_rows:
+            direct_em, lay = False, pools.recv_layout(shape, slot)  # the bound does not fit: decided before launch
+        notified = handle is None
+        fused = cfg.fused and notified
         if fused:
             fused_fn = jit.kernel(D.fused_spec(R, cfg.num_threads))
             self._check_direct_resident(fused_fn, cfg, "fused direct dispatch")
@@ -75,67 +81,62 @@ class DirectTransport:
         with self.comm_stream:
             # On the communication stream, which its kernels use: memory the caller's stream
             # could reuse as soon as this call returns (async_finish) would be overwritten under them.
-            pos = cupy.empty((T, k), dtype=np.int32) if expert_major else None
+            pos = cupy.empty((T, k), dtype=np.int32) if direct_em else None
+            sent = False
             if fused:  # layout, notify and the send in one launch
-                handle = self._dispatch_fused(fused_fn, cfg, pool, lay, shape, x, x_scales, topk_idx, topk_weights,
-                                              num_experts, num_worst_tokens, expert_alignment, pos, notify_time_ns)
+                handle, sent = self._dispatch_fused(fused_fn, cfg, pool, lay, x, x_scales, topk_idx, topk_weights,
+                                                    num_experts, num_worst_tokens, expert_alignment, pos,
+                                                    notify_time_ns)
             elif handle is None:
                 routing = self._routing(topk_idx, num_experts, T, arrays)
                 handle = self._notify(T, H, num_experts, *routing, D.notify_channels(R), expert_alignment,
                                       num_worst_tokens, transport="direct", notify_time_ns=notify_time_ns)
+            if direct_em and not sent and self._direct_rows(handle, True, k, E_local, expert_alignment)[2] > lay.em_rows:
+                direct_em, lay, pos = False, pools.recv_layout(shape, slot), None  # the same verdict on every rank
             N = handle.num_worst_tokens or handle.num_recv_tokens
-            rows_sent, m_view, m_need = self._direct_rows(handle, expert_major, k, E_local, expert_alignment)
-            if expert_major:
-                self._check_expert_rows(shape, lay, m_need)  # the same verdict on every rank (global counts)
+            rows_sent, m_view, _ = self._direct_rows(handle, direct_em, k, E_local, expert_alignment)
             recv_topk_idx = pool.view(lay.topk_idx, (N, k), np.int64) if topk_idx is not None else None
             recv_topk_weights = pool.view(lay.topk_weights, (N, k), np.float32) if topk_weights is not None else None
             recv_src_idx = pool.view(lay.src_idx, (N,), np.int32)
-            if not fused:  # the send (the fused kernel has sent already)
+            if not sent:  # the send (a fused kernel that sent has sent already)
                 blocks = cfg.num_sms or D.default_num_sms(self.sm_budget, rows_sent, cfg.num_threads)
                 args = self._direct_dispatch_struct(handle, pool, lay, x, x_scales, topk_idx, topk_weights,
                                                     num_experts, capacity=N, pos=pos, compute_pos=False)
-                if expert_major:
+                if direct_em:
                     jit.kernel(D.positions_spec())((1,), (D.POSITIONS_THREADS,), (args,),
                                                     shared_mem=4 * D.hist_warps(num_experts) * num_experts)
                 fn((blocks,), (cfg.num_threads,), (args,))
             # The handle owns its routing: the source indices (and the expert-major map) are copied out
             # of the slot, so combine and cached dispatch take it whatever happens to the slot later.
-            handle = replace(handle, recv_src_idx=recv_src_idx.copy(), lease=lease)
+            handle = replace(handle, recv_src_idx=copy(recv_src_idx), lease=lease)
             per_expert = aligned_expert_counts(handle.recv_expert_counts, expert_alignment)
-            if expert_major:
+            if direct_em:
                 em = EM.ExpertMajorOutput(
                     expert_x=pool.view(lay.em_x, (m_view, H), x.dtype),
                     expert_x_scales=pool.view(lay.em_x_scales, (m_view, ns), np.float32) if fp8 else None,
                     expert_offsets=handle.expand.meta[:E_local + 1],
                     expert_src_row=pool.view(lay.em_src_row, (m_view,), np.int32),
-                    recv_expert_row=pool.view(lay.em_recv_row, (N, k), np.int32).copy(), num_expert_rows=m_view)
+                    recv_expert_row=copy(pool.view(lay.em_recv_row, (N, k), np.int32)), num_expert_rows=m_view)
                 handle = replace(handle, recv_expert_row=em.recv_expert_row, num_expert_rows=m_view)
                 recv_x = recv_scales = None
-            else:
+            else:  # rank-major (and, past the slot's expert-major rows, the layout in arrays of its own)
                 recv_x = pool.view(lay.x, (N, H), x.dtype)
                 recv_scales = pool.view(lay.x_scales, (N, ns), np.float32) if fp8 else None
-                handle, em = self._with_expert_major(handle, False, None, recv_x, recv_scales, recv_topk_idx,
-                                                     num_experts, expert_alignment)
+                handle, em = self._with_expert_major(handle, expert_major, per_expert if notified else None, recv_x,
+                                                     recv_scales, recv_topk_idx, num_experts, expert_alignment)
             if fresh:  # the caller's own arrays: one more pass over the rows, never stale
                 recv_x, recv_scales, recv_topk_idx, recv_topk_weights = (
                     a.copy() if a is not None else None for a in (recv_x, recv_scales, recv_topk_idx,
                                                                   recv_topk_weights))
-                if em is not None:
+                if direct_em:
                     em = replace(em, expert_x=em.expert_x.copy(), expert_src_row=em.expert_src_row.copy(),
                                  expert_x_scales=em.expert_x_scales.copy() if em.expert_x_scales is not None
                                  else None)
         result = dispatch_result(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle,
                                  self._end(async_finish, (x, x_scales, topk_idx, topk_weights, pos)), em)
         result.lease = None if fresh else lease
+        result.pooled = None if direct_em else RECEIVE_FIELDS
         return result
-
-    def _check_expert_rows(self, shape: tuple, lay, rows: int) -> None:
-        """ValueError unless the slot's expert-major layout ``lay`` holds ``rows``
-        expert-major rows, naming the num_direct_bytes that would."""
-        if rows > lay.em_rows:
-            raise ValueError(f"this expert-major dispatch needs {rows} expert-major rows; a dispatch slot of "
-                             f"{self._direct.slot_bytes} bytes holds {lay.em_rows} of them: make the Buffer with "
-                             f"num_direct_bytes>={self._direct.expand_bytes(shape, rows)}")
 
     def _direct_rows(self, handle, expert_major: bool, k: int, E_local: int, alignment: int) -> tuple[int, int, int]:
         """(rows this rank sends, this rank's expert-major rows M_cap, the most
@@ -184,17 +185,17 @@ class DirectTransport:
             num_topk=k, num_local_experts=num_experts // self.num_ranks, num_channels=handle.num_channels,
             capacity=capacity, rank=self.rank, guard=self._guard("intranode_direct_dispatch"))
 
-    def _dispatch_fused(self, fn, cfg, pool, lay, shape, x, x_scales, topk_idx, topk_weights, num_experts,
-                        num_worst_tokens, alignment, pos, notify_time_ns=None) -> DispatchHandle:
+    def _dispatch_fused(self, fn, cfg, pool, lay, x, x_scales, topk_idx, topk_weights, num_experts,
+                        num_worst_tokens, alignment, pos, notify_time_ns=None) -> tuple[DispatchHandle, bool]:
         """One launch of the fused kernel (layout + notify + send into ``pool``
-        laid out as ``lay``; ``shape``: its recv_layout shape), on the
-        communication stream. Returns the handle. Outside worst-token mode
-        the host waits, bounded, for the counts only (the kernel's status
-        word), not for the send. When the slot is
-        too small for some receiver's expert-major rows the kernel sends
-        nothing (status 2, the same verdict on every rank) and this raises
-        ValueError. ``pos``: the [T, k] expert-major positions the kernel
-        fills (expert-major dispatch), else None."""
+        laid out as ``lay``), on the communication stream. Returns (the
+        handle, whether it sent). Outside worst-token mode the host waits,
+        bounded, for the counts only (the kernel's status word), not for the
+        send. When the slot is too small for some receiver's expert-major
+        rows the kernel sends nothing (status 2, the same verdict on every
+        rank) and the caller sends another way. ``pos``: the [T, k]
+        expert-major positions the kernel fills (expert-major dispatch),
+        else None."""
         import cupy
         R = self.num_ranks
         T, H = x.shape
@@ -215,16 +216,16 @@ class DirectTransport:
         smem = max(R * (C + 1) + R + num_experts, hist)
         fn((blocks,), (cfg.num_threads,), (args,), shared_mem=4 * smem)
         if worst:
-            return handle
+            return handle, True
         status = self._wait_host_status()
         handle = self._notify_handle(arrays, T, H, num_experts, C, num_worst_tokens, "direct")
         if status == 2:  # nothing was sent: the slot cannot hold some receiver's rows
+            if pos is not None and handle.expand.most_rows > lay.em_rows:
+                return handle, False
             self.synchronize()
-            if pos is not None:
-                self._check_expert_rows(shape, lay, handle.expand.most_rows)
             raise RuntimeError(f"the fused direct dispatch found a receiver with more rows than its slot holds "
                                f"({lay.rows}), with at most max_tokens={self.sizes.max_tokens} tokens per rank")
-        return handle
+        return handle, True
 
     def _wait_host_status(self) -> int:
         """Bounded host wait for the fused kernel's status word (1 sent, 2 pools
@@ -236,8 +237,10 @@ class DirectTransport:
         ev.record(self.comm_stream)
         word = self._host_counts[self._host_status_index:self._host_status_index + 1]
         deadline = time.monotonic() + self.group.timeout_s * 1.5 + 5.0
+        spins = 0
         while int(word[0]) == -1:
-            if ev.done or time.monotonic() > deadline:
+            spins += 1  # the mapped word is cheap to read; the event and the clock are asked every 64th time
+            if not spins & 63 and (ev.done or time.monotonic() > deadline):
                 self.group.wait(ev, "intranode_direct_dispatch", "host wait for the fused notify's counts")
                 if int(word[0]) == -1:  # ended without a status and without a device error
                     raise RuntimeError("the fused direct dispatch ended without publishing its counts")

@@ -80,6 +80,72 @@ def count_calls(fn) -> int:
     return n
 
 
+def profile(fn, calls: int, top: int = 30) -> list:
+    """The ``top`` functions by own time over ``calls`` calls of ``fn`` (cProfile):
+    [name, calls per call, own us per call, cumulative us per call]."""
+    import cProfile
+    import pstats
+    pr = cProfile.Profile()
+    for _ in range(calls):
+        pr.enable()
+        fn()
+        pr.disable()
+    st = pstats.Stats(pr).stats
+    rows = sorted(st.items(), key=lambda kv: -kv[1][2])[:top]
+    return [[f"{f.rsplit('/', 2)[-1] if '/' in f else f}:{line}:{name}", round(nc / calls, 2),
+             round(tt / calls * 1e6, 2), round(ct / calls * 1e6, 2)] for (f, line, name), (_, nc, tt, ct, _) in rows]
+
+
+def sample(fn, calls: int, period_s: float = 2e-5) -> dict:
+    """Where the host's time goes in ``fn``, by a sampling thread (no tracing,
+    so the calls run at full speed): the innermost cupyep frame of the
+    calling thread's stack every ``period_s``. Returns {"file:line function":
+    us per call} (the call's time split by the share of samples), and
+    "_samples"."""
+    import threading
+    me = threading.get_ident()
+    hits, done = {}, threading.Event()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(period_s / 4)
+
+    def run():
+        while not done.is_set():
+            frame = sys._current_frames().get(me)
+            where = "idle"
+            while frame is not None:  # the innermost frame in the package
+                name = frame.f_code.co_filename
+                if "/cupyep/" in name and "/probes/" not in name:
+                    where = f"{name.rsplit('/cupyep/', 1)[-1]}:{frame.f_lineno} {frame.f_code.co_name}"
+                    break
+                frame = frame.f_back
+            hits[where] = hits.get(where, 0) + 1
+            time.sleep(period_s)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    done.set()
+    t.join()
+    sys.setswitchinterval(interval)
+    total = sum(hits.values()) or 1
+    per_call_us = elapsed / calls * 1e6
+    out = {k: round(v / total * per_call_us, 1) for k, v in sorted(hits.items(), key=lambda kv: -kv[1])[:40]}
+    out["_samples"], out["_per_call_us"] = total, round(per_call_us, 1)
+    return out
+
+
+def merge_profiles(profiles: list) -> list:
+    """The median row of each function over single-call profiles."""
+    by = {}
+    for prof in profiles:
+        for name, nc, tt, ct in prof:
+            by.setdefault(name, []).append((nc, tt, ct))
+    rows = [[name, *map(lambda c: float(np.median(c)), zip(*v))] for name, v in by.items() if len(v) == len(profiles)]
+    return sorted(rows, key=lambda r: -r[2])[:30]
+
+
 def routes(group) -> dict:
     if group.num_nodes > 1:
         return {"two_hop": {"transport": None}, "direct": {"transport": "direct"}}
@@ -98,6 +164,10 @@ def main():
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out", default=None)
+    p.add_argument("--sample", type=int, default=0,
+                   help="also sample this many calls per route on rank 0's host (a sampling thread)")
+    p.add_argument("--profile", type=int, default=0,
+                   help="also profile this many calls per route (cProfile, rank 0's; slows them)")
     args = p.parse_args()
     group = cupyep.init()
     R, me = group.world_size, group.rank
@@ -140,6 +210,18 @@ def main():
         rec = {f"{k}_us": worst(v) for k, v in samples.items()}
         rec["host_work_us"] = worst(np.subtract(samples["host"], samples["wait"]))
         rec["python_calls"] = int(group.comm.allreduce(int(np.median(calls)), op=MPI.MAX))
+        if args.sample:
+            group.comm.Barrier()
+            rec["samples"] = sample(call, args.sample)  # every rank calls; rank 0's is kept
+        if args.profile:
+            for _ in range(args.profile):  # every rank calls; rank 0's profile is kept
+                cupy.cuda.runtime.deviceSynchronize()
+                group.comm.Barrier()
+                prof = profile(call, 1)
+                if me == 0:
+                    rec.setdefault("_profiles", []).append(prof)
+            if me == 0:
+                rec["profile"] = merge_profiles(rec.pop("_profiles"))
         out["routes"][name] = rec
     if me == 0:
         text = json.dumps(out, indent=1)

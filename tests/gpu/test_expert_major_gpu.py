@@ -351,3 +351,60 @@ def test_expert_major_bad_input_raises_before_launch(group, buf, via):
         buf.combine(plain.recv_x, plain.handle, pair_weights=cupy.zeros((plain.recv_x.shape[0], 8), np.float32))
     buf.synchronize()
     group.comm.Barrier()
+
+
+@pytest.mark.parametrize("worst", [False, True])
+def test_expert_major_rows_past_the_slot_go_rank_major(group, via, worst):
+    """A buffer declared for 64 tokens per rank: its direct slot holds about
+    2 * 64 * 8 expert-major rows, far fewer than the alignment padding of 256
+    experts at 128 (E_local * 127 rows). The direct route then sends the rows
+    rank-major into the slot and lays them out locally into arrays of the
+    result's own: the same layout and rows as the reference, a combine as
+    exact, a cached call of the handle likewise, and the expert-major arrays
+    still readable after the slot goes to later dispatches (recv_x then
+    raises StaleResultError)."""
+    import cupy
+    import cupyep
+    from cupyep.results import RECEIVE_FIELDS
+    seed, num_tokens, hidden, num_topk, alignment = 61, 64, 2048, 8, 128
+    R, me = group.local_size, group.local_rank
+    b = cupyep.Buffer(group, max_tokens=num_tokens, hidden=hidden, num_topk=num_topk, num_in_flight=2)
+    try:
+        tokens, idx, w = _routing(group, seed, num_tokens, num_topk)
+        res, lays = _reference(group, tokens, idx, w, alignment)
+        exp, lay = res[me], lays[me]
+        rows = _payload_rows(exp, R, hidden)
+        m = int(lay.expert_offsets[-1])
+        x = cupy.asarray(payload_bf16(me, np.arange(num_tokens), hidden))
+        kw = dict(num_experts=NUM_EXPERTS, expert_alignment=alignment, expert_major=True, **via)
+        if worst:
+            kw.update(num_worst_tokens=num_tokens * R, validate=False)
+        outs = [b.dispatch(x, cupy.asarray(idx[me]), cupy.asarray(w[me]), **kw)]
+        outs.append(b.dispatch(x, cupy.asarray(idx[me]), cupy.asarray(w[me]), handle=outs[0].handle,
+                               expert_alignment=alignment, expert_major=True))
+        ys = [_expert_major_rows(_payload_rows(r, R, hidden), l) for r, l in zip(res, lays)]
+        expected, _ = _expected_combine(res, lays, ys, tokens, num_topk, me, pair_weights=True)
+        checks = {}
+        for i, out in enumerate(outs):
+            if via["transport"] == "direct":
+                checks[f"{i}: pooled"] = out.pooled == RECEIVE_FIELDS and out.recv_x is not None
+            checks.update({f"{i}: {k}": v for k, v in _layout_checks(out, exp, lay, num_topk).items()})
+            checks[f"{i}: expert_x"] = np.array_equal(out.expert_x.get()[:m], _expert_major_rows(rows, lay))
+        # Two more dispatches take both slots: the first result's rank-major views go stale, its own arrays stay.
+        for _ in range(2):
+            b.dispatch(x, cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=NUM_EXPERTS, **via)
+        out = outs[0]
+        checks["expert_x after reuse"] = np.array_equal(out.expert_x.get()[:m], _expert_major_rows(rows, lay))
+        pair_w = worst_token_rows(exp, num_tokens * R).recv_topk_weights if worst else exp.recv_topk_weights
+        comb = b.combine(out.expert_x, out.handle, pair_weights=cupy.asarray(pair_w))
+        checks["combine"] = ref.calc_diff(bf16_to_f32(comb.combined_x.get()), expected) < 5e-6
+        if via["transport"] == "direct":
+            try:
+                out.recv_x
+                checks["stale recv_x"] = False
+            except cupyep.StaleResultError:
+                checks["stale recv_x"] = True
+        b.synchronize()
+        assert all_ranks(group.comm, all(checks.values())), {k: v for k, v in checks.items() if not v}
+    finally:
+        b.destroy()
