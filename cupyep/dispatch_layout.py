@@ -6,6 +6,8 @@ world's across nodes; the kernel is ``cuda_src/intranode/layout.cu``, whose
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from . import jit
@@ -19,6 +21,7 @@ LAYOUT_ARGS_DTYPE = jit.struct_dtype([
 LAYOUT_THREADS = 256
 
 
+@functools.cache  # a spec is built once per argument tuple (the host path looks it up every call)
 def layout_spec() -> jit.KernelSpec:
     return jit.KernelSpec(name="intranode_layout", source="intranode/layout.cu",
                           kernels=("cupyep::intranode::get_dispatch_layout",))

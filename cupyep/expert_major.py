@@ -45,6 +45,8 @@ a capacity error (raised by the next call) and never writes out of bounds.
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,6 +81,7 @@ REDUCE_KERNEL = "cupyep::intranode::expert_major_reduce"
 INT32_MAX = 2**31 - 1
 
 
+@functools.cache  # a spec is built once per argument tuple (the host path looks it up every call)
 def permute_spec() -> jit.KernelSpec:
     """The one specialisation of permute.cu (everything is a run-time argument)."""
     return jit.KernelSpec(name="intranode_expert_major", source="intranode/permute.cu",

@@ -26,6 +26,7 @@ cumulative row counts the kernels wait on.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -79,24 +80,28 @@ def hist_warps(num_experts: int, num_threads: int = POSITIONS_THREADS) -> int:
     return max(1, min(num_threads // 32, HIST_INTS // max(1, num_experts)))
 
 
+@functools.cache  # a spec is built once per argument tuple (the host path looks it up every call)
 def dispatch_spec(num_ranks: int, num_threads: int = THREADS) -> jit.KernelSpec:
     return jit.KernelSpec(name=f"intranode_direct_dispatch_ranks_{num_ranks}_threads_{num_threads}",
                           source="intranode/direct.cu",
                           kernels=(f"cupyep::intranode::direct_dispatch<{num_ranks}, {num_threads}>",))
 
 
+@functools.cache
 def positions_spec() -> jit.KernelSpec:
     """The expert-major position pass of a dispatch that is not fused (one block of POSITIONS_THREADS)."""
     return jit.KernelSpec(name="intranode_direct_expert_positions", source="intranode/expand.cu",
                           kernels=(POSITIONS_KERNEL,))
 
 
+@functools.cache
 def fused_spec(num_ranks: int, num_threads: int = THREADS) -> jit.KernelSpec:
     return jit.KernelSpec(name=f"intranode_direct_dispatch_fused_ranks_{num_ranks}_threads_{num_threads}",
                           source="intranode/direct.cu",
                           kernels=(f"cupyep::intranode::direct_dispatch_fused<{num_ranks}, {num_threads}>",))
 
 
+@functools.cache
 def combine_spec(num_ranks: int, num_threads: int = THREADS) -> jit.KernelSpec:
     return jit.KernelSpec(name=f"intranode_direct_combine_ranks_{num_ranks}_threads_{num_threads}",
                           source="intranode/direct.cu",

@@ -7,6 +7,8 @@ size (multiple of 128) and any top-k work without a fixed list.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .. import jit
@@ -43,17 +45,20 @@ NOTIFY_THREADS = 1024
 THREAD_CHOICES = (512, 768)
 
 
+@functools.cache  # a spec is built once per argument tuple (the host path looks it up every call)
 def notify_spec(num_ranks: int) -> jit.KernelSpec:
     return jit.KernelSpec(name=f"intranode_notify_ranks_{num_ranks}", source="intranode/notify.cu",
                           kernels=(f"cupyep::intranode::notify<{num_ranks}>",))
 
 
+@functools.cache
 def dispatch_spec(num_ranks: int, num_threads: int, l2_hints: int = 0) -> jit.KernelSpec:
     return jit.KernelSpec(name=f"intranode_dispatch_ranks_{num_ranks}_threads_{num_threads}_l2_{l2_hints}",
                           source="intranode/dispatch.cu",
                           kernels=(f"cupyep::intranode::dispatch<{num_ranks}, {num_threads}, {l2_hints}>",))
 
 
+@functools.cache
 def combine_spec(num_ranks: int, num_threads: int, l2_hints: int = 0) -> jit.KernelSpec:
     return jit.KernelSpec(name=f"intranode_combine_ranks_{num_ranks}_threads_{num_threads}_l2_{l2_hints}",
                           source="intranode/combine.cu",
