@@ -227,7 +227,10 @@ class TwoHopBuffer:
                  transport: str | None = None, notify_time_ns=None, queue_occupancy=None, fresh: bool = False):
         """cupyep.Buffer.dispatch across nodes (module docstring). ``fresh``:
         return copies of the receive arrays, the caller's own (lease None),
-        instead of views of the receive pool slot."""
+        instead of views of the receive pool slot. ``validate``: as within a
+        node, the expert ids and the arguments every rank must share (hidden
+        size, row dtype, top-k, weights, num_experts, expert-major options,
+        route, cached or not), the latter by a bounded host exchange."""
         from .results import check_hidden
         _refuse("dispatch", {"config": config, "notify_time_ns": notify_time_ns, "queue_occupancy": queue_occupancy})
         route = route_of(transport)
@@ -258,6 +261,11 @@ class TwoHopBuffer:
         engine = self._engine(route)
         if expert_major:
             self._load_expert_major()
+        if validate:  # what every rank's kernels assume of the others' calls
+            self.group.agree("Buffer.dispatch", hidden=H, fp8=x.dtype == np.uint8, num_topk=k,
+                             topk_weights=topk_weights is not None, num_experts=num_experts,
+                             expert_major=expert_major, expert_alignment=int(expert_alignment),
+                             direct=route == "direct", cached=handle is not None)
         self._calls.begin(previous_event)
         with self.comm_stream:
             out = engine.dispatch(x, None if handle is not None else topk_idx, topk_weights, x_scales=x_scales,

@@ -194,6 +194,22 @@ class Group:
             if time.monotonic() - start > SPIN_S:
                 time.sleep(1e-4)
 
+    def agree(self, call: str, **fields) -> None:
+        """ValueError on every rank unless every rank passes the same ``fields``
+        (ints or bools: what a collective call's ranks must agree on, such as
+        the row width or the top-k), naming the call, the first field that
+        differs and each rank's value. A bounded exchange (:meth:`exchange`),
+        so a rank that never makes the call is a CommTimeoutError."""
+        import numpy as np
+        names = list(fields)
+        got = self.exchange(np.array([int(fields[n]) for n in names], dtype=np.int64), f"{call}: its arguments")
+        for i, name in enumerate(names):
+            column = got[:, i]
+            if (column != column[0]).any():
+                values = ", ".join(f"rank {r}: {int(v)}" for r, v in enumerate(column))
+                raise ValueError(f"{call}: the ranks disagree on {name} ({values}); a collective call takes the "
+                                 f"same {name} on every rank")
+
     def destroy(self) -> None:
         if self._xcomm is not None:
             self._xcomm.Free()

@@ -29,6 +29,10 @@ class _Group:
         self.local_size = world_size // num_nodes
         self.others = others  # the other ranks' rows of the sizes exchange
         self.exchanges = 0
+        self.agreements = []  # (call, fields) of every Group.agree
+
+    def agree(self, call, **fields):
+        self.agreements.append((call, fields))
 
     def require_gpu(self, what):
         pass
@@ -132,6 +136,22 @@ def test_the_engines_are_made_from_the_declared_sizes(monkeypatch):
     TwoHopBuffer(_Group())._make_engine("two_hop")
     assert made[2] == ((DEFAULT_MAX_TOKENS, DEFAULT_HIDDEN, DEFAULT_NUM_TOPK),
                        {"route": "two_hop", "num_in_flight": DEFAULT_IN_FLIGHT})  # the defaults
+
+
+def test_a_validated_dispatch_has_the_ranks_agree_on_what_they_share(monkeypatch):
+    """validate=True (the default): before the engine runs, every rank
+    compares the arguments the kernels assume are shared (Group.agree);
+    validate=False skips that exchange."""
+    monkeypatch.setattr(INTER, "TwoHopDispatch", lambda *a, **kw: _Engine(kw["route"]))
+    g = _Group()
+    buf = TwoHopBuffer(g, max_tokens=64, hidden=512, num_topk=4)
+    x, idx, w = _call(T=2, H=256, k=2)
+    buf.dispatch(x, idx, w, num_experts=8, transport="direct")
+    assert g.agreements == [("Buffer.dispatch", {"hidden": 256, "fp8": False, "num_topk": 2, "topk_weights": True,
+                                                 "num_experts": 8, "expert_major": False, "expert_alignment": 1,
+                                                 "direct": True, "cached": False})]
+    buf.dispatch(x, idx, w, num_experts=8, validate=False)
+    assert len(g.agreements) == 1
 
 
 def test_calls_smaller_than_declared_pass_and_larger_ones_raise_before_launch():

@@ -238,7 +238,11 @@ class Buffer(DirectTransport):
                 (default: the current stream's work so far).
             async_finish: do not make the current stream wait for the result;
                 wait on ``result.event`` instead.
-            validate: check expert ids on the host (see get_dispatch_layout).
+            validate: check expert ids on the host (see get_dispatch_layout), and
+                that every rank passes the same hidden size, row dtype, top-k,
+                weights or none, num_experts, expert-major options, transport,
+                cached or not and queue config (a bounded host exchange; a
+                difference is a ValueError on every rank naming it).
             expert_major: also lay the received (row, local expert) pairs out in
                 per-expert blocks of expert_alignment-aligned size (needs topk_idx):
                 fills the result's expert_x, expert_x_scales, expert_offsets and
@@ -340,6 +344,13 @@ class Buffer(DirectTransport):
                 raise ValueError("queue_occupancy is a metric of the queue transport; the direct one has no rings")
             queue_occupancy = check(as_cupy(queue_occupancy, "queue_occupancy"), "queue_occupancy", np.uint64,
                                     shape=(3,))
+        if validate:  # what every rank's kernels assume of the others' calls
+            queue = cfg if transport == "queue" else None
+            self.group.agree("Buffer.dispatch", hidden=H, fp8=fp8, num_topk=k, topk_weights=topk_weights is not None,
+                             num_experts=num_experts, expert_major=expert_major, expert_alignment=expert_alignment,
+                             direct=transport == "direct", cached=handle is not None,
+                             num_channels=queue.num_channels if queue else 0,
+                             queue_depth=queue.queue_depth if queue else 0, chunk_size=queue.chunk_size if queue else 0)
         if transport == "direct":
             return self._dispatch_direct(x, x_scales, topk_idx, topk_weights, num_experts, handle,
                                          (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank),

@@ -67,8 +67,12 @@ class DirectTransport:
         direct_em = expert_major  # the expert-major rows go straight into the slot
         lay = pools.expand_layout(shape, slot) if expert_major else pools.recv_layout(shape, slot)
         worst = handle.num_worst_tokens if handle is not None else num_worst_tokens
-        if expert_major and worst > 0 and EM.expert_rows_capacity(None, worst, k, E_local, expert_alignment) > lay.em_rows:
-            direct_em, lay = False, pools.recv_layout(shape, slot)  # the bound does not fit: decided before launch
+        if expert_major and worst > 0:  # decided before launch, from the bound, the same on every rank
+            fits = EM.expert_rows_capacity(None, worst, k, E_local, expert_alignment) <= lay.em_rows
+            # Senders write into every receiver's slot at one layout, and num_worst_tokens may differ between
+            # ranks: the slot is laid out expert-major only where every rank's bound fits (a host exchange).
+            if not self.group.exchange(np.array([fits], dtype=np.int8), "direct dispatch: its slot layout").all():
+                direct_em, lay = False, pools.recv_layout(shape, slot)
         notified = handle is None
         fused = cfg.fused and notified
         if fused:

@@ -292,3 +292,18 @@ def test_a_call_past_the_declared_sizes_names_the_argument(group, buf, transport
             buf.dispatch(kw["x"], kw["idx"], num_experts=E, transport=transport)
     out = _dispatch(buf, a, transport)  # the buffer is unharmed
     _check(group, _dispatch_checks(out, a, False), "after the refused calls")
+
+
+def test_ranks_that_disagree_on_a_shared_argument_all_raise(group, buf, transport):
+    """One rank dispatches FP8 rows while the others send BF16, or without
+    weights while the others send them: a ValueError on every rank naming
+    the argument (each rank's value in it), before anything is launched;
+    the buffer is unharmed."""
+    a = Batch(group, 71)
+    odd = group.rank == group.world_size - 1
+    with pytest.raises(ValueError, match="disagree on fp8"):
+        buf.dispatch(_x(a, fp8=odd), a.topk_idx, a.topk_weights, num_experts=E, transport=transport)
+    with pytest.raises(ValueError, match="disagree on topk_weights"):
+        buf.dispatch(a.x, a.topk_idx, None if odd else a.topk_weights, num_experts=E, transport=transport)
+    out = _dispatch(buf, a, transport)
+    _check(group, _dispatch_checks(out, a, False), "after the refused calls")

@@ -41,5 +41,23 @@ else:
 comm.Barrier()
 after = g.exchange(np.array([2 * rank], dtype=np.int64), "after the timeout")
 C.expect("exchange_after_timeout", after.ravel().tolist() == [0, 2, 4, 6], after)
+
+# Group.agree: the same fields pass; a field that differs is a ValueError on every rank naming it and each value.
+try:
+    g.agree("Buffer.dispatch", hidden=7168, fp8=False, num_topk=8)
+    C.expect("agree_same_passes", True)
+except Exception as exc:  # noqa: BLE001
+    C.expect("agree_same_passes", False, repr(exc))
+C.raises("agree_differing_raises_everywhere", ValueError,
+         lambda: g.agree("Buffer.dispatch", hidden=7168, num_topk=8 if rank != 2 else 4), match="num_topk")
+try:
+    g.agree("Buffer.dispatch", hidden=1024 * (rank + 1), num_topk=rank)
+    C.expect("agree_names_first_field_and_values", False, "returned")
+except ValueError as exc:
+    C.expect("agree_names_first_field_and_values",
+             "disagree on hidden" in str(exc) and "rank 3: 4096" in str(exc) and "Buffer.dispatch" in str(exc),
+             str(exc))
+after = g.exchange(np.array([rank], dtype=np.int64), "after a disagreement")
+C.expect("exchange_after_disagreement", after.ravel().tolist() == [0, 1, 2, 3], after)
 g.destroy()
 C.finish("RUNTIME_EXCHANGE")
