@@ -53,8 +53,11 @@ def carve(shapes: dict, dtype=np.int32, zero: bool = False) -> dict:
 
 
 def copy(a):
-    """A C-contiguous device copy of ``a`` (one memcpy on the current stream)."""
+    """A C-contiguous device copy of ``a`` on the current stream: one memcpy
+    when ``a`` is C-contiguous (a kernel's strided copy otherwise)."""
     import cupy
+    if not a.flags.c_contiguous:
+        return a.copy(order="C")
     out = cupy.empty(a.shape, dtype=a.dtype)
     if a.nbytes:
         cupy.cuda.runtime.memcpyAsync(out.data.ptr, a.data.ptr, a.nbytes, cupy.cuda.runtime.memcpyDeviceToDevice,

@@ -130,11 +130,11 @@ class DirectTransport:
                                                      recv_scales, recv_topk_idx, num_experts, expert_alignment)
             if fresh:  # the caller's own arrays: one more pass over the rows, never stale
                 recv_x, recv_scales, recv_topk_idx, recv_topk_weights = (
-                    a.copy() if a is not None else None for a in (recv_x, recv_scales, recv_topk_idx,
-                                                                  recv_topk_weights))
+                    copy(a) if a is not None else None for a in (recv_x, recv_scales, recv_topk_idx,
+                                                                 recv_topk_weights))
                 if direct_em:
-                    em = replace(em, expert_x=em.expert_x.copy(), expert_src_row=em.expert_src_row.copy(),
-                                 expert_x_scales=em.expert_x_scales.copy() if em.expert_x_scales is not None
+                    em = replace(em, expert_x=copy(em.expert_x), expert_src_row=copy(em.expert_src_row),
+                                 expert_x_scales=copy(em.expert_x_scales) if em.expert_x_scales is not None
                                  else None)
         result = dispatch_result(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle,
                                  self._end(async_finish, (x, x_scales, topk_idx, topk_weights, pos)), em)
