@@ -77,7 +77,7 @@ class GpuBarrier(_BarrierCalls):
         g = self.group
         return jit.pack(BARRIER_ARGS_DTYPE, peers=self.buffer.peer_ptrs.data.ptr, offset=self.offset,
                         rank=g.local_rank, num_ranks=g.local_size,
-                        guard=jit.pack(GUARD_DTYPE, **g.guard(self.KERNEL, timeout_s)))
+                        guard=g.guard(self.KERNEL, timeout_s))
 
     def __call__(self, stream=None, timeout_s: float | None = None) -> None:
         """Enqueue one barrier on ``stream`` (default: current stream)."""
@@ -124,7 +124,7 @@ class WorldBarrier(_BarrierCalls):
         g = self.group
         return jit.pack(WORLD_BARRIER_ARGS_DTYPE, arrive=self._arrive.ptr, epoch=self._epoch.data.ptr,
                         num_pes=g.world_size, my_pe=g.rank,
-                        guard=jit.pack(GUARD_DTYPE, **g.guard(self.KERNEL, timeout_s)))
+                        guard=g.guard(self.KERNEL, timeout_s))
 
     def __call__(self, stream=None, timeout_s: float | None = None) -> None:
         """Enqueue one barrier on ``stream`` (default: current stream)."""

@@ -694,7 +694,7 @@ class TwoHopDispatch:
             row_signal=self.row_signal.data.ptr, state=self.state.data.ptr, host=0 if worst else self._host_ptr,
             capacity=int(num_worst_tokens) if worst else INT32_MAX, delta=delta.data.ptr,
             cached=int(handle is not None), kernel_time=jit.ptr(notify_ns), num_tokens=T, num_topk=k,
-            num_experts=E, num_ranks=R, ranks_per_node=self.K, rank=self.me, guard=jit.pack(GUARD_DTYPE, **guard))
+            num_experts=E, num_ranks=R, ranks_per_node=self.K, rank=self.me, guard=guard)
         notify_start, notify_end = cupy.cuda.Event(), cupy.cuda.Event()
         notify_start.record()
         self.notify_fn((1,), (NOTIFY_THREADS,), (nargs,), shared_mem=self._notify_smem)
@@ -718,7 +718,7 @@ class TwoHopDispatch:
             kernel_time=jit.ptr(kernel_ns), num_tokens=T, num_topk=k,
             x_int4=H * x.dtype.itemsize // 16, num_scales=ns, num_ranks=self.R, ranks_per_node=self.K,
             num_local_experts=E // self.R,
-            rank=self.me, guard=jit.pack(GUARD_DTYPE, **self.group.guard("internode_two_hop_dispatch")))
+            rank=self.me, guard=self.group.guard("internode_two_hop_dispatch"))
         self._launch(self.fn, args, wait=not worst)
         if not worst:
             self.last_notify_us = cupy.cuda.get_elapsed_time(notify_start, notify_end) * 1e3
@@ -903,7 +903,7 @@ class TwoHopDispatch:
             out=out.data.ptr, notify_ok=h.ok.data.ptr, hop_ns=jit.ptr(hop_ns),
             kernel_time=jit.ptr(kernel_ns), num_recv=h.num_rows,
             num_tokens=h.num_tokens, max_tokens=self.max_tokens, x_int4=x_int4, num_topk=h.num_topk, num_ranks=R,
-            ranks_per_node=K, rank=me, guard=jit.pack(GUARD_DTYPE, **self.group.guard("internode_two_hop_combine")))
+            ranks_per_node=K, rank=me, guard=self.group.guard("internode_two_hop_combine"))
         # This dispatch's steps of the combine's cumulative targets (on the device, in stream order).
         sl, d = state_slices(R, K), h.delta  # delta: the state past its first two words
         for name in COMBINE_TARGETS:

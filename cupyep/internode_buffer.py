@@ -194,7 +194,6 @@ class TwoHopBuffer:
 
         from . import jit
         from .arrays import as_cupy, check, check_expert_ids
-        from .errors import GUARD_DTYPE
         from . import dispatch_layout
         from .results import LayoutResult
         from .sizes import MAX_EXPERTS
@@ -208,7 +207,7 @@ class TwoHopBuffer:
         topk_idx = check(as_cupy(topk_idx, "topk_idx"), "topk_idx", np.int64, ndim=2)
         if validate and not cupy.cuda.get_current_stream().is_capturing():
             check_expert_ids(topk_idx, E)
-        guard = jit.pack(GUARD_DTYPE, **self.group.guard("intranode_layout"))
+        guard = self.group.guard("intranode_layout")
         jit.load(dispatch_layout.layout_spec(), self.group)  # once per node, collectively, before the stream's work
         self._calls.begin(previous_event)
         with self.comm_stream:
@@ -327,7 +326,6 @@ class TwoHopBuffer:
         """(the expert-major layout of a dispatch's rows, its ExpertMap); ``sms``:
         the blocks per rank of the two-hop kernels (the rank's share of the SMs)."""
         from . import jit
-        from .errors import GUARD_DTYPE
         from . import expert_major as EM
         N, k = recv_topk_idx.shape
         El = num_experts // self.num_ranks
@@ -336,7 +334,7 @@ class TwoHopBuffer:
         if per_expert is None:  # worst-token mode: the valid rows are counted on the device
             count = handle.plan["rpm"][self.num_ranks - 1, self.rank].astype(np.int32).reshape(1)
         em = EM.build(recv_x, recv_x_scales, recv_topk_idx, jit.ptr(count), El, alignment, m_cap,
-                      jit.pack(GUARD_DTYPE, **self.group.guard("intranode_expert_major")), sms)
+                      self.group.guard("intranode_expert_major"), sms)
         if self.comm_stream.is_capturing():  # a graph keeps raw pointers: the count must outlive it
             self._captured.append((count, em))
         return em, ExpertMap(em.recv_expert_row, em.num_expert_rows, count)

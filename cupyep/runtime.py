@@ -98,6 +98,7 @@ class Group:
     _error_slot: ErrorSlotHost | None = field(default=None, repr=False)
     _xcomm: object = field(default=None, repr=False)  # a duplicate of comm for exchange()
     _xseq: int = field(default=0, repr=False)
+    _guards: dict = field(default_factory=dict, repr=False)  # (kernel, timeout_s) -> packed Guard
 
     @property
     def has_gpu(self) -> bool:
@@ -120,11 +121,18 @@ class Group:
             self._error_slot = ErrorSlotHost()
         return self._error_slot
 
-    def guard(self, kernel: str, timeout_s: float | None = None) -> dict:
-        """Field values of a kernel's ``Guard`` struct (see cuda_src/common/timeout.cuh)."""
-        from .errors import kernel_id
+    def guard(self, kernel: str, timeout_s: float | None = None) -> np.void:
+        """A kernel's ``Guard`` struct (errors.GUARD_DTYPE; see
+        cuda_src/common/timeout.cuh), packed once per kernel and timeout."""
         t = self.timeout_s if timeout_s is None else timeout_s
-        return dict(slot=self.error_slot.device_ptr, timeout_ns=int(t * 1e9), kernel=kernel_id(kernel), rank=self.rank)
+        key = (kernel, t)
+        packed = self._guards.get(key)
+        if packed is None:
+            from .errors import GUARD_DTYPE, kernel_id
+            from .jit import pack
+            packed = self._guards[key] = pack(GUARD_DTYPE, slot=self.error_slot.device_ptr, timeout_ns=int(t * 1e9),
+                                              kernel=kernel_id(kernel), rank=self.rank)
+        return packed
 
     def check_errors(self) -> None:
         """Raise the CommTimeoutError a kernel of this rank recorded, if any.
@@ -217,6 +225,7 @@ class Group:
         if self._error_slot is not None:
             self._error_slot.free()
             self._error_slot = None
+        self._guards.clear()  # they point at the error slot
 
     def __enter__(self):
         return self

@@ -116,7 +116,6 @@ class Buffer(DirectTransport):
         self._host_counts = np.frombuffer((ctypes.c_int32 * n_counts).from_address(self._host_counts_ptr),
                                           dtype=np.int32)
         self._direct: D.DirectPools | None = None  # created by the first direct call (collective)
-        self._guards: dict = {}
         # Compile the default specialisations once per node, collectively (so that no rank compiles
         # inside a call while its peers' kernels already wait on it), the expert-major layout's too.
         jit.load(dispatch_layout.layout_spec(), group)
@@ -155,14 +154,6 @@ class Buffer(DirectTransport):
         temporaries its kernels use."""
         return self._calls.end(async_finish, keep)
 
-    def _guard(self, kernel: str):
-        """The packed Guard of ``kernel`` (cached per kernel and timeout)."""
-        key = (kernel, self.group.timeout_s)
-        guard = self._guards.get(key)
-        if guard is None:
-            guard = self._guards[key] = jit.pack(K.GUARD_DTYPE, **self.group.guard(kernel))
-        return guard
-
     # ------------------------------------------------------------------ layout
     def _check_topk_idx(self, topk_idx, num_experts: int, validate: bool):
         import cupy
@@ -200,7 +191,7 @@ class Buffer(DirectTransport):
     def _layout(self, topk_idx, num_experts: int) -> LayoutResult:
         with self.comm_stream:
             counts = dispatch_layout.launch_layout(topk_idx, num_experts, self.num_ranks,
-                                                   self._guard("intranode_layout"))
+                                                   self.group.guard("intranode_layout"))
         return LayoutResult(*counts)
 
     # ---------------------------------------------------------------- dispatch
@@ -389,7 +380,7 @@ class Buffer(DirectTransport):
                 recv_topk_weights=jit.ptr(recv_topk_weights), recv_src_idx=jit.ptr(recv_src_idx),
                 queue_occupancy=jit.ptr(queue_occupancy), num_tokens=T,
                 num_scales=H // 128 if fp8 else 0, num_topk=k, num_local_experts=num_experts // R, num_channels=C,
-                capacity=N, rank=self.rank, guard=self._guard("intranode_dispatch"))
+                capacity=N, rank=self.rank, guard=self.group.guard("intranode_dispatch"))
             dispatch_fn((2 * C,), (cfg.num_threads,), (args,))
             handle, em = self._with_expert_major(handle, expert_major, per_expert if notified else None, recv_x,
                                                  recv_scales, recv_topk_idx, num_experts, expert_alignment)
@@ -444,7 +435,7 @@ class Buffer(DirectTransport):
         m_cap = EM.expert_rows_capacity(per_expert, recv_x.shape[0], recv_topk_idx.shape[1], E_local, alignment)
         num_recv_ptr = handle.recv_rank_offset.data.ptr + 4 * R if worst else 0  # device count: recv_rank_offset[R]
         return EM.build(recv_x, recv_scales, recv_topk_idx, num_recv_ptr, E_local, alignment, m_cap,
-                        self._guard("intranode_expert_major"), self.num_device_sms)
+                        self.group.guard("intranode_expert_major"), self.num_device_sms)
 
     def _notify(self, T, H, num_experts, per_rank, per_expert, in_rank, C, alignment, num_worst_tokens,
                 transport: str = "queue", notify_time_ns=None):
@@ -490,7 +481,7 @@ class Buffer(DirectTransport):
             host_counts=0 if worst else self._host_counts_ptr, expand_base=jit.ptr(arrays.get("expand_base")),
             expert_meta=jit.ptr(arrays.get("expert_meta")), notify_time_ns=jit.ptr(notify_time_ns), num_tokens=T, num_experts=num_experts,
             num_channels=C, expert_alignment=alignment, capacity=num_worst_tokens if worst else INT_MAX,
-            rank=self.rank, guard=self._guard("intranode_notify"))
+            rank=self.rank, guard=self.group.guard("intranode_notify"))
         return args, arrays
 
     def _notify_handle(self, arrays, T, H, num_experts, C, num_worst_tokens, transport) -> DispatchHandle:
@@ -617,7 +608,7 @@ class Buffer(DirectTransport):
                 send_head=jit.ptr(handle.send_head), recv_channel_prefix=jit.ptr(handle.recv_channel_prefix),
                 recv_rank_offset=jit.ptr(handle.recv_rank_offset), combined_x=jit.ptr(combined),
                 combined_topk_weights=jit.ptr(combined_w), num_tokens=T, num_topk=k, num_channels=cfg.num_channels,
-                rank=self.rank, guard=self._guard("intranode_combine"))
+                rank=self.rank, guard=self.group.guard("intranode_combine"))
             fn((2 * cfg.num_channels,), (cfg.num_threads,), (args,))
         return CombineResult(combined, combined_w, self._end(async_finish, (x_in, topk_weights, row_weights,
                                                                              pair_weights)), reduced)

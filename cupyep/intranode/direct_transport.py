@@ -95,10 +95,10 @@ class DirectTransport:
                 routing = self._routing(topk_idx, num_experts, T, arrays)
                 handle = self._notify(T, H, num_experts, *routing, D.notify_channels(R), expert_alignment,
                                       num_worst_tokens, transport="direct", notify_time_ns=notify_time_ns)
-            if direct_em and not sent and self._direct_rows(handle, True, k, E_local, expert_alignment)[2] > lay.em_rows:
-                direct_em, lay, pos = False, pools.recv_layout(shape, slot), None  # the same verdict on every rank
             N = handle.num_worst_tokens or handle.num_recv_tokens
-            rows_sent, m_view, _ = self._direct_rows(handle, direct_em, k, E_local, expert_alignment)
+            rows_sent, m_view, m_need = self._direct_rows(handle, direct_em, k, E_local, expert_alignment)
+            if direct_em and not sent and m_need > lay.em_rows:  # the same verdict on every rank (global counts)
+                direct_em, lay, pos, m_view = False, pools.recv_layout(shape, slot), None, 0
             recv_topk_idx = pool.view(lay.topk_idx, (N, k), np.int64) if topk_idx is not None else None
             recv_topk_weights = pool.view(lay.topk_weights, (N, k), np.float32) if topk_weights is not None else None
             recv_src_idx = pool.view(lay.src_idx, (N,), np.int32)
@@ -187,7 +187,7 @@ class DirectTransport:
             rank_prefix_matrix=jit.ptr(handle.rank_prefix_matrix), recv_rank_offset=jit.ptr(handle.recv_rank_offset),
             state=jit.ptr(pools.state), expand=expand, num_tokens=T, num_scales=H // 128 if x.dtype == FP8 else 0,
             num_topk=k, num_local_experts=num_experts // self.num_ranks, num_channels=handle.num_channels,
-            capacity=capacity, rank=self.rank, guard=self._guard("intranode_direct_dispatch"))
+            capacity=capacity, rank=self.rank, guard=self.group.guard("intranode_direct_dispatch"))
 
     def _dispatch_fused(self, fn, cfg, pool, lay, x, x_scales, topk_idx, topk_weights, num_experts,
                         num_worst_tokens, alignment, pos, notify_time_ns=None) -> tuple[DispatchHandle, bool]:
@@ -213,7 +213,7 @@ class DirectTransport:
         dargs = self._direct_dispatch_struct(view, pool, lay, x, x_scales, topk_idx, topk_weights, num_experts,
                                              capacity=num_worst_tokens if worst else 0, pos=pos,
                                              compute_pos=pos is not None, pos_threads=cfg.num_threads)
-        args = jit.pack(D.FUSED_ARGS_DTYPE, notify=nargs, dispatch=dargs, layout_guard=self._guard("intranode_layout"),
+        args = jit.pack(D.FUSED_ARGS_DTYPE, notify=nargs, dispatch=dargs, layout_guard=self.group.guard("intranode_layout"),
                         host_status=0 if worst else self._host_counts_ptr + 4 * self._host_status_index)
         blocks = cfg.num_sms or self.sm_budget
         hist = D.hist_warps(num_experts, cfg.num_threads) * num_experts if pos is not None else 0
@@ -323,7 +323,7 @@ class DirectTransport:
             send_head=jit.ptr(handle.send_head), send_channel_prefix=jit.ptr(handle.send_channel_prefix),
             combined_x=jit.ptr(combined), combined_topk_weights=jit.ptr(combined_w), state=jit.ptr(pools.state),
             num_tokens=T, x_int4=H * 2 // 16, num_topk=k, num_channels=handle.num_channels, rank=me,
-            guard=self._guard("intranode_direct_combine"))
+            guard=self.group.guard("intranode_direct_combine"))
         fn((blocks,), (cfg.num_threads,), (args,))
 
 

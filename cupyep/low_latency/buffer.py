@@ -185,7 +185,7 @@ class LowLatencyBuffer:
 
     def _guard(self, kernel: str):
         # Across nodes the kernels name peers by world rank (errors.GLOBAL_PEER_KERNELS).
-        return jit.pack(K.GUARD_DTYPE, **self.group.guard(kernel + ("_internode" if self.across_nodes else "")))
+        return self.group.guard(kernel + ("_internode" if self.across_nodes else ""))
 
     def _stream(self, async_finish: bool):
         import cupy

@@ -37,13 +37,12 @@ def _launch(group, fn, dst, sig, expected: int, timeout_s: float | None = None):
     import cupy
     from cupyep import jit
     from cupyep import nvshmem as NV
-    from cupyep.errors import GUARD_DTYPE
     R, me = group.world_size, group.rank  # PE numbers are world ranks
     src = cupy.asarray(np.stack([_tags(me, b) for b in range(R)]))
     peers = cupy.arange(R, dtype=np.int32)
     args = jit.pack(NV.put_signal_args_dtype(), dst=dst.data.ptr, src=src.data.ptr, sig=sig.data.ptr,
                     peers=peers.data.ptr, bytes=ROW_BYTES, expected=expected, num_peers=R, my_slot=me,
-                    guard=jit.pack(GUARD_DTYPE, **group.guard("internode_put_signal", timeout_s)))
+                    guard=group.guard("internode_put_signal", timeout_s))
     fn((R,), (256,), (args,))
     cupy.cuda.runtime.deviceSynchronize()
     return src
