@@ -98,19 +98,19 @@ class GpuBarrier(_BarrierCalls):
 
 WORLD_BARRIER_ARGS_DTYPE = jit.struct_dtype([("arrive", np.uint64), ("epoch", np.uint64), ("num_pes", np.int32),
                                              ("my_pe", np.int32), ("guard", GUARD_DTYPE)])
-WORLD_BARRIER_SPEC = jit.KernelSpec(name="internode_world_barrier", source="internode/world_barrier.cu",
-                                    kernels=("cupyep::internode::world_barrier",), nvshmem=True)
+WORLD_BARRIER_SPEC = jit.KernelSpec(name="shmem_world_barrier", source="nvshmem/world_barrier.cu",
+                                    kernels=("cupyep::shmem::world_barrier",), nvshmem=True)
 
 
 class WorldBarrier(_BarrierCalls):
     """Barrier over every rank of the world on the GPU, through NVSHMEM signals
-    (``cuda_src/internode/world_barrier.cu``): what lines calls up when the
+    (``cuda_src/nvshmem/world_barrier.cu``): what lines calls up when the
     ranks span nodes. The same calls as :class:`GpuBarrier`; it orders the
     ranks in time, not their memory. Needs nvshmem4py (starts NVSHMEM,
     released by :meth:`destroy`). A missing rank raises CommTimeoutError
     naming it (by world rank)."""
 
-    KERNEL = "internode_world_barrier"
+    KERNEL = "shmem_world_barrier"
 
     def __init__(self, group):
         import cupy

@@ -24,41 +24,41 @@ GUARD_DTYPE = np.dtype([("slot", np.uint64), ("timeout_ns", np.uint64), ("kernel
 # each kernel, indexed by the phase number the kernel reports.
 KERNELS: dict[str, tuple[str, ...]] = {
     "barrier": ("barrier arrival",),
-    "intranode_notify": ("notify barrier", "notify counts",
+    "notify": ("notify barrier", "notify counts",
                          "receive capacity (more rows than num_worst_tokens)"),
-    "intranode_dispatch": ("dispatch queue space (sender waits for receiver head)",
+    "queue_dispatch": ("dispatch queue space (sender waits for receiver head)",
                            "dispatch queue data (receiver waits for sender tail)"),
-    "intranode_combine": ("combine queue space (sender waits for receiver head)",
+    "queue_combine": ("combine queue space (sender waits for receiver head)",
                           "combine queue data (receiver waits for sender tail)"),
     "low_latency_dispatch": ("dispatch flag (receiver waits for a source's rows and counts; "
                              "counter: blocks arrived, expected: blocks announced)",
                              "routing check (expert id outside [-1, E))"),
     "low_latency_combine": ("combine flag (token owner waits for an expert rank's rows; "
                             "counter: blocks arrived, expected: blocks announced)",),
-    "intranode_expert_major": ("expert-major rows exceed their capacity",),
-    "intranode_direct_dispatch": ("direct dispatch: receive pool free (sender waits for the receiver's ready)",
+    "expert_major": ("expert-major rows exceed their capacity",),
+    "direct_dispatch": ("direct dispatch: receive pool free (sender waits for the receiver's ready)",
                                   "direct dispatch: rows arrived (receiver waits for a source's rows)",
                                   "direct dispatch: receive pool capacity",
                                   "fused direct dispatch: a block waits for the notify block",
                                   "fused direct dispatch: a block waits for the expert-major positions"),
-    "intranode_direct_combine": ("direct combine: partial rows free (expert rank waits for the owner's ready)",
+    "direct_combine": ("direct combine: partial rows free (expert rank waits for the owner's ready)",
                                  "direct combine: partials arrived (owner waits for an expert rank's rows)",
                                  "direct combine: partial pool capacity"),
-    "intranode_layout": ("routing check (expert id outside [-1, E))",),
-    "internode_put_signal": ("put with signal: a peer's rows arrived (this PE waits for the peer's signal)",),
-    "internode_two_hop_dispatch": ("two-hop dispatch: a source node's rows over the network (the rail waits for "
+    "layout": ("routing check (expert id outside [-1, E))",),
+    "shmem_put_signal": ("put with signal: a peer's rows arrived (this PE waits for the peer's signal)",),
+    "two_hop_dispatch": ("two-hop dispatch: a source node's rows over the network (the rail waits for "
                                    "its signal)",
                                    "two-hop dispatch: rows arrived (receiver waits for a source's rows)"),
-    "internode_two_hop_combine": ("two-hop combine: the node's rows at the rail peer (waits for a rank of its "
+    "two_hop_combine": ("two-hop combine: the node's rows at the rail peer (waits for a rank of its "
                                   "node)",
                                   "two-hop combine: the own node's rows at the source",
                                   "two-hop combine: a node's partials over the network (waits for its rail's "
                                   "signal)"),
-    "internode_two_hop_notify": ("two-hop notify: count exchange (waits for a PE's row of counts)",
+    "two_hop_notify": ("two-hop notify: count exchange (waits for a PE's row of counts)",
                                  "two-hop notify: receive capacity (a rank, this one or the peer named, would receive more "
                                  "rows than its num_worst_tokens; nothing was sent)",
                                  "two-hop notify: routing check (expert id outside [-1, E))"),
-    "internode_world_barrier": ("world barrier arrival (waits for a PE's signal)",),
+    "shmem_world_barrier": ("world barrier arrival (waits for a PE's signal)",),
     # Low-latency mode across nodes (the CUPYEP_LL_NVSHMEM build): phases 0 and 1 as within a node.
     "low_latency_dispatch_internode": ("dispatch flag (receiver waits for a source of its node; counter: blocks "
                                        "arrived, expected: blocks announced)",
@@ -74,8 +74,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
 }
 KERNEL_NAMES: tuple[str, ...] = tuple(KERNELS)
 # Kernels whose reported peer is a global rank (an NVSHMEM PE), not a node-local index.
-GLOBAL_PEER_KERNELS = frozenset({"internode_put_signal", "internode_two_hop_dispatch", "internode_two_hop_combine",
-                                 "internode_two_hop_notify", "internode_world_barrier", "low_latency_dispatch_internode",
+GLOBAL_PEER_KERNELS = frozenset({"shmem_put_signal", "two_hop_dispatch", "two_hop_combine",
+                                 "two_hop_notify", "shmem_world_barrier", "low_latency_dispatch_internode",
                                  "low_latency_combine_internode"})
 
 

@@ -38,13 +38,14 @@ SPEC_MODULES = (
     "cupyep.bench.skew",
     "cupyep.bench.timing",
     "cupyep.fp8",
-    "cupyep.dispatch_layout",
-    "cupyep.intranode.kernels",
-    "cupyep.intranode.direct",
+    "cupyep.normal.layout",
+    "cupyep.normal.node_kernels",
+    "cupyep.normal.queue_kernels",
+    "cupyep.normal.direct_kernels",
+    "cupyep.normal.expert_major",
+    "cupyep.normal.internode_kernels",
     "cupyep.low_latency.kernels",
-    "cupyep.expert_major",
     "cupyep.nvshmem",
-    "cupyep.internode",
 )
 
 class Module:

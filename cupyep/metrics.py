@@ -11,7 +11,7 @@ asks for none pays one untaken branch:
   maximum in ``q[2]``;
 - across nodes: ``TwoHopDispatch.dispatch(..., hop_ns=s)`` and
   ``combine(..., hop_ns=s)`` (uint64 [4], set to
-  ``cupyep.internode.HOP_STAMPS_INIT`` first) write four %globaltimer stamps
+  ``cupyep.normal.internode_kernels.HOP_STAMPS_INIT`` first) write four %globaltimer stamps
   that delimit each hop: the network hop and the NVLink forwarding of the
   dispatch, the in-node hop, the network hop and the final reduction of the
   combine;
@@ -123,12 +123,12 @@ def two_hop_metrics(group, two_hop, x, topk_idx, topk_weights, calls: int = 10) 
     (identity experts: each received row combined back), untimed. Returns
     {"dispatch_hop_us": {"network", "forward", "total"}, "combine_hop_us":
     {"node", "network", "reduce", "total"}}, each the slowest rank's median
-    over the calls (cupyep.internode.DISPATCH_HOPS / COMBINE_HOPS). The
+    over the calls (cupyep.normal.internode_kernels.DISPATCH_HOPS / COMBINE_HOPS). The
     direct route forwards nothing: its "forward" is None and its "network"
     ends when every row from other nodes has arrived."""
     import cupy
 
-    from .internode import COMBINE_HOPS, DISPATCH_HOPS, HOP_STAMPS_INIT, hop_times_us
+    from .normal.internode_kernels import COMBINE_HOPS, DISPATCH_HOPS, HOP_STAMPS_INIT, hop_times_us
     init = np.array(HOP_STAMPS_INIT, dtype=np.uint64)
     d, c = [], []
     for _ in range(calls):

@@ -121,7 +121,7 @@ def mangled_prefix(expr: str) -> str:
     """The Itanium-ABI mangled name of a kernel name expression up to its
     parameter list: namespaces and a function name, with integer or bool
     template arguments (all the kernels here use), e.g.
-    ``cupyep::internode::put_signal<256>`` -> ``_ZN6cupyep9internode10put_signalILi256EE``."""
+    ``cupyep::shmem::put_signal<256>`` -> ``_ZN6cupyep5shmem10put_signalILi256EE``."""
     m = re.fullmatch(r"\s*([\w:]+?)\s*(?:<(.*)>)?\s*", expr)
     if not m:
         raise ValueError(f"cannot mangle the kernel name expression {expr!r}")

@@ -75,7 +75,7 @@ def init(group, single_host: bool | None = None) -> None:
 
 
 def put_signal_args_dtype():
-    """NumPy mirror of ``PutSignalArgs`` (cuda_src/internode/put_signal.cu)."""
+    """NumPy mirror of ``PutSignalArgs`` (cuda_src/nvshmem/put_signal.cu)."""
     import numpy as np
 
     from . import jit
@@ -85,11 +85,11 @@ def put_signal_args_dtype():
 
 
 def put_signal_spec(num_threads: int = 256):
-    """The put-with-signal kernel (cuda_src/internode/put_signal.cu): the
+    """The put-with-signal kernel (cuda_src/nvshmem/put_signal.cu): the
     primitive of every hop between nodes."""
     from .jit import KernelSpec
-    return KernelSpec(name=f"internode_put_signal_threads_{num_threads}", source="internode/put_signal.cu",
-                      kernels=(f"cupyep::internode::put_signal<{num_threads}>",), nvshmem=True)
+    return KernelSpec(name=f"shmem_put_signal_threads_{num_threads}", source="nvshmem/put_signal.cu",
+                      kernels=(f"cupyep::shmem::put_signal<{num_threads}>",), nvshmem=True)
 
 
 def kernel_specs() -> list:

@@ -48,7 +48,7 @@ class LayoutResult:
 class ExpandTables:
     """Where a direct-transport dispatch's (token, slot) pairs go in the
     receivers' expert blocks (filled by its notify pass; see
-    cuda_src/intranode/notify.cuh, expand_tables).
+    cuda_src/normal/notify.cuh, expand_tables).
 
     Attributes:
         base: [R, E_local + 1] int32 device; [d, e]: the expert-major row at
@@ -116,7 +116,7 @@ class DispatchHandle:
     num_experts: int
     num_channels: int
     buffer_id: int
-    # Expert-major layout (dispatch(..., expert_major=True)); see cupyep.expert_major.
+    # Expert-major layout (dispatch(..., expert_major=True)); see cupyep.normal.expert_major.
     recv_expert_row: object = None
     num_expert_rows: int = 0
     recv_expert_counts: tuple | None = None
@@ -163,7 +163,7 @@ class DispatchResult:
     the result earlier is not checked; ``dispatch(..., fresh=True)`` copies
     the rows into arrays of the caller's own instead (lease None).
 
-    With ``expert_major=True`` (see cupyep.expert_major; None otherwise):
+    With ``expert_major=True`` (see cupyep.normal.expert_major; None otherwise):
         expert_x: [M_cap, H], dtype of x: the (row, local expert) pairs in
             per-expert blocks; alignment padding rows inside the blocks are zero; rows
             at or after expert_offsets[E_local] (M_cap is a bound: worst-token mode and

@@ -26,7 +26,7 @@ def main():
     require_gpu(__file__)
     from cupyep.barrier import gpu_barrier
     from cupyep.bench.internode import KINDS, hop_times_of, measure, prepare
-    from cupyep.internode import TwoHopDispatch
+    from cupyep.normal.internode_kernels import TwoHopDispatch
     from cupyep.metrics import two_hop_metrics
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="results/internode.jsonl")

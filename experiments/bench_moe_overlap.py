@@ -516,7 +516,7 @@ def base_record(group, args, mode: str, num_tokens: int, ffn: int) -> dict:
 
 def normal_configs(buf, transport: str, sms):
     """(dispatch config, combine config) of ``sms`` blocks per rank (None: the library's defaults)."""
-    from cupyep.intranode.direct import DirectConfig
+    from cupyep.normal.direct_kernels import DirectConfig
     if transport == "direct":
         cfg = DirectConfig(num_sms=sms or 0)  # 0: blocks from the call's shape, at most the SM budget
         return cfg, cfg
@@ -539,7 +539,7 @@ def normal_buffers(group, args, num_tokens: int) -> dict:
     need = max([cupyep.Buffer.size_hint(R, args.hidden, args.topk, *normal_configs(buf, "queue", s))
                 for s in args.comm_sms if comm_sms_problem("queue", s) is None and (s or 0) <= buf.sm_budget],
                default=0)
-    if need > buf.buffer.nbytes:
+    if need > buf.routes["queue"].node.buffer.nbytes:
         buf.destroy()
         buf = cupyep.Buffer(group, need, **sizes)
     return dict.fromkeys(MICRO_BATCHES, buf)

@@ -541,7 +541,7 @@ def run_direct(group, args, out, bar, idx, w, splits) -> list:
     import cupyep
     from cupyep.bench.copy import copy_bandwidth
     from cupyep.bench.normal import measure
-    from cupyep.intranode.direct import DirectConfig
+    from cupyep.normal.direct_kernels import DirectConfig
     from cupyep.testing import payload_bf16
     R, me, comm = group.local_size, group.local_rank, group.comm
     copy_bw = comm.bcast(copy_bandwidth(2 << 30) if me == 0 else 0.0)

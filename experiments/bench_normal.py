@@ -34,8 +34,8 @@ from cupyep.bench.copy import copy_bandwidth
 from cupyep.bench.normal import DIRECT_KINDS, KINDS, measure
 from cupyep.bench.report import JsonlWriter
 from cupyep.fp8 import per_token_cast_to_fp8
-from cupyep.intranode import Config
-from cupyep.intranode.direct import DirectConfig
+from cupyep.normal import Config
+from cupyep.normal.direct_kernels import DirectConfig
 from cupyep.testing import global_routing, payload_bf16
 
 

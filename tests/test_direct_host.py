@@ -1,4 +1,4 @@
-"""Host side of the direct transport (cupyep.intranode.direct): pool layouts,
+"""Host side of the direct transport (cupyep.normal.direct_kernels): pool layouts,
 the rows a pool holds, the fixed slot sizes, block counts and config checks; the
 kernel constants the layouts rely on."""
 import re
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from cupyep import jit
-from cupyep.intranode import direct as D
-from cupyep.intranode.buffer import Buffer
+from cupyep.normal import direct_kernels as D
+from cupyep.normal.buffer import Buffer
 
 
 @pytest.mark.parametrize("rows,x_bytes,ns,k,idx,w", [
@@ -89,21 +89,39 @@ def test_notify_channels_fill_the_notify_block():
         assert 1 <= D.notify_channels(r) and r * D.notify_channels(r) <= 32
 
 
+class _Route:
+    def __init__(self, transport):
+        self.transport = transport
+
+    def owns(self, handle):
+        return handle == self.transport
+
+
 def test_transport_choice():
-    assert Buffer._transport(None, None, None) == "queue"
-    assert Buffer._transport(None, "direct", None) == "direct"
+    """The front picks the route a call's transport names (default queue), or
+    its handle's; a transport that contradicts the handle, an unknown one and
+    a foreign handle raise."""
+    buf = object.__new__(Buffer)
+    buf.routes = {t: _Route(t) for t in ("queue", "direct")}
+    assert buf._route(None, None) is buf.routes["queue"]
+    assert buf._route("direct", None) is buf.routes["direct"]
+    assert buf._route(None, "direct") is buf.routes["direct"]
     with pytest.raises(ValueError, match="transport must be one of"):
-        Buffer._transport(None, "nvshmem", None)
+        buf._route("nvshmem", None)
+    with pytest.raises(ValueError, match="made by the direct transport, not 'queue'"):
+        buf._route("queue", "direct")
+    with pytest.raises(ValueError, match="live handle of this Buffer"):
+        buf._route(None, "elsewhere")
 
 
 def test_kernel_constants_match_the_host():
-    src = (jit.CUDA_SRC / "intranode" / "direct_args.cuh").read_text()
+    src = (jit.CUDA_SRC / "normal" / "direct_args.cuh").read_text()
     assert int(re.search(r"kDirectSyncStride = (\d+)", src).group(1)) == D.SYNC_STRIDE
     assert int(re.search(r"kStateHeader = (\d+)", src).group(1)) == D.STATE_HEADER
-    kernel = (jit.CUDA_SRC / "intranode" / "direct.cu").read_text()
+    kernel = (jit.CUDA_SRC / "normal" / "direct.cu").read_text()
     assert "direct_dispatch(DirectDispatchArgs" in kernel and "direct_combine(DirectCombineArgs" in kernel
-    assert all(s.source == "intranode/direct.cu" for s in D.kernel_specs()[:-1])
-    assert D.kernel_specs()[-1].source == "intranode/expand.cu"
+    assert all(s.source == "normal/direct.cu" for s in D.kernel_specs()[:-1])
+    assert D.kernel_specs()[-1].source == "normal/direct_positions.cu"
     assert len(D.kernel_specs()) == 25  # 1 to 8 ranks x (dispatch, fused, combine) + the position pass
     assert any("direct_dispatch_fused(DirectFusedArgs" in line for line in kernel.splitlines())
     assert D.SYNC_DTYPE.itemsize == 32 and np.dtype(D.DISPATCH_ARGS_DTYPE).itemsize > 0

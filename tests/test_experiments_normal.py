@@ -5,8 +5,8 @@ import pytest
 from cupyep import experiments
 from cupyep.bench import normal as BN
 from cupyep.experiments import gpu_normal as G
-from cupyep.intranode import Config
-from cupyep.intranode.direct import DirectConfig
+from cupyep.normal import Config
+from cupyep.normal.direct_kernels import DirectConfig
 
 
 class FakeBuffer:

@@ -1,6 +1,6 @@
 """CPU tests of the expert-major layout: the NumPy reference
 (expert_major_order with alignment, expert_major_reduce) and the host logic of
-cupyep.expert_major (M_cap sizing, struct mirrors, input checks,
+cupyep.normal.expert_major (M_cap sizing, struct mirrors, input checks,
 ValueErrors raised by Buffer before any launch). Nothing here needs a GPU."""
 
 import re
@@ -11,7 +11,7 @@ import pytest
 
 import cupyep.reference as ref
 from cupyep import errors, jit
-from cupyep import expert_major as EM
+from cupyep.normal import expert_major as EM
 from cupyep.results import DispatchHandle
 
 from cstructs import assert_mirrors, c_structs
@@ -236,10 +236,10 @@ def test_struct_sizes():
 def test_permute_spec_is_registered_and_names_its_kernels():
     spec = EM.permute_spec()
     assert spec in jit.all_specs()
-    assert "cupyep.expert_major" in jit.SPEC_MODULES
+    assert "cupyep.normal.expert_major" in jit.SPEC_MODULES
     text = (jit.CUDA_SRC / spec.source).read_text()
     for name in spec.kernels:
-        assert name.startswith("cupyep::intranode::")
+        assert name.startswith("cupyep::normal::")
         assert re.search(rf"__global__ void __launch_bounds__\(\w+\) {name.split('::')[-1]}\(", text), name
     # Threads per block the host launches with are the kernels' launch bounds.
     consts = dict(re.findall(r"constexpr int (k\w+Threads) = (\d+);", text))
@@ -249,11 +249,11 @@ def test_permute_spec_is_registered_and_names_its_kernels():
 
 
 def test_capacity_error_has_a_kernel_name():
-    kid = errors.kernel_id("intranode_expert_major")
+    kid = errors.kernel_id("expert_major")
     slot = np.zeros(1, errors.ERROR_SLOT_DTYPE)[0]
     slot["flag"], slot["kernel"], slot["rank"], slot["peer"], slot["value"], slot["expected"] = 3, kid, 1, -1, 9, 8
     err = errors.error_from_slot(slot, 1.0)
-    assert err.kernel == "intranode_expert_major" and "capacity" in err.phase and "(counter 9, expected 8)" in str(err)
+    assert err.kernel == "expert_major" and "capacity" in err.phase and "(counter 9, expected 8)" in str(err)
 
 
 # -------------------------------------------------------------- validation ---
@@ -319,15 +319,23 @@ def fake_buffer(monkeypatch):
     """A Buffer object without a GPU: host arrays pass the input checks, and
     anything that would launch or allocate fails the test."""
     from cupyep import arrays
-    from cupyep.intranode import buffer as B
+    from cupyep.normal import buffer as B
     monkeypatch.setattr(B, "as_cupy", lambda a, name: a)
     monkeypatch.setattr(arrays, "as_cupy", lambda a, name: a)  # dispatch_rows' conversion
-    buf = object.__new__(B.Buffer)
-    buf.num_ranks, buf.rank, buf.sm_budget, buf.num_device_sms = 2, 0, 66, 132
+    from types import SimpleNamespace
+
+    from cupyep.normal.direct import DirectRoute
+    from cupyep.normal.queue import QueueRoute
     from cupyep.sizes import DeclaredSizes
+    buf = object.__new__(B.Buffer)
+    buf.num_ranks, buf.rank, buf.internode = 2, 0, False
     buf.sizes = DeclaredSizes()
-    buf.group = buf.buffer = buf.comm_stream = _NoLaunch()
-    buf.layout = _NoLaunch()
+    buf.group = buf.comm_stream = buf._calls = _NoLaunch()
+    node = SimpleNamespace(num_ranks=2, rank=0, sm_budget=66, num_device_sms=132, buffer_id=id(buf),
+                           group=_NoLaunch(), layout=_NoLaunch(), buffer=_NoLaunch())
+    queue, direct = object.__new__(QueueRoute), object.__new__(DirectRoute)
+    queue.node = direct.node = node
+    buf.routes = {"queue": queue, "direct": direct}
     return buf
 
 

@@ -12,20 +12,22 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cupyep import barrier, dispatch_layout, errors, jit, nvcc, testing
+from cupyep import barrier, errors, jit, nvcc, testing
+from cupyep.normal import layout as dispatch_layout
 from cupyep.arrays import BF16, FP8, as_cupy, check
 from cupyep.bench.stamps import cross_rank, trace_marks
 from cupyep.bench.timing import Timing
 from cupyep.errors import (ERROR_SLOT_DTYPE, KERNEL_NAMES, KERNELS, CommTimeoutError, CupyepError,
                            error_from_slot, kernel_id)
-from cupyep.intranode import config as cfgmod
-from cupyep import internode as INTER
+from cupyep.normal import config as cfgmod
+from cupyep.normal import internode_kernels as INTER
 from cupyep import nvshmem as NV
-from cupyep.intranode import direct as D
-from cupyep.intranode import kernels as K
-from cupyep.intranode import layout as L
+from cupyep.normal import direct_kernels as D
+from cupyep.normal import queue_kernels as K
+from cupyep.normal import node_kernels as NK
+from cupyep.normal import queue_layout as L
 from cupyep.low_latency import kernels as LLK
-from cupyep.intranode.config import (COUNTER_STRIDE, MAX_CHANNELS, Config, get_combine_config,
+from cupyep.normal.config import (COUNTER_STRIDE, MAX_CHANNELS, Config, get_combine_config,
                                      get_dispatch_config)
 from cstructs import assert_mirrors, c_layout, c_structs
 
@@ -337,7 +339,7 @@ def test_counters_fixed_whatever_the_call(num_ranks):
 
 def test_offsets_and_ring_structs_mirror_layout():
     lay = L.buffer_layout(4, L.size_hint(4))
-    off = K.offsets_struct(lay)
+    off = NK.offsets_struct(lay)
     assert off["barrier"] == lay.barrier and off["notify"] == lay.notify
     assert off["notify_row_ints"] == lay.notify_row_ints
     assert [int(off[n]) for n in ("dispatch_tail", "dispatch_head", "combine_tail", "combine_head")] == \
@@ -408,15 +410,15 @@ def _slot(**fields):
 
 
 def test_error_from_slot_names_everything():
-    slot = _slot(flag=1, kernel=kernel_id("intranode_dispatch"), rank=3, peer=1, phase=1, block=7,
+    slot = _slot(flag=1, kernel=kernel_id("queue_dispatch"), rank=3, peer=1, phase=1, block=7,
                  value=5, expected=9)
     err = error_from_slot(slot, 2.5, rank_of_peer=lambda p: 8 + p)
     assert isinstance(err, CommTimeoutError) and isinstance(err, CupyepError) and isinstance(err, RuntimeError)
-    assert err.kernel == "intranode_dispatch"
+    assert err.kernel == "queue_dispatch"
     assert err.phase == "dispatch queue data (receiver waits for sender tail)"
     assert (err.rank, err.peer, err.value, err.expected, err.timeout_s) == (3, 9, 5, 9, 2.5)
     msg = str(err)
-    assert msg.startswith("intranode_dispatch: timeout in phase 'dispatch queue data (receiver waits for sender "
+    assert msg.startswith("queue_dispatch: timeout in phase 'dispatch queue data (receiver waits for sender "
                           "tail)': rank 3 waited for peer rank 9 for more than 2.5 s (counter 5, expected 9); "
                           "block 7.")
     assert "destroy the buffer" in msg
@@ -425,7 +427,7 @@ def test_error_from_slot_names_everything():
 def test_error_from_slot_default_peer_mapping_and_no_peer():
     err = error_from_slot(_slot(flag=1, kernel=kernel_id("barrier"), rank=2, peer=6, phase=0), 1.0)
     assert (err.kernel, err.phase, err.peer) == ("barrier", "barrier arrival", 6)
-    err = error_from_slot(_slot(flag=1, kernel=kernel_id("intranode_notify"), rank=0, peer=-1, phase=1,
+    err = error_from_slot(_slot(flag=1, kernel=kernel_id("notify"), rank=0, peer=-1, phase=1,
                                 value=-3, expected=4), 10.0, rank_of_peer=lambda p: 100 + p)
     assert err.peer is None and err.phase == "notify counts"
     assert "waited for" not in str(err) and "rank 0" in str(err) and "(counter -3, expected 4)" in str(err)
@@ -434,8 +436,8 @@ def test_error_from_slot_default_peer_mapping_and_no_peer():
 def test_error_from_slot_unknown_kernel_and_phase():
     err = error_from_slot(_slot(flag=1, kernel=99, phase=0, peer=0), 1.0)
     assert err.kernel == "kernel#99" and err.phase == "phase#0"
-    err = error_from_slot(_slot(flag=1, kernel=kernel_id("intranode_combine"), phase=5), 1.0)
-    assert err.kernel == "intranode_combine" and err.phase == "phase#5"
+    err = error_from_slot(_slot(flag=1, kernel=kernel_id("queue_combine"), phase=5), 1.0)
+    assert err.kernel == "queue_combine" and err.phase == "phase#5"
     err = error_from_slot(_slot(flag=1, kernel=-1, phase=-1), 1.0)
     assert err.kernel == "kernel#-1" and err.phase == "phase#-1"
 
@@ -461,10 +463,10 @@ MIRRORS = [
     (errors.GUARD_DTYPE, "Guard"),
     (barrier.BARRIER_ARGS_DTYPE, "BarrierArgs"),
     (barrier.WORLD_BARRIER_ARGS_DTYPE, "WorldBarrierArgs"),
-    (K.OFFSETS_DTYPE, "BufferOffsets"),
+    (NK.OFFSETS_DTYPE, "BufferOffsets"),
     (K.RING_DTYPE, "RingShape"),
     (dispatch_layout.LAYOUT_ARGS_DTYPE, "LayoutArgs"),
-    (K.NOTIFY_ARGS_DTYPE, "NotifyArgs"),
+    (NK.NOTIFY_ARGS_DTYPE, "NotifyArgs"),
     (K.DISPATCH_ARGS_DTYPE, "DispatchArgs"),
     (K.COMBINE_ARGS_DTYPE, "CombineArgs"),
     (D.SYNC_DTYPE, "DirectSync"),
@@ -536,7 +538,7 @@ def test_guard_dtype():
     g = errors.GUARD_DTYPE
     assert g.itemsize == 24
     assert [g.fields[n][1] for n in g.names] == [0, 8, 16, 20]
-    assert K.NOTIFY_ARGS_DTYPE.fields["guard"][1] % 8 == 0
+    assert NK.NOTIFY_ARGS_DTYPE.fields["guard"][1] % 8 == 0
 
 
 def test_struct_dtype_pads_like_c():
@@ -613,15 +615,15 @@ def test_all_specs():
     names = [s.name for s in specs]
     assert len(names) == len(set(names))
     for r in RANKS:
-        assert f"intranode_notify_ranks_{r}" in names
+        assert f"notify_ranks_{r}" in names
         for t in (512, 768):
             for l2 in (0, 1, 2):
-                assert f"intranode_dispatch_ranks_{r}_threads_{t}_l2_{l2}" in names
-                assert f"intranode_combine_ranks_{r}_threads_{t}_l2_{l2}" in names
-    assert {"runtime", "bench_copy", "fp8_cast", "intranode_layout"} <= set(names)
+                assert f"queue_dispatch_ranks_{r}_threads_{t}_l2_{l2}" in names
+                assert f"queue_combine_ranks_{r}_threads_{t}_l2_{l2}" in names
+    assert {"runtime", "bench_copy", "fp8_cast", "layout"} <= set(names)
     by_name = {s.name: s for s in specs}
-    assert by_name["intranode_dispatch_ranks_3_threads_768_l2_2"].kernels == ("cupyep::intranode::dispatch<3, 768, 2>",)
-    assert by_name["intranode_combine_ranks_8_threads_512_l2_0"].kernels == ("cupyep::intranode::combine<8, 512, 0>",)
+    assert by_name["queue_dispatch_ranks_3_threads_768_l2_2"].kernels == ("cupyep::normal::queue_dispatch<3, 768, 2>",)
+    assert by_name["queue_combine_ranks_8_threads_512_l2_0"].kernels == ("cupyep::normal::queue_combine<8, 512, 0>",)
     for s in specs:
         assert (jit.CUDA_SRC / s.source).is_file(), s
         assert s.kernels and all(k.startswith("cupyep::") for k in s.kernels)
@@ -630,7 +632,7 @@ def test_all_specs():
 
 def test_all_specs_rejects_duplicates(monkeypatch):
     monkeypatch.setattr(jit, "SPEC_MODULES", jit.SPEC_MODULES + ("cupyep.barrier",))
-    with pytest.raises(ValueError, match=r"duplicate kernel spec names: \['internode_world_barrier', 'runtime'\]"):
+    with pytest.raises(ValueError, match=r"duplicate kernel spec names: \['runtime', 'shmem_world_barrier'\]"):
         jit.all_specs()
 
 
@@ -801,10 +803,10 @@ def test_kernels_across_nodes_report_global_peers():
     from cupyep.errors import error_from_slot, kernel_id
     base = lambda p: 4 + p  # noqa: E731  (rank 5 of nodes of 4)
     local = error_from_slot(_slot(flag=1, kernel=kernel_id("barrier"), rank=5, peer=2, phase=0), 1.0, base)
-    glob = error_from_slot(_slot(flag=1, kernel=kernel_id("internode_two_hop_dispatch"), rank=5, peer=2, phase=0),
+    glob = error_from_slot(_slot(flag=1, kernel=kernel_id("two_hop_dispatch"), rank=5, peer=2, phase=0),
                            1.0, base)
     assert local.peer == 6 and glob.peer == 2 and "network" in glob.phase
-    for kernel, phase in (("internode_world_barrier", 0), ("low_latency_dispatch_internode", 2),
+    for kernel, phase in (("shmem_world_barrier", 0), ("low_latency_dispatch_internode", 2),
                           ("low_latency_combine_internode", 1)):
         err = error_from_slot(_slot(flag=1, kernel=kernel_id(kernel), rank=5, peer=2, phase=phase), 1.0, base)
         assert err.peer == 2 and err.kernel == kernel, kernel

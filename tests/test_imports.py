@@ -78,11 +78,27 @@ def test_no_module_of_the_package_imports_itself_through_others():
 
 def test_the_shared_types_import_no_mode():
     g = import_graph()
-    modes = {m for m in g if m.startswith(("cupyep.intranode", "cupyep.low_latency", "cupyep.internode"))}
+    modes = {m for m in g if m.startswith(("cupyep.normal", "cupyep.low_latency", "cupyep.normal.internode_kernels"))}
     for below in ("cupyep.results", "cupyep.streams", "cupyep.sizes", "cupyep.slots"):
         assert not g[below] & modes, (below, g[below] & modes)
-    assert "cupyep.intranode.results" not in g["cupyep.low_latency.buffer"]
+    assert "cupyep.normal.results" not in g["cupyep.low_latency.buffer"]
 
 
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+
+
+def test_normal_mode_is_a_front_over_routes_that_import_nothing_above_them():
+    """The front (cupyep.normal.buffer) reaches the kernels only through the
+    routes; each route's launches are in its kernels module; nothing in
+    normal mode imports the lab or the modes and layers above it."""
+    g = import_graph()
+    front = g["cupyep.normal.buffer"]
+    assert not {m for m in front if m.endswith("_kernels")}, front
+    assert {"cupyep.normal.queue", "cupyep.normal.direct", "cupyep.normal.internode"} <= front
+    assert "cupyep.normal.queue_kernels" in g["cupyep.normal.queue"]
+    assert "cupyep.normal.direct_kernels" in g["cupyep.normal.direct"]
+    above = ("cupyep.bench", "cupyep.experiments", "cupyep.plotting", "cupyep.advisor", "cupyep.low_latency")
+    for name, deps in g.items():
+        if name.startswith("cupyep.normal"):
+            assert not {d for d in deps if d.startswith(above)}, (name, deps)

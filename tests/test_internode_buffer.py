@@ -1,4 +1,4 @@
-"""cupyep.Buffer across nodes (cupyep.internode_buffer) on the CPU: a group of
+"""cupyep.Buffer across nodes (cupyep.normal.internode) on the CPU: a group of
 two or more nodes gets the two-hop buffer; its declared sizes are checked by
 every call before anything runs, and its engines are made from them (one
 per route, both in one buffer); handles choose their route and are any
@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 import cupyep
-from cupyep import internode as INTER
+from cupyep.normal import internode_kernels as INTER
 from cupyep.errors import StaleResultError
-from cupyep.internode import TwoHopHandle
-from cupyep.internode_buffer import TwoHopBuffer, route_of, tokens_per_node
+from cupyep.normal.internode_kernels import TwoHopHandle
+from cupyep.normal import buffer as BUF
+from cupyep.normal.internode import ROUTES, InternodeRoute, tokens_per_node
 from cupyep.results import CombineResult, DispatchResult
 from cupyep.sizes import DEFAULT_HIDDEN, DEFAULT_MAX_TOKENS, DEFAULT_NUM_TOPK
 from cupyep.slots import DEFAULT_IN_FLIGHT, InFlightSlots
@@ -96,27 +97,44 @@ class _Calls:
         self.log.append(("release",))
 
 
+def _check_ids(topk_idx, num_experts):
+    if topk_idx.size and (topk_idx.min() < -1 or topk_idx.max() >= num_experts):
+        raise ValueError("topk_idx holds expert ids outside the range")
+
+
 @pytest.fixture(autouse=True)
-def _no_cuda_streams(monkeypatch):
-    from cupyep import streams
-    monkeypatch.setattr(streams, "CommStream", _Calls)
+def _no_cuda(monkeypatch):
+    """The front without a GPU: NumPy arrays pass as they are, the stream is a recorder."""
+    from cupyep import arrays
+    monkeypatch.setattr(BUF, "CommStream", _Calls)
+    monkeypatch.setattr(arrays, "as_cupy", lambda a, name: a)
+    monkeypatch.setattr(BUF, "as_cupy", lambda a, name: a)
+    monkeypatch.setattr(BUF, "check_expert_ids", _check_ids)
+    monkeypatch.setattr(BUF, "_capturing", lambda: False)
 
 
 def _buffer(group=None, **sizes):
-    buf = TwoHopBuffer(group or _Group(), **sizes)
-    buf.routes = []
-    buf._make_engine = lambda route: buf.routes.append(route) or _Engine(route, buf.num_in_flight)
+    buf = cupyep.Buffer(group or _Group(), **sizes)
+    buf.made = []
+    buf._shared.new_engine = lambda route: buf.made.append(route) or _Engine(route, buf.num_in_flight)
     return buf
+
+
+def _engines(buf) -> dict:
+    """{route name: its engine} of the engines the buffer's calls made."""
+    return {r.name: r._engine for r in buf.routes.values() if r._engine is not None}
 
 
 def _call(T=4, H=256, k=2):
     return np.zeros((T, H), np.uint16), np.zeros((T, k), np.int64), np.zeros((T, k), np.float32)
 
 
-def test_a_group_across_nodes_gets_the_two_hop_buffer():
-    assert isinstance(cupyep.Buffer(_Group(num_nodes=2)), TwoHopBuffer)
-    with pytest.raises(ValueError, match="two or more nodes"):
-        TwoHopBuffer(_Group(num_nodes=1))
+def test_a_group_across_nodes_gets_the_routes_across_nodes():
+    buf = cupyep.Buffer(_Group(num_nodes=2))
+    assert all(isinstance(r, InternodeRoute) for r in buf.routes.values())
+    assert {t: r.name for t, r in buf.routes.items()} == ROUTES == {"queue": "two_hop", "direct": "direct"}
+    with pytest.raises(ValueError, match="num_direct_bytes"):
+        cupyep.Buffer(_Group(num_nodes=2), num_direct_bytes=1 << 20)
 
 
 def test_the_engines_are_made_from_the_declared_sizes(monkeypatch):
@@ -126,14 +144,14 @@ def test_the_engines_are_made_from_the_declared_sizes(monkeypatch):
     made = []
     monkeypatch.setattr(INTER, "TwoHopDispatch", lambda *a, **kw: made.append((a[1:], kw)) or _Engine(kw["route"]))
     g = _Group()
-    buf = TwoHopBuffer(g, max_tokens=64, hidden=512, num_topk=4, num_in_flight=3)
+    buf = cupyep.Buffer(g, max_tokens=64, hidden=512, num_topk=4, num_in_flight=3)
     x, idx, w = _call(T=2, H=256, k=2)
     buf.dispatch(x, idx, w, num_experts=8)
     buf.dispatch(x, idx, w, num_experts=8)
     assert made == [((64, 512, 4), {"route": "two_hop", "num_in_flight": 3})] and g.exchanges == 1
     buf.dispatch(x, idx, w, num_experts=8, transport="direct")
     assert made[1] == ((64, 512, 4), {"route": "direct", "num_in_flight": 3}) and g.exchanges == 2
-    TwoHopBuffer(_Group())._make_engine("two_hop")
+    cupyep.Buffer(_Group())._shared.new_engine("two_hop")
     assert made[2] == ((DEFAULT_MAX_TOKENS, DEFAULT_HIDDEN, DEFAULT_NUM_TOPK),
                        {"route": "two_hop", "num_in_flight": DEFAULT_IN_FLIGHT})  # the defaults
 
@@ -144,12 +162,13 @@ def test_a_validated_dispatch_has_the_ranks_agree_on_what_they_share(monkeypatch
     validate=False skips that exchange."""
     monkeypatch.setattr(INTER, "TwoHopDispatch", lambda *a, **kw: _Engine(kw["route"]))
     g = _Group()
-    buf = TwoHopBuffer(g, max_tokens=64, hidden=512, num_topk=4)
+    buf = cupyep.Buffer(g, max_tokens=64, hidden=512, num_topk=4)
     x, idx, w = _call(T=2, H=256, k=2)
     buf.dispatch(x, idx, w, num_experts=8, transport="direct")
     assert g.agreements == [("Buffer.dispatch", {"hidden": 256, "fp8": False, "num_topk": 2, "topk_weights": True,
                                                  "num_experts": 8, "expert_major": False, "expert_alignment": 1,
-                                                 "direct": True, "cached": False})]
+                                                 "direct": True, "cached": False, "num_channels": 0,
+                                                 "queue_depth": 0, "chunk_size": 0})]
     buf.dispatch(x, idx, w, num_experts=8, validate=False)
     assert len(g.agreements) == 1
 
@@ -162,25 +181,25 @@ def test_calls_smaller_than_declared_pass_and_larger_ones_raise_before_launch():
     buf = _buffer(max_tokens=1024, hidden=7168, num_topk=8)
     buf.dispatch(*_call(T=4, H=256, k=2), num_experts=8)
     buf.dispatch(*_call(T=1024, H=7168, k=2), num_experts=8)
-    assert len(buf._engines["two_hop"].calls) == 2
+    assert len(_engines(buf)["two_hop"].calls) == 2
     for (T, H, k), name in (((1025, 256, 2), "max_tokens=1024"), ((4, 7296, 2), "hidden=7168"),
                             ((4, 256, 9), "num_topk=8")):
         with pytest.raises(ValueError, match=f"Buffer.dispatch: .*{name}; make the buffer with"):
             buf.dispatch(*_call(T, H, k), num_experts=8)
         with pytest.raises(ValueError, match=name):
             buf.dispatch(*_call(T, H, k), num_experts=8, transport="direct")
-    assert len(buf._engines["two_hop"].calls) == 2 and "direct" not in buf._engines
+    assert len(_engines(buf)["two_hop"].calls) == 2 and "direct" not in _engines(buf)
     small = _buffer(max_tokens=8, hidden=128, num_topk=2)
     with pytest.raises(ValueError, match="max_tokens=8"):
         small.dispatch(*_call(T=9, H=128, k=2), num_experts=8)
-    assert small._engines == {}
+    assert _engines(small) == {}
 
 
 @pytest.mark.parametrize("kw", [{"max_tokens": 0}, {"hidden": 100}, {"num_topk": -1}, {"num_in_flight": 0},
                                 {"num_in_flight": 1.5}])
 def test_bad_declared_sizes_raise_when_the_buffer_is_made(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
-        TwoHopBuffer(_Group(), **kw)
+        cupyep.Buffer(_Group(), **kw)
 
 
 def test_ranks_that_declared_different_sizes_raise_at_the_first_call():
@@ -188,16 +207,16 @@ def test_ranks_that_declared_different_sizes_raise_at_the_first_call():
     buf = _buffer(g, max_tokens=64, hidden=256, num_topk=4, num_in_flight=2)
     with pytest.raises(ValueError, match="different sizes"):
         buf.dispatch(*_call(), num_experts=8)
-    assert buf._engines == {}
+    assert _engines(buf) == {}
 
 
-@pytest.mark.parametrize("transport,route", [(None, "two_hop"), ("queue", "two_hop"), ("two_hop", "two_hop"),
-                                             ("direct", "direct")])
+@pytest.mark.parametrize("transport,route", [(None, "two_hop"), ("queue", "two_hop"), ("direct", "direct")])
 def test_the_transport_picks_the_route(transport, route):
-    assert route_of(transport) == route
     buf = _buffer()
     out = buf.dispatch(*_call(), num_experts=8, transport=transport)
-    assert buf.routes == [route] and out.handle.route == route
+    assert buf.made == [route] and out.handle.route == route
+    with pytest.raises(ValueError, match="transport must be one of"):
+        buf.dispatch(*_call(), num_experts=8, transport="two_hop")
 
 
 def test_both_routes_run_in_one_buffer_and_handles_keep_theirs():
@@ -208,25 +227,25 @@ def test_both_routes_run_in_one_buffer_and_handles_keep_theirs():
     buf = _buffer()
     two_hop = buf.dispatch(*_call(), num_experts=8)
     direct = buf.dispatch(*_call(), num_experts=8, transport="direct")
-    assert buf.routes == ["two_hop", "direct"]
-    eng = buf._engines
+    assert buf.made == ["two_hop", "direct"]
+    eng = _engines(buf)
     buf.dispatch(np.zeros((4, 256), np.uint16), handle=direct.handle)
     assert eng["direct"].calls[-1][0] == "dispatch" and len(eng["two_hop"].calls) == 1
     buf.combine(np.zeros((4, 256), np.uint16), two_hop.handle)
     assert eng["two_hop"].calls[-1][:2] == ("combine", two_hop.handle)
     buf.dispatch(np.zeros((4, 256), np.uint16), handle=direct.handle, transport="direct")
-    with pytest.raises(ValueError, match="cached dispatch runs on its handle's route"):
-        buf.dispatch(np.zeros((4, 256), np.uint16), handle=direct.handle, transport="two_hop")
+    with pytest.raises(ValueError, match="made by the direct transport, not 'queue'"):
+        buf.dispatch(np.zeros((4, 256), np.uint16), handle=direct.handle, transport="queue")
     with pytest.raises(ValueError, match="transport"):
         buf.dispatch(*_call(), num_experts=8, transport="ring")
     other = _buffer().dispatch(*_call(), num_experts=8)
-    with pytest.raises(ValueError, match="not made by this buffer"):
+    with pytest.raises(ValueError, match="live handle of this Buffer"):
         buf.dispatch(np.zeros((4, 256), np.uint16), handle=other.handle)
-    with pytest.raises(ValueError, match="not made by this buffer"):
+    with pytest.raises(ValueError, match="live handle of this Buffer"):
         buf.combine(np.zeros((4, 256), np.uint16), other.handle)
     calls = {r: len(e.calls) for r, e in eng.items()}
     buf.destroy()
-    assert [e.calls[-1] for e in eng.values()] == [("destroy",)] * 2 and buf._engines == {}
+    assert [e.calls[-1] for e in eng.values()] == [("destroy",)] * 2 and _engines(buf) == {}
     assert calls == {"two_hop": 2, "direct": 3}
 
 
@@ -236,7 +255,7 @@ def test_any_live_handle_is_combined_any_number_of_times_in_any_order():
     second = buf.dispatch(*_call(), num_experts=8)
     for h in (second.handle, first.handle, first.handle):
         comb = buf.combine(np.zeros((4, 256), np.uint16), h)
-        assert comb.combined_x == "combined" and buf._engines["two_hop"].calls[-1][1] is h
+        assert comb.combined_x == "combined" and _engines(buf)["two_hop"].calls[-1][1] is h
 
 
 def test_results_carry_their_slots_lease_and_fresh_results_none():
@@ -262,9 +281,9 @@ def test_a_dispatch_without_topk_weights_and_a_cached_one_with_only_x():
     buf = _buffer()
     x, idx, _ = _call()
     out = buf.dispatch(x, idx, num_experts=8)
-    assert out.recv_topk_weights is None and buf._engines["two_hop"].calls[-1][3] is None
+    assert out.recv_topk_weights is None and _engines(buf)["two_hop"].calls[-1][3] is None
     again = buf.dispatch(x, handle=out.handle)
-    assert again.recv_topk_weights is None and buf._engines["two_hop"].calls[-1][1] is out.handle
+    assert again.recv_topk_weights is None and _engines(buf)["two_hop"].calls[-1][1] is out.handle
     assert again.num_recv_tokens_per_expert == out.num_recv_tokens_per_expert == [4, 2]
 
 
@@ -272,17 +291,19 @@ def test_worst_token_and_cached_calls_pass_through():
     buf = _buffer()
     x, idx, w = _call()
     out = buf.dispatch(x, idx, w, num_experts=8, num_worst_tokens=16)
-    assert out.num_recv_tokens_per_expert is None and buf._engines["two_hop"].calls[-1][:3] == ("dispatch", None, 16)
+    assert out.num_recv_tokens_per_expert is None and _engines(buf)["two_hop"].calls[-1][:3] == ("dispatch", None, 16)
     again = buf.dispatch(x, topk_weights=w, handle=out.handle)
-    assert buf._engines["two_hop"].calls[-1][1] is out.handle and again.num_recv_tokens_per_expert is None
+    assert _engines(buf)["two_hop"].calls[-1][1] is out.handle and again.num_recv_tokens_per_expert is None
     y = np.zeros((4, 256), np.uint16)
-    comb = buf.combine(y, again.handle, row_weights="rw")
+    rw = np.ones(4, np.float32)
+    comb = buf.combine(y, again.handle, row_weights=rw)
     assert isinstance(comb, CombineResult) and comb.combined_x == "combined" and comb.combined_topk_weights is None
-    assert buf._engines["two_hop"].calls[-1] == ("combine", again.handle, y, "rw")
-    comb = buf.combine(y, again.handle, topk_weights="w")
+    call = _engines(buf)["two_hop"].calls[-1]
+    assert call[:2] == ("combine", again.handle) and call[2] is y and call[3] is rw
+    comb = buf.combine(y, again.handle, topk_weights=np.ones((4, 2), np.float32))
     assert (comb.combined_x, comb.combined_topk_weights) == ("combined", "combined weights")
     buf.destroy()
-    assert buf._engines == {}
+    assert _engines(buf) == {}
 
 
 @pytest.mark.parametrize("kw", [{"config": object()}, {"transport": "ring"}, {"notify_time_ns": object()},
@@ -292,11 +313,11 @@ def test_what_the_two_hop_dispatch_does_not_carry_is_refused(kw):
     buf = _buffer()
     with pytest.raises(ValueError):
         buf.dispatch(*_call(), **{"num_experts": 8, **kw})
-    assert buf._engines == {}  # nothing was made or launched
+    assert _engines(buf) == {}  # nothing was made or launched
 
 
 @pytest.mark.parametrize("kw,match", [({"config": object()}, "across nodes"),
-                                      ({"zero_copy": True}, "across nodes"),
+                                      ({"zero_copy": True}, "zero_copy needs a handle of the direct transport within a node"),
                                       ({"pair_weights": np.ones(4)}, "expert-major"),
                                       ({"expert_major": True}, "expert_major=True")])
 def test_what_the_two_hop_combine_does_not_carry_is_refused(kw, match):
@@ -305,7 +326,7 @@ def test_what_the_two_hop_combine_does_not_carry_is_refused(kw, match):
     out = buf.dispatch(*_call(), num_experts=8)
     with pytest.raises(ValueError, match=match):
         buf.combine(np.zeros((4, 256), np.uint16), out.handle, **kw)
-    assert buf._engines["two_hop"].calls[-1][0] == "dispatch"  # no combine ran
+    assert _engines(buf)["two_hop"].calls[-1][0] == "dispatch"  # no combine ran
 
 
 def test_the_handle_carries_the_per_expert_counts_for_the_moe_layer():
@@ -356,4 +377,4 @@ def test_the_layout_and_the_combine_check_their_input_before_launch():
     out = buf.dispatch(*_call(T=2, H=256, k=2), num_experts=8)
     with pytest.raises(ValueError, match="Buffer.combine: 7296 channels per row.*hidden=7168"):
         buf.combine(np.zeros((4, 7296), np.uint16), out.handle)
-    assert buf._engines["two_hop"].calls[-1][0] == "dispatch"
+    assert _engines(buf)["two_hop"].calls[-1][0] == "dispatch"

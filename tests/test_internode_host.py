@@ -1,4 +1,4 @@
-"""Host side of the two-hop dispatch (cupyep.internode): the notify's state
+"""Host side of the two-hop dispatch (cupyep.normal.internode_kernels): the notify's state
 layout, the network row layout, the hop metric's arithmetic, the receive
 pool's slots and heap reservation, a handle's metadata block and the
 barrier between two combines. The plan the
@@ -7,12 +7,12 @@ cupyep.reference.internode.two_hop_plan by tests/gpu/test_two_hop_gpu.py."""
 import numpy as np
 import pytest
 
-from cupyep import internode as INTER
+from cupyep.normal import internode_kernels as INTER
 
 
 @pytest.mark.parametrize("R,K", [(4, 2), (8, 4), (8, 2), (6, 3)])
 def test_state_slices_cover_the_state_in_the_kernels_order(R, K):
-    """cupyep.internode.state_slices lays out, back to back and in
+    """cupyep.normal.internode_kernels.state_slices lays out, back to back and in
     two_hop.cu's order, the two_hop_state_words(R, N) words of the notify's
     state: calls done, the latest notify's verdict, then the cumulative
     targets."""
@@ -29,7 +29,7 @@ def test_state_slices_cover_the_state_in_the_kernels_order(R, K):
 
 def test_the_kernels_state_size_is_the_hosts():
     from cupyep import jit
-    src = (jit.CUDA_SRC / "internode" / "two_hop.cu").read_text()
+    src = (jit.CUDA_SRC / "normal" / "internode.cu").read_text()
     assert "two_hop_state_words(int R, int K) { return 2 + R / K + R + 1 + K + R / K + R; }" in src
     assert "constexpr int kNotifyOk = 1;" in src
 
@@ -56,28 +56,28 @@ def test_hop_times_are_differences_of_the_stamps_and_none_where_unwritten():
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, True, "4", None])
 def test_a_chunk_knob_is_an_int_of_at_least_one(value):
-    from cupyep.internode import check_chunk
+    from cupyep.normal.internode_kernels import check_chunk
     with pytest.raises(ValueError, match="rdma_chunk must be an int >= 1"):
         check_chunk("rdma_chunk", value)
 
 
 def test_chunk_knobs_pass_through():
     import numpy as np
-    from cupyep.internode import check_chunk
+    from cupyep.normal.internode_kernels import check_chunk
     assert check_chunk("nvlink_chunk", 1) == 1 and check_chunk("nvlink_chunk", np.int64(64)) == 64
 
 
 def test_the_notify_shared_memory_fits_a_block():
     """two_hop_notify's dynamic shared memory: int64 counts and slot bases, then
     int32 positions per warp and column; under the 48 KiB default up to 256 ranks."""
-    from cupyep.internode import NOTIFY_THREADS, notify_smem
+    from cupyep.normal.internode_kernels import NOTIFY_THREADS, notify_smem
     assert notify_smem(8, 2) == 8 * (8 + 4) + 4 * (NOTIFY_THREADS // 32) * 10
     assert notify_smem(256, 32) < 48 * 1024
 
 
 @pytest.mark.parametrize("H,k", [(7168, 8), (128, 1), (4096, 9)])
 def test_the_direct_routes_staged_row_holds_every_part(H, k):
-    """cupyep.internode.direct_row_bytes: the larger of the BF16 and FP8 rows of
+    """cupyep.normal.internode_kernels.direct_row_bytes: the larger of the BF16 and FP8 rows of
     DirectRow (two_hop.cu): payload, scales, k ids, k weights, source, slot,
     each at a 16-byte boundary."""
     a16 = lambda n: -(-n // 16) * 16  # noqa: E731
@@ -85,13 +85,13 @@ def test_the_direct_routes_staged_row_holds_every_part(H, k):
     assert INTER.direct_row_bytes(H, k) == max(2 * H, a16(H + 4 * (H // 128))) + rest
     assert INTER.direct_row_bytes(H, k) % 16 == 0
     from cupyep import jit
-    src = (jit.CUDA_SRC / "internode" / "two_hop.cu").read_text()
+    src = (jit.CUDA_SRC / "normal" / "internode.cu").read_text()
     assert "r.ids = align16(payload + 4 * (int64_t)num_scales);" in src and "r.bytes = r.slot + 16;" in src
     assert INTER.ROUTES == ("two_hop", "direct")
 
 
 def test_a_world_too_large_for_one_notify_block_is_refused_by_its_shared_memory():
-    from cupyep.internode import DEFAULT_DYNAMIC_SMEM, check_notify_smem, notify_smem
+    from cupyep.normal.internode_kernels import DEFAULT_DYNAMIC_SMEM, check_notify_smem, notify_smem
     optin = 227 * 1024  # an H100 / H200 block's opt-in maximum
     assert check_notify_smem(8, 2, optin) == notify_smem(8, 2) <= DEFAULT_DYNAMIC_SMEM
     assert DEFAULT_DYNAMIC_SMEM < check_notify_smem(512, 64, optin) <= optin  # needs the opt-in attribute
@@ -101,7 +101,7 @@ def test_a_world_too_large_for_one_notify_block_is_refused_by_its_shared_memory(
 
 @pytest.mark.parametrize("rows,H,k", [(8 * 256, 7168, 8), (3, 128, 1), (100, 2048, 9)])
 def test_the_receive_pool_slot_holds_every_array_at_its_boundary(rows, H, k):
-    """cupyep.internode.receive_layout: recv_x (BF16 bytes, the larger), the ids,
+    """cupyep.normal.internode_kernels.receive_layout: recv_x (BF16 bytes, the larger), the ids,
     weights, sources, network slots and FP8 scales of ``rows`` rows, back to back
     at 256-byte boundaries; the slot's bytes end after the last."""
     lay, slot_bytes = INTER.receive_layout(rows, H, k)
@@ -132,7 +132,7 @@ def test_every_rank_takes_the_same_slot_and_the_slots_do_not_overlap():
 
 @pytest.mark.parametrize("route", ["two_hop", "direct"])
 def test_the_heap_reservation_counts_the_pool_slots_where_the_pool_is_on_the_heap(route):
-    """cupyep.internode.heap_table: on the direct route the receive pool (its
+    """cupyep.normal.internode_kernels.heap_table: on the direct route the receive pool (its
     num_in_flight slots) is on the NVSHMEM heap and reserved with the rest; on
     the two-hop route it is IPC memory, not on the heap."""
     R, K, T, H, k, slots = 8, 4, 64, 512, 4, 3
@@ -146,7 +146,7 @@ def test_the_heap_reservation_counts_the_pool_slots_where_the_pool_is_on_the_hea
 @pytest.mark.parametrize("H,k,K,fp8", [(256, 2, 2, False), (128, 3, 4, True), (512, 1, 1, False)])
 def test_a_handles_metadata_block_is_what_the_combine_reads(H, k, K, fp8):
     """The handle's copy of its network rows' metadata: the block
-    cupyep.internode.meta_block names in the network buffer (rows of
+    cupyep.normal.internode_kernels.meta_block names in the network buffer (rows of
     row_stride bytes, the words after the payload), copied C-contiguous, is
     [rows, 1 + 2k + K] int64 of each row's source token, k ids, k weights and
     K positions, which the combine reads with row_stride 8 * (1 + 2k + K) and
@@ -162,7 +162,7 @@ def test_a_handles_metadata_block_is_what_the_combine_reads(H, k, K, fp8):
     got = np.ndarray(shape, np.int64, buffer=net, offset=offset, strides=strides).copy()
     assert got.flags.c_contiguous and np.array_equal(got, want) and got.strides[0] == 8 * W
     from cupyep import jit
-    src = (jit.CUDA_SRC / "internode" / "two_hop.cu").read_text()
+    src = (jit.CUDA_SRC / "normal" / "internode.cu").read_text()
     assert "a.net_rows + q * a.row_stride + a.meta_offset" in src  # the combine's row q of the block
     assert "const int64_t* pos = meta + 1 + 2 * a.num_topk;" in src  # its positions, after t, ids, weights
 

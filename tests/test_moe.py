@@ -318,7 +318,7 @@ class _HostBuffer:
 
     def dispatch(self, *args, **kwargs):
         import inspect
-        from cupyep.intranode.buffer import Buffer
+        from cupyep.normal.buffer import Buffer
         from cupyep.results import DispatchResult
         bound = inspect.signature(Buffer.dispatch).bind(self, *args, **kwargs)
         bound.apply_defaults()
@@ -350,7 +350,7 @@ class _HostBuffer:
 
     def combine(self, *args, **kwargs):
         import inspect
-        from cupyep.intranode.buffer import Buffer
+        from cupyep.normal.buffer import Buffer
         from cupyep.results import CombineResult
         bound = inspect.signature(Buffer.combine).bind(self, *args, **kwargs)
         bound.apply_defaults()

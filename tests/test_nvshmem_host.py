@@ -15,10 +15,10 @@ from cupyep import nvshmem as NV
 
 
 def test_mangled_prefix_of_name_expressions():
-    assert jit.mangled_prefix("cupyep::internode::put_signal<256>") == "_ZN6cupyep9internode10put_signalILi256EEE"
-    assert jit.mangled_prefix("cupyep::intranode::direct_dispatch<8, 512>") == \
-        "_ZN6cupyep9intranode15direct_dispatchILi8ELi512EEE"
-    assert jit.mangled_prefix("cupyep::intranode::notify_kernel") == "_ZN6cupyep9intranode13notify_kernelE"
+    assert jit.mangled_prefix("cupyep::shmem::put_signal<256>") == "_ZN6cupyep5shmem10put_signalILi256EEE"
+    assert jit.mangled_prefix("cupyep::normal::direct_dispatch<8, 512>") == \
+        "_ZN6cupyep6normal15direct_dispatchILi8ELi512EEE"
+    assert jit.mangled_prefix("cupyep::normal::notify_kernel") == "_ZN6cupyep6normal13notify_kernelE"
     assert jit.mangled_prefix("cupyep::k<true, -3>") == "_ZN6cupyep1kILb1ELin3EEE"
     with pytest.raises(ValueError, match="template argument"):
         jit.mangled_prefix("cupyep::k<float>")
@@ -70,8 +70,8 @@ def test_device_build_links_and_is_cached(tmp_path, monkeypatch):
     spec = NV.put_signal_spec()
     cubin, symbols = NV.build(spec)
     assert cubin.exists() and cubin.stat().st_size > 100_000  # NVSHMEM's device library is linked in
-    assert symbols == {"cupyep::internode::put_signal<256>": symbols["cupyep::internode::put_signal<256>"]}
-    assert symbols["cupyep::internode::put_signal<256>"].startswith("_ZN6cupyep9internode10put_signalILi256EE")
+    assert symbols == {"cupyep::shmem::put_signal<256>": symbols["cupyep::shmem::put_signal<256>"]}
+    assert symbols["cupyep::shmem::put_signal<256>"].startswith("_ZN6cupyep5shmem10put_signalILi256EE")
     mtime = cubin.stat().st_mtime_ns
     again, _ = NV.build(spec)
     assert again == cubin and again.stat().st_mtime_ns == mtime  # from the cache, not rebuilt

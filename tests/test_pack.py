@@ -8,8 +8,8 @@ import pytest
 
 from cupyep import jit
 
-MODULES = ["cupyep.errors", "cupyep.dispatch_layout", "cupyep.expert_major", "cupyep.intranode.kernels",
-           "cupyep.intranode.direct", "cupyep.internode", "cupyep.low_latency.kernels", "cupyep.barrier"]
+MODULES = ["cupyep.errors", "cupyep.normal.layout", "cupyep.normal.expert_major", "cupyep.normal.node_kernels", "cupyep.normal.queue_kernels",
+           "cupyep.normal.direct_kernels", "cupyep.normal.internode_kernels", "cupyep.low_latency.kernels", "cupyep.barrier"]
 
 
 def struct_dtypes():

@@ -12,7 +12,7 @@ Knobs (defaults: the benchmark's shape):
 - ``num_sms``: blocks per rank of the dispatch and combine (0: the rank's
   share of the SMs);
 - ``route``: "two_hop" (node dedup, forwarding in the node) or "direct"
-  (every row put straight into its final row; cupyep.internode.ROUTES);
+  (every row put straight into its final row; cupyep.normal.internode_kernels.ROUTES);
 - ``rdma_chunk``: a rank's rows for one node that a warp stages and sends
   with one put; ``nvlink_chunk``: consecutive network rows a warp of the
   rail peer forwards (the dispatch's knobs, TwoHopDispatch);
@@ -42,7 +42,7 @@ _state: dict = {}
 
 def _two_hop(group, cfg: dict):
     """The TwoHopDispatch of this configuration's shape, made (collectively) when it changes."""
-    from ..internode import TwoHopDispatch
+    from ..normal.internode_kernels import TwoHopDispatch
     shape = (cfg["tokens"], cfg["hidden"], cfg["topk"], cfg["experts"], cfg["num_sms"], cfg["route"])
     if _state.get("shape") != shape:
         old = _state.pop("hop", None)
@@ -62,7 +62,7 @@ def run(group, cfg: dict) -> dict:
         raise Skip(f"kind must be one of {KINDS}, got {cfg['kind']!r}")
     if group.num_nodes < 2:
         raise Skip("the two-hop mode needs ranks on two or more nodes: sweep with --ranks-per-node K (K < ranks)")
-    from ..internode import check_chunk, check_route
+    from ..normal.internode_kernels import check_chunk, check_route
     try:  # the knobs, checked before anything is made
         check_route(cfg["route"])
         check_chunk("rdma_chunk", cfg["rdma_chunk"])

@@ -62,7 +62,7 @@ def _resources(group, nbytes: int, tokens: int, hidden: int, topk: int):
 
 def _configs(buf, cfg: dict):
     """(dispatch config, combine config) of the configuration's knobs."""
-    from ..intranode.direct import DirectConfig
+    from ..normal.direct_kernels import DirectConfig
     if cfg["transport"] == "direct":
         if any(cfg[k] not in (0, -1) for k in QUEUE_ONLY):
             raise Skip(f"{', '.join(QUEUE_ONLY)} are knobs of the queue transport")
@@ -90,7 +90,7 @@ def run(group, cfg: dict) -> dict:
     from .. import routing
     from ..bench.normal import DIRECT_KINDS, KINDS, measure
     from ..fp8 import per_token_cast_to_fp8
-    from ..intranode import Config
+    from ..normal import Config
     from ..testing import payload_bf16
     if cfg["transport"] not in ("queue", "direct"):
         raise Skip(f"transport must be 'queue' or 'direct', got {cfg['transport']!r}")

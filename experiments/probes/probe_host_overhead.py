@@ -33,7 +33,7 @@ import numpy as np
 
 import cupyep
 from cupyep.bench import require_gpu
-from cupyep.intranode.direct import DirectConfig
+from cupyep.normal.direct_kernels import DirectConfig
 from cupyep.testing import global_routing, payload_bf16
 
 
@@ -45,10 +45,10 @@ class WaitClock:
     def __init__(self, group):
         self.seconds = 0.0
         self._wrap(group, "wait")
-        from cupyep.intranode.direct_transport import DirectTransport
-        self._wrap(DirectTransport, "_wait_host_status")
+        from cupyep.normal.direct import DirectRoute
+        self._wrap(DirectRoute, "_wait_host_status")
         if group.num_nodes > 1:
-            from cupyep.internode import TwoHopDispatch
+            from cupyep.normal.internode_kernels import TwoHopDispatch
             self._wrap(TwoHopDispatch, "_launch")  # launch, then (counted calls) wait for the kernel
 
     def _wrap(self, owner, name):

@@ -3,7 +3,7 @@
     python experiments/probes/probe_partials_precision.py --out results/direct/partials_precision.json
 
 An expert rank reduces, in FP32, the weighted outputs of a token's experts
-that it owns (expert-major combine: ``cupyep.expert_major.reduce``)
+that it owns (expert-major combine: ``cupyep.normal.expert_major.reduce``)
 and sends one partial per (token, rank) to the token's owner, which sums the
 partials in FP32 in rank order and rounds to BF16. The partial can travel as
 BF16 (what cupyep sends: half the bytes) or FP32. This replays both in NumPy

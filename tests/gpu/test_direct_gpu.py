@@ -93,7 +93,7 @@ def test_direct_fused_matches_two_launches(group, buf, seed, num_tokens, hidden,
     bitwise the unfused dispatch (and the same handle and counts), and its
     handle combines the same."""
     import cupy
-    from cupyep.intranode.direct import DirectConfig
+    from cupyep.normal.direct_kernels import DirectConfig
     tokens, idx, w, x = _inputs(group, seed, num_tokens, hidden, case, zero_rank)
     me = group.local_rank
     exp = _expected(group, tokens, idx, w, hidden, expert_alignment=2)[1]
@@ -122,7 +122,7 @@ def test_direct_fused_on_a_fresh_buffer_and_in_cuda_graph(group):
     replayed in a CUDA graph with new routings."""
     import cupy
     import cupyep
-    from cupyep.intranode.direct import DirectConfig
+    from cupyep.normal.direct_kernels import DirectConfig
     R, me = group.local_size, group.local_rank
     cfg = DirectConfig(fused=True)
     b = cupyep.Buffer(group, max_tokens=2048)
@@ -136,8 +136,8 @@ def test_direct_fused_on_a_fresh_buffer_and_in_cuda_graph(group):
             ok = (np.array_equal(out.recv_x.get(), exp_rows) and np.array_equal(out.recv_topk_idx.get(), exp.recv_topk_idx)
                   and np.array_equal(out.handle.recv_src_idx.get(), exp.recv_src_idx))
             assert all_ranks(group.comm, ok), seed
-            sizes.append((b._direct.pools["dispatch"].nbytes, b._direct.pools["dispatch"].ptr))
-        assert len(set(sizes)) == 1 and sizes[0][0] == 2 * b._direct.slot_bytes, sizes
+            sizes.append((b.routes["direct"].pools.pools["dispatch"].nbytes, b.routes["direct"].pools.pools["dispatch"].ptr))
+        assert len(set(sizes)) == 1 and sizes[0][0] == 2 * b.routes["direct"].pools.slot_bytes, sizes
         num_tokens, hidden = 128, 2048
         worst = num_tokens * R
         stream = cupy.cuda.Stream(non_blocking=True)
@@ -320,8 +320,8 @@ def test_direct_pool_is_sized_when_made_and_a_call_past_it_names_the_argument(gr
         tokens, idx, w, x = _inputs(group, 31, 64, 2048)
         xs, ids = cupy.asarray(x), cupy.asarray(idx[me])
         out = b.dispatch(xs, ids, num_experts=NUM_EXPERTS, transport="direct")
-        pool = b._direct.pools["dispatch"]
-        assert pool.nbytes == 3 * b._direct.slot_bytes
+        pool = b.routes["direct"].pools.pools["dispatch"]
+        assert pool.nbytes == 3 * b.routes["direct"].pools.slot_bytes
         with pytest.raises(ValueError, match="max_tokens=64"):
             b.dispatch(cupy.concatenate([xs, xs]), cupy.concatenate([ids, ids]), num_experts=NUM_EXPERTS,
                        transport="direct")
@@ -332,7 +332,7 @@ def test_direct_pool_is_sized_when_made_and_a_call_past_it_names_the_argument(gr
         again = b.dispatch(xs, ids, num_experts=NUM_EXPERTS, transport="direct")
         exp_rows = _expected(group, tokens, idx, w, 2048)[2]
         assert all_ranks(group.comm, np.array_equal(again.recv_x.get(), exp_rows) and
-                         np.array_equal(out.recv_x.get(), exp_rows) and b._direct.pools["dispatch"] is pool)
+                         np.array_equal(out.recv_x.get(), exp_rows) and b.routes["direct"].pools.pools["dispatch"] is pool)
         group.comm.Barrier()
     finally:
         b.destroy()
@@ -367,7 +367,7 @@ def test_direct_pool_that_does_not_fit_names_the_bytes(group):
 
 def test_direct_bad_input_raises_before_launch(group, buf):
     import cupy
-    from cupyep.intranode.direct import DirectConfig
+    from cupyep.normal.direct_kernels import DirectConfig
     x = cupy.zeros((4, 2048), dtype=np.uint16)
     idx = cupy.asarray(np.tile(np.arange(NUM_TOPK, dtype=np.int64), (4, 1)))
     with pytest.raises(ValueError, match="transport must be one of"):
@@ -419,7 +419,7 @@ def test_direct_fault_missing_rank_times_out_naming_it(group):
             elapsed = time.monotonic() - t0
             group.error_slot.reset()
             err = info.value
-            assert err.kernel == "intranode_direct_dispatch" and err.peer == missing, str(err)
+            assert err.kernel == "direct_dispatch" and err.peer == missing, str(err)
             assert elapsed < group.timeout_s + 5, elapsed
         group.comm.Barrier()
     finally:

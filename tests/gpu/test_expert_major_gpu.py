@@ -40,7 +40,7 @@ TRANSPORTS = ["queue", "direct", "direct_unfused"]
 @pytest.fixture(params=TRANSPORTS)
 def via(request):
     """Keyword arguments of dispatch for one transport."""
-    from cupyep.intranode.direct import DirectConfig
+    from cupyep.normal.direct_kernels import DirectConfig
     return {"queue": {"transport": "queue"}, "direct": {"transport": "direct"},
             "direct_unfused": {"transport": "direct", "config": DirectConfig(fused=False)}}[request.param]
 

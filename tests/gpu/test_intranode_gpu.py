@@ -337,7 +337,7 @@ def test_fault_missing_rank_times_out_naming_it(group):
             elapsed = time.monotonic() - t0
             group.error_slot.reset()
             err = info.value
-            assert err.kernel == "intranode_notify" and err.peer == missing and err.rank == group.rank, str(err)
+            assert err.kernel == "notify" and err.peer == missing and err.rank == group.rank, str(err)
             assert elapsed < group.timeout_s + 5, elapsed
         group.comm.Barrier()
     finally:
@@ -358,7 +358,7 @@ def test_fault_worst_token_overflow_is_an_error(group):
         with pytest.raises(DeviceCapacityError) as info:
             b.synchronize()
         group.error_slot.reset()
-        assert info.value.kernel == "intranode_notify" and info.value.expected == 3, str(info.value)
+        assert info.value.kernel == "notify" and info.value.expected == 3, str(info.value)
         assert "num_worst_tokens" in info.value.phase, str(info.value)
         group.comm.Barrier()
     finally:
@@ -379,7 +379,7 @@ def test_fault_device_finds_bad_expert_id(group):
         with pytest.raises(DeviceInputError) as info:
             b.dispatch(x, cupy.asarray(idx), num_experts=NUM_EXPERTS, validate=False)
         group.error_slot.reset()
-        assert info.value.kernel == "intranode_layout" and "expert id" in info.value.phase, str(info.value)
+        assert info.value.kernel == "layout" and "expert id" in info.value.phase, str(info.value)
         assert info.value.value == NUM_EXPERTS + 7 and info.value.expected == NUM_EXPERTS, str(info.value)
         group.comm.Barrier()
     finally:

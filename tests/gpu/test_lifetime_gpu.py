@@ -56,7 +56,7 @@ def _inputs(group):
 def _normal(group, x, idx, w):
     import cupy
     import cupyep
-    from cupyep.intranode.config import get_combine_config, get_dispatch_config
+    from cupyep.normal.config import get_combine_config, get_dispatch_config
     R = group.local_size
     budget = cupy.cuda.Device().attributes["MultiProcessorCount"] // max(1, group.ranks_per_gpu)
     nbytes = cupyep.Buffer.size_hint(R, HIDDEN, TOPK, get_dispatch_config(R, budget), get_combine_config(R, budget))

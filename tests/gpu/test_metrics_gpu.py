@@ -25,7 +25,7 @@ def test_notify_time_ns_counts_each_notified_call(group, buf, via):
     """A notified dispatch adds its notify time and one call; a cached one
     adds nothing; worst-token calls count too; the figures are plausible."""
     import cupy
-    from cupyep.intranode.direct import DirectConfig
+    from cupyep.normal.direct_kernels import DirectConfig
     kw = {"queue": {"transport": "queue"}, "direct": {"transport": "direct"},
           "direct_unfused": {"transport": "direct", "config": DirectConfig(fused=False)}}[via]
     me, R = group.local_rank, group.local_size
@@ -92,7 +92,7 @@ def test_queue_occupancy_bounds_follow_the_received_rows(group, buf, fp8):
                                                                     queue_occupancy=queue_occupancy), depth, calls=3)
     ok = ok and 0 < m["queue_occupancy_mean"] <= m["queue_occupancy_max"] <= 1
     assert all_ranks(group.comm, ok), (one, two, n, depth, m)
-    with pytest.raises(ValueError, match="queue transport"):
+    with pytest.raises(ValueError, match="queue_occupancy is a metric the direct route does not fill"):
         buf.dispatch(x, ids, num_experts=E, transport="direct", queue_occupancy=q)
     with pytest.raises(ValueError, match="queue_occupancy"):
         buf.dispatch(x, ids, num_experts=E, queue_occupancy=cupy.zeros(3, dtype=np.int64))

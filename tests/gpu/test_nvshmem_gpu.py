@@ -42,7 +42,7 @@ def _launch(group, fn, dst, sig, expected: int, timeout_s: float | None = None):
     peers = cupy.arange(R, dtype=np.int32)
     args = jit.pack(NV.put_signal_args_dtype(), dst=dst.data.ptr, src=src.data.ptr, sig=sig.data.ptr,
                     peers=peers.data.ptr, bytes=ROW_BYTES, expected=expected, num_peers=R, my_slot=me,
-                    guard=group.guard("internode_put_signal", timeout_s))
+                    guard=group.guard("shmem_put_signal", timeout_s))
     fn((R,), (256,), (args,))
     cupy.cuda.runtime.deviceSynchronize()
     return src

@@ -1,0 +1,319 @@
+"""The direct route within a node (``transport="direct"``): senders write
+each row straight into the receiver's output, so every received byte
+crosses HBM once (the queue route moves it twice: into a ring, then out of
+it). The outputs live in IPC-registered pools sized from the buffer's
+declared sizes (cupyep.normal.direct_kernels.DirectPools); a dispatch's
+receive arrays are views of the next of ``num_in_flight`` slots, valid
+until that slot goes to a later dispatch (then reading them raises
+StaleResultError); the handle owns its routing and stays valid. The
+combine pushes the rows back into the owners' partial rows, or, zero-copy,
+the owners read the expert outputs in place. Kernels:
+cuda_src/normal/direct.cu.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from .. import jit
+from ..arrays import BF16, copy
+from ..results import (RECEIVE_FIELDS, CombineResult, DispatchHandle, ExpandTables, aligned_expert_counts,
+                       dispatch_result)
+from . import direct_kernels as D
+from . import expert_major as EM
+from .config import Config
+from .node import NodeRoute
+from .route import CombineCall, DispatchCall
+
+
+class DirectRoute(NodeRoute):
+    """``transport="direct"`` on the ranks of one node (cupyep.normal.node.Node).
+
+    sizes: the buffer's declared sizes; num_in_flight: dispatch slots;
+    slot_bytes: bytes of one slot (None: DirectPools' default). The pools
+    are allocated, collectively, by the first call that uses each."""
+
+    transport = name = "direct"
+    metrics = frozenset({"notify_time_ns"})
+    zero_copy = True
+
+    def __init__(self, node, sizes, num_in_flight: int, slot_bytes: int | None = None):
+        self.node = node
+        self.sizes = sizes
+        self.num_in_flight = num_in_flight
+        self.slot_bytes = slot_bytes
+        self._pools: D.DirectPools | None = None
+
+    @property
+    def pools(self) -> D.DirectPools:
+        """The route's pools (made by the first call; collective)."""
+        if self._pools is None:
+            self._pools = D.DirectPools(self.node.group, self.sizes, self.num_in_flight, self.slot_bytes)
+        return self._pools
+
+    def dispatch_config(self, config, fp8: bool, handle) -> D.DirectConfig:
+        if config is not None and not isinstance(config, D.DirectConfig):
+            raise ValueError(f"the direct transport takes a DirectConfig, got {type(config).__name__}")
+        return (config or D.DirectConfig()).validate()
+
+    def combine_config(self, config, handle) -> D.DirectConfig:
+        if isinstance(config, Config):
+            raise ValueError(f"the direct transport takes a DirectConfig, got {type(config).__name__}")
+        return self.dispatch_config(config, False, handle)
+
+
+    def _kernel(self, spec, cfg: D.DirectConfig, what: str):
+        """The kernel, after checking that every rank's blocks fit the GPU at
+        once (the default, at most this rank's SM budget, always does)."""
+        fn = jit.kernel(spec)
+        self.node.check_resident(fn, cfg.num_sms or self.node.sm_budget, cfg.num_threads, what, step=1)
+        return fn
+
+    # ---------------------------------------------------------- dispatch
+    def dispatch(self, call: DispatchCall):
+        """The receive arrays are views of the next dispatch slot (its Lease
+        in the result and the handle); ``call.fresh``: copied out of it.
+        expert_major: the senders write each row straight into its experts'
+        blocks (once per local slot); no rank-major payload is written, so
+        the result's recv_x and recv_x_scales are None. When some
+        receiver's expert-major rows (padding included) do not fit the slot,
+        the same verdict on every rank, the rows are sent rank-major into
+        the slot instead and laid out expert-major locally into arrays of
+        the result's own (``result.pooled`` is then RECEIVE_FIELDS): a
+        slower call, never a refused one."""
+        import cupy
+        node, cfg, handle = self.node, call.config, call.handle
+        R = node.num_ranks
+        x, topk_idx = call.x, call.topk_idx
+        T, H, k, fp8 = call.num_tokens, call.hidden, call.num_topk, call.fp8
+        ns = H // 128 if fp8 else 0
+        E_local = call.num_experts // R
+        alignment = call.expert_alignment
+        fn = self._kernel(D.dispatch_spec(R, cfg.num_threads), cfg, "direct dispatch")
+        shape = (H * x.dtype.itemsize, ns, k, topk_idx is not None, call.topk_weights is not None)
+        if call.expert_major and handle is not None and handle.expand.alignment != alignment:
+            raise ValueError(f"a cached expert-major dispatch on the direct transport keeps the expert_alignment of "
+                             f"the handle's dispatch ({handle.expand.alignment}), got {alignment}")
+        pools = self.pools
+        slot = pools.slots.peek()
+        direct_em = call.expert_major  # the expert-major rows go straight into the slot
+        lay = pools.expand_layout(shape, slot) if direct_em else pools.recv_layout(shape, slot)
+        worst = handle.num_worst_tokens if handle is not None else call.num_worst_tokens
+        if direct_em and worst > 0:  # decided before launch, from the bound, the same on every rank
+            fits = EM.expert_rows_capacity(None, worst, k, E_local, alignment) <= lay.em_rows
+            # Senders write into every receiver's slot at one layout, and num_worst_tokens may differ between
+            # ranks: the slot is laid out expert-major only where every rank's bound fits (a host exchange).
+            if not node.group.exchange(np.array([fits], dtype=np.int8), "direct dispatch: its slot layout").all():
+                direct_em, lay = False, pools.recv_layout(shape, slot)
+        notified = handle is None
+        fused = cfg.fused and notified
+        if fused:
+            fused_fn = self._kernel(D.fused_spec(R, cfg.num_threads), cfg, "fused direct dispatch")
+        pool = pools.pool("dispatch")
+        capturing = cupy.cuda.get_current_stream().is_capturing() or node.comm_stream.is_capturing()
+        lease = pools.slots.take("Buffer.dispatch (direct)", pin=capturing)
+        # On the communication stream, which its kernels use: memory the caller's stream could reuse as
+        # soon as this call returns (async_finish) would be overwritten under them.
+        pos = cupy.empty((T, k), dtype=np.int32) if direct_em else None
+        call.keep.append(pos)
+        sent = False
+        if fused:  # layout, notify and the send in one launch
+            handle, sent = self._dispatch_fused(fused_fn, call, pool, lay, pos)
+        elif notified:
+            routing = node.routing(topk_idx, call.num_experts, T, call.hints)
+            handle = node.notify(T, H, call.num_experts, *routing, D.notify_channels(R), alignment,
+                                 call.num_worst_tokens, transport="direct", notify_time_ns=call.notify_time_ns)
+        N = handle.num_worst_tokens or handle.num_recv_tokens
+        rows_sent, m_view, m_need = self._rows(handle, direct_em, k, E_local, alignment)
+        if direct_em and not sent and m_need > lay.em_rows:  # the same verdict on every rank (global counts)
+            direct_em, lay, pos, m_view = False, pools.recv_layout(shape, slot), None, 0
+        recv_topk_idx = pool.view(lay.topk_idx, (N, k), np.int64) if topk_idx is not None else None
+        recv_topk_weights = pool.view(lay.topk_weights, (N, k), np.float32) if call.topk_weights is not None else None
+        recv_src_idx = pool.view(lay.src_idx, (N,), np.int32)
+        if not sent:  # the send (a fused kernel that sent has sent already)
+            blocks = cfg.num_sms or D.default_num_sms(node.sm_budget, rows_sent, cfg.num_threads)
+            args = D.send_args(pools, pool, lay, handle, x, call.x_scales, topk_idx, call.topk_weights,
+                               call.num_experts, capacity=N, rank=node.rank,
+                               guard=node.group.guard("direct_dispatch"), pos=pos)
+            if direct_em:
+                D.launch_positions(args, call.num_experts)
+            D.launch_send(fn, blocks, cfg.num_threads, args)
+        # The handle owns its routing: the source indices (and the expert-major map) are copied out
+        # of the slot, so combine and cached dispatch take it whatever happens to the slot later.
+        handle = replace(handle, recv_src_idx=copy(recv_src_idx), lease=lease)
+        per_expert = aligned_expert_counts(handle.recv_expert_counts, alignment)
+        if direct_em:
+            em = EM.ExpertMajorOutput(
+                expert_x=pool.view(lay.em_x, (m_view, H), x.dtype),
+                expert_x_scales=pool.view(lay.em_x_scales, (m_view, ns), np.float32) if fp8 else None,
+                expert_offsets=handle.expand.meta[:E_local + 1],
+                expert_src_row=pool.view(lay.em_src_row, (m_view,), np.int32),
+                recv_expert_row=copy(pool.view(lay.em_recv_row, (N, k), np.int32)), num_expert_rows=m_view)
+            handle = replace(handle, recv_expert_row=em.recv_expert_row, num_expert_rows=m_view)
+            recv_x = recv_scales = None
+        else:  # rank-major (and, past the slot's expert-major rows, the layout in arrays of its own)
+            recv_x = pool.view(lay.x, (N, H), x.dtype)
+            recv_scales = pool.view(lay.x_scales, (N, ns), np.float32) if fp8 else None
+            handle, em = node.with_expert_major(handle, call.expert_major, per_expert if notified else None, recv_x,
+                                                recv_scales, recv_topk_idx, call.num_experts, alignment)
+        if call.fresh:  # the caller's own arrays: one more pass over the rows, never stale
+            recv_x, recv_scales, recv_topk_idx, recv_topk_weights = (
+                copy(a) if a is not None else None for a in (recv_x, recv_scales, recv_topk_idx, recv_topk_weights))
+            if direct_em:
+                em = replace(em, expert_x=copy(em.expert_x), expert_src_row=copy(em.expert_src_row),
+                             expert_x_scales=copy(em.expert_x_scales) if em.expert_x_scales is not None else None)
+        result = dispatch_result(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle, None, em)
+        result.lease = None if call.fresh else lease
+        result.pooled = None if direct_em else RECEIVE_FIELDS
+        return result
+
+    def _rows(self, handle, expert_major: bool, k: int, E_local: int, alignment: int) -> tuple[int, int, int]:
+        """(rows this rank sends, this rank's expert-major rows M_cap, the most
+        expert-major rows any rank lays out) of a dispatch; the expert-major
+        ones are 0 without expert_major. M_cap is exact whenever the handle's
+        counts are on the host (a notified call, or a cached one: the pairs
+        go where the handle's expand tables say, so the handle's counts are
+        this call's), else (worst-token mode) the bound."""
+        N = handle.num_worst_tokens or handle.num_recv_tokens
+        rows_sent = int(handle.counts[self.node.rank].sum()) if handle.counts is not None else \
+            handle.num_tokens * self.node.num_ranks
+        if not expert_major:
+            return rows_sent, 0, 0
+        if handle.counts is not None:
+            m_view = EM.expert_rows_capacity(aligned_expert_counts(handle.recv_expert_counts, alignment), N, k,
+                                             E_local, alignment)
+            return rows_sent, m_view, handle.expand.most_rows
+        bound = EM.expert_rows_capacity(None, N, k, E_local, alignment)
+        return rows_sent, bound, bound
+
+    def _dispatch_fused(self, fn, call: DispatchCall, pool, lay, pos) -> tuple[DispatchHandle, bool]:
+        """One launch of the fused kernel (layout + notify + send into ``pool``
+        laid out as ``lay``). Returns (the handle, whether it sent). Outside
+        worst-token mode the host waits, bounded, for the counts only (the
+        kernel's status word), not for the send. When the slot is too small
+        for some receiver's expert-major rows the kernel sends nothing
+        (status 2, the same verdict on every rank) and the caller sends
+        another way. ``pos``: the [T, k] expert-major positions the kernel
+        fills (expert-major dispatch), else None."""
+        import cupy
+        node, cfg = self.node, call.config
+        R = node.num_ranks
+        T, H = call.num_tokens, call.hidden
+        C = D.notify_channels(R)
+        worst = call.num_worst_tokens > 0
+        in_rank = cupy.empty((T, R), dtype=np.bool_)
+        nargs, arrays = node.notify_args(T, call.num_experts, None, None, in_rank, C, call.expert_alignment,
+                                         call.num_worst_tokens, "direct", call.notify_time_ns)
+        handle = node.notify_handle(arrays, T, H, call.num_experts, C, call.num_worst_tokens, "direct") \
+            if worst else None
+        sargs = D.send_args(self.pools, pool, lay, handle or _Offsets(arrays, C), call.x, call.x_scales, call.topk_idx,
+                            call.topk_weights, call.num_experts, capacity=call.num_worst_tokens if worst else 0,
+                            rank=node.rank, guard=node.group.guard("direct_dispatch"), pos=pos,
+                            compute_pos=pos is not None, pos_threads=cfg.num_threads)
+        D.launch_fused(fn, cfg.num_sms or node.sm_budget, cfg.num_threads, nargs, sargs, node.group.guard("layout"),
+                       0 if worst else node.host_counts_ptr + 4 * node.host_status_index, R, call.num_experts, C,
+                       pos is not None)
+        if worst:
+            return handle, True
+        status = self._wait_host_status()
+        handle = node.notify_handle(arrays, T, H, call.num_experts, C, call.num_worst_tokens, "direct")
+        if status == 2:  # nothing was sent: the slot cannot hold some receiver's rows
+            if pos is not None and handle.expand.most_rows > lay.em_rows:
+                return handle, False
+            self._synchronize()
+            raise RuntimeError(f"the fused direct dispatch found a receiver with more rows than its slot holds "
+                               f"({lay.rows}), with at most max_tokens={self.sizes.max_tokens} tokens per rank")
+        return handle, True
+
+    def _synchronize(self) -> None:
+        import cupy
+        ev = cupy.cuda.Event(disable_timing=True)
+        ev.record(self.node.comm_stream)
+        self.node.group.wait(ev, "direct_dispatch", "host wait for the communication stream")
+
+    def _wait_host_status(self) -> int:
+        """Bounded host wait for the fused kernel's status word (1 sent, 2 pools
+        too small); a device error (a timed-out barrier, a bad expert id) raises."""
+        import time
+
+        import cupy
+        node = self.node
+        ev = cupy.cuda.Event(disable_timing=True)
+        ev.record(node.comm_stream)
+        word = node.host_counts[node.host_status_index:node.host_status_index + 1]
+        deadline = time.monotonic() + node.group.timeout_s * 1.5 + 5.0
+        spins = 0
+        while int(word[0]) == -1:
+            spins += 1  # the mapped word is cheap to read; the event and the clock are asked every 64th time
+            if not spins & 63 and (ev.done or time.monotonic() > deadline):
+                node.group.wait(ev, "direct_dispatch", "host wait for the fused notify's counts")
+                if int(word[0]) == -1:  # ended without a status and without a device error
+                    raise RuntimeError("the fused direct dispatch ended without publishing its counts")
+                break
+        status = int(word[0])
+        if status == 3:
+            node.group.wait(ev, "direct_dispatch", "fused notify")
+            raise RuntimeError("the fused direct dispatch's notify pass failed without a device error")
+        return status
+
+    # ----------------------------------------------------------- combine
+    def get_combine_buffer(self, handle: DispatchHandle, hidden: int):
+        """cupy [N, H] uint16: this rank's part of the zero-copy slot of the
+        handle's dispatch slot (cupyep.normal.Buffer.get_combine_buffer)."""
+        handle.lease.check("the zero-copy combine buffer")
+        pools = self.pools
+        pool = pools.pool("zero_copy")
+        zc_x, _, _ = pools.zero_copy_layout(hidden, handle.lease.slot)
+        N = handle.num_worst_tokens or handle.num_recv_tokens
+        return pool.view(zc_x, (N, hidden), BF16)
+
+    def _check_zero_copy(self, call: CombineCall) -> None:
+        """ValueError unless x is the handle's get_combine_buffer; StaleResultError
+        when the handle's slot went to a later dispatch."""
+        if call.expert_major:
+            raise ValueError("zero_copy takes one row per received row, not expert-major outputs")
+        if call.num_topk > D.ZERO_COPY_MAX_TOPK:
+            raise ValueError(f"a zero-copy combine carries at most {D.ZERO_COPY_MAX_TOPK} top-k weights, "
+                             f"got {call.num_topk}")
+        call.handle.lease.check("the zero-copy combine buffer")
+        pool = self.pools.pools["zero_copy"]
+        zc_x, _, _ = self.pools.zero_copy_layout(call.x.shape[1], call.handle.lease.slot)
+        if pool is None or call.x.data.ptr != pool.ptr + zc_x:
+            raise ValueError("zero_copy needs x = get_combine_buffer(handle), written with the expert outputs")
+
+    def check_combine(self, call: CombineCall) -> None:
+        """Before launch: a zero-copy combine's x must be its handle's buffer."""
+        if call.zero_copy:
+            self._check_zero_copy(call)
+
+    def combine(self, call: CombineCall):
+        import cupy
+        node, cfg, handle = self.node, call.config, call.handle
+        fn = self._kernel(D.combine_spec(node.num_ranks, cfg.num_threads), cfg, "direct combine")
+        T, H, k = handle.num_tokens, call.x.shape[1], call.num_topk
+        N = handle.num_worst_tokens or handle.num_recv_tokens
+        reduced = node.reduce_expert_major(call.x, handle, call.pair_weights) if call.expert_major else None
+        x = call.x if reduced is None else reduced
+        combined = cupy.empty((T, H), dtype=BF16)
+        combined_w = cupy.empty((T, k), dtype=np.float32) if call.topk_weights is not None else None
+        blocks = cfg.num_sms or D.default_num_sms(node.sm_budget, max(N, T), cfg.num_threads)
+        D.launch_combine(fn, blocks, cfg.num_threads, self.pools, handle, x, call.row_weights, call.topk_weights,
+                         combined, combined_w, call.zero_copy, node.rank, node.group.guard("direct_combine"))
+        return CombineResult(combined, combined_w, None, reduced)
+
+    def destroy(self) -> None:
+        if self._pools is not None:
+            self._pools.destroy()
+            self._pools = None
+
+
+class _Offsets:
+    """The offsets a fused send reads, before the handle exists (the arrays
+    its notify block fills), as the attributes send_args uses."""
+
+    def __init__(self, arrays: dict, num_channels: int):
+        self.send_list, self.send_channel_prefix = arrays["send_list"], arrays["send_cp"]
+        self.rank_prefix_matrix, self.recv_rank_offset = arrays["rpm"], arrays["recv_off"]
+        self.num_channels = num_channels
+        self.expand = ExpandTables(arrays["expand_base"], arrays["expert_meta"], arrays["alignment"], -1)

@@ -1,0 +1,58 @@
+"""The layout kernel of a dispatch (``get_dispatch_layout``): for every
+token, the ranks that own one of its experts, and the token counts per rank
+and per expert. It counts over any number of ranks, within a node or the
+world's across nodes; the kernel is ``cuda_src/normal/layout.cu``, whose
+``LayoutArgs`` :data:`LAYOUT_ARGS_DTYPE` mirrors.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from .. import jit
+from ..arrays import carve
+from ..errors import GUARD_DTYPE
+
+u64, i32 = np.uint64, np.int32
+LAYOUT_ARGS_DTYPE = jit.struct_dtype([
+    ("topk_idx", u64), ("num_tokens_per_rank", u64), ("num_tokens_per_expert", u64), ("is_token_in_rank", u64),
+    ("num_tokens", i32), ("num_topk", i32), ("num_experts", i32), ("num_ranks", i32), ("guard", GUARD_DTYPE)])
+LAYOUT_THREADS = 256
+
+
+@functools.cache  # a spec is built once per argument tuple (the host path looks it up every call)
+def layout_spec() -> jit.KernelSpec:
+    return jit.KernelSpec(name="layout", source="normal/layout.cu",
+                          kernels=("cupyep::normal::get_dispatch_layout",))
+
+
+def launch_layout(topk_idx, num_experts: int, num_ranks: int, guard: np.void):
+    """The layout kernel on the current stream, over any ``num_ranks`` ranks
+    (within a node, or the world's across nodes).
+
+    Arguments:
+        topk_idx: cupy [T, k] int64 expert ids (checked), -1 for none.
+        guard: the kernel's packed Guard (the group's ``guard("layout")``).
+
+    Returns:
+        (num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32,
+        is_token_in_rank [T, R] bool), cupy.
+    """
+    import cupy
+    T, k = topk_idx.shape
+    counts = carve({"per_rank": (num_ranks,), "per_expert": (num_experts,)}, zero=True)
+    per_rank, per_expert = counts["per_rank"], counts["per_expert"]
+    in_rank = cupy.empty((T, num_ranks), dtype=np.bool_)
+    fn = jit.kernel(layout_spec())
+    if T:
+        args = jit.pack(LAYOUT_ARGS_DTYPE, topk_idx=jit.ptr(topk_idx), num_tokens_per_rank=jit.ptr(per_rank),
+                        num_tokens_per_expert=jit.ptr(per_expert), is_token_in_rank=jit.ptr(in_rank),
+                        num_tokens=T, num_topk=k, num_experts=num_experts, num_ranks=num_ranks, guard=guard)
+        fn((-(-T // LAYOUT_THREADS),), (LAYOUT_THREADS,), (args,), shared_mem=4 * (num_ranks + num_experts))
+    return per_rank, per_expert, in_rank
+
+
+def kernel_specs() -> list[jit.KernelSpec]:
+    """Specialisations compiled by ``python -m cupyep.jit --check``."""
+    return [layout_spec()]

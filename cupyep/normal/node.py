@@ -1,0 +1,205 @@
+"""What the two routes within a node share (:class:`Node`): the rank's
+symmetric IPC buffer (its barrier and notify regions, and the queue route's
+rings), the mapped host words the notify pass writes, the layout and notify
+passes that make a handle, and the expert-major layout of received rows.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from .. import jit
+from ..arrays import as_cupy, carve, check
+from ..ipc import SymmetricBuffer
+from ..results import DispatchHandle, ExpandTables, LayoutResult
+from . import expert_major as EM
+from . import layout as L
+from . import node_kernels as NK
+from .queue_layout import MAX_LOCAL_EXPERTS, buffer_layout
+from .route import Route
+
+INT_MAX = 2**31 - 1
+
+
+class Node:
+    """The ranks of one node (collective: made, used and destroyed on every
+    rank in the same order).
+
+    group: from cupyep.init, one node; num_bytes: bytes of each rank's IPC
+    buffer (cupyep.normal.queue_layout.size_hint); comm_stream: the
+    buffer's communication stream, on which every pass runs."""
+
+    def __init__(self, group, num_bytes: int, comm_stream, buffer_id: int):
+        import ctypes
+
+        import cupy
+        self.group = group
+        self.num_ranks = group.local_size
+        self.rank = group.local_rank
+        self.comm_stream = comm_stream
+        self.buffer_id = buffer_id
+        self.num_device_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        self.sm_budget = self.num_device_sms // max(1, group.ranks_per_gpu)
+        self.layout = buffer_layout(self.num_ranks, num_bytes)
+        self.buffer = SymmetricBuffer(group, num_bytes)
+        # Mapped host memory the notify pass writes: [1 + E_local + R * R + 1] (see NotifyArgs), then
+        # the fused direct dispatch's status word (HOST_STATUS).
+        n_counts = 1 + MAX_LOCAL_EXPERTS + self.num_ranks ** 2 + 2
+        self.host_status_index = n_counts - 1
+        self.host_counts_ptr = cupy.cuda.runtime.hostAlloc(4 * n_counts, 2)
+        self.host_counts = np.frombuffer((ctypes.c_int32 * n_counts).from_address(self.host_counts_ptr),
+                                         dtype=np.int32)
+        # Compile once per node, collectively (so that no rank compiles inside a call while its
+        # peers' kernels already wait on it).
+        jit.load(L.layout_spec(), group)
+        jit.load(NK.notify_spec(self.num_ranks), group)
+        jit.load(EM.permute_spec(), group)
+
+    # ------------------------------------------------------------ layout
+    def layout_pass(self, topk_idx, num_experts: int) -> LayoutResult:
+        """The layout kernel's counts of one routing (on the communication stream)."""
+        return LayoutResult(*L.launch_layout(topk_idx, num_experts, self.num_ranks, self.group.guard("layout")))
+
+    def routing(self, topk_idx, num_experts: int, T: int, hints):
+        """(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank) of a
+        notified dispatch: the layout kernel's, or the caller's (checked) when
+        ``hints`` holds all three."""
+        per_rank, per_expert, in_rank = hints
+        if per_rank is None or per_expert is None or in_rank is None:
+            lay = self.layout_pass(topk_idx, num_experts)
+            return lay.num_tokens_per_rank, lay.num_tokens_per_expert, lay.is_token_in_rank
+        R = self.num_ranks
+        return (check(as_cupy(per_rank, "num_tokens_per_rank"), "num_tokens_per_rank", np.int32, shape=(R,)),
+                check(as_cupy(per_expert, "num_tokens_per_expert"), "num_tokens_per_expert", np.int32,
+                      shape=(num_experts,)),
+                check(as_cupy(in_rank, "is_token_in_rank"), "is_token_in_rank", np.bool_, shape=(T, R)))
+
+    # ------------------------------------------------------------ notify
+    def notify(self, T, H, num_experts, per_rank, per_expert, in_rank, C, alignment, num_worst_tokens,
+               transport: str = "queue", notify_time_ns=None) -> DispatchHandle:
+        """Run the notify kernel and return the handle (after a bounded host
+        wait for the counts, unless worst-token mode)."""
+        args, arrays = self.notify_args(T, num_experts, per_rank, per_expert, in_rank, C, alignment,
+                                        num_worst_tokens, transport, notify_time_ns)
+        NK.launch_notify(args, self.num_ranks, C)
+        if num_worst_tokens <= 0:
+            import cupy
+            ev = cupy.cuda.Event(disable_timing=True)
+            ev.record(self.comm_stream)
+            self.group.wait(ev, "notify", "host wait for receive counts")
+        return self.notify_handle(arrays, T, H, num_experts, C, num_worst_tokens, transport)
+
+    def notify_args(self, T, num_experts, per_rank, per_expert, in_rank, C, alignment, num_worst_tokens,
+                    transport: str = "queue", notify_time_ns=None):
+        """(NotifyArgs, the handle's arrays) of a notify pass; resets the host
+        counts' first words (not in worst-token mode, where they never reach
+        the host). The direct route's pass also fills its expert-major
+        tables (expand_base [R, E_local + 1], expert_meta [2 E_local + 1])."""
+        R = self.num_ranks
+        E_local = num_experts // R
+        shapes = {"send_head": (T, R), "send_list": (R, max(T, 1)), "send_cp": (R, C + 1), "recv_cp": (R, C + 1),
+                  "recv_off": (R + 1,), "rpm": (R, R), "recv_per_expert": (E_local,)}
+        if transport == "direct":
+            shapes.update(expand_base=(R, E_local + 1), expert_meta=(2 * E_local + 1,))
+        arrays = carve(shapes)  # one allocation
+        arrays["in_rank"] = in_rank
+        if transport == "direct":
+            arrays["alignment"] = int(alignment)
+        worst = num_worst_tokens > 0
+        if not worst:  # the words the host reads first (the kernel writes the counts before them)
+            self.host_counts[0] = self.host_counts[self.host_status_index] = -1
+        args = NK.notify_args(self.buffer, self.layout, in_rank, per_rank, per_expert, arrays,
+                             host_counts=0 if worst else self.host_counts_ptr, notify_time_ns=notify_time_ns,
+                             num_tokens=T, num_experts=num_experts, num_channels=C, expert_alignment=alignment,
+                             capacity=num_worst_tokens if worst else INT_MAX, rank=self.rank,
+                             guard=self.group.guard("notify"))
+        return args, arrays
+
+    def notify_handle(self, arrays, T, H, num_experts, C, num_worst_tokens, transport) -> DispatchHandle:
+        """The handle of a notify pass whose host counts (if any) have arrived."""
+        R = self.num_ranks
+        E_local = num_experts // R
+        hc = self.host_counts
+        if num_worst_tokens > 0:
+            n_recv, counts, matrix = -1, None, None
+        else:
+            n_recv = int(hc[0])
+            counts = tuple(hc[1:1 + E_local].tolist())  # unaligned
+            matrix = hc[1 + E_local:1 + E_local + R * R].astype(np.int64).reshape(R, R)
+        expand = None
+        if "expand_base" in arrays:
+            most = int(hc[1 + E_local + R * R]) if num_worst_tokens <= 0 else -1
+            expand = ExpandTables(arrays["expand_base"], arrays["expert_meta"], arrays["alignment"], most)
+        return DispatchHandle(rank_prefix_matrix=arrays["rpm"], recv_channel_prefix=arrays["recv_cp"],
+                              recv_rank_offset=arrays["recv_off"], recv_src_idx=None,
+                              is_token_in_rank=arrays["in_rank"], send_head=arrays["send_head"],
+                              send_list=arrays["send_list"], send_channel_prefix=arrays["send_cp"],
+                              num_recv_tokens=n_recv, num_worst_tokens=num_worst_tokens, num_tokens=T, hidden=H,
+                              num_experts=num_experts, num_channels=C, buffer_id=self.buffer_id,
+                              recv_expert_counts=counts, transport=transport, counts=matrix, expand=expand)
+
+    # ------------------------------------------------------- expert major
+    def with_expert_major(self, handle, expert_major: bool, per_expert, recv_x, recv_scales, recv_topk_idx,
+                          num_experts, alignment):
+        """(handle, expert-major layout or None) after a dispatch's send: the
+        layout when asked for, and the handle's expert-major map set, or
+        cleared (a cached handle's map may not fit this routing).
+        ``per_expert``: this call's aligned host counts (exact M_cap), or
+        None (the bound)."""
+        em = None
+        if expert_major:
+            R = self.num_ranks
+            worst = handle.num_worst_tokens > 0
+            m_cap = EM.expert_rows_capacity(per_expert, recv_x.shape[0], recv_topk_idx.shape[1], num_experts // R,
+                                            alignment)
+            num_recv_ptr = handle.recv_rank_offset.data.ptr + 4 * R if worst else 0  # device: recv_rank_offset[R]
+            em = EM.build(recv_x, recv_scales, recv_topk_idx, num_recv_ptr, num_experts // R, alignment, m_cap,
+                          self.group.guard("expert_major"), self.num_device_sms)
+        if em is not None:
+            handle = replace(handle, recv_expert_row=em.recv_expert_row, num_expert_rows=em.num_expert_rows)
+        elif handle.recv_expert_row is not None:
+            handle = replace(handle, recv_expert_row=None, num_expert_rows=0)
+        return handle, em
+
+    def reduce_expert_major(self, x, handle, pair_weights):
+        """[N, H] BF16 rows of expert-major outputs ``x`` [M_cap, H]: each
+        received row's slots summed in FP32, weighted by ``pair_weights``."""
+        num_recv_ptr = handle.recv_rank_offset.data.ptr + 4 * self.num_ranks if handle.num_worst_tokens else 0
+        return EM.reduce(x, handle.recv_expert_row, pair_weights, num_recv_ptr, self.num_device_sms)
+
+    # ------------------------------------------------------------ common
+    def check_resident(self, fn, num_sms: int, num_threads: int, what: str, step: int) -> None:
+        """ValueError before launch unless every rank's ``num_sms`` blocks of
+        ``fn`` fit the GPU at once (ranks sharing it under MPS included)."""
+        jit.require_resident(what, jit.max_resident_blocks(fn, num_threads), num_sms, num_threads,
+                             self.group.ranks_per_gpu, self.num_device_sms, "num_sms", step=step)
+
+    def destroy(self) -> None:
+        import cupy
+        if self.buffer.alive:
+            self.buffer.destroy()
+        if self.host_counts_ptr:
+            self.host_counts = None
+            cupy.cuda.runtime.freeHost(self.host_counts_ptr)
+            self.host_counts_ptr = 0
+
+
+class NodeRoute(Route):
+    """What the routes within a node have in common: their handles are
+    DispatchHandles of the node's buffer tagged with the route's transport,
+    and their layout is the node's layout pass."""
+
+    def __init__(self, node):
+        self.node = node
+
+    def owns(self, handle) -> bool:
+        return isinstance(handle, DispatchHandle) and handle.buffer_id == self.node.buffer_id and \
+            handle.transport == self.transport
+
+    def expert_rows(self, handle) -> tuple[int, int]:
+        return (handle.num_expert_rows, handle.recv_expert_row.shape[1]) if handle.recv_expert_row is not None \
+            else (0, 0)
+
+    def layout(self, topk_idx, num_experts: int):
+        return self.node.layout_pass(topk_idx, num_experts)

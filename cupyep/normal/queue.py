@@ -1,0 +1,125 @@
+"""The queue route within a node (``transport="queue"``, the default): the
+notify pass, then the rows through ring queues in the ranks' IPC buffers
+into a compact ``recv_x`` of the caller's own, ordered by source rank, then
+source token; the combine back along the same rings, reduced in FP32 to
+BF16. Depth, chunk and SMs are its knobs (cupyep.normal.config.Config);
+the kernels are in cuda_src/normal/queue_dispatch.cu and queue_combine.cu.
+
+Its results are fresh arrays of every call: nothing it returns is ever
+overwritten by a later call.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from .. import jit
+from ..results import CombineResult, DispatchHandle, aligned_expert_counts, dispatch_result
+from . import queue_kernels as K
+from .config import Config, get_combine_config, get_dispatch_config
+from .direct_kernels import DirectConfig
+from .queue_layout import ring_set
+from .node import NodeRoute
+from .route import CombineCall, DispatchCall
+
+
+class QueueRoute(NodeRoute):
+    """``transport="queue"`` on the ranks of one node (cupyep.normal.node.Node)."""
+
+    transport = name = "queue"
+    metrics = frozenset({"notify_time_ns", "queue_occupancy"})
+
+    def __init__(self, node):
+        self.node = node
+        R = node.num_ranks
+        jit.load(K.dispatch_spec_for(R, self.default_dispatch_config()), node.group)
+        jit.load(K.combine_spec_for(R, self.default_combine_config()), node.group)
+
+    # ------------------------------------------------------------ config
+    def default_dispatch_config(self, fp8: bool = False, handle: DispatchHandle | None = None) -> Config:
+        """The tuned dispatch config for the node's ranks and SM budget, for
+        BF16 or (``fp8``) FP8 rows; with a handle, on the handle's channels."""
+        return _on_channels(get_dispatch_config(self.node.num_ranks, self.node.sm_budget, fp8), handle)
+
+    def default_combine_config(self, handle: DispatchHandle | None = None) -> Config:
+        """The tuned combine config; with a handle, on the handle's channels
+        (a combine runs on its dispatch's channels)."""
+        return _on_channels(get_combine_config(self.node.num_ranks, self.node.sm_budget), handle)
+
+    def dispatch_config(self, config, fp8: bool, handle) -> Config:
+        if isinstance(config, DirectConfig):
+            raise ValueError("a DirectConfig needs transport='direct'")
+        cfg = (config or self.default_dispatch_config(fp8, handle)).validate(self.node.num_ranks)
+        if handle is not None and cfg.num_channels != handle.num_channels:
+            raise ValueError(f"config has {cfg.num_channels} channels, the handle was made with {handle.num_channels}")
+        return cfg
+
+    def combine_config(self, config, handle) -> Config:
+        if isinstance(config, DirectConfig):
+            raise ValueError("a DirectConfig needs a handle of the direct transport")
+        cfg = (config or self.default_combine_config(handle)).validate(self.node.num_ranks, combine=True)
+        if cfg.num_channels != handle.num_channels:
+            raise ValueError(f"combine config has {cfg.num_channels} channels (num_sms={cfg.num_sms}) but the "
+                             f"dispatch used {handle.num_channels}: use num_sms={2 * handle.num_channels}")
+        return cfg
+
+
+    def _kernel(self, spec, cfg: Config, what: str):
+        fn = jit.kernel(spec)
+        self.node.check_resident(fn, cfg.num_sms, cfg.num_threads, what, step=2)
+        return fn
+
+    # ---------------------------------------------------------- dispatch
+    def dispatch(self, call: DispatchCall):
+        import cupy
+        node, cfg = self.node, call.config
+        R = node.num_ranks
+        T, H, k = call.num_tokens, call.hidden, call.num_topk
+        rs = ring_set(node.layout, "dispatch", H, k, call.fp8, cfg)
+        fn = self._kernel(K.dispatch_spec_for(R, cfg), cfg, "dispatch")
+        handle = call.handle
+        notified = handle is None
+        if notified:
+            routing = node.routing(call.topk_idx, call.num_experts, T, call.hints)
+            handle = node.notify(T, H, call.num_experts, *routing, cfg.num_channels, call.expert_alignment,
+                                 call.num_worst_tokens, notify_time_ns=call.notify_time_ns)
+        # a cached call sizes its expert-major rows for the bound (this topk_idx is not counted)
+        per_expert = aligned_expert_counts(handle.recv_expert_counts, call.expert_alignment)
+        N = handle.num_worst_tokens or handle.num_recv_tokens
+        recv = {"recv_x": cupy.empty((N, H), dtype=call.x.dtype),
+                "recv_x_scales": cupy.empty((N, H // 128), dtype=np.float32) if call.fp8 else None,
+                "recv_topk_idx": cupy.empty((N, k), dtype=np.int64) if call.topk_idx is not None else None,
+                "recv_topk_weights": cupy.empty((N, k), dtype=np.float32) if call.topk_weights is not None else None,
+                "recv_src_idx": handle.recv_src_idx if handle.recv_src_idx is not None else
+                cupy.empty(N, dtype=np.int32)}
+        if handle.recv_src_idx is None:
+            handle = replace(handle, recv_src_idx=recv["recv_src_idx"])
+        K.launch_dispatch(fn, cfg, node.buffer, rs, call.x, call.x_scales, call.topk_idx, call.topk_weights, handle,
+                          recv, call.queue_occupancy, call.num_experts // R, N, node.rank,
+                          node.group.guard("queue_dispatch"))
+        handle, em = node.with_expert_major(handle, call.expert_major, per_expert if notified else None,
+                                            recv["recv_x"], recv["recv_x_scales"], recv["recv_topk_idx"],
+                                            call.num_experts, call.expert_alignment)
+        return dispatch_result(recv["recv_x"], recv["recv_x_scales"], recv["recv_topk_idx"], recv["recv_topk_weights"],
+                               per_expert, handle, None, em)
+
+    # ----------------------------------------------------------- combine
+    def combine(self, call: CombineCall):
+        import cupy
+        node, cfg, handle = self.node, call.config, call.handle
+        T, H, k = handle.num_tokens, call.x.shape[1], call.num_topk
+        rs = ring_set(node.layout, "combine", H, k, False, cfg)
+        fn = self._kernel(K.combine_spec_for(node.num_ranks, cfg), cfg, "combine")
+        x = reduced = node.reduce_expert_major(call.x, handle, call.pair_weights) if call.expert_major else None
+        x = call.x if x is None else x
+        combined = cupy.empty((T, H), dtype=call.x.dtype)
+        combined_w = cupy.empty((T, k), dtype=np.float32) if call.topk_weights is not None else None
+        K.launch_combine(fn, cfg, node.buffer, rs, x, call.row_weights, call.topk_weights, handle, combined, combined_w,
+                         node.rank, node.group.guard("queue_combine"))
+        return CombineResult(combined, combined_w, None, reduced)
+
+
+def _on_channels(cfg: Config, handle: DispatchHandle | None) -> Config:
+    """``cfg`` with the handle's channels (num_sms = 2 * handle.num_channels), if any."""
+    return cfg if handle is None else replace(cfg, num_sms=2 * handle.num_channels)
