@@ -162,6 +162,37 @@ class Group:
         event.synchronize()
         self.check_errors()
 
+    def wait_word(self, word, stream, kernel: str, phase: str) -> int:
+        """Bounded host wait for a word of mapped host memory that a kernel on
+        ``stream`` publishes (``word``: a NumPy int32 view of one element,
+        -1 until then; the kernel fences its other host writes before it).
+        Asks the GPU nothing while it spins: only the error slot, also mapped,
+        every 256th time. Past the deadline (or after a device error) it waits
+        on the stream instead, which raises the error or CommTimeoutError.
+        Returns the word."""
+        start = time.monotonic()
+        deadline = start + self.timeout_s * 1.5 + 5.0
+        spins = 0
+        while int(word[0]) == -1:
+            spins += 1
+            if spins & 255:
+                continue
+            now = time.monotonic()
+            failed = self._error_slot is not None and self._error_slot.raised()
+            if failed or now > deadline:
+                import cupy
+                ev = cupy.cuda.Event(disable_timing=True)
+                ev.record(stream)
+                self.wait(ev, kernel, phase)
+                if int(word[0]) == -1:  # the stream ended without the word and without a device error
+                    raise CommTimeoutError(kernel, phase, self.rank, None, timeout_s=self.timeout_s,
+                                           detail="the kernel ended without publishing its word")
+                break
+            if now - start > SPIN_S:  # short waits spin (latency), long ones sleep (CPU)
+                time.sleep(1e-5)
+        self.check_errors()  # what a kernel before it on the stream reported (a bad expert id, say)
+        return int(word[0])
+
     def exchange(self, array, phase: str, timeout_s: float | None = None):
         """Every rank's ``array`` (a NumPy array of the same shape and dtype on
         every rank), stacked in rank order, within a bounded wait: the host

@@ -24,6 +24,7 @@ class CommStream:
         self.group = group
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._held: list = []  # (event, arrays) of async calls
+        self._mark = None  # the event begin records on the caller's stream, made once (a wait takes its state then)
 
     def begin(self, previous_event) -> None:
         """Raise a device error an earlier call left; order this call after
@@ -33,7 +34,9 @@ class CommStream:
         if previous_event is not None:
             ev = previous_event.event if isinstance(previous_event, EventHandle) else previous_event
         else:
-            ev = cupy.cuda.Event(disable_timing=True)
+            if self._mark is None:
+                self._mark = cupy.cuda.Event(disable_timing=True)
+            ev = self._mark
             ev.record(cupy.cuda.get_current_stream())
         self.stream.wait_event(ev)
 

@@ -156,10 +156,16 @@ __device__ __forceinline__ bool notify_pass(const NotifyArgs& a, int* s_prefix, 
         a.recv_rank_offset[R] = acc;
         s_total = acc;
         if (acc > a.capacity) report_error(a.guard, kErrorCapacity, /*phase=*/2, -1, acc, a.capacity);
-        if (a.host_counts) a.host_counts[0] = acc;
     }
     __syncthreads();
     if (a.expand_base) expand_tables<R>(a, mine, ni, E_local);
+    if (a.host_counts) {
+        // host_counts[0], the rows received, goes last: the host spins on it
+        // (Group.wait_word), so every thread's host words are fenced first.
+        __threadfence_system();
+        __syncthreads();
+        if (threadIdx.x == 0) *reinterpret_cast<volatile int*>(a.host_counts) = s_total;
+    }
     if (a.notify_time_ns && threadIdx.x == 0) {
         atomicAdd(reinterpret_cast<unsigned long long*>(a.notify_time_ns),
                   (unsigned long long)(global_timer_ns() - t_begin));

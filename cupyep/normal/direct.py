@@ -235,25 +235,11 @@ class DirectRoute(NodeRoute):
     def _wait_host_status(self) -> int:
         """Bounded host wait for the fused kernel's status word (1 sent, 2 pools
         too small); a device error (a timed-out barrier, a bad expert id) raises."""
-        import time
-
-        import cupy
         node = self.node
-        ev = cupy.cuda.Event(disable_timing=True)
-        ev.record(node.comm_stream)
         word = node.host_counts[node.host_status_index:node.host_status_index + 1]
-        deadline = time.monotonic() + node.group.timeout_s * 1.5 + 5.0
-        spins = 0
-        while int(word[0]) == -1:
-            spins += 1  # the mapped word is cheap to read; the event and the clock are asked every 64th time
-            if not spins & 63 and (ev.done or time.monotonic() > deadline):
-                node.group.wait(ev, "direct_dispatch", "host wait for the fused notify's counts")
-                if int(word[0]) == -1:  # ended without a status and without a device error
-                    raise RuntimeError("the fused direct dispatch ended without publishing its counts")
-                break
-        status = int(word[0])
+        status = node.group.wait_word(word, node.comm_stream, "direct_dispatch", "host wait for the fused notify's counts")
         if status == 3:
-            node.group.wait(ev, "direct_dispatch", "fused notify")
+            self._synchronize()
             raise RuntimeError("the fused direct dispatch's notify pass failed without a device error")
         return status
 

@@ -83,11 +83,8 @@ class Node:
         args, arrays = self.notify_args(T, num_experts, per_rank, per_expert, in_rank, C, alignment,
                                         num_worst_tokens, transport, notify_time_ns)
         NK.launch_notify(args, self.num_ranks, C)
-        if num_worst_tokens <= 0:
-            import cupy
-            ev = cupy.cuda.Event(disable_timing=True)
-            ev.record(self.comm_stream)
-            self.group.wait(ev, "notify", "host wait for receive counts")
+        if num_worst_tokens <= 0:  # the kernel publishes the received rows last, after a fence
+            self.group.wait_word(self.host_counts[0:1], self.comm_stream, "notify", "host wait for receive counts")
         return self.notify_handle(arrays, T, H, num_experts, C, num_worst_tokens, transport)
 
     def notify_args(self, T, num_experts, per_rank, per_expert, in_rank, C, alignment, num_worst_tokens,

@@ -39,12 +39,15 @@ from cupyep.testing import global_routing, payload_bf16
 
 class WaitClock:
     """Time spent inside the host's bounded waits for the GPU: the group's
-    ``wait``, the fused direct dispatch's status wait and the engines' kernel
-    waits across nodes, wrapped for this probe."""
+    ``wait`` and ``wait_word`` (a mapped word a kernel publishes), the fused
+    direct dispatch's status wait and the engines' kernel waits across
+    nodes, wrapped for this probe (a wait inside another counts once)."""
 
     def __init__(self, group):
         self.seconds = 0.0
+        self._depth = 0
         self._wrap(group, "wait")
+        self._wrap(group, "wait_word")
         from cupyep.normal.direct import DirectRoute
         self._wrap(DirectRoute, "_wait_host_status")
         if group.num_nodes > 1:
@@ -57,10 +60,13 @@ class WaitClock:
 
         def timed(*args, **kw):
             t0 = time.perf_counter()
+            clock._depth += 1
             try:
                 return inner(*args, **kw)
             finally:
-                clock.seconds += time.perf_counter() - t0
+                clock._depth -= 1
+                if not clock._depth:
+                    clock.seconds += time.perf_counter() - t0
         setattr(owner, name, timed)
 
 
