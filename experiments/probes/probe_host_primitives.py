@@ -6,7 +6,10 @@ with a struct argument, small device copies and struct packing.
 
 Each figure is the median over ``--iters`` repetitions, in microseconds of
 host time (the GPU work they enqueue is tiny and not waited for, except
-where the name says so).
+where the name says so). ``--busy-blocks B``: first fill the GPU with B
+blocks of a sleep kernel on the measured stream and on the current one
+(for longer than the measurements take), so that every call is enqueued
+behind running work, as a dispatch's calls are.
 """
 import argparse
 import json
@@ -38,9 +41,15 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=2000)
     p.add_argument("--out", default=None)
+    p.add_argument("--busy-blocks", type=int, default=0)
     args = p.parse_args()
     n = args.iters
     stream = cupy.cuda.Stream(non_blocking=True)
+    if args.busy_blocks:
+        from cupyep.bench.timing import SLEEP_SPEC
+        sleep = jit.kernel(SLEEP_SPEC)
+        for s in (stream, cupy.cuda.get_current_stream()):
+            sleep((args.busy_blocks,), (32,), (np.uint64(3_000_000_000),), stream=s)
     fn = cupy.RawModule(code=SOURCE).get_function("touch")
     dtype = jit.struct_dtype([("a", np.uint64), ("b", np.uint64), ("c", np.uint64), ("d", np.uint64),
                               ("n", np.int32), ("m", np.int32)])
@@ -74,7 +83,8 @@ def main():
         "arr.data.ptr": median_us(lambda: small.data.ptr, n),
     }
     stream.synchronize()
-    text = json.dumps({"probe": "host_primitives", "iters": n, "us": out}, indent=1)
+    text = json.dumps({"probe": "host_primitives", "iters": n, "busy_blocks": args.busy_blocks, "us": out},
+                      indent=1)
     print(text)
     if args.out:
         with open(args.out, "w") as f:
