@@ -16,6 +16,15 @@ FP8 = np.dtype(np.uint8)     # float8 e4m3fn bit pattern
 _TORCH_VIEWS = {"torch.bfloat16": ("int16", np.uint16), "torch.float8_e4m3fn": ("uint8", np.uint8)}
 
 
+def xp_of(a):
+    """numpy or cupy, whichever ``a`` belongs to (numpy when cupy is absent)."""
+    try:
+        import cupy
+    except ImportError:  # pragma: no cover - cupy is a dependency, but keep the CPU path free of it
+        return np
+    return cupy.get_array_module(a)
+
+
 def as_cupy(a, name: str):
     """Zero-copy view of ``a`` as a cupy array (None passes through)."""
     import cupy

@@ -47,6 +47,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .arrays import xp_of as _xp
+
 __all__ = ["MoEWeights", "MoELayer", "route", "expert_ffn", "expert_blocks", "result_blocks", "reference_forward",
            "agreement", "bf16_bits_to_f32", "f32_to_bf16_bits", "MOE_CALC_DIFF_BOUND", "MOE_TOKEN_BOUND"]
 
@@ -58,14 +60,6 @@ MOE_TOKEN_BOUND = 2e-2
 # Seed streams of MoEWeights.random: np.random.default_rng([seed, stream, expert]).
 _ROUTER_STREAM, _W1_STREAM, _W2_STREAM = 0, 1, 2
 
-
-def _xp(a):
-    """numpy or cupy, whichever ``a`` belongs to (numpy when cupy is absent)."""
-    try:
-        import cupy
-    except ImportError:  # pragma: no cover - cupy is a dependency, but keep the CPU path free of it
-        return np
-    return cupy.get_array_module(a)
 
 
 # ------------------------------------------------------------------ BF16 bits

@@ -1,0 +1,17 @@
+"""Load balance for expert parallelism: where each expert's replicas live.
+
+- ``planner``: ``rebalance_experts(weight [L, E], num_replicas, num_groups,
+  num_nodes, num_gpus)`` -> a Placement (hierarchical and global policies,
+  NumPy only);
+- ``placement``: ``Placement`` (phy2log, log2phy, logcnt), the replica a
+  token's slot takes (``physical_topk``, two rules), per-GPU loads and
+  their balancedness (``report``).
+
+A dispatch of physical ids (``num_experts=placement.num_physical``) runs on
+every route unchanged; cupyep.moe.MoELayer takes a placement.
+"""
+from .placement import REPLICA_RULES, Placement, balancedness, physical_topk, report
+from .planner import POLICIES, pack, rebalance_experts, replicate
+
+__all__ = ["Placement", "REPLICA_RULES", "POLICIES", "balancedness", "pack", "physical_topk", "rebalance_experts",
+           "replicate", "report"]

@@ -1,0 +1,146 @@
+"""cupyep.balance on the CPU: the packing and replication steps, the
+placement's invariants under both policies, that the hierarchical policy
+keeps each expert group on one node, that placements balance the loads
+they were planned for, input checks, and the replica rules."""
+import numpy as np
+import pytest
+
+from cupyep.balance import Placement, balancedness, pack, physical_topk, rebalance_experts, replicate, report
+
+
+def test_pack_is_longest_processing_time_with_equal_counts():
+    w = np.array([[5.0, 4, 3, 3, 2, 1]])
+    idx, pos = pack(w, 2)
+    # 5 -> A, 4 -> B, 3 -> B (7), 3 -> A (8), 2 -> B (9, full), 1 -> A (9)
+    assert idx.tolist() == [[0, 1, 1, 0, 1, 0]] and pos.tolist() == [[0, 0, 1, 1, 2, 2]]
+    loads = [w[0][idx[0] == p].sum() for p in (0, 1)]
+    assert loads == [9, 9]
+    with pytest.raises(ValueError, match="evenly"):
+        pack(w, 4)
+
+
+def test_replicate_gives_each_extra_replica_to_the_most_loaded_per_replica():
+    phy2log, replica, logcnt = replicate(np.array([[10.0, 1, 3]]), 7)
+    # per replica: 10 -> 5 -> 3.33 (still above expert 2's 3) -> 2.5, then expert 2's 3 leads
+    assert phy2log.tolist() == [[0, 1, 2, 0, 0, 0, 2]] and logcnt.tolist() == [[4, 1, 2]]
+    assert replica.tolist() == [[0, 0, 0, 1, 2, 3, 1]]
+
+
+def _check_invariants(p: Placement, E: int, P: int, G: int):
+    assert p.phy2log.shape[1] == P and p.logcnt.shape[1] == E and (p.logcnt >= 1).all()
+    assert (p.logcnt.sum(axis=1) == P).all() and p.experts_per_gpu == P // G
+    for layer in range(p.num_layers):
+        assert np.array_equal(np.bincount(p.phy2log[layer], minlength=E), p.logcnt[layer])
+        for e in range(E):
+            phys = p.log2phy[layer, e]
+            real = phys[phys >= 0]
+            assert len(real) == p.logcnt[layer, e] and (p.phy2log[layer, real] == e).all()
+            assert (np.diff(real) > 0).all() and (phys[len(real):] == -1).all()
+
+
+@pytest.mark.parametrize("L,E,P,groups,nodes,gpus", [(2, 16, 24, 4, 2, 4), (3, 32, 48, 8, 2, 8), (1, 64, 64, 8, 4, 8),
+                                                     (2, 12, 16, 3, 1, 2), (2, 16, 32, 1, 1, 8)])
+@pytest.mark.parametrize("policy", ["hierarchical", "global"])
+def test_a_placement_holds_every_expert_and_fills_every_gpu(L, E, P, groups, nodes, gpus, policy):
+    rng = np.random.default_rng(L * E + P)
+    w = rng.zipf(1.7, (L, E)).astype(np.float64)
+    p = rebalance_experts(w, P, groups, nodes, gpus, policy=policy)
+    assert p.policy == policy and p.num_gpus == gpus and p.num_nodes == nodes
+    _check_invariants(p, E, P, gpus)
+    again = rebalance_experts(w, P, groups, nodes, gpus, policy=policy)
+    assert np.array_equal(p.phy2log, again.phy2log)  # deterministic
+
+
+def test_the_hierarchical_policy_keeps_each_group_on_one_node():
+    rng = np.random.default_rng(3)
+    L, E, P, groups, nodes, gpus = 4, 32, 48, 8, 4, 8
+    p = rebalance_experts(rng.random((L, E)) * 100, P, groups, nodes, gpus, policy="hierarchical")
+    per_node = P // nodes
+    for layer in range(L):
+        node_groups = [set(p.phy2log[layer, n * per_node:(n + 1) * per_node] // (E // groups)) for n in range(nodes)]
+        assert all(len(g) == groups // nodes for g in node_groups)
+        assert len(set().union(*node_groups)) == groups  # disjoint, and every group placed
+
+
+def test_replicas_bring_skewed_loads_close_to_balance():
+    """A hot expert that would make its GPU the straggler is split over
+    replicas: the time ratio falls from the identity placement's to near 1."""
+    E, G = 64, 8
+    w = np.ones((2, E))
+    w[0, 3] = 40.0  # one hot expert
+    w[1, :8] = 6.0  # a hot GPU's worth of experts
+    p = rebalance_experts(w, 96, 1, 1, G, policy="global")
+    r = report(w, p)
+    assert r["before"]["time_ratio"] > 2.0 and r["after"]["time_ratio"] < 1.1, r
+    assert r["after"]["worst_max_over_mean"] < r["before"]["worst_max_over_mean"]
+    assert r["policy"] == "global" and r["num_physical"] == 96 and len(r["after"]["max_over_mean"]) == 2
+
+
+def test_balancedness_of_even_loads_is_one_and_counts_the_straggler():
+    assert balancedness(np.ones((2, 4)))["time_ratio"] == 1.0
+    b = balancedness(np.array([[1.0, 1, 1, 5], [2, 2, 2, 2]]))
+    assert b["max_over_mean"] == [2.5, 1.0] and b["time_ratio"] == round((5 + 2) / (2 + 2), 4)
+
+
+@pytest.mark.parametrize("args,match", [
+    ((np.ones((2, 16)), 12, 1, 1, 4), "fewer than the 16"),
+    ((np.ones((2, 16)), 18, 1, 1, 4), "not divisible by num_gpus"),
+    ((np.ones((2, 16)), 16, 1, 3, 4), "num_gpus=4 is not divisible by num_nodes=3"),
+    ((np.ones((2, 16)), 16, 5, 1, 4), "not divisible into num_groups=5"),
+    ((-np.ones((2, 16)), 16, 1, 1, 4), "non-negative"),
+    ((np.ones(16), 16, 1, 1, 4), r"\[layers, experts\]"),
+    ((np.ones((2, 16)), 16, 4, 1, 0), "num_gpus must be an int >= 1"),
+])
+def test_bad_planner_input_raises(args, match):
+    with pytest.raises(ValueError, match=match):
+        rebalance_experts(*args)
+
+
+def test_the_policy_defaults_to_hierarchical_when_nodes_divide_groups():
+    w = np.ones((1, 16))
+    assert rebalance_experts(w, 16, 4, 2, 4).policy == "hierarchical"
+    assert rebalance_experts(w, 16, 2, 4, 4).policy == "global"
+    with pytest.raises(ValueError, match="hierarchical policy needs"):
+        rebalance_experts(w, 16, 2, 4, 4, policy="hierarchical")
+    with pytest.raises(ValueError, match="policy must be one of"):
+        rebalance_experts(w, 16, 4, 2, 4, policy="greedy")
+
+
+def _replicated_placement():
+    # 8 experts on 4 GPUs (3 slots each): experts 0 and 5 have replicas on GPUs 0, 2 and 1, 3.
+    phy2log = [0, 1, 2, 5, 3, 4, 0, 6, 7, 5, 0, 4]
+    return Placement.from_phy2log(phy2log, 8, num_gpus=4, num_nodes=2)
+
+
+def test_physical_ids_map_back_to_the_logical_ones_and_minus_one_stays():
+    p = _replicated_placement()
+    idx = np.array([[0, 5, -1], [4, 0, 7], [-1, -1, -1]], dtype=np.int64)
+    for rule in ("round_robin", "nearest"):
+        for rank in range(4):
+            phys = physical_topk(idx, p, rank, rule)
+            assert phys.dtype == np.int64 and ((phys < 0) == (idx < 0)).all()
+            assert (p.phy2log[0][phys[idx >= 0]] == idx[idx >= 0]).all()
+    with pytest.raises(ValueError, match="rule must be one of"):
+        physical_topk(idx, p, 0, "random")
+    with pytest.raises(ValueError, match="outside"):
+        physical_topk(idx, p, 4)
+
+
+def test_round_robin_shares_an_experts_tokens_evenly_over_its_replicas():
+    p = _replicated_placement()
+    idx = np.zeros((999, 1), dtype=np.int64)  # every token to expert 0: replicas 0, 6, 10
+    for rank in range(4):
+        counts = np.bincount(physical_topk(idx, p, rank, "round_robin").ravel(), minlength=12)
+        assert counts[[0, 6, 10]].tolist() == [333, 333, 333]
+
+
+def test_nearest_takes_the_own_rank_then_the_own_node():
+    p = _replicated_placement()  # GPUs 0, 1 are node 0; 2, 3 node 1
+    idx = np.zeros((6, 1), dtype=np.int64)
+    assert set(physical_topk(idx, p, 0, "nearest").ravel()) == {0}     # a replica on rank 0
+    assert set(physical_topk(idx, p, 2, "nearest").ravel()) == {6}     # on rank 2
+    assert set(physical_topk(idx, p, 1, "nearest").ravel()) == {0}     # rank 1: its node's (rank 0's)
+    assert set(physical_topk(idx, p, 3, "nearest").ravel()) == {10}    # rank 3 holds physical 9..11
+    five = np.full((6, 1), 5, dtype=np.int64)  # replicas 3 (rank 1) and 9 (rank 3); none on ranks 0, 2
+    assert set(physical_topk(five, p, 0, "nearest").ravel()) == {3}    # its node's
+    assert set(physical_topk(five, p, 2, "nearest").ravel()) == {9}
