@@ -172,11 +172,23 @@ class MoEWeights:
             w2[e] = normal(_W2_STREAM, e, (ffn, hidden), ffn)
         return cls(router, w1, w2)
 
+    def physical(self, placement, layer: int = 0) -> "MoEWeights":
+        """The weights of a placement's physical experts (cupyep.balance.Placement):
+        w1 [P, H, F] and w2 [P, F, H], physical expert p a copy of logical
+        expert phy2log[layer, p]; the router stays logical ([H, E])."""
+        if placement.num_logical != self.num_experts:
+            raise ValueError(f"the placement is of {placement.num_logical} experts, the weights of {self.num_experts}")
+        xp = _xp(self.w1)
+        phy2log = xp.asarray(placement.phy2log[layer])
+        return MoEWeights(self.router, self.w1[phy2log], self.w2[phy2log])
+
     def local(self, rank: int, num_ranks: int) -> tuple[np.ndarray, np.ndarray]:
-        """(w1, w2) of rank ``rank``'s E / R experts: [E_local, H, F], [E_local, F, H]."""
-        if self.num_experts % num_ranks:
-            raise ValueError(f"{self.num_experts} experts are not divisible by {num_ranks} ranks")
-        n = self.num_experts // num_ranks
+        """(w1, w2) of rank ``rank``'s E / R experts: [E_local, H, F], [E_local, F, H]
+        (E: the experts w1 holds, physical ones after :meth:`physical`)."""
+        E = int(self.w1.shape[0])
+        if E % num_ranks:
+            raise ValueError(f"{E} experts are not divisible by {num_ranks} ranks")
+        n = E // num_ranks
         return self.w1[rank * n:(rank + 1) * n], self.w2[rank * n:(rank + 1) * n]
 
 
@@ -320,23 +332,31 @@ class MoELayer:
         transport: "queue" or "direct" (Buffer.dispatch's transport).
         expert_alignment: rows of each expert block are a multiple of this
             (Buffer.dispatch's expert_alignment; 128 suits grouped GEMMs).
+        placement: a cupyep.balance.Placement of one layer over the R ranks,
+            or None (expert e on rank e // (E / R)): each rank holds its P / R
+            physical experts' weights, and each token's slot goes to the
+            replica ``rule`` picks (cupyep.balance.physical_topk).
+        rule: "round_robin" or "nearest".
 
     Collective: every rank calls :meth:`forward` in the same order.
     """
 
     def __init__(self, buffer, weights: MoEWeights, num_topk: int, transport: str = "queue",
-                 expert_alignment: int = 128):
+                 expert_alignment: int = 128, placement=None, rule: str = "round_robin"):
         R, me = buffer.num_ranks, buffer.rank
         if transport not in ("queue", "direct"):
             raise ValueError(f"transport must be 'queue' or 'direct', got {transport!r}")
-        if weights.num_experts % R:
-            raise ValueError(f"{weights.num_experts} experts are not divisible by {R} ranks")
         if not 1 <= num_topk <= weights.num_experts:
             raise ValueError(f"num_topk must be in [1, {weights.num_experts}], got {num_topk}")
+        self.placement, self.rule = _check_placement(placement, rule, R), rule
+        if placement is not None:
+            weights = weights.physical(placement)
+        if weights.w1.shape[0] % R:
+            raise ValueError(f"{weights.w1.shape[0]} experts are not divisible by {R} ranks")
         self.buffer, self.num_topk = buffer, int(num_topk)
         self.transport, self.expert_alignment = transport, int(expert_alignment)
-        self.num_experts, self.hidden = weights.num_experts, weights.hidden
-        self.num_local_experts = weights.num_experts // R
+        self.num_experts, self.hidden = int(weights.w1.shape[0]), weights.hidden  # physical experts
+        self.num_local_experts = self.num_experts // R
         w1, w2 = weights.local(me, R)
         self.router = self._to_device(weights.router)  # [H, E] float32
         self.w1 = self._to_device(w1)                  # [E_local, H, F] float32
@@ -357,6 +377,9 @@ class MoELayer:
         if x.shape[1] != self.hidden:
             raise ValueError(f"x has hidden size {x.shape[1]}, the weights {self.hidden}")
         topk_idx, topk_weights = route(bf16_bits_to_f32(x), self.router, self.num_topk)
+        if self.placement is not None:  # each slot to one replica of its expert
+            from .balance import physical_topk
+            topk_idx = physical_topk(topk_idx, self.placement, self.buffer.rank, self.rule)
         out = self.buffer.dispatch(x, topk_idx, topk_weights, num_experts=self.num_experts, expert_major=True,
                                    expert_alignment=self.expert_alignment, transport=self.transport,
                                    validate=False)  # route gives ids in [0, E): skip the host check's sync
@@ -380,7 +403,22 @@ class MoELayer:
 
 # ------------------------------------------------------------------- reference
 
-def reference_forward(x_all, weights: MoEWeights, num_topk: int, num_ranks: int | None = None):
+def _check_placement(placement, rule: str, num_ranks: int):
+    """The placement of a layer on ``num_ranks`` ranks (or None), checked."""
+    if placement is None:
+        return None
+    from .balance import REPLICA_RULES
+    if rule not in REPLICA_RULES:
+        raise ValueError(f"rule must be one of {REPLICA_RULES}, got {rule!r}")
+    if placement.num_layers != 1:
+        raise ValueError(f"a layer takes the placement of one layer (Placement.layer(i)), got {placement.num_layers}")
+    if placement.num_gpus != num_ranks:
+        raise ValueError(f"the placement is for {placement.num_gpus} GPUs, the buffer has {num_ranks} ranks")
+    return placement
+
+
+def reference_forward(x_all, weights: MoEWeights, num_topk: int, num_ranks: int | None = None, placement=None,
+                      rule: str = "round_robin", tokens_per_rank=None):
     """The same MoE layer in one process, for the tokens of all ranks.
 
     Arguments:
@@ -394,6 +432,11 @@ def reference_forward(x_all, weights: MoEWeights, num_topk: int, num_ranks: int 
             distributed path on R ranks does: each rank's slots (experts
             [r E/R, (r+1) E/R)) summed in float32 in slot order and rounded to
             BF16, the partials summed in float32 in rank order, then BF16.
+        placement, rule: a cupyep.balance.Placement of one layer and its replica
+            rule, as MoELayer's (needs num_ranks and ``tokens_per_rank``, the
+            ranks' token counts in order): each slot is summed on the rank of
+            the replica it takes. The experts' outputs are the logical
+            experts', so only the rounding of the per-rank partials moves.
 
     Returns:
         [T_all, H] uint16 BF16 bits (same array module as x_all).
@@ -401,7 +444,7 @@ def reference_forward(x_all, weights: MoEWeights, num_topk: int, num_ranks: int 
     xp = _xp(x_all)
     T, H = x_all.shape
     E, k = weights.num_experts, int(num_topk)
-    if num_ranks is not None and E % num_ranks:
+    if num_ranks is not None and placement is None and E % num_ranks:
         raise ValueError(f"{E} experts are not divisible by {num_ranks} ranks")
     x = bf16_bits_to_f32(x_all)
     idx, w = route(x, xp.asarray(weights.router), k)
@@ -414,12 +457,21 @@ def reference_forward(x_all, weights: MoEWeights, num_topk: int, num_ranks: int 
             h = _silu(x[t] @ xp.asarray(weights.w1[e]))
             y[t, j] = _bf16_values(h @ xp.asarray(weights.w2[e]))
     contrib = w[:, :, None] * y  # [T, k, H] float32
+    owner = idx // (E // num_ranks) if num_ranks is not None and placement is None else None
+    if placement is not None:
+        from .balance import physical_topk
+        _check_placement(placement, rule, num_ranks)
+        if tokens_per_rank is None or sum(tokens_per_rank) != T:
+            raise ValueError(f"a placement needs tokens_per_rank, the ranks' token counts summing to {T}")
+        starts = np.concatenate([[0], np.cumsum(tokens_per_rank)]).astype(int)
+        phys = xp.concatenate([physical_topk(idx[starts[r]:starts[r + 1]], placement, r, rule)
+                               for r in range(num_ranks)]) if T else idx
+        owner = phys // placement.experts_per_gpu
     if num_ranks is None:
         acc = xp.zeros((T, H), dtype=xp.float32)
         for j in range(k):
             acc += contrib[:, j]
         return f32_to_bf16_bits(acc)
-    owner = idx // (E // num_ranks)
     acc = xp.zeros((T, H), dtype=xp.float32)
     for r in range(num_ranks):
         part = xp.zeros((T, H), dtype=xp.float32)

@@ -413,3 +413,47 @@ def test_layer_rejects_bad_arguments(weights):
         _HostLayer(_HostBuffer(world, 0), weights, E + 1)
     with pytest.raises(ValueError, match="hidden"):
         _HostLayer(_HostBuffer(world, 0), weights, K).forward(np.zeros((2, H + 128), np.uint16))
+
+
+@pytest.mark.parametrize("rule", ["round_robin", "nearest"])
+@pytest.mark.parametrize("tokens", [[40, 40], [33, 0, 57, 20]])
+def test_layer_with_a_placement_is_the_logical_layer(weights, rule, tokens):
+    """With replicated experts (a placement planned from skewed loads), the
+    layer dispatches physical ids over P experts and returns the logical
+    layer's output: the reference with the same placement (only the per-rank
+    partials' rounding moves) within 1e-9, as the layer without one matches
+    its reference, and the plain reference within the layer's bound."""
+    from cupyep.balance import physical_topk, rebalance_experts
+    R = len(tokens)
+    load = np.ones((1, E))
+    load[0, :3] = [20.0, 9.0, 5.0]
+    placement = rebalance_experts(load, E + 2 * R, 1, 1, R).layer(0)  # two extra replicas per rank
+    P = placement.num_physical
+    world = _World(R, P)
+    bufs = [_HostBuffer(world, r) for r in range(R)]
+    layers = [_HostLayer(b, weights, K, expert_alignment=8, placement=placement, rule=rule) for b in bufs]
+    assert layers[0].num_experts == P and layers[0].w1.shape[0] == P // R
+    xs = _tokens(5, tokens)
+    got = np.concatenate(world.run(lambda r: layers[r].forward(xs[r])))
+    x_all = np.concatenate(xs)
+    want = moe.reference_forward(x_all, weights, K, num_ranks=R, placement=placement, rule=rule,
+                                 tokens_per_rank=tokens)
+    diff, worst = moe.agreement(got, want)
+    assert diff < 1e-9 and worst < moe.MOE_TOKEN_BOUND, (diff, worst)
+    diff, worst = moe.agreement(got, moe.reference_forward(x_all, weights, K))
+    assert diff < moe.MOE_CALC_DIFF_BOUND and worst < moe.MOE_TOKEN_BOUND, (diff, worst)
+    # the hot expert's slots really went to several replicas
+    idx, _ = moe.route(moe.bf16_bits_to_f32(x_all[:tokens[0]]), weights.router, K)
+    assert len(set(physical_topk(idx, placement, 0, "round_robin")[idx == 0].tolist())) > 1 or not (idx == 0).any()
+
+
+def test_a_layer_rejects_a_placement_that_does_not_fit(weights):
+    from cupyep.balance import rebalance_experts
+    world = _World(2, E)
+    p = rebalance_experts(np.ones((2, E)), E + 4, 1, 1, 2)
+    with pytest.raises(ValueError, match="one layer"):
+        _HostLayer(_HostBuffer(world, 0), weights, K, placement=p)
+    with pytest.raises(ValueError, match="for 4 GPUs"):
+        _HostLayer(_HostBuffer(world, 0), weights, K, placement=rebalance_experts(np.ones((1, E)), E, 1, 1, 4))
+    with pytest.raises(ValueError, match="rule"):
+        _HostLayer(_HostBuffer(world, 0), weights, K, placement=p.layer(0), rule="random")

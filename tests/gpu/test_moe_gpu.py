@@ -108,3 +108,38 @@ def test_moe_layer_is_deterministic_and_transport_independent(group, layers):
     same["queue == direct"] = np.array_equal(runs["queue"][0], runs["direct"][0])
     assert all_ranks(group.comm, all(same.values())), {k: v for k, v in same.items() if not v}
     group.comm.Barrier()
+
+
+@pytest.mark.parametrize("rule", ["round_robin", "nearest"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_moe_layer_with_replicated_experts_is_the_logical_layer(group, buf, weights, transport, rule):
+    """A placement planned from skewed loads (three hot experts, two extra
+    replicas per rank): the layer dispatches physical ids over P experts and
+    still returns the logical layer, against the reference with the same
+    placement (the per-rank partials' rounding) and the plain one."""
+    import cupy
+
+    from cupyep.balance import rebalance_experts
+    R, me = group.local_size, group.local_rank
+    load = np.ones((1, NUM_EXPERTS))
+    load[0, :3] = [40.0, 20.0, 10.0]
+    placement = rebalance_experts(load, NUM_EXPERTS + 2 * R, 1, 1, R).layer(0)
+    layer = moe.MoELayer(buf, weights, NUM_TOPK, transport=transport, placement=placement, rule=rule)
+    tokens = [NUM_TOKENS] * R
+    xs = _tokens(9, tokens)
+    group.comm.Barrier()
+    got = layer.forward(cupy.asarray(xs[me])).get()
+    lo = me * NUM_TOKENS
+    x_all = cupy.asarray(np.concatenate(xs))
+    mirrored = moe.reference_forward(x_all, weights, NUM_TOPK, num_ranks=R, placement=placement, rule=rule,
+                                     tokens_per_rank=tokens)[lo:lo + NUM_TOKENS].get()
+    plain = moe.reference_forward(x_all, weights, NUM_TOPK)[lo:lo + NUM_TOKENS].get()
+    d_mirror, w_mirror = moe.agreement(got, mirrored)
+    d_plain, w_plain = moe.agreement(got, plain)
+    ok = (layer.num_experts == placement.num_physical and not np.isnan(bf16_to_f32(got)).any()
+          and d_mirror < moe.MOE_CALC_DIFF_BOUND and d_plain < moe.MOE_CALC_DIFF_BOUND
+          and w_mirror < moe.MOE_TOKEN_BOUND and w_plain < moe.MOE_TOKEN_BOUND)
+    assert all_ranks(group.comm, ok), {"rank": me, "calc_diff mirrored": d_mirror, "calc_diff plain": d_plain,
+                                       "worst mirrored": w_mirror, "worst plain": w_plain}
+    buf.synchronize()
+    group.comm.Barrier()

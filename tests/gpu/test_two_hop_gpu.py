@@ -467,11 +467,14 @@ def test_cupyep_buffer_across_nodes_is_the_two_hop_mode(group, nvshmem_session, 
 
 
 @pytest.mark.parametrize("alignment", [128, 1])
-def test_the_moe_layer_runs_across_nodes(group, nvshmem_session, alignment):
+@pytest.mark.parametrize("rule", [None, "nearest"])
+def test_the_moe_layer_runs_across_nodes(group, nvshmem_session, alignment, rule):
     """cupyep.moe.MoELayer on cupyep.Buffer(group) across nodes (expert-major
     dispatch, the FFN over the blocks, the expert-major combine) against the
     single-process layer on all ranks' tokens: calc_diff and the worst
-    token's error within cupyep.moe's bounds, no NaN; twice the same bits."""
+    token's error within cupyep.moe's bounds, no NaN; twice the same bits.
+    ``rule``: with replicated experts (a hierarchical placement planned from
+    skewed loads), each slot to the replica the rule picks."""
     import cupy
 
     import cupyep
@@ -485,8 +488,15 @@ def test_the_moe_layer_runs_across_nodes(group, nvshmem_session, alignment):
     weights = moe.MoEWeights(cupy.asarray(w.router), cupy.asarray(w.w1), cupy.asarray(w.w2))
     xs = [f32_to_bf16(np.random.default_rng([7, r]).standard_normal((T, Hm), dtype=np.float32)) for r in range(R)]
     group.comm.Barrier()
+    placement = None
+    if rule is not None:
+        from cupyep.balance import rebalance_experts
+        load = np.ones((1, E))
+        load[0, :2] = [30.0, 12.0]
+        placement = rebalance_experts(load, E + 2 * R, group.num_nodes, group.num_nodes, R).layer(0)
     with cupyep.Buffer(group) as buf:
-        layer = moe.MoELayer(buf, weights, K_TOPK, expert_alignment=alignment)
+        layer = moe.MoELayer(buf, weights, K_TOPK, expert_alignment=alignment, placement=placement,
+                             rule=rule or "round_robin")
         got = layer.forward(cupy.asarray(xs[me])).get()
         again = layer.forward(cupy.asarray(xs[me])).get()
         group.comm.Barrier()
