@@ -144,3 +144,108 @@ def test_nearest_takes_the_own_rank_then_the_own_node():
     five = np.full((6, 1), 5, dtype=np.int64)  # replicas 3 (rank 1) and 9 (rank 3); none on ranks 0, 2
     assert set(physical_topk(five, p, 0, "nearest").ravel()) == {3}    # its node's
     assert set(physical_topk(five, p, 2, "nearest").ravel()) == {9}
+
+
+# ------------------------------------------------------------------ migration
+
+def _apply(old, moves):
+    """The weights each rank holds after the moves, weights standing for their expert ids."""
+    from cupyep.balance import Move  # noqa: F401  (the public name)
+    n = old.experts_per_gpu
+    before = old.phy2log[0].reshape(old.num_gpus, n)
+    after = before.copy()
+    for m in moves:
+        after[m.dst_rank, m.dst_slot] = before[m.src_rank, m.src_slot]
+        assert before[m.src_rank, m.src_slot] == m.logical
+    return after.ravel()
+
+
+def test_align_keeps_every_expert_that_stays_on_its_gpu_in_its_slot():
+    from cupyep.balance import align
+    old = Placement.from_phy2log([0, 1, 2, 3, 4, 5, 6, 7], 8, num_gpus=2)
+    new = Placement.from_phy2log([3, 9 % 8, 0, 2, 7, 6, 4, 5], 8, num_gpus=2)  # GPU 0: {3, 1, 0, 2}
+    got = align(old, new)
+    assert got.phy2log[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7]  # nothing moves
+    new = Placement.from_phy2log([2, 0, 1, 6, 4, 5, 3, 7], 8, num_gpus=2)  # 3 and 6 swap GPUs
+    got = align(old, new)
+    assert got.phy2log[0].tolist() == [0, 1, 2, 6, 4, 5, 3, 7]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_moves_turn_the_old_placement_into_the_new_one(seed):
+    from cupyep.balance import align, plan_moves
+    rng = np.random.default_rng(seed)
+    E, P, G = 32, 48, 8
+    old = rebalance_experts(rng.zipf(1.5, (1, E)).astype(float), P, 1, 2, G).layer(0)
+    new = align(old, rebalance_experts(rng.zipf(1.5, (1, E)).astype(float), P, 1, 2, G).layer(0))
+    moves = plan_moves(old, new)
+    assert np.array_equal(_apply(old, moves), new.phy2log[0])
+    kept = int((old.phy2log[0] == new.phy2log[0]).sum())
+    assert len(moves) == P - kept and all(m.dst_slot < P // G for m in moves)
+
+
+def test_a_move_pulls_from_the_nearest_holder():
+    from cupyep.balance import plan_moves
+    from cupyep.balance import align
+    # 4 GPUs of 3 slots, 2 nodes; expert 5 lives on GPU 1 (node 0) and GPU 3 (node 1)
+    old = Placement.from_phy2log([0, 1, 2, 5, 3, 4, 6, 7, 0, 5, 1, 2], 8, num_gpus=4, num_nodes=2)
+    new = align(old, Placement.from_phy2log([0, 1, 5, 5, 3, 4, 6, 7, 5, 2, 1, 4], 8, num_gpus=4, num_nodes=2))
+    assert new.phy2log[0].tolist() == [0, 1, 5, 5, 3, 4, 6, 7, 5, 4, 1, 2]
+    moves = {(m.dst_rank, m.dst_slot): (m.src_rank, m.src_slot) for m in plan_moves(old, new)}
+    assert moves == {(0, 2): (1, 0),   # node 0's holder of 5
+                     (2, 2): (3, 0),   # node 1's holder of 5
+                     (3, 0): (1, 2)}   # the only holder of 4
+    with pytest.raises(ValueError, match="differ in shape"):
+        plan_moves(old, Placement.from_phy2log(list(range(8)), 8, num_gpus=4))
+
+
+def _policy(**kw):
+    from cupyep.balance import MigrationPolicy
+    return MigrationPolicy(**{"bytes_per_expert": 84 << 20, "copy_GBps": 150.0, "us_per_pair": 0.05,
+                              "horizon_steps": 100, **kw})
+
+
+def test_moving_pays_when_the_straggler_time_saved_outweighs_the_copy():
+    E, G, P = 64, 8, 80
+    old = Placement.identity(1, E, G)
+    old = Placement.from_phy2log(np.concatenate([np.arange(E).reshape(G, -1),
+                                                 np.arange(E).reshape(G, -1)[:, :2]], axis=1).ravel(), E, G)
+    loads = np.full(E, 1000.0)
+    loads[:8] = 40000.0  # GPU 0's experts are hot
+    d = _policy().decide(old, rebalance_experts(loads[None], P, 1, 1, G).layer(0), loads)
+    assert d["pays"] and d["moved_experts"] > 0 and d["saved_us_per_step"] > 0
+    assert d["after"]["time_ratio"] < d["before"]["time_ratio"]
+    assert d["straggler_pairs_after"] < d["straggler_pairs_before"]
+    assert d["move_us"] == pytest.approx(max_pull(d["moves"], G) * (84 << 20) / 150e3)
+    short = _policy(horizon_steps=1, us_per_pair=1e-5).decide(old, d["placement"], loads)
+    assert not short["pays"]  # one step of a cheap expert does not pay for the copy
+    same = _policy().decide(d["placement"], d["placement"], loads)
+    assert not same["pays"] and same["moved_experts"] == 0
+
+
+def max_pull(moves, G):
+    pulled = np.bincount([m.dst_rank for m in moves if m.src_rank != m.dst_rank], minlength=G)
+    served = np.bincount([m.src_rank for m in moves if m.src_rank != m.dst_rank], minlength=G)
+    return max(pulled.max(), served.max())
+
+
+def test_the_online_balancer_replans_behind_its_alarm_and_keeps_what_pays():
+    from cupyep.balance import OnlineBalancer
+    E, G, P = 32, 4, 40
+    start = rebalance_experts(np.ones((1, E)), P, 1, 1, G).layer(0)
+    ob = OnlineBalancer(start, _policy(us_per_pair=1.0), alarm=1.1)
+    assert ob.step(np.ones(E) * 100) is None and ob.placement is start  # balanced: the alarm is quiet
+    hot = np.ones(E) * 100
+    hot[start.phy2log[0, :start.experts_per_gpu]] = 2000  # GPU 0's experts
+    d = ob.step(hot)
+    assert d["pays"] and ob.placement is d["placement"] and d["after"]["time_ratio"] < d["before"]["time_ratio"]
+    assert balancedness(ob.placement.gpu_loads(hot[None]))["time_ratio"] < \
+        balancedness(start.gpu_loads(hot[None]))["time_ratio"]
+    again = ob.step(hot)  # from the adopted placement: what it measures is the last decision's "after"
+    assert again is None or again["before"] == d["after"]
+    with pytest.raises(ValueError, match="experts"):
+        ob.step(np.ones(E + 1))
+    smooth = OnlineBalancer(start, _policy(us_per_pair=1.0), alarm=1.1, smoothing=0.5)
+    assert smooth.step(np.ones(E)) is None
+    d = smooth.step(hot)  # the average of a balanced step and a hot one still trips the alarm
+    assert d is not None

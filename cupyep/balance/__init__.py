@@ -5,13 +5,17 @@
   NumPy only);
 - ``placement``: ``Placement`` (phy2log, log2phy, logcnt), the replica a
   token's slot takes (``physical_topk``, two rules), per-GPU loads and
-  their balancedness (``report``).
+  their balancedness (``report``);
+- ``migration``: the moves from one placement to another (``align``,
+  ``plan_moves``), when they pay (``MigrationPolicy``), and the per-step
+  re-planning behind an imbalance alarm (``OnlineBalancer``).
 
 A dispatch of physical ids (``num_experts=placement.num_physical``) runs on
 every route unchanged; cupyep.moe.MoELayer takes a placement.
 """
 from .placement import REPLICA_RULES, Placement, balancedness, physical_topk, report
 from .planner import POLICIES, pack, rebalance_experts, replicate
+from .migration import MigrationPolicy, Move, OnlineBalancer, align, plan_moves
 
-__all__ = ["Placement", "REPLICA_RULES", "POLICIES", "balancedness", "pack", "physical_topk", "rebalance_experts",
+__all__ = ["MigrationPolicy", "Move", "OnlineBalancer", "align", "plan_moves", "Placement", "REPLICA_RULES", "POLICIES", "balancedness", "pack", "physical_topk", "rebalance_experts",
            "replicate", "report"]
