@@ -358,6 +358,7 @@ class MoELayer:
         self.num_experts, self.hidden = int(weights.w1.shape[0]), weights.hidden  # physical experts
         self.num_local_experts = self.num_experts // R
         w1, w2 = weights.local(me, R)
+        self._store = self._next = None  # the weights' registered copy and the placement a migration moves to
         self.router = self._to_device(weights.router)  # [H, E] float32
         self.w1 = self._to_device(w1)                  # [E_local, H, F] float32
         self.w2 = self._to_device(w2)                  # [E_local, F, H] float32
@@ -387,6 +388,44 @@ class MoELayer:
         return self.buffer.combine(y, out.handle, pair_weights=out.recv_topk_weights, expert_major=True).combined_x
 
     __call__ = forward
+
+    # ------------------------------------------------------------- migration
+    def start_migration(self, placement) -> dict:
+        """Collective: begin moving this layer's experts to ``placement`` (one
+        layer, the same numbers of physical experts and ranks; the current one
+        is the identity without a placement). The experts each rank gains are
+        pulled from their holders over the node's peer mappings on a side
+        stream (cupyep.balance.store) while forward keeps using the current
+        weights; :meth:`finish_migration` commits them. The first migration
+        moves the layer's weights into registered memory (collective).
+
+        Returns {"moves": the Move list, "received": experts this rank pulls}."""
+        from .balance import Placement, align, plan_moves
+        from .balance.store import ExpertStore
+        R = self.buffer.num_ranks
+        if self._next is not None:
+            raise ValueError("a migration is in progress: finish_migration first")
+        old = self.placement or Placement.identity(1, self.num_experts, R)
+        new = align(old, _check_placement(placement, self.rule, R))
+        if self._store is None:
+            H, F = self.w1.shape[1], self.w1.shape[2]
+            self._store = ExpertStore(self.buffer.group, self.num_local_experts,
+                                      {"w1": ((H, F), np.float32), "w2": ((F, H), np.float32)})
+            self._store.load({"w1": self.w1, "w2": self.w2})
+            self.w1, self.w2 = self._store.arrays["w1"], self._store.arrays["w2"]
+        moves = plan_moves(old, new)
+        self._store.start_migration(moves)
+        self._next = new
+        return {"moves": moves, "received": sum(m.dst_rank == self.buffer.rank for m in moves)}
+
+    def finish_migration(self) -> int:
+        """Collective: commit a migration (bounded waits); later forwards route
+        by the new placement. Returns the experts this rank received."""
+        if self._next is None:
+            raise ValueError("no migration to finish: start_migration first")
+        got = self._store.finish_migration()
+        self.placement, self._next = self._next, None
+        return got
 
     # Where arrays live: the GPU (a CPU test overrides these to run the layer
     # over a NumPy stand-in for the Buffer).

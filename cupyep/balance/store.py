@@ -1,0 +1,128 @@
+"""Expert weights in IPC-registered memory, and their move to a new
+placement (within a node).
+
+:class:`ExpertStore` holds a rank's physical experts' weights (``slots``
+experts, one array per matrix name) in a SymmetricBuffer, so that every
+rank of the node can read every other rank's experts. A migration
+(:meth:`ExpertStore.start_migration`, then :meth:`finish_migration`) runs in
+two steps:
+
+1. *pull*: on a side stream, each rank copies every expert it gains
+   (cupyep.balance.migration.plan_moves: the moves whose ``dst_rank`` is
+   this rank) from the holder's slot straight into a staging area of its
+   own: one copy over the peer mapping per moved expert. The current
+   weights are only read, so the layer keeps computing with them
+   meanwhile, on its own stream;
+2. *commit* (collective): a bounded host wait until every rank's pulls are
+   done, so that nobody reads the old weights any more, then each rank
+   copies its staged experts into their slots, on the caller's stream
+   (after the compute already enqueued there).
+
+The weights arrive bit-exact (plain device copies). Every wait is bounded
+by the group's timeout and names the phase.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+ALIGN = 256
+
+
+class ExpertStore:
+    """One rank's physical experts, readable by every rank of the node.
+
+    Arguments:
+        group: from cupyep.init; all ranks of one node take part (collective).
+        slots: physical experts per rank (P / R).
+        shapes: {name: (per-expert shape, dtype)}, the same on every rank
+            (e.g. {"w1": ((H, F), float32), "w2": ((F, H), float32)}).
+
+    Attributes:
+        arrays: {name: cupy [slots, *shape]} views of this rank's weights.
+    """
+
+    def __init__(self, group, slots: int, shapes: dict):
+        from ..ipc import SymmetricBuffer
+        if group.num_nodes > 1:
+            raise ValueError("ExpertStore moves experts within a node (IPC); across nodes is not carried yet")
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.group, self.slots = group, int(slots)
+        self.layout = {}
+        off = 0
+        for name, (shape, dtype) in shapes.items():
+            nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+            self.layout[name] = (off, tuple(shape), np.dtype(dtype), nbytes)
+            off += -(-nbytes * self.slots // ALIGN) * ALIGN
+        self.nbytes = max(off, ALIGN)
+        self.buffer = SymmetricBuffer(group, self.nbytes)
+        self.arrays = {name: self.buffer.view(o, (self.slots, *shape), dt)
+                       for name, (o, shape, dt, _) in self.layout.items()}
+        self._stream = None
+        self._pending = None
+
+    def load(self, arrays: dict) -> None:
+        """Copy ``arrays`` ({name: [slots, *shape]}) in (on the current stream)."""
+        for name, a in arrays.items():
+            dst = self.arrays[name]
+            if tuple(a.shape) != dst.shape or a.dtype != dst.dtype:
+                raise ValueError(f"{name} must be {list(dst.shape)} {dst.dtype}, got {list(a.shape)} {a.dtype}")
+            dst[...] = a
+
+    def start_migration(self, moves) -> None:
+        """Collective: begin pulling the experts this rank gains (Move list of
+        cupyep.balance.plan_moves, the same on every rank), on a side stream
+        ordered after the caller's stream so far. The weights stay as they
+        are until :meth:`finish_migration`."""
+        import cupy
+        if self._pending is not None:
+            raise ValueError("a migration is in progress: finish it first")
+        me = self.group.local_rank
+        mine = [m for m in moves if m.dst_rank == me and (m.src_rank, m.src_slot) != (m.dst_rank, m.dst_slot)]
+        for m in moves:
+            if not (0 <= m.dst_slot < self.slots and 0 <= m.src_slot < self.slots and
+                    0 <= m.src_rank < self.group.local_size and 0 <= m.dst_rank < self.group.local_size):
+                raise ValueError(f"{m} lies outside {self.group.local_size} ranks of {self.slots} slots")
+        if self._stream is None:
+            self._stream = cupy.cuda.Stream(non_blocking=True)
+        ready = cupy.cuda.Event(disable_timing=True)
+        ready.record(cupy.cuda.get_current_stream())
+        self._stream.wait_event(ready)
+        staged = {name: cupy.empty((len(mine), *shape), dtype=dt) for name, (_, shape, dt, _) in self.layout.items()}
+        rt = cupy.cuda.runtime
+        for i, m in enumerate(mine):
+            for name, (off, _, _, nbytes) in self.layout.items():
+                src = self.buffer.peer_ptr_list[m.src_rank] + off + m.src_slot * nbytes
+                rt.memcpyAsync(staged[name].data.ptr + i * nbytes, src, nbytes, rt.memcpyDeviceToDevice,
+                               self._stream.ptr)
+        done = cupy.cuda.Event(disable_timing=True)
+        done.record(self._stream)
+        self._pending = (mine, staged, done)
+
+    def finish_migration(self) -> int:
+        """Collective: once every rank's pulls are done (a bounded wait, then a
+        bounded exchange), copy the staged experts into their slots on the
+        current stream. Returns the experts this rank received."""
+        if self._pending is None:
+            raise ValueError("no migration to finish: start_migration first")
+        mine, staged, done = self._pending
+        self.group.wait(done, "expert_migration", "host wait for this rank's pulls")
+        self.group.exchange(np.zeros(1, dtype=np.int8), "expert migration: every rank's pulls done")
+        for i, m in enumerate(mine):
+            for name in self.layout:
+                self.arrays[name][m.dst_slot] = staged[name][i]
+        self._pending = None
+        return len(mine)
+
+    def destroy(self) -> None:
+        """Collective: free the registered memory."""
+        if self._pending is not None:
+            self.group.wait(self._pending[2], "expert_migration", "host wait for the pulls before destroy")
+            self._pending = None
+        self.buffer.destroy()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.destroy()

@@ -1,0 +1,88 @@
+"""Moving experts to a new placement on the GPU (cupyep.balance.store and
+MoELayer's migration), within a node: the weights arrive bit-exact, the
+layer computes with the old weights until the commit, and after it the
+layer is the logical layer under the new placement.
+
+    python3 -m cupyep.gpu_tests --ranks 2 4 8 -k balance
+"""
+import numpy as np
+import pytest
+
+from cupyep import moe
+from cupyep.testing import all_ranks, f32_to_bf16
+
+pytestmark = pytest.mark.gpu
+E, H, F, K, T = 32, 512, 256, 4, 128
+
+
+def _tag(logical, shape):
+    """The weights of logical expert e: every element e + 0.25 * its index mod 8 (exact in float32)."""
+    n = int(np.prod(shape))
+    return (logical + 0.25 * (np.arange(n) % 8)).astype(np.float32).reshape(shape)
+
+
+def test_an_expert_store_moves_experts_bit_exact_while_compute_reads_the_old_ones(group):
+    import cupy
+
+    from cupyep.balance import align, plan_moves, rebalance_experts
+    from cupyep.balance.store import ExpertStore
+    if group.num_nodes > 1:
+        pytest.skip("the store moves experts within a node")
+    R, me = group.local_size, group.local_rank
+    P = E + 2 * R
+    rng = np.random.default_rng(11)
+    old = rebalance_experts(rng.zipf(1.6, (1, E)).astype(float), P, 1, 1, R).layer(0)
+    new = align(old, rebalance_experts(rng.zipf(1.6, (1, E)).astype(float), P, 1, 1, R).layer(0))
+    n = P // R
+    shapes = {"a": ((4, 64), np.float32), "b": ((3, 5), np.float32)}
+    with ExpertStore(group, n, shapes) as store:
+        mine = old.phy2log[0, me * n:(me + 1) * n]
+        store.load({name: cupy.asarray(np.stack([_tag(e, s) for e in mine])) for name, (s, _) in shapes.items()})
+        moves = plan_moves(old, new)
+        store.start_migration(moves)
+        during = store.arrays["a"][:, 0, 0].get()  # the current weights until the commit
+        got = store.finish_migration()
+        want = new.phy2log[0, me * n:(me + 1) * n]
+        checks = {"old weights until commit": np.array_equal(during, mine.astype(np.float32)),
+                  "received": got == sum(m.dst_rank == me and (m.src_rank, m.src_slot) != (m.dst_rank, m.dst_slot)
+                                         for m in moves)}
+        for name, (s, _) in shapes.items():
+            checks[name] = np.array_equal(store.arrays[name].get(), np.stack([_tag(e, s) for e in want]))
+        with pytest.raises(ValueError, match="no migration"):
+            store.finish_migration()
+    assert all_ranks(group.comm, all(checks.values())), {k: v for k, v in checks.items() if not v}
+
+
+@pytest.mark.parametrize("transport", ["queue", "direct"])
+def test_a_layer_migrated_to_a_new_placement_is_the_logical_layer_under_it(group, transport):
+    import cupy
+
+    import cupyep
+    from cupyep.balance import rebalance_experts
+    if group.num_nodes > 1:
+        pytest.skip("the store moves experts within a node")
+    R, me = group.local_size, group.local_rank
+    w = moe.MoEWeights.random(5, H, F, E)
+    weights = moe.MoEWeights(cupy.asarray(w.router), cupy.asarray(w.w1), cupy.asarray(w.w2))
+    cold = np.ones((1, E))
+    hot = np.ones((1, E))
+    hot[0, :4] = [30.0, 20.0, 10.0, 5.0]
+    first = rebalance_experts(cold, E + 2 * R, 1, 1, R).layer(0)
+    second = rebalance_experts(hot, E + 2 * R, 1, 1, R).layer(0)
+    xs = [f32_to_bf16(np.random.default_rng([3, r]).standard_normal((T, H), dtype=np.float32)) for r in range(R)]
+    x_all = cupy.asarray(np.concatenate(xs))
+    with cupyep.Buffer(group, max_tokens=T, hidden=H, num_topk=K) as buf:
+        layer = moe.MoELayer(buf, weights, K, transport=transport, expert_alignment=8, placement=first)
+        before = layer.forward(cupy.asarray(xs[me])).get()
+        info = layer.start_migration(second)
+        during = layer.forward(cupy.asarray(xs[me])).get()  # still the first placement's weights and routing
+        layer.finish_migration()
+        after = layer.forward(cupy.asarray(xs[me])).get()
+        with pytest.raises(ValueError, match="no migration"):
+            layer.finish_migration()
+    checks = {"during == before": np.array_equal(during, before), "moved": len(info["moves"]) > 0}
+    for name, got, pl in (("before", before, first), ("after", after, layer.placement)):
+        want = moe.reference_forward(x_all, weights, K, num_ranks=R, placement=pl, tokens_per_rank=[T] * R)
+        d, worst = moe.agreement(got, want[me * T:(me + 1) * T].get())
+        checks[name] = d < moe.MOE_CALC_DIFF_BOUND and worst < moe.MOE_TOKEN_BOUND
+    assert all_ranks(group.comm, all(checks.values())), {"rank": me, **checks}
