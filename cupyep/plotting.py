@@ -674,7 +674,13 @@ def main(argv=None) -> int:
         p.error(f"the {args.figure} figure needs {' and '.join(missing)}")
     if len(args.file) > 1:
         p.error(f"the {args.figure} figure reads one JSONL file, got {len(args.file)}")
-    recs = load(args.file[0])
+    if not Path(args.file[0]).is_file():
+        p.error(f"no such results file: {args.file[0]}")
+    try:
+        recs = load(args.file[0])
+    except (OSError, ValueError) as exc:
+        print(f"cupyep.plotting: cannot read {args.file[0]}: {exc}", file=sys.stderr)
+        return 2
     where = _where(args.where)
     try:
         if args.figure == "knob":

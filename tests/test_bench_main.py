@@ -40,10 +40,10 @@ def test_experiment_without_gpu_prints_one_line_and_exits_2(script):
     assert out == [f"{rel} needs a CUDA GPU; none found (run python -m cupyep.bench for the CPU reference run)"]
 
 
-def test_gpu_tests_without_gpu_says_skipped():
+def test_gpu_tests_without_gpu_says_skipped_and_exits_2():
     res = subprocess.run([sys.executable, "-m", "cupyep.gpu_tests"], cwd=REPO, env=_no_gpu_env(),
                          capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 2, res.stderr  # nothing ran: not a pass
     assert res.stdout.strip() == gpu_tests.NO_GPU_MESSAGE
     assert res.stdout.startswith("skipped: no GPU") and "passed" not in res.stdout
 
@@ -141,8 +141,19 @@ def test_summary_command_text_and_errors(three_runs, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "dispatch_bf16" in out and "|" not in out
     (tmp_path / "empty").mkdir()
-    assert summary.main([str(tmp_path / "empty")]) == 1
+    assert summary.main([str(tmp_path / "empty")]) == 2
     assert summary.main([str(tmp_path / "missing")]) == 2
+    (tmp_path / "README.md").write_text("# runs\n")
+    (tmp_path / "figures").mkdir()
+    capsys.readouterr()
+    # results/main/* holds a README and figure folders beside the runs: they are skipped, with a note
+    assert summary.main([str(tmp_path / "README.md"), str(tmp_path / "figures"), str(three_runs[0])]) == 0
+    err = capsys.readouterr().err
+    assert "skipped" in err and "README.md" in err and "figures" in err
+    (three_runs[1] / "normal.jsonl").write_text("")
+    for p in three_runs[1].glob("*.jsonl"):
+        p.write_text("")
+    assert summary.main([str(three_runs[1])]) == 1  # a run folder without timed records
 
 
 # ------------------------------------------------------- main, no GPU ---
@@ -168,6 +179,25 @@ def test_main_without_gpu_writes_a_fresh_run_folder(tmp_path, monkeypatch, capsy
         assert [(r["kind"], r["ranks"]) for r in records] == [("dispatch_bf16", 2), ("combine_bf16", 2)]
         assert all(r["combine_check"] and r["backend"] == "numpy-reference (no GPU)" for r in records)
     assert "numpy-reference" in out and "median us" in out
+
+
+@pytest.mark.parametrize("argv,match", [(["--ranks", "3"], "--ranks 3: the job's 256 experts"),
+                                        (["--ranks", "0"], "--ranks 0"),
+                                        (["--ranks-per-node", "0"], "--ranks-per-node must be >= 1")])
+def test_main_refuses_a_bad_rank_count_before_writing_anything(tmp_path, capsys, argv, match):
+    from cupyep.bench import main as bench_main
+    with pytest.raises(SystemExit) as info:
+        bench_main.main(["--out", str(tmp_path / "runs"), *argv])
+    assert info.value.code == 2 and match in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()  # no half-written run folder
+
+
+def test_main_says_that_ranks_per_node_needs_a_gpu(tmp_path, monkeypatch, capsys):
+    import cupyep.runtime
+    from cupyep.bench import main as bench_main
+    monkeypatch.setattr(cupyep.runtime, "gpu_count", lambda: 0)
+    assert bench_main.main(["--out", str(tmp_path), "--ranks", "2", "--ranks-per-node", "2"]) == 0
+    assert "--ranks-per-node needs a GPU" in capsys.readouterr().err
 
 
 def test_gpu_test_shards_cover_every_file_once():

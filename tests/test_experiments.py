@@ -5,6 +5,7 @@ mpich), through the API and the command line.
 Launches see no GPU (CUDA_VISIBLE_DEVICES="")."""
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -375,3 +376,28 @@ def test_resume_distinguishes_layouts(tmp_path, launch_env, monkeypatch):
                             timeout=LAUNCH_TIMEOUT_S)  # ranks_per_node == ranks: the one-node records
     assert len(load(out)) == 4 and [r["run_id"] for r in whole] == [r["run_id"] for r in one]
     assert len(json.loads((tmp_path / "layouts.manifest.json").read_text())["sweeps"]) == 2
+
+
+@pytest.mark.parametrize("grid,match", [(["tokens=abc"], "knob 'tokens': 'abc' is not of type int"),
+                                        (["routing=zipff"], "knob 'routing': 'zipff' is not one of"),
+                                        (["topk=2.5"], "knob 'topk': 2.5 is not of type int")])
+def test_a_typo_in_a_grid_value_is_bad_usage_before_anything_runs(monkeypatch, capsys, grid, match):
+    """A grid value of the wrong type, or a routing that does not exist, is
+    the caller's error (exit 2, nothing launched), not a skipped record."""
+    from cupyep.experiments import __main__ as cli
+    launched = []
+    monkeypatch.setattr(experiments, "_launch_command", lambda *a, **k: launched.append(a) or ["false"])
+    assert cli.main(["reference", "--no-progress", "--grid", *grid]) == 2
+    assert re.search(match, capsys.readouterr().err) and not launched
+    with pytest.raises(ValueError, match="not of type bool"):
+        experiments.grid.check_value("fused", "yes", True)
+    experiments.grid.check_value("fused", 1, True)  # 0 / 1 stand for a bool
+    experiments.grid.check_value("sleep_us", 400, 400.0)  # an int for a float
+
+
+def test_the_command_line_passes_a_fallback_through(monkeypatch):
+    from cupyep.experiments import __main__ as cli
+    calls = []
+    monkeypatch.setattr(cli, "run", lambda study, grid, **kw: calls.append(kw) or [])
+    assert cli.main(["normal", "--fallback", "results/sweeps/normal_knobs.jsonl"]) == 0
+    assert calls[0]["fallback"] == "results/sweeps/normal_knobs.jsonl"

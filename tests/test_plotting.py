@@ -119,6 +119,10 @@ def test_cli_writes_png_and_svg_and_reports_bad_fields(tmp_path, capsys):
     assert "missing" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         P.main([str(path), "heatmap", "--x", "dispatch_config.queue_depth", "--out", str(tmp_path / "h")])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:  # a missing file is a usage error, not a traceback
+        P.main([str(tmp_path / "nope.jsonl"), "knob", "--x", "tokens", "--out", str(tmp_path / "n")])
+    assert info.value.code == 2 and "no such results file" in capsys.readouterr().err
 
 
 # ------------------------------------------------------ the main job's figures ---

@@ -40,6 +40,9 @@ BENCHES = (("bench_normal.py", "normal.jsonl", []),
            ("bench_naive.py", "naive.jsonl", []))
 
 
+EXPERTS = 256  # the job's routing: top-8 of 256 experts
+
+
 def reference_run(num_ranks: int, num_tokens: int, hidden: int, out: Path) -> list[dict]:
     """Dispatch + combine of every rank on the NumPy reference (CPU); appends
     one record per kind to ``out`` and returns them."""
@@ -47,14 +50,14 @@ def reference_run(num_ranks: int, num_tokens: int, hidden: int, out: Path) -> li
 
     from .. import reference as ref
     from ..testing import bf16_to_f32, global_routing, payload_bf16
-    idx, w = global_routing(0, [num_tokens] * num_ranks, 256, 8)
+    idx, w = global_routing(0, [num_tokens] * num_ranks, EXPERTS, 8)
     x = [payload_bf16(r, np.arange(num_tokens), hidden) for r in range(num_ranks)]
     t0 = time.perf_counter()
-    res = ref.intranode_dispatch(x, idx, 256, topk_weights=w)
+    res = ref.intranode_dispatch(x, idx, EXPERTS, topk_weights=w)
     t1 = time.perf_counter()
     comb = ref.intranode_combine([bf16_to_f32(r.recv_x) for r in res], res, [num_tokens] * num_ranks)
     t2 = time.perf_counter()
-    visits = [ref.get_dispatch_layout(i, 256, num_ranks).is_token_in_rank.sum(1) for i in idx]
+    visits = [ref.get_dispatch_layout(i, EXPERTS, num_ranks).is_token_in_rank.sum(1) for i in idx]
     ok = all(np.allclose(c, bf16_to_f32(xx) * v[:, None]) for c, xx, v in zip(comb, x, visits))
     recv_bytes = sum(r.recv_x.nbytes for r in res)
     records = [{"bench": "normal", "backend": "numpy-reference (no GPU)", "kind": kind, "ranks": num_ranks,
@@ -144,8 +147,17 @@ def main(argv=None) -> int:
                         "at every rank count with two or more such nodes")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
-    run_dir = new_run_dir(Path(args.out))
+    for n in args.ranks or []:  # before anything is written: a bad count leaves no run folder behind
+        if n < 1 or EXPERTS % n:
+            p.error(f"--ranks {n}: the job's {EXPERTS} experts must split evenly over the ranks "
+                    f"(a divisor of {EXPERTS}: 1, 2, 4, 8, ...)")
+    if args.ranks_per_node is not None and args.ranks_per_node < 1:
+        p.error(f"--ranks-per-node must be >= 1, got {args.ranks_per_node}")
     ngpu = gpu_count()
+    if args.ranks_per_node and not ngpu:
+        print("note: --ranks-per-node needs a GPU (the runs across nodes); without one the job runs the "
+              "reference within a node only", file=sys.stderr)
+    run_dir = new_run_dir(Path(args.out))
     commit = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=no")
     manifest = {"command": shlex.join([sys.executable, "-m", "cupyep.bench", *argv]), "argv": sys.argv,

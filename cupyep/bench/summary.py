@@ -198,15 +198,19 @@ def format_table(rows, columns=SUMMARY_COLUMNS, markdown: bool = False) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cupyep.bench.summary", description=__doc__.split("\n\n")[0])
-    p.add_argument("run_dirs", nargs="+", help="folders written by the main job (results/main/<UTC time>/)")
+    p.add_argument("run_dirs", nargs="+", help="folders written by the main job (results/main/<UTC time>/); "
+                   "other paths (a README, a folder of figures) are skipped with a note")
     p.add_argument("--markdown", action="store_true", help="print a Markdown table (for the README)")
     args = p.parse_args(argv)
     runs = []
     for d in args.run_dirs:
-        if not Path(d).is_dir():
-            print(f"{d} is not a folder", file=sys.stderr)
-            return 2
+        if not Path(d).is_dir() or not ((Path(d) / "manifest.json").is_file() or any(Path(d).glob("*.jsonl"))):
+            print(f"skipped {d}: not a run folder of the main job (no manifest.json, no records)", file=sys.stderr)
+            continue
         runs.append(load_run(d))
+    if not runs:
+        print(f"none of {' '.join(args.run_dirs)} is a run folder of the main job", file=sys.stderr)
+        return 2
     rows = summarize(runs)
     if not rows:
         print(f"no timed records in {' '.join(args.run_dirs)}", file=sys.stderr)

@@ -255,13 +255,13 @@ def run(study, grid, ranks: int = 2, out=None, resume: bool = True, progress: bo
         raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
     _check_ranks_per_node(ranks, ranks_per_node)
     layout = ranks if ranks_per_node is None else ranks_per_node  # the records' "ranks_per_node"
-    configs = expand(grid, study.knobs)
+    configs = expand(grid, study.knobs, study.choices)
     keys = [config_key(c) for c in configs]
     if study.needs_gpu and not _has_gpu():
         if fallback is None:
             raise RuntimeError(f"study {study.name!r} needs a CUDA GPU and this machine has none "
-                               "(CUDA_VISIBLE_DEVICES, nvidia-smi -L); pass fallback=<committed results "
-                               ".jsonl> to read recorded results instead")
+                               "(CUDA_VISIBLE_DEVICES, nvidia-smi -L); to read recorded results instead, pass "
+                               "fallback=<committed results .jsonl> (--fallback FILE on the command line)")
         return _from_fallback(study, keys, ranks, layout, fallback)
     if study.module in ("", "__main__"):
         raise ValueError(f"study {study.name!r} is defined in {study.module or 'no module'}; the ranks import "

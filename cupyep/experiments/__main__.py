@@ -2,6 +2,7 @@
 
     python -m cupyep.experiments STUDY [--ranks 2] [--ranks-per-node K] [--out results/sweeps/STUDY.jsonl]
         [--grid KNOB=V1,V2 ...] [--configs FILE.json] [--no-resume] [--timeout S] [--no-progress]
+        [--fallback RESULTS.jsonl]
     python -m cupyep.experiments --list
 
 ``--grid KNOB=VALUES``: comma-separated values, each read as an int, else a
@@ -14,7 +15,10 @@ on this host (the launcher's option; K divides ``--ranks``; default one
 node); records of another layout are not resumed from. Ends with one line
 per status (``ok``, ``skipped``, ``error``) and the output path; exit
 status 0, 1 when a configuration's status is "error", 2 for bad usage or a
-failed launch.
+failed launch (a knob value of the wrong type or not among the knob's
+choices is bad usage). ``--fallback RESULTS.jsonl``: on a machine without
+a GPU, a GPU study reads its configurations' records from that file (a
+committed results file) instead of running them.
 """
 from __future__ import annotations
 
@@ -70,6 +74,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-resume", action="store_true", help="run configurations already in --out again")
     p.add_argument("--timeout", type=float, default=None, help="seconds for the whole launch")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--fallback", metavar="RESULTS.jsonl",
+                   help="without a GPU: read a GPU study's records from this file instead of running it")
     return p
 
 
@@ -91,7 +97,8 @@ def main(argv=None) -> int:
         else:
             grid = parse_grid(args.grid)
         recs = run(study, grid, ranks=args.ranks, out=args.out, resume=not args.no_resume,
-                   progress=not args.no_progress, timeout=args.timeout, ranks_per_node=args.ranks_per_node)
+                   progress=not args.no_progress, timeout=args.timeout, ranks_per_node=args.ranks_per_node,
+                   fallback=args.fallback)
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"python -m cupyep.experiments: error: {exc}", file=sys.stderr)
         return 2

@@ -38,6 +38,7 @@ import numpy as np
 from .. import reference, routing
 from ..testing import bf16_to_f32, payload_bf16
 from .studies import Skip, Study, register
+from ..routing import KINDS as ROUTING_KINDS
 
 KNOBS = {"tokens": 128, "hidden": 1024, "topk": 8, "experts": 64, "routing": "uniform",
          "routing_params": {}, "imbalance": 1.0, "seed": 0, "iters": 5, "warmup": 1}
@@ -108,5 +109,5 @@ def run(group, config: dict) -> dict:
             "combine_max_abs_err": err, "backend": "numpy-reference"}
 
 
-STUDY = register(Study(name="reference", knobs=KNOBS, run=run, needs_gpu=False,
+STUDY = register(Study(name="reference", knobs=KNOBS, run=run, choices={"routing": ROUTING_KINDS}, needs_gpu=False,
                        description="NumPy reference dispatch + combine of all ranks, timed on rank 0 (CPU)"))

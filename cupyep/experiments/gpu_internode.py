@@ -32,6 +32,7 @@ The TwoHopDispatch is kept between configurations of the same shape,
 from __future__ import annotations
 
 from .studies import Skip, Study, register
+from ..routing import KINDS as ROUTING_KINDS
 
 KNOBS = {"kind": "dispatch_bf16", "tokens": 4096, "hidden": 7168, "topk": 8, "experts": 256, "routing": "uniform",
          "routing_params": {}, "seed": 0, "num_sms": 0, "route": "two_hop", "rdma_chunk": 1, "nvlink_chunk": 1, "iters": 10,
@@ -89,5 +90,5 @@ def run(group, cfg: dict) -> dict:
     return rec
 
 
-register(Study(name="internode", knobs=KNOBS, run=run, needs_gpu=True,
+register(Study(name="internode", knobs=KNOBS, run=run, choices={"routing": ROUTING_KINDS}, needs_gpu=True,
                description="two-hop dispatch / combine across (emulated) nodes on the GPU (NVSHMEM)"))

@@ -48,6 +48,7 @@ from __future__ import annotations
 import numbers
 
 from .studies import Study, gpu_fixtures, register
+from ..routing import KINDS as ROUTING_KINDS
 
 KNOBS = {"kind": "dispatch_fp8", "timing": "strict", "tokens": 128, "hidden": 7168, "topk": 8, "experts": 256,
          "routing": "uniform", "routing_params": {}, "seed": 0, "max_tokens": 0, "num_blocks": 0, "num_waiters": 0,
@@ -180,5 +181,5 @@ def metrics_of(rec: dict, buf, imbalance_factor: float) -> dict:
     return metrics
 
 
-register(Study(name="low_latency", knobs=KNOBS, run=run, needs_gpu=True,
+register(Study(name="low_latency", knobs=KNOBS, run=run, choices={"routing": ROUTING_KINDS}, needs_gpu=True,
                description="low-latency dispatch / combine on the GPU (strict or DeepEP's timing boundary)"))

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .studies import Skip, Study, gpu_fixtures, register
+from ..routing import KINDS as ROUTING_KINDS
 
 KNOBS = {"transport": "queue", "kind": "dispatch_bf16", "timing": "strict", "tokens": 4096, "hidden": 7168,
          "topk": 8, "experts": 256, "routing": "uniform", "routing_params": {}, "seed": 0, "num_sms": 0,
@@ -129,5 +130,5 @@ def run(group, cfg: dict) -> dict:
     return metrics
 
 
-register(Study(name="normal", knobs=KNOBS, run=run, needs_gpu=True,
+register(Study(name="normal", knobs=KNOBS, run=run, choices={"routing": ROUTING_KINDS}, needs_gpu=True,
                description="normal-mode dispatch / combine on the GPU (queue or direct transport)"))

@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import numbers
 from typing import Mapping, Sequence
+
+import numpy as np
 
 __all__ = ["expand", "config_key", "normalize", "parse_value"]
 
@@ -78,13 +81,38 @@ def _values(name, values) -> list:
     return [values]
 
 
-def expand(grid: Mapping | Sequence[Mapping], knobs: Mapping) -> list[dict]:
+def check_value(name: str, value, default, choices=None) -> None:
+    """ValueError unless ``value`` has the type of the knob's ``default``
+    (bool, int, float: an int too, str) and, with ``choices``, is one of
+    them: a typo in a grid is the caller's error, not a configuration that
+    cannot run here."""
+    if choices is not None and value not in choices:
+        raise ValueError(f"knob {name!r}: {value!r} is not one of {list(choices)}")
+    integral = isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+    if isinstance(default, bool):
+        ok = isinstance(value, (bool, np.bool_)) or (integral and value in (0, 1))
+    elif isinstance(default, int):
+        ok = integral
+    elif isinstance(default, float):
+        ok = integral or isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+    elif isinstance(default, str):
+        ok = isinstance(value, str)
+    else:
+        ok = True
+    if not ok:
+        raise ValueError(f"knob {name!r}: {value!r} is not of type {type(default).__name__} (its default is "
+                         f"{default!r})")
+
+
+def expand(grid: Mapping | Sequence[Mapping], knobs: Mapping, choices: Mapping | None = None) -> list[dict]:
     """The configurations of ``grid``, complete and in order (module docstring).
 
     Arguments:
         grid: dict knob -> value or list of values, or a list of dicts
             knob -> value.
         knobs: the study's knobs, dict name -> default, in declared order.
+        choices: dict knob -> the values it may take (knobs not in it: any
+            value of the default's type).
 
     Returns:
         list of dicts, one per distinct configuration, each holding every
@@ -92,7 +120,9 @@ def expand(grid: Mapping | Sequence[Mapping], knobs: Mapping) -> list[dict]:
 
     Raises:
         ValueError: a knob not in ``knobs`` (naming it and the allowed
-            ones), an empty value list, a value that is not JSON-able.
+            ones), an empty value list, a value that is not JSON-able, a
+            value of another type than the knob's default or not among its
+            choices.
     """
     if isinstance(grid, Mapping):
         _check_knobs(grid, knobs, "the grid")
@@ -108,6 +138,9 @@ def expand(grid: Mapping | Sequence[Mapping], knobs: Mapping) -> list[dict]:
             partial.append(dict(config))
     else:
         raise ValueError(f"a grid is a dict knob -> values or a list of dicts, got {type(grid).__name__}")
+    for config in partial:
+        for name, value in config.items():
+            check_value(name, value, knobs[name], (choices or {}).get(name))
     out, seen = [], set()
     for config in partial:
         full = {name: normalize(config.get(name, default), name) for name, default in knobs.items()}

@@ -57,6 +57,8 @@ class Study:
         needs_gpu: True when it cannot run without a CUDA GPU.
         description: one line for ``--list``.
         module: importable module that registers it (default: ``run``'s).
+        choices: dict knob -> the values it may take (checked before
+            anything runs; cupyep.experiments.grid.check_value).
     """
     name: str
     knobs: dict
@@ -64,6 +66,7 @@ class Study:
     needs_gpu: bool = False
     description: str = ""
     module: str = field(default="")
+    choices: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.module:
