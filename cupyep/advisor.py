@@ -1,9 +1,12 @@
 """Which mode (and transport) to use for a shape, from measured results.
 
     from cupyep import advisor, plotting
-    a = advisor.advise(tokens_per_rank=96, num_ranks=8, hidden=7168, num_experts=256,
-                       records=plotting.load("results/sweeps/crossover.jsonl"))
+    records = plotting.load("results/sweeps/crossover_normal.jsonl") + \
+        plotting.load("results/sweeps/crossover_low_latency.jsonl")
+    a = advisor.advise(tokens_per_rank=96, num_ranks=8, hidden=7168, num_experts=256, records=records)
     a.mode, a.transport, a.reasons
+
+    python -m cupyep.advisor --tokens 96 --ranks 8 --records results/sweeps/crossover_*.jsonl
 
 The rules (the seed articles' serving practice):
 
@@ -190,7 +193,7 @@ def advise(tokens_per_rank: int, num_ranks: int, hidden: int = 7168, num_experts
             calibrate the crossover and the transport.
         num_nodes: nodes the ranks span. Across nodes the same rules apply
             between low-latency mode across nodes and normal mode's two-hop
-            path (transport "two_hop", the only one there), calibrated by
+            path (transport "queue", which the two-hop route carries there), calibrated by
             records of the same node layout (their ``ranks_per_node``).
 
     Returns:
@@ -212,12 +215,16 @@ def advise(tokens_per_rank: int, num_ranks: int, hidden: int = 7168, num_experts
                        "mode (timed by the two-hop route's records)")
     cross = crossover_tokens(records, num_ranks, normal_modes[0], per_node)
     calibrated = cross is not None
-    if cross is None:
+    measured = None if calibrated else _measured_at(records, num_ranks, tokens_per_rank, per_node, normal_modes)
+    if calibrated:
+        reasons.append(f"measured crossover at {where}: {cross:.0f} tokens per rank")
+    elif measured is not None:
+        cross = DEFAULT_CROSSOVER
+        reasons.append(f"the records at {where} show no crossover (one mode is faster at every token count they "
+                       f"cover), and they time this shape: the faster one decides")
+    else:
         cross = DEFAULT_CROSSOVER
         reasons.append(f"uncalibrated: no records at {where} bracket the crossover; using {cross} tokens")
-    else:
-        reasons.append(f"measured crossover at {where}: {cross:.0f} tokens per rank")
-    measured = None if calibrated else _measured_at(records, num_ranks, tokens_per_rank, per_node, normal_modes)
     ll_bytes = ll_size_hint(num_ranks, tokens_per_rank, hidden, num_experts, max(num_topk, 1), staged=across)
     fits = memory_budget_bytes is None or ll_bytes <= memory_budget_bytes
     skew = imbalance_factor is not None and imbalance_factor >= SEVERE_IMBALANCE
@@ -251,8 +258,56 @@ def advise(tokens_per_rank: int, num_ranks: int, hidden: int = 7168, num_experts
         reasons.append(f"{tokens_per_rank} tokens per rank between the rules: the default crossover decides")
     transport = None
     if mode == "normal" and across:
-        transport = "two_hop"
+        transport = "queue"  # carried across nodes by the two-hop route (cupyep.normal.route)
     elif mode == "normal":
         transport, why = _faster_transport(records, num_ranks, tokens_per_rank)
         reasons.append(why)
     return Advice(mode, transport, reasons, warnings, float(cross), calibrated)
+
+
+def main(argv=None) -> int:
+    """``python -m cupyep.advisor --tokens T --ranks R [--nodes N] [--records FILE ...]``: print the advice."""
+    import argparse
+    import json
+    import sys
+    p = argparse.ArgumentParser(prog="python -m cupyep.advisor", description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, required=True, help="the most tokens a rank dispatches per call")
+    p.add_argument("--ranks", type=int, required=True)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--memory-gb", type=float, default=None, help="device memory per rank the buffer may take")
+    p.add_argument("--imbalance", type=float, default=None, help="max / mean pairs per expert of the routing")
+    p.add_argument("--throughput", action="store_true", help="calls do not wait on the result (not latency-bound)")
+    p.add_argument("--records", nargs="*", default=[], metavar="FILE.jsonl", help="measured results to calibrate")
+    p.add_argument("--json", action="store_true", help="print the advice as JSON")
+    args = p.parse_args(argv)
+    from .plotting import load
+    records = []
+    for path in args.records:
+        try:
+            records += load(path)
+        except OSError as exc:
+            p.error(f"cannot read {path}: {exc.strerror or exc}")
+    try:
+        a = advise(args.tokens, args.ranks, args.hidden, args.experts, args.topk,
+                   None if args.memory_gb is None else int(args.memory_gb * 2**30), not args.throughput,
+                   args.imbalance, records, args.nodes)
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.json:
+        print(json.dumps({"mode": a.mode, "transport": a.transport, "crossover_tokens": a.crossover_tokens,
+                          "calibrated": a.calibrated, "reasons": a.reasons, "warnings": a.warnings}, indent=1))
+    else:
+        print(f"mode: {a.mode}" + (f", transport: {a.transport}" if a.transport else ""))
+        for r in a.reasons:
+            print(f"  because {r}")
+        for w in a.warnings:
+            print(f"  warning: {w}")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

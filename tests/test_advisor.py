@@ -113,18 +113,20 @@ def test_without_a_crossover_the_measurement_at_the_shape_decides():
                   "time_us": c}]
     a = advisor.advise(300, 8, records=recs)
     assert a.mode == "low_latency" and not a.calibrated and any("measured at 8 ranks" in r for r in a.reasons)
+    assert not any("using 128 tokens" in r for r in a.reasons)  # the measurement decides, not the default
     assert advisor.advise(4096, 8, records=recs).mode == "normal"  # outside the measurements: the rule
 
 
 def test_across_nodes_the_rules_choose_low_latency_or_two_hop():
     """Across nodes the same rules choose between low-latency mode across nodes
-    and the two-hop normal mode (its only transport there)."""
+    and the two-hop normal mode (transport "queue", which the two-hop route
+    carries across nodes)."""
     a = A.advise(32, 16, num_nodes=2, imbalance_factor=5.0)
     assert (a.mode, a.transport, a.calibrated) == ("low_latency", None, False)
     assert any("2 nodes" in r for r in a.reasons) and any("imbalance" in w for w in a.warnings)
-    assert (A.advise(1024, 16, num_nodes=2).mode, A.advise(1024, 16, num_nodes=2).transport) == ("normal", "two_hop")
+    assert (A.advise(1024, 16, num_nodes=2).mode, A.advise(1024, 16, num_nodes=2).transport) == ("normal", "queue")
     skewed = A.advise(32, 16, num_nodes=2, imbalance_factor=10.0)
-    assert (skewed.mode, skewed.transport) == ("normal", "two_hop")
+    assert (skewed.mode, skewed.transport) == ("normal", "queue")
     with pytest.raises(ValueError, match="num_nodes"):
         A.advise(32, 16, num_nodes=3)
 
@@ -149,7 +151,7 @@ def test_across_nodes_the_crossover_comes_from_records_of_the_same_layout():
     assert A.crossover_tokens(across, 8, "normal_two_hop", 8) is None  # no two-hop records of one node
     a = A.advise(int(cross) + 50, 8, num_nodes=2, records=across + one_node)
     b = A.advise(max(1, int(cross) - 50), 8, num_nodes=2, records=across + one_node)
-    assert (a.mode, a.transport, a.calibrated) == ("normal", "two_hop", True)
+    assert (a.mode, a.transport, a.calibrated) == ("normal", "queue", True)
     assert (b.mode, b.transport, b.calibrated) == ("low_latency", None, True)
     assert any("2 nodes of 4" in r for r in a.reasons)
 
@@ -172,3 +174,18 @@ def test_several_runs_of_one_point_count_as_their_median():
     runs = [_records(ll={64: (d, 60.0), 256: (200.0, 400.0)}) for d in (30.0, 90.0, 40.0)]
     times = A.mode_times([r for run in runs for r in run], 8, "low_latency")
     assert times[64] == pytest.approx(40.0 + 60.0) and times[256] == pytest.approx(600.0)
+
+
+def test_the_command_line_prints_the_advice(tmp_path, capsys):
+    import json
+    assert A.main(["--tokens", "1024", "--ranks", "16", "--nodes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("mode: normal, transport: queue") and "because" in out
+    assert A.main(["--tokens", "32", "--ranks", "8", "--imbalance", "5", "--json"]) == 0
+    advice = json.loads(capsys.readouterr().out)
+    assert advice["mode"] == "low_latency" and advice["warnings"] and advice["calibrated"] is False
+    with pytest.raises(SystemExit):
+        A.main(["--tokens", "32", "--ranks", "8", "--records", str(tmp_path / "missing.jsonl")])
+    assert "cannot read" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        A.main(["--tokens", "32", "--ranks", "8", "--nodes", "3"])
