@@ -9,9 +9,9 @@ count's line gives pytest's counts (every rank prints its own summary; the
 last one is reported), and a run where every test skipped says "skipped",
 not "passed".
 
-Exit status: 0 when every run passed; 0 as well, after the line "skipped: no
-GPU", on a machine without a CUDA GPU (nothing is launched); 1 when a run
-failed, ran no test or skipped every test.
+Exit status: 0 when every run passed; 1 when a run failed, ran no test or
+skipped every test; 2, after the line "skipped: no GPU", on a machine
+without a CUDA GPU (nothing is launched, so nothing passed).
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     from .runtime import gpu_count
     if gpu_count() == 0:
         print(NO_GPU_MESSAGE, flush=True)
-        return 0
+        return 2
     failed = []
     for n in args.ranks:
         nodes = ["--ranks-per-node", str(args.ranks_per_node)] if args.ranks_per_node else []
