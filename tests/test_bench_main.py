@@ -219,3 +219,35 @@ def test_the_job_times_both_routes_across_nodes_where_the_ranks_make_two_nodes()
     assert all(r[1] == "internode.jsonl" and r[3] == ("--ranks-per-node", "4") for r in across)
     assert not [r for r in bench_main.planned_runs(4, 4) if r[0] == "bench_internode.py"]  # one node of 4
     assert not [r for r in bench_main.planned_runs(6, 4) if r[0] == "bench_internode.py"]  # not whole nodes
+
+
+def test_the_main_job_writes_outside_the_repository_by_default(tmp_path, monkeypatch):
+    import cupyep.runtime
+    from cupyep.bench import main as bench_main
+    monkeypatch.setattr(cupyep.runtime, "gpu_count", lambda: 0)
+    monkeypatch.setenv("CUPYEP_RUNS", str(tmp_path / "runs"))
+    assert bench_main.default_runs_dir() == tmp_path / "runs"
+    monkeypatch.delenv("CUPYEP_RUNS")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert bench_main.default_runs_dir() == tmp_path / "cache" / "cupyep" / "runs"
+    assert bench_main.main(["--ranks", "2"]) == 0
+    (run,) = (tmp_path / "cache" / "cupyep" / "runs").iterdir()
+    assert (run / "manifest.json").is_file() and bench_main.ROOT not in run.parents
+
+
+def test_a_run_is_promoted_into_the_results_once(tmp_path, monkeypatch, capsys):
+    import cupyep.runtime
+    from cupyep.bench import main as bench_main
+    from cupyep.bench import promote
+    monkeypatch.setattr(cupyep.runtime, "gpu_count", lambda: 0)
+    assert bench_main.main(["--out", str(tmp_path / "runs"), "--ranks", "2"]) == 0
+    (run,) = (tmp_path / "runs").iterdir()
+    dest = tmp_path / "results" / "main"
+    assert promote.main([str(run), "--to", str(dest)]) == 0
+    files = json.loads((run / "manifest.json").read_text())["files"]
+    assert sorted(p.name for p in (dest / run.name).iterdir()) == sorted(["manifest.json", *files])
+    assert promote.main([str(run), "--to", str(dest)]) == 2  # not overwritten
+    assert "exists already" in capsys.readouterr().err
+    (tmp_path / "notarun").mkdir()
+    assert promote.main([str(tmp_path / "notarun"), "--to", str(dest)]) == 2
+    assert "not a run folder" in capsys.readouterr().err

@@ -1,8 +1,11 @@
 """The main job: the dispatch/combine benchmark on whatever this machine has.
 
-    python -m cupyep.bench.main [--ranks N ...] [--out results/main]
+    python -m cupyep.bench.main [--ranks N ...] [--out DIR]
 
 Every run writes a fresh folder ``<out>/<UTC time, YYYYmmddTHHMMSSZ>/``
+(``--out`` default: :func:`default_runs_dir`, ``~/.cache/cupyep/runs``,
+outside the repository; ``python -m cupyep.bench.promote RUN_DIR`` copies
+a run into the committed ``results/main/``),
 holding ``manifest.json`` (the command, the git commit, the environment, and
 each benchmark command with its exit status), the results
 (``normal.jsonl``, ``low_latency.jsonl``, ``naive.jsonl``) and the figures
@@ -68,6 +71,16 @@ def reference_run(num_ranks: int, num_tokens: int, hidden: int, out: Path) -> li
         for r in records:
             f.write(json.dumps(r) + "\n")
     return records
+
+
+def default_runs_dir() -> Path:
+    """Where the main job's run folders go by default: ``$CUPYEP_RUNS``, else
+    ``$XDG_CACHE_HOME/cupyep/runs``, else ``~/.cache/cupyep/runs`` (never the
+    repository's tracked results)."""
+    if os.environ.get("CUPYEP_RUNS"):
+        return Path(os.environ["CUPYEP_RUNS"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "cupyep" / "runs"
 
 
 def new_run_dir(parent: Path) -> Path:
@@ -141,7 +154,8 @@ def main(argv=None) -> int:
     from . import summary
     p = argparse.ArgumentParser(prog="python -m cupyep.bench.main", description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=None)
-    p.add_argument("--out", default="results/main", help="parent folder of the run folders")
+    p.add_argument("--out", default=None, help="parent folder of the run folders (default: $CUPYEP_RUNS or "
+                   "~/.cache/cupyep/runs; python -m cupyep.bench.promote copies a run into results/main)")
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="also time both routes across nodes of K ranks (experiments/bench_internode.py) "
                         "at every rank count with two or more such nodes")
@@ -157,7 +171,7 @@ def main(argv=None) -> int:
     if args.ranks_per_node and not ngpu:
         print("note: --ranks-per-node needs a GPU (the runs across nodes); without one the job runs the "
               "reference within a node only", file=sys.stderr)
-    run_dir = new_run_dir(Path(args.out))
+    run_dir = new_run_dir(Path(args.out) if args.out else default_runs_dir())
     commit = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=no")
     manifest = {"command": shlex.join([sys.executable, "-m", "cupyep.bench", *argv]), "argv": sys.argv,
