@@ -19,3 +19,13 @@ def test_nothing_names_a_path_outside_the_repository():
                if f.endswith(TEXT) and f != "tests/test_docs.py"
                and "../shared" in (REPO / f).read_text(errors="replace")]
     assert not outside, outside
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    import re
+    broken = []
+    for md in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", md.read_text()):
+            if "://" not in target and not (md.parent / target).exists():
+                broken.append(f"{md.relative_to(REPO)}: {target}")
+    assert not broken, broken
