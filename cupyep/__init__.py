@@ -6,7 +6,7 @@ Entry points:
     buf = cupyep.Buffer(group)            # normal mode, every route (cupyep.normal)
     ll = cupyep.LowLatencyBuffer(group, 128, 7168, 256)  # low-latency mode (cupyep.low_latency)
     cupyep.reference                      # the NumPy oracle that defines the semantics
-    python -m cupyep.launch -n 8 app.py   # launcher (starts MPS when ranks share a GPU)
+    python -m cupyep.launcher -n 8 app.py   # launcher (starts MPS when ranks share a GPU)
 """
 from .errors import (CommTimeoutError, CupyepError, DeviceCapacityError, DeviceError, DeviceInputError,
                      StaleResultError)

@@ -33,10 +33,10 @@ from .nvshmem_build import include_options, link_cubin, load_module
 # listing the specialisations the check command compiles.
 SPEC_MODULES = (
     "cupyep.barrier",
-    "cupyep.bench.copy",
-    "cupyep.bench.scatter",
-    "cupyep.bench.skew",
-    "cupyep.bench.timing",
+    "cupyep.lab.bench.copy",
+    "cupyep.lab.bench.scatter",
+    "cupyep.lab.bench.skew",
+    "cupyep.lab.bench.timing",
     "cupyep.fp8",
     "cupyep.normal.layout",
     "cupyep.normal.node_kernels",

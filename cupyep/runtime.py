@@ -4,7 +4,7 @@
 each rank's global rank, the node it sits on (real, or emulated with
 ``ranks_per_node``), its rank within that node, its GPU (node-local rank
 modulo the device count) and whether ranks share that GPU, which needs CUDA
-MPS (see ``cupyep.mps``).
+MPS (see ``cupyep.launcher.mps``).
 """
 from __future__ import annotations
 
@@ -347,13 +347,13 @@ def init(comm=None, ranks_per_node: int | None = None, timeout_s: float = DEFAUL
             raise ValueError(f"{ranks_per_gpu} ranks share one GPU of {num_sms} SMs: each rank needs at least "
                              "2 SMs for its communication kernels to be resident together")
         if shares_gpu and require_mps:
-            from .mps import mps_is_running
+            from .launcher.mps import mps_is_running
             if not mps_is_running():
                 raise RuntimeError(
                     f"rank {rank}: {devices_on_host.count(device_id)} ranks share GPU {device_id} but CUDA MPS "
                     "is not running. cupyep's ranks spin-wait on each other; without MPS the kernels of different "
                     "processes are time-sliced, a round trip takes milliseconds instead of microseconds and "
-                    "protocols look hung. Launch with `python -m cupyep.launch`, which starts MPS, or start "
+                    "protocols look hung. Launch with `python -m cupyep.launcher`, which starts MPS, or start "
                     "`nvidia-cuda-mps-control -d` yourself.")
         cupy.cuda.Device(device_id).use()
 

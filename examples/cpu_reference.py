@@ -8,6 +8,7 @@ compare each rank's results with.
 import numpy as np
 from cupyep import reference as ref
 
+
 R, E, k, T, H = 4, 16, 2, 8, 256                         # ranks, experts, top-k, tokens per rank, hidden
 idx = ref.make_routing(0, [T] * R, E, k)                 # per rank: [T, k] int64 expert ids, -1 for none
 w = ref.make_weights(0, idx)                             # per rank: [T, k] float32

@@ -1,6 +1,6 @@
 """Normal mode, the MoE layer, replicated experts and low-latency mode on GPUs.
 
-    python -m cupyep.launch -n 8 examples/gpu_dispatch.py
+    python -m cupyep.launcher -n 8 examples/gpu_dispatch.py
 
 One H200 holds 8 ranks under CUDA MPS (the launcher starts it); with several
 GPUs the ranks spread over them.

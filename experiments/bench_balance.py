@@ -2,7 +2,7 @@
 loaded and how long the dispatch and combine take, without a placement and
 with each replica rule.
 
-    python -m cupyep.launch -n 8 experiments/bench_balance.py --out results/balance/balance_8ranks.jsonl
+    python -m cupyep.launcher -n 8 experiments/bench_balance.py --out results/balance/balance_8ranks.jsonl
 
 Every rank builds the same seeded routing (``--routing hot_expert``: a
 fraction of every rank's slots on one expert, or ``zipf``), plans one
@@ -15,7 +15,7 @@ the routing alone: the (row, expert) pairs each rank receives, max over mean
 max over mean ("rows_max_over_mean", the bytes it takes in), and the
 fraction of rows that leave their rank ("remote_rows"); and, measured on
 each transport, the notified dispatch and the combine of its rows on the
-strict boundary (cupyep.bench.normal.measure: slowest rank's median).
+strict boundary (cupyep.lab.bench.normal.measure: slowest rank's median).
 """
 import argparse
 
@@ -23,12 +23,13 @@ import numpy as np
 
 import cupyep
 from cupyep import routing
+
 from cupyep.balance import Placement, physical_topk, rebalance_experts, report
 from cupyep.barrier import GpuBarrier
-from cupyep.bench import require_gpu
-from cupyep.bench.copy import copy_bandwidth
-from cupyep.bench.normal import measure
-from cupyep.bench.report import JsonlWriter
+from cupyep.lab.bench import require_gpu
+from cupyep.lab.bench.copy import copy_bandwidth
+from cupyep.lab.bench.normal import measure
+from cupyep.lab.bench.report import JsonlWriter
 from cupyep.normal.direct_kernels import DirectConfig
 from cupyep.testing import payload_bf16
 

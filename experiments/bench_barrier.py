@@ -1,6 +1,6 @@
 """IPC and GPU-barrier benchmark of the rank runtime.
 
-    python -m cupyep.launch -n 8 experiments/bench_barrier.py --out results/barrier.jsonl
+    python -m cupyep.launcher -n 8 experiments/bench_barrier.py --out results/barrier.jsonl
 
 Measures, per rank count: the barrier round trip inside one kernel (device
 only), the barrier launched from the host (includes launch overhead), and
@@ -12,10 +12,10 @@ import numpy as np
 
 import cupyep
 from cupyep.barrier import GpuBarrier
-from cupyep.bench import require_gpu
-from cupyep.bench.copy import copy_bandwidth, device_copy
-from cupyep.bench.report import JsonlWriter
-from cupyep.bench.timing import time_fn
+from cupyep.lab.bench import require_gpu
+from cupyep.lab.bench.copy import copy_bandwidth, device_copy
+from cupyep.lab.bench.report import JsonlWriter
+from cupyep.lab.bench.timing import time_fn
 from cupyep.ipc import SymmetricBuffer
 
 

@@ -1,33 +1,33 @@
 """The two-hop dispatch and combine across (emulated) nodes: time and traffic.
 
-    python -m cupyep.launch -n 8 --ranks-per-node 4 experiments/bench_internode.py --out results/internode.jsonl
+    python -m cupyep.launcher -n 8 --ranks-per-node 4 experiments/bench_internode.py --out results/internode.jsonl
 
-One record per kind of cupyep.bench.internode and repeat (--repeats, 3 by
+One record per kind of cupyep.lab.bench.internode and repeat (--repeats, 3 by
 default: the kinds' measurements interleaved, for a median and spread) (a counted dispatch with its
 notify pass across nodes, a cached dispatch, the combine) at this rank
 layout, with that module's times and traffic. The first call's output is
 checked against the one-node oracle (dispatch exactly, combine within
 calc_diff 5e-6) before anything is timed. "hop_us": each hop's time from the
 kernels' own stamps over 10 more, untimed calls
-(cupyep.metrics.two_hop_metrics): the dispatch's network hop, its NVLink
+(cupyep.lab.metrics.two_hop_metrics): the dispatch's network hop, its NVLink
 forwarding and the whole kernel; the combine's in-node hop, network hop and
 final reduction. The same measurement, as a sweep over knobs:
-``python -m cupyep.experiments internode --ranks 8 --ranks-per-node 4``.
+``python -m cupyep.lab.experiments internode --ranks 8 --ranks-per-node 4``.
 """
 import argparse
 
 import cupyep
-from cupyep.bench import require_gpu
-from cupyep.bench.report import JsonlWriter
+from cupyep.lab.bench import require_gpu
+from cupyep.lab.bench.report import JsonlWriter
 from cupyep.testing import global_routing
 
 
 def main():
     require_gpu(__file__)
     from cupyep.barrier import gpu_barrier
-    from cupyep.bench.internode import KINDS, hop_times_of, measure, prepare
+    from cupyep.lab.bench.internode import KINDS, hop_times_of, measure, prepare
     from cupyep.normal.internode_kernels import TwoHopDispatch
-    from cupyep.metrics import two_hop_metrics
+    from cupyep.lab.metrics import two_hop_metrics
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="results/internode.jsonl")
     p.add_argument("--tokens", type=int, default=4096)
@@ -54,9 +54,9 @@ def main():
     hop = TwoHopDispatch(group, T, H, k, E, num_sms=args.num_sms, rdma_chunk=args.rdma_chunk,
                          nvlink_chunk=args.nvlink_chunk, route=args.route)
     x, ids, ws, traffic, handle = prepare(group, hop, idx, w)  # checked against the oracle first
-    hops = two_hop_metrics(group, hop, x, ids, ws)  # untimed calls with the hop stamps (cupyep.metrics)
+    hops = two_hop_metrics(group, hop, x, ids, ws)  # untimed calls with the hop stamps (cupyep.lab.metrics)
     writer = JsonlWriter(args.out, group)
-    barrier = gpu_barrier(group)  # each timed call lined up across every rank (cupyep.bench.internode)
+    barrier = gpu_barrier(group)  # each timed call lined up across every rank (cupyep.lab.bench.internode)
     for repeat in range(args.repeats):
         for kind in KINDS:
             rec = measure(group, hop, kind, x, ids, ws, handle, args.iters, traffic, before=barrier)

@@ -1,6 +1,6 @@
 """Low-latency dispatch/combine benchmark.
 
-    python -m cupyep.launch -n 8 experiments/bench_low_latency.py --out results/low_latency.jsonl
+    python -m cupyep.launcher -n 8 experiments/bench_low_latency.py --out results/low_latency.jsonl
 
 Shape: T tokens per rank (128, and 1), hidden 7168, top-8 of 256 experts with
 some -1 slots, FP8 dispatch (plus BF16), BF16 combine. Calls alternate
@@ -25,7 +25,7 @@ by all ranks, written into peers or, for pulling combines, read from them /
 copy bandwidth measured in this run) / time. With ``--trace N``, N more calls of
 each kind record when every block reached each mark (kernels.TRACE_MARKS),
 summarised as when the first and the last rank got there. ``--scatter-probe``
-adds the bare row scatter (cupyep/bench/scatter.py) over the same arrays.
+adds the bare row scatter (cupyep/lab/bench/scatter.py) over the same arrays.
 
 ``--timing both`` (the default; ``strict`` leaves it out) also times on DeepEP's own
 boundary (its bench_kineto and test_low_latency): a GPU sleep (its large
@@ -43,23 +43,23 @@ over ranks of each rank's median and mean (``kernel_rank_median_mean_us``,
 ``kernel_rank_mean_mean_us``: DeepEP averages each rank's calls).
 
 The rounds of calls, both boundaries and the records are
-cupyep/bench/low_latency.py's (``Session``), which the "low_latency" sweep
-study also times with (``python -m cupyep.experiments low_latency``).
+cupyep/lab/bench/low_latency.py's (``Session``), which the "low_latency" sweep
+study also times with (``python -m cupyep.lab.experiments low_latency``).
 """
 import argparse
 
 import numpy as np
 
 import cupyep
-from cupyep.bench import require_gpu
+from cupyep.lab.bench import require_gpu
 from cupyep.barrier import gpu_barrier
 from cupyep.low_latency import ranks_of
-from cupyep.bench.copy import copy_bandwidth
-from cupyep.bench.low_latency import WARMUP, Session
-from cupyep.bench.report import JsonlWriter
-from cupyep.bench.scatter import pattern_rows, scatter
-from cupyep.bench.stamps import kernel_seconds, new_kernel_stamps, trace_marks
-from cupyep.bench.timing import FLUSH_MODES, Timing, gpu_sleep
+from cupyep.lab.bench.copy import copy_bandwidth
+from cupyep.lab.bench.low_latency import WARMUP, Session
+from cupyep.lab.bench.report import JsonlWriter
+from cupyep.lab.bench.scatter import pattern_rows, scatter
+from cupyep.lab.bench.stamps import kernel_seconds, new_kernel_stamps, trace_marks
+from cupyep.lab.bench.timing import FLUSH_MODES, Timing, gpu_sleep
 from cupyep.low_latency import kernels as K
 from cupyep.low_latency.kernels import NUM_TRACE_SLOTS, TRACE_MARKS
 from cupyep.testing import global_routing, payload_bf16
@@ -86,7 +86,7 @@ def main():
                    help="also time dispatch/combine in decode order with each of these parts of the work "
                         "skipped (LowLatencyBuffer.ablate; profiling only, results are wrong)")
     p.add_argument("--scatter-probe", action="store_true",
-                   help="also time the bare scatter kernel (cupyep/bench/scatter.py) moving the same rows between "
+                   help="also time the bare scatter kernel (cupyep/lab/bench/scatter.py) moving the same rows between "
                         "the same arrays: BF16 dispatch rows into recv_x, combine rows into combine_recv")
     p.add_argument("--zero-copy", action="store_true",
                    help="also time zero-copy combines, pulling and pushing (combine(..., zero_copy=True, pull=...))")
@@ -120,7 +120,7 @@ def main():
         idx, w = global_routing(T, [T] * R, args.experts, args.topk)
         x = cupy.asarray(payload_bf16(me, np.arange(T), H))
         topk_idx, topk_w = cupy.asarray(idx[me]), cupy.asarray(w[me])
-        # The calls of this shape and their timing (cupyep.bench.low_latency); building it
+        # The calls of this shape and their timing (cupyep.lab.bench.low_latency); building it
         # dispatches once for the identity expert outputs s.y.
         s = Session(group, buf, bar, x, topk_idx, topk_w, copy_bw, flush=args.flush, sleep_us=args.sleep_us,
                     warmup=warmup)

@@ -1,7 +1,7 @@
 """Two-micro-batch overlap of the MoE layer's communication with its expert FFN
 against the serial schedule of the same work.
 
-    python -m cupyep.launch -n 8 experiments/bench_moe_overlap.py --mode both --out results/moe_overlap/overlap.jsonl
+    python -m cupyep.launcher -n 8 experiments/bench_moe_overlap.py --mode both --out results/moe_overlap/overlap.jsonl
 
 Each rank's tokens are split into micro-batches A and B (halves). In normal
 mode both share one ``cupyep.Buffer`` made with ``num_in_flight=2`` (a
@@ -36,7 +36,7 @@ Schedules (:func:`schedule`; steps (op, micro-batch) in host order):
   before timing) into expert-major blocks, runs expert_ffn, and scatters the
   outputs back into the [E_local, R * max_tokens, H] rows the combine reads.
 
-Timing (cupyep/bench/timing.timed_rounds, as the other benchmarks): every
+Timing (cupyep/lab/bench/timing.timed_rounds, as the other benchmarks): every
 call after an L2 flush, a GPU sleep (--sleep-us, so the host has queued the
 call before the GPU reaches it) and a GPU barrier, CUDA events on the compute
 stream around the barrier and the call; the slowest rank's (MPI MAX) median
@@ -48,7 +48,7 @@ decode order) are a round of their own. Record: "mode", "transport",
 "compute_us" (their sums), "ideal_us" = max(comm_us, compute_us),
 "pipeline_us" (normal mode: what this two-lane schedule takes at the parts'
 times, dispatch A + max(FFN A, dispatch B) + max(combine A, FFN B) +
-combine B; :func:`simulate`), "bitwise_equal", "env" (cupyep.bench.report).
+combine B; :func:`simulate`), "bitwise_equal", "env" (cupyep.lab.bench.report).
 After the timed rounds the overlapped schedule's outputs are compared
 bitwise with the serial schedule's for both micro-batches (same kernels,
 same reduction order): a difference raises on every rank.
@@ -84,8 +84,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from cupyep.bench import require_gpu
-from cupyep.bench.timing import FLUSH_MODES
+from cupyep.lab.bench import require_gpu
+from cupyep.lab.bench.timing import FLUSH_MODES
 from cupyep.testing import all_ranks
 
 MODES = ("normal", "low_latency")
@@ -446,7 +446,7 @@ def measure(group, runner, mode: str, barrier, args) -> dict:
     """Time the parts, then serial against overlapped; check the outputs bitwise
     (collective). Returns summarize()'s figures plus spreads and "bitwise_equal"."""
     import cupy
-    from cupyep.bench.timing import timed_rounds
+    from cupyep.lab.bench.timing import timed_rounds
     comm = group.comm
     serial, overlapped = schedule(mode, False), schedule(mode, True)
     check_schedule(mode, serial)
@@ -651,7 +651,7 @@ def main():
         parser.error(str(e))
     import cupyep
     from cupyep.barrier import GpuBarrier
-    from cupyep.bench.report import JsonlWriter
+    from cupyep.lab.bench.report import JsonlWriter
     group = cupyep.init()
     out = JsonlWriter(args.out, group)
     bar = GpuBarrier(group)

@@ -1,7 +1,7 @@
 """Baselines for several GPUs: the NVLink P2P copy roofline, NCCL
 all-to-all with a dispatch's bytes, and cupyep's direct transport beside them.
 
-    python -m cupyep.launch -n 8 experiments/bench_multi_gpu_baselines.py --out results/multi_gpu/baselines.jsonl
+    python -m cupyep.launcher -n 8 experiments/bench_multi_gpu_baselines.py --out results/multi_gpu/baselines.jsonl
 
 Needs one rank per GPU on 2 or more GPUs of one node (``-n`` at most the GPU
 count); with ranks sharing a GPU, one GPU or several nodes it says what it
@@ -11,7 +11,7 @@ Parts (``--parts``, default all three, in this order):
 
 - **p2p**: copies of ``--bytes`` (1 GiB) from a rank's own GPU into a peer's
   memory through the CUDA IPC peer pointer (a cupyep.ipc.SymmetricBuffer),
-  by the SMs (``engine`` "kernel": cupyep/bench/copy.py's copy kernel on
+  by the SMs (``engine`` "kernel": cupyep/lab/bench/copy.py's copy kernel on
   the sender's stream, reading local memory and writing the peer's) and by
   the copy engines (``engine`` "copy_engine": cudaMemcpyAsync on the peer
   pointer). Kinds: ``p2p_uni`` (one ordered pair at a time, only the sender
@@ -34,7 +34,7 @@ Parts (``--parts``, default all three, in this order):
   transpose. Without torch (or NCCL, or torch's CUDA) both kinds are
   recorded as skipped with the reason.
 - **direct**: cupyep's normal mode on the direct transport at the same shape
-  and routing (cupyep.bench.normal.measure, strict timing): cached
+  and routing (cupyep.lab.bench.normal.measure, strict timing): cached
   ``dispatch_bf16``, ``dispatch_bf16_notify`` and ``combine_bf16``, recorded
   as ``cupyep_<kind>_direct``.
 
@@ -44,7 +44,7 @@ over ``--iters`` calls (``--p2p-iters`` for the copies); NCCL and cupyep
 calls flush L2 before each call as bench_normal's "strict" boundary does.
 Per-rank rates of the all-to-alls: ``recv_GBps`` = bytes the rank receives
 / its median, mean over ranks; ``rank_GBps`` counts as
-cupyep.bench.normal does (rows the rank receives in the dispatch x row
+cupyep.lab.bench.normal does (rows the rank receives in the dispatch x row
 bytes, for the combine the rows it sends back) so it compares with the
 direct transport's records; ``remote_rank_GBps`` is ``rank_GBps`` times the
 share of the rows that cross to another rank (a rank's rows to itself do not
@@ -64,7 +64,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cupyep.bench import require_gpu
+from cupyep.lab.bench import require_gpu
 
 SCRIPT = "experiments/bench_multi_gpu_baselines.py"
 BENCH = "multi_gpu_baselines"
@@ -125,7 +125,7 @@ def placement_problem(world_size: int, num_nodes: int, num_devices: int, ranks_p
                       script: str = SCRIPT) -> str | None:
     """Why these ranks cannot run the benchmark (None when they can): it needs
     one rank per GPU, 2 or more GPUs, all on one node."""
-    how = f"python -m cupyep.launch -n G {script} with 2 <= G <= the node's GPU count"
+    how = f"python -m cupyep.launcher -n G {script} with 2 <= G <= the node's GPU count"
     if num_nodes != 1:
         return (f"{script} needs its ranks on one node (the P2P copies go through CUDA IPC); "
                 f"these {world_size} ranks span {num_nodes} nodes")
@@ -345,7 +345,7 @@ class _PlanRunner:
     def _copy(self, s, d, stream):
         import cupy
         if self.engine == "kernel":
-            from cupyep.bench.copy import device_copy
+            from cupyep.lab.bench.copy import device_copy
             with stream:
                 device_copy(s, d, self.blocks)
         else:
@@ -375,7 +375,7 @@ def p2p_plan(args, num_ranks: int) -> list:
 def run_p2p(group, args, out, bar, plan) -> list:
     import cupy
 
-    from cupyep.bench.timing import time_fn
+    from cupyep.lab.bench.timing import time_fn
     from cupyep.ipc import SymmetricBuffer
     R, me, comm = group.local_size, group.local_rank, group.comm
     n = align_down(args.bytes)
@@ -457,7 +457,7 @@ def _time_all_to_all(torch, dist, group, args, bar, in_split, out_split):
     on the current (torch and cupy) stream."""
     import cupy
 
-    from cupyep.bench.timing import time_fn
+    from cupyep.lab.bench.timing import time_fn
     R, me, H = group.local_size, group.local_rank, args.hidden
     send = torch.empty((sum(in_split), H), dtype=torch.bfloat16, device="cuda")
     recv = torch.empty((sum(out_split), H), dtype=torch.bfloat16, device="cuda")
@@ -539,8 +539,8 @@ def run_direct(group, args, out, bar, idx, w, splits) -> list:
     import cupy
 
     import cupyep
-    from cupyep.bench.copy import copy_bandwidth
-    from cupyep.bench.normal import measure
+    from cupyep.lab.bench.copy import copy_bandwidth
+    from cupyep.lab.bench.normal import measure
     from cupyep.normal.direct_kernels import DirectConfig
     from cupyep.testing import payload_bf16
     R, me, comm = group.local_size, group.local_rank, group.comm
@@ -570,7 +570,7 @@ def main(argv=None):
     args = parse_args(argv)
     import cupyep
     from cupyep.barrier import GpuBarrier
-    from cupyep.bench.report import JsonlWriter
+    from cupyep.lab.bench.report import JsonlWriter
     from cupyep.testing import global_routing
     group = cupyep.init(require_mps=False)  # ranks sharing a GPU are refused below, before any kernel
     problem = placement_problem(group.world_size, group.num_nodes, group.num_devices, group.ranks_per_gpu)

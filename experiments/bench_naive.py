@@ -1,6 +1,6 @@
-"""The naive baseline's dispatch/combine benchmark (cupyep/bench/naive.py).
+"""The naive baseline's dispatch/combine benchmark (cupyep/lab/bench/naive.py).
 
-    python -m cupyep.launch -n 8 experiments/bench_naive.py --out results/naive.jsonl
+    python -m cupyep.launcher -n 8 experiments/bench_naive.py --out results/naive.jsonl
 
 What a user writes without custom kernels: counts exchanged over MPI, rows
 sorted by destination with CuPy, one cudaMemcpyAsync per peer into a
@@ -22,10 +22,10 @@ import argparse
 import numpy as np
 
 import cupyep
-from cupyep.bench import require_gpu
-from cupyep.bench.copy import copy_bandwidth
-from cupyep.bench.naive import NaiveBuffer, naive_records
-from cupyep.bench.report import JsonlWriter
+from cupyep.lab.bench import require_gpu
+from cupyep.lab.bench.copy import copy_bandwidth
+from cupyep.lab.bench.naive import NaiveBuffer, naive_records
+from cupyep.lab.bench.report import JsonlWriter
 from cupyep.testing import global_routing, payload_bf16
 
 

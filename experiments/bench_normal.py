@@ -1,6 +1,6 @@
 """Normal-mode dispatch/combine benchmark (and queue-depth x chunk sweep).
 
-    python -m cupyep.launch -n 8 experiments/bench_normal.py --out results/normal.jsonl [--sweep]
+    python -m cupyep.launcher -n 8 experiments/bench_normal.py --out results/normal.jsonl [--sweep]
 
 Shape: T tokens per rank (4096), hidden 7168, top-8 of 256 experts. Reports
 per call: median time, per-rank GB/s as DeepEP counts it (received rows x
@@ -28,11 +28,11 @@ from dataclasses import replace
 import numpy as np
 
 import cupyep
-from cupyep.bench import require_gpu
+from cupyep.lab.bench import require_gpu
 from cupyep.barrier import GpuBarrier
-from cupyep.bench.copy import copy_bandwidth
-from cupyep.bench.normal import DIRECT_KINDS, KINDS, measure
-from cupyep.bench.report import JsonlWriter
+from cupyep.lab.bench.copy import copy_bandwidth
+from cupyep.lab.bench.normal import DIRECT_KINDS, KINDS, measure
+from cupyep.lab.bench.report import JsonlWriter
 from cupyep.fp8 import per_token_cast_to_fp8
 from cupyep.normal import Config
 from cupyep.normal.direct_kernels import DirectConfig

@@ -2,7 +2,7 @@
 
     python experiments/ctrl_c_check.py --ranks 8 --out results/soak/ctrl_c.json
 
-Starts ``python -m cupyep.launch -n R experiments/soak.py`` (ranks sharing
+Starts ``python -m cupyep.launcher -n R experiments/soak.py`` (ranks sharing
 the GPU under MPS, real dispatch/combine traffic in flight) in its own
 session with a private TMPDIR, waits until every rank has made calls, sends
 SIGINT to the launcher's process group as a terminal's Ctrl-C does, and then
@@ -27,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from cupyep.bench import require_gpu  # noqa: E402
+from cupyep.lab.bench import require_gpu  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -65,7 +65,7 @@ def main():
     outdir = tempfile.mkdtemp(prefix="ctrl-c-check-out-")
     marker = os.path.join(outdir, "soak.jsonl")  # in every rank's command line, via --out
     env = {**os.environ, "TMPDIR": tmpdir}
-    cmd = [sys.executable, "-m", "cupyep.launch", "-n", str(args.ranks), "experiments/soak.py",
+    cmd = [sys.executable, "-m", "cupyep.launcher.launch", "-n", str(args.ranks), "experiments/soak.py",
            "--calls", "10000000", "--sync-every", "50", "--out", marker]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)

@@ -1,7 +1,7 @@
 """Soak: many dispatch + combine calls whose shapes and routings change every
 call, each one checked on the GPU, in every mode.
 
-    python -m cupyep.launch -n 8 experiments/soak.py --calls 10000 --out results/soak/soak.jsonl
+    python -m cupyep.launcher -n 8 experiments/soak.py --calls 10000 --out results/soak/soak.jsonl
 
 Calls go round-robin over ``--modes`` (comma-separated; default all), each
 normal-mode one on every route of ``--routes`` (default both: ``default``,
@@ -56,8 +56,8 @@ import time
 import numpy as np
 
 import cupyep
-from cupyep.bench import require_gpu
-from cupyep.bench.report import JsonlWriter
+from cupyep.lab.bench import require_gpu
+from cupyep.lab.bench.report import JsonlWriter
 from cupyep.testing import payload_bf16
 
 MODES = ("normal", "cached", "worst", "micro_batches", "backward", "expert_major", "ll", "ll_hook",

@@ -7,6 +7,7 @@ import numpy as np
 
 from cupyep import jit
 
+
 C_SCALARS = {"int": (4, np.int32), "int32_t": (4, np.int32), "int64_t": (8, np.int64),
              "uint64_t": (8, np.uint64), "float": (4, np.float32)}
 

@@ -1,9 +1,9 @@
-"""cupyep.advisor: the rules, the measured crossover and the transport choice."""
+"""cupyep.lab.advisor: the rules, the measured crossover and the transport choice."""
 import math
 
 import pytest
 
-from cupyep import advisor as A
+from cupyep.lab import advisor as A
 
 
 def _records(ranks=8, ll=None, normal=None, direct=None):
@@ -85,7 +85,7 @@ def test_transport_is_the_measured_faster_one():
 def test_sweep_records_of_the_two_studies_do_not_mix():
     """Sweep records carry "study", not "bench": a normal-mode cached
     dispatch_bf16 must not count as a low-latency dispatch_bf16."""
-    from cupyep import advisor
+    from cupyep.lab import advisor
     ll = [{"study": "low_latency", "kind": k, "ranks": 8, "tokens": 64, "timing": "strict", "time_us": t}
           for k, t in (("dispatch_bf16", 30.0), ("combine", 40.0))]
     normal = [{"study": "normal", "kind": "dispatch_bf16", "measured_kind": "dispatch_bf16", "ranks": 8,
@@ -100,7 +100,7 @@ def test_without_a_crossover_the_measurement_at_the_shape_decides():
     """Records where low-latency mode is faster at every measured point (no
     crossover to calibrate): between measured token counts the measured
     faster mode wins over the seed's round-number rule."""
-    from cupyep import advisor
+    from cupyep.lab import advisor
     recs = []
     for t, (d, c) in {64: (40.0, 60.0), 512: (500.0, 480.0)}.items():
         recs += [{"study": "low_latency", "kind": "dispatch_bf16", "ranks": 8, "tokens": t, "timing": "strict",

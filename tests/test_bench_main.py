@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cupyep import gpu_tests
-from cupyep.bench import summary
+from cupyep.launcher import gpu_tests
+from cupyep.lab.bench import summary
 
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENTS = sorted((REPO / "experiments").glob("*.py"))
@@ -31,17 +31,17 @@ def _no_gpu_env():
 @pytest.mark.parametrize("script", EXPERIMENTS, ids=lambda p: p.name)
 def test_experiment_without_gpu_prints_one_line_and_exits_2(script):
     if script.name in GUARD_PENDING and "require_gpu(" not in script.read_text():
-        pytest.skip(f"{script.name} does not call cupyep.bench.require_gpu yet")
+        pytest.skip(f"{script.name} does not call cupyep.lab.bench.require_gpu yet")
     res = subprocess.run([sys.executable, str(script)], cwd=REPO, env=_no_gpu_env(), capture_output=True,
                          text=True, timeout=120)
     out = (res.stdout + res.stderr).strip().splitlines()
     rel = f"experiments/{script.name}"
     assert res.returncode == 2, (res.returncode, out)
-    assert out == [f"{rel} needs a CUDA GPU; none found (run python -m cupyep.bench for the CPU reference run)"]
+    assert out == [f"{rel} needs a CUDA GPU; none found (run python -m cupyep.lab.bench for the CPU reference run)"]
 
 
 def test_gpu_tests_without_gpu_says_skipped_and_exits_2():
-    res = subprocess.run([sys.executable, "-m", "cupyep.gpu_tests"], cwd=REPO, env=_no_gpu_env(),
+    res = subprocess.run([sys.executable, "-m", "cupyep.launcher.gpu_tests"], cwd=REPO, env=_no_gpu_env(),
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr  # nothing ran: not a pass
     assert res.stdout.strip() == gpu_tests.NO_GPU_MESSAGE
@@ -160,7 +160,7 @@ def test_summary_command_text_and_errors(three_runs, tmp_path, capsys):
 
 def test_main_without_gpu_writes_a_fresh_run_folder(tmp_path, monkeypatch, capsys):
     import cupyep.runtime
-    from cupyep.bench import main as bench_main
+    from cupyep.lab.bench import main as bench_main
     monkeypatch.setattr(cupyep.runtime, "gpu_count", lambda: 0)
     dirs = []
     for _ in range(2):
@@ -170,7 +170,7 @@ def test_main_without_gpu_writes_a_fresh_run_folder(tmp_path, monkeypatch, capsy
     assert dirs[0] != dirs[1] and all(d.parent == tmp_path for d in dirs)
     for d in dirs:
         manifest = json.loads((d / "manifest.json").read_text())
-        assert manifest["command"].endswith("-m cupyep.bench --out " + str(tmp_path) + " --ranks 2")
+        assert manifest["command"].endswith("-m cupyep.lab.bench --out " + str(tmp_path) + " --ranks 2")
         assert manifest["backend"] == "numpy-reference (no GPU)" and manifest["status"] == 0
         assert {"normal.jsonl", "normal.png", "normal.svg"} <= set(manifest["files"])
         assert "low_latency.png" not in manifest["files"]  # no low-latency records without a GPU
@@ -185,7 +185,7 @@ def test_main_without_gpu_writes_a_fresh_run_folder(tmp_path, monkeypatch, capsy
                                         (["--ranks", "0"], "--ranks 0"),
                                         (["--ranks-per-node", "0"], "--ranks-per-node must be >= 1")])
 def test_main_refuses_a_bad_rank_count_before_writing_anything(tmp_path, capsys, argv, match):
-    from cupyep.bench import main as bench_main
+    from cupyep.lab.bench import main as bench_main
     with pytest.raises(SystemExit) as info:
         bench_main.main(["--out", str(tmp_path / "runs"), *argv])
     assert info.value.code == 2 and match in capsys.readouterr().err
@@ -194,7 +194,7 @@ def test_main_refuses_a_bad_rank_count_before_writing_anything(tmp_path, capsys,
 
 def test_main_says_that_ranks_per_node_needs_a_gpu(tmp_path, monkeypatch, capsys):
     import cupyep.runtime
-    from cupyep.bench import main as bench_main
+    from cupyep.lab.bench import main as bench_main
     monkeypatch.setattr(cupyep.runtime, "gpu_count", lambda: 0)
     assert bench_main.main(["--out", str(tmp_path), "--ranks", "2", "--ranks-per-node", "2"]) == 0
     assert "--ranks-per-node needs a GPU" in capsys.readouterr().err
@@ -211,7 +211,7 @@ def test_gpu_test_shards_cover_every_file_once():
 
 
 def test_the_job_times_both_routes_across_nodes_where_the_ranks_make_two_nodes():
-    from cupyep.bench import main as bench_main
+    from cupyep.lab.bench import main as bench_main
     within = [r[0] for r in bench_main.planned_runs(8, None)]
     assert "bench_internode.py" not in within and within == [b[0] for b in bench_main.BENCHES]
     across = [r for r in bench_main.planned_runs(8, 4) if r[0] == "bench_internode.py"]
@@ -223,7 +223,7 @@ def test_the_job_times_both_routes_across_nodes_where_the_ranks_make_two_nodes()
 
 def test_the_main_job_writes_outside_the_repository_by_default(tmp_path, monkeypatch):
     import cupyep.runtime
-    from cupyep.bench import main as bench_main
+    from cupyep.lab.bench import main as bench_main
     monkeypatch.setattr(cupyep.runtime, "gpu_count", lambda: 0)
     monkeypatch.setenv("CUPYEP_RUNS", str(tmp_path / "runs"))
     assert bench_main.default_runs_dir() == tmp_path / "runs"
@@ -237,8 +237,8 @@ def test_the_main_job_writes_outside_the_repository_by_default(tmp_path, monkeyp
 
 def test_a_run_is_promoted_into_the_results_once(tmp_path, monkeypatch, capsys):
     import cupyep.runtime
-    from cupyep.bench import main as bench_main
-    from cupyep.bench import promote
+    from cupyep.lab.bench import main as bench_main
+    from cupyep.lab.bench import promote
     monkeypatch.setattr(cupyep.runtime, "gpu_count", lambda: 0)
     assert bench_main.main(["--out", str(tmp_path / "runs"), "--ranks", "2"]) == 0
     (run,) = (tmp_path / "runs").iterdir()

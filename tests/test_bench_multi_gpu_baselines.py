@@ -202,7 +202,7 @@ def test_placement_one_rank_per_gpu_is_accepted():
 @pytest.mark.parametrize("facts,words", [
     ((8, 1, 1, 8), ["2 or more GPUs", "this node has 1 GPU"]),
     ((1, 1, 1, 1), ["2 or more GPUs"]),
-    ((8, 1, 4, 2), ["one rank per GPU", "8 ranks on 4 GPUs", "2 on one GPU", "python -m cupyep.launch -n G"]),
+    ((8, 1, 4, 2), ["one rank per GPU", "8 ranks on 4 GPUs", "2 on one GPU", "python -m cupyep.launcher -n G"]),
     ((1, 1, 8, 1), ["2 or more ranks", "got 1"]),
     ((16, 2, 8, 1), ["one node", "2 nodes"]),
 ])

@@ -1,8 +1,8 @@
-"""Host-side checks of the scatter probe's row patterns (cupyep.bench.scatter)."""
+"""Host-side checks of the scatter probe's row patterns (cupyep.lab.bench.scatter)."""
 import numpy as np
 import pytest
 
-from cupyep.bench.scatter import PATTERNS, pattern_rows, rows_needed
+from cupyep.lab.bench.scatter import PATTERNS, pattern_rows, rows_needed
 from cupyep.testing import global_routing
 
 
@@ -39,7 +39,7 @@ def test_unknown_pattern_is_rejected():
 
 
 def test_scatter_rejects_bad_sizes_before_launch():
-    from cupyep.bench.scatter import scatter
+    from cupyep.lab.bench.scatter import scatter
     with pytest.raises(ValueError, match="multiple of 16"):
         scatter(0, 0, None, None, None, None, 100, None, 1)
     with pytest.raises(ValueError, match="meta_rows"):
@@ -49,7 +49,7 @@ def test_scatter_rejects_bad_sizes_before_launch():
 
 
 def test_pages_touched_counts_every_page_of_every_row():
-    from cupyep.bench.scatter import pages_touched
+    from cupyep.lab.bench.scatter import pages_touched
     MB = 1 << 20
     # Two rows of 1.5 MB: the second straddles pages 1 and 2; both on rank 0.
     rows = (np.array([0, 1]), np.array([0, 0]), np.array([0, 1]))

@@ -12,6 +12,7 @@ import pytest
 
 from cupyep import jit
 
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from cupyep import jit
+
 from cupyep.normal import direct_kernels as D
 from cupyep.normal.buffer import Buffer
 

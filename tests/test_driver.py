@@ -7,6 +7,7 @@ import pytest
 from cupyep import driver
 
 
+
 def test_launch_config_layout_matches_cuda_h():
     # CUlaunchConfig: gridDim{X,Y,Z}, blockDim{X,Y,Z}, sharedMemBytes, hStream, attrs, numAttrs.
     c = driver._Config

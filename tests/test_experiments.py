@@ -1,4 +1,4 @@
-"""Tests of cupyep.experiments (CPU only): grid expansion and keys, the study
+"""Tests of cupyep.lab.experiments (CPU only): grid expansion and keys, the study
 registry, JSONL records, and sweeps on 2 ranks (and on 4 ranks as 2 emulated
 nodes, ``ranks_per_node``) under the mpiexec next to sys.executable (pip's
 mpich), through the API and the command line.
@@ -15,9 +15,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cupyep import experiments
-from cupyep.experiments import Study, config_key, cpu_reference, expand, load, records, studies
-from cupyep.experiments.__main__ import parse_grid
+from cupyep.lab import experiments
+from cupyep.lab.experiments import Study, config_key, cpu_reference, expand, load, records, studies
+from cupyep.lab.experiments.__main__ import parse_grid
 
 REPO = Path(__file__).resolve().parents[1]
 KNOBS = {"tokens": 1, "hidden": 2, "routing": "uniform", "routing_params": {}}
@@ -30,7 +30,7 @@ FAULTS_MODULE = '''
 """Study "sweep_faults": knob mode says how a configuration ends."""
 import time
 
-from cupyep.experiments import Skip, Study, register
+from cupyep.lab.experiments import Skip, Study, register
 
 
 def run(group, config):
@@ -206,7 +206,7 @@ def test_skip_value_error_and_errors_are_recorded_and_the_sweep_goes_on(tmp_path
 
 def test_cli_end_to_end_on_two_ranks(tmp_path, launch_env):
     out = tmp_path / "cli.jsonl"
-    cmd = [sys.executable, "-m", "cupyep.experiments", "reference", "--ranks", "2", "--out", str(out),
+    cmd = [sys.executable, "-m", "cupyep.lab.experiments", "reference", "--ranks", "2", "--out", str(out),
            "--timeout", str(LAUNCH_TIMEOUT_S), "--no-progress",
            "--grid", "tokens=4,8", "hidden=128", "experts=16", "topk=2"]
     res = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ), capture_output=True, text=True,
@@ -230,7 +230,7 @@ def test_cli_end_to_end_on_two_ranks(tmp_path, launch_env):
                            timeout=2 * LAUNCH_TIMEOUT_S)
     assert again.returncode == 0, again.stdout + again.stderr
     assert len(json.loads((tmp_path / "cli.manifest.json").read_text())["sweeps"]) == 1  # resumed: nothing launched
-    listing = subprocess.run([sys.executable, "-m", "cupyep.experiments", "--list"], env=dict(os.environ),
+    listing = subprocess.run([sys.executable, "-m", "cupyep.lab.experiments", "--list"], env=dict(os.environ),
                              capture_output=True, text=True, timeout=60)
     assert listing.returncode == 0 and "reference:" in listing.stdout and "    tokens = 128" in listing.stdout
 
@@ -321,13 +321,13 @@ def test_bad_ranks_per_node_raises_before_launching(tmp_path, monkeypatch, bad):
 
 def test_launch_command_passes_ranks_per_node():
     cmd = experiments._launch_command("spec.json", 4, 2, 60.0)
-    assert cmd[1:] == ["-m", "cupyep.launch", "-n", "4", "--ranks-per-node", "2", "--timeout", "60",
-                       "-m", "cupyep.experiments.worker", "spec.json"]
+    assert cmd[1:] == ["-m", "cupyep.launcher.launch", "-n", "4", "--ranks-per-node", "2", "--timeout", "60",
+                       "-m", "cupyep.lab.experiments.worker", "spec.json"]
     assert "--ranks-per-node" not in experiments._launch_command("spec.json", 4, None, 60.0)
 
 
 def test_cli_passes_ranks_per_node_through(monkeypatch, capsys):
-    from cupyep.experiments import __main__ as cli
+    from cupyep.lab.experiments import __main__ as cli
     args = cli.parser().parse_args(["reference", "--ranks", "4", "--ranks-per-node", "2"])
     assert (args.ranks, args.ranks_per_node) == (4, 2)
     assert cli.parser().parse_args(["reference"]).ranks_per_node is None
@@ -384,7 +384,7 @@ def test_resume_distinguishes_layouts(tmp_path, launch_env, monkeypatch):
 def test_a_typo_in_a_grid_value_is_bad_usage_before_anything_runs(monkeypatch, capsys, grid, match):
     """A grid value of the wrong type, or a routing that does not exist, is
     the caller's error (exit 2, nothing launched), not a skipped record."""
-    from cupyep.experiments import __main__ as cli
+    from cupyep.lab.experiments import __main__ as cli
     launched = []
     monkeypatch.setattr(experiments, "_launch_command", lambda *a, **k: launched.append(a) or ["false"])
     assert cli.main(["reference", "--no-progress", "--grid", *grid]) == 2
@@ -396,7 +396,7 @@ def test_a_typo_in_a_grid_value_is_bad_usage_before_anything_runs(monkeypatch, c
 
 
 def test_the_command_line_passes_a_fallback_through(monkeypatch):
-    from cupyep.experiments import __main__ as cli
+    from cupyep.lab.experiments import __main__ as cli
     calls = []
     monkeypatch.setattr(cli, "run", lambda study, grid, **kw: calls.append(kw) or [])
     assert cli.main(["normal", "--fallback", "results/sweeps/normal_knobs.jsonl"]) == 0

@@ -1,6 +1,6 @@
 """The "internode" GPU study's host side (CPU only): its registration and
 knobs, what it skips before anything touches a GPU, and the measurement core
-(cupyep.bench.internode) on a fake TwoHopDispatch: which calls each kind
+(cupyep.lab.bench.internode) on a fake TwoHopDispatch: which calls each kind
 makes, the record's fields, the slowest rank's figures, and the oracle check
 on rows rebuilt from the reference (and on a corrupted copy)."""
 from types import SimpleNamespace
@@ -8,11 +8,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cupyep import experiments
+from cupyep.lab import experiments
 from cupyep import reference as ref
-from cupyep.bench import internode as BI
-from cupyep.experiments import gpu_internode as G
-from cupyep.experiments.studies import Skip
+
+from cupyep.lab.bench import internode as BI
+from cupyep.lab.experiments import gpu_internode as G
+from cupyep.lab.experiments.studies import Skip
 from cupyep.reference import internode as I
 from cupyep.testing import bf16_to_f32, f32_to_bf16, global_routing, payload_bf16
 
@@ -82,7 +83,7 @@ class _FakeHop:
 
 
 def _host_stamps(n):
-    """cupyep.bench.stamps.new_kernel_stamps on the host."""
+    """cupyep.lab.bench.stamps.new_kernel_stamps on the host."""
     st = np.zeros((n, 2), dtype=np.int64)
     st[:, 0] = np.iinfo(np.int64).max
     return st

@@ -1,6 +1,6 @@
 """The "low_latency" GPU study's host side (CPU only): its registration and
 knobs, the values it refuses before anything touches a GPU, the runner's
-GPU-less path, and the measurement core (cupyep.bench.low_latency) driven by
+GPU-less path, and the measurement core (cupyep.lab.bench.low_latency) driven by
 a fake buffer: which calls each kind's round makes, and the fields of the
 records the benchmark and the study write. The fake kernels "take" fixed
 durations written into the stamps; nothing is timed."""
@@ -14,12 +14,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cupyep import experiments
-from cupyep.bench import low_latency as BL
-from cupyep.bench import timing as BT
-from cupyep.bench import stamps as BS
-from cupyep.experiments import config_key, records, worker
-from cupyep.experiments import gpu_low_latency as G
+from cupyep.lab import experiments
+from cupyep.lab.bench import low_latency as BL
+from cupyep.lab.bench import timing as BT
+from cupyep.lab.bench import stamps as BS
+from cupyep.lab.experiments import config_key, records, worker
+from cupyep.lab.experiments import gpu_low_latency as G
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,7 +47,7 @@ def _cfg(**kw):
 
 def test_low_latency_study_is_registered_and_needs_a_gpu():
     study = experiments.studies.get("low_latency")
-    assert study.needs_gpu and study.knobs is G.KNOBS and study.module == "cupyep.experiments.gpu_low_latency"
+    assert study.needs_gpu and study.knobs is G.KNOBS and study.module == "cupyep.lab.experiments.gpu_low_latency"
     assert "low_latency" in [s.name for s in experiments.studies.all_studies()]
     assert G.KNOBS["kind"] in BL.KINDS and G.KNOBS["timing"] in BL.TIMINGS
     assert (G.KNOBS["tokens"], G.KNOBS["hidden"], G.KNOBS["topk"], G.KNOBS["experts"]) == (128, 7168, 8, 256)
@@ -173,12 +173,12 @@ def test_cli_without_a_gpu_says_so_and_exits_2(tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     out = tmp_path / "ll.jsonl"
-    res = subprocess.run([sys.executable, "-m", "cupyep.experiments", "low_latency", "--ranks", "8", "--out",
+    res = subprocess.run([sys.executable, "-m", "cupyep.lab.experiments", "low_latency", "--ranks", "8", "--out",
                           str(out), "--grid", "kind=dispatch_fp8,combine", "iters=5"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr
     assert "study 'low_latency' needs a CUDA GPU" in res.stderr and not out.exists()
-    listed = subprocess.run([sys.executable, "-m", "cupyep.experiments", "--list"], cwd=tmp_path, env=env,
+    listed = subprocess.run([sys.executable, "-m", "cupyep.lab.experiments", "--list"], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=120)
     assert "low_latency (needs a GPU)" in listed.stdout and '    host_gap_ms = 2.0' in listed.stdout
 

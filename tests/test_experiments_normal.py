@@ -2,9 +2,9 @@
 the configurations it refuses; the benchmark's measurement function's checks."""
 import pytest
 
-from cupyep import experiments
-from cupyep.bench import normal as BN
-from cupyep.experiments import gpu_normal as G
+from cupyep.lab import experiments
+from cupyep.lab.bench import normal as BN
+from cupyep.lab.experiments import gpu_normal as G
 from cupyep.normal import Config
 from cupyep.normal.direct_kernels import DirectConfig
 

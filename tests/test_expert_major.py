@@ -11,6 +11,7 @@ import pytest
 
 import cupyep.reference as ref
 from cupyep import errors, jit
+
 from cupyep.normal import expert_major as EM
 from cupyep.results import DispatchHandle
 
@@ -319,6 +320,7 @@ def fake_buffer(monkeypatch):
     """A Buffer object without a GPU: host arrays pass the input checks, and
     anything that would launch or allocate fails the test."""
     from cupyep import arrays
+
     from cupyep.normal import buffer as B
     monkeypatch.setattr(B, "as_cupy", lambda a, name: a)
     monkeypatch.setattr(arrays, "as_cupy", lambda a, name: a)  # dispatch_rows' conversion

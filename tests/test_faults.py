@@ -1,4 +1,4 @@
-"""Tests of cupyep.calls (per-process call records) and of the launcher's
+"""Tests of cupyep.launcher.calls (per-process call records) and of the launcher's
 report when a rank dies, raises or hangs (CPU only, pip's mpich)."""
 
 import os
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cupyep import calls
-from cupyep.calls import CallRecord, Ending
+from cupyep.launcher import calls
+from cupyep.launcher.calls import CallRecord, Ending
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "mpi_scripts"
@@ -28,13 +28,13 @@ def launch(args, tmp_path, timeout=120):
     """Run the launcher with TMPDIR in tmp_path; return (result, TMPDIR)."""
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir(exist_ok=True)
-    res = subprocess.run([sys.executable, "-m", "cupyep.launch", *args], cwd=REPO, text=True,
+    res = subprocess.run([sys.executable, "-m", "cupyep.launcher.launch", *args], cwd=REPO, text=True,
                          capture_output=True, timeout=timeout, env=_env(TMPDIR=str(tmpdir)))
     return res, tmpdir
 
 
 def report_lines(stderr):
-    return [line for line in stderr.splitlines() if line.startswith("cupyep.launch: ")]
+    return [line for line in stderr.splitlines() if line.startswith("cupyep.launcher: ")]
 
 
 # ---------------------------------------------------------- the record ---
@@ -51,7 +51,7 @@ def test_traced_call_without_record_is_the_function():
 def test_record_in_a_process(tmp_path):
     code = textwrap.dedent("""
         import os, sys
-        from cupyep import calls
+        from cupyep.launcher import calls
 
         @calls.traced_call("Demo.outer")
         def outer(n, *, inner_too=False):
@@ -95,7 +95,7 @@ def test_record_in_a_process(tmp_path):
 
 
 def test_record_marks_uncaught_exception(tmp_path):
-    code = ("from cupyep import calls\n"
+    code = ("from cupyep.launcher import calls\n"
             "f = calls.traced_call('Demo.f')(lambda: 1 / 0)\n"
             "f()\n")
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, text=True, capture_output=True, timeout=60,
@@ -110,7 +110,7 @@ def test_record_marks_uncaught_exception(tmp_path):
 def test_forked_child_does_not_write_the_parent_record(tmp_path):
     code = textwrap.dedent("""
         import os
-        from cupyep import calls
+        from cupyep.launcher import calls
         f = calls.traced_call("Demo.f")(lambda: None)
         f()
         pid = os.fork()
@@ -180,7 +180,7 @@ def test_launcher_names_the_rank_that_died(tmp_path, between):
     where = "after" if between else "during"
     died = [line for line in lines if " died" in line]
     assert len(died) == 1, res.stderr
-    assert died[0].startswith("cupyep.launch: rank 1 (pid "), died[0]
+    assert died[0].startswith("cupyep.launcher: rank 1 (pid "), died[0]
     assert died[0].endswith(f"{where} FaultProbe.step, call {count} of that kind"), died[0]
     others = next(line for line in lines if "the others then:" in line)
     assert "rank 1:" not in others and "FaultProbe.step" in others
@@ -193,7 +193,7 @@ def test_launcher_names_the_rank_that_raised(tmp_path):
     assert res.returncode not in (0, 124), res.stderr
     assert "rank 2 fails on purpose" in res.stderr
     (line,) = [line for line in report_lines(res.stderr) if "uncaught exception" in line]
-    assert line.startswith("cupyep.launch: rank 2 (pid ")
+    assert line.startswith("cupyep.launcher: rank 2 (pid ")
     assert line.endswith("after FaultProbe.step, call 7 of that kind")
     assert list(tmpdir.iterdir()) == []
 
@@ -204,14 +204,14 @@ def test_launcher_timeout_says_where_ranks_were(tmp_path):
     res, tmpdir = launch(["-n", "3", "--gpus", "0", "--timeout", "8", str(SCRIPTS / "faults_sleep.py"),
                           str(piddir)], tmp_path)
     assert res.returncode == 124, res.stderr
-    assert ("cupyep.launch: at the timeout, the ranks were: ranks 0-2: during FaultProbe.wait, "
+    assert ("cupyep.launcher: at the timeout, the ranks were: ranks 0-2: during FaultProbe.wait, "
             "call 1 of that kind") in report_lines(res.stderr)
     assert list(tmpdir.iterdir()) == []
 
 
 def test_launcher_success_prints_no_report(tmp_path):
     res, tmpdir = launch(["-n", "2", "--gpus", "0", "--timeout", "60", "-c",
-                          "from cupyep.calls import traced_call; traced_call('X.y')(print)('ok')"], tmp_path)
+                          "from cupyep.launcher.calls import traced_call; traced_call('X.y')(print)('ok')"], tmp_path)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["ok", "ok"]
     assert len(report_lines(res.stderr)) == 1  # the summary line only

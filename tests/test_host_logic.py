@@ -13,15 +13,17 @@ import numpy as np
 import pytest
 
 from cupyep import barrier, errors, jit, nvcc, testing
+
 from cupyep.normal import layout as dispatch_layout
 from cupyep.arrays import BF16, FP8, as_cupy, check
-from cupyep.bench.stamps import cross_rank, trace_marks
-from cupyep.bench.timing import Timing
+from cupyep.lab.bench.stamps import cross_rank, trace_marks
+from cupyep.lab.bench.timing import Timing
 from cupyep.errors import (ERROR_SLOT_DTYPE, KERNEL_NAMES, KERNELS, CommTimeoutError, CupyepError,
                            error_from_slot, kernel_id)
 from cupyep.normal import config as cfgmod
 from cupyep.normal import internode_kernels as INTER
 from cupyep import nvshmem as NV
+
 from cupyep.normal import direct_kernels as D
 from cupyep.normal import queue_kernels as K
 from cupyep.normal import node_kernels as NK
@@ -790,7 +792,7 @@ def test_require_resident():
 
 
 def test_kernel_seconds_of_stamps():
-    from cupyep.bench.stamps import kernel_seconds
+    from cupyep.lab.bench.stamps import kernel_seconds
     st = np.array([[[1000, 4000], [0, 2500]]], dtype=np.int64)
     assert np.allclose(kernel_seconds(st), [[3e-6, 2.5e-6]])
     with pytest.raises(ValueError, match="dimension of 2"):
@@ -830,7 +832,7 @@ def test_stamps_compare_across_ranks_only_when_every_rank_is_on_one_gpu():
     host (one rank per GPU) do not, even when each host has one rank."""
     from types import SimpleNamespace
 
-    from cupyep.bench.stamps import one_timer
+    from cupyep.lab.bench.stamps import one_timer
     assert one_timer(SimpleNamespace(world_size=8, local_size=4, ranks_per_gpu=8))  # 2 x 4 emulated, one GPU
     assert not one_timer(SimpleNamespace(world_size=2, local_size=1, ranks_per_gpu=1))  # two hosts, a GPU each
     assert not one_timer(SimpleNamespace(world_size=8, local_size=8, ranks_per_gpu=1))  # one host, 8 GPUs

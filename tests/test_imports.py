@@ -98,7 +98,27 @@ def test_normal_mode_is_a_front_over_routes_that_import_nothing_above_them():
     assert {"cupyep.normal.queue", "cupyep.normal.direct", "cupyep.normal.internode"} <= front
     assert "cupyep.normal.queue_kernels" in g["cupyep.normal.queue"]
     assert "cupyep.normal.direct_kernels" in g["cupyep.normal.direct"]
-    above = ("cupyep.bench", "cupyep.experiments", "cupyep.plotting", "cupyep.advisor", "cupyep.low_latency")
+    above = ("cupyep.lab.bench", "cupyep.lab.experiments", "cupyep.lab.plotting", "cupyep.lab.advisor", "cupyep.low_latency")
     for name, deps in g.items():
         if name.startswith("cupyep.normal"):
             assert not {d for d in deps if d.startswith(above)}, (name, deps)
+
+
+def test_the_library_imports_none_of_the_lab():
+    """Nothing outside cupyep.lab imports it (the core: runtime, modes,
+    reference, MoE layer, balance, launcher)."""
+    g = import_graph()
+    for name, deps in g.items():
+        if not name.startswith("cupyep.lab"):
+            assert not {d for d in deps if d.startswith("cupyep.lab")}, (name, deps)
+
+
+def test_importing_cupyep_and_its_buffers_loads_no_matplotlib_and_no_tqdm():
+    import subprocess
+    import sys
+    code = ("import sys, cupyep\n"
+            "cupyep.Buffer, cupyep.LowLatencyBuffer, cupyep.moe.MoELayer\n"
+            "import cupyep.balance, cupyep.reference, cupyep.launcher.launch\n"
+            "print(sorted(m for m in ('matplotlib', 'tqdm') if m in sys.modules))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", (res.stdout, res.stderr)

@@ -106,6 +106,7 @@ def _check_ids(topk_idx, num_experts):
 def _no_cuda(monkeypatch):
     """The front without a GPU: NumPy arrays pass as they are, the stream is a recorder."""
     from cupyep import arrays
+
     monkeypatch.setattr(BUF, "CommStream", _Calls)
     monkeypatch.setattr(arrays, "as_cupy", lambda a, name: a)
     monkeypatch.setattr(BUF, "as_cupy", lambda a, name: a)

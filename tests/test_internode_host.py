@@ -29,6 +29,7 @@ def test_state_slices_cover_the_state_in_the_kernels_order(R, K):
 
 def test_the_kernels_state_size_is_the_hosts():
     from cupyep import jit
+
     src = (jit.CUDA_SRC / "normal" / "internode.cu").read_text()
     assert "two_hop_state_words(int R, int K) { return 2 + R / K + R + 1 + K + R / K + R; }" in src
     assert "constexpr int kNotifyOk = 1;" in src
@@ -85,6 +86,7 @@ def test_the_direct_routes_staged_row_holds_every_part(H, k):
     assert INTER.direct_row_bytes(H, k) == max(2 * H, a16(H + 4 * (H // 128))) + rest
     assert INTER.direct_row_bytes(H, k) % 16 == 0
     from cupyep import jit
+
     src = (jit.CUDA_SRC / "normal" / "internode.cu").read_text()
     assert "r.ids = align16(payload + 4 * (int64_t)num_scales);" in src and "r.bytes = r.slot + 16;" in src
     assert INTER.ROUTES == ("two_hop", "direct")
@@ -162,6 +164,7 @@ def test_a_handles_metadata_block_is_what_the_combine_reads(H, k, K, fp8):
     got = np.ndarray(shape, np.int64, buffer=net, offset=offset, strides=strides).copy()
     assert got.flags.c_contiguous and np.array_equal(got, want) and got.strides[0] == 8 * W
     from cupyep import jit
+
     src = (jit.CUDA_SRC / "normal" / "internode.cu").read_text()
     assert "a.net_rows + q * a.row_stride + a.meta_offset" in src  # the combine's row q of the block
     assert "const int64_t* pos = meta + 1 + 2 * a.num_topk;" in src  # its positions, after t, ids, weights

@@ -1,4 +1,4 @@
-"""Tests of cupyep.launch and cupyep.mps (CPU only; real launches use the
+"""Tests of cupyep.launcher.launch and cupyep.launcher.mps (CPU only; real launches use the
 mpiexec next to sys.executable, fake nvidia-cuda-mps-control scripts)."""
 
 import json
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from cupyep import launch, mps
-from cupyep.launch import MPICH, OPENMPI, build_command
+from cupyep.launcher import launch, mps
+from cupyep.launcher.launch import MPICH, OPENMPI, build_command
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "mpi_scripts"
@@ -53,9 +53,9 @@ def _clean_env(**extra):
 
 
 def run_launcher(args, env=None, timeout=120):
-    """Run ``python -m cupyep.launch args``; return (CompletedProcess, s)."""
+    """Run ``python -m cupyep.launcher args``; return (CompletedProcess, s)."""
     start = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "cupyep.launch", *args],
+    res = subprocess.run([sys.executable, "-m", "cupyep.launcher.launch", *args],
                          cwd=REPO, env=env or _clean_env(), text=True,
                          capture_output=True, timeout=timeout)
     return res, time.monotonic() - start
@@ -374,7 +374,7 @@ def test_launch_allreduce():
                            str(SCRIPTS / "launch_allreduce.py")])
     assert res.returncode == 0, res.stderr
     assert "allreduce ok size=4 sum=10" in res.stdout
-    assert "cupyep.launch: 4 ranks" in res.stderr
+    assert "cupyep.launcher: 4 ranks" in res.stderr
 
 
 def test_launch_rank_raises():
@@ -480,7 +480,7 @@ def test_sigterm_stops_ranks_and_mps(fake_mps, tmp_path):
     piddir = tmp_path / "pids"
     piddir.mkdir()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cupyep.launch", "-n", "2", "--gpus", "1",
+        [sys.executable, "-m", "cupyep.launcher.launch", "-n", "2", "--gpus", "1",
          str(SCRIPTS / "launch_hang.py"), str(piddir)],
         cwd=REPO, env=_clean_env(), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
@@ -552,7 +552,7 @@ def test_ctrl_c_leaves_no_rank_daemon_or_temp_dir(fake_mps, tmp_path):
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cupyep.launch", "-n", "8", "--gpus", "1",
+        [sys.executable, "-m", "cupyep.launcher.launch", "-n", "8", "--gpus", "1",
          str(SCRIPTS / "faults_sleep.py"), str(piddir)],
         cwd=REPO, env=_clean_env(TMPDIR=str(tmpdir)), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -572,7 +572,7 @@ def test_ctrl_c_leaves_no_rank_daemon_or_temp_dir(fake_mps, tmp_path):
     assert _processes_with(marker) == [], err
     # The launcher said where the ranks were when it was interrupted (in
     # FaultProbe.wait, which KeyboardInterrupt ended).
-    assert (f"cupyep.launch: at signal {int(signal.SIGINT)}, the ranks were: ranks 0-7: "
+    assert (f"cupyep.launcher: at signal {int(signal.SIGINT)}, the ranks were: ranks 0-7: "
             "after FaultProbe.wait raised (KeyboardInterrupt), call 1 of that kind (exited)") in err.splitlines()
     # MPS was stopped and every temporary directory removed.
     log = fake_mps.read_text().splitlines()
@@ -590,7 +590,7 @@ def test_ctrl_c_while_mps_starts_stops_it(fake_mps, tmp_path, monkeypatch):
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cupyep.launch", "-n", "2", "--gpus", "1",
+        [sys.executable, "-m", "cupyep.launcher.launch", "-n", "2", "--gpus", "1",
          str(SCRIPTS / "launch_env.py")],
         cwd=REPO, env=_clean_env(TMPDIR=str(tmpdir)), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -621,7 +621,7 @@ def test_ctrl_c_kills_ranks_that_ignore_it(tmp_path):
     piddir = tmp_path / marker
     piddir.mkdir()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cupyep.launch", "-n", "4", "--gpus", "0",
+        [sys.executable, "-m", "cupyep.launcher.launch", "-n", "4", "--gpus", "0",
          str(SCRIPTS / "launch_ignore_signals.py"), str(piddir)],
         cwd=REPO, env=_clean_env(), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from cupyep import errors, jit
+
 from cupyep.errors import KERNELS, CommTimeoutError, ERROR_SLOT_DTYPE, error_from_slot, kernel_id
 from cupyep.low_latency import kernels as K
 from cupyep.low_latency import layout as L
@@ -556,6 +557,7 @@ def test_handle_layout_begin():
 @pytest.mark.parametrize("flag,cls", [(1, "CommTimeoutError"), (3, "DeviceCapacityError"), (4, "DeviceInputError")])
 def test_error_kind_picks_the_exception(flag, cls):
     from cupyep import errors
+
     slot = np.zeros(1, ERROR_SLOT_DTYPE)[0]
     slot["flag"], slot["kernel"], slot["phase"], slot["peer"] = flag, kernel_id("low_latency_dispatch"), 2, -1
     slot["value"], slot["expected"] = 300, 256

@@ -1,9 +1,9 @@
-"""Host side of the in-kernel metrics (cupyep.metrics): the reductions a
+"""Host side of the in-kernel metrics (cupyep.lab.metrics): the reductions a
 sweep record gets from what the kernels write."""
 import numpy as np
 import pytest
 
-from cupyep import metrics as M
+from cupyep.lab import metrics as M
 
 
 def test_percentiles_interpolate_and_are_none_without_samples():

@@ -19,6 +19,7 @@ import pytest
 
 import cupyep.reference as ref
 from cupyep import moe
+
 from cupyep.testing import bf16_to_f32, f32_to_bf16
 
 H, F, E, K = 256, 128, 16, 4

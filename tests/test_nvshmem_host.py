@@ -11,7 +11,9 @@ import sys
 import pytest
 
 from cupyep import jit
+
 from cupyep import nvshmem as NV
+
 
 
 def test_mangled_prefix_of_name_expressions():

@@ -8,6 +8,7 @@ import pytest
 
 from cupyep import jit
 
+
 MODULES = ["cupyep.errors", "cupyep.normal.layout", "cupyep.normal.expert_major", "cupyep.normal.node_kernels", "cupyep.normal.queue_kernels",
            "cupyep.normal.direct_kernels", "cupyep.normal.internode_kernels", "cupyep.low_latency.kernels", "cupyep.barrier"]
 

@@ -1,4 +1,4 @@
-"""cupyep.plotting on synthetic records: fields and filters, units on the
+"""cupyep.lab.plotting on synthetic records: fields and filters, units on the
 axes, heatmap cells, crossover points, CDF marks, PNG + SVG output, the CLI,
 and the main job's figures of a synthetic run folder."""
 import json
@@ -9,7 +9,7 @@ import pytest
 
 matplotlib.use("Agg")
 
-from cupyep import plotting as P  # noqa: E402
+from cupyep.lab import plotting as P  # noqa: E402
 
 
 def _sweep():

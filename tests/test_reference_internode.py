@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from cupyep import reference as ref
+
 from cupyep.reference import internode as I
 from cupyep.testing import global_routing
 

@@ -3,7 +3,9 @@ import numpy as np
 import pytest
 
 from cupyep import reference as ref
+
 from cupyep import routing
+
 from cupyep.testing import global_routing
 
 TOKENS = [40, 0, 17, 64]

@@ -1,4 +1,4 @@
-"""cupyep.init on CPU, under real MPI: 4 ranks started by cupyep.launch run
+"""cupyep.init on CPU, under real MPI: 4 ranks started by cupyep.launcher.launch run
 the scripts tests/mpi_scripts/runtime_*.py. Each script records named checks
 on every rank and exits 0 only when every check holds on every rank; rank 0
 prints ``CHECK <name> PASS|FAIL <why>`` lines, ``EXTRA <json>`` (every
@@ -28,7 +28,7 @@ def _env():
 
 class Run:
     def __init__(self, script, launcher_args=()):
-        cmd = [sys.executable, "-m", "cupyep.launch", "-n", "4", *launcher_args, "--timeout", "60",
+        cmd = [sys.executable, "-m", "cupyep.launcher.launch", "-n", "4", *launcher_args, "--timeout", "60",
                str(SCRIPTS / script)]
         self.proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
         self.checks, self.extra = {}, None

@@ -1,5 +1,5 @@
 // Kernels that time how far apart the ranks sharing a GPU start a kernel
-// after a GPU barrier has released them (cupyep/bench/skew.py).
+// after a GPU barrier has released them (cupyep/lab/bench/skew.py).
 #include "common/ptx.cuh"
 #include "common/timeout.cuh"
 #include "common/barrier.cuh"

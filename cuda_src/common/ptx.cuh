@@ -107,7 +107,7 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 
 // Kernel stamps, what a profiler shows of a kernel: t[0] the first block's start (min), t[1] the last
 // block's end (max), %globaltimer ns; the caller sets t to {INT64_MAX, 0} first
-// (cupyep.bench.stamps.new_kernel_stamps). Null t: nothing. stamp_end is per warp (the latest warp's end
+// (cupyep.lab.bench.stamps.new_kernel_stamps). Null t: nothing. stamp_end is per warp (the latest warp's end
 // is the last block's), so it holds no block barrier: every lane of a warp that reaches it must reach it.
 __device__ __forceinline__ void stamp_start(int64_t* t) {
     if (t && threadIdx.x == 0) atomicMin(reinterpret_cast<unsigned long long*>(t), (unsigned long long)global_timer_ns());

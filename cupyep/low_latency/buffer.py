@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import driver, jit
 from ..arrays import BF16, as_cupy, check
-from ..calls import traced_call
+from ..launcher.calls import traced_call
 from ..ipc import SymmetricBuffer
 from ..results import EventHandle
 from . import kernels as K

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..arrays import BF16, as_cupy, check, check_expert_ids, dispatch_rows
-from ..calls import traced_call
+from ..launcher.calls import traced_call
 from ..results import CombineResult, DispatchHandle, DispatchResult, LayoutResult, check_hidden
 from ..sizes import DEFAULT_HIDDEN, DEFAULT_MAX_TOKENS, DEFAULT_NUM_TOPK, MAX_EXPERTS, DeclaredSizes
 from ..slots import DEFAULT_IN_FLIGHT, check_num_in_flight

@@ -105,7 +105,7 @@ def _check_hop(hop_ns):
 
 
 def _check_kernel_ns(arr, name: str):
-    """Kernel stamps (cupyep.bench.stamps.new_kernel_stamps, a row): int64 [2]."""
+    """Kernel stamps (cupyep.lab.bench.stamps.new_kernel_stamps, a row): int64 [2]."""
     return _check_stamps(arr, name, np.int64, 2)
 
 
@@ -604,7 +604,7 @@ class TwoHopDispatch:
                 its stamps (TwoHopDispatchArgs::hop_ns; :func:`hop_times_us`
                 turns them into each hop's time).
             kernel_ns, notify_ns: cupy int64 [2] or None, kernel stamps (a
-                row of cupyep.bench.stamps.new_kernel_stamps): the dispatch
+                row of cupyep.lab.bench.stamps.new_kernel_stamps): the dispatch
                 kernel's, and the notify kernel's, first block start (min) and
                 last block end (max) in %globaltimer ns.
             num_worst_tokens: if > 0, the outputs hold this many rows and the

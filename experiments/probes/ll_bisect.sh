@@ -8,7 +8,7 @@
 export PYTHONPATH=$PWD
 OUT=${OUT:-results/session}
 mkdir -p "$OUT"
-timeout 150 python3 -m cupyep.launch -n 8 --timeout 145 experiments/bench_low_latency.py --tokens 128 1 --iters 100 \
+timeout 150 python3 -m cupyep.launcher -n 8 --timeout 145 experiments/bench_low_latency.py --tokens 128 1 --iters 100 \
   --no-hook --trace 10 --ablate rows tags scales --scatter-probe --out "$OUT/ll_bisect.jsonl" 2>&1 | grep -c '"bench"'
-timeout 200 python3 -m cupyep.gpu_tests --ranks 8 -k low_latency --timeout 195 > "$OUT/gpu_tests_ll8.log" 2>&1
+timeout 200 python3 -m cupyep.launcher.gpu_tests --ranks 8 -k low_latency --timeout 195 > "$OUT/gpu_tests_ll8.log" 2>&1
 echo "low-latency tests at 8 ranks rc=$?"; grep -E "passed|failed" "$OUT/gpu_tests_ll8.log" | tail -1

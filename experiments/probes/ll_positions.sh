@@ -8,7 +8,7 @@
 export PYTHONPATH=$PWD
 OUT=${OUT:-results/session}
 mkdir -p "$OUT"
-timeout 230 python3 -m cupyep.gpu_tests --ranks 2 8 -k low_latency --timeout 225 > "$OUT/gpu_tests_ll.log" 2>&1
+timeout 230 python3 -m cupyep.launcher.gpu_tests --ranks 2 8 -k low_latency --timeout 225 > "$OUT/gpu_tests_ll.log" 2>&1
 echo "low-latency tests rc=$?"; grep -E "passed|failed|== " "$OUT/gpu_tests_ll.log" | sort -u | tail -4
-timeout 110 python3 -m cupyep.launch -n 8 --timeout 105 experiments/bench_low_latency.py --iters 200 --no-hook \
+timeout 110 python3 -m cupyep.launcher -n 8 --timeout 105 experiments/bench_low_latency.py --iters 200 --no-hook \
   --trace 20 --zero-copy --out "$OUT/low_latency_positions.jsonl" 2>&1 | grep -c bench

@@ -9,7 +9,7 @@
 export PYTHONPATH=$PWD
 OUT=${OUT:-results/session}
 mkdir -p "$OUT"
-run() { timeout 120 python3 -m cupyep.launch -n 8 --timeout 110 experiments/bench_low_latency.py --tokens 128 --iters 100 \
+run() { timeout 120 python3 -m cupyep.launcher -n 8 --timeout 110 experiments/bench_low_latency.py --tokens 128 --iters 100 \
           --trace 20 --out "$OUT/ll_probe.jsonl" "$@" 2>&1 | grep -c '"bench"'; }
 run --back-to-back
 for f in pages none; do run --flush $f --no-hook; done

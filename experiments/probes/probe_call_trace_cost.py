@@ -1,4 +1,4 @@
-"""Cost of the per-call record (cupyep.calls.traced_call) on the CPU.
+"""Cost of the per-call record (cupyep.launcher.calls.traced_call) on the CPU.
 
 Times, per call, a plain method, the same method decorated while no record
 is open (returned unchanged: no cost by construction) and decorated with a
@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from cupyep import calls  # noqa: E402
+from cupyep.launcher import calls  # noqa: E402
 
 
 class Plain:

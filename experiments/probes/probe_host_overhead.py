@@ -1,8 +1,8 @@
 """The host's share of a notified normal-mode dispatch, per route: where the
 call's time goes when the kernels are short.
 
-    python -m cupyep.launch -n 2 experiments/probes/probe_host_overhead.py --out host_overhead.json
-    python -m cupyep.launch -n 8 --ranks-per-node 4 experiments/probes/probe_host_overhead.py --out host_2x4.json
+    python -m cupyep.launcher -n 2 experiments/probes/probe_host_overhead.py --out host_overhead.json
+    python -m cupyep.launcher -n 8 --ranks-per-node 4 experiments/probes/probe_host_overhead.py --out host_2x4.json
 
 Routes: within a node the queue transport, the direct one (fused, the
 default) and the direct one unfused; across nodes the two-hop and the direct
@@ -32,7 +32,7 @@ import time
 import numpy as np
 
 import cupyep
-from cupyep.bench import require_gpu
+from cupyep.lab.bench import require_gpu
 from cupyep.normal.direct_kernels import DirectConfig
 from cupyep.testing import global_routing, payload_bf16
 

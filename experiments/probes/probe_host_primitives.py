@@ -18,7 +18,8 @@ import time
 import numpy as np
 
 from cupyep import jit
-from cupyep.bench import require_gpu
+
+from cupyep.lab.bench import require_gpu
 
 SOURCE = r"""
 struct Args { unsigned long long a, b, c, d; int n, m; };
@@ -46,7 +47,7 @@ def main():
     n = args.iters
     stream = cupy.cuda.Stream(non_blocking=True)
     if args.busy_blocks:
-        from cupyep.bench.timing import SLEEP_SPEC
+        from cupyep.lab.bench.timing import SLEEP_SPEC
         sleep = jit.kernel(SLEEP_SPEC)
         for s in (stream, cupy.cuda.get_current_stream()):
             sleep((args.busy_blocks,), (32,), (np.uint64(3_000_000_000),), stream=s)

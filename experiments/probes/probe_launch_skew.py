@@ -1,12 +1,12 @@
 """How far apart the ranks sharing a GPU start a kernel once a GPU barrier has
 released them, and whether programmatic dependent launch closes the gap.
 
-    python -m cupyep.launch -n 8 experiments/probes/probe_launch_skew.py --out results/launch_skew.jsonl
+    python -m cupyep.launcher -n 8 experiments/probes/probe_launch_skew.py --out results/launch_skew.jsonl
 
 Each call: a GPU sleep (so the host has queued everything), the barrier
 (stamping when this rank left it), then a kernel stamping when its first
 block started, launched plainly or as a programmatic dependent of the
-barrier (cupyep.bench.skew). Per kernel shape and launch kind, medians and
+barrier (cupyep.lab.bench.skew). Per kernel shape and launch kind, medians and
 p99 over calls of: the spread of the ranks' barrier exits, the spread of
 their kernel starts, and the last start after the last exit.
 """
@@ -16,10 +16,10 @@ import numpy as np
 
 import cupyep
 from cupyep.barrier import GpuBarrier
-from cupyep.bench import require_gpu
-from cupyep.bench.report import JsonlWriter
-from cupyep.bench.skew import barrier_then_stamp
-from cupyep.bench.timing import gpu_sleep
+from cupyep.lab.bench import require_gpu
+from cupyep.lab.bench.report import JsonlWriter
+from cupyep.lab.bench.skew import barrier_then_stamp
+from cupyep.lab.bench.timing import gpu_sleep
 
 
 def main():

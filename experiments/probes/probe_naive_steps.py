@@ -1,7 +1,7 @@
 """Where the naive baseline's time goes at small T: host time of each step of
-:meth:`cupyep.bench.naive.NaiveBuffer.combine` and ``dispatch``.
+:meth:`cupyep.lab.bench.naive.NaiveBuffer.combine` and ``dispatch``.
 
-    python -m cupyep.launch -n 8 experiments/probes/probe_naive_steps.py --out results/naive_steps.jsonl
+    python -m cupyep.launcher -n 8 experiments/probes/probe_naive_steps.py --out results/naive_steps.jsonl
 
 Per T and kind, ``--iters`` calls; each call starts after a host MPI barrier.
 The steps of the combine are replayed here with a ``perf_counter`` stamp
@@ -20,10 +20,10 @@ import numpy as np
 
 import cupyep
 from cupyep.barrier import GpuBarrier
-from cupyep.bench import require_gpu
-from cupyep.bench.report import JsonlWriter
-from cupyep.bench.timing import time_fn
-from cupyep.bench.naive import NaiveBuffer
+from cupyep.lab.bench import require_gpu
+from cupyep.lab.bench.report import JsonlWriter
+from cupyep.lab.bench.timing import time_fn
+from cupyep.lab.bench.naive import NaiveBuffer
 from cupyep.testing import global_routing, payload_bf16
 
 

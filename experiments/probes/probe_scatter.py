@@ -1,8 +1,8 @@
 """What bounds the low-latency data movement: the same rows, moved by a bare
-scatter kernel (cupyep/bench/scatter.py), under each destination layout.
+scatter kernel (cupyep/lab/bench/scatter.py), under each destination layout.
 
-    python -m cupyep.launch -n 8 experiments/probes/probe_scatter.py --out results/probe_scatter.jsonl
-    python -m cupyep.launch -n 1 experiments/probes/probe_scatter.py --virtual 8    # one process moves all 8 ranks' rows
+    python -m cupyep.launcher -n 8 experiments/probes/probe_scatter.py --out results/probe_scatter.jsonl
+    python -m cupyep.launcher -n 1 experiments/probes/probe_scatter.py --virtual 8    # one process moves all 8 ranks' rows
 
 Each of R processes plays V / R virtual ranks (default V = R): with -n 1
 --virtual 8 one process and one address space move every row that 8 ranks
@@ -21,12 +21,12 @@ import numpy as np
 
 import cupyep
 from cupyep.barrier import GpuBarrier
-from cupyep.bench import require_gpu
-from cupyep.bench.copy import copy_bandwidth
-from cupyep.bench.report import JsonlWriter
-from cupyep.bench.scatter import PATTERNS, pattern_rows, rows_needed, scatter
-from cupyep.bench.stamps import cross_rank, kernel_seconds
-from cupyep.bench.timing import FLUSH_MODES, timed_rounds
+from cupyep.lab.bench import require_gpu
+from cupyep.lab.bench.copy import copy_bandwidth
+from cupyep.lab.bench.report import JsonlWriter
+from cupyep.lab.bench.scatter import PATTERNS, pattern_rows, rows_needed, scatter
+from cupyep.lab.bench.stamps import cross_rank, kernel_seconds
+from cupyep.lab.bench.timing import FLUSH_MODES, timed_rounds
 from cupyep.ipc import SymmetricBuffer
 from cupyep.testing import global_routing
 

@@ -7,7 +7,7 @@
 export PYTHONPATH=$PWD
 OUT=${OUT:-results/session}
 mkdir -p "$OUT"
-p() { timeout 100 python3 -m cupyep.launch --timeout 95 "$@" --out "$OUT/probe_scatter.jsonl" 2>&1 | grep -c probe_scatter; }
+p() { timeout 100 python3 -m cupyep.launcher --timeout 95 "$@" --out "$OUT/probe_scatter.jsonl" 2>&1 | grep -c probe_scatter; }
 p -n 8 experiments/probes/probe_scatter.py --sets 1 2 --flush write pages
 p -n 8 experiments/probes/probe_scatter.py --sets 1 2 --flush write --row-bytes 7168 --patterns dispatch_expert_major dispatch_source_major dispatch_slot_major dispatch_packed
 p -n 1 experiments/probes/probe_scatter.py --virtual 8 --sets 1 2 --flush write

@@ -1,6 +1,6 @@
 """GPU tests run on every rank at once, under the launcher:
 
-    python -m cupyep.gpu_tests          # 2, 4 and 8 ranks (MPS when they share a GPU)
+    python -m cupyep.launcher.gpu_tests          # 2, 4 and 8 ranks (MPS when they share a GPU)
 
 Each test is collective: all ranks run the same tests in the same order.
 Without a GPU (or outside MPI) they skip.
@@ -28,7 +28,7 @@ def pytest_runtest_logreport(report):
     one rank fails a collective test the others may hang until the launcher's
     timeout kills them all, before pytest's summary would have printed it."""
     if report.failed:
-        from cupyep.calls import env_rank
+        from cupyep.launcher.calls import env_rank
         rank = env_rank()
         sys.stderr.write(f"\n[rank {rank}] FAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n")
         sys.stderr.flush()
@@ -50,6 +50,7 @@ def nvshmem_session(group):
     count references. Skips without nvshmem4py."""
     pytest.importorskip("nvshmem.core")
     from cupyep import nvshmem as NV
+
     NV.init(group)
     yield
     group.comm.Barrier()

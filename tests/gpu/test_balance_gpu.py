@@ -3,12 +3,13 @@ MoELayer's migration), within a node: the weights arrive bit-exact, the
 layer computes with the old weights until the commit, and after it the
 layer is the logical layer under the new placement.
 
-    python3 -m cupyep.gpu_tests --ranks 2 4 8 -k balance
+    python3 -m cupyep.launcher.gpu_tests --ranks 2 4 8 -k balance
 """
 import numpy as np
 import pytest
 
 from cupyep import moe
+
 from cupyep.testing import all_ranks, f32_to_bf16
 
 pytestmark = pytest.mark.gpu

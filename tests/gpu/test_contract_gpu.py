@@ -10,13 +10,14 @@ against the same calls run one after another, and against the reference
 (dispatch exactly, with payloads tagged by source rank and token; combine
 within calc_diff 5e-6), in BF16 and FP8.
 
-    python3 -m cupyep.gpu_tests -k contract                       # 2, 4, 8 ranks
-    python3 -m cupyep.gpu_tests --ranks 4 8 --ranks-per-node 2 -k contract
+    python3 -m cupyep.launcher.gpu_tests -k contract                       # 2, 4, 8 ranks
+    python3 -m cupyep.launcher.gpu_tests --ranks 4 8 --ranks-per-node 2 -k contract
 """
 import numpy as np
 import pytest
 
 from cupyep import reference as ref
+
 from cupyep.testing import all_ranks, bf16_to_f32, global_routing, payload_bf16
 from graphs import capture, replay
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from cupyep import reference as ref
+
 from cupyep.fp8 import per_token_cast_to_fp8
 from cupyep.testing import all_ranks, bf16_to_f32
 from graphs import capture, replay
@@ -401,6 +402,7 @@ def test_direct_fault_missing_rank_times_out_naming_it(group):
     import cupy
     import cupyep
     from cupyep import CommTimeoutError
+
     if group.local_size < 2:
         pytest.skip("needs two ranks")
     missing = group.node_ranks[-1]
@@ -432,6 +434,7 @@ def test_direct_worst_token_overflow_is_an_error(group):
     import cupy
     import cupyep
     from cupyep import DeviceCapacityError
+
     me = group.local_rank
     tokens, idx, w, x = _inputs(group, 77, 64, 2048)
     b = cupyep.Buffer(group)
@@ -457,7 +460,7 @@ def test_async_expert_major_dispatch_survives_reuse_on_the_callers_stream(group,
     output equals the same dispatch run synchronously. Cached: nothing waits
     on the host, so the caller's fills run before the held-back kernels."""
     import cupy
-    from cupyep.bench.timing import gpu_sleep
+    from cupyep.lab.bench.timing import gpu_sleep
     tokens, idx, w, x = _inputs(group, 61, 1000, 2048)
     me = group.local_rank
     T, k = len(x), idx[me].shape[1]

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from cupyep import reference as ref
+
 from cupyep.fp8 import per_token_cast_to_fp8
 from cupyep.reference.intranode import worst_token_rows
 from cupyep.testing import all_ranks, bf16_to_f32, f32_to_bf16, global_routing, payload_bf16

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from cupyep import reference as ref
+
 from cupyep.fp8 import per_token_cast_to_fp8
 from cupyep.reference.intranode import worst_token_rows
 from cupyep.testing import all_ranks, bf16_to_f32, global_routing, payload_bf16
@@ -323,6 +324,7 @@ def test_fault_missing_rank_times_out_naming_it(group):
     import cupy
     import cupyep
     from cupyep import CommTimeoutError
+
     if group.local_size < 2:
         pytest.skip("needs two ranks")
     missing = group.node_ranks[-1]
@@ -349,6 +351,7 @@ def test_fault_worst_token_overflow_is_an_error(group):
     import cupy
     import cupyep
     from cupyep import DeviceCapacityError
+
     me = group.local_rank
     tokens, idx, w, x = _inputs(group, 77, 64, 2048)
     b = cupyep.Buffer(group)
@@ -371,6 +374,7 @@ def test_fault_device_finds_bad_expert_id(group):
     import cupy
     import cupyep
     from cupyep import DeviceInputError
+
     b = cupyep.Buffer(group)
     try:
         x = cupy.zeros((8, 2048), dtype=np.uint16)

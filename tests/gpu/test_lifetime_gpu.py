@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from cupyep import ipc
+
 from cupyep.testing import all_ranks, payload_bf16
 
 pytestmark = pytest.mark.gpu

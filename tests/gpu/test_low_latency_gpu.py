@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from cupyep import CommTimeoutError
+
 from cupyep import reference as ref
+
 from cupyep.low_latency.buffer import ranks_of as ranks
 from cupyep.testing import all_ranks, bf16_to_f32, f32_to_bf16, global_routing, payload_bf16
 from graphs import capture, replay
@@ -595,6 +597,7 @@ def test_fault_device_finds_bad_expert_id(group, llbuf):
     the slot is skipped consistently, and the buffer keeps working."""
     import cupy
     from cupyep import DeviceInputError
+
     me, R = ranks(group)
     idx = np.tile(np.arange(K, dtype=np.int64), (4, 1))
     idx[1, 3] = E + 5

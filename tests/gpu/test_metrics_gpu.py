@@ -1,11 +1,12 @@
-"""In-kernel metrics on the GPU (cupyep.metrics): the notify pass's clock in
+"""In-kernel metrics on the GPU (cupyep.lab.metrics): the notify pass's clock in
 normal mode, the signal waits, slot use and received-token counts of
 low-latency dispatch, checked against what the routing implies."""
 import numpy as np
 import pytest
 
-from cupyep import metrics as M
+from cupyep.lab import metrics as M
 from cupyep import routing
+
 from cupyep.testing import all_ranks, global_routing, payload_bf16
 
 pytestmark = pytest.mark.gpu

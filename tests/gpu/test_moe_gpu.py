@@ -12,12 +12,13 @@ below cupyep.moe.MOE_TOKEN_BOUND, no NaN. Forward is bitwise deterministic
 and gives bitwise the same on both transports (same expert-major layout,
 same reduce order).
 
-    python3 -m cupyep.gpu_tests --ranks 2 4 8 -k moe
+    python3 -m cupyep.launcher.gpu_tests --ranks 2 4 8 -k moe
 """
 import numpy as np
 import pytest
 
 from cupyep import moe
+
 from cupyep.testing import all_ranks, bf16_to_f32, f32_to_bf16
 
 pytestmark = pytest.mark.gpu

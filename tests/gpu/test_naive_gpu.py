@@ -1,4 +1,4 @@
-"""The naive baseline (cupyep.bench.naive) on the GPU, checked against the NumPy reference.
+"""The naive baseline (cupyep.lab.bench.naive) on the GPU, checked against the NumPy reference.
 
 Every rank builds the same seeded global routing and computes its expected
 result with cupyep.reference: dispatch exactly (rows, source ranks and
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from cupyep import reference as ref
+
 from cupyep.testing import all_ranks, bf16_to_f32, global_routing, payload_bf16
 
 pytestmark = pytest.mark.gpu
@@ -18,7 +19,7 @@ NUM_EXPERTS, NUM_TOPK = 256, 8
 @pytest.fixture(scope="module")
 def naive(group):
     """NaiveBuffer per hidden size, made on first use (collectively: every rank runs the same tests)."""
-    from cupyep.bench.naive import NaiveBuffer
+    from cupyep.lab.bench.naive import NaiveBuffer
     bufs = {}
 
     def get(hidden):

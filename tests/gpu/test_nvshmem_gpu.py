@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from cupyep import CommTimeoutError
+
 from cupyep.testing import all_ranks
 
 pytestmark = pytest.mark.gpu
@@ -17,7 +18,9 @@ ROW_BYTES = 1 << 16
 @pytest.fixture(scope="module")
 def pe(group, nvshmem_session):
     from cupyep import jit
+
     from cupyep import nvshmem as NV
+
     fn = jit.kernel(NV.put_signal_spec())  # built, loaded and registered with NVSHMEM after init
     R = group.world_size  # one PE per rank of the world, across (emulated) nodes
     dst = core.array((R, ROW_BYTES), dtype="uint8")
@@ -36,7 +39,9 @@ def _tags(src_pe: int, slot: int) -> np.ndarray:
 def _launch(group, fn, dst, sig, expected: int, timeout_s: float | None = None):
     import cupy
     from cupyep import jit
+
     from cupyep import nvshmem as NV
+
     R, me = group.world_size, group.rank  # PE numbers are world ranks
     src = cupy.asarray(np.stack([_tags(me, b) for b in range(R)]))
     peers = cupy.arange(R, dtype=np.int32)
@@ -85,7 +90,7 @@ def test_the_world_barrier_holds_every_rank_until_the_last_arrives(group, nvshme
     ranks completes again."""
     import cupy
     from cupyep.barrier import WorldBarrier
-    from cupyep.bench.timing import gpu_sleep
+    from cupyep.lab.bench.timing import gpu_sleep
     if group.world_size < 2:
         pytest.skip("needs two ranks")
     with WorldBarrier(group) as bar:

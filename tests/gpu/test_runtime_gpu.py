@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from cupyep import CommTimeoutError
+
 from cupyep.barrier import GpuBarrier, ipc_pattern_check
 from cupyep.ipc import SymmetricBuffer
 from cupyep.testing import all_ranks

@@ -3,7 +3,7 @@ and its notify pass against the reference plan:
 every rank receives, row for row, what cupyep.reference.intranode_dispatch
 gives it over all ranks: payload bytes tagged by (source rank, token), the
 source index and rank of every row, local top-k ids and weights. Runs when
-the ranks form at least two nodes (python3 -m cupyep.gpu_tests --ranks 4 8
+the ranks form at least two nodes (python3 -m cupyep.launcher.gpu_tests --ranks 4 8
 --ranks-per-node 2 -k two_hop) and nvshmem4py is installed."""
 import dataclasses
 
@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from cupyep import reference as ref
+
 from cupyep.testing import all_ranks, bf16_to_f32, global_routing, payload_bf16
 from graphs import capture, replay
 
@@ -479,6 +480,7 @@ def test_the_moe_layer_runs_across_nodes(group, nvshmem_session, alignment, rule
 
     import cupyep
     from cupyep import moe
+
     from cupyep.testing import f32_to_bf16
     if group.num_nodes < 2:
         pytest.skip("needs ranks on two or more nodes (--ranks-per-node)")
@@ -514,7 +516,7 @@ def test_kernel_stamps_bound_each_kernel_inside_its_events(group, two_hop):
     call without stamps; a stamps array of the wrong dtype or shape is a
     ValueError before anything is launched."""
     import cupy
-    from cupyep.bench.stamps import kernel_seconds, new_kernel_stamps
+    from cupyep.lab.bench.stamps import kernel_seconds, new_kernel_stamps
     me = group.rank
     idx, w = global_routing(9, [200] * group.world_size, E, K_TOPK)
     x, ids, ws = cupy.asarray(payload_bf16(me, np.arange(200), H)), cupy.asarray(idx[me]), cupy.asarray(w[me])
@@ -543,7 +545,7 @@ def test_hop_stamps_delimit_every_hop(group, two_hop):
     call without stamps (the metric changes nothing else)."""
     import cupy
     from cupyep.normal import internode_kernels as INTER
-    from cupyep.metrics import two_hop_metrics
+    from cupyep.lab.metrics import two_hop_metrics
     me = group.rank
     idx, w = global_routing(8, [200] * group.world_size, E, K_TOPK)
     x, ids, ws = cupy.asarray(payload_bf16(me, np.arange(200), H)), cupy.asarray(idx[me]), cupy.asarray(w[me])
@@ -581,6 +583,7 @@ def test_a_rank_that_never_dispatches_is_named_within_the_timeout(group, two_hop
 
     import cupy
     from cupyep import CommTimeoutError
+
     me = group.rank
     idx, w = global_routing(9, [16] * group.world_size, E, K_TOPK)
     if me == 0:

@@ -11,7 +11,7 @@ import sys
 
 from mpi4py import MPI
 
-from cupyep.calls import traced_call
+from cupyep.launcher.calls import traced_call
 
 victim, count = int(sys.argv[1]), int(sys.argv[2])
 between = sys.argv[3:] == ["between"]

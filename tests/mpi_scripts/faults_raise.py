@@ -7,7 +7,7 @@ import sys
 
 from mpi4py import MPI
 
-from cupyep.calls import traced_call
+from cupyep.launcher.calls import traced_call
 
 
 @traced_call("FaultProbe.step")

@@ -9,7 +9,7 @@ import time
 
 from mpi4py import MPI
 
-from cupyep.calls import traced_call
+from cupyep.launcher.calls import traced_call
 
 
 @traced_call("FaultProbe.step")

@@ -1,0 +1,38 @@
+"""The same-GPU copy roofline every efficiency figure divides by.
+
+``copy_bandwidth`` times ``cuda_src/bench/copy.cu`` (16-byte streaming loads
+and stores) on buffers far larger than L2 and returns bytes read plus bytes
+written per second.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ... import jit
+
+COPY_SPEC = jit.KernelSpec(name="bench_copy", source="bench/copy.cu", kernels=("cupyep::copy_kernel",))
+
+
+def kernel_specs() -> list[jit.KernelSpec]:
+    return [COPY_SPEC]
+
+
+def device_copy(src, dst, num_blocks: int | None = None, threads: int = 512) -> None:
+    """Copy ``src`` into ``dst`` (cupy arrays of equal byte size, multiple of 16)."""
+    import cupy
+    n = src.nbytes
+    if dst.nbytes != n or n % 16:
+        raise ValueError(f"device_copy needs equal sizes that are multiples of 16 bytes, got {n} and {dst.nbytes}")
+    blocks = num_blocks or cupy.cuda.Device().attributes["MultiProcessorCount"] * 2
+    jit.kernel(COPY_SPEC)((blocks,), (threads,), (src, dst, np.int64(n // 16)))
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20, num_blocks: int | None = None) -> float:
+    """Bytes moved (read + written) per second by the copy kernel, median of ``iters``."""
+    import cupy
+    src = cupy.empty(nbytes // 16 * 16, dtype=np.uint8)
+    src[...] = 1
+    dst = cupy.empty_like(src)
+    from .timing import time_fn
+    t = time_fn(lambda: device_copy(src, dst, num_blocks), iters=iters, warmup=3, flush=False)
+    return 2 * (nbytes // 16 * 16) / t.median_s
