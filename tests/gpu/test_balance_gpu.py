@@ -87,3 +87,39 @@ def test_a_layer_migrated_to_a_new_placement_is_the_logical_layer_under_it(group
         d, worst = moe.agreement(got, want[me * T:(me + 1) * T].get())
         checks[name] = d < moe.MOE_CALC_DIFF_BOUND and worst < moe.MOE_TOKEN_BOUND
     assert all_ranks(group.comm, all(checks.values())), {"rank": me, **checks}
+
+
+@pytest.mark.parametrize("rule", ["round_robin", "nearest"])
+def test_low_latency_mode_with_replicated_experts_is_the_logical_routing(group, rule):
+    """Low-latency dispatch of physical ids over P experts: each rank's
+    experts scale their rows by a factor of the logical expert they copy, so
+    the combine is the logical routing's (sum over slots of weight x factor
+    of the logical expert x row) whichever replica each slot took."""
+    import cupy
+
+    import cupyep
+    from cupyep.balance import physical_topk, rebalance_experts
+    from cupyep.testing import bf16_to_f32, global_routing, payload_bf16
+    R, me = group.world_size, group.rank
+    Hl, T = 1024, 64
+    load = np.ones((1, E))
+    load[0, :2] = [25.0, 10.0]
+    placement = rebalance_experts(load, E + 2 * R, 1, group.num_nodes, R).layer(0)
+    P, n = placement.num_physical, placement.experts_per_gpu
+    idx, w = global_routing(4, [T] * R, E, K)
+    phys = physical_topk(idx[me], placement, me, rule)
+    factor = (1.0 + np.arange(E) / 16.0).astype(np.float32)  # exact in BF16 products with the tagged rows' values
+    x = cupy.asarray(payload_bf16(me, np.arange(T), Hl))
+    with cupyep.LowLatencyBuffer(group, num_max_dispatch_tokens_per_rank=T, hidden=Hl, num_experts=P) as ll:
+        d = ll.dispatch(x, cupy.asarray(phys), use_fp8=False)
+        mine = cupy.asarray(factor[placement.phy2log[0, me * n:(me + 1) * n]])  # [n]: each local expert's factor
+        y = (bf16_to_f32(d.recv_x.get()) * mine.get()[:, None, None]).astype(np.float32)
+        from cupyep.moe import f32_to_bf16_bits
+        out = ll.combine(cupy.asarray(f32_to_bf16_bits(y)), cupy.asarray(phys), cupy.asarray(w[me]), d.handle)
+        got = bf16_to_f32(out.combined_x.get())
+    valid = idx[me] >= 0
+    scale = (w[me] * np.where(valid, factor[np.where(valid, idx[me], 0)], 0)).sum(axis=1, dtype=np.float64)
+    want = bf16_to_f32(payload_bf16(me, np.arange(T), Hl)) * scale[:, None].astype(np.float32)
+    from cupyep.reference import calc_diff
+    d_ = calc_diff(got, want)
+    assert all_ranks(group.comm, d_ < 1e-5 and not np.isnan(got).any()), {"rank": me, "calc_diff": d_}
