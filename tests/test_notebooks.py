@@ -20,3 +20,9 @@ def test_notebook_runs(path, monkeypatch):
 
 def test_there_are_notebooks():
     assert {"normal_mode.ipynb", "low_latency.ipynb", "01_semantics.ipynb"} <= {p.name for p in NOTEBOOKS}
+
+
+def test_committed_notebooks_are_small():
+    """Notebooks are committed with small outputs (figures are redrawn when they run): at most 200 KB each."""
+    big = {p.name: p.stat().st_size for p in NOTEBOOKS if p.stat().st_size > 200_000}
+    assert not big, big
