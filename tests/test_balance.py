@@ -150,7 +150,6 @@ def test_nearest_takes_the_own_rank_then_the_own_node():
 
 def _apply(old, moves):
     """The weights each rank holds after the moves, weights standing for their expert ids."""
-    from cupyep.balance import Move  # noqa: F401  (the public name)
     n = old.experts_per_gpu
     before = old.phy2log[0].reshape(old.num_gpus, n)
     after = before.copy()
