@@ -141,6 +141,11 @@ class Group:
             base = self.node * self.local_size
             self._error_slot.check(self.timeout_s, lambda p: base + p)
 
+    def _host_deadline(self, start: float) -> float:
+        """When a host wait that began at ``start`` gives up: past the kernels'
+        own timeout, with grace for them to report first."""
+        return start + self.timeout_s * 1.5 + 5.0
+
     def wait(self, event, kernel: str, phase: str = "host wait for kernel completion") -> None:
         """Bounded host wait for a CUDA event (or stream) to complete.
 
@@ -148,7 +153,7 @@ class Group:
         a host-side one after ``timeout_s`` plus a grace period.
         """
         start = time.monotonic()
-        deadline = start + self.timeout_s * 1.5 + 5.0
+        deadline = self._host_deadline(start)
         while not event.done:
             if self._error_slot is not None and self._error_slot.raised():
                 break
@@ -171,7 +176,7 @@ class Group:
         on the stream instead, which raises the error or CommTimeoutError.
         Returns the word."""
         start = time.monotonic()
-        deadline = start + self.timeout_s * 1.5 + 5.0
+        deadline = self._host_deadline(start)
         spins = 0
         while int(word[0]) == -1:
             spins += 1
@@ -180,10 +185,7 @@ class Group:
             now = time.monotonic()
             failed = self._error_slot is not None and self._error_slot.raised()
             if failed or now > deadline:
-                import cupy
-                ev = cupy.cuda.Event(disable_timing=True)
-                ev.record(stream)
-                self.wait(ev, kernel, phase)
+                self.wait(stream, kernel, phase)
                 if int(word[0]) == -1:  # the stream ended without the word and without a device error
                     raise CommTimeoutError(kernel, phase, self.rank, None, timeout_s=self.timeout_s,
                                            detail="the kernel ended without publishing its word")

@@ -57,6 +57,8 @@ class Buffer:
 
     Attributes:
         routes: {transport: Route}: the route that carries each transport here.
+        num_device_sms: the GPU's SMs; sm_budget: this rank's share of them
+            (its SMs over the ranks sharing the GPU); within a node.
 
     The buffer is collective: create, call and destroy it on every rank in
     the same order. Use it as a context manager or call :meth:`destroy`.
@@ -87,23 +89,16 @@ class Buffer:
             from .node import Node
             from .queue import QueueRoute
             from .queue_layout import default_num_bytes
+            import cupy
             self.num_ranks, self.rank = group.local_size, group.local_rank
+            self.num_device_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+            self.sm_budget = self.num_device_sms // max(1, group.ranks_per_gpu)  # this rank's share of the SMs
             num_bytes = int(num_bytes or default_num_bytes(self.num_ranks, self.sizes, self.sm_budget))
-            self._shared = Node(group, num_bytes, self.comm_stream, id(self))
+            self._shared = Node(group, num_bytes, self.comm_stream, id(self), self.num_device_sms, self.sm_budget)
             self.routes = {"queue": QueueRoute(self._shared),
                            "direct": DirectRoute(self._shared, self.sizes, self.num_in_flight, num_direct_bytes)}
 
     # ------------------------------------------------------------ config
-    @property
-    def sm_budget(self) -> int:
-        """This rank's share of the GPU's SMs (its SMs over the ranks sharing it)."""
-        return self.num_device_sms // max(1, self.group.ranks_per_gpu)
-
-    @property
-    def num_device_sms(self) -> int:
-        import cupy
-        return cupy.cuda.Device().attributes["MultiProcessorCount"]
-
     def default_dispatch_config(self, fp8: bool = False, handle: DispatchHandle | None = None) -> Config:
         """The queue route's tuned dispatch config for this node's ranks and SM
         budget, for BF16 or (``fp8``) FP8 rows; with a handle, on its channels."""

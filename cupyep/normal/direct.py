@@ -227,10 +227,7 @@ class DirectRoute(NodeRoute):
         return handle, True
 
     def _synchronize(self) -> None:
-        import cupy
-        ev = cupy.cuda.Event(disable_timing=True)
-        ev.record(self.node.comm_stream)
-        self.node.group.wait(ev, "direct_dispatch", "host wait for the communication stream")
+        self.node.group.wait(self.node.comm_stream, "direct_dispatch", "host wait for the communication stream")
 
     def _wait_host_status(self) -> int:
         """Bounded host wait for the fused kernel's status word (1 sent, 2 pools

@@ -28,9 +28,11 @@ class Node:
 
     group: from cupyep.init, one node; num_bytes: bytes of each rank's IPC
     buffer (cupyep.normal.queue_layout.size_hint); comm_stream: the
-    buffer's communication stream, on which every pass runs."""
+    buffer's communication stream, on which every pass runs; buffer_id: the
+    id its handles carry; num_device_sms, sm_budget: the GPU's SMs and this
+    rank's share of them (the Buffer's)."""
 
-    def __init__(self, group, num_bytes: int, comm_stream, buffer_id: int):
+    def __init__(self, group, num_bytes: int, comm_stream, buffer_id: int, num_device_sms: int, sm_budget: int):
         import ctypes
 
         import cupy
@@ -39,8 +41,7 @@ class Node:
         self.rank = group.local_rank
         self.comm_stream = comm_stream
         self.buffer_id = buffer_id
-        self.num_device_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-        self.sm_budget = self.num_device_sms // max(1, group.ranks_per_gpu)
+        self.num_device_sms, self.sm_budget = num_device_sms, sm_budget
         self.layout = buffer_layout(self.num_ranks, num_bytes)
         self.buffer = SymmetricBuffer(group, num_bytes)
         # Mapped host memory the notify pass writes: [1 + E_local + R * R + 1] (see NotifyArgs), then
