@@ -16,9 +16,17 @@ Kinds (``make(kind, ...)``, parameters with their defaults):
   ``round(hot_fraction * sum(T))`` tokens, chosen over all ranks, put the hot
   expert in their first slot (incast); their other slots and every other
   token draw uniformly from the remaining experts.
+- ``"drift"`` (``s=1.0``, ``period=8``): ``"zipf"`` whose order of the
+  experts is drawn anew every ``period`` steps, so the hot set moves: step
+  ``step`` uses the order of epoch ``step // period``.
 - ``"imbalance"``: ``"uniform"``; the imbalance is in ``num_tokens_per_rank``,
   e.g. from :func:`imbalanced_tokens`.
 - ``"one_expert"``: every token to expert 0, its other slots -1.
+
+``"zipf"``, ``"hot_expert"`` and ``"drift"`` take ``step=0``, a trace's step:
+each step draws its tokens from streams of its own (step 0 is the plain
+routing), while the popularity stays (``"zipf"``, ``"hot_expert"``) or moves
+every ``period`` steps (``"drift"``).
 
 Every kind takes ``drop_fraction=0.0``: ``round(drop_fraction * sum(T) * k)``
 slots, chosen over all ranks among those holding an expert, set to -1.
@@ -36,14 +44,14 @@ import numpy as np
 
 from . import reference
 
-KINDS = ("uniform", "zipf", "hot_expert", "imbalance", "one_expert")
-_PARAMS = {"uniform": (), "zipf": ("s",), "hot_expert": ("hot_fraction", "hot_expert"),
-           "imbalance": (), "one_expert": ()}
+KINDS = ("uniform", "zipf", "hot_expert", "drift", "imbalance", "one_expert")
+_PARAMS = {"uniform": (), "zipf": ("s", "step"), "hot_expert": ("hot_fraction", "hot_expert", "step"),
+           "drift": ("s", "period", "step"), "imbalance": (), "one_expert": ()}
 
 # Random streams next to the reference's routing (0) and weights (1) streams:
 # per rank ``[seed, rank, stream]``, over all ranks ``[seed, stream]``.
 _ZIPF_STREAM, _HOT_STREAM = 2, 3
-_EXPERT_ORDER_STREAM, _HOT_TOKENS_STREAM, _DROP_STREAM, _IMBALANCE_STREAM = 10, 11, 12, 13
+_EXPERT_ORDER_STREAM, _HOT_TOKENS_STREAM, _DROP_STREAM, _IMBALANCE_STREAM, _DRIFT_STREAM = 10, 11, 12, 13, 14
 
 
 def make(
@@ -65,8 +73,9 @@ def make(
         num_experts: E >= 1.
         num_topk: k, 1 <= k <= E.
         drop_fraction: in [0, 1], fraction of all slots emptied (-1).
-        params: the kind's parameters: ``s`` >= 0 ("zipf"); ``hot_fraction``
-            in [0, 1] and ``hot_expert`` in [0, E) ("hot_expert").
+        params: the kind's parameters: ``s`` >= 0 ("zipf", "drift");
+            ``hot_fraction`` in [0, 1] and ``hot_expert`` in [0, E)
+            ("hot_expert"); ``period`` >= 1 ("drift"); ``step`` >= 0.
 
     Returns:
         (topk_idx, topk_weights): lists over ranks of [T_r, k] int64 (expert
@@ -88,11 +97,14 @@ def make(
 
     if kind in ("uniform", "imbalance"):
         idx = reference.make_routing(seed, tokens, num_experts, num_topk)
-    elif kind == "zipf":
-        idx = _zipf(seed, tokens, num_experts, num_topk, params.get("s", 1.0))
+    elif kind in ("zipf", "drift"):
+        step = _check_int("step", params.get("step", 0))
+        epoch = step // _check_int("period", params.get("period", 8), low=1) if kind == "drift" else None
+        idx = _zipf(seed, tokens, num_experts, num_topk, params.get("s", 1.0), step, epoch)
     elif kind == "hot_expert":
         idx = _hot_expert(seed, tokens, num_experts, num_topk,
-                          params.get("hot_fraction", 0.5), params.get("hot_expert", 0))
+                          params.get("hot_fraction", 0.5), params.get("hot_expert", 0),
+                          _check_int("step", params.get("step", 0)))
     else:
         idx = [np.full((t, num_topk), -1, dtype=np.int64) for t in tokens]
         for a in idx:
@@ -157,19 +169,26 @@ def imbalance_factor(idx_list: Sequence[np.ndarray], num_experts: int) -> float:
     return 1.0 if total == 0 else float(counts.max()) * num_experts / total
 
 
-def _zipf(seed, tokens, num_experts, num_topk, s) -> List[np.ndarray]:
+def _streams(step: int) -> tuple:
+    """The extra entries of a step's token streams: none at step 0."""
+    return (step,) if step else ()
+
+
+def _zipf(seed, tokens, num_experts, num_topk, s, step=0, epoch=None) -> List[np.ndarray]:
     if not (isinstance(s, (int, float, np.number)) and math.isfinite(s) and s >= 0):
         raise ValueError(f"zipf skew s must be finite and >= 0, got {s!r}")
     # Gumbel top-k: the k largest log p_e + Gumbel noise are k draws without
     # replacement, each in proportion to p_e among the experts left.
-    order = np.random.default_rng([seed, _EXPERT_ORDER_STREAM]).permutation(num_experts)
+    order_stream = [seed, _EXPERT_ORDER_STREAM] + ([] if epoch is None else [_DRIFT_STREAM, epoch])
+    order = np.random.default_rng(order_stream).permutation(num_experts)
     log_p = np.empty(num_experts)
     log_p[order] = -s * np.log1p(np.arange(num_experts))
-    return [_top_k(log_p + np.random.default_rng([seed, r, _ZIPF_STREAM]).gumbel(size=(t, num_experts)), num_topk)
+    return [_top_k(log_p + np.random.default_rng([seed, r, _ZIPF_STREAM, *_streams(step)])
+                   .gumbel(size=(t, num_experts)), num_topk)
             for r, t in enumerate(tokens)]
 
 
-def _hot_expert(seed, tokens, num_experts, num_topk, fraction, hot) -> List[np.ndarray]:
+def _hot_expert(seed, tokens, num_experts, num_topk, fraction, hot, step=0) -> List[np.ndarray]:
     _check_fraction("hot_fraction", fraction)
     hot = _check_int("hot_expert", hot)
     if hot >= num_experts:
@@ -180,10 +199,11 @@ def _hot_expert(seed, tokens, num_experts, num_topk, fraction, hot) -> List[np.n
         raise ValueError(f"hot_fraction ({fraction}) < 1 needs num_topk ({num_topk}) < num_experts: "
                          "with k = E every token holds the hot expert")
     is_hot = np.zeros(total, dtype=bool)
-    is_hot[np.random.default_rng([seed, _HOT_TOKENS_STREAM]).choice(total, num_hot, replace=False)] = True
+    is_hot[np.random.default_rng([seed, _HOT_TOKENS_STREAM, *_streams(step)])
+           .choice(total, num_hot, replace=False)] = True
     idx, start = [], 0
     for r, t in enumerate(tokens):
-        scores = np.random.default_rng([seed, r, _HOT_STREAM]).random((t, num_experts))  # in [0, 1)
+        scores = np.random.default_rng([seed, r, _HOT_STREAM, *_streams(step)]).random((t, num_experts))  # [0, 1)
         scores[:, hot] = np.where(is_hot[start : start + t], 2.0, -1.0)  # always first / never picked
         idx.append(_top_k(scores, num_topk))
         start += t

@@ -81,6 +81,11 @@ class Group:
         ranks_per_gpu: most ranks of this host sharing one device.
         shares_gpu: True when another rank uses this rank's device.
         timeout_s: budget of every bounded wait, in seconds.
+        num_sms: the SMs this rank's CUDA context sees (0 without a GPU):
+            the whole GPU, or under an MPS client cap
+            (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, the launcher's
+            ``--sm-share``) the SMs the cap leaves it.
+        sm_capped: True when that cap is set for this rank.
     """
     comm: object
     rank: int
@@ -95,6 +100,8 @@ class Group:
     ranks_per_gpu: int
     shares_gpu: bool
     timeout_s: float = DEFAULT_TIMEOUT_S
+    num_sms: int = 0
+    sm_capped: bool = False
     _error_slot: ErrorSlotHost | None = field(default=None, repr=False)
     _xcomm: object = field(default=None, repr=False)  # a duplicate of comm for exchange()
     _xseq: int = field(default=0, repr=False)
@@ -103,6 +110,19 @@ class Group:
     @property
     def has_gpu(self) -> bool:
         return self.device_id is not None
+
+    @property
+    def sm_share(self) -> int:
+        """SMs this rank's kernels may use at once: its capped SMs, else the
+        GPU's SMs over the ranks that share it (at least 1)."""
+        return max(1, self.num_sms if self.sm_capped else self.num_sms // max(1, self.ranks_per_gpu))
+
+    @property
+    def co_resident_ranks(self) -> int:
+        """Ranks whose blocks compete for the ``num_sms`` SMs a residency
+        check counts: 1 under an SM cap (each rank has SMs of its own), else
+        the ranks sharing the GPU."""
+        return 1 if self.sm_capped else max(1, self.ranks_per_gpu)
 
     @property
     def node_ranks(self) -> list[int]:
@@ -339,14 +359,17 @@ def init(comm=None, ranks_per_node: int | None = None, timeout_s: float = DEFAUL
     shares_gpu = ndev > 0 and devices_on_host.count(device_id) > 1
     host.Free()
 
+    from .launcher.mps import SM_CAP_VAR
+    num_sms, sm_capped = 0, bool(os.environ.get(SM_CAP_VAR))
     if ndev:
         import cupy
         if ranks_per_gpu > MAX_MPS_CLIENTS_PER_GPU:
             raise ValueError(f"{ranks_per_gpu} ranks share one GPU, more than the {MAX_MPS_CLIENTS_PER_GPU} "
                              "processes CUDA MPS can co-schedule on it; use fewer ranks or more GPUs")
-        num_sms = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
-        if ranks_per_gpu > num_sms // 2:
-            raise ValueError(f"{ranks_per_gpu} ranks share one GPU of {num_sms} SMs: each rank needs at least "
+        num_sms = int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])  # the capped count under a cap
+        if (num_sms if sm_capped else num_sms // ranks_per_gpu) < 2:
+            raise ValueError(f"{ranks_per_gpu} ranks share one GPU of {num_sms} SMs"
+                             f"{' (capped by ' + SM_CAP_VAR + ')' if sm_capped else ''}: each rank needs at least "
                              "2 SMs for its communication kernels to be resident together")
         if shares_gpu and require_mps:
             from .launcher.mps import mps_is_running
@@ -362,4 +385,4 @@ def init(comm=None, ranks_per_node: int | None = None, timeout_s: float = DEFAUL
     return Group(comm=comm, rank=rank, world_size=size, node=node, num_nodes=num_nodes,
                  local_rank=node_comm.Get_rank(), local_size=node_comm.Get_size(), node_comm=node_comm,
                  device_id=device_id, num_devices=ndev, ranks_per_gpu=ranks_per_gpu, shares_gpu=shares_gpu,
-                 timeout_s=float(timeout_s))
+                 timeout_s=float(timeout_s), num_sms=num_sms, sm_capped=sm_capped and bool(ndev))

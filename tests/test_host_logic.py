@@ -836,3 +836,21 @@ def test_stamps_compare_across_ranks_only_when_every_rank_is_on_one_gpu():
     assert one_timer(SimpleNamespace(world_size=8, local_size=4, ranks_per_gpu=8))  # 2 x 4 emulated, one GPU
     assert not one_timer(SimpleNamespace(world_size=2, local_size=1, ranks_per_gpu=1))  # two hosts, a GPU each
     assert not one_timer(SimpleNamespace(world_size=8, local_size=8, ranks_per_gpu=1))  # one host, 8 GPUs
+
+
+@pytest.mark.parametrize("num_sms,capped,per_gpu,share,co_resident", [
+    (132, False, 8, 16, 8),   # 8 ranks share the GPU's SMs; all their blocks count on 132 SMs
+    (16, True, 8, 16, 1),     # capped at 12.5 %: the context sees 16 SMs, its own
+    (132, False, 1, 132, 1),  # a GPU per rank
+])
+def test_a_rank_s_sm_share_and_residency_follow_its_cap(num_sms, capped, per_gpu, share, co_resident):
+    from cupyep.runtime import Group
+    g = Group(comm=None, rank=0, world_size=per_gpu, node=0, num_nodes=1, local_rank=0, local_size=per_gpu,
+              node_comm=None, device_id=0, num_devices=1, ranks_per_gpu=per_gpu, shares_gpu=per_gpu > 1,
+              num_sms=num_sms, sm_capped=capped)
+    assert (g.sm_share, g.co_resident_ranks) == (share, co_resident)
+    # the residency check a kernel makes with them: the default grid (one block per SM) fits, one more does not
+    jit.require_resident("k", 1, g.sm_share, 128, g.co_resident_ranks, g.num_sms, "num_sms")
+    if capped or per_gpu == 1:
+        with pytest.raises(ValueError, match="deadlock"):
+            jit.require_resident("k", 1, g.sm_share + 1, 128, g.co_resident_ranks, g.num_sms, "num_sms")

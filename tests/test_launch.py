@@ -172,6 +172,15 @@ def test_rank_env():
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in env
 
 
+def test_sm_share_percent_and_rank_env():
+    assert launch.sm_share_percent(8) == "12.5"
+    assert launch.sm_share_percent(2) == "50"
+    assert launch.sm_share_percent(3) == "33.333"  # rounded down: the shares never sum past 100
+    assert launch.sm_share_percent(1) is None and launch.sm_share_percent(0) is None
+    env = launch.rank_env(None, {}, None, "12.5")
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "12.5"
+
+
 def test_validate_ranks_per_node():
     launch.validate_ranks_per_node(8, None)
     launch.validate_ranks_per_node(8, 4)
@@ -438,6 +447,25 @@ def test_dry_run_runs_nothing():
     assert "CUPYEP_RANKS_PER_NODE=3" in res.stdout
     assert "NVSHMEM_DISABLE_NVLS=1" in res.stdout
     assert "-m mpi4py -m no_such_module x" in res.stdout
+
+
+def test_sm_share_caps_every_rank_that_shares_a_gpu():
+    res, _ = run_launcher(["-n", "4", "--gpus", "1", "--sm-share", "--dry-run",
+                           "-m", "no_such_module"], _clean_env())
+    assert res.returncode == 0, res.stderr
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25" in res.stdout
+    assert "each rank capped at 25% of the SMs" in res.stderr
+    res, _ = run_launcher(["-n", "2", "--gpus", "2", "--sm-share", "--dry-run",
+                           "-m", "no_such_module"], _clean_env())
+    assert res.returncode == 0 and "no cap" in res.stderr
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in res.stdout
+
+
+@pytest.mark.parametrize("args,message", [(["--gpus", "0"], "none was found"),
+                                          (["--gpus", "1", "--no-mps"], "needs MPS")])
+def test_sm_share_refuses_what_it_cannot_cap(args, message):
+    res, _ = run_launcher(["-n", "2", "--sm-share", *args, "--dry-run", "-m", "m"], _clean_env())
+    assert res.returncode == 2 and message in res.stderr
 
 
 @pytest.mark.skipif(DEFAULT_MPS_RUNNING, reason="a default MPS daemon runs")

@@ -11,7 +11,7 @@ from cupyep.testing import global_routing
 TOKENS = [40, 0, 17, 64]
 E, K = 32, 4
 PARAMS = {"uniform": {}, "zipf": {"s": 1.2}, "hot_expert": {"hot_fraction": 0.4, "hot_expert": 3},
-          "imbalance": {}, "one_expert": {}}
+          "drift": {"s": 1.2, "period": 3, "step": 4}, "imbalance": {}, "one_expert": {}}
 ALL = [(kind, drop) for kind in routing.KINDS for drop in (0.0, 0.1)]
 
 
@@ -178,3 +178,31 @@ def test_invalid_arguments(call, match):
 def test_hot_expert_with_every_expert_selected():
     idx, _ = routing.make("hot_expert", 0, [5], 4, 4, hot_fraction=1.0, hot_expert=2)
     assert (idx[0][:, 0] == 2).all() and (np.sort(idx[0], axis=1) == np.arange(4)).all()
+
+
+def _popularity(kind, step, **params):
+    idx, _ = routing.make(kind, 9, [512] * 4, E, K, step=step, **params)
+    return np.bincount(_flat(idx)[_flat(idx) >= 0], minlength=E)
+
+
+@pytest.mark.parametrize("kind,params", [("zipf", {"s": 1.2}), ("hot_expert", {"hot_fraction": 0.3}),
+                                         ("drift", {"s": 1.2, "period": 4})])
+def test_a_step_draws_new_tokens_and_step_zero_is_the_plain_routing(kind, params):
+    plain, _ = routing.make(kind, 9, TOKENS, E, K, **params)
+    zero, _ = routing.make(kind, 9, TOKENS, E, K, step=0, **params)
+    one, _ = routing.make(kind, 9, TOKENS, E, K, step=1, **params)
+    assert all(np.array_equal(a, b) for a, b in zip(plain, zero))
+    assert not all(np.array_equal(a, b) for a, b in zip(zero, one))
+
+
+def test_the_hot_set_stays_within_an_epoch_and_moves_between_epochs():
+    def hot(step):
+        return set(np.argsort(-_popularity("drift", step, s=1.4, period=4))[:4])
+    assert hot(0) == hot(3)  # same epoch: same popularity, new tokens
+    assert hot(0) != hot(4)  # next epoch: another order of the experts
+    assert set(np.argsort(-_popularity("zipf", 0, s=1.4))[:4]) == set(np.argsort(-_popularity("zipf", 5, s=1.4))[:4])
+
+
+def test_drift_rejects_a_zero_period():
+    with pytest.raises(ValueError, match="period"):
+        routing.make("drift", 0, TOKENS, E, K, period=0)

@@ -7,7 +7,10 @@ rank of the node can read every other rank's experts. A migration
 (:meth:`ExpertStore.start_migration`, then :meth:`finish_migration`) runs in
 two steps:
 
-1. *pull*: on a side stream, each rank copies every expert it gains
+1. *pull*: on a side stream, after a GPU barrier that every rank's side
+   stream reaches only once its caller's stream has done all the work
+   enqueued before the call (the weights a peer loaded or committed are
+   written before anyone reads them), each rank copies every expert it gains
    (cupyep.balance.migration.plan_moves: the moves whose ``dst_rank`` is
    this rank) from the holder's slot straight into a staging area of its
    own: one copy over the peer mapping per moved expert. The current
@@ -42,6 +45,7 @@ class ExpertStore:
     """
 
     def __init__(self, group, slots: int, shapes: dict):
+        from ..barrier import GpuBarrier, barrier_region_bytes
         from ..ipc import SymmetricBuffer
         if group.num_nodes > 1:
             raise ValueError("ExpertStore moves experts within a node (IPC); across nodes is not carried yet")
@@ -54,8 +58,10 @@ class ExpertStore:
             nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
             self.layout[name] = (off, tuple(shape), np.dtype(dtype), nbytes)
             off += -(-nbytes * self.slots // ALIGN) * ALIGN
-        self.nbytes = max(off, ALIGN)
+        self.barrier_offset = off
+        self.nbytes = off + -(-barrier_region_bytes(group.local_size) // ALIGN) * ALIGN
         self.buffer = SymmetricBuffer(group, self.nbytes)
+        self.barrier = GpuBarrier(group, self.buffer, self.barrier_offset)
         self.arrays = {name: self.buffer.view(o, (self.slots, *shape), dt)
                        for name, (o, shape, dt, _) in self.layout.items()}
         self._stream = None
@@ -72,8 +78,9 @@ class ExpertStore:
     def start_migration(self, moves) -> None:
         """Collective: begin pulling the experts this rank gains (Move list of
         cupyep.balance.plan_moves, the same on every rank), on a side stream
-        ordered after the caller's stream so far. The weights stay as they
-        are until :meth:`finish_migration`."""
+        ordered after the caller's stream so far and, through a GPU barrier,
+        after every other rank's (the host does not wait). The weights stay
+        as they are until :meth:`finish_migration`."""
         import cupy
         if self._pending is not None:
             raise ValueError("a migration is in progress: finish it first")
@@ -88,6 +95,7 @@ class ExpertStore:
         ready = cupy.cuda.Event(disable_timing=True)
         ready.record(cupy.cuda.get_current_stream())
         self._stream.wait_event(ready)
+        self.barrier(self._stream)  # every rank's weights are written before any pull reads them
         staged = {name: cupy.empty((len(mine), *shape), dtype=dt) for name, (_, shape, dt, _) in self.layout.items()}
         rt = cupy.cuda.runtime
         for i, m in enumerate(mine):

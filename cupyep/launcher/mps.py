@@ -34,6 +34,8 @@ CONTROL_BINARY = "nvidia-cuda-mps-control"
 DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"
 PIPE_VAR = "CUDA_MPS_PIPE_DIRECTORY"
 LOG_VAR = "CUDA_MPS_LOG_DIRECTORY"
+#: The client cap on a rank's SMs (a percentage; ``python -m cupyep.launcher --sm-share``).
+SM_CAP_VAR = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 PID_FILE = "nvidia-cuda-mps-control.pid"  # in the pipe dir while it runs
 
 MPS_NEEDED_REASON = (
@@ -214,8 +216,8 @@ def mps_daemon(env=None, start_timeout=10.0, stop_timeout=5.0):
     ``stop_timeout`` seconds later is terminated, then killed) and the
     directory removed.  Every step of the stop is bounded in time.
 
-    Never sets ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``: capping clients deadlocks
-    kernels that wait on each other.  Raises ``MPSUnavailableError`` when the
+    The daemon itself runs uncapped (``SM_CAP_VAR`` is removed from its
+    environment); a cap is the clients' own (the launcher's ``--sm-share``).  Raises ``MPSUnavailableError`` when the
     control binary is missing or the daemon does not come up in
     ``start_timeout`` seconds.
     """
@@ -239,7 +241,7 @@ def mps_daemon(env=None, start_timeout=10.0, stop_timeout=5.0):
     os.mkdir(log_dir)
     mps_env = {PIPE_VAR: pipe_dir, LOG_VAR: log_dir}
     child_env = {**env, **mps_env}
-    child_env.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", None)
+    child_env.pop(SM_CAP_VAR, None)
     out_path = os.path.join(tmp, "start.out")
     started = False
     try:

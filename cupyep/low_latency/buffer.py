@@ -93,10 +93,8 @@ class LowLatencyBuffer:
         self.ranks_per_node = group.local_size
         self.max_tokens, self.hidden, self.num_experts = num_max_dispatch_tokens_per_rank, hidden, num_experts
         self.num_local_experts = num_experts // R
-        dev = cupy.cuda.Device()
-        self.num_device_sms = dev.attributes["MultiProcessorCount"]
-        budget = max(1, self.num_device_sms // max(1, group.ranks_per_gpu))
-        self.num_blocks = K.check_blocks(num_blocks, budget)
+        self.num_device_sms = group.num_sms
+        self.num_blocks = K.check_blocks(num_blocks, group.sm_share)
         self.num_waiters = K.check_waiters(num_waiters, self.num_blocks)
         self.num_threads = num_threads
         self.max_topk = max_topk
@@ -159,7 +157,7 @@ class LowLatencyBuffer:
         # Only the waiters wait; when some blocks only send, one more block per GPU
         # must fit beside all waiters so that those senders always make progress.
         jit.require_resident("low-latency kernels", per_sm, self.num_waiters, self.num_threads,
-                             self.group.ranks_per_gpu, self.num_device_sms, "num_waiters",
+                             self.group.co_resident_ranks, self.num_device_sms, "num_waiters",
                              spare=int(self.num_blocks > self.num_waiters))
 
     # ---------------------------------------------------------------- helpers

@@ -91,8 +91,7 @@ class Buffer:
             from .queue_layout import default_num_bytes
             import cupy
             self.num_ranks, self.rank = group.local_size, group.local_rank
-            self.num_device_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-            self.sm_budget = self.num_device_sms // max(1, group.ranks_per_gpu)  # this rank's share of the SMs
+            self.num_device_sms, self.sm_budget = group.num_sms, group.sm_share  # seen by this rank; its share
             num_bytes = int(num_bytes or default_num_bytes(self.num_ranks, self.sizes, self.sm_budget))
             self._shared = Node(group, num_bytes, self.comm_stream, id(self), self.num_device_sms, self.sm_budget)
             self.routes = {"queue": QueueRoute(self._shared),

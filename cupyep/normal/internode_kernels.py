@@ -456,10 +456,9 @@ class TwoHopDispatch:
             raise ValueError(f"num_sms must be an integer >= 0 (0: the rank's share of the SMs), got {num_sms!r}")
         num_in_flight = check_num_in_flight(num_in_flight)
         rt, device = cupy.cuda.runtime, cupy.cuda.Device()
-        device_sms = device.attributes["MultiProcessorCount"]
         self._notify_smem = check_notify_smem(
             self.R, self.N, rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, device.id))
-        self.num_sms = int(num_sms) or max(1, device_sms // max(1, group.ranks_per_gpu))
+        self.num_sms = int(num_sms) or group.sm_share
         self.max_tokens, self.hidden, self.k = int(max_tokens), int(hidden), int(num_topk)
         self.E = None if num_experts is None else int(num_experts)
         self.rdma_chunk, self.nvlink_chunk = check_chunk("rdma_chunk", rdma_chunk), check_chunk("nvlink_chunk",
@@ -480,7 +479,7 @@ class TwoHopDispatch:
             for fn, what in ((self.fn, "two-hop dispatch"), (self.combine_fn, "two-hop combine"),
                              (self.combine_weights_fn, "two-hop combine of the top-k weights")):
                 jit.require_resident(what, jit.max_resident_blocks(fn, THREADS), self.num_sms, THREADS,
-                                     group.ranks_per_gpu, device_sms, "num_sms")
+                                     group.co_resident_ranks, group.num_sms, "num_sms")
         except ValueError:
             NV.finalize()
             raise

@@ -171,7 +171,7 @@ class Node:
         """ValueError before launch unless every rank's ``num_sms`` blocks of
         ``fn`` fit the GPU at once (ranks sharing it under MPS included)."""
         jit.require_resident(what, jit.max_resident_blocks(fn, num_threads), num_sms, num_threads,
-                             self.group.ranks_per_gpu, self.num_device_sms, "num_sms", step=step)
+                             self.group.co_resident_ranks, self.num_device_sms, "num_sms", step=step)
 
     def destroy(self) -> None:
         import cupy
