@@ -1,10 +1,13 @@
 """``results/`` is a dataset: every study folder has a README.md and a
 manifest.json whose records give the command, the commit and the
 environment of each committed file, and the text that points into
-``results/`` (the README, the docs, the results' READMEs, the notebooks)
-names no file that does not exist."""
+``results/`` (the README, the docs, the results' READMEs, the notebooks,
+the library's comments and docstrings) names no file that does not exist."""
+import ast
+import io
 import json
 import re
+import tokenize
 import subprocess
 from itertools import product
 from pathlib import Path
@@ -123,6 +126,38 @@ def test_no_text_names_a_results_file_that_does_not_exist():
             if not any(list(REPO.glob(p)) if any(ch in p for ch in "*?") else (REPO / p).exists()
                        for p in _expand(named)):
                 missing.append(f"{path.relative_to(REPO)}: {named}")
+    assert not missing, missing
+
+
+def comments_and_docstrings(path: Path) -> str:
+    """The comments and docstrings of a Python or CUDA source, less the
+    files a usage line writes (``--out results/...``)."""
+    src = path.read_text()
+    if path.suffix == ".py":
+        parts = [tok.string for tok in tokenize.generate_tokens(io.StringIO(src).readline)
+                 if tok.type == tokenize.COMMENT]
+        parts += [ast.get_docstring(node, clean=False) or "" for node in ast.walk(ast.parse(src))
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+    else:
+        parts = re.findall(r"//[^\n]*|/\*.*?\*/", src, flags=re.S)
+    return re.sub(r"(--out|--to)\s+results/", r"\1 OUT/", "\n".join(parts))
+
+
+# (file, path) pairs a comment names that are not checked here
+NOT_CHECKED = {("cuda_src/low_latency/sync.cuh", "results/low_latency_last_block.jsonl")}
+
+
+def test_no_comment_or_docstring_names_a_results_file_that_does_not_exist():
+    sources = sorted((REPO / "cupyep").rglob("*.py")) + sorted(p for p in (REPO / "cuda_src").rglob("*")
+                                                               if p.suffix in (".cu", ".cuh"))
+    missing = []
+    for path in sources:
+        rel = path.relative_to(REPO).as_posix()
+        for named in sorted(results_paths_named_in(comments_and_docstrings(path))):
+            if (rel, named) not in NOT_CHECKED and not any(
+                    list(REPO.glob(p)) if any(ch in p for ch in "*?") else (REPO / p).exists()
+                    for p in _expand(named)):
+                missing.append(f"{rel}: {named}")
     assert not missing, missing
 
 

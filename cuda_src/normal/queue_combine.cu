@@ -103,8 +103,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) queue_combine(CombineArgs a) {
             }
             int4* out = a.combined_x + (int64_t)t * x_int4;
             // kWords row words per lane, from every rank, are in flight at once before
-            // any is summed (the ring loads are ordered, so a loop that summed each word
-            // before loading the next waited a round trip per word).
+            // any is summed (the ring loads are ordered, so summing each word before
+            // loading the next would wait a round trip per word).
             constexpr int kWords = combine_words(R, kNumThreads);
             for (int64_t i0 = lane; i0 < x_int4; i0 += 32 * kWords) {
                 int4 v[kWords][R];

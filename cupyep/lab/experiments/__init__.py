@@ -3,7 +3,7 @@ configuration.
 
     from ... import experiments
     recs = experiments.run("reference", {"tokens": [128, 4096], "hidden": 7168}, ranks=2,
-                           out="results/sweeps/reference.jsonl")
+                           out="reference.jsonl")
     python -m cupyep.lab.experiments reference --ranks 2 --grid tokens=128,4096 hidden=7168
     experiments.run("normal", grid, ranks=8, ranks_per_node=4)  # 2 emulated nodes of 4 ranks
 

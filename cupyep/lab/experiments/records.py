@@ -71,8 +71,8 @@ def repair(path) -> None:
 
 def record_ranks_per_node(rec: dict):
     """The ranks per node of the layout that produced ``rec``: its
-    "ranks_per_node" field, else (an older record, written before the field
-    existed, when sweeps ran on one node) its "ranks"."""
+    "ranks_per_node" field, else its "ranks" (a record without the field
+    ran on one node)."""
     value = rec.get("ranks_per_node")
     return rec.get("ranks") if value is None else value
 
@@ -82,7 +82,7 @@ def select(records, study: str, keys, ranks: int | None = None, ranks_per_node: 
     matches: dict key -> record (keys without one are absent).
 
     A record's ranks per node is :func:`record_ranks_per_node` (its
-    "ranks_per_node" field, else its "ranks": an old record is one node).
+    "ranks_per_node" field, else its "ranks": a record without it is of one node).
 
     - ``ranks`` given: only records with that "ranks"; ``ranks_per_node``
       given: only those of that ranks per node; ``ranks_per_node`` None:

@@ -21,8 +21,8 @@ Record fields (one JSON object per line):
         bool, list or dict).
     ranks: int, ranks that ran it.
     ranks_per_node: int, ranks of each node (the group's ``local_size``:
-        ``ranks`` on one node, K under ``--ranks-per-node K``). Records
-        written before this field existed lack it; they ran on one node.
+        ``ranks`` on one node, K under ``--ranks-per-node K``). A record
+        without it ran on one node.
     status: "ok", "skipped" (``Skip``, ``ValueError``, or ``MemoryError``:
         the configuration does not fit the GPU) or "error" (any
         other exception, a metric that is not JSON-able or clashes with a
