@@ -1,0 +1,1323 @@
+"""A trace-driven simulator of expert load balance at 64-1024 ranks (NumPy
+only, no GPU): per step and layer, the logical expert loads of a routing
+trace go through each balancing arm's placement to per-rank work, and a cost
+model calibrated on the measured 8-rank runs turns the work into time.
+
+    python -m cupyep.lab.balance_sim --records FILE.jsonl --ranks 64 128 256 512 1024 \\
+        --gpus-per-node 8 --out results/balance_sim/sim.jsonl
+
+**Traces** (:func:`trace_loads`, :func:`expected_loads`). At scale the
+token-level routing of cupyep.routing (T tokens on each of R ranks, each
+token's k distinct experts) is too large to materialise, so the simulator
+draws each step's per-expert counts directly from the same popularity model.
+Over N = R T tokens a token holds expert e with an inclusion probability
+pi_e (sum_e pi_e = k), independently of the other tokens, so the token
+model's count of expert e is Binomial(N, pi_e); the simulator draws exactly
+that marginal, independently per expert (the token model's counts also sum
+to exactly N k, which the independent draws hold only in expectation, with a
+relative spread of about 1 / sqrt(N k)).
+
+- ``"zipf"`` (``s``): popularity p_e ~ 1 / (rank_e + 1) ** s over the same
+  seeded order of the experts as cupyep.routing; a token's k draws without
+  replacement, each in proportion to popularity, hold expert e with
+  probability pi_e (:func:`inclusion_probabilities`, exact up to quadrature,
+  not the with-replacement k p_e);
+- ``"hot_expert"`` (``hot_fraction``, ``hot_expert``): round(hot_fraction N)
+  tokens hold the hot expert, exactly as in cupyep.routing; every other
+  expert is held by a hot token with probability (k - 1) / (E - 1) and by a
+  cold token with probability k / (E - 1);
+- ``"drift"`` (``s``, ``period``): ``"zipf"`` whose order of the experts is
+  cupyep.routing's order of epoch ``step // period``, so the hot set moves
+  every ``period`` steps.
+
+Layer l of a trace follows ``routing.make(kind, seed + l, ...)``: its own
+order of the experts, the same hot expert. The mean per-expert loads
+(:func:`expected_loads`) are routing.make's expected counts for the same
+arguments; tests/test_balance_sim.py holds each routed count within 4.5
+standard deviations of them.
+
+**Arms** (:data:`ARMS`, :func:`simulate`), each a placement per layer and step
+whose per-GPU pairs are ``Placement.gpu_loads`` (an expert's load split
+evenly over its replicas):
+
+- ``"none"``: ``Placement.identity``, E / R experts per rank, no replicas;
+- ``"eplb"``: ``rebalance_experts`` (hierarchical across the nodes) with
+  ``redundant`` extra slots per GPU, planned every ``period`` steps from an
+  exponential moving average of the past steps' loads (history only, never
+  the current step; before the first plan, a placement planned from equal
+  loads);
+- ``"migration"``: an ``OnlineBalancer`` (imbalance alarm, exponential
+  moving average, ``MigrationPolicy`` on the cost model's per-pair time and
+  copy bandwidth) fed each step's loads after the step; it moves only when
+  the move pays, and the next step carries the move;
+- ``"per_step"``: planned from the current step's own loads before the step
+  runs (the loads the layout pass has), every step.
+
+Every plan is aligned to the current placement (``migration.align``) and
+its moves planned (``migration.plan_moves``). A balancing arm pays a fixed
+overhead every step (counting and exchanging the loads), ``plan_us`` in a
+step that plans, and in a step that moves its busiest rank's moved bytes
+(pulled or served) over the copy bandwidth, times 1 - ``overlap``.
+
+**Costs** (:class:`CostModel`). Per rank r, with p_r its (row, expert) pairs
+and w_r the rows it receives: ffn = a + b p_r, dispatch = c + d w_r, combine
+= c' + d' w_r. The layer's time is the straggler's max over r of dispatch +
+ffn + combine, plus the step's balancing cost and a constant rest. The rows
+come from the pairs (:func:`rows_from_slot_pairs`): a token visits rank r
+once if any of its slots lands there. With x_j the share of the N tokens
+that physical expert j on rank r serves, independent slots would give w_r =
+N (1 - prod_j (1 - x_j)); a token's k experts are distinct, which a factor
+for drawing without replacement corrects (exact for equal loads, where w_r
+= p_r D / k with D = R (1 - prod_{i<k} (1 - (E / R) / (E - i))) the
+expected number of ranks a token visits, the distinct-rank factor of top-k;
+within 2.5 % of the token-level rows under Zipf (s <= 1.2) and hot-expert
+loads, 4 % at Zipf s = 2, with and without replicas).
+
+What the model leaves out at scale: the coefficients are those of the
+measured runs (8 ranks), so a row crossing nodes costs what a measured row
+cost, and the per-step overhead (the load exchange) and the plan do not
+grow with R; the simulated times are the measured costs applied to the
+per-rank work at R ranks, not a model of a network.
+
+**Records** (:func:`read_records`): the balance study's JSONL, one line per
+(trace, arm, step, layer) with "logical_loads", "pairs_per_rank",
+"rows_per_rank", "us" (per rank "dispatch", "ffn", "combine", and optionally
+"balance"), "layer_us", "moved_experts", "moved_bytes", "expert_bytes".
+:meth:`CostModel.fit` calibrates the model on them, :func:`validate`
+re-simulates them, :func:`synthetic_records` writes records of a known model.
+
+**Where an arm stops paying** (:func:`study`, :func:`sweep`,
+:func:`break_even`): per rank count, trace and arm the mean imbalance,
+layer time and balancing cost and the speed-up over ``"none"``; the expert
+size above which an arm's balancing cost exceeds its straggler saving, and
+the drift period below which it does.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+import numpy as np
+
+from ..balance import OnlineBalancer, MigrationPolicy, Placement, align, plan_moves, rebalance_experts
+
+TRACES = ("zipf", "hot_expert", "drift")
+ARMS = ("none", "eplb", "migration", "per_step")
+TRACE_PARAMS = {"zipf": {"s": 1.0}, "hot_expert": {"hot_fraction": 0.5, "hot_expert": 0},
+                "drift": {"s": 1.0, "period": 8}}
+# cupyep.routing's seeded streams of the expert order (zipf: [seed, 10]; drift: [seed, 10, 14, epoch]).
+_ORDER_STREAM, _DRIFT_STREAM = 10, 14
+# The simulator's own stream of per-step counts: [seed + layer, 20, step].
+_COUNTS_STREAM = 20
+# Quadrature of the inclusion probabilities: points per decade of time, the
+# chance of fewer than k arrivals left past the last point.
+_POINTS_PER_DECADE = 64
+_TAIL = 1e-13
+
+
+# ----------------------------------------------------------------- traces ---
+
+def _int(name: str, value, low: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return int(value)
+
+
+def _trace_params(kind: str, params: dict) -> dict:
+    if kind not in TRACES:
+        raise ValueError(f"kind must be one of {TRACES}, got {kind!r}")
+    unknown = sorted(set(params) - set(TRACE_PARAMS[kind]) - {"step"})
+    if unknown:
+        raise ValueError(f"params: kind {kind!r} takes no {unknown}; it takes {sorted(TRACE_PARAMS[kind])}")
+    out = {**TRACE_PARAMS[kind], **{k: v for k, v in params.items() if k != "step"}}
+    if "s" in out and not (isinstance(out["s"], (int, float, np.number)) and math.isfinite(out["s"]) and out["s"] >= 0):
+        raise ValueError(f"s must be finite and >= 0, got {out['s']!r}")
+    if "period" in out:
+        out["period"] = _int("period", out["period"], 1)
+    if kind == "hot_expert":
+        h = out["hot_fraction"]
+        if not (isinstance(h, (int, float, np.number)) and 0 <= h <= 1):
+            raise ValueError(f"hot_fraction must be in [0, 1], got {h!r}")
+        out["hot_expert"] = _int("hot_expert", out["hot_expert"])
+    return out
+
+
+def inclusion_probabilities(weights, num_topk: int) -> np.ndarray:
+    """The chance that a token's ``num_topk`` draws without replacement, each
+    in proportion to ``weights`` among the experts left (cupyep.routing's
+    Gumbel top-k), hold each expert.
+
+    Exact up to quadrature: drawing in proportion to p without replacement
+    is an exponential race (expert e arrives at time X_e ~ Exp(p_e)), so
+    pi_e = integral over t of p_e exp(-p_e t) P(fewer than k others arrived
+    by t); the count of the others is Poisson-binomial (prefix and suffix
+    sums over the experts), the integral a trapezoid rule in log t.
+
+    Arguments:
+        weights: [E] non-negative numbers, at least ``num_topk`` of them > 0.
+        num_topk: k >= 1.
+
+    Returns:
+        [E] float64 in [0, 1], summing to k (1 everywhere when k >= E).
+    """
+    p = np.asarray(weights, dtype=np.float64).reshape(-1)
+    k = _int("num_topk", num_topk, 1)
+    if not np.isfinite(p).all() or (p < 0).any() or (p > 0).sum() < min(k, p.size):
+        raise ValueError(f"weights must be finite, >= 0 and > 0 for at least num_topk={k} experts")
+    if k >= p.size:
+        return np.ones(p.size)
+    live = np.flatnonzero(p > 0)
+    p_live = p[live] / p[live].sum()
+    out = np.zeros(p.size)
+    out[live] = _race(p_live, k)
+    return out * (k / out.sum())
+
+
+def _poisson_binomial_below(q: np.ndarray, k: int) -> np.ndarray:
+    """[..., k]: P(count = m) for m < k of independent Bernoulli(q[..., j])."""
+    dist = np.zeros(q.shape[:-1] + (k,))
+    dist[..., 0] = 1.0
+    for j in range(q.shape[-1]):
+        qj = q[..., j:j + 1]
+        dist[..., 1:] = dist[..., 1:] * (1 - qj) + dist[..., :-1] * qj
+        dist[..., :1] *= 1 - qj
+    return dist
+
+
+def _race(p: np.ndarray, k: int) -> np.ndarray:
+    E = p.size
+    # where the race is over: fewer than k arrivals left with chance < _TAIL
+    coarse = 10.0 ** np.arange(-9, 31, 0.5)
+    below = _poisson_binomial_below(-np.expm1(-np.outer(coarse, p)), k).sum(-1)
+    over = np.flatnonzero(below < _TAIL)
+    t_hi = coarse[over[0]] if over.size else coarse[-1]
+    t_lo = 1e-6
+    u = np.linspace(math.log(t_lo), math.log(t_hi), int(math.log10(t_hi / t_lo) * _POINTS_PER_DECADE) + 2)
+    t = np.exp(u)
+    w = np.full(u.size, u[1] - u[0])
+    w[[0, -1]] /= 2
+    pi = -np.expm1(-p * t_lo)  # before t_lo nothing else has arrived
+    chunk = max(1, int(32e6 // (E * k * 8)))
+    for s in range(0, t.size, chunk):
+        tc = t[s:s + chunk]
+        q = -np.expm1(-np.outer(tc, p))  # [c, E]: arrived by t
+        prefix = np.empty((tc.size, E, k))  # over experts < i
+        dist = np.zeros((tc.size, k))
+        dist[:, 0] = 1.0
+        for i in range(E):
+            prefix[:, i] = dist
+            qi = q[:, i:i + 1]
+            dist[:, 1:] = dist[:, 1:] * (1 - qi) + dist[:, :-1] * qi
+            dist[:, :1] *= 1 - qi
+        others = np.empty((tc.size, E))  # P(fewer than k of the others by t)
+        suffix = np.zeros((tc.size, k))
+        suffix[:, 0] = 1.0
+        for i in range(E - 1, -1, -1):
+            below_k = np.cumsum(suffix, axis=1)[:, ::-1]  # [:, a]: P(suffix count <= k - 1 - a)
+            others[:, i] = (prefix[:, i] * below_k).sum(1)
+            qi = q[:, i:i + 1]
+            suffix[:, 1:] = suffix[:, 1:] * (1 - qi) + suffix[:, :-1] * qi
+            suffix[:, :1] *= 1 - qi
+        dens = (tc[:, None] * p[None, :]) * np.exp(-np.outer(tc, p)) * others  # d(pi)/d(log t)
+        pi += (w[s:s + chunk, None] * dens).sum(0)
+    return np.clip(pi, 0.0, 1.0)
+
+
+@functools.lru_cache(maxsize=64)
+def _zipf_inclusion(num_experts: int, num_topk: int, s: float) -> np.ndarray:
+    """[E] float64 inclusion probabilities of the Zipf popularity by rank (read-only)."""
+    pi = inclusion_probabilities(1.0 / np.arange(1, num_experts + 1, dtype=np.float64) ** s, num_topk)
+    pi.flags.writeable = False
+    return pi
+
+
+def expert_order(kind: str, seed: int, num_experts: int, step: int = 0, period: int = 8) -> np.ndarray:
+    """cupyep.routing's seeded order of the experts: [E] int64, entry r the
+    expert of popularity rank r ("zipf": one order; "drift": the order of
+    epoch step // period)."""
+    if kind not in ("zipf", "drift"):
+        raise ValueError(f"kind must be 'zipf' or 'drift' (the kinds with an expert order), got {kind!r}")
+    stream = [_int("seed", seed), _ORDER_STREAM]
+    if kind == "drift":
+        stream += [_DRIFT_STREAM, _int("step", step) // _int("period", period, 1)]
+    return np.random.default_rng(stream).permutation(_int("num_experts", num_experts, 1)).astype(np.int64)
+
+
+def inclusion(kind: str, seed: int, num_experts: int, num_topk: int, step: int = 0, **params) -> tuple:
+    """Per expert, the chance that one token holds it, as (cold [E] float64,
+    hot_tokens): for "zipf" and "drift" every token holds expert e with
+    probability cold[e] and hot_tokens is None; for "hot_expert" cold is the
+    chance for a token outside the hot fraction and hot_tokens the pair
+    (hot expert, [E] float64 chance for a hot token)."""
+    params = _trace_params(kind, params)
+    E = _int("num_experts", num_experts, 1)
+    k = _int("num_topk", num_topk, 1)
+    if k > E:
+        raise ValueError(f"num_topk ({k}) must be <= num_experts ({E})")
+    if kind == "hot_expert":
+        hot = params["hot_expert"]
+        if hot >= E:
+            raise ValueError(f"hot_expert ({hot}) must be in [0, num_experts={E})")
+        if k == E:
+            raise ValueError(f"hot_expert traces need num_topk ({k}) < num_experts ({E})")
+        cold = np.full(E, k / (E - 1))
+        cold[hot] = 0.0
+        warm = np.full(E, (k - 1) / (E - 1))
+        warm[hot] = 1.0
+        return cold, (hot, warm)
+    order = expert_order(kind, seed, E, step, params.get("period", 8))
+    pi = np.empty(E)
+    pi[order] = _zipf_inclusion(E, k, float(params["s"]))
+    return pi, None
+
+
+def expected_loads(kind: str, seed: int, num_tokens: int, num_experts: int, num_topk: int, step: int = 0,
+                   **params) -> np.ndarray:
+    """[E] float64: the mean (token, slot) pairs of each expert over
+    ``num_tokens`` tokens (all ranks together) of ``routing.make(kind, seed,
+    ..., step=step, **params)`` (the module docstring)."""
+    N = _int("num_tokens", num_tokens)
+    cold, hot = inclusion(kind, seed, num_experts, num_topk, step, **params)
+    if hot is None:
+        return N * cold
+    num_hot = int(round(_trace_params(kind, params)["hot_fraction"] * N))
+    return (N - num_hot) * cold + num_hot * hot[1]
+
+
+def trace_loads(kind: str, seed: int, num_tokens: int, num_experts: int, num_topk: int, steps: int,
+                layers: int = 1, **params) -> np.ndarray:
+    """Per step and layer, the pairs each logical expert receives from
+    ``num_tokens`` tokens (all ranks together), drawn as the module
+    docstring says (layer l follows cupyep.routing's seed + l).
+
+    Returns:
+        [steps, layers, E] int64.
+    """
+    params = _trace_params(kind, params)
+    N = _int("num_tokens", num_tokens)
+    S, L = _int("steps", steps, 1), _int("layers", layers, 1)
+    E = _int("num_experts", num_experts, 1)
+    out = np.empty((S, L, E), dtype=np.int64)
+    num_hot = int(round(params["hot_fraction"] * N)) if kind == "hot_expert" else 0
+    for layer in range(L):
+        for step in range(S):
+            cold, hot = inclusion(kind, seed + layer, E, num_topk, step, **params)
+            rng = np.random.default_rng([seed + layer, _COUNTS_STREAM, step])
+            counts = rng.binomial(N - num_hot, cold)
+            if hot is not None:
+                counts += rng.binomial(num_hot, np.minimum(hot[1], 1.0))
+            out[step, layer] = counts
+    return out
+
+
+def experts_for(ranks: int, experts_per_rank: int = 4, num_experts: int | None = None) -> int:
+    """E at ``ranks`` ranks: ``num_experts`` when given (a multiple of
+    ranks), else experts_per_rank * ranks."""
+    R = _int("ranks", ranks, 1)
+    if num_experts is not None:
+        E = _int("num_experts", num_experts, 1)
+        if E % R:
+            raise ValueError(f"num_experts={E} is not a multiple of ranks={R}")
+        return E
+    return _int("experts_per_rank", experts_per_rank, 1) * R
+
+
+# ---------------------------------------------------------------- costs ---
+
+def rows_from_slot_pairs(slot_pairs, num_tokens, num_experts: int, num_topk: int) -> np.ndarray:
+    """The rows each rank receives, from the pairs of its physical experts.
+
+    Arguments:
+        slot_pairs: [..., G, n] float64, the pairs of each of the n physical
+            experts on each of the G ranks.
+        num_tokens: N, the tokens of all ranks (a number, or an array that
+            broadcasts against [...]).
+        num_experts: E, the logical experts; num_topk: k.
+
+    Returns:
+        [..., G] float64: N (1 - c(f) prod_j (1 - x_j)), x_j = slot_pairs / N
+        (the share of the tokens that slot j serves), f = sum_j x_j / k and
+        c(f) = prod_{i<k} (1 - f E / (E - i)) / (1 - k / E) ** (f E), the
+        ratio of drawing without and with replacement for f E equally loaded
+        experts (the module docstring). Exact for equal loads; against the
+        rows of cupyep.routing's tokens at 8 ranks, k = 8, E = 64 and 256,
+        with and without replicas: within 2.5 % for Zipf s <= 1.2 and
+        hot-expert loads, within 4 % for Zipf s = 2.
+    """
+    pairs = np.asarray(slot_pairs, dtype=np.float64)
+    N = np.asarray(num_tokens, dtype=np.float64)[..., None, None]
+    E, k = _int("num_experts", num_experts, 1), _int("num_topk", num_topk, 1)
+    if (N <= 0).any():
+        raise ValueError("num_tokens must be > 0")
+    if pairs.ndim < 2 or (pairs < 0).any():
+        raise ValueError(f"slot_pairs must be a [..., G, n] array >= 0, got shape {pairs.shape}")
+    x = np.clip(pairs / N, 0.0, 1.0)
+    log_miss = np.log1p(-np.minimum(x, 1 - 1e-15)).sum(-1)  # independent slots
+    if k < E:
+        fE = np.clip(x.sum(-1) / k, 0.0, 1.0) * E
+        i = np.arange(k)
+        without = np.log(np.clip(1.0 - fE[..., None] / (E - i), 1e-300, None)).sum(-1)
+        log_miss = log_miss + without - fE * math.log1p(-k / E)
+    else:
+        log_miss = np.where(x.sum(-1) > 0, -np.inf, 0.0)
+    return N[..., 0] * -np.expm1(np.minimum(log_miss, 0.0))
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-rank work to time, in microseconds (the module docstring).
+
+    Attributes:
+        ffn_us, ffn_us_per_pair: a, b of the expert FFN, a + b * pairs.
+        dispatch_us, dispatch_us_per_row: c, d of the dispatch, c + d * rows.
+        combine_us, combine_us_per_row: c', d' of the combine.
+        copy_GBps: the expert-weight copy bandwidth per rank, GB/s.
+        plan_us: the cost of one plan (per layer, in the step it serves).
+        other_us: the rest of a layer's time, every step and arm (the
+            replica choice, gaps between the phases).
+        overhead_us: {arm: us} the balancing an arm does every step whether
+            it plans or not (counting and exchanging the loads); 0 where
+            absent.
+        source: where the numbers come from ("fit on N records", or
+            "placeholder": not a measurement).
+        fit_error: the standard error of each fitted coefficient (same
+            names and units; "overhead_us" a dict of them, None for a value
+            given rather than fitted), the relative rms residual of each
+            part ("rel_rms_ffn", ...) and the records used; None when not
+            fitted.
+    """
+    ffn_us: float
+    ffn_us_per_pair: float
+    dispatch_us: float
+    dispatch_us_per_row: float
+    combine_us: float
+    combine_us_per_row: float
+    copy_GBps: float
+    plan_us: float = 0.0
+    other_us: float = 0.0
+    overhead_us: dict = field(default_factory=dict)
+    source: str = "given"
+    fit_error: dict | None = field(default=None, compare=False)
+
+    def __post_init__(self):
+        for f in fields(self)[:9]:
+            v = getattr(self, f.name)
+            if not (isinstance(v, (int, float, np.number)) and math.isfinite(v)):
+                raise ValueError(f"{f.name} must be a finite number, got {v!r}")
+        if self.copy_GBps <= 0:
+            raise ValueError(f"copy_GBps must be > 0, got {self.copy_GBps}")
+        if not isinstance(self.overhead_us, dict) or any(
+                k not in ARMS or not (isinstance(v, (int, float, np.number)) and math.isfinite(v))
+                for k, v in self.overhead_us.items()):
+            raise ValueError(f"overhead_us must map arms of {ARMS} to finite numbers, got {self.overhead_us!r}")
+
+    @classmethod
+    def default(cls) -> "CostModel":
+        """PLACEHOLDER values, not measurements: for tests and smoke runs
+        only (about the size of one H200 rank's work at T = 4096, H = 7168;
+        fit the model on measured records for any result)."""
+        return cls(ffn_us=20.0, ffn_us_per_pair=0.02, dispatch_us=15.0, dispatch_us_per_row=0.08,
+                   combine_us=15.0, combine_us_per_row=0.08, copy_GBps=100.0, plan_us=200.0, other_us=10.0,
+                   overhead_us={"eplb": 20.0, "migration": 20.0, "per_step": 20.0},
+                   source="placeholder (CostModel.default): not a measurement")
+
+    def ffn(self, pairs) -> np.ndarray:
+        """FFN time, us, of ``pairs`` (any shape, float64 out)."""
+        return self.ffn_us + self.ffn_us_per_pair * np.asarray(pairs, dtype=np.float64)
+
+    def dispatch(self, rows) -> np.ndarray:
+        """Dispatch time, us, of ``rows`` received (any shape)."""
+        return self.dispatch_us + self.dispatch_us_per_row * np.asarray(rows, dtype=np.float64)
+
+    def combine(self, rows) -> np.ndarray:
+        """Combine time, us, of ``rows`` (any shape)."""
+        return self.combine_us + self.combine_us_per_row * np.asarray(rows, dtype=np.float64)
+
+    def migration(self, moved_bytes) -> np.ndarray:
+        """Copy time, us, of ``moved_bytes`` (any shape) at copy_GBps."""
+        return np.asarray(moved_bytes, dtype=np.float64) / (self.copy_GBps * 1e3)
+
+    def straggler(self, pairs, rows) -> np.ndarray:
+        """[...] float64: max over ranks of dispatch + ffn + combine, for
+        ``pairs`` and ``rows`` [..., R]."""
+        return (self.dispatch(rows) + self.ffn(pairs) + self.combine(rows)).max(-1)
+
+    def balance(self, arm: str, planned, moved_bytes) -> np.ndarray:
+        """Balancing time, us, of a step of ``arm``: overhead_us[arm] +
+        plan_us where ``planned`` (bool, any shape) + the copy of
+        ``moved_bytes`` (broadcast against planned)."""
+        return (self.overhead_us.get(arm, 0.0) + self.plan_us * np.asarray(planned, dtype=np.float64)
+                + self.migration(moved_bytes))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def fit(cls, records, copy_GBps: float | None = None, plan_us: float | None = None) -> "CostModel":
+        """Least-squares calibration on measured records (:func:`read_records`'s
+        dicts, or raw ones), each coefficient with its standard error:
+
+        - ffn on (1, pairs_per_rank), dispatch and combine on (1,
+          rows_per_rank), every rank of every record a point;
+        - the balancing cost, each record's slowest rank's "balance" time,
+          on one overhead per arm, plan_us where a plan ran (the record's
+          "planned"; without it: every per_step record and every record
+          that moved experts) and
+          the busiest rank's moved bytes (the max of "moved_bytes_per_rank"
+          when given, else ceil(moved_experts / ranks) * expert_bytes, the
+          moves spread evenly), whose slope is 1 / copy_GBps. Where the
+          plans cannot be told apart from the per_step records (a plan ran
+          in exactly those), per_step's overhead is folded into plan_us.
+          Records without two distinct moved sizes cannot fit the
+          bandwidth: ``copy_GBps`` must be given (and ``plan_us`` where no
+          record planned);
+        - other_us, the median of layer_us - (the slowest rank's dispatch +
+          ffn + combine) - (the slowest rank's balance) over the records.
+
+        Returns a CostModel whose fit_error holds the standard errors and
+        the relative rms residual of each part.
+        """
+        recs = [r if r.get("_normalized") else _normalize(r, i) for i, r in enumerate(records)]
+        if not recs:
+            raise ValueError("records: no record to fit")
+        pairs = np.concatenate([r["pairs_per_rank"] for r in recs])
+        rows = np.concatenate([r["rows_per_rank"] for r in recs])
+        coef, err = {}, {}
+        for part, x in (("ffn", pairs), ("dispatch", rows), ("combine", rows)):
+            y = np.concatenate([r["us"][part] for r in recs])
+            (c0, c1), (e0, e1), rel = _line(x, y, f"records' {part} times against "
+                                            f"{'pairs_per_rank' if part == 'ffn' else 'rows_per_rank'}")
+            unit = "pair" if part == "ffn" else "row"
+            coef[f"{part}_us"], coef[f"{part}_us_per_{unit}"] = c0, c1
+            err[f"{part}_us"], err[f"{part}_us_per_{unit}"], err[f"rel_rms_{part}"] = e0, e1, rel
+        coef_b, err_b = _fit_balance(recs, copy_GBps, plan_us)
+        coef.update(coef_b)
+        err.update(err_b)
+        parts = np.array([(r["us"]["dispatch"] + r["us"]["ffn"] + r["us"]["combine"]).max() for r in recs])
+        rest = np.array([r["layer_us"] for r in recs]) - parts - np.array([r["balance_us"] for r in recs])
+        coef["other_us"] = float(np.median(rest))
+        err["other_us"] = float(1.2533 * rest.std(ddof=1) / math.sqrt(rest.size)) if rest.size > 1 else None
+        err["records"] = len(recs)
+        return cls(**coef, source=f"fit on {len(recs)} records", fit_error=err)
+
+
+def _planned(rec: dict) -> bool:
+    """Whether a plan ran for the record's step: its "planned" when given,
+    else for every per_step record and wherever experts moved."""
+    if rec.get("planned") is not None:
+        return bool(rec["planned"])
+    return rec["arm"] == "per_step" or rec["moved_experts"] > 0
+
+
+def _fit_balance(recs: list[dict], copy_GBps, plan_us) -> tuple[dict, dict]:
+    """CostModel.fit's balancing part: ({copy_GBps, plan_us, overhead_us}, their errors)."""
+    y = np.array([r["balance_us"] for r in recs], dtype=np.float64)
+    moved = np.array([r["busiest_bytes"] for r in recs], dtype=np.float64)
+    planned = np.array([_planned(r) for r in recs], dtype=np.float64)
+    arms = sorted({r["arm"] for r in recs})
+    names, cols = [], []
+    for arm in arms:
+        ind = np.array([r["arm"] == arm for r in recs], dtype=np.float64)
+        if arm == "per_step" and plan_us is None and np.linalg.matrix_rank(np.stack(cols + [ind, planned], 1)) \
+                < len(cols) + 2:
+            continue  # planned is per_step's column plus others': its overhead is folded into plan_us
+        names.append(("overhead", arm))
+        cols.append(ind)
+    fixed = {}
+    if plan_us is not None:
+        fixed["plan_us"] = float(plan_us)
+        y = y - fixed["plan_us"] * planned
+    elif planned.any():
+        names.append(("plan_us", None))
+        cols.append(planned)
+    else:
+        raise ValueError("records: no record planned, so plan_us cannot be fit; pass plan_us=")
+    fit_bw = np.unique(moved).size >= 2
+    if fit_bw:
+        names.append(("slope", None))
+        cols.append(moved)
+    elif copy_GBps is None:
+        raise ValueError("records: too few records with two distinct moved sizes to fit the copy bandwidth; "
+                         "pass copy_GBps=")
+    else:
+        y = y - moved / (float(copy_GBps) * 1e3)
+    A = np.stack(cols, axis=1)
+    if np.linalg.matrix_rank(A) < A.shape[1] or len(y) <= A.shape[1]:
+        raise ValueError(f"records: the balancing times cannot separate {[n for n, _ in names]}; "
+                         "pass copy_GBps= and plan_us=")
+    sol, *_ = np.linalg.lstsq(A, y, rcond=None)
+    resid = y - A @ sol
+    cov = (resid @ resid / (len(y) - A.shape[1])) * np.linalg.inv(A.T @ A)
+    se = np.sqrt(np.clip(np.diag(cov), 0, None))
+    coef = {"overhead_us": {}, **fixed}
+    err = {"overhead_us": {}, **{k: None for k in fixed}}
+    for (name, arm), v, e in zip(names, sol, se):
+        if name == "overhead":
+            coef["overhead_us"][arm], err["overhead_us"][arm] = float(v), float(e)
+        elif name == "plan_us":
+            coef["plan_us"], err["plan_us"] = float(v), float(e)
+        else:
+            if v <= 0:
+                raise ValueError("records: the balancing time does not grow with the moved bytes; "
+                                 "pass copy_GBps= instead of fitting it")
+            coef["copy_GBps"], err["copy_GBps"] = float(1.0 / (v * 1e3)), float(e / v / (v * 1e3))
+    if not fit_bw:
+        coef["copy_GBps"], err["copy_GBps"] = float(copy_GBps), None
+    err["rel_rms_balance"] = float(np.sqrt(np.mean(resid ** 2)) / max(np.mean(np.abs(y)), 1e-300))
+    return coef, err
+
+
+def _line(x, y, what: str):
+    """Least squares y = c0 + c1 x: ((c0, c1), (se0, se1), relative rms residual)."""
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if x.size < 3 or np.unique(x).size < 2:
+        raise ValueError(f"records: the fit of {what} needs 3 or more points and 2 or more distinct x")
+    A = np.stack([np.ones_like(x), x], axis=1)
+    sol, *_ = np.linalg.lstsq(A, y, rcond=None)
+    resid = y - A @ sol
+    dof = max(x.size - 2, 1)
+    cov = (resid @ resid / dof) * np.linalg.inv(A.T @ A)
+    rel = float(np.sqrt(np.mean(resid ** 2)) / max(np.mean(np.abs(y)), 1e-300))
+    return (float(sol[0]), float(sol[1])), (float(np.sqrt(cov[0, 0])), float(np.sqrt(cov[1, 1]))), rel
+
+
+# ------------------------------------------------------------------ arms ---
+
+@dataclass(frozen=True)
+class ArmConfig:
+    """How the balancing arms plan (the module docstring).
+
+    Attributes:
+        redundant: extra physical slots per GPU (eplb, migration, per_step).
+        period: eplb's steps between plans (it plans at steps s > 0 with
+            s % period == 0).
+        smoothing: the weight of the newest step in the exponential moving
+            average of past loads that eplb and migration plan from, in (0, 1].
+        alarm: migration's max over mean per-GPU load that wakes it.
+        horizon_steps: steps a migration is expected to serve.
+        overlap: the fraction of a move hidden behind compute, in [0, 1].
+        groups_per_node: expert groups per node (the hierarchical policy
+            keeps a group on one node); across nodes E must be a multiple
+            of groups_per_node * nodes (on one node the groups change
+            nothing and one group is planned).
+        policy: "hierarchical" or "global" (across nodes; the same on one).
+
+    The defaults match the GPU balance study's (experiments/study_balance.py).
+    """
+    redundant: int = 2
+    period: int = 4
+    smoothing: float = 0.5
+    alarm: float = 1.1
+    horizon_steps: int = 8
+    overlap: float = 0.0
+    groups_per_node: int = 4
+    policy: str = "hierarchical"
+
+    def __post_init__(self):
+        _int("redundant", self.redundant)
+        _int("period", self.period, 1)
+        _int("horizon_steps", self.horizon_steps, 1)
+        _int("groups_per_node", self.groups_per_node, 1)
+        if not (isinstance(self.alarm, (int, float)) and self.alarm >= 1.0):
+            raise ValueError(f"alarm must be a number >= 1, got {self.alarm!r}")
+        if not (isinstance(self.smoothing, (int, float)) and 0 < self.smoothing <= 1):
+            raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing!r}")
+        if not (isinstance(self.overlap, (int, float)) and 0 <= self.overlap <= 1):
+            raise ValueError(f"overlap must be in [0, 1], got {self.overlap!r}")
+        if self.policy not in ("hierarchical", "global"):
+            raise ValueError(f"policy must be 'hierarchical' or 'global', got {self.policy!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict | None, base: "ArmConfig | None" = None) -> "ArmConfig":
+        """``base`` (default ArmConfig()) with the known keys of ``d`` (others ignored)."""
+        base = base or cls()
+        names = {f.name for f in fields(cls)}
+        return replace(base, **{k: v for k, v in (d or {}).items() if k in names})
+
+
+@dataclass
+class SimResult:
+    """One arm simulated over a trace: S steps, L layers, R ranks.
+
+    Attributes:
+        arm, ranks, nodes, num_experts, num_physical: the setting.
+        pairs: [S, L, R] float64 (row, expert) pairs per rank.
+        rows: [S, L, R] float64 rows received per rank.
+        straggler_us: [S, L] float64, max over ranks of dispatch + ffn + combine.
+        balance_us: [S, L] float64, overhead + plan + busiest rank's move.
+        balance_rank_us: [S, L, R] float64, overhead + plan + each rank's move.
+        layer_us: [S, L] float64, straggler_us + balance_us + the model's other_us.
+        imbalance: [S, L] float64, max over mean of pairs.
+        moved_experts: [S, L] int64, slots that changed expert.
+        moved_rank: [S, L, R] int64, experts each rank pulls or serves (the larger).
+        planned: [S, L] bool, a plan ran for this step.
+        phy2log: [S, L, P] int64, the placement each step ran on.
+    """
+    arm: str
+    ranks: int
+    nodes: int
+    num_experts: int
+    num_physical: int
+    expert_bytes: int
+    pairs: np.ndarray
+    rows: np.ndarray
+    straggler_us: np.ndarray
+    balance_us: np.ndarray
+    balance_rank_us: np.ndarray
+    layer_us: np.ndarray
+    imbalance: np.ndarray
+    moved_experts: np.ndarray
+    moved_rank: np.ndarray
+    planned: np.ndarray
+    phy2log: np.ndarray
+
+
+def _moves(old: Placement, new: Placement) -> tuple[Placement, int, np.ndarray]:
+    """(new aligned to old, slots that change, [R] experts each rank pulls or serves)."""
+    new = align(old, new)
+    return new, *_move_counts(plan_moves(old, new), old.num_gpus)
+
+
+def _move_counts(moves, num_gpus: int) -> tuple[int, np.ndarray]:
+    remote = [m for m in moves if m.src_rank != m.dst_rank]
+    pulled = np.bincount([m.dst_rank for m in remote], minlength=num_gpus)
+    served = np.bincount([m.src_rank for m in remote], minlength=num_gpus)
+    return len(moves), np.maximum(pulled, served).astype(np.int64)
+
+
+def simulate(loads, arm: str, ranks: int, gpus_per_node: int, model: CostModel, expert_bytes: int,
+             tokens_per_rank: int, num_topk: int, config: ArmConfig | None = None, step_ids=None) -> SimResult:
+    """Run one arm over a trace.
+
+    Arguments:
+        loads: [S, L, E] non-negative numbers, pairs per logical expert per
+            step and layer (:func:`trace_loads`, or records' "logical_loads").
+        arm: one of :data:`ARMS`.
+        ranks: R (E a multiple of R); gpus_per_node: GPUs per node (R a
+            multiple of it).
+        model: the CostModel.
+        expert_bytes: the weights of one expert, bytes.
+        tokens_per_rank: T (N = R T tokens in all, for the rows).
+        num_topk: k (for the docstring's rows; the loads carry the rest).
+        config: ArmConfig (default ArmConfig()).
+        step_ids: [S] increasing ints, the trace's step numbers (eplb's
+            schedule; default 0 .. S - 1).
+
+    Returns:
+        SimResult.
+    """
+    loads = np.asarray(loads)
+    if loads.ndim != 3 or not np.issubdtype(loads.dtype, np.number) or not np.isfinite(loads).all() \
+            or (loads < 0).any() or 0 in loads.shape:
+        raise ValueError(f"loads must be a non-empty [steps, layers, experts] array of finite numbers >= 0, "
+                         f"got shape {loads.shape} {loads.dtype}")
+    if arm not in ARMS:
+        raise ValueError(f"arm must be one of {ARMS}, got {arm!r}")
+    R = _int("ranks", ranks, 1)
+    gpn = _int("gpus_per_node", gpus_per_node, 1)
+    if R % gpn:
+        raise ValueError(f"ranks={R} is not a multiple of gpus_per_node={gpn}")
+    if not isinstance(model, CostModel):
+        raise ValueError(f"model must be a CostModel, got {type(model).__name__}")
+    expert_bytes = _int("expert_bytes", expert_bytes)
+    T = _int("tokens_per_rank", tokens_per_rank, 1)
+    _int("num_topk", num_topk, 1)
+    config = config or ArmConfig()
+    S, L, E = loads.shape
+    step_ids = np.arange(S) if step_ids is None else np.asarray(step_ids)
+    if step_ids.shape != (S,) or not np.issubdtype(step_ids.dtype, np.integer) or (np.diff(step_ids) <= 0).any():
+        raise ValueError(f"step_ids must be {S} increasing ints, got {step_ids!r}")
+    if E % R:
+        raise ValueError(f"loads has {E} experts, not a multiple of ranks={R}")
+    nodes = R // gpn
+    N = R * T
+    w = loads.astype(np.float64)
+    if arm == "none":
+        start = Placement.identity(1, E, R, nodes)
+    else:
+        groups = config.groups_per_node * nodes if config.policy == "hierarchical" and nodes > 1 else 1
+        if E % groups:
+            raise ValueError(f"{E} experts do not split into groups_per_node={config.groups_per_node} x "
+                             f"{nodes} nodes groups")
+        P = E + config.redundant * R
+        plan = functools.partial(rebalance_experts, num_replicas=P, num_groups=groups, num_nodes=nodes,
+                                 num_gpus=R, policy=config.policy if nodes > 1 else None)
+        start = plan(np.ones((1, E)))
+    P = start.num_physical
+    placements = [start] * L
+    out = {name: np.zeros((S, L), dtype=dt) for name, dt in
+           (("straggler_us", np.float64), ("balance_us", np.float64), ("layer_us", np.float64),
+            ("imbalance", np.float64), ("moved_experts", np.int64), ("planned", bool))}
+    pairs, rows = np.zeros((S, L, R)), np.zeros((S, L, R))
+    moved_rank = np.zeros((S, L, R), dtype=np.int64)
+    phy2log = np.zeros((S, L, P), dtype=np.int64)
+    balancers, pending, average = [None] * L, [None] * L, [None] * L
+    if arm == "migration":
+        mp = MigrationPolicy(bytes_per_expert=expert_bytes, copy_GBps=model.copy_GBps,
+                             us_per_pair=max(model.ffn_us_per_pair, 0.0), horizon_steps=config.horizon_steps,
+                             overlap=config.overlap)
+        balancers = [OnlineBalancer(start, mp, num_groups=groups, alarm=config.alarm, smoothing=config.smoothing)
+                     for _ in range(L)]
+    for s in range(S):
+        for layer in range(L):
+            pl = placements[layer]
+            moved, per_rank, planned = 0, np.zeros(R, dtype=np.int64), False
+            if arm == "eplb" and step_ids[s] > 0 and step_ids[s] % config.period == 0 and average[layer] is not None:
+                pl, moved, per_rank = _moves(pl, plan(average[layer][None]))
+                planned = True
+            elif arm == "per_step":
+                pl, moved, per_rank = _moves(pl, plan(w[s, layer][None]))
+                planned = True
+            elif arm == "migration" and pending[layer] is not None:
+                pl, moved, per_rank, planned = pending[layer]
+                pending[layer] = None
+            placements[layer] = pl
+            share = w[s, layer] / pl.logcnt[0]
+            slot = share[pl.phy2log[0]].reshape(R, -1)
+            pairs[s, layer] = pl.gpu_loads(w[s, layer][None])[0]
+            rows[s, layer] = rows_from_slot_pairs(slot, N, E, num_topk)
+            moved_rank[s, layer] = per_rank
+            out["moved_experts"][s, layer] = moved
+            out["planned"][s, layer] = planned
+            phy2log[s, layer] = pl.phy2log[0]
+            if arm == "eplb":  # the average of the steps so far, for the next plans
+                a = config.smoothing
+                average[layer] = w[s, layer] if average[layer] is None else a * w[s, layer] + (1 - a) * average[layer]
+            if arm == "migration":  # decided after the step, from its loads; carried by the next step
+                decision = balancers[layer].step(w[s, layer])
+                if decision is not None:
+                    if decision["pays"]:
+                        n, per = _move_counts(decision["moves"], R)
+                        pending[layer] = (balancers[layer].placement, n, per, True)
+                    else:
+                        pending[layer] = (pl, 0, np.zeros(R, dtype=np.int64), True)
+    mean = pairs.mean(-1)
+    out["imbalance"] = np.divide(pairs.max(-1), mean, out=np.ones_like(mean), where=mean > 0)
+    balance_rank = model.balance(arm, out["planned"][..., None], moved_rank * expert_bytes * (1.0 - config.overlap))
+    out["straggler_us"] = model.straggler(pairs, rows)
+    out["balance_us"] = balance_rank.max(-1)
+    out["layer_us"] = out["straggler_us"] + out["balance_us"] + model.other_us
+    return SimResult(arm=arm, ranks=R, nodes=nodes, num_experts=E, num_physical=P, expert_bytes=expert_bytes,
+                     pairs=pairs, rows=rows, balance_rank_us=balance_rank, moved_rank=moved_rank, phy2log=phy2log,
+                     **out)
+
+
+# --------------------------------------------------------------- records ---
+
+_REQUIRED = ("arm", "step", "layer", "ranks", "logical_loads", "pairs_per_rank", "rows_per_rank", "us", "layer_us")
+
+
+def _normalize(rec: dict, where) -> dict:
+    """A record with every field the simulator reads, defaults filled in."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"records[{where}] is not a JSON object")
+    missing = [k for k in _REQUIRED if k not in rec]
+    if missing:
+        raise ValueError(f"records[{where}] lacks {missing}")
+    R = int(rec["ranks"])
+    us = rec["us"] if isinstance(rec["us"], dict) else {}
+    out = dict(rec)
+    for key in ("pairs_per_rank", "rows_per_rank"):
+        out[key] = np.asarray(rec[key], dtype=np.float64)
+        if out[key].shape != (R,):
+            raise ValueError(f"records[{where}]['{key}'] has shape {out[key].shape}, not ({R},)")
+    norm_us = {}
+    for part in ("dispatch", "ffn", "combine", "balance"):
+        v = us.get(part)
+        if v is None:
+            if part != "balance":
+                raise ValueError(f"records[{where}]['us'] lacks '{part}'")
+            v = [0.0] * R
+        norm_us[part] = np.asarray(v, dtype=np.float64).reshape(-1)
+        if norm_us[part].shape != (R,):
+            raise ValueError(f"records[{where}]['us']['{part}'] has {norm_us[part].size} entries, not {R}")
+    out["us"] = norm_us
+    out["logical_loads"] = np.asarray(rec["logical_loads"], dtype=np.float64)
+    E = int(rec.get("experts", out["logical_loads"].size))
+    if out["logical_loads"].shape != (E,):
+        raise ValueError(f"records[{where}]['logical_loads'] has {out['logical_loads'].size} entries, not {E}")
+    out["experts"] = E
+    out["ranks_per_node"] = int(rec.get("ranks_per_node") or R)
+    out["physical_experts"] = int(rec.get("physical_experts") or E)
+    out["tokens"] = int(rec.get("tokens") or 4096)
+    out["topk"] = int(rec.get("topk") or 8)
+    out["trace"] = rec.get("trace", "unknown")
+    out["trace_params"] = rec.get("trace_params") or {}
+    out["moved_experts"] = int(rec.get("moved_experts") or 0)
+    out["expert_bytes"] = int(rec.get("expert_bytes") or 0)
+    out["moved_bytes"] = int(rec.get("moved_bytes") or out["moved_experts"] * out["expert_bytes"])
+    per_rank = rec.get("moved_bytes_per_rank")
+    if per_rank is not None:
+        out["busiest_bytes"] = float(np.max(per_rank)) if len(per_rank) else 0.0
+    elif out["moved_experts"] and out["expert_bytes"]:
+        out["busiest_bytes"] = float(math.ceil(out["moved_experts"] / R) * out["expert_bytes"])
+    else:
+        out["busiest_bytes"] = float(out["moved_bytes"]) / R
+    out["balance_us"] = float(norm_us["balance"].max())
+    out["layer_us"] = float(rec["layer_us"])
+    out["_normalized"] = True
+    return out
+
+
+def read_records(source) -> list[dict]:
+    """The measured records, leniently: ``source`` a JSONL path (or a list
+    of paths, or of dicts); lines that are not JSON objects of study
+    "balance" (when they name a study) are skipped, optional keys default
+    (missing us.balance: 0; ranks_per_node: ranks; physical_experts:
+    experts; moved_bytes: moved_experts * expert_bytes). Returns dicts with
+    NumPy float64 arrays for the per-rank and per-expert lists."""
+    items = []
+    if isinstance(source, (str, os.PathLike)):
+        source = [source]
+    for src in source:
+        if isinstance(src, dict):
+            items.append(src)
+            continue
+        path = Path(src)
+        if not path.is_file():
+            raise ValueError(f"records: {path} is not a file")
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                items.append(rec)
+    items = [r for r in items if r.get("study", "balance") == "balance"]
+    return [_normalize(r, i) for i, r in enumerate(items)]
+
+
+def _runs(records: list[dict]) -> list[list[dict]]:
+    """The records grouped into runs: same setting, and a new run wherever a
+    (step, layer) repeats in file order."""
+    groups: dict = {}
+    for r in records:
+        key = (r["trace"], json.dumps(r["trace_params"], sort_keys=True), r["arm"], r["ranks"], r["ranks_per_node"],
+               r["experts"], r["physical_experts"], r["topk"], r["tokens"], r.get("run"), r.get("seed"))
+        runs = groups.setdefault(key, [[]])
+        if any((x["step"], x["layer"]) == (r["step"], r["layer"]) for x in runs[-1]):
+            runs.append([])
+        runs[-1].append(r)
+    return [run for runs in groups.values() for run in runs]
+
+
+def validate(records, model: CostModel, config: ArmConfig | None = None) -> dict:
+    """Re-simulate the measured runs and compare the layer times.
+
+    Each run (records of one setting: trace, arm, R, nodes, E, P, k, T) is
+    simulated with its own step loads ("logical_loads", steps in increasing
+    order taken as consecutive), its arm, R, nodes (ranks / ranks_per_node),
+    redundant slots (P - E) / R, expert_bytes and tokens, and ``config``
+    overridden by the records' "arm_params" where present.
+
+    Returns:
+        {"arms": {arm: {"points", "median_rel_err", "worst_rel_err",
+        "median_rel_err_cost", "worst_rel_err_cost"}}, "points": [...]}:
+        |predicted - measured| / measured of "layer_us" per (step, layer);
+        "_cost" is the cost model alone, on the records' own pairs_per_rank,
+        rows_per_rank, busiest moved bytes and "planned" (as CostModel.fit
+        reads them). experiments/study_balance.py plans with one expert group
+        (the global policy across nodes): validate its runs across nodes
+        with ``config.policy = "global"``.
+    """
+    if not isinstance(model, CostModel):
+        raise ValueError(f"model must be a CostModel, got {type(model).__name__}")
+    recs = [r if r.get("_normalized") else _normalize(r, i) for i, r in enumerate(records)]
+    if not recs:
+        raise ValueError("records: nothing to validate")
+    points = []
+    for run in _runs(recs):
+        first = run[0]
+        steps = sorted({r["step"] for r in run})
+        layers = sorted({r["layer"] for r in run})
+        at = {(r["step"], r["layer"]): r for r in run}
+        missing = [(s, l) for s in steps for l in layers if (s, l) not in at]
+        if missing:
+            raise ValueError(f"records: run {first['trace']}/{first['arm']} at {first['ranks']} ranks lacks "
+                             f"(step, layer) {missing[:4]}")
+        loads = np.stack([np.stack([at[s, l]["logical_loads"] for l in layers]) for s in steps])
+        R, E, P = first["ranks"], first["experts"], first["physical_experts"]
+        if (P - E) % R:
+            raise ValueError(f"records: physical_experts={P} - experts={E} is not a multiple of ranks={R}")
+        cfg = ArmConfig.from_dict(first.get("arm_params"), config)
+        cfg = replace(cfg, redundant=(P - E) // R if first["arm"] != "none" else cfg.redundant)
+        res = simulate(loads, first["arm"], R, first["ranks_per_node"], model, first["expert_bytes"],
+                       first["tokens"], first["topk"], cfg, step_ids=np.array(steps, dtype=np.int64))
+        for i, s in enumerate(steps):
+            for j, l in enumerate(layers):
+                r = at[s, l]
+                cost_only = float(model.straggler(r["pairs_per_rank"], r["rows_per_rank"])
+                                  + model.balance(r["arm"], _planned(r), r["busiest_bytes"]) + model.other_us)
+                measured = r["layer_us"]
+                points.append({"trace": first["trace"], "arm": first["arm"], "ranks": R, "step": s, "layer": l,
+                               "measured_us": measured, "predicted_us": float(res.layer_us[i, j]),
+                               "cost_only_us": cost_only,
+                               "rel_err": abs(float(res.layer_us[i, j]) - measured) / measured,
+                               "rel_err_cost": abs(cost_only - measured) / measured})
+    arms = {}
+    for arm in sorted({p["arm"] for p in points}):
+        e = np.array([p["rel_err"] for p in points if p["arm"] == arm])
+        c = np.array([p["rel_err_cost"] for p in points if p["arm"] == arm])
+        arms[arm] = {"points": int(e.size), "median_rel_err": float(np.median(e)), "worst_rel_err": float(e.max()),
+                     "median_rel_err_cost": float(np.median(c)), "worst_rel_err_cost": float(c.max())}
+    return {"arms": arms, "points": points}
+
+
+def synthetic_records(model: CostModel, ranks: int = 8, ranks_per_node: int = 8,
+                      traces=(("hot_expert", {"hot_fraction": 0.3}), ("zipf", {"s": 1.2}),
+                              ("drift", {"s": 1.2, "period": 4})),
+                      arms=ARMS, steps: int = 12, layers: int = 2, tokens: int = 4096, hidden: int = 7168,
+                      ffn: int = 256, experts: int = 64, topk: int = 8, expert_bytes: int | None = None,
+                      config: ArmConfig | None = None, noise: float = 0.0, seed: int = 0) -> list[dict]:
+    """Records in the balance study's format whose times are ``model``'s,
+    for tests and smoke runs (not measurements): each trace and arm
+    simulated (:func:`simulate`), per rank the model's dispatch, ffn and
+    combine of the rounded pairs and rows, times a lognormal factor of
+    sigma ``noise`` (0: exact), balance per rank (plus "planned",
+    "moved_bytes_per_rank" and "arm_params"), "layer_us" = max over ranks of
+    the three parts + the busiest rank's balance + other_us. ``expert_bytes`` defaults to 3 hidden ffn
+    BF16 matrices."""
+    config = config or ArmConfig()
+    expert_bytes = 3 * hidden * ffn * 2 if expert_bytes is None else expert_bytes
+    if not (isinstance(noise, (int, float)) and noise >= 0):
+        raise ValueError(f"noise must be a number >= 0, got {noise!r}")
+    rng = np.random.default_rng([seed, 99])
+    out = []
+    for kind, params in traces:
+        loads = trace_loads(kind, seed, ranks * tokens, experts, topk, steps, layers, **params)
+        for arm in arms:
+            res = simulate(loads, arm, ranks, ranks_per_node, model, expert_bytes, tokens, topk, config)
+            for s in range(steps):
+                for l in range(layers):
+                    pairs = np.rint(res.pairs[s, l])
+                    rows = np.rint(res.rows[s, l])
+                    noisy = lambda v: v * (rng.lognormal(0.0, noise, v.shape) if noise else 1.0)  # noqa: E731
+                    d, f, c = noisy(model.dispatch(rows)), noisy(model.ffn(pairs)), noisy(model.combine(rows))
+                    b = res.balance_rank_us[s, l]
+                    layer_us = float((d + f + c).max() + b.max() + model.other_us)
+                    out.append({
+                        "study": "balance", "trace": kind, "trace_params": dict(params), "arm": arm, "step": s,
+                        "layer": l, "ranks": ranks, "ranks_per_node": ranks_per_node, "nodes": ranks // ranks_per_node,
+                        "tokens": tokens, "hidden": hidden, "ffn": ffn, "experts": experts,
+                        "physical_experts": res.num_physical, "topk": topk,
+                        "logical_loads": loads[s, l].tolist(), "pairs_per_rank": pairs.astype(int).tolist(),
+                        "rows_per_rank": rows.astype(int).tolist(),
+                        "imbalance": round(float(res.imbalance[s, l]), 4),
+                        "us": {"dispatch": d.tolist(), "ffn": f.tolist(), "combine": c.tolist(), "balance": b.tolist(),
+                               "layer": (d + f + c + b + model.other_us).tolist()},
+                        "layer_us": layer_us, "planned": bool(res.planned[s, l]),
+                        "moved_experts": int(res.moved_experts[s, l]),
+                        "moved_bytes": int(res.moved_experts[s, l]) * expert_bytes,
+                        "moved_bytes_per_rank": (res.moved_rank[s, l] * expert_bytes).tolist(),
+                        "expert_bytes": expert_bytes, "sm_share": True, "arm_params": asdict(config),
+                        "synthetic": True})
+    return out
+
+
+# ------------------------------------------------------------ the study ---
+
+def _summary(res: SimResult, none: SimResult | None, warmup: int) -> dict:
+    sl = slice(warmup, None)
+    layer = float(res.layer_us[sl].mean())
+    row = {"imbalance_mean": float(res.imbalance[sl].mean()), "imbalance_worst": float(res.imbalance[sl].max()),
+           "layer_us_mean": layer, "straggler_us_mean": float(res.straggler_us[sl].mean()),
+           "balance_us_mean": float(res.balance_us[sl].mean()),
+           "moved_experts_mean": float(res.moved_experts[sl].mean()),
+           "busiest_moved_mean": float(res.moved_rank[sl].max(-1).mean()),
+           "plans_per_step": float(res.planned[sl].mean())}
+    if none is not None:
+        row["speedup_vs_none"] = float(none.layer_us[sl].mean()) / layer
+        row["straggler_saving_us"] = float(none.straggler_us[sl].mean()) - row["straggler_us_mean"]
+    return row
+
+
+def break_even_expert_bytes(res: SimResult, none: SimResult, model: CostModel, overlap: float = 0.0,
+                            warmup: int = 0) -> float | None:
+    """The expert size, bytes, above which ``res``'s balancing cost exceeds
+    its straggler saving over ``none``, its placements held (exact for
+    "eplb" and "per_step", whose plans do not depend on the size; "migration"
+    moves less as experts grow: use :func:`sweep`). inf when nothing moves
+    and it pays, 0.0 when it never pays, None for "none"."""
+    if res.arm == "none":
+        return None
+    sl = slice(warmup, None)
+    saving = float(none.straggler_us[sl].mean() - res.straggler_us[sl].mean())
+    fixed = model.overhead_us.get(res.arm, 0.0) + model.plan_us * float(res.planned[sl].mean())
+    busiest = float(res.moved_rank[sl].max(-1).mean()) * (1.0 - overlap)
+    if saving <= fixed:
+        return 0.0
+    if busiest <= 0:
+        return math.inf
+    return (saving - fixed) * model.copy_GBps * 1e3 / busiest
+
+
+def study(ranks, gpus_per_node: int, traces, arms, model: CostModel, expert_bytes: int, tokens_per_rank: int = 4096,
+          num_topk: int = 8, experts_per_rank: int = 4, num_experts: int | None = None, steps: int = 32,
+          layers: int = 1, warmup: int = 8, config: ArmConfig | None = None, seed: int = 0) -> list[dict]:
+    """Per rank count, trace and arm: one row of the mean imbalance (max over
+    mean pairs), layer time, straggler time, balancing cost, moved experts,
+    speed-up over "none" and :func:`break_even_expert_bytes`, over the steps
+    from ``warmup`` on.
+
+    Arguments:
+        ranks: rank counts (each a multiple of gpus_per_node).
+        traces: (kind, params) pairs, e.g. ("drift", {"s": 1.2, "period": 8}).
+        arms: names from :data:`ARMS` ("none" is simulated for the speed-up
+            in any case).
+        experts_per_rank, num_experts: E (:func:`experts_for`).
+        the rest: as :func:`simulate` and :func:`trace_loads`.
+
+    Returns:
+        list of dicts, one per (ranks, trace, arm).
+    """
+    config = config or ArmConfig()
+    warmup = _int("warmup", warmup)
+    if warmup >= _int("steps", steps, 1):
+        raise ValueError(f"warmup={warmup} leaves none of the {steps} steps")
+    for a in arms:
+        if a not in ARMS:
+            raise ValueError(f"arms: {a!r} is not one of {ARMS}")
+    rows = []
+    for R in ranks:
+        E = experts_for(R, experts_per_rank, num_experts)
+        for kind, params in traces:
+            loads = trace_loads(kind, seed, R * tokens_per_rank, E, num_topk, steps, layers, **params)
+            none = simulate(loads, "none", R, gpus_per_node, model, expert_bytes, tokens_per_rank, num_topk, config)
+            for arm in arms:
+                res = none if arm == "none" else simulate(loads, arm, R, gpus_per_node, model, expert_bytes,
+                                                          tokens_per_rank, num_topk, config)
+                be = break_even_expert_bytes(res, none, model, config.overlap, warmup)
+                rows.append({"kind": "summary", "trace": kind, "trace_params": dict(params), "arm": arm, "ranks": R,
+                             "nodes": R // gpus_per_node, "gpus_per_node": gpus_per_node, "experts": E,
+                             "physical_experts": res.num_physical, "topk": num_topk, "tokens": tokens_per_rank,
+                             "expert_bytes": expert_bytes, "steps": steps, "layers": layers, "warmup": warmup,
+                             **_summary(res, none, warmup),
+                             "break_even_expert_bytes": None if be is None or math.isinf(be) else be,
+                             "always_pays": be is not None and math.isinf(be)})
+    return rows
+
+
+def sweep(param: str, values, ranks: int, gpus_per_node: int, trace, arms, model: CostModel, expert_bytes: int,
+          tokens_per_rank: int = 4096, num_topk: int = 8, experts_per_rank: int = 4, num_experts: int | None = None,
+          steps: int = 32, layers: int = 1, warmup: int = 8, config: ArmConfig | None = None,
+          seed: int = 0) -> list[dict]:
+    """Each arm against "none" as one parameter moves: ``param`` "period"
+    (the trace's drift period; ``trace`` a ("drift", params) pair) or
+    "expert_bytes". Returns one dict per (value, arm): the value, the mean
+    layer, straggler and balancing times, the saving over "none"
+    ("net_saving_us" = none's layer time - the arm's) and the speed-up."""
+    if param not in ("period", "expert_bytes"):
+        raise ValueError(f"param must be 'period' or 'expert_bytes', got {param!r}")
+    kind, params = trace
+    if param == "period" and kind != "drift":
+        raise ValueError(f"trace: a period sweep needs the 'drift' trace, got {kind!r}")
+    config = config or ArmConfig()
+    E = experts_for(ranks, experts_per_rank, num_experts)
+    out = []
+    loads = None
+    for v in values:
+        p = dict(params)
+        size = expert_bytes
+        if param == "period":
+            p["period"] = _int("values", v, 1)
+            loads = trace_loads(kind, seed, ranks * tokens_per_rank, E, num_topk, steps, layers, **p)
+        else:
+            size = _int("values", int(v))
+            if loads is None:
+                loads = trace_loads(kind, seed, ranks * tokens_per_rank, E, num_topk, steps, layers, **p)
+        none = simulate(loads, "none", ranks, gpus_per_node, model, size, tokens_per_rank, num_topk, config)
+        for arm in arms:
+            if arm == "none":
+                continue
+            res = simulate(loads, arm, ranks, gpus_per_node, model, size, tokens_per_rank, num_topk, config)
+            row = _summary(res, none, warmup)
+            out.append({"kind": "sweep", "param": param, "value": v, "trace": kind, "trace_params": p, "arm": arm,
+                        "ranks": ranks, "nodes": ranks // gpus_per_node, "experts": E, "expert_bytes": size,
+                        "net_saving_us": float(none.layer_us[warmup:].mean()) - row["layer_us_mean"], **row})
+    return out
+
+
+def break_even(sweep_rows: list[dict]) -> list[dict]:
+    """Per (param, trace, ranks, arm) of :func:`sweep`'s rows: where the
+    arm's net saving over "none" changes sign, linearly interpolated between
+    the neighbouring values ("value": the first such point, None when it
+    keeps one sign; "crossings": all of them), and whether it pays at the
+    lowest and at the highest value."""
+    groups: dict = {}
+    for r in sweep_rows:
+        groups.setdefault((r["param"], r["trace"], r["ranks"], r["arm"]), []).append(r)
+    out = []
+    for (param, trace, R, arm), rows in groups.items():
+        rows = sorted(rows, key=lambda r: r["value"])
+        xs = [float(r["value"]) for r in rows]
+        ys = [r["net_saving_us"] for r in rows]
+        crossings = [x0 + (x1 - x0) * y0 / (y0 - y1) if y0 != y1 else x0
+                     for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])) if (y0 > 0) != (y1 > 0)]
+        out.append({"kind": "break_even", "param": param, "trace": trace, "ranks": R, "arm": arm,
+                    "value": crossings[0] if crossings else None, "crossings": crossings,
+                    "pays_at_lowest": ys[0] > 0, "pays_at_highest": ys[-1] > 0, "values": xs,
+                    "net_saving_us": ys})
+    return out
+
+
+# -------------------------------------------------------------- command ---
+
+def _git(*args) -> str | None:
+    root = Path(__file__).resolve().parents[2]
+    try:
+        res = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return res.stdout.strip() if res.returncode == 0 else None
+
+
+def environment() -> dict:
+    """Where the simulation ran: host, platform, Python and NumPy."""
+    return {"host": platform.node(), "platform": platform.platform(), "python": sys.version.split()[0],
+            "executable": sys.executable, "numpy": np.__version__}
+
+
+def _trace_arg(text: str) -> tuple:
+    kind, _, rest = text.partition(":")
+    params = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, val = item.partition("=")
+        if not eq:
+            raise ValueError(f"--traces: {text!r}: write kind:key=value,key=value")
+        params[key] = int(val) if key in ("period", "hot_expert") else float(val)
+    _trace_params(kind, params)
+    return kind, params
+
+
+def main(argv=None) -> int:
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m cupyep.lab.balance_sim",
+                                description="Expert load balance at scale: the balancing arms' imbalance, layer time "
+                                            "and break-even, from a cost model fit on measured records.")
+    p.add_argument("--records", nargs="+", help="measured balance-study JSONL (fits the cost model, validated)")
+    p.add_argument("--default-model", action="store_true",
+                   help="use CostModel.default() (placeholder numbers) instead of --records")
+    p.add_argument("--write-synthetic", metavar="FILE",
+                   help="write synthetic 8-rank records of CostModel.default() to FILE and exit")
+    p.add_argument("--ranks", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--traces", nargs="+", default=["zipf:s=1.2", "hot_expert:hot_fraction=0.3", "drift:s=1.2,period=8"],
+                   help="kind:key=value,... (kinds: zipf, hot_expert, drift)")
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    p.add_argument("--experts-per-rank", type=int, default=4)
+    p.add_argument("--experts", type=int, default=None, help="a fixed E instead of experts-per-rank x ranks")
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=None, help="tokens per rank (default: the records', else 4096)")
+    p.add_argument("--expert-bytes", type=int, default=None,
+                   help="bytes of one expert's weights (default: the records' expert_bytes)")
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=None, help="steps left out of the means (default: --period)")
+    p.add_argument("--seed", type=int, default=0)
+    for f in fields(ArmConfig):
+        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
+    p.add_argument("--copy-GBps", type=float, default=None, help="when the records cannot fit it")
+    p.add_argument("--plan-us", type=float, default=None, help="when the records cannot fit it")
+    p.add_argument("--drift-periods", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--expert-bytes-sweep", type=float, nargs="*", default=None,
+                   help="expert sizes for the break-even sweep (default: 1/16 to 16 x the expert size)")
+    p.add_argument("--sweep-ranks", type=int, nargs="*", default=None, help="(default: the smallest and largest --ranks)")
+    p.add_argument("--out", default="results/balance_sim/sim.jsonl")
+    a = p.parse_args(argv)
+    try:
+        config = ArmConfig(**{f.name: getattr(a, f.name) for f in fields(ArmConfig)})
+        if a.write_synthetic:
+            recs = synthetic_records(CostModel.default(), config=config, seed=a.seed)
+            Path(a.write_synthetic).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.write_synthetic).write_text("".join(json.dumps(r) + "\n" for r in recs))
+            print(f"{len(recs)} synthetic records (CostModel.default(), not measurements) -> {a.write_synthetic}")
+            return 0
+        if bool(a.records) == a.default_model:
+            raise ValueError("give --records FILE ... or --default-model")
+        traces = [_trace_arg(t) for t in a.traces]
+        a.warmup = config.period if a.warmup is None else a.warmup
+        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        t0 = time.perf_counter()
+        records = read_records(a.records) if a.records else []
+        if records:
+            model = CostModel.fit(records, copy_GBps=a.copy_GBps, plan_us=a.plan_us)
+            checked = validate(records, model, config)
+        else:
+            model, checked = CostModel.default(), None
+        tokens = a.tokens or (int(np.median([r["tokens"] for r in records])) if records else 4096)
+        eb = a.expert_bytes
+        if eb is None:
+            sizes = [r["expert_bytes"] for r in records if r["expert_bytes"] > 0]
+            if not sizes:
+                raise ValueError("--expert-bytes: the records hold no expert_bytes; give it")
+            eb = int(np.median(sizes))
+        out = Path(a.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        rows = [{"kind": "cost_model", **model.to_dict()}]
+        if checked is not None:
+            rows += [{"kind": "validation", "arm": arm, **v} for arm, v in checked["arms"].items()]
+        rows += study(a.ranks, a.gpus_per_node, traces, a.arms, model, eb, tokens, a.topk, a.experts_per_rank,
+                      a.experts, a.steps, a.layers, a.warmup, config, a.seed)
+        sweep_rows = []
+        arms = [x for x in a.arms if x != "none"]
+        for R in a.sweep_ranks if a.sweep_ranks is not None else sorted({min(a.ranks), max(a.ranks)}):
+            common = dict(tokens_per_rank=tokens, num_topk=a.topk, experts_per_rank=a.experts_per_rank,
+                          num_experts=a.experts, steps=a.steps, layers=a.layers, warmup=a.warmup, config=config,
+                          seed=a.seed)
+            drift = next((t for t in traces if t[0] == "drift"), ("drift", {"s": 1.2, "period": 8}))
+            if a.drift_periods:
+                sweep_rows += sweep("period", a.drift_periods, R, a.gpus_per_node, drift, arms, model, eb, **common)
+            sizes = a.expert_bytes_sweep or [eb * f for f in (1 / 16, 1 / 4, 1, 4, 16)]
+            sweep_rows += sweep("expert_bytes", sizes, R, a.gpus_per_node, drift, arms, model, eb, **common)
+        rows += sweep_rows + break_even(sweep_rows)
+        with out.open("w") as f:
+            for r in rows:
+                f.write(json.dumps(r, default=_jsonable) + "\n")
+        manifest = {"command": [sys.executable, "-m", "cupyep.lab.balance_sim", *(sys.argv[1:] if argv is None else argv)],
+                    "cwd": os.getcwd(), "git_commit": _git("rev-parse", "HEAD"),
+                    "git_dirty": bool(_git("status", "--porcelain", "--", "cupyep")),
+                    "environment": environment(), "started_utc": started,
+                    "seconds": round(time.perf_counter() - t0, 1), "records": a.records or [],
+                    "num_records": len(records), "model": model.to_dict(), "arm_config": asdict(config),
+                    "tokens_per_rank": tokens, "expert_bytes": eb, "output": out.name,
+                    "placeholder_model": not records}
+        (out.parent / "manifest.json").write_text(json.dumps(manifest, indent=1, default=_jsonable) + "\n")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    _print_table([r for r in rows if r["kind"] == "summary"], checked)
+    print(f"-> {out} and {out.parent / 'manifest.json'}")
+    return 0
+
+
+def _jsonable(v):
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    if isinstance(v, float) and math.isinf(v):
+        return None
+    return str(v)
+
+
+def _print_table(rows: list[dict], checked: dict | None) -> None:
+    if checked is not None:
+        for arm, v in checked["arms"].items():
+            print(f"validation {arm:<9} median {100 * v['median_rel_err']:.1f} %  worst {100 * v['worst_rel_err']:.1f} %"
+                  f"  (cost model alone: {100 * v['median_rel_err_cost']:.1f} % / {100 * v['worst_rel_err_cost']:.1f} %)")
+    print(f"{'trace':<11}{'ranks':>6}  {'arm':<10}{'max/mean':>9}{'layer us':>11}{'balance us':>11}{'speed-up':>9}")
+    for r in rows:
+        print(f"{r['trace']:<11}{r['ranks']:>6}  {r['arm']:<10}{r['imbalance_mean']:>9.3f}{r['layer_us_mean']:>11.1f}"
+              f"{round(r['balance_us_mean'], 1) + 0.0:>11.1f}{r['speedup_vs_none']:>9.3f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
