@@ -315,6 +315,19 @@ def result_blocks(out) -> list[tuple[int, int]]:
     return [(int(offsets[e]), int((src[offsets[e]:offsets[e + 1]] >= 0).sum())) for e in range(offsets.size - 1)]
 
 
+def _marker(events):
+    """A function recording a CUDA event under a name into ``events`` (a
+    dict), or doing nothing when ``events`` is None."""
+    if events is None:
+        return lambda name: None
+
+    def mark(name):
+        import cupy
+        events[name] = ev = cupy.cuda.Event()
+        ev.record()
+    return mark
+
+
 def _host(a) -> np.ndarray:
     return a.get() if hasattr(a, "get") else np.asarray(a)
 
@@ -337,12 +350,16 @@ class MoELayer:
             physical experts' weights, and each token's slot goes to the
             replica ``rule`` picks (cupyep.balance.physical_topk).
         rule: "round_robin" or "nearest".
+        compute_stream: a CuPy stream for the experts' FFN (e.g. the rank's
+            own share of the SMs, cupyep.sm_partition.compute_stream), or
+            None: the current stream. It waits for the dispatch, and the
+            combine waits for it.
 
     Collective: every rank calls :meth:`forward` in the same order.
     """
 
     def __init__(self, buffer, weights: MoEWeights, num_topk: int, transport: str = "queue",
-                 expert_alignment: int = 128, placement=None, rule: str = "round_robin"):
+                 expert_alignment: int = 128, placement=None, rule: str = "round_robin", compute_stream=None):
         R, me = buffer.num_ranks, buffer.rank
         if transport not in ("queue", "direct"):
             raise ValueError(f"transport must be 'queue' or 'direct', got {transport!r}")
@@ -359,15 +376,24 @@ class MoELayer:
         self.num_local_experts = self.num_experts // R
         w1, w2 = weights.local(me, R)
         self._store = self._next = None  # the weights' registered copy and the placement a migration moves to
+        self.compute_stream = compute_stream
         self.router = self._to_device(weights.router)  # [H, E] float32
         self.w1 = self._to_device(w1)                  # [E_local, H, F] float32
         self.w2 = self._to_device(w2)                  # [E_local, F, H] float32
 
-    def forward(self, x):
+    def forward(self, x, topk_idx=None, topk_weights=None, events=None):
         """The layer's output for this rank's tokens.
 
         Arguments:
             x: [T, H] uint16 BF16 bits (CuPy; T may be 0).
+            topk_idx, topk_weights: a routing of these tokens to use instead
+                of the router's: [T, k] int64 logical expert ids (-1: none)
+                and [T, k] float32, both or neither. They are not checked
+                (``Buffer.dispatch(validate=False)``): ids must lie in
+                [-1, E_logical).
+            events: a dict to receive a CUDA event (on the current stream) at
+                each phase's start, for timing: "route", "dispatch", "ffn",
+                "combine", "end"; or None.
 
         Returns:
             [T, H] uint16 BF16 bits (CuPy): for each token, the float32 sum over
@@ -377,17 +403,45 @@ class MoELayer:
         x = self._input(x)
         if x.shape[1] != self.hidden:
             raise ValueError(f"x has hidden size {x.shape[1]}, the weights {self.hidden}")
-        topk_idx, topk_weights = route(bf16_bits_to_f32(x), self.router, self.num_topk)
+        mark = _marker(events)
+        mark("route")
+        if topk_idx is None and topk_weights is None:
+            topk_idx, topk_weights = route(bf16_bits_to_f32(x), self.router, self.num_topk)
+        elif topk_idx is None or topk_weights is None:
+            raise ValueError("topk_idx and topk_weights come together")
+        elif tuple(topk_idx.shape) != (x.shape[0], self.num_topk) or topk_weights.shape != topk_idx.shape:
+            raise ValueError(f"topk_idx and topk_weights must be [{x.shape[0]}, {self.num_topk}], got "
+                             f"{list(topk_idx.shape)} and {list(topk_weights.shape)}")
         if self.placement is not None:  # each slot to one replica of its expert
             from .balance import physical_topk
             topk_idx = physical_topk(topk_idx, self.placement, self.buffer.rank, self.rule)
+        mark("dispatch")
         out = self.buffer.dispatch(x, topk_idx, topk_weights, num_experts=self.num_experts, expert_major=True,
                                    expert_alignment=self.expert_alignment, transport=self.transport,
                                    validate=False)  # route gives ids in [0, E): skip the host check's sync
-        y = expert_ffn(out.expert_x, result_blocks(out), self.w1, self.w2)
-        return self.buffer.combine(y, out.handle, pair_weights=out.recv_topk_weights, expert_major=True).combined_x
+        mark("ffn")
+        y = self._ffn(out)
+        mark("combine")
+        combined = self.buffer.combine(y, out.handle, pair_weights=out.recv_topk_weights,
+                                       expert_major=True).combined_x
+        mark("end")
+        return combined
 
     __call__ = forward
+
+    def _ffn(self, out):
+        """The experts over a dispatch result's blocks, on the compute stream
+        when there is one (ordered after the current stream, and it after)."""
+        blocks = result_blocks(out)
+        if self.compute_stream is None:
+            return expert_ffn(out.expert_x, blocks, self.w1, self.w2)
+        import cupy
+        current = cupy.cuda.get_current_stream()
+        self.compute_stream.wait_event(current.record())
+        with self.compute_stream:
+            y = expert_ffn(out.expert_x, blocks, self.w1, self.w2)
+        current.wait_event(self.compute_stream.record())
+        return y
 
     # ------------------------------------------------------------- migration
     def start_migration(self, placement) -> dict:
@@ -427,6 +481,16 @@ class MoELayer:
         self.placement, self._next = self._next, None
         return got
 
+    def destroy(self) -> None:
+        """Collective, once migrations were made: free the weights' registered
+        memory (the layer cannot run afterwards). Nothing to do otherwise."""
+        if self._store is not None:
+            if self._next is not None:
+                raise ValueError("a migration is in progress: finish_migration first")
+            self._store.destroy()
+            self._store = None
+            self.w1 = self.w2 = None
+
     # Where arrays live: the GPU (a CPU test overrides these to run the layer
     # over a NumPy stand-in for the Buffer).
     @staticmethod
@@ -457,7 +521,7 @@ def _check_placement(placement, rule: str, num_ranks: int):
 
 
 def reference_forward(x_all, weights: MoEWeights, num_topk: int, num_ranks: int | None = None, placement=None,
-                      rule: str = "round_robin", tokens_per_rank=None):
+                      rule: str = "round_robin", tokens_per_rank=None, topk_idx=None, topk_weights=None):
     """The same MoE layer in one process, for the tokens of all ranks.
 
     Arguments:
@@ -486,7 +550,10 @@ def reference_forward(x_all, weights: MoEWeights, num_topk: int, num_ranks: int 
     if num_ranks is not None and placement is None and E % num_ranks:
         raise ValueError(f"{E} experts are not divisible by {num_ranks} ranks")
     x = bf16_bits_to_f32(x_all)
-    idx, w = route(x, xp.asarray(weights.router), k)
+    if topk_idx is None:
+        idx, w = route(x, xp.asarray(weights.router), k)
+    else:
+        idx, w = xp.asarray(topk_idx, dtype=xp.int64), xp.asarray(topk_weights, dtype=xp.float32)
     y = xp.zeros((T, k, H), dtype=xp.float32)  # expert output of each (token, slot), BF16 values
     idx_host = idx.get() if xp is not np else idx
     for e in range(E):

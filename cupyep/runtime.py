@@ -86,6 +86,9 @@ class Group:
             (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, the launcher's
             ``--sm-share``) the SMs the cap leaves it.
         sm_capped: True when that cap is set for this rank.
+        gpu_slot: this rank's index among the ranks sharing its GPU
+            (0 .. ranks_per_gpu - 1): which SM partition is its own
+            (cupyep.sm_partition).
     """
     comm: object
     rank: int
@@ -102,6 +105,7 @@ class Group:
     timeout_s: float = DEFAULT_TIMEOUT_S
     num_sms: int = 0
     sm_capped: bool = False
+    gpu_slot: int = 0
     _error_slot: ErrorSlotHost | None = field(default=None, repr=False)
     _xcomm: object = field(default=None, repr=False)  # a duplicate of comm for exchange()
     _xseq: int = field(default=0, repr=False)
@@ -385,4 +389,5 @@ def init(comm=None, ranks_per_node: int | None = None, timeout_s: float = DEFAUL
     return Group(comm=comm, rank=rank, world_size=size, node=node, num_nodes=num_nodes,
                  local_rank=node_comm.Get_rank(), local_size=node_comm.Get_size(), node_comm=node_comm,
                  device_id=device_id, num_devices=ndev, ranks_per_gpu=ranks_per_gpu, shares_gpu=shares_gpu,
-                 timeout_s=float(timeout_s), num_sms=num_sms, sm_capped=sm_capped and bool(ndev))
+                 timeout_s=float(timeout_s), num_sms=num_sms, sm_capped=sm_capped and bool(ndev),
+                 gpu_slot=devices_on_host[:host_rank].count(device_id) if ndev else 0)

@@ -172,13 +172,9 @@ def test_rank_env():
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in env
 
 
-def test_sm_share_percent_and_rank_env():
-    assert launch.sm_share_percent(8) == "12.5"
-    assert launch.sm_share_percent(2) == "50"
-    assert launch.sm_share_percent(3) == "33.333"  # rounded down: the shares never sum past 100
-    assert launch.sm_share_percent(1) is None and launch.sm_share_percent(0) is None
-    env = launch.rank_env(None, {}, None, "12.5")
-    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "12.5"
+def test_rank_env_asks_for_sm_partitions():
+    assert launch.rank_env(None, {}, None, True)["CUPYEP_SM_SHARE"] == "1"
+    assert "CUPYEP_SM_SHARE" not in launch.rank_env(None, {}, None, False)
 
 
 def test_validate_ranks_per_node():
@@ -449,22 +445,25 @@ def test_dry_run_runs_nothing():
     assert "-m mpi4py -m no_such_module x" in res.stdout
 
 
-def test_sm_share_caps_every_rank_that_shares_a_gpu():
+def test_sm_share_partitions_every_gpu_that_ranks_share():
     res, _ = run_launcher(["-n", "4", "--gpus", "1", "--sm-share", "--dry-run",
                            "-m", "no_such_module"], _clean_env())
     assert res.returncode == 0, res.stderr
-    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25" in res.stdout
-    assert "each rank capped at 25% of the SMs" in res.stderr
+    assert "CUPYEP_SM_SHARE=1" in res.stdout
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in res.stdout
+    assert "each rank's compute on its own share of the SMs" in res.stderr
     res, _ = run_launcher(["-n", "2", "--gpus", "2", "--sm-share", "--dry-run",
                            "-m", "no_such_module"], _clean_env())
-    assert res.returncode == 0 and "no cap" in res.stderr
-    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in res.stdout
+    assert res.returncode == 0 and "nothing to partition" in res.stderr
+    assert "CUPYEP_SM_SHARE" not in res.stdout
 
 
-@pytest.mark.parametrize("args,message", [(["--gpus", "0"], "none was found"),
-                                          (["--gpus", "1", "--no-mps"], "needs MPS")])
-def test_sm_share_refuses_what_it_cannot_cap(args, message):
-    res, _ = run_launcher(["-n", "2", "--sm-share", *args, "--dry-run", "-m", "m"], _clean_env())
+@pytest.mark.parametrize("args,env,message", [
+    (["--gpus", "0"], {}, "none was found"),
+    (["--gpus", "1", "--no-mps"], {}, "needs MPS"),
+    (["--gpus", "1"], {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}, "overrides the partitions")])
+def test_sm_share_refuses_what_it_cannot_partition(args, env, message):
+    res, _ = run_launcher(["-n", "2", "--sm-share", *args, "--dry-run", "-m", "m"], _clean_env(**env))
     assert res.returncode == 2 and message in res.stderr
 
 

@@ -448,6 +448,36 @@ def test_layer_with_a_placement_is_the_logical_layer(weights, rule, tokens):
     assert len(set(physical_topk(idx, placement, 0, "round_robin")[idx == 0].tolist())) > 1 or not (idx == 0).any()
 
 
+@pytest.mark.parametrize("replicated", [False, True])
+def test_a_layer_given_a_routing_is_the_reference_under_that_routing(weights, replicated):
+    """forward(x, topk_idx, topk_weights): a routing from the caller (a
+    skewed, seeded one with empty slots) replaces the router's; each phase
+    is marked when asked; a half-given routing is refused."""
+    from cupyep import routing
+    from cupyep.balance import rebalance_experts
+    tokens = [24, 40, 0, 17]
+    R = len(tokens)
+    idx, w = routing.make("hot_expert", 3, tokens, E, K, drop_fraction=0.1, hot_fraction=0.5)
+    placement = rebalance_experts(np.bincount(np.concatenate(idx).ravel() + 1, minlength=E + 1)[None, 1:]
+                                  .astype(float), E + 2 * R, 1, 1, R).layer(0) if replicated else None
+    world = _World(R, E + 2 * R if replicated else E)
+    layers = [_HostLayer(_HostBuffer(world, r), weights, K, expert_alignment=4, placement=placement)
+              for r in range(R)]
+    xs = _tokens(8, tokens)
+    got = np.concatenate(world.run(lambda r: layers[r].forward(xs[r], idx[r], w[r])))
+    want = moe.reference_forward(np.concatenate(xs), weights, K, num_ranks=R, placement=placement,
+                                 tokens_per_rank=tokens, topk_idx=np.concatenate(idx),
+                                 topk_weights=np.concatenate(w))
+    diff, worst = moe.agreement(got, want)
+    assert diff < 1e-9 and worst < moe.MOE_TOKEN_BOUND, (diff, worst)
+    routed = moe.reference_forward(np.concatenate(xs), weights, K)
+    assert moe.agreement(got, routed)[0] > 1e-3  # the given routing, not the router's, decided
+    with pytest.raises(ValueError, match="come together"):
+        layers[0].forward(xs[0], topk_idx=idx[0])
+    with pytest.raises(ValueError, match="must be"):
+        layers[0].forward(xs[0], idx[0][:, :2], w[0][:, :2])
+
+
 def test_a_layer_rejects_a_placement_that_does_not_fit(weights):
     from cupyep.balance import rebalance_experts
     world = _World(2, E)

@@ -11,11 +11,11 @@ whole job when any rank raises) on this host, with ``CUPYEP_LAUNCHED=1``,
 ``CUPYEP_RANKS_PER_NODE=K`` (when given), ``NVSHMEM_DISABLE_NVLS=1`` and
 ``NCCL_NVLS_ENABLE=0`` in every rank's environment.  When several ranks share
 a GPU it reuses or starts a CUDA MPS daemon (see ``cupyep.launcher.mps``).
-With ``--sm-share`` each rank sharing a GPU is capped at its share of the
-SMs (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` = 100 / ranks per GPU), so that
-its compute scales with its own work as on a GPU of its own; cupyep's
-kernels then size their grids and residency checks by the capped SMs
-(``Group.sm_share``).
+With ``--sm-share`` every rank sharing a GPU gets ``CUPYEP_SM_SHARE=1``:
+its compute (``cupyep.sm_partition.compute_stream``, the MoE layer's experts)
+then runs on a partition of the SMs of its own, so that it scales with the
+rank's own work as on a GPU of its own, while the communication kernels keep
+the whole GPU.
 
 Every rank also gets ``CUPYEP_CALLS_DIR``, a private temporary directory in
 which each rank keeps its call record (``cupyep.launcher.calls``).  When the job
@@ -52,12 +52,13 @@ import time
 from . import calls
 
 from . import mps
+from ..sm_partition import ENV_VAR as SM_SHARE_VAR
 
 __all__ = ["OPENMPI", "MPICH", "SAFETY_ENV", "LaunchError", "find_mpiexec",
            "detect_flavour", "mpiexec_flavour", "build_command",
            "mpiexec_env", "rank_env", "validate_ranks_per_node",
            "count_visible_devices", "gpu_count", "ranks_per_gpu",
-           "mps_needed", "default_num_slots", "run_mpiexec", "sm_share_percent", "main"]
+           "mps_needed", "default_num_slots", "run_mpiexec", "main"]
 
 OPENMPI = "openmpi"
 MPICH = "mpich"
@@ -184,29 +185,19 @@ def mpiexec_env(flavour, env, is_root, base_env=None):
     return out
 
 
-def rank_env(ranks_per_node=None, mps_env=None, calls_dir=None, sm_cap=None):
+def rank_env(ranks_per_node=None, mps_env=None, calls_dir=None, sm_share=False):
     """Variables every rank gets: CUPYEP_LAUNCHED=1, the NVLS safety
     variables, CUPYEP_RANKS_PER_NODE when given, the MPS variables,
-    CUPYEP_CALLS_DIR when given and the MPS client cap ``sm_cap`` (a
-    percentage string, from :func:`sm_share_percent`) when given."""
+    CUPYEP_CALLS_DIR when given and CUPYEP_SM_SHARE=1 with ``sm_share``."""
     env = {"CUPYEP_LAUNCHED": "1", **SAFETY_ENV}
     if ranks_per_node:
         env["CUPYEP_RANKS_PER_NODE"] = str(int(ranks_per_node))
     env.update(mps_env or {})
     if calls_dir:
         env[calls.ENV_VAR] = str(calls_dir)
-    if sm_cap:
-        env[mps.SM_CAP_VAR] = sm_cap
+    if sm_share:
+        env[SM_SHARE_VAR] = "1"
     return env
-
-
-def sm_share_percent(per_gpu):
-    """The MPS active-thread percentage that gives each of ``per_gpu`` ranks
-    sharing a GPU its share of the SMs ("12.5" for 8), or None when a rank
-    has its GPU alone (nothing to cap)."""
-    if per_gpu <= 1:
-        return None
-    return f"{math.floor(100000 / per_gpu) / 1000:g}"
 
 
 def validate_ranks_per_node(num_ranks, ranks_per_node):
@@ -523,9 +514,10 @@ def _parser():
     p.add_argument("--no-mps", action="store_true",
                    help="never start CUDA MPS, even when ranks share a GPU")
     p.add_argument("--sm-share", action="store_true",
-                   help="cap each rank sharing a GPU at its share of the SMs "
-                        "(MPS active-thread percentage 100 / ranks per GPU): "
-                        "a rank's compute then scales with its own work")
+                   help="give each rank sharing a GPU a partition of the SMs "
+                        "of its own for its compute (CUPYEP_SM_SHARE=1; "
+                        "cupyep.sm_partition): it then scales with the rank's "
+                        "own work, as on a GPU of its own")
     p.add_argument("--dry-run", action="store_true",
                    help="print the command and environment, run nothing")
     return p
@@ -558,7 +550,7 @@ def _mps_plan(need, env):
                        mps.LOG_VAR: "<private temp dir>/log"}
 
 
-def _summary(n, flavour, mpiexec, gpus, per_gpu, mps_state, no_mps, k, sm_cap=None):
+def _summary(n, flavour, mpiexec, gpus, per_gpu, mps_state, no_mps, k, sm_share=False):
     if gpus == 0:
         mps_txt = "no GPU detected, MPS not needed"
     elif mps_state:
@@ -568,25 +560,29 @@ def _summary(n, flavour, mpiexec, gpus, per_gpu, mps_state, no_mps, k, sm_cap=No
     else:
         mps_txt = "MPS not needed"
     nodes = f" ({k} per node)" if k else ""
-    cap = f", each rank capped at {sm_cap}% of the SMs" if sm_cap else ""
+    cap = ", each rank's compute on its own share of the SMs" if sm_share else ""
     return (f"{PREFIX}: {n} ranks{nodes} via {flavour} ({mpiexec}), "
             f"{gpus} GPU(s), {per_gpu} ranks/GPU, {mps_txt}{cap}")
 
 
-def _sm_cap(opts, gpus, per_gpu):
-    """The cap --sm-share sets (None without it, or with a GPU per rank);
-    LaunchError where it cannot apply."""
+def _sm_share(opts, gpus, per_gpu):
+    """Whether the ranks get SM partitions (--sm-share, ranks sharing a
+    GPU); LaunchError where they cannot."""
     if not opts.sm_share:
-        return None
+        return False
     if gpus == 0:
-        raise LaunchError("--sm-share caps the ranks' share of a GPU, and none was found")
+        raise LaunchError("--sm-share partitions the SMs of a GPU, and none was found")
     if per_gpu > 1 and opts.no_mps:
-        raise LaunchError("--sm-share caps MPS clients: it needs MPS (drop --no-mps)")
-    cap = sm_share_percent(per_gpu)
-    if cap is None:
-        print(f"{PREFIX}: --sm-share: every rank has a GPU of its own; no cap",
-              file=sys.stderr)
-    return cap
+        raise LaunchError("--sm-share partitions a GPU among ranks that run "
+                          "together: it needs MPS (drop --no-mps)")
+    if mps.SM_CAP_VAR in os.environ:
+        raise LaunchError(f"--sm-share: {mps.SM_CAP_VAR} is set, and an MPS "
+                          "cap overrides the partitions; unset it")
+    if per_gpu <= 1:
+        print(f"{PREFIX}: --sm-share: every rank has a GPU of its own; "
+              "nothing to partition", file=sys.stderr)
+        return False
+    return True
 
 
 def _error(msg):
@@ -618,21 +614,20 @@ def main(argv=None):
     slots = default_num_slots()
     mps_state, mps_env = _mps_plan(need, os.environ)
     try:
-        sm_cap = _sm_cap(opts, gpus, per_gpu)
+        sm_share = _sm_share(opts, gpus, per_gpu)
     except LaunchError as exc:
         return _error(exc)
-    if mps.SM_CAP_VAR in os.environ and not opts.sm_share:
+    if mps.SM_CAP_VAR in os.environ:
         print(f"{PREFIX}: warning: {mps.SM_CAP_VAR} is set; every rank is capped "
-              "at it, and kernels whose blocks wait on other ranks deadlock "
-              "unless each rank's grid fits its own capped SMs (--sm-share "
-              "sets the cap that gives each rank its share)",
-              file=sys.stderr)
+              "at it, and kernels whose blocks wait on other ranks can then "
+              "time out (seen with 8 ranks at 12.5 %); --sm-share gives each "
+              "rank's compute its share instead", file=sys.stderr)
     if opts.dry_run:
-        renv = rank_env(k, mps_env, "<private temp dir>", sm_cap)
+        renv = rank_env(k, mps_env, "<private temp dir>", sm_share)
         cmd = build_command(flavour, mpiexec, n, program, renv, is_root, slots)
         extra = OMPI_ROOT_ENV if flavour == OPENMPI and is_root else {}
         print(_summary(n, flavour, mpiexec, gpus, per_gpu,
-                       mps_state and "would be " + mps_state, opts.no_mps, k, sm_cap),
+                       mps_state and "would be " + mps_state, opts.no_mps, k, sm_share),
               file=sys.stderr)
         if need and mps_state == "started" and shutil.which(
                 mps.CONTROL_BINARY) is None:
@@ -650,7 +645,7 @@ def main(argv=None):
             try:
                 return _launch(stack, fwd, opts, flavour, mpiexec, n, k,
                                program, is_root, slots, need, mps_state,
-                               gpus, per_gpu, sm_cap)
+                               gpus, per_gpu, sm_share)
             finally:
                 fwd.finished = True  # signals now arriving are ignored:
                 # the cleanup (stragglers, MPS, directories) is bounded
@@ -663,7 +658,7 @@ def main(argv=None):
 
 
 def _launch(stack, fwd, opts, flavour, mpiexec, n, k, program, is_root,
-            slots, need, mps_state, gpus, per_gpu, sm_cap):
+            slots, need, mps_state, gpus, per_gpu, sm_share):
     """Start what the ranks need (cleanup on ``stack``), run mpiexec and
     report; return the exit status."""
     with fwd.deferred():  # MPS starts, or is stopped, as a whole
@@ -675,13 +670,13 @@ def _launch(stack, fwd, opts, flavour, mpiexec, n, k, program, is_root,
         # Runs before the two above on the way out: no process of the job
         # may outlive it (nor hold MPS clients open while the daemon quits).
         stack.callback(_stop_stragglers, calls_dir)
-    renv = rank_env(k, mps_env, calls_dir, sm_cap)
+    renv = rank_env(k, mps_env, calls_dir, sm_share)
     cmd = build_command(flavour, mpiexec, n, program, renv, is_root, slots)
     env = mpiexec_env(flavour, renv, is_root)
     state = mps_state
     if state == "started":
         state += f" ({mps_env[mps.PIPE_VAR]})"
-    print(_summary(n, flavour, mpiexec, gpus, per_gpu, state, opts.no_mps, k, sm_cap),
+    print(_summary(n, flavour, mpiexec, gpus, per_gpu, state, opts.no_mps, k, sm_share),
           file=sys.stderr, flush=True)
     try:
         watcher = calls.EndWatcher(calls_dir).start()

@@ -54,11 +54,16 @@ class Buffer:
             first call that uses it: num_in_flight slots of this, a combine
             pool of R * max_tokens partial rows, and, for zero-copy combines,
             num_in_flight slots of R * max_tokens rows of ``hidden``.
+        num_sms: within a node, the SMs (blocks) this rank's communication
+            kernels use by default: 0 is its share of the GPU
+            (``Group.sm_share``); fewer leave the rest to compute beside them.
+            A config's own num_sms still wins for its call.
 
     Attributes:
         routes: {transport: Route}: the route that carries each transport here.
-        num_device_sms: the GPU's SMs; sm_budget: this rank's share of them
-            (its SMs over the ranks sharing the GPU); within a node.
+        num_device_sms: the GPU's SMs; sm_budget: the SMs this rank's
+            communication kernels use by default (``num_sms``, else its share
+            of them); within a node.
 
     The buffer is collective: create, call and destroy it on every rank in
     the same order. Use it as a context manager or call :meth:`destroy`.
@@ -66,9 +71,11 @@ class Buffer:
 
     def __init__(self, group, num_bytes: int | None = None, *, max_tokens: int = DEFAULT_MAX_TOKENS,
                  hidden: int = DEFAULT_HIDDEN, num_topk: int = DEFAULT_NUM_TOPK, num_in_flight: int = DEFAULT_IN_FLIGHT,
-                 num_direct_bytes: int | None = None):
+                 num_direct_bytes: int | None = None, num_sms: int = 0):
         self.sizes = DeclaredSizes(max_tokens, hidden, num_topk)
         self.num_in_flight = check_num_in_flight(num_in_flight)
+        if not isinstance(num_sms, int) or isinstance(num_sms, bool) or num_sms < 0:
+            raise ValueError(f"num_sms must be an int >= 0 (0: the rank's share of the SMs), got {num_sms!r}")
         if num_direct_bytes is not None and (not isinstance(num_direct_bytes, int) or num_direct_bytes < 1):
             raise ValueError(f"num_direct_bytes must be an int >= 1 (or None: from the sizes), got {num_direct_bytes!r}")
         group.require_gpu("cupyep.Buffer")
@@ -80,6 +87,9 @@ class Buffer:
             if num_direct_bytes is not None:
                 raise ValueError("num_direct_bytes sizes the direct route within a node; across nodes the pools "
                                  "are sized from the declared sizes")
+            if num_sms:
+                raise ValueError("num_sms sets the routes within a node; across nodes each call's config sets its "
+                                 "blocks")
             from .internode import Internode, InternodeRoute
             self.num_ranks, self.rank = group.world_size, group.rank
             self._shared = Internode(group, self.sizes, self.num_in_flight, self.comm_stream)
@@ -91,7 +101,7 @@ class Buffer:
             from .queue_layout import default_num_bytes
             import cupy
             self.num_ranks, self.rank = group.local_size, group.local_rank
-            self.num_device_sms, self.sm_budget = group.num_sms, group.sm_share  # seen by this rank; its share
+            self.num_device_sms, self.sm_budget = group.num_sms, num_sms or group.sm_share  # seen by this rank; its use
             num_bytes = int(num_bytes or default_num_bytes(self.num_ranks, self.sizes, self.sm_budget))
             self._shared = Node(group, num_bytes, self.comm_stream, id(self), self.num_device_sms, self.sm_budget)
             self.routes = {"queue": QueueRoute(self._shared),

@@ -144,3 +144,29 @@ def test_moe_layer_with_replicated_experts_is_the_logical_layer(group, buf, weig
                                        "worst mirrored": w_mirror, "worst plain": w_plain}
     buf.synchronize()
     group.comm.Barrier()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_layer_given_a_routing_runs_its_experts_on_the_rank_s_own_sms(group, buf, weights, transport):
+    """forward(x, topk_idx, topk_weights) with a skewed seeded routing (half
+    the tokens on one hot expert, 5 % empty slots) instead of the router's,
+    its FFN on the rank's own share of the SMs (cupyep.sm_partition) where
+    ranks share the GPU: the reference under that routing, every rank."""
+    import cupy
+
+    from cupyep import routing, sm_partition
+    R, me = group.local_size, group.local_rank
+    tokens = [NUM_TOKENS] * R
+    idx, w = routing.make("hot_expert", 5, tokens, NUM_EXPERTS, NUM_TOPK, drop_fraction=0.05, hot_fraction=0.5)
+    stream = sm_partition.partition_stream(group)[0] if group.ranks_per_gpu > 1 else None
+    layer = moe.MoELayer(buf, weights, NUM_TOPK, transport=transport, compute_stream=stream)
+    xs = _tokens(12, tokens)
+    group.comm.Barrier()
+    got = layer.forward(cupy.asarray(xs[me]), cupy.asarray(idx[me]), cupy.asarray(w[me])).get()
+    lo = me * NUM_TOKENS
+    want = moe.reference_forward(cupy.asarray(np.concatenate(xs)), weights, NUM_TOPK, num_ranks=R,
+                                 topk_idx=np.concatenate(idx), topk_weights=np.concatenate(w))[lo:lo + NUM_TOKENS]
+    diff, worst = moe.agreement(got, want.get())
+    ok = diff < moe.MOE_CALC_DIFF_BOUND and worst < moe.MOE_TOKEN_BOUND and not np.isnan(bf16_to_f32(got)).any()
+    assert all_ranks(group.comm, ok), (diff, worst)
+    group.comm.Barrier()

@@ -12,6 +12,7 @@ def environment(group) -> dict:
     import cupy
     import numpy
     env = {"ranks": group.world_size, "ranks_per_node": group.local_size, "ranks_per_gpu": group.ranks_per_gpu,
+           "sm_capped": group.sm_capped, "sm_share": group.sm_share,
            "cupy": cupy.__version__, "numpy": numpy.__version__, "host": platform.node(),
            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     if group.has_gpu:
