@@ -3,10 +3,19 @@
     python -m cupyep.launcher -n 8 examples/gpu_dispatch.py
 
 One H200 holds 8 ranks under CUDA MPS (the launcher starts it); with several
-GPUs the ranks spread over them.
+GPUs the ranks spread over them. Without a GPU it exits with status 2 and
+one line (examples/cpu_reference.py runs the same flow on the CPU).
 """
+import sys
 import cupy, numpy as np, cupyep
+from cupyep.launcher.calls import env_rank
 from cupyep.testing import global_routing, payload_bf16
+
+if cupyep.runtime.gpu_count() == 0:        # before MPI starts, so every rank just exits
+    if env_rank() in (0, -1):
+        print("examples/gpu_dispatch.py needs a CUDA GPU; none found (examples/cpu_reference.py runs on the CPU)",
+              file=sys.stderr)
+    sys.exit(2)
 
 group = cupyep.init()                      # mpi4py COMM_WORLD; device = local rank % GPUs
 T, H, E = 4096, 7168, 256

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -50,3 +52,12 @@ def test_the_gpu_example_defines_what_it_uses():
     code = (REPO / "examples" / "gpu_dispatch.py").read_text()
     assert not _undefined(code), _undefined(code)
     assert not _undefined((REPO / "examples" / "cpu_reference.py").read_text())
+
+
+def test_the_gpu_example_exits_2_with_one_line_without_a_gpu():
+    from cupyep.runtime import gpu_count
+    if gpu_count():
+        pytest.skip("a GPU is visible")
+    res = subprocess.run([sys.executable, str(REPO / "examples" / "gpu_dispatch.py")], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr

@@ -39,8 +39,10 @@ def test_there_are_studies():
 
 @pytest.mark.parametrize("study", STUDIES, ids=[p.name for p in STUDIES])
 def test_every_study_has_a_readme_and_a_manifest_of_command_commit_environment(study):
-    assert (study / "README.md").is_file(), f"{study.name}: no README.md"
-    assert (study / "manifest.json").is_file(), f"{study.name}: no manifest.json"
+    assert (study / "README.md").is_file(), f"results/{study.name}/ has no README.md (what it holds, each file's command)"
+    assert (study / "manifest.json").is_file(), (
+        f"results/{study.name}/ has no manifest.json: a list of records, each with files, command, commit and "
+        f"environment (see results/balance/manifest.json)")
     m = manifest(study)
     assert m["records"], f"{study.name}: the manifest lists no records"
     for rec in m["records"]:
