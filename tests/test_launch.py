@@ -2,6 +2,7 @@
 mpiexec next to sys.executable, fake nvidia-cuda-mps-control scripts)."""
 
 import json
+import re
 import os
 import signal
 import socket
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cupyep.launcher import launch, mps
+from cupyep.launcher import launch, lines, mps
 from cupyep.launcher.launch import MPICH, OPENMPI, build_command
 
 REPO = Path(__file__).resolve().parents[1]
@@ -134,14 +135,14 @@ def test_build_command_openmpi():
     assert "-genv" not in cmd
     i = cmd.index(sys.executable)
     assert cmd[3:i] == ["-x", "CUPYEP_LAUNCHED", "-x", "NCCL_NVLS_ENABLE"]
-    assert cmd[i:] == [sys.executable, "-m", "mpi4py", "s.py", "-n", "7"]
+    assert cmd[i:] == [sys.executable, "-c", lines.RANK_BOOT, "s.py", "-n", "7"]
 
 
 def test_build_command_openmpi_oversubscribe_and_root():
     cmd = build_command(OPENMPI, "mpiexec", 8, ["-m", "pkg.mod", "a"],
                         {"A": "1"}, is_root=True, num_slots=2)
     assert "--oversubscribe" in cmd and "--allow-run-as-root" in cmd
-    assert cmd[-5:] == ["-m", "mpi4py", "-m", "pkg.mod", "a"]
+    assert cmd[-5:] == ["-c", lines.RANK_BOOT, "-m", "pkg.mod", "a"]
     assert "--oversubscribe" not in build_command(
         OPENMPI, "mpiexec", 2, ["s.py"], {}, False, 2)
     env = launch.mpiexec_env(OPENMPI, {"A": "1"}, True, base_env={"B": "2"})
@@ -157,7 +158,7 @@ def test_build_command_mpich():
     assert cmd[:3] == ["mpiexec", "-n", "16"]
     assert cmd[3:9] == ["-genv", "CUPYEP_LAUNCHED", "1",
                         "-genv", "CUPYEP_RANKS_PER_NODE", "2"]
-    assert cmd[9:] == [sys.executable, "-m", "mpi4py", "-m", "pkg.mod", "--x"]
+    assert cmd[9:] == [sys.executable, "-c", lines.RANK_BOOT, "-m", "pkg.mod", "--x"]
     assert not {"--oversubscribe", "--allow-run-as-root", "-x"} & set(cmd)
     assert launch.mpiexec_env(MPICH, env, True, {}) == env  # no OMPI vars
 
@@ -436,13 +437,31 @@ def test_launch_timeout_kills_ranks(tmp_path):
     _assert_all_dead([int(p.read_text()) for p in tmp_path.glob("*.pid")])
 
 
+def test_the_ranks_lines_arrive_whole(tmp_path):
+    """Four ranks write 3000 lines each as fast as they can, and an
+    unfinished last line: every line reaches the launcher's stdout whole
+    (mpiexec alone joined 4-10 of them here), each rank's lines in order,
+    its stderr on stderr."""
+    res, _ = run_launcher(["-n", "4", "--gpus", "0", str(SCRIPTS / "launch_lines.py"), "3000"])
+    assert res.returncode == 0, res.stderr
+    got = res.stdout.splitlines()
+    pattern = re.compile(r"<(\d):(\d{5}):x{120}>")
+    whole = [pattern.fullmatch(line) for line in got]
+    assert all(whole), [line[:40] for line, m in zip(got, whole) if not m][:3]
+    for r in range(4):
+        mine = [int(m.group(2)) for m in whole if m and m.group(1) == str(r)]
+        assert mine == list(range(3000)), r
+    assert sorted(l for l in res.stderr.splitlines() if l.startswith("tail ")) == [f"tail {r}" for r in range(4)]
+
+
 def test_dry_run_runs_nothing():
     res, _ = run_launcher(["-n", "3", "--ranks-per-node", "3", "--gpus", "0",
                            "--dry-run", "-m", "no_such_module", "x"])
     assert res.returncode == 0, res.stderr
     assert "CUPYEP_RANKS_PER_NODE=3" in res.stdout
     assert "NVSHMEM_DISABLE_NVLS=1" in res.stdout
-    assert "-m mpi4py -m no_such_module x" in res.stdout
+    assert res.stdout.rstrip().endswith("-m no_such_module x")
+    assert "from mpi4py.run import main" in res.stdout
 
 
 def test_sm_share_partitions_every_gpu_that_ranks_share():
@@ -545,8 +564,8 @@ def test_fake_openmpi_command_and_status(tmp_path):
     argv = seen["argv"]
     assert argv[:2] == ["-n", "64"] and "--oversubscribe" in argv
     exported = [argv[i + 1] for i, a in enumerate(argv) if a == "-x"]
-    assert exported[:2] == ["CUPYEP_CALLS_DIR", "CUPYEP_LAUNCHED"]
-    assert argv[-4:] == [sys.executable, "-m", "mpi4py",
+    assert exported[:3] == ["CUPYEP_CALLS_DIR", "CUPYEP_IO_DIR", "CUPYEP_LAUNCHED"]
+    assert argv[-4:] == [sys.executable, "-c", lines.RANK_BOOT,
                          str(SCRIPTS / "launch_env.py")]
     assert seen["env"]["CUPYEP_LAUNCHED"] == "1"
     assert seen["env"]["NCCL_NVLS_ENABLE"] == "0"

@@ -15,7 +15,7 @@
 // GPUs take each other's atomics natively (kernels.check_peer_atomics). The
 // alternative without them, each block counting itself on a local counter
 // and the last one storing the flags, measured 2-3 us slower per call
-// (results/low_latency_last_block.jsonl).
+// (results/archive/low_latency_last_block.jsonl).
 //
 // Flags are cleared one call ahead: block 0 of a call clears the flags of the
 // set the next call uses. A peer writes those flags only during the next call,

@@ -6,8 +6,10 @@ Usage::
         [--timeout SECONDS] [--mpiexec PATH] [--no-mps] [--sm-share] [--dry-run]
         (-m module | -c code | script.py) [args...]
 
-Runs ``mpiexec -n N python -m mpi4py <program>`` (mpi4py's runner aborts the
-whole job when any rank raises) on this host, with ``CUPYEP_LAUNCHED=1``,
+Runs ``mpiexec -n N python -c RANK_BOOT <program>`` (mpi4py's runner, which
+aborts the whole job when any rank raises, after pointing the rank's output
+at the launcher, which writes it a whole line at a time:
+``cupyep.launcher.lines``) on this host, with ``CUPYEP_LAUNCHED=1``,
 ``CUPYEP_RANKS_PER_NODE=K`` (when given), ``NVSHMEM_DISABLE_NVLS=1`` and
 ``NCCL_NVLS_ENABLE=0`` in every rank's environment.  When several ranks share
 a GPU it reuses or starts a CUDA MPS daemon (see ``cupyep.launcher.mps``).
@@ -50,6 +52,7 @@ import tempfile
 import time
 
 from . import calls
+from . import lines
 
 from . import mps
 from ..sm_partition import ENV_VAR as SM_SHARE_VAR
@@ -149,8 +152,9 @@ def build_command(flavour, mpiexec, num_ranks, program_argv, env, is_root,
     """Return the mpiexec command line (pure; runs and mutates nothing).
 
     ``program_argv`` is ``[script, args...]`` or ``['-m', module, args...]``
-    (or ``['-c', code, ...]``); every rank runs ``sys.executable -m mpi4py
-    <program_argv>``.  ``env`` holds the variables every rank must get.
+    (or ``['-c', code, ...]``); every rank runs ``sys.executable -c
+    lines.RANK_BOOT <program_argv>``: mpi4py's runner, as ``python -m
+    mpi4py``, with its output to the launcher's line forwarder.  ``env`` holds the variables every rank must get.
     Open MPI: ``-x NAME`` per variable (they must also be in mpiexec's own
     environment: see ``mpiexec_env``), ``--oversubscribe`` when
     ``num_ranks > num_slots``, ``--allow-run-as-root`` when ``is_root``.
@@ -170,7 +174,7 @@ def build_command(flavour, mpiexec, num_ranks, program_argv, env, is_root,
             cmd += ["-genv", name, str(env[name])]
     else:
         raise LaunchError(f"unknown MPI flavour {flavour!r}")
-    return cmd + [sys.executable, "-m", "mpi4py", *program_argv]
+    return cmd + [sys.executable, "-c", lines.RANK_BOOT, *program_argv]
 
 
 def mpiexec_env(flavour, env, is_root, base_env=None):
@@ -185,10 +189,11 @@ def mpiexec_env(flavour, env, is_root, base_env=None):
     return out
 
 
-def rank_env(ranks_per_node=None, mps_env=None, calls_dir=None, sm_share=False):
+def rank_env(ranks_per_node=None, mps_env=None, calls_dir=None, sm_share=False, io_dir=None):
     """Variables every rank gets: CUPYEP_LAUNCHED=1, the NVLS safety
     variables, CUPYEP_RANKS_PER_NODE when given, the MPS variables,
-    CUPYEP_CALLS_DIR when given and CUPYEP_SM_SHARE=1 with ``sm_share``."""
+    CUPYEP_CALLS_DIR when given, CUPYEP_SM_SHARE=1 with ``sm_share`` and
+    CUPYEP_IO_DIR (the line forwarder's FIFOs) when given."""
     env = {"CUPYEP_LAUNCHED": "1", **SAFETY_ENV}
     if ranks_per_node:
         env["CUPYEP_RANKS_PER_NODE"] = str(int(ranks_per_node))
@@ -197,6 +202,8 @@ def rank_env(ranks_per_node=None, mps_env=None, calls_dir=None, sm_share=False):
         env[calls.ENV_VAR] = str(calls_dir)
     if sm_share:
         env[SM_SHARE_VAR] = "1"
+    if io_dir:
+        env[lines.ENV_VAR] = str(io_dir)
     return env
 
 
@@ -670,7 +677,12 @@ def _launch(stack, fwd, opts, flavour, mpiexec, n, k, program, is_root,
         # Runs before the two above on the way out: no process of the job
         # may outlive it (nor hold MPS clients open while the daemon quits).
         stack.callback(_stop_stragglers, calls_dir)
-    renv = rank_env(k, mps_env, calls_dir, sm_share)
+        io_dir = os.path.join(calls_dir, "io")
+        os.mkdir(io_dir, 0o700)
+        # Entered last, closed first: once mpiexec has ended, the ranks'
+        # last lines are forwarded before anything else is cleaned up.
+        stack.enter_context(lines.LineForwarder(io_dir, n))
+    renv = rank_env(k, mps_env, calls_dir, sm_share, io_dir)
     cmd = build_command(flavour, mpiexec, n, program, renv, is_root, slots)
     env = mpiexec_env(flavour, renv, is_root)
     state = mps_state
