@@ -20,6 +20,9 @@ ERROR_SLOT_DTYPE = np.dtype([
 GUARD_DTYPE = np.dtype([("slot", np.uint64), ("timeout_ns", np.uint64), ("kernel", np.int32), ("rank", np.int32)],
                        align=True)
 
+_REGION_CAPACITY = ("region capacity (an expert got more of this rank's rows than its (expert, source) region "
+                    "holds; counter: rows, expected: the buffer's capacity; the rows past it were not sent)")
+
 # Kernel ids passed to kernels in their Guard, and the wait sites (phases) of
 # each kernel, indexed by the phase number the kernel reports.
 KERNELS: dict[str, tuple[str, ...]] = {
@@ -32,7 +35,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
                           "combine queue data (receiver waits for sender tail)"),
     "low_latency_dispatch": ("dispatch flag (receiver waits for a source's rows and counts; "
                              "counter: blocks arrived, expected: blocks announced)",
-                             "routing check (expert id outside [-1, E))"),
+                             "routing check (expert id outside [-1, E))",
+                             _REGION_CAPACITY),
     "low_latency_combine": ("combine flag (token owner waits for an expert rank's rows; "
                             "counter: blocks arrived, expected: blocks announced)",),
     "expert_major": ("expert-major rows exceed their capacity",),
@@ -66,7 +70,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
                                        "dispatch counts over the network (receiver waits for a source of another "
                                        "node to signal its counts)",
                                        "dispatch rows over the network (receiver waits for a source of another "
-                                       "node; counter: messages arrived, expected: messages announced)"),
+                                       "node; counter: messages arrived, expected: messages announced)",
+                                       _REGION_CAPACITY),
     "low_latency_combine_internode": ("combine flag (token owner waits for an expert rank of its node; counter: "
                                       "blocks arrived, expected: blocks announced)",
                                       "combine rows over the network (token owner waits for an expert rank of "

@@ -105,10 +105,14 @@ def test_the_kernels_across_nodes_are_an_nvshmem_build():
     assert {s.name for s in K.kernel_specs()} >= {K.dispatch_spec(512, True).name, K.combine_spec(512, True).name}
     # Across nodes the kernels name peers by world rank, with the wait sites of args.cuh.
     assert {"low_latency_dispatch_internode", "low_latency_combine_internode"} <= GLOBAL_PEER_KERNELS
-    assert len(KERNELS["low_latency_dispatch_internode"]) == 4 and len(KERNELS["low_latency_combine_internode"]) == 2
+    assert len(KERNELS["low_latency_dispatch_internode"]) == 5 and len(KERNELS["low_latency_combine_internode"]) == 2
     src = strip_comments(ARGS_CUH.read_text())
     for name, phase in (("kWaitRemoteCounts", 2), ("kWaitRemoteRows", 3), ("kWaitRemoteReturn", 1)):
         assert f"constexpr int {name} = {phase};" in src
+    # The region-capacity report follows each build's waits, and both builds' names say what it is.
+    assert "constexpr int kRegionCapacity = 4;" in src and "constexpr int kRegionCapacity = 2;" in src
+    assert KERNELS["low_latency_dispatch_internode"][4] == KERNELS["low_latency_dispatch"][2]
+    assert "region capacity" in KERNELS["low_latency_dispatch"][2]
 
 
 def test_return_rows():
@@ -508,7 +512,8 @@ def test_low_latency_specs_registered():
 def test_error_phases_match_wait_sites():
     c = _constexprs(ARGS_CUH)
     assert (c["kWaitPeerFlag"], c["kBadExpertId"]) == (0, 1)
-    assert len(KERNELS["low_latency_dispatch"]) == 2 and "expert id" in KERNELS["low_latency_dispatch"][1]
+    assert len(KERNELS["low_latency_dispatch"]) == 3 and "expert id" in KERNELS["low_latency_dispatch"][1]
+    assert "region capacity" in KERNELS["low_latency_dispatch"][2]
     assert len(KERNELS["low_latency_combine"]) == 1
     for kernel in ("low_latency_dispatch", "low_latency_combine"):
         assert "flag" in KERNELS[kernel][c["kWaitPeerFlag"]], kernel
@@ -544,14 +549,14 @@ def test_handle_layout_begin():
     from cupyep.runtime import gpu_count
     if gpu_count() == 0:
         pytest.skip("no CUDA GPU")
-    El, R, M = 3, 4, 16
+    El, R, M, C = 3, 4, 16, 5
     h = LowLatencyHandle(layout_count=cupy.zeros((El, R), dtype=np.int32), recv_src=None, recv_slot=None,
                          combine_pos=None, slot_pos=None,
-                         num_tokens=5, num_topk=2, hidden=128, num_experts=El * R, max_tokens=M, set_index=0,
-                         call=1, buffer_id=0)
+                         num_tokens=5, num_topk=2, hidden=128, num_experts=El * R, max_tokens=M, capacity=C,
+                         set_index=0, call=1, buffer_id=0)
     begin = cupy.asnumpy(h.layout_begin)
     assert begin.shape == (El, R) and begin.dtype == np.int32
-    assert (begin == np.arange(R, dtype=np.int32) * M).all()
+    assert (begin == np.arange(R, dtype=np.int32) * C).all()  # regions of `capacity` rows
 
 
 @pytest.mark.parametrize("flag,cls", [(1, "CommTimeoutError"), (3, "DeviceCapacityError"), (4, "DeviceInputError")])

@@ -84,9 +84,19 @@ __device__ __forceinline__ Message message_layout(int hidden, int fp8, int ue8m0
     return {payload, payload + scales, payload + scales + 16};
 }
 
-// Rows of one expert rank's range in combine_recv.
-__device__ __forceinline__ int64_t return_rows(int max_tokens, int max_topk, int num_local_experts) {
-    return (int64_t)max_tokens * min(max_topk, num_local_experts);
+// The dispatch's report of an expert whose rows from this rank exceed the
+// capacity of its region (value: rows, expected: capacity): its phase number,
+// after the waits each build reports (cupyep/errors.py KERNELS).
+#ifdef CUPYEP_LL_NVSHMEM
+constexpr int kRegionCapacity = 4;
+#else
+constexpr int kRegionCapacity = 2;
+#endif
+
+// Rows of one expert rank's range in combine_recv: a source sends a rank at
+// most max_tokens * min(max_topk, El) rows, and at most El * capacity.
+__device__ __forceinline__ int64_t return_rows(int max_tokens, int max_topk, int num_local_experts, int capacity) {
+    return min((int64_t)max_tokens * min(max_topk, num_local_experts), (int64_t)num_local_experts * capacity);
 }
 
 // What every low-latency launch carries, dispatch or combine (DispatchArgs::c,
@@ -104,6 +114,7 @@ struct CallArgs {
     int num_ranks;
     int max_tokens;
     int max_topk;
+    int capacity;            // rows of each (local expert, source) region of recv_x: max_tokens, or fewer
     int phases;              // kPhaseSend | kPhaseRecv
     int num_waiters;         // blocks b < num_waiters also wait and receive; the rest only send
     int rank;

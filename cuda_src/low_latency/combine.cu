@@ -51,7 +51,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
     const int G = gridDim.x, b = blockIdx.x;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
     const int num_chunks = (H + kChunkElems - 1) / kChunkElems;
-    const int64_t slots = (int64_t)R * a.c.max_tokens;  // rows per local expert
+    const int64_t slots = (int64_t)R * a.c.capacity;  // rows per local expert
     void* mine = a.c.peers[a.c.rank];
 
     if (a.c.phases & kPhaseSend) {
@@ -100,7 +100,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                 }
                 return lo;
             };
-            const int64_t row_int4 = H / 8, ret_rows = return_rows(a.c.max_tokens, a.c.max_topk, El);
+            const int64_t row_int4 = H / 8, ret_rows = return_rows(a.c.max_tokens, a.c.max_topk, El, a.c.capacity);
             const int64_t big_pieces = (int64_t)prefix[P] * ((row_int4 + 16 * 32 - 1) / (16 * 32));
             auto copy_rows = [&](auto unroll) {
                 // A warp per piece of kPiece 16-byte words of a received row (grid-strided):
@@ -115,7 +115,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                     const int lo = pair_of(r);
                     const int le = lo / R, s = lo % R, q = r - prefix[lo];
                     if (is_remote(a.c, s)) continue;  // whole rows, put below
-                    const int64_t slot = (int64_t)le * slots + (int64_t)s * a.c.max_tokens + q;
+                    const int64_t slot = (int64_t)le * slots + (int64_t)s * a.c.capacity + q;
                     const int64_t first = (int64_t)piece * kPiece;
                     const int4* src =
                         reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) + slot * a.x_row_bytes) + first;
@@ -140,7 +140,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                 const int lo = pair_of(r);
                 const int le = lo / R, s = lo % R, q = (int)(r - prefix[lo]);
                 if (!is_remote(a.c, s)) continue;
-                const int64_t slot = (int64_t)le * slots + (int64_t)s * a.c.max_tokens + q;
+                const int64_t slot = (int64_t)le * slots + (int64_t)s * a.c.capacity + q;
                 int4* stage = local_send + slot * row_int4;
                 const int4* src =
                     reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) + slot * a.x_row_bytes);
@@ -165,7 +165,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
     if (a.c.phases & kPhaseRecv) {
         if (b >= a.c.num_waiters) return;  // a sender only
         const int4* recv = at<int4>(mine, a.c.cur.combine_recv);
-        const int64_t ret_rows = return_rows(a.c.max_tokens, a.c.max_topk, El);
+        const int64_t ret_rows = return_rows(a.c.max_tokens, a.c.max_topk, El, a.c.capacity);
         // Where slot j of token t's row starts (null for an empty slot), and its weight.
         // The three loads are independent (none waits for another's value), and none
         // reads what the peers write, so they may run before the flags are in.
@@ -179,7 +179,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
             w = wt;
             if (a.pull)
                 return at<int4>(a.c.peers[e / El], a.c.cur.combine_send) +
-                       (((int64_t)(e % El) * R + a.c.rank) * a.c.max_tokens + pos) * H / 8;
+                       (((int64_t)(e % El) * R + a.c.rank) * a.c.capacity + pos) * H / 8;
             return recv + ((int64_t)(e / El) * ret_rows + pos) * H / 8;
         };
         // Slots whose chunks a warp has in flight: all of a top-8 at 512 threads (128

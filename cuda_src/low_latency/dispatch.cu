@@ -88,7 +88,8 @@ __device__ __forceinline__ void send_item(const DispatchArgs& a, const int* own_
         const int e = own_e[tl * k + j];
         if (e < 0) continue;
         const int dst = e / El, le = e % El;
-        const int64_t row = ((int64_t)le * R + a.c.rank) * a.c.max_tokens + own_pos[tl * k + j];
+        if (own_pos[tl * k + j] >= a.c.capacity) continue;  // past the region: reported, never written
+        const int64_t row = ((int64_t)le * R + a.c.rank) * a.c.capacity + own_pos[tl * k + j];
         // A rank of another node: into my staged message of (t, j), put once the block's are all written.
         char* base = is_remote(a.c, dst)
                          ? at<char>(a.c.peers[a.c.rank], a.c.cur.stage) + ((int64_t)t * k + j) * m.bytes
@@ -125,9 +126,9 @@ __device__ __forceinline__ void put_remote_messages(const DispatchArgs& a, const
     __syncthreads();
     for (int i = warp; i < n_own * k; i += num_warps) {  // warp-uniform: every lane takes part in the put
         const int e = own_e[i];
-        if (e < 0 || !is_remote(a.c, e / El)) continue;
+        if (e < 0 || !is_remote(a.c, e / El) || own_pos[i] >= a.c.capacity) continue;
         const int t = b + (i / k) * G, j = i % k;
-        const int64_t row = ((int64_t)(e % El) * R + a.c.rank) * a.c.max_tokens + own_pos[i];
+        const int64_t row = ((int64_t)(e % El) * R + a.c.rank) * a.c.capacity + own_pos[i];
         nvshmemx_putmem_signal_nbi_warp(at<char>(mine, a.c.cur.recv_x) + row * m.bytes,
                                         at<char>(mine, a.c.cur.stage) + ((int64_t)t * k + j) * m.bytes, m.bytes,
                                         signal_word(remote_signal(mine, a.c.cur, R, kSigRows, a.c.rank)), 1,
@@ -213,6 +214,12 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
             }
             __syncthreads();
         }
+        // A region holds `capacity` rows: an expert past it is reported (never silently cut);
+        // its rows past the region are not written, and the receiver counts at most `capacity`.
+        if (b == 0)
+            for (int e = threadIdx.x; e < E; e += blockDim.x)
+                if (total[e] > a.c.capacity) report_error(a.c.guard, kErrorCapacity, kRegionCapacity, -1, total[e],
+                                                          a.c.capacity);
         for (int d = warp; d < R; d += num_warps)  // a warp per destination rank
             warp_exclusive_scan(El, lane, [&](int le) { return total[d * El + le]; },
                                 [&](int le, int v) { seg[d * El + le] = v; });
@@ -248,7 +255,8 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
         for (int dst = b; dst < R; dst += G) {
             if (is_remote(a.c, dst)) continue;
             int* counts = at<int>(a.c.peers[dst], a.c.cur.dispatch_count);
-            for (int le = threadIdx.x; le < El; le += blockDim.x) counts[le * R + a.c.rank] = total[dst * El + le];
+            for (int le = threadIdx.x; le < El; le += blockDim.x)
+                counts[le * R + a.c.rank] = min(total[dst * El + le], a.c.capacity);
         }
 #ifdef CUPYEP_LL_NVSHMEM
         // Block 0 (which cleared the next set's signals first) sends every remote destination its counts:
@@ -257,7 +265,8 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
             for (int dst = threadIdx.x; dst < R; dst += blockDim.x) {
                 if (!is_remote(a.c, dst)) continue;
                 int* counts = at<int>(mine, a.c.cur.dispatch_count);
-                for (int le = 0; le < El; ++le) nvshmem_int_p(counts + le * R + a.c.rank, total[dst * El + le], dst);
+                for (int le = 0; le < El; ++le)
+                    nvshmem_int_p(counts + le * R + a.c.rank, min(total[dst * El + le], a.c.capacity), dst);
                 nvshmem_fence();
                 nvshmemx_signal_op(signal_word(remote_signal(mine, a.c.cur, R, kSigCounts, a.c.rank)), 1,
                                    NVSHMEM_SIGNAL_ADD, dst);

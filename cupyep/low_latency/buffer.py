@@ -22,7 +22,7 @@ from ..launcher.calls import traced_call
 from ..ipc import SymmetricBuffer
 from ..results import EventHandle
 from . import kernels as K
-from .layout import CallSchedule, call_offsets, check_sizes, low_latency_layout, message_layout
+from .layout import CallSchedule, call_offsets, check_capacity, check_sizes, low_latency_layout, message_layout
 from .results import LowLatencyCombineResult, LowLatencyDispatchResult, LowLatencyHandle
 
 
@@ -66,6 +66,15 @@ class LowLatencyBuffer:
             ``griddepcontrol.launch_dependents`` early (GpuBarrier does).
             Default (None): wherever the GPU supports it (compute capability
             9.0 on); False launches plainly. Attribute of the same name.
+        capacity: rows of each (local expert, source) region (default
+            num_max_dispatch_tokens_per_rank, the worst case: every token of a
+            source to one expert). Fewer let a buffer fit where the worst case
+            does not (``layout.capacity_for(factor, ...)`` sizes it from a
+            capacity factor over the mean load); a dispatch whose routing puts
+            more rows in one region raises (validate=True: a ValueError on
+            every rank before launch; else the kernel's DeviceCapacityError,
+            with no row past the region written). cupyep.low_latency.overflow
+            splits such a call into micro-batches or falls back to normal mode.
 
     Collective: create, call and destroy it on every rank in the same order.
 
@@ -77,7 +86,8 @@ class LowLatencyBuffer:
 
     def __init__(self, group, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int, *,
                  max_topk: int = 16, num_blocks: int | None = None, num_waiters: int | None = None,
-                 num_threads: int = K.DEFAULT_THREADS, programmatic_launch: bool | None = None):
+                 num_threads: int = K.DEFAULT_THREADS, programmatic_launch: bool | None = None,
+                 capacity: int | None = None):
         import cupy
         group.require_gpu("cupyep.LowLatencyBuffer")
         # Across nodes every rank of the world takes part: ranks of my node by stores, the others by NVSHMEM puts.
@@ -103,8 +113,9 @@ class LowLatencyBuffer:
         devices = group.node_comm.allgather(group.device_id)
         K.check_peer_atomics(devices, driver.peer_native_atomics)
         self._one_gpu = len(set(devices)) == 1  # every local rank on this GPU (under MPS)
+        self.capacity = check_capacity(capacity, num_max_dispatch_tokens_per_rank)
         self.layout = low_latency_layout(R, num_max_dispatch_tokens_per_rank, hidden, num_experts, max_topk,
-                                         staged=self.across_nodes)
+                                         staged=self.across_nodes, capacity=self.capacity)
         if self.across_nodes:
             from ..nvshmem import HeapBuffer
             self.buffer = HeapBuffer(group, self.layout.nbytes)  # raises NvshmemUnavailable (how to install)
@@ -126,9 +137,11 @@ class LowLatencyBuffer:
     # ------------------------------------------------------------------ sizes
     @staticmethod
     def size_hint(num_ranks: int, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int,
-                  max_topk: int = 16) -> int:
-        """Bytes per rank of a buffer for these sizes."""
-        return low_latency_layout(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_experts, max_topk).nbytes
+                  max_topk: int = 16, capacity: int | None = None) -> int:
+        """Bytes per rank of a buffer for these sizes (``capacity``: rows per
+        (expert, source) region, layout.capacity_for a capacity factor)."""
+        return low_latency_layout(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_experts, max_topk,
+                                  capacity=capacity).nbytes
 
     @property
     def num_bytes(self) -> int:
@@ -145,7 +158,7 @@ class LowLatencyBuffer:
         """The CallArgs fields of a call (args.cuh) but its phases, waiters and ablations."""
         return dict(peers=self.buffer.peer_ptrs.data.ptr, **sets, **profile, num_tokens=num_tokens,
                     hidden=self.hidden, num_topk=num_topk, num_experts=self.num_experts, num_ranks=self.num_ranks,
-                    max_tokens=self.max_tokens, max_topk=self.max_topk, rank=self.rank,
+                    max_tokens=self.max_tokens, max_topk=self.max_topk, capacity=self.capacity, rank=self.rank,
                     ranks_per_node=self.ranks_per_node, guard=self._guard(kernel))
 
     def _check_resident(self) -> None:
@@ -220,7 +233,31 @@ class LowLatencyBuffer:
             if ndup:
                 raise ValueError(f"topk_idx names the same expert twice in {ndup} places; low-latency mode needs "
                                  "distinct experts per token")
+        if validate and self.capacity < self.max_tokens and not cupy.cuda.get_current_stream().is_capturing():
+            self.check_capacity(topk_idx)
         return topk_idx
+
+    def region_rows(self, topk_idx) -> int:
+        """Collective: the most rows any rank's dispatch of its ``topk_idx``
+        ([T, k] int64, its own) would put in one (expert, source) region, over
+        every rank of the buffer (one count on the GPU, one host exchange)."""
+        import cupy
+        topk_idx = check(as_cupy(topk_idx, "topk_idx"), "topk_idx", np.int64, ndim=2)
+        counts = cupy.bincount((topk_idx + 1).ravel(), minlength=self.num_experts + 1)[1:]
+        mine = np.array([int(counts.max()) if counts.size else 0], dtype=np.int64)
+        return int(self.group.exchange(mine, "low-latency dispatch: region rows").max())
+
+    def check_capacity(self, topk_idx) -> None:
+        """Collective: ValueError on every rank, naming the rows and the
+        capacity, when some rank's routing puts more rows in one (expert,
+        source) region than the buffer's ``capacity`` holds (the kernel would
+        refuse them); cupyep.low_latency.overflow splits or falls back."""
+        rows = self.region_rows(topk_idx)
+        if rows > self.capacity:
+            raise ValueError(f"a routing puts {rows} rows of one rank in one expert's region, more than this "
+                             f"buffer's capacity={self.capacity} (num_max_dispatch_tokens_per_rank="
+                             f"{self.max_tokens}); split the tokens or fall back to normal mode "
+                             "(cupyep.low_latency.overflow)")
 
     # --------------------------------------------------------------- dispatch
     @traced_call("LowLatencyBuffer.dispatch")
@@ -304,7 +341,7 @@ class LowLatencyBuffer:
                                   recv_slot=part(m.tag + 4, (El, slots), np.uint8), combine_pos=combine_pos,
                                   slot_pos=slot_pos,
                                   num_tokens=T, num_topk=k, hidden=H, num_experts=self.num_experts,
-                                  max_tokens=self.max_tokens, set_index=region, call=call,
+                                  max_tokens=self.max_tokens, capacity=self.capacity, set_index=region, call=call,
                                   buffer_id=id(self))
         return LowLatencyDispatchResult(recv_x, recv_scales, recv_count, handle, event, hook)
 
@@ -349,7 +386,7 @@ class LowLatencyBuffer:
 
     # ---------------------------------------------------------------- combine
     def get_next_combine_buffer(self, handle: LowLatencyHandle):
-        """[E_local, R * max_tokens, H] uint16 (BF16) view the next combine reads
+        """[E_local, R * capacity, H] uint16 (BF16) view the next combine reads
         when called with ``zero_copy=True``: write expert outputs straight here."""
         self._check_handle(handle)
         s = self.layout.sets[self._schedule.peek("combine")]
@@ -369,7 +406,7 @@ class LowLatencyBuffer:
         """Return expert outputs to their tokens and reduce with the top-k weights.
 
         Arguments:
-            x: [E_local, R * max_tokens, H] uint16 (BF16) expert outputs, rows as
+            x: [E_local, R * capacity, H] uint16 (BF16) expert outputs, rows as
                 the dispatch laid them out: C-contiguous, or with any row stride
                 that is a multiple of 16 bytes (a BF16 dispatch's recv_x works as
                 is); ignored (may be None) with zero_copy.

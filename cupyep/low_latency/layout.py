@@ -5,21 +5,30 @@ every call (each call clears the flags of the set the next call uses); the
 data regions of each kind of call are chosen by :class:`CallSchedule`, which
 reuses one copy until two calls of the same kind follow each other. One set,
 with ``El = E / R`` local experts, ``M = max_tokens``
-(num_max_dispatch_tokens_per_rank) and hidden ``H``::
+(num_max_dispatch_tokens_per_rank), ``C = capacity`` (rows of each (local
+expert, source) region: ``M``, or fewer to fit a buffer the worst case does
+not; see :func:`capacity_for`) and hidden ``H``::
 
     dispatch_count [El][R] int32      tokens source r sent to local expert e
     dispatch_flag  [R] int32          arrivals of source r's blocks: its dispatch rows are written
     combine_flag   [R] int32          arrivals of expert rank r's blocks: its combine rows are written
-    recv_x         [El][R * M] messages of D bytes (see message_layout), sized for BF16
-    combine_send   [El][R * M][H] BF16  zero-copy combine input
-    combine_recv   [R][M * Kc][H] BF16  rows expert rank r returns to me
+    recv_x         [El][R * C] messages of D bytes (see message_layout), sized for BF16
+    combine_send   [El][R * C][H] BF16  zero-copy combine input
+    combine_recv   [R][Kr][H] BF16      rows expert rank r returns to me
     remote_signal  [4][R] uint64      across nodes: NVSHMEM signals from each rank on another node
                                       (its counts, its dispatch messages, its combine rows, its combine start)
     stage          [M * max_topk] messages  across nodes: my messages to other nodes, staged for the
                                       puts; 0 bytes unless the layout is ``staged``
 
-with ``Kc = min(max_topk, El)`` (a token sends at most that many rows to one
-rank). Every region starts on a 128-byte boundary.
+with ``Kr = min(M * min(max_topk, El), El * C)`` (a token sends at most
+``min(max_topk, El)`` rows to one rank, and a rank's experts take at most
+``C`` rows each from one source). Every region starts on a 128-byte boundary.
+
+With ``C < M`` an expert can get more of one source's rows than its region
+holds: the dispatch kernel then sends none past the region and reports a
+DeviceCapacityError, and a validated dispatch refuses such a routing on every
+rank before anything is launched (cupyep.low_latency.overflow chooses what
+happens instead).
 
 A dispatch message is one row with everything the receiver gets about it:
 the payload (H bytes FP8 or 2H bytes BF16), for FP8 its H / 128 scales
@@ -63,9 +72,23 @@ def message_layout(hidden: int, fp8: bool, ue8m0: bool = False) -> MessageLayout
     return MessageLayout(payload, payload + scales, payload + scales + TAG_BYTES)
 
 
-def return_rows(max_tokens: int, max_topk: int, num_local_experts: int) -> int:
-    """Rows of one expert rank's range in combine_recv: M * min(max_topk, El)."""
-    return max_tokens * min(max_topk, num_local_experts)
+def return_rows(max_tokens: int, max_topk: int, num_local_experts: int, capacity: int | None = None) -> int:
+    """Rows of one expert rank's range in combine_recv: min(M * min(max_topk,
+    El), El * C) (mirrored by ``return_rows`` in args.cuh)."""
+    rows = max_tokens * min(max_topk, num_local_experts)
+    return rows if capacity is None else min(rows, num_local_experts * capacity)
+
+
+def capacity_for(capacity_factor: float, max_tokens: int, max_topk: int, num_experts: int) -> int:
+    """Rows per (local expert, source) region for a capacity factor: the mean
+    rows one source sends one expert at full load (max_tokens * max_topk /
+    num_experts) times the factor, rounded up, at least 1 and at most
+    max_tokens (the worst case: every token to one expert)."""
+    if not (isinstance(capacity_factor, (int, float)) and not isinstance(capacity_factor, bool)
+            and capacity_factor > 0):
+        raise ValueError(f"capacity_factor must be a number > 0, got {capacity_factor!r}")
+    mean = max_tokens * max_topk / num_experts
+    return int(max(1, min(max_tokens, -(-capacity_factor * mean // 1))))
 
 
 def _align(n: int) -> int:
@@ -92,6 +115,7 @@ class LowLatencyLayout:
 
     Attributes:
         num_ranks, num_experts, max_tokens, hidden, max_topk: what the buffer was built for.
+        capacity: rows of each (local expert, source) region (<= max_tokens).
         sets: (SetLayout, SetLayout).
         nbytes: total bytes per rank.
     """
@@ -100,6 +124,7 @@ class LowLatencyLayout:
     max_tokens: int
     hidden: int
     max_topk: int
+    capacity: int
     sets: tuple
     nbytes: int
 
@@ -109,8 +134,8 @@ class LowLatencyLayout:
 
     @property
     def slots(self) -> int:
-        """Rows per local expert: R * max_tokens."""
-        return self.num_ranks * self.max_tokens
+        """Rows per local expert: R * capacity."""
+        return self.num_ranks * self.capacity
 
 
 def _int(name: str, value, what: str = "an integer") -> int:
@@ -137,24 +162,36 @@ def check_sizes(num_ranks: int, max_tokens: int, hidden: int, num_experts: int, 
         raise ValueError(f"num_experts={num_experts} must be a positive multiple of the {num_ranks} ranks")
 
 
+def check_capacity(capacity, max_tokens: int) -> int:
+    """``capacity`` (None: ``max_tokens``) as an int in [1, max_tokens]; ValueError otherwise."""
+    if capacity is None:
+        return operator.index(max_tokens)
+    c = _int("capacity", capacity, f"an int in [1, {max_tokens}]")
+    if not 1 <= c <= max_tokens:
+        raise ValueError(f"capacity must be an int in [1, num_max_dispatch_tokens_per_rank={max_tokens}], got {c}")
+    return c
+
+
 def low_latency_layout(num_ranks: int, max_tokens: int, hidden: int, num_experts: int,
-                       max_topk: int = 16, staged: bool = False) -> LowLatencyLayout:
+                       max_topk: int = 16, staged: bool = False, capacity: int | None = None) -> LowLatencyLayout:
     """Layout of a buffer for ``num_ranks`` ranks, ``max_tokens`` tokens per
     rank and call, hidden size ``hidden``, ``num_experts`` experts and top-k
     up to ``max_topk``; ``staged``: with the staging region of the buffer
-    across nodes."""
+    across nodes; ``capacity``: rows per (local expert, source) region
+    (default max_tokens, the worst case)."""
     check_sizes(num_ranks, max_tokens, hidden, num_experts, max_topk)
     R, E, M, H = (operator.index(v) for v in (num_ranks, num_experts, max_tokens, hidden))
     max_topk = operator.index(max_topk)
+    C = check_capacity(capacity, M)
     El = E // R
-    rows = El * R * M
+    rows = El * R * C
     sizes = {
         "dispatch_count": 4 * El * R,
         "dispatch_flag": 4 * R,
         "combine_flag": 4 * R,
         "recv_x": rows * message_layout(H, False).nbytes,
         "combine_send": rows * 2 * H,
-        "combine_recv": R * return_rows(M, max_topk, El) * 2 * H,
+        "combine_recv": R * return_rows(M, max_topk, El, C) * 2 * H,
         "remote_signal": 4 * R * 8,
         "stage": M * max_topk * message_layout(H, False).nbytes if staged else 0,
     }
@@ -166,13 +203,14 @@ def low_latency_layout(num_ranks: int, max_tokens: int, hidden: int, num_experts
             offs[name] = offset
             offset = _align(offset + sizes[name])
         sets.append(SetLayout(**offs, end=offset))
-    return LowLatencyLayout(R, E, M, H, max_topk, tuple(sets), offset)
+    return LowLatencyLayout(R, E, M, H, max_topk, C, tuple(sets), offset)
 
 
 def size_hint(num_ranks: int, max_tokens: int, hidden: int, num_experts: int, max_topk: int = 16,
-              staged: bool = False) -> int:
-    """Bytes per rank of a LowLatencyBuffer for these sizes (``staged``: across nodes)."""
-    return low_latency_layout(num_ranks, max_tokens, hidden, num_experts, max_topk, staged).nbytes
+              staged: bool = False, capacity: int | None = None) -> int:
+    """Bytes per rank of a LowLatencyBuffer for these sizes (``staged``: across
+    nodes; ``capacity``: rows per (expert, source) region)."""
+    return low_latency_layout(num_ranks, max_tokens, hidden, num_experts, max_topk, staged, capacity).nbytes
 
 
 FLAG_FIELDS = ("dispatch_count", "dispatch_flag", "combine_flag", "remote_signal")

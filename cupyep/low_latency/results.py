@@ -11,10 +11,10 @@ class LowLatencyHandle:
 
     Attributes:
         layout_count: [E_local, R] int32 device array: rows of (local expert e,
-            source r), which occupy rows [r * max_tokens, r * max_tokens + count).
-        recv_src: [E_local, R * max_tokens] int32 device view (strided, into the
+            source r), which occupy rows [r * capacity, r * capacity + count).
+        recv_src: [E_local, R * capacity] int32 device view (strided, into the
             messages): source token of each row.
-        recv_slot: [E_local, R * max_tokens] uint8 device view (strided): top-k slot
+        recv_slot: [E_local, R * capacity] uint8 device view (strided): top-k slot
             of each row in its token.
         combine_pos: [T, k] int32 device array: the row of (token, slot) in the
             range its expert rank returns to this rank in the combine (-1 for
@@ -23,6 +23,8 @@ class LowLatencyHandle:
             its (expert, this rank) region of the expert rank's rows (-1 for
             empty slots); a pulling combine reads the outputs from there.
         num_tokens: T of this rank's dispatch (combine returns [T, H]).
+        max_tokens, capacity: the buffer's tokens per rank and rows per
+            (expert, source) region (capacity <= max_tokens).
         set_index: the copy of the dispatch data (0 or 1) the dispatch wrote (layout.CallSchedule).
         call: sequence number of the dispatch on its buffer.
     """
@@ -36,6 +38,7 @@ class LowLatencyHandle:
     hidden: int
     num_experts: int
     max_tokens: int
+    capacity: int
     set_index: int
     call: int
     buffer_id: int
@@ -45,7 +48,7 @@ class LowLatencyHandle:
         """[E_local, R] int32 device array: first row of each (expert, source) range."""
         import cupy
         E_local, R = self.layout_count.shape
-        return cupy.broadcast_to(cupy.arange(R, dtype=cupy.int32) * self.max_tokens, (E_local, R))
+        return cupy.broadcast_to(cupy.arange(R, dtype=cupy.int32) * self.capacity, (E_local, R))
 
 
 @dataclass
@@ -53,12 +56,12 @@ class LowLatencyDispatchResult:
     """Output of :meth:`LowLatencyBuffer.dispatch`.
 
     Attributes:
-        recv_x: [E_local, R * max_tokens, H] uint8 (FP8 e4m3 bits) or uint16 (BF16 bits),
+        recv_x: [E_local, R * capacity, H] uint8 (FP8 e4m3 bits) or uint16 (BF16 bits),
             a strided view of the buffer's messages (rows are contiguous; the row
             stride is layout.message_layout(...).nbytes): valid until the next
             dispatch on this buffer (copy it to keep it longer). Rows outside the
             layout ranges are stale.
-        recv_x_scales: [E_local, R * max_tokens, H / 128] float32 (uint8 UE8M0
+        recv_x_scales: [E_local, R * capacity, H / 128] float32 (uint8 UE8M0
             exponents with use_ue8m0), a strided view like recv_x; None for BF16.
         recv_count: [E_local] int32 device array: rows per local expert.
         handle: LowLatencyHandle for combine.

@@ -1,8 +1,9 @@
 """Low-latency mode: one message per (token, expert) selection, fixed slots.
 
-Each destination rank holds, for every local expert, ``R * max_tokens`` slots
-(``max_tokens = num_max_dispatch_tokens_per_rank``): the region of source rank
-``r`` starts at slot ``r * max_tokens``. The reference stores the tokens of
+Each destination rank holds, for every local expert, ``R * capacity`` slots
+(``capacity``: ``max_tokens = num_max_dispatch_tokens_per_rank`` unless a
+smaller one is given): the region of source rank ``r`` starts at slot
+``r * capacity``. The reference stores the tokens of
 source ``r`` for local expert ``e`` packed from the start of that region in
 ascending source-token order. (A GPU kernel that claims slots with atomics may
 store them in another order within the region: compare such results as sets,
@@ -34,17 +35,18 @@ class LowLatencyDispatchResult:
     """What one destination rank receives from a low-latency dispatch.
 
     Attributes:
-        recv_x: [E_local, R * max_tokens, hidden], the dtype of x, unused slots zero.
-        recv_x_scales: [E_local, R * max_tokens, num_scales] (the dtype of
+        recv_x: [E_local, R * capacity, hidden], the dtype of x, unused slots zero.
+        recv_x_scales: [E_local, R * capacity, num_scales] (the dtype of
             x_scales, normally float32 with hidden / 128 columns; unused zero) or None.
         recv_count: [E_local] int32, tokens received per local expert.
-        recv_src_info: [E_local, R * max_tokens] int32, source token index of
+        recv_src_info: [E_local, R * capacity] int32, source token index of
             each slot, -1 where unused.
         layout_begin: [E_local, R] int64, first slot of source rank r's tokens
-            for local expert e (always r * max_tokens).
+            for local expert e (always r * capacity).
         layout_count: [E_local, R] int64, number of those tokens.
         num_tokens_per_expert_src: [E_local, R] int32, the same counts as int32.
         num_max_dispatch_tokens_per_rank: int, max_tokens.
+        capacity: int, rows of each (expert, source) region (max_tokens unless given).
     """
 
     recv_x: np.ndarray
@@ -55,6 +57,7 @@ class LowLatencyDispatchResult:
     layout_count: np.ndarray
     num_tokens_per_expert_src: np.ndarray
     num_max_dispatch_tokens_per_rank: int
+    capacity: int
 
 
 def _check_distinct_experts(topk_idx: np.ndarray, src_rank: int) -> None:
@@ -142,6 +145,7 @@ def low_latency_dispatch(
     num_experts: int,
     num_max_dispatch_tokens_per_rank: int,
     x_scales: Optional[Sequence[np.ndarray]] = None,
+    capacity: Optional[int] = None,
 ) -> List[LowLatencyDispatchResult]:
     """Low-latency dispatch of every rank's tokens, as every rank sees it.
 
@@ -154,6 +158,10 @@ def low_latency_dispatch(
         num_max_dispatch_tokens_per_rank: max_tokens, slots per (expert, source).
         x_scales: None or list over s of [num_tokens_s, hidden / 128] float32
             (any dtype and column count is carried; hidden must be a multiple of 128).
+        capacity: rows of each (expert, source) region, in [1, max_tokens]
+            (None: max_tokens). A routing that gives one expert more of one
+            source's tokens raises ValueError naming them: a region never
+            drops a token.
 
     Returns:
         list over destination ranks d of LowLatencyDispatchResult.
@@ -162,7 +170,16 @@ def low_latency_dispatch(
     _check_ll_inputs(topk_idx, num_max_dispatch_tokens_per_rank)
     num_ranks = len(x)
     max_tokens = int(num_max_dispatch_tokens_per_rank)
-    num_slots = num_ranks * max_tokens
+    region = max_tokens if capacity is None else int(capacity)
+    if not 1 <= region <= max_tokens:
+        raise ValueError(f"capacity must be in [1, num_max_dispatch_tokens_per_rank={max_tokens}], got {capacity}")
+    for src, idx in enumerate(topk_idx):
+        per_expert = np.bincount(idx[idx >= 0], minlength=num_experts)
+        if per_expert.max(initial=0) > region:
+            e = int(per_expert.argmax())
+            raise ValueError(f"source rank {src} sends {int(per_expert[e])} tokens to expert {e}, more than the "
+                             f"capacity of its region ({region})")
+    num_slots = num_ranks * region
     hidden = x[0].shape[1]
 
     recv_x = [np.zeros((num_local_experts, num_slots, hidden), dtype=x[0].dtype) for _ in range(num_ranks)]
@@ -180,7 +197,7 @@ def low_latency_dispatch(
         experts = idx[tokens, slots]
         dst_of = experts // num_local_experts
         local = experts % num_local_experts
-        slot = src * max_tokens + position[tokens, slots]
+        slot = src * region + position[tokens, slots]
         for dst in range(num_ranks):
             mask = dst_of == dst
             rows, where_expert, where_slot = tokens[mask], local[mask], slot[mask]
@@ -191,7 +208,7 @@ def low_latency_dispatch(
             counts[dst, :, src] = np.bincount(where_expert, minlength=num_local_experts)
 
     layout_begin = np.broadcast_to(
-        np.arange(num_ranks, dtype=np.int64) * max_tokens, (num_local_experts, num_ranks)
+        np.arange(num_ranks, dtype=np.int64) * region, (num_local_experts, num_ranks)
     ).copy()
     return [
         LowLatencyDispatchResult(
@@ -203,6 +220,7 @@ def low_latency_dispatch(
             layout_count=counts[dst].copy(),
             num_tokens_per_expert_src=counts[dst].astype(np.int32),
             num_max_dispatch_tokens_per_rank=max_tokens,
+            capacity=region,
         )
         for dst in range(num_ranks)
     ]
@@ -222,7 +240,7 @@ def low_latency_combine(
 
     Arguments:
         expert_out: list over destination ranks d of
-            [E_local, R * max_tokens, hidden] float32 / bfloat16 / float16.
+            [E_local, R * capacity, hidden] float32 / bfloat16 / float16.
         results: list over d of the LowLatencyDispatchResult of the dispatch.
         topk_idx: list over source ranks s of [num_tokens_s, num_topk] int64
             (the routing that was dispatched).
@@ -240,6 +258,7 @@ def low_latency_combine(
         )
     num_local_experts, num_slots = results[0].recv_src_info.shape
     max_tokens = results[0].num_max_dispatch_tokens_per_rank
+    region = results[0].capacity
     hidden = results[0].recv_x.shape[2]
     for dst in range(num_ranks):
         expected = (num_local_experts, num_slots, hidden)
@@ -262,7 +281,7 @@ def low_latency_combine(
             for dst in range(num_ranks):
                 tokens = np.flatnonzero((experts >= 0) & (experts // num_local_experts == dst))
                 local = experts[tokens] % num_local_experts
-                slot = src * max_tokens + position[tokens, j]
+                slot = src * region + position[tokens, j]
                 if np.any(results[dst].recv_src_info[local, slot] != tokens):
                     raise ValueError(
                         f"results[{dst}] does not hold the tokens of source rank {src} where "

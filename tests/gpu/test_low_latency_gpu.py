@@ -72,10 +72,12 @@ def _expert_outputs(res, use_fp8, ue8m0=False):
     return bits.astype(np.uint16)
 
 
-def _check_dispatch(group, res, tokens, idx, use_fp8, xs, E=E, MAX_TOKENS=MAX_TOKENS):
-    """Exact per-(expert, source) comparison with the reference dispatch."""
+def _check_dispatch(group, res, tokens, idx, use_fp8, xs, E=E, MAX_TOKENS=MAX_TOKENS, capacity=None):
+    """Exact per-(expert, source) comparison with the reference dispatch
+    (regions of ``capacity`` rows, default MAX_TOKENS)."""
     me, R = ranks(group)
-    refs = ref.low_latency_dispatch(xs, idx, E, MAX_TOKENS)
+    refs = ref.low_latency_dispatch(xs, idx, E, MAX_TOKENS, capacity=capacity)
+    region = capacity or MAX_TOKENS
     mine = refs[me]
     counts = res.handle.layout_count.get()
     ok = np.array_equal(counts, mine.layout_count.astype(np.int32))
@@ -92,7 +94,7 @@ def _check_dispatch(group, res, tokens, idx, use_fp8, xs, E=E, MAX_TOKENS=MAX_TO
     for e in range(El):
         for s in range(R):
             c = int(mine.layout_count[e, s])
-            sl = slice(s * MAX_TOKENS, s * MAX_TOKENS + c)
+            sl = slice(s * region, s * region + c)
             if not np.array_equal(src[e, sl], mine.recv_src_info[e, sl]):
                 bad.append(("src", e, s))
                 continue
