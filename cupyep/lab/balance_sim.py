@@ -48,21 +48,34 @@ evenly over its replicas):
   loads);
 - ``"migration"``: an ``OnlineBalancer`` (imbalance alarm, exponential
   moving average, ``MigrationPolicy`` on the cost model's per-pair time and
-  copy bandwidth) fed each step's loads after the step; it moves only when
-  the move pays, and the next step carries the move;
+  copy bandwidth) fed each step's loads after the step, which is when it
+  plans; it moves only when the move pays, during the next step;
 - ``"per_step"``: planned from the current step's own loads before the step
   runs (the loads the layout pass has), every step.
 
 Every plan is aligned to the current placement (``migration.align``) and
-its moves planned (``migration.plan_moves``). A balancing arm pays a fixed
-overhead every step (counting and exchanging the loads), ``plan_us`` in a
-step that plans, and in a step that moves its busiest rank's moved bytes
-(pulled or served) over the copy bandwidth, times 1 - ``overlap``.
+its moves planned (``migration.plan_moves``). As in the GPU study
+(experiments/study_balance.py), eplb's and migration's moves run during a
+step (started before it, finished after it), which still runs on the old
+placement; the new one serves from the next step. per_step's move finishes
+before its step runs. A balancing arm pays a fixed overhead every step
+(counting and exchanging the loads), a plan's cost in a step that plans,
+and in a step that moves its busiest rank's moved bytes (pulled or served)
+over the copy bandwidth, times 1 - ``overlap``; a layer's first move also
+pays a one-off setup (the expert store's creation, which registers the
+layer's weights).
 
 **Costs** (:class:`CostModel`). Per rank r, with p_r its (row, expert) pairs
 and w_r the rows it receives: ffn = a + b p_r, dispatch = c + d w_r, combine
-= c' + d' w_r. The layer's time is the straggler's max over r of dispatch +
-ffn + combine, plus the step's balancing cost and a constant rest. The rows
+= c' + d' w_r, each a rank's own work (:meth:`CostModel.fit` takes the
+waits out of the measured times: a rank's dispatch waits for the last
+sender, its combine for the last rank's FFN). The straggler is the rank
+whose dispatch + ffn ends last; the layer's time is its dispatch + ffn +
+combine, plus the step's balancing cost, the arm's replica choice
+(``map_us``: logical to physical ids, about 1 ms per step on the measured
+runs for every arm with a placement, 15 us without) and a constant rest.
+Every cost is >= 0: the fit is non-negative least squares (:func:`nnls`),
+and a coefficient the bound holds at 0 is named in ``fit_error``. The rows
 come from the pairs (:func:`rows_from_slot_pairs`): a token visits rank r
 once if any of its slots lands there. With x_j the share of the N tokens
 that physical expert j on rank r serves, independent slots would give w_r =
@@ -73,24 +86,52 @@ expected number of ranks a token visits, the distinct-rank factor of top-k;
 within 2.5 % of the token-level rows under Zipf (s <= 1.2) and hot-expert
 loads, 4 % at Zipf s = 2, with and without replicas).
 
-What the model leaves out at scale: the coefficients are those of the
-measured runs (8 ranks), so a row crossing nodes costs what a measured row
-cost, and the per-step overhead (the load exchange) and the plan do not
-grow with R; the simulated times are the measured costs applied to the
-per-rank work at R ranks, not a model of a network.
+**What grows with R.** With T tokens per rank, k slots per token and E =
+experts_per_rank * R, the mean pairs per rank stay T k; what grows is
+- the straggler's work: the rank holding a hot expert gets about
+  hot_fraction R T pairs (a Zipf head's rank, its share of R T k), so
+  without balancing its FFN (b per pair), dispatch and combine (d, d' per
+  row, up to R T rows) grow in proportion to R: at 1024 ranks a hot expert
+  of half the tokens puts 2.1 M pairs on one rank, about 1.7 s of FFN at
+  the measured 0.78 us per pair;
+- a plan: its cost grows with the experts planned, plan_us (E /
+  plan_experts) ** plan_exponent (:meth:`CostModel.plan_cost`; plan_us
+  measured at the records' E). cupyep.balance's host planner
+  (rebalance_experts, align, plan_moves) grows about in proportion to E
+  (exponent 1, the default): per_step's plan and eplb's and migration's
+  are the measured 8-rank plan times E / 64 at R ranks;
+- a move's busiest rank: a rank pulls at most its slots (experts_per_rank +
+  redundant), but plan_moves serves every new replica of an expert from a
+  holder, so the rank serving a hot expert's new replicas serves more of
+  them as R grows (the moved bytes are simulated, not assumed).
+
+What is held at its 8-rank value: the per-step overhead (the load count
+and exchange: an all-reduce of E counts, 64 KiB at E = 8192, whose
+latency at 1024 ranks (log2 R = 10 hops of a tree) is tens of
+microseconds, below the measured overhead's error), the replica choice
+(per token, O(T k)), the copy bandwidth (the measured effective one, about
+31 GB/s with the copies' launch costs, near a 400 Gb/s NIC's 50 GB/s for a
+move across nodes), the first-move setup (one-off, left out of the
+steady-state means) and the per-row costs (a row crossing nodes costs what
+a measured row on one GPU cost). The simulated times are the measured
+costs applied to the per-rank work at R ranks, not a model of a network.
 
 **Records** (:func:`read_records`): the balance study's JSONL, one line per
 (trace, arm, step, layer) with "logical_loads", "pairs_per_rank",
 "rows_per_rank", "us" (per rank "dispatch", "ffn", "combine", and optionally
-"balance"), "layer_us", "moved_experts", "moved_bytes", "expert_bytes".
-:meth:`CostModel.fit` calibrates the model on them, :func:`validate`
-re-simulates them, :func:`synthetic_records` writes records of a known model.
+"balance" and "map"), "layer_us", "planned", "moved_experts", "moved_bytes",
+"moved_bytes_per_rank", "expert_bytes". :meth:`CostModel.fit` calibrates the
+model on them, :func:`validate` re-simulates them (from the routing's own
+warm-up steps where cupyep.routing regenerates them), and
+:func:`synthetic_records` writes records of a known model, timed as the GPU
+study times them.
 
 **Where an arm stops paying** (:func:`study`, :func:`sweep`,
 :func:`break_even`): per rank count, trace and arm the mean imbalance,
-layer time and balancing cost and the speed-up over ``"none"``; the expert
-size above which an arm's balancing cost exceeds its straggler saving, and
-the drift period below which it does.
+layer time and balancing cost (steady state: the first-move setup reported
+apart) and the speed-up over ``"none"``; the expert size above which an
+arm's balancing cost exceeds its straggler saving, and the drift period
+below which it does.
 """
 from __future__ import annotations
 
@@ -99,6 +140,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -371,28 +413,95 @@ def rows_from_slot_pairs(slot_pairs, num_tokens, num_experts: int, num_topk: int
     return N[..., 0] * -np.expm1(np.minimum(log_miss, 0.0))
 
 
+def nnls(A, b, max_iter: int | None = None) -> np.ndarray:
+    """Non-negative least squares: the x >= 0 that minimises |A x - b|
+    (Lawson and Hanson's active-set method, NumPy only).
+
+    Arguments:
+        A: [m, n] finite numbers; b: [m] finite numbers.
+        max_iter: outer iterations at most (default 3 n).
+
+    Returns:
+        [n] float64, every entry >= 0 (0 where the constraint binds).
+    """
+    A = np.asarray(A, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    if A.ndim != 2 or b.shape != (A.shape[0],) or not np.isfinite(A).all() or not np.isfinite(b).all():
+        raise ValueError(f"nnls needs a finite [m, n] A and [m] b, got shapes {A.shape} and {b.shape}")
+    m, n = A.shape
+    tol = 10 * max(m, n) * np.finfo(np.float64).eps * max(np.abs(A).sum(0).max(initial=0.0), 1.0) \
+        * max(np.abs(b).max(initial=0.0), 1.0)
+    free = np.zeros(n, dtype=bool)  # the passive set: entries solved without their bound
+    x = np.zeros(n)
+    for _ in range(3 * n if max_iter is None else max_iter):
+        grad = A.T @ (b - A @ x)
+        if free.all() or grad[~free].max() <= tol:
+            break
+        free[np.flatnonzero(~free)[np.argmax(grad[~free])]] = True
+        while True:
+            z = np.zeros(n)
+            z[free] = np.linalg.lstsq(A[:, free], b, rcond=None)[0]
+            if (z[free] > 0).all():
+                x = z
+                break
+            bad = free & (z <= 0)
+            step = np.min(x[bad] / (x[bad] - z[bad]))
+            x = x + step * (z - x)
+            free &= x > tol
+            x[~free] = 0.0
+    return x
+
+
+def _nnls_fit(A, y) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(coefficients >= 0, their standard errors, residuals) of y ~ A x by
+    :func:`nnls`; the errors are least squares' (sigma^2 (A^T A)^-1, sigma
+    from the constrained residuals), a bound coefficient's included."""
+    A, y = np.asarray(A, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    sol = nnls(A, y)
+    resid = y - A @ sol
+    dof = max(len(y) - A.shape[1], 1)
+    cov = (resid @ resid / dof) * np.linalg.pinv(A.T @ A)
+    return sol, np.sqrt(np.clip(np.diag(cov), 0.0, None)), resid
+
+
+_NUMBERS = ("ffn_us", "ffn_us_per_pair", "dispatch_us", "dispatch_us_per_row", "combine_us", "combine_us_per_row",
+            "copy_GBps", "plan_us", "other_us", "setup_us", "plan_exponent")
+
+
 @dataclass(frozen=True)
 class CostModel:
-    """Per-rank work to time, in microseconds (the module docstring).
+    """Per-rank work to time, in microseconds (the module docstring). Every
+    cost is >= 0.
 
     Attributes:
         ffn_us, ffn_us_per_pair: a, b of the expert FFN, a + b * pairs.
-        dispatch_us, dispatch_us_per_row: c, d of the dispatch, c + d * rows.
-        combine_us, combine_us_per_row: c', d' of the combine.
-        copy_GBps: the expert-weight copy bandwidth per rank, GB/s.
-        plan_us: the cost of one plan (per layer, in the step it serves).
-        other_us: the rest of a layer's time, every step and arm (the
-            replica choice, gaps between the phases).
+        dispatch_us, dispatch_us_per_row: c, d of the dispatch, c + d * rows
+            (its own work, not the wait for the slowest sender).
+        combine_us, combine_us_per_row: c', d' of the combine (its own work,
+            not the wait for the slowest rank's FFN).
+        copy_GBps: the expert-weight copy bandwidth per rank, GB/s (> 0).
+        plan_us: the cost of one plan (per layer, in the step that plans) at
+            ``plan_experts`` experts.
+        other_us: the rest of a layer's time, every step and arm (gaps
+            between the phases, waits the parts do not hold).
         overhead_us: {arm: us} the balancing an arm does every step whether
             it plans or not (counting and exchanging the loads); 0 where
             absent.
+        map_us: {arm: us} the replica choice (logical to physical expert
+            ids) every step; 0 where absent.
+        setup_us: the one-off cost of a layer's first move (the expert
+            store's creation), paid in the step that first moves.
+        plan_experts: E at which plan_us was measured; 0: plan_us at any E.
+        plan_exponent: a plan at E experts costs plan_us * (E /
+            plan_experts) ** plan_exponent (:meth:`plan_cost`).
         source: where the numbers come from ("fit on N records", or
             "placeholder": not a measurement).
         fit_error: the standard error of each fitted coefficient (same
-            names and units; "overhead_us" a dict of them, None for a value
-            given rather than fitted), the relative rms residual of each
-            part ("rel_rms_ffn", ...) and the records used; None when not
-            fitted.
+            names and units; "overhead_us" and "map_us" dicts of them, None
+            for a value given rather than fitted), the relative rms
+            residual of each part ("rel_rms_ffn", ...), the coefficients
+            the non-negativity bound holds at 0 ("at_bound") and the
+            records used; None when not fitted.
     """
     ffn_us: float
     ffn_us_per_pair: float
@@ -404,20 +513,28 @@ class CostModel:
     plan_us: float = 0.0
     other_us: float = 0.0
     overhead_us: dict = field(default_factory=dict)
+    map_us: dict = field(default_factory=dict)
+    setup_us: float = 0.0
+    plan_experts: int = 0
+    plan_exponent: float = 1.0
     source: str = "given"
     fit_error: dict | None = field(default=None, compare=False)
 
     def __post_init__(self):
-        for f in fields(self)[:9]:
-            v = getattr(self, f.name)
-            if not (isinstance(v, (int, float, np.number)) and math.isfinite(v)):
-                raise ValueError(f"{f.name} must be a finite number, got {v!r}")
+        for name in _NUMBERS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not (isinstance(v, (int, float, np.number)) and math.isfinite(v)) or v < 0:
+                raise ValueError(f"{name} must be a finite number >= 0 (a cost cannot be negative), got {v!r}")
         if self.copy_GBps <= 0:
             raise ValueError(f"copy_GBps must be > 0, got {self.copy_GBps}")
-        if not isinstance(self.overhead_us, dict) or any(
-                k not in ARMS or not (isinstance(v, (int, float, np.number)) and math.isfinite(v))
-                for k, v in self.overhead_us.items()):
-            raise ValueError(f"overhead_us must map arms of {ARMS} to finite numbers, got {self.overhead_us!r}")
+        _int("plan_experts", self.plan_experts)
+        for name in ("overhead_us", "map_us"):
+            d = getattr(self, name)
+            if not isinstance(d, dict) or any(
+                    k not in ARMS or isinstance(v, bool) or not (isinstance(v, (int, float, np.number))
+                                                              and math.isfinite(v) and v >= 0)
+                    for k, v in d.items()):
+                raise ValueError(f"{name} must map arms of {ARMS} to finite numbers >= 0, got {d!r}")
 
     @classmethod
     def default(cls) -> "CostModel":
@@ -427,6 +544,7 @@ class CostModel:
         return cls(ffn_us=20.0, ffn_us_per_pair=0.02, dispatch_us=15.0, dispatch_us_per_row=0.08,
                    combine_us=15.0, combine_us_per_row=0.08, copy_GBps=100.0, plan_us=200.0, other_us=10.0,
                    overhead_us={"eplb": 20.0, "migration": 20.0, "per_step": 20.0},
+                   map_us={"eplb": 5.0, "migration": 5.0, "per_step": 5.0}, setup_us=1000.0,
                    source="placeholder (CostModel.default): not a measurement")
 
     def ffn(self, pairs) -> np.ndarray:
@@ -445,42 +563,74 @@ class CostModel:
         """Copy time, us, of ``moved_bytes`` (any shape) at copy_GBps."""
         return np.asarray(moved_bytes, dtype=np.float64) / (self.copy_GBps * 1e3)
 
-    def straggler(self, pairs, rows) -> np.ndarray:
-        """[...] float64: max over ranks of dispatch + ffn + combine, for
-        ``pairs`` and ``rows`` [..., R]."""
-        return (self.dispatch(rows) + self.ffn(pairs) + self.combine(rows)).max(-1)
+    def plan_cost(self, num_experts: int | None = None) -> float:
+        """One plan's cost, us, at ``num_experts`` experts: plan_us * (E /
+        plan_experts) ** plan_exponent (plan_us when either is 0 or None)."""
+        if not num_experts or not self.plan_experts:
+            return float(self.plan_us)
+        return float(self.plan_us * (_int("num_experts", num_experts, 1) / self.plan_experts) ** self.plan_exponent)
 
-    def balance(self, arm: str, planned, moved_bytes) -> np.ndarray:
+    def straggler(self, pairs, rows) -> np.ndarray:
+        """[...] float64: the layer's critical path for ``pairs`` and
+        ``rows`` [..., R]: the dispatch + ffn of the rank whose FFN ends
+        last (the max over ranks) + that rank's combine."""
+        pairs, rows = np.broadcast_arrays(np.asarray(pairs, dtype=np.float64), np.asarray(rows, dtype=np.float64))
+        head = self.dispatch(rows) + self.ffn(pairs)
+        last = head.argmax(-1)[..., None]
+        return (np.take_along_axis(head, last, -1) + self.combine(np.take_along_axis(rows, last, -1)))[..., 0]
+
+    def balance(self, arm: str, planned, moved_bytes, num_experts: int | None = None,
+                first_move=False) -> np.ndarray:
         """Balancing time, us, of a step of ``arm``: overhead_us[arm] +
-        plan_us where ``planned`` (bool, any shape) + the copy of
-        ``moved_bytes`` (broadcast against planned)."""
-        return (self.overhead_us.get(arm, 0.0) + self.plan_us * np.asarray(planned, dtype=np.float64)
-                + self.migration(moved_bytes))
+        :meth:`plan_cost` (num_experts) where ``planned`` (bool, any shape)
+        + the copy of ``moved_bytes`` + setup_us where ``first_move`` (all
+        broadcast together)."""
+        return (self.overhead_us.get(arm, 0.0) + self.plan_cost(num_experts) * np.asarray(planned, dtype=np.float64)
+                + self.migration(moved_bytes) + self.setup_us * np.asarray(first_move, dtype=np.float64))
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
-    def fit(cls, records, copy_GBps: float | None = None, plan_us: float | None = None) -> "CostModel":
-        """Least-squares calibration on measured records (:func:`read_records`'s
-        dicts, or raw ones), each coefficient with its standard error:
+    def fit(cls, records, copy_GBps: float | None = None, plan_us: float | None = None,
+            plan_exponent: float = 1.0) -> "CostModel":
+        """Calibration on measured records (:func:`read_records`'s dicts, or
+        raw ones) by non-negative least squares (:func:`nnls`: a cost is
+        never negative; a coefficient the bound holds at 0 is listed in
+        fit_error["at_bound"]), each coefficient with its standard error.
+        A rank's measured dispatch waits for the slowest sender and its
+        combine for the slowest rank's FFN (the straggler); the parts are
+        fit on the rank's own work:
 
-        - ffn on (1, pairs_per_rank), dispatch and combine on (1,
-          rows_per_rank), every rank of every record a point;
+        - ffn on (1, pairs_per_rank), every rank of every record a point;
+        - dispatch on (1, rows_per_rank): each rank's dispatch less its
+          wait for the last sender to start, max over ranks of (balance +
+          map) less its own (the balance's part after the layer counted as
+          before it: it differs little between ranks);
+        - combine on (1, rows_per_rank): the combine of the rank whose FFN
+          ended last (balance + map + dispatch + ffn), which waits for no
+          other rank's FFN, one point per record;
+        - map_us per arm: the mean of the slowest rank's "map";
         - the balancing cost, each record's slowest rank's "balance" time,
-          on one overhead per arm, plan_us where a plan ran (the record's
-          "planned"; without it: every per_step record and every record
-          that moved experts) and
-          the busiest rank's moved bytes (the max of "moved_bytes_per_rank"
-          when given, else ceil(moved_experts / ranks) * expert_bytes, the
-          moves spread evenly), whose slope is 1 / copy_GBps. Where the
-          plans cannot be told apart from the per_step records (a plan ran
-          in exactly those), per_step's overhead is folded into plan_us.
-          Records without two distinct moved sizes cannot fit the
-          bandwidth: ``copy_GBps`` must be given (and ``plan_us`` where no
-          record planned);
-        - other_us, the median of layer_us - (the slowest rank's dispatch +
-          ffn + combine) - (the slowest rank's balance) over the records.
+          over the records that are not a layer's first move
+          (:func:`_first_moves`): one overhead per arm, plan_us where a plan
+          ran (the record's "planned"; without it: every per_step record
+          and every record that moved experts) and the busiest rank's moved
+          bytes (the max of "moved_bytes_per_rank" when given, else
+          ceil(moved_experts / ranks) * expert_bytes), whose slope is 1 /
+          copy_GBps. Where the plans cannot be told apart from the per_step
+          records (a plan ran in exactly those), per_step's overhead is
+          folded into plan_us. Records without two distinct moved sizes
+          cannot fit the bandwidth: ``copy_GBps`` must be given (and
+          ``plan_us`` where no record planned);
+        - setup_us: the mean over the first-move records of their balance
+          less the steady part above (0 when there are none; clipped at 0);
+        - other_us: the median of layer_us - (the slowest rank's balance
+          and map + the model's straggler on the record's pairs and rows),
+          clipped at 0.
+
+        plan_experts is the records' median E; ``plan_exponent`` is given,
+        not fit (every record has one E).
 
         Returns a CostModel whose fit_error holds the standard errors and
         the relative rms residual of each part.
@@ -488,25 +638,66 @@ class CostModel:
         recs = [r if r.get("_normalized") else _normalize(r, i) for i, r in enumerate(records)]
         if not recs:
             raise ValueError("records: no record to fit")
+        if isinstance(plan_exponent, bool) or not (isinstance(plan_exponent, (int, float)) and plan_exponent >= 0):
+            raise ValueError(f"plan_exponent must be a number >= 0, got {plan_exponent!r}")
+        coef, err, at_bound = {}, {}, []
         pairs = np.concatenate([r["pairs_per_rank"] for r in recs])
+        ffn = np.concatenate([r["us"]["ffn"] for r in recs])
         rows = np.concatenate([r["rows_per_rank"] for r in recs])
-        coef, err = {}, {}
-        for part, x in (("ffn", pairs), ("dispatch", rows), ("combine", rows)):
-            y = np.concatenate([r["us"][part] for r in recs])
-            (c0, c1), (e0, e1), rel = _line(x, y, f"records' {part} times against "
-                                            f"{'pairs_per_rank' if part == 'ffn' else 'rows_per_rank'}")
+        disp = np.concatenate([r["us"]["dispatch"] - _start_wait(r) for r in recs])
+        last = [int(np.argmax(_start(r) + r["us"]["dispatch"] + r["us"]["ffn"])) for r in recs]
+        comb_rows = np.array([r["rows_per_rank"][i] for r, i in zip(recs, last)])
+        comb = np.array([r["us"]["combine"][i] for r, i in zip(recs, last)])
+        for part, x, y, what in (("ffn", pairs, ffn, "pairs_per_rank"), ("dispatch", rows, disp, "rows_per_rank"),
+                                 ("combine", comb_rows, comb, "rows_per_rank")):
+            (c0, c1), (e0, e1), rel = _line(x, y, f"records' {part} times against {what}")
             unit = "pair" if part == "ffn" else "row"
-            coef[f"{part}_us"], coef[f"{part}_us_per_{unit}"] = c0, c1
-            err[f"{part}_us"], err[f"{part}_us_per_{unit}"], err[f"rel_rms_{part}"] = e0, e1, rel
-        coef_b, err_b = _fit_balance(recs, copy_GBps, plan_us)
+            names = (f"{part}_us", f"{part}_us_per_{unit}")
+            coef[names[0]], coef[names[1]] = c0, c1
+            err[names[0]], err[names[1]], err[f"rel_rms_{part}"] = e0, e1, rel
+            at_bound += [n for n, v in zip(names, (c0, c1)) if v == 0]
+        coef["map_us"], err["map_us"] = {}, {}
+        for arm in sorted({r["arm"] for r in recs}):
+            m = np.array([r["us"]["map"].max() for r in recs if r["arm"] == arm])
+            coef["map_us"][arm] = float(m.mean())
+            err["map_us"][arm] = float(m.std(ddof=1) / math.sqrt(m.size)) if m.size > 1 else None
+        first = _first_moves(recs)
+        coef_b, err_b, steady = _fit_balance([r for r, f in zip(recs, first) if not f], copy_GBps, plan_us)
         coef.update(coef_b)
         err.update(err_b)
-        parts = np.array([(r["us"]["dispatch"] + r["us"]["ffn"] + r["us"]["combine"]).max() for r in recs])
-        rest = np.array([r["layer_us"] for r in recs]) - parts - np.array([r["balance_us"] for r in recs])
-        coef["other_us"] = float(np.median(rest))
+        at_bound += err_b.pop("at_bound")
+        experts = int(np.median([r["experts"] for r in recs]))
+        probe = cls(**{**coef, "other_us": 0.0, "setup_us": 0.0, "plan_experts": experts,
+                       "plan_exponent": plan_exponent})
+        extra = np.array([r["balance_us"] - steady(probe, r) for r, f in zip(recs, first) if f])
+        coef["setup_us"] = float(max(extra.mean(), 0.0)) if extra.size else 0.0
+        err["setup_us"] = float(extra.std(ddof=1) / math.sqrt(extra.size)) if extra.size > 1 else None
+        err["setup_us_range"] = [float(extra.min()), float(extra.max())] if extra.size else None
+        err["first_moves"] = int(extra.size)
+        if extra.size and extra.mean() <= 0:
+            at_bound.append("setup_us")
+        rest = np.array([r["layer_us"] - r["balance_us"] - r["us"]["map"].max()
+                         - float(probe.straggler(r["pairs_per_rank"], r["rows_per_rank"])) for r in recs])
+        coef["other_us"] = float(max(np.median(rest), 0.0))
+        if np.median(rest) < 0:
+            at_bound.append("other_us")
         err["other_us"] = float(1.2533 * rest.std(ddof=1) / math.sqrt(rest.size)) if rest.size > 1 else None
+        err["at_bound"] = at_bound
         err["records"] = len(recs)
-        return cls(**coef, source=f"fit on {len(recs)} records", fit_error=err)
+        return cls(**coef, plan_experts=experts, plan_exponent=float(plan_exponent),
+                   source=f"fit on {len(recs)} records", fit_error=err)
+
+
+def _start(rec: dict) -> np.ndarray:
+    """[R]: when each rank starts its dispatch, from the step's start (its
+    balance + map; the balance's part after the layer counted as before)."""
+    return rec["us"]["balance"] + rec["us"]["map"]
+
+
+def _start_wait(rec: dict) -> np.ndarray:
+    """[R]: each rank's wait in the dispatch for the last sender to start."""
+    s = _start(rec)
+    return np.minimum(s.max() - s, rec["us"]["dispatch"])
 
 
 def _planned(rec: dict) -> bool:
@@ -517,8 +708,41 @@ def _planned(rec: dict) -> bool:
     return rec["arm"] == "per_step" or rec["moved_experts"] > 0
 
 
-def _fit_balance(recs: list[dict], copy_GBps, plan_us) -> tuple[dict, dict]:
-    """CostModel.fit's balancing part: ({copy_GBps, plan_us, overhead_us}, their errors)."""
+def _moved_before(arm: str, first_step: int, period: int) -> bool:
+    """Whether an arm's schedule moved weights before a run's first recorded
+    step: per_step moves from step 0 on, eplb from step ``period`` on."""
+    return (arm == "per_step" and first_step > 0) or (arm == "eplb" and first_step > period)
+
+
+def _first_moves(recs: list[dict]) -> list[bool]:
+    """Per record, whether it is its layer's first move in its run (the
+    expert store's creation): a record's "first_move" when given, else the
+    first record of the (run, layer) that moved experts, unless the arm's
+    schedule moved before the run's first record (:func:`_moved_before`,
+    eplb's period from the record's "arm_params", else 4)."""
+    out = {}
+    for run in _runs(recs):
+        first_step = min(r["step"] for r in run)
+        for layer in sorted({r["layer"] for r in run}):
+            recs_l = sorted((r for r in run if r["layer"] == layer), key=lambda r: r["step"])
+            period = int((recs_l[0].get("arm_params") or {}).get("period", 4))
+            done = _moved_before(recs_l[0]["arm"], first_step, period)
+            for r in recs_l:
+                if r.get("first_move") is not None:
+                    out[id(r)] = bool(r["first_move"])
+                    done = done or out[id(r)]
+                    continue
+                out[id(r)] = not done and r["moved_experts"] > 0
+                done = done or out[id(r)]
+    return [out[id(r)] for r in recs]
+
+
+def _fit_balance(recs: list[dict], copy_GBps, plan_us) -> tuple[dict, dict, callable]:
+    """CostModel.fit's balancing part on the steady (not first-move)
+    records: ({copy_GBps, plan_us, overhead_us}, their errors and
+    "at_bound", steady(model, record) -> the record's predicted balance)."""
+    if not recs:
+        raise ValueError("records: every record is a first move; nothing to fit the balancing cost on")
     y = np.array([r["balance_us"] for r in recs], dtype=np.float64)
     moved = np.array([r["busiest_bytes"] for r in recs], dtype=np.float64)
     planned = np.array([_planned(r) for r in recs], dtype=np.float64)
@@ -534,6 +758,8 @@ def _fit_balance(recs: list[dict], copy_GBps, plan_us) -> tuple[dict, dict]:
     fixed = {}
     if plan_us is not None:
         fixed["plan_us"] = float(plan_us)
+        if fixed["plan_us"] < 0:
+            raise ValueError(f"plan_us must be >= 0, got {plan_us}")
         y = y - fixed["plan_us"] * planned
     elif planned.any():
         names.append(("plan_us", None))
@@ -543,7 +769,7 @@ def _fit_balance(recs: list[dict], copy_GBps, plan_us) -> tuple[dict, dict]:
     fit_bw = np.unique(moved).size >= 2
     if fit_bw:
         names.append(("slope", None))
-        cols.append(moved)
+        cols.append(moved / 1e6)  # us per MB
     elif copy_GBps is None:
         raise ValueError("records: too few records with two distinct moved sizes to fit the copy bandwidth; "
                          "pass copy_GBps=")
@@ -553,40 +779,41 @@ def _fit_balance(recs: list[dict], copy_GBps, plan_us) -> tuple[dict, dict]:
     if np.linalg.matrix_rank(A) < A.shape[1] or len(y) <= A.shape[1]:
         raise ValueError(f"records: the balancing times cannot separate {[n for n, _ in names]}; "
                          "pass copy_GBps= and plan_us=")
-    sol, *_ = np.linalg.lstsq(A, y, rcond=None)
-    resid = y - A @ sol
-    cov = (resid @ resid / (len(y) - A.shape[1])) * np.linalg.inv(A.T @ A)
-    se = np.sqrt(np.clip(np.diag(cov), 0, None))
+    sol, se, resid = _nnls_fit(A, y)
     coef = {"overhead_us": {}, **fixed}
-    err = {"overhead_us": {}, **{k: None for k in fixed}}
+    err = {"overhead_us": {}, **{k: None for k in fixed}, "at_bound": []}
     for (name, arm), v, e in zip(names, sol, se):
         if name == "overhead":
             coef["overhead_us"][arm], err["overhead_us"][arm] = float(v), float(e)
+            if v == 0:
+                err["at_bound"].append(f"overhead_us[{arm}]")
         elif name == "plan_us":
             coef["plan_us"], err["plan_us"] = float(v), float(e)
+            if v == 0:
+                err["at_bound"].append("plan_us")
         else:
             if v <= 0:
                 raise ValueError("records: the balancing time does not grow with the moved bytes; "
                                  "pass copy_GBps= instead of fitting it")
-            coef["copy_GBps"], err["copy_GBps"] = float(1.0 / (v * 1e3)), float(e / v / (v * 1e3))
+            coef["copy_GBps"], err["copy_GBps"] = float(1e3 / v), float(1e3 * e / v ** 2)  # v us per MB: 1e3 / v GB/s
     if not fit_bw:
         coef["copy_GBps"], err["copy_GBps"] = float(copy_GBps), None
     err["rel_rms_balance"] = float(np.sqrt(np.mean(resid ** 2)) / max(np.mean(np.abs(y)), 1e-300))
-    return coef, err
+
+    def steady(model: "CostModel", rec: dict) -> float:
+        return float(model.balance(rec["arm"], _planned(rec), rec["busiest_bytes"], rec["experts"]))
+    return coef, err, steady
 
 
 def _line(x, y, what: str):
-    """Least squares y = c0 + c1 x: ((c0, c1), (se0, se1), relative rms residual)."""
+    """Non-negative least squares y = c0 + c1 x: ((c0, c1) >= 0, (se0, se1),
+    relative rms residual)."""
     x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
     if x.size < 3 or np.unique(x).size < 2:
         raise ValueError(f"records: the fit of {what} needs 3 or more points and 2 or more distinct x")
-    A = np.stack([np.ones_like(x), x], axis=1)
-    sol, *_ = np.linalg.lstsq(A, y, rcond=None)
-    resid = y - A @ sol
-    dof = max(x.size - 2, 1)
-    cov = (resid @ resid / dof) * np.linalg.inv(A.T @ A)
+    sol, se, resid = _nnls_fit(np.stack([np.ones_like(x), x], axis=1), y)
     rel = float(np.sqrt(np.mean(resid ** 2)) / max(np.mean(np.abs(y)), 1e-300))
-    return (float(sol[0]), float(sol[1])), (float(np.sqrt(cov[0, 0])), float(np.sqrt(cov[1, 1]))), rel
+    return (float(sol[0]), float(sol[1])), (float(se[0]), float(se[1])), rel
 
 
 # ------------------------------------------------------------------ arms ---
@@ -652,13 +879,20 @@ class SimResult:
         pairs: [S, L, R] float64 (row, expert) pairs per rank.
         rows: [S, L, R] float64 rows received per rank.
         straggler_us: [S, L] float64, max over ranks of dispatch + ffn + combine.
-        balance_us: [S, L] float64, overhead + plan + busiest rank's move.
-        balance_rank_us: [S, L, R] float64, overhead + plan + each rank's move.
-        layer_us: [S, L] float64, straggler_us + balance_us + the model's other_us.
+        balance_us: [S, L] float64, overhead + plan + busiest rank's move
+            (+ setup_us in a layer's first move).
+        balance_rank_us: [S, L, R] float64, the same with each rank's move.
+        setup_us: [S, L] float64, the one-off cost of the layer's first move
+            (the model's setup_us there, else 0), included in balance_us.
+        map_us: the replica choice per step (the model's map_us of the arm).
+        layer_us: [S, L] float64, straggler_us + balance_us + map_us + the
+            model's other_us.
         imbalance: [S, L] float64, max over mean of pairs.
         moved_experts: [S, L] int64, slots that changed expert.
         moved_rank: [S, L, R] int64, experts each rank pulls or serves (the larger).
-        planned: [S, L] bool, a plan ran for this step.
+        planned: [S, L] bool, a plan ran for this step (migration: the
+            step after which its alarm rang; the move runs in the next step).
+        first_move: [S, L] bool, the layer's first move.
         phy2log: [S, L, P] int64, the placement each step ran on.
     """
     arm: str
@@ -678,6 +912,17 @@ class SimResult:
     moved_rank: np.ndarray
     planned: np.ndarray
     phy2log: np.ndarray
+    setup_us: np.ndarray
+    first_move: np.ndarray
+    map_us: float = 0.0
+
+    def steady_layer_us(self) -> np.ndarray:
+        """[S, L] float64: layer_us less the one-off first-move setup."""
+        return self.layer_us - self.setup_us
+
+    def steady_balance_us(self) -> np.ndarray:
+        """[S, L] float64: balance_us less the one-off first-move setup."""
+        return self.balance_us - self.setup_us
 
 
 def _moves(old: Placement, new: Placement) -> tuple[Placement, int, np.ndarray]:
@@ -694,7 +939,8 @@ def _move_counts(moves, num_gpus: int) -> tuple[int, np.ndarray]:
 
 
 def simulate(loads, arm: str, ranks: int, gpus_per_node: int, model: CostModel, expert_bytes: int,
-             tokens_per_rank: int, num_topk: int, config: ArmConfig | None = None, step_ids=None) -> SimResult:
+             tokens_per_rank: int, num_topk: int, config: ArmConfig | None = None, step_ids=None,
+             moved_before: bool = False) -> SimResult:
     """Run one arm over a trace.
 
     Arguments:
@@ -710,6 +956,8 @@ def simulate(loads, arm: str, ranks: int, gpus_per_node: int, model: CostModel, 
         config: ArmConfig (default ArmConfig()).
         step_ids: [S] increasing ints, the trace's step numbers (eplb's
             schedule; default 0 .. S - 1).
+        moved_before: the layers' weights moved before the first step (no
+            first-move setup is paid).
 
     Returns:
         SimResult.
@@ -760,6 +1008,8 @@ def simulate(loads, arm: str, ranks: int, gpus_per_node: int, model: CostModel, 
     moved_rank = np.zeros((S, L, R), dtype=np.int64)
     phy2log = np.zeros((S, L, P), dtype=np.int64)
     balancers, pending, average = [None] * L, [None] * L, [None] * L
+    first_move = np.zeros((S, L), dtype=bool)
+    has_moved = [bool(moved_before)] * L
     if arm == "migration":
         mp = MigrationPolicy(bytes_per_expert=expert_bytes, copy_GBps=model.copy_GBps,
                              us_per_pair=max(model.ffn_us_per_pair, 0.0), horizon_steps=config.horizon_steps,
@@ -768,46 +1018,49 @@ def simulate(loads, arm: str, ranks: int, gpus_per_node: int, model: CostModel, 
                      for _ in range(L)]
     for s in range(S):
         for layer in range(L):
-            pl = placements[layer]
+            pl = placements[layer]  # the placement this step runs on
+            nxt = None  # a move running during this step: its placement serves from the next step
             moved, per_rank, planned = 0, np.zeros(R, dtype=np.int64), False
             if arm == "eplb" and step_ids[s] > 0 and step_ids[s] % config.period == 0 and average[layer] is not None:
-                pl, moved, per_rank = _moves(pl, plan(average[layer][None]))
+                nxt, moved, per_rank = _moves(pl, plan(average[layer][None]))
                 planned = True
-            elif arm == "per_step":
+            elif arm == "per_step":  # moved before the step runs
                 pl, moved, per_rank = _moves(pl, plan(w[s, layer][None]))
                 planned = True
             elif arm == "migration" and pending[layer] is not None:
-                pl, moved, per_rank, planned = pending[layer]
+                nxt, moved, per_rank = pending[layer]
                 pending[layer] = None
-            placements[layer] = pl
+            if moved and not has_moved[layer]:
+                first_move[s, layer] = has_moved[layer] = True
+            placements[layer] = pl if nxt is None else nxt
             share = w[s, layer] / pl.logcnt[0]
             slot = share[pl.phy2log[0]].reshape(R, -1)
             pairs[s, layer] = pl.gpu_loads(w[s, layer][None])[0]
             rows[s, layer] = rows_from_slot_pairs(slot, N, E, num_topk)
             moved_rank[s, layer] = per_rank
             out["moved_experts"][s, layer] = moved
-            out["planned"][s, layer] = planned
             phy2log[s, layer] = pl.phy2log[0]
             if arm == "eplb":  # the average of the steps so far, for the next plans
                 a = config.smoothing
                 average[layer] = w[s, layer] if average[layer] is None else a * w[s, layer] + (1 - a) * average[layer]
-            if arm == "migration":  # decided after the step, from its loads; carried by the next step
+            if arm == "migration":  # planned after the step, from its loads; the move runs in the next step
                 decision = balancers[layer].step(w[s, layer])
-                if decision is not None:
-                    if decision["pays"]:
-                        n, per = _move_counts(decision["moves"], R)
-                        pending[layer] = (balancers[layer].placement, n, per, True)
-                    else:
-                        pending[layer] = (pl, 0, np.zeros(R, dtype=np.int64), True)
+                planned = decision is not None
+                if planned and decision["pays"]:
+                    n, per = _move_counts(decision["moves"], R)
+                    pending[layer] = (balancers[layer].placement, n, per)
+            out["planned"][s, layer] = planned
     mean = pairs.mean(-1)
     out["imbalance"] = np.divide(pairs.max(-1), mean, out=np.ones_like(mean), where=mean > 0)
-    balance_rank = model.balance(arm, out["planned"][..., None], moved_rank * expert_bytes * (1.0 - config.overlap))
+    balance_rank = model.balance(arm, out["planned"][..., None], moved_rank * expert_bytes * (1.0 - config.overlap),
+                                 E, first_move[..., None])
+    map_us = float(model.map_us.get(arm, 0.0))
     out["straggler_us"] = model.straggler(pairs, rows)
     out["balance_us"] = balance_rank.max(-1)
-    out["layer_us"] = out["straggler_us"] + out["balance_us"] + model.other_us
+    out["layer_us"] = out["straggler_us"] + out["balance_us"] + map_us + model.other_us
     return SimResult(arm=arm, ranks=R, nodes=nodes, num_experts=E, num_physical=P, expert_bytes=expert_bytes,
                      pairs=pairs, rows=rows, balance_rank_us=balance_rank, moved_rank=moved_rank, phy2log=phy2log,
-                     **out)
+                     setup_us=model.setup_us * first_move, first_move=first_move, map_us=map_us, **out)
 
 
 # --------------------------------------------------------------- records ---
@@ -830,10 +1083,10 @@ def _normalize(rec: dict, where) -> dict:
         if out[key].shape != (R,):
             raise ValueError(f"records[{where}]['{key}'] has shape {out[key].shape}, not ({R},)")
     norm_us = {}
-    for part in ("dispatch", "ffn", "combine", "balance"):
+    for part in ("dispatch", "ffn", "combine", "balance", "map"):
         v = us.get(part)
         if v is None:
-            if part != "balance":
+            if part not in ("balance", "map"):
                 raise ValueError(f"records[{where}]['us'] lacks '{part}'")
             v = [0.0] * R
         norm_us[part] = np.asarray(v, dtype=np.float64).reshape(-1)
@@ -871,7 +1124,7 @@ def read_records(source) -> list[dict]:
     """The measured records, leniently: ``source`` a JSONL path (or a list
     of paths, or of dicts); lines that are not JSON objects of study
     "balance" (when they name a study) are skipped, optional keys default
-    (missing us.balance: 0; ranks_per_node: ranks; physical_experts:
+    (missing us.balance and us.map: 0; ranks_per_node: ranks; physical_experts:
     experts; moved_bytes: moved_experts * expert_bytes). Returns dicts with
     NumPy float64 arrays for the per-rank and per-expert lists."""
     items = []
@@ -909,66 +1162,128 @@ def _runs(records: list[dict]) -> list[list[dict]]:
     return [run for runs in groups.values() for run in runs]
 
 
-def validate(records, model: CostModel, config: ArmConfig | None = None) -> dict:
+def history_loads(rec: dict, steps, layers) -> np.ndarray | None:
+    """The logical loads of a run's ``steps`` before its first record (the
+    GPU study's warm-up), regenerated from cupyep.routing: layer l as
+    ``routing.make(trace, seed + l, [tokens] * ranks, experts, topk,
+    step=s, **trace_params)`` with the record's "seed" (default 0). Used
+    only when the same call gives the record's own "logical_loads" for its
+    step and layer; else None.
+
+    Returns:
+        [len(steps), len(layers), E] int64, or None.
+    """
+    from .. import routing
+    kind = rec["trace"]
+    if kind not in routing.KINDS:
+        return None
+    seed = int(rec.get("seed") or 0)
+
+    def counts(step, layer):
+        idx, _ = routing.make(kind, seed + layer, [rec["tokens"]] * rec["ranks"], rec["experts"], rec["topk"],
+                              step=step, **rec["trace_params"])
+        flat = np.concatenate([i.ravel() for i in idx])
+        return np.bincount(flat[flat >= 0], minlength=rec["experts"])
+    try:
+        if not np.array_equal(counts(rec["step"], rec["layer"]), rec["logical_loads"]):
+            return None
+    except (ValueError, TypeError):
+        return None
+    return np.array([[counts(s, l) for l in layers] for s in steps], dtype=np.int64).reshape(
+        len(steps), len(layers), rec["experts"])
+
+
+def validate(records, model: CostModel, config: ArmConfig | None = None, history: bool = True) -> dict:
     """Re-simulate the measured runs and compare the layer times.
 
     Each run (records of one setting: trace, arm, R, nodes, E, P, k, T) is
     simulated with its own step loads ("logical_loads", steps in increasing
     order taken as consecutive), its arm, R, nodes (ranks / ranks_per_node),
     redundant slots (P - E) / R, expert_bytes and tokens, and ``config``
-    overridden by the records' "arm_params" where present.
+    overridden by the records' "arm_params" where present. With ``history``
+    the steps before the run's first record (the GPU study's warm-up: eplb's
+    moving average and per_step's moves start at step 0) are simulated
+    first, their loads from :func:`history_loads`; not for "migration",
+    whose balancer the study makes at the end of the warm-up (at the first
+    record). Where they cannot be regenerated, a run whose arm moved before
+    its first record (:func:`_moved_before`) pays no first-move setup. Only
+    the recorded steps are compared.
 
     Returns:
-        {"arms": {arm: {"points", "median_rel_err", "worst_rel_err",
-        "median_rel_err_cost", "worst_rel_err_cost"}}, "points": [...]}:
-        |predicted - measured| / measured of "layer_us" per (step, layer);
-        "_cost" is the cost model alone, on the records' own pairs_per_rank,
-        rows_per_rank, busiest moved bytes and "planned" (as CostModel.fit
-        reads them). experiments/study_balance.py plans with one expert group
-        (the global policy across nodes): validate its runs across nodes
-        with ``config.policy = "global"``.
+        {"runs_with_history": runs whose earlier steps were simulated,
+        "arms": {arm: {"points", "median_rel_err", "worst_rel_err",
+        "median_rel_err_cost", "worst_rel_err_cost", "first_moves",
+        "steady_points", "median_rel_err_steady", "worst_rel_err_steady",
+        "median_rel_err_cost_steady", "worst_rel_err_cost_steady"}},
+        "points": [...]}: |predicted - measured| / measured of "layer_us"
+        per (step, layer), over every step (the model's setup_us in a first
+        move) and "_steady" over the steps that are neither a measured nor
+        a simulated first move; "_cost" is the cost model alone, on the
+        records' own pairs_per_rank, rows_per_rank, busiest moved bytes,
+        "planned" and first moves (as CostModel.fit reads them).
+        experiments/study_balance.py plans with one expert group (the
+        global policy across nodes): validate its runs across nodes with
+        ``config.policy = "global"``.
     """
     if not isinstance(model, CostModel):
         raise ValueError(f"model must be a CostModel, got {type(model).__name__}")
     recs = [r if r.get("_normalized") else _normalize(r, i) for i, r in enumerate(records)]
     if not recs:
         raise ValueError("records: nothing to validate")
-    points = []
+    first = dict(zip(map(id, recs), _first_moves(recs)))
+    points, with_history = [], 0
     for run in _runs(recs):
-        first = run[0]
+        first_rec = run[0]
         steps = sorted({r["step"] for r in run})
         layers = sorted({r["layer"] for r in run})
         at = {(r["step"], r["layer"]): r for r in run}
         missing = [(s, l) for s in steps for l in layers if (s, l) not in at]
         if missing:
-            raise ValueError(f"records: run {first['trace']}/{first['arm']} at {first['ranks']} ranks lacks "
-                             f"(step, layer) {missing[:4]}")
+            raise ValueError(f"records: run {first_rec['trace']}/{first_rec['arm']} at {first_rec['ranks']} ranks "
+                             f"lacks (step, layer) {missing[:4]}")
         loads = np.stack([np.stack([at[s, l]["logical_loads"] for l in layers]) for s in steps])
-        R, E, P = first["ranks"], first["experts"], first["physical_experts"]
+        R, E, P = first_rec["ranks"], first_rec["experts"], first_rec["physical_experts"]
         if (P - E) % R:
             raise ValueError(f"records: physical_experts={P} - experts={E} is not a multiple of ranks={R}")
-        cfg = ArmConfig.from_dict(first.get("arm_params"), config)
-        cfg = replace(cfg, redundant=(P - E) // R if first["arm"] != "none" else cfg.redundant)
-        res = simulate(loads, first["arm"], R, first["ranks_per_node"], model, first["expert_bytes"],
-                       first["tokens"], first["topk"], cfg, step_ids=np.array(steps, dtype=np.int64))
-        for i, s in enumerate(steps):
+        cfg = ArmConfig.from_dict(first_rec.get("arm_params"), config)
+        cfg = replace(cfg, redundant=(P - E) // R if first_rec["arm"] != "none" else cfg.redundant)
+        before = list(range(steps[0]))
+        past = history_loads(at[steps[0], layers[0]], before, layers) \
+            if history and before and first_rec["arm"] != "migration" else None
+        step_ids = np.array(steps, dtype=np.int64)
+        if past is not None:
+            loads, step_ids = np.concatenate([past, loads]), np.concatenate([before, step_ids])
+        res = simulate(loads, first_rec["arm"], R, first_rec["ranks_per_node"], model, first_rec["expert_bytes"],
+                       first_rec["tokens"], first_rec["topk"], cfg, step_ids=step_ids,
+                       moved_before=past is None and _moved_before(first_rec["arm"], steps[0], cfg.period))
+        skip = len(step_ids) - len(steps)
+        with_history += past is not None
+        for i, s in enumerate(steps, start=skip):
             for j, l in enumerate(layers):
                 r = at[s, l]
                 cost_only = float(model.straggler(r["pairs_per_rank"], r["rows_per_rank"])
-                                  + model.balance(r["arm"], _planned(r), r["busiest_bytes"]) + model.other_us)
+                                  + model.balance(r["arm"], _planned(r), r["busiest_bytes"], r["experts"],
+                                                  first[id(r)])
+                                  + model.map_us.get(r["arm"], 0.0) + model.other_us)
                 measured = r["layer_us"]
-                points.append({"trace": first["trace"], "arm": first["arm"], "ranks": R, "step": s, "layer": l,
-                               "measured_us": measured, "predicted_us": float(res.layer_us[i, j]),
-                               "cost_only_us": cost_only,
+                points.append({"trace": first_rec["trace"], "arm": first_rec["arm"], "ranks": R, "step": s,
+                               "layer": l, "measured_us": measured, "predicted_us": float(res.layer_us[i, j]),
+                               "cost_only_us": cost_only, "first_move": first[id(r)],
+                               "simulated_first_move": bool(res.first_move[i, j]),
                                "rel_err": abs(float(res.layer_us[i, j]) - measured) / measured,
                                "rel_err_cost": abs(cost_only - measured) / measured})
     arms = {}
     for arm in sorted({p["arm"] for p in points}):
-        e = np.array([p["rel_err"] for p in points if p["arm"] == arm])
-        c = np.array([p["rel_err_cost"] for p in points if p["arm"] == arm])
-        arms[arm] = {"points": int(e.size), "median_rel_err": float(np.median(e)), "worst_rel_err": float(e.max()),
-                     "median_rel_err_cost": float(np.median(c)), "worst_rel_err_cost": float(c.max())}
-    return {"arms": arms, "points": points}
+        mine = [p for p in points if p["arm"] == arm]
+        steady = [p for p in mine if not (p["first_move"] or p["simulated_first_move"])]
+        v = {"points": len(mine), "first_moves": sum(p["first_move"] for p in mine), "steady_points": len(steady)}
+        for suffix, pts in (("", mine), ("_steady", steady)):
+            for kind in ("rel_err", "rel_err_cost"):
+                e = np.array([p[kind] for p in pts])
+                v[f"median_{kind}{suffix}"] = float(np.median(e)) if e.size else None
+                v[f"worst_{kind}{suffix}"] = float(e.max()) if e.size else None
+        arms[arm] = v
+    return {"runs_with_history": with_history, "arms": arms, "points": points}
 
 
 def synthetic_records(model: CostModel, ranks: int = 8, ranks_per_node: int = 8,
@@ -982,9 +1297,14 @@ def synthetic_records(model: CostModel, ranks: int = 8, ranks_per_node: int = 8,
     simulated (:func:`simulate`), per rank the model's dispatch, ffn and
     combine of the rounded pairs and rows, times a lognormal factor of
     sigma ``noise`` (0: exact), balance per rank (plus "planned",
-    "moved_bytes_per_rank" and "arm_params"), "layer_us" = max over ranks of
-    the three parts + the busiest rank's balance + other_us. ``expert_bytes`` defaults to 3 hidden ffn
-    BF16 matrices."""
+    "moved_bytes_per_rank", "first_move" and "arm_params") and map the
+    arm's map_us, timed as the GPU study times them: a rank's dispatch
+    also holds its wait for the last rank to start one (max over ranks of
+    balance + map, less its own), and every rank's combine ends with the
+    combine of the rank whose FFN ends last (its wait for that FFN, then
+    that rank's combine). "layer_us" is the slowest rank's sum of its
+    phases + other_us. ``expert_bytes`` defaults to 3 hidden ffn BF16
+    matrices."""
     config = config or ArmConfig()
     expert_bytes = 3 * hidden * ffn * 2 if expert_bytes is None else expert_bytes
     if not (isinstance(noise, (int, float)) and noise >= 0):
@@ -1002,7 +1322,12 @@ def synthetic_records(model: CostModel, ranks: int = 8, ranks_per_node: int = 8,
                     noisy = lambda v: v * (rng.lognormal(0.0, noise, v.shape) if noise else 1.0)  # noqa: E731
                     d, f, c = noisy(model.dispatch(rows)), noisy(model.ffn(pairs)), noisy(model.combine(rows))
                     b = res.balance_rank_us[s, l]
-                    layer_us = float((d + f + c).max() + b.max() + model.other_us)
+                    m = np.full(ranks, res.map_us)
+                    start = b + m
+                    d = d + (start.max() - start)  # the wait for the last sender
+                    end = start + d + f
+                    c = (end.max() - end) + c[end.argmax()]  # the wait for the last FFN, then its combine
+                    layer_us = float((start + d + f + c).max() + model.other_us)
                     out.append({
                         "study": "balance", "trace": kind, "trace_params": dict(params), "arm": arm, "step": s,
                         "layer": l, "ranks": ranks, "ranks_per_node": ranks_per_node, "nodes": ranks // ranks_per_node,
@@ -1012,8 +1337,9 @@ def synthetic_records(model: CostModel, ranks: int = 8, ranks_per_node: int = 8,
                         "rows_per_rank": rows.astype(int).tolist(),
                         "imbalance": round(float(res.imbalance[s, l]), 4),
                         "us": {"dispatch": d.tolist(), "ffn": f.tolist(), "combine": c.tolist(), "balance": b.tolist(),
-                               "layer": (d + f + c + b + model.other_us).tolist()},
+                               "map": m.tolist(), "layer": (b + m + d + f + c + model.other_us).tolist()},
                         "layer_us": layer_us, "planned": bool(res.planned[s, l]),
+                        "first_move": bool(res.first_move[s, l]),
                         "moved_experts": int(res.moved_experts[s, l]),
                         "moved_bytes": int(res.moved_experts[s, l]) * expert_bytes,
                         "moved_bytes_per_rank": (res.moved_rank[s, l] * expert_bytes).tolist(),
@@ -1025,38 +1351,45 @@ def synthetic_records(model: CostModel, ranks: int = 8, ranks_per_node: int = 8,
 # ------------------------------------------------------------ the study ---
 
 def _summary(res: SimResult, none: SimResult | None, warmup: int) -> dict:
+    """Means over the steps from ``warmup`` on, in the steady state: a
+    layer's one-off first-move setup is left out of the layer and balancing
+    times and reported on its own ("setup_us_total", over the whole run)."""
     sl = slice(warmup, None)
-    layer = float(res.layer_us[sl].mean())
+    layer = float(res.steady_layer_us()[sl].mean())
     row = {"imbalance_mean": float(res.imbalance[sl].mean()), "imbalance_worst": float(res.imbalance[sl].max()),
            "layer_us_mean": layer, "straggler_us_mean": float(res.straggler_us[sl].mean()),
-           "balance_us_mean": float(res.balance_us[sl].mean()),
+           "balance_us_mean": float(res.steady_balance_us()[sl].mean()), "map_us": res.map_us,
+           "max_pairs_mean": float(res.pairs[sl].max(-1).mean()), "max_rows_mean": float(res.rows[sl].max(-1).mean()),
            "moved_experts_mean": float(res.moved_experts[sl].mean()),
            "busiest_moved_mean": float(res.moved_rank[sl].max(-1).mean()),
-           "plans_per_step": float(res.planned[sl].mean())}
+           "plans_per_step": float(res.planned[sl].mean()),
+           "setup_us_total": float(res.setup_us.sum()), "first_moves": int(res.first_move.sum())}
     if none is not None:
-        row["speedup_vs_none"] = float(none.layer_us[sl].mean()) / layer
+        row["speedup_vs_none"] = float(none.steady_layer_us()[sl].mean()) / layer
         row["straggler_saving_us"] = float(none.straggler_us[sl].mean()) - row["straggler_us_mean"]
     return row
 
 
 def break_even_expert_bytes(res: SimResult, none: SimResult, model: CostModel, overlap: float = 0.0,
                             warmup: int = 0) -> float | None:
-    """The expert size, bytes, above which ``res``'s balancing cost exceeds
-    its straggler saving over ``none``, its placements held (exact for
-    "eplb" and "per_step", whose plans do not depend on the size; "migration"
-    moves less as experts grow: use :func:`sweep`). inf when nothing moves
-    and it pays, 0.0 when it never pays, None for "none"."""
+    """The expert size, bytes, above which ``res``'s steady layer time (its
+    straggler, balancing, replica choice and rest; no first-move setup)
+    exceeds ``none``'s, its placements held (exact for "eplb" and
+    "per_step", whose plans do not depend on the size; "migration" moves
+    less as experts grow: use :func:`sweep`). inf when nothing moves and it
+    pays, 0.0 when it never pays, None for "none"."""
     if res.arm == "none":
         return None
     sl = slice(warmup, None)
-    saving = float(none.straggler_us[sl].mean() - res.straggler_us[sl].mean())
-    fixed = model.overhead_us.get(res.arm, 0.0) + model.plan_us * float(res.planned[sl].mean())
+    target = float(none.steady_layer_us()[sl].mean())
+    fixed = (float(res.straggler_us[sl].mean()) + model.overhead_us.get(res.arm, 0.0)
+             + model.plan_cost(res.num_experts) * float(res.planned[sl].mean()) + res.map_us + model.other_us)
     busiest = float(res.moved_rank[sl].max(-1).mean()) * (1.0 - overlap)
-    if saving <= fixed:
+    if target <= fixed:
         return 0.0
     if busiest <= 0:
         return math.inf
-    return (saving - fixed) * model.copy_GBps * 1e3 / busiest
+    return (target - fixed) * model.copy_GBps * 1e3 / busiest
 
 
 def study(ranks, gpus_per_node: int, traces, arms, model: CostModel, expert_bytes: int, tokens_per_rank: int = 4096,
@@ -1112,8 +1445,9 @@ def sweep(param: str, values, ranks: int, gpus_per_node: int, trace, arms, model
     """Each arm against "none" as one parameter moves: ``param`` "period"
     (the trace's drift period; ``trace`` a ("drift", params) pair) or
     "expert_bytes". Returns one dict per (value, arm): the value, the mean
-    layer, straggler and balancing times, the saving over "none"
-    ("net_saving_us" = none's layer time - the arm's) and the speed-up."""
+    layer, straggler and balancing times (steady: no first-move setup), the
+    saving over "none" ("net_saving_us" = none's layer time - the arm's) and
+    the speed-up."""
     if param not in ("period", "expert_bytes"):
         raise ValueError(f"param must be 'period' or 'expert_bytes', got {param!r}")
     kind, params = trace
@@ -1141,7 +1475,8 @@ def sweep(param: str, values, ranks: int, gpus_per_node: int, trace, arms, model
             row = _summary(res, none, warmup)
             out.append({"kind": "sweep", "param": param, "value": v, "trace": kind, "trace_params": p, "arm": arm,
                         "ranks": ranks, "nodes": ranks // gpus_per_node, "experts": E, "expert_bytes": size,
-                        "net_saving_us": float(none.layer_us[warmup:].mean()) - row["layer_us_mean"], **row})
+                        "net_saving_us": float(none.steady_layer_us()[warmup:].mean()) - row["layer_us_mean"],
+                        **row})
     return out
 
 
@@ -1220,16 +1555,21 @@ def main(argv=None) -> int:
                    help="bytes of one expert's weights (default: the records' expert_bytes)")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--layers", type=int, default=1)
-    p.add_argument("--warmup", type=int, default=None, help="steps left out of the means (default: --period)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="steps left out of the means (default: --period + 1, the steps before eplb's first plan "
+                        "serves)")
     p.add_argument("--seed", type=int, default=0)
     for f in fields(ArmConfig):
         p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
     p.add_argument("--copy-GBps", type=float, default=None, help="when the records cannot fit it")
     p.add_argument("--plan-us", type=float, default=None, help="when the records cannot fit it")
+    p.add_argument("--plan-exponent", type=float, default=1.0,
+                   help="a plan at E experts costs plan_us * (E / the records' E) ** this (0: held at the records')")
     p.add_argument("--drift-periods", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--expert-bytes-sweep", type=float, nargs="*", default=None,
                    help="expert sizes for the break-even sweep (default: 1/16 to 16 x the expert size)")
-    p.add_argument("--sweep-ranks", type=int, nargs="*", default=None, help="(default: the smallest and largest --ranks)")
+    p.add_argument("--sweep-ranks", type=int, nargs="*", default=None,
+                   help="(default: the smallest and largest --ranks)")
     p.add_argument("--out", default="results/balance_sim/sim.jsonl")
     a = p.parse_args(argv)
     try:
@@ -1243,15 +1583,15 @@ def main(argv=None) -> int:
         if bool(a.records) == a.default_model:
             raise ValueError("give --records FILE ... or --default-model")
         traces = [_trace_arg(t) for t in a.traces]
-        a.warmup = config.period if a.warmup is None else a.warmup
+        a.warmup = config.period + 1 if a.warmup is None else a.warmup
         started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         t0 = time.perf_counter()
         records = read_records(a.records) if a.records else []
         if records:
-            model = CostModel.fit(records, copy_GBps=a.copy_GBps, plan_us=a.plan_us)
+            model = CostModel.fit(records, copy_GBps=a.copy_GBps, plan_us=a.plan_us, plan_exponent=a.plan_exponent)
             checked = validate(records, model, config)
         else:
-            model, checked = CostModel.default(), None
+            model, checked = replace(CostModel.default(), plan_exponent=a.plan_exponent), None
         tokens = a.tokens or (int(np.median([r["tokens"] for r in records])) if records else 4096)
         eb = a.expert_bytes
         if eb is None:
@@ -1263,7 +1603,8 @@ def main(argv=None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         rows = [{"kind": "cost_model", **model.to_dict()}]
         if checked is not None:
-            rows += [{"kind": "validation", "arm": arm, **v} for arm, v in checked["arms"].items()]
+            rows += [{"kind": "validation", "arm": arm, "runs_with_history": checked["runs_with_history"], **v}
+                     for arm, v in checked["arms"].items()]
         rows += study(a.ranks, a.gpus_per_node, traces, a.arms, model, eb, tokens, a.topk, a.experts_per_rank,
                       a.experts, a.steps, a.layers, a.warmup, config, a.seed)
         sweep_rows = []
@@ -1281,11 +1622,18 @@ def main(argv=None) -> int:
         with out.open("w") as f:
             for r in rows:
                 f.write(json.dumps(r, default=_jsonable) + "\n")
-        manifest = {"command": [sys.executable, "-m", "cupyep.lab.balance_sim", *(sys.argv[1:] if argv is None else argv)],
-                    "cwd": os.getcwd(), "git_commit": _git("rev-parse", "HEAD"),
-                    "git_dirty": bool(_git("status", "--porcelain", "--", "cupyep")),
-                    "environment": environment(), "started_utc": started,
-                    "seconds": round(time.perf_counter() - t0, 1), "records": a.records or [],
+        args = list(sys.argv[1:] if argv is None else argv)
+        command = shlex.join(["python", "-m", "cupyep.lab.balance_sim", *args])
+        commit = _git("rev-parse", "HEAD")
+        # the simulator's own sources (this module, cupyep.balance, cupyep.routing) that differ from the commit
+        dirty = sorted(line.split(maxsplit=1)[-1] for line in (_git("status", "--porcelain", "--", "cupyep/lab/balance_sim.py",
+                                                  "cupyep/balance", "cupyep/routing.py") or "").splitlines())
+        manifest = {"study": "balance_sim", "readme": "README.md",
+                    "records": [{"files": [out.name], "command": command, "commit": commit, "git_dirty": bool(dirty),
+                                 "git_dirty_paths": dirty,
+                                 "environment": environment(), "inputs": a.records or [], "started_utc": started,
+                                 "seconds": round(time.perf_counter() - t0, 1)}],
+                    "argv": [sys.executable, "-m", "cupyep.lab.balance_sim", *args], "cwd": os.getcwd(),
                     "num_records": len(records), "model": model.to_dict(), "arm_config": asdict(config),
                     "tokens_per_rank": tokens, "expert_bytes": eb, "output": out.name,
                     "placeholder_model": not records}
@@ -1309,14 +1657,22 @@ def _jsonable(v):
 
 
 def _print_table(rows: list[dict], checked: dict | None) -> None:
+    def pct(v):
+        return "    -" if v is None else f"{100 * v:5.1f}"
     if checked is not None:
+        print("validation (layer time, |predicted - measured| / measured, %): median / worst over every step, "
+              "then without the first moves; the cost model alone on the records' own work in brackets")
         for arm, v in checked["arms"].items():
-            print(f"validation {arm:<9} median {100 * v['median_rel_err']:.1f} %  worst {100 * v['worst_rel_err']:.1f} %"
-                  f"  (cost model alone: {100 * v['median_rel_err_cost']:.1f} % / {100 * v['worst_rel_err_cost']:.1f} %)")
-    print(f"{'trace':<11}{'ranks':>6}  {'arm':<10}{'max/mean':>9}{'layer us':>11}{'balance us':>11}{'speed-up':>9}")
+            print(f"  {arm:<9} {pct(v['median_rel_err'])} / {pct(v['worst_rel_err'])}   "
+                  f"steady {pct(v['median_rel_err_steady'])} / {pct(v['worst_rel_err_steady'])}   "
+                  f"({pct(v['median_rel_err_cost'])} / {pct(v['worst_rel_err_cost'])}; "
+                  f"steady {pct(v['median_rel_err_cost_steady'])} / {pct(v['worst_rel_err_cost_steady'])})")
+    print(f"{'trace':<11}{'ranks':>6}  {'arm':<10}{'max/mean':>9}{'layer us':>12}{'straggler':>12}{'balance us':>11}"
+          f"{'speed-up':>9}")
     for r in rows:
-        print(f"{r['trace']:<11}{r['ranks']:>6}  {r['arm']:<10}{r['imbalance_mean']:>9.3f}{r['layer_us_mean']:>11.1f}"
-              f"{round(r['balance_us_mean'], 1) + 0.0:>11.1f}{r['speedup_vs_none']:>9.3f}")
+        print(f"{r['trace']:<11}{r['ranks']:>6}  {r['arm']:<10}{r['imbalance_mean']:>9.3f}{r['layer_us_mean']:>12.1f}"
+              f"{r['straggler_us_mean']:>12.1f}{round(r['balance_us_mean'], 1) + 0.0:>11.1f}"
+              f"{r['speedup_vs_none']:>9.3f}")
 
 
 if __name__ == "__main__":
