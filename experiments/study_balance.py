@@ -42,12 +42,13 @@ import numpy as np
 
 import cupyep
 from cupyep import moe, routing, sm_partition
-from cupyep.balance import MigrationPolicy, OnlineBalancer, align, physical_topk, plan_moves, rebalance_experts
+from cupyep.balance import LayerBalancer, MigrationPolicy, physical_topk, rebalance_experts
 from cupyep.lab.bench import require_gpu
 from cupyep.lab.bench.copy import copy_bandwidth
 from cupyep.lab.bench.report import JsonlWriter
 
 ARMS = ("none", "eplb", "migration", "per_step")
+MODE_OF_ARM = {"eplb": "eplb", "migration": "online", "per_step": "per_step"}  # cupyep.balance.LayerBalancer
 DEFAULT_TRACES = ("hot_expert:hot_fraction=0.5", "zipf:s=1.2", "drift:s=1.2,period=4")
 PHASES = ("route", "dispatch", "ffn", "combine", "end")
 
@@ -77,70 +78,6 @@ def received(phys, num_physical: int, num_ranks: int) -> tuple[list, list]:
         for r in range(num_ranks):
             rows[r] += int((dest == r).any(axis=1).sum())
     return pairs.tolist(), rows.tolist()
-
-
-def step_loads(group, topk_idx, num_experts: int) -> np.ndarray:
-    """[E] int64: the pairs per logical expert over every rank this step, from
-    each rank's counts on the GPU (one exchange)."""
-    import cupy
-    local = cupy.bincount((topk_idx + 1).ravel(), minlength=num_experts + 1)[1:]
-    return group.exchange(local.get().astype(np.int64), "balance study: expert loads").sum(axis=0)
-
-
-class Arm:
-    """One arm's placement decisions around each step of its layer."""
-
-    def __init__(self, name, layer, group, args):
-        self.name, self.layer, self.group, self.args = name, layer, group, args
-        self.average = None
-        self.moving = False
-        self.balancer = None  # the migration arm's, made once the warm-up has measured the FFN's cost
-        self.planned, self.pulled = False, []  # this step's: whether a plan was made, experts each rank pulls
-
-    def _start(self, placement) -> int:
-        """Begin moving to ``placement``; the experts moved over all ranks
-        (``self.pulled``: how many each rank pulls)."""
-        old = self.layer.placement
-        moves = [m for m in plan_moves(old, align(old, placement))
-                 if m.src_rank != m.dst_rank or m.src_slot != m.dst_slot]
-        self.planned = True
-        self.pulled = np.bincount([m.dst_rank for m in moves], minlength=old.num_gpus).tolist()
-        if moves:
-            self.layer.start_migration(placement)
-            self.moving = True
-        return len(moves)
-
-    def before(self, step, topk_idx, E, R, nodes) -> int:
-        """Balancing before the step's forward; returns the experts moved."""
-        self.planned, self.pulled = False, [0] * R
-        if self.name == "per_step":
-            loads = step_loads(self.group, topk_idx, E)
-            plan = rebalance_experts(loads[None].astype(np.float64), self.layer.num_experts, 1, nodes, R).layer(0)
-            moved = self._start(plan)
-            self.after_forward()
-            return moved
-        if self.name == "eplb" and step > 0 and step % self.args.period == 0 and self.average is not None:
-            plan = rebalance_experts(self.average[None], self.layer.num_experts, 1, nodes, R).layer(0)
-            return self._start(plan)
-        if self.name == "migration" and self.balancer is not None and self.balancer.placement is not \
-                self.layer.placement:
-            return self._start(self.balancer.placement)
-        return 0
-
-    def after_forward(self) -> None:
-        if self.moving:
-            self.layer.finish_migration()
-            self.moving = False
-
-    def after(self, topk_idx, E) -> None:
-        """Balancing after the step: finish a move, learn this step's loads."""
-        self.after_forward()
-        if self.name in ("eplb", "migration"):
-            loads = step_loads(self.group, topk_idx, E).astype(np.float64)
-            s = self.args.smoothing
-            self.average = loads if self.average is None else s * loads + (1 - s) * self.average
-            if self.balancer is not None and self.balancer.step(loads) is not None:
-                self.planned = True  # the alarm rang: a plan was made (and moved only if it pays)
 
 
 def main():
@@ -191,26 +128,27 @@ def main():
             initial = None if arm_name == "none" else \
                 rebalance_experts(np.ones((1, E)), P, 1, nodes, R).layer(0)
             layer = moe.MoELayer(buf, weights, k, transport=args.transport, placement=initial, compute_stream=compute)
-            arm = Arm(arm_name, layer, group, args)
+            bal = None if arm_name in ("none", "migration") else LayerBalancer(
+                layer, MODE_OF_ARM[arm_name], period=args.period, smoothing=args.smoothing)
             for step in range(args.warmup + args.steps):
                 idx_all, w_all = routing.make(kind, args.seed, [T] * R, E, k, step=step, **params)
                 topk_idx, topk_w = cupy.asarray(idx_all[me]), cupy.asarray(w_all[me])
                 if arm_name == "migration" and step == args.warmup:
                     us_per_pair = group.comm.bcast(us_per_pair)  # rank 0's, from this arm's warm-up
                     policy = MigrationPolicy(expert_bytes, copy_GBps, us_per_pair, args.horizon, overlap=1.0)
-                    arm.balancer = OnlineBalancer(layer.placement, policy, alarm=args.alarm,
-                                                  smoothing=args.smoothing)
+                    bal = LayerBalancer(layer, "online", smoothing=args.smoothing, policy=policy, alarm=args.alarm)
                 faulthandler.dump_traceback_later(args.stack_after, file=sys.stderr)
                 cupy.cuda.get_current_stream().synchronize()
                 group.comm.Barrier()
                 t0, done = cupy.cuda.Event(), cupy.cuda.Event()
                 t0.record()
                 host0 = time.perf_counter()
-                moved = arm.before(step, topk_idx, E, R, nodes)
+                did = bal.before(topk_idx) if bal is not None else {"planned": False, "moved_experts": 0,
+                                                                     "pulled": [0] * R}
                 placement = layer.placement  # the one this step's forward routes by
                 events = {}
                 layer.forward(x, topk_idx, topk_w, events=events)
-                arm.after(topk_idx, E)
+                after = bal.after(topk_idx) if bal is not None else {"alarm": False}
                 done.record()
                 done.synchronize()
                 host_us = (time.perf_counter() - host0) * 1e6
@@ -242,9 +180,9 @@ def main():
                            "imbalance": round(max(pairs) / (sum(pairs) / R), 4),
                            "us": {key: [round(u[key], 1) for u in per_rank] for key in us},
                            "layer_us": round(max(u["layer"] for u in per_rank), 1),
-                           "moved_experts": int(moved), "moved_bytes": int(moved) * expert_bytes,
-                           "planned": arm.planned,
-                           "moved_bytes_per_rank": [n * expert_bytes for n in arm.pulled],
+                           "moved_experts": did["moved_experts"], "moved_bytes": did["moved_experts"] * expert_bytes,
+                           "planned": did["planned"] or after["alarm"],
+                           "moved_bytes_per_rank": [n * expert_bytes for n in did["pulled"]],
                            "expert_bytes": expert_bytes, "sm_share": compute is not None, "compute_sms": compute_sms,
                            "comm_sms": buf.sm_budget,
                            "copy_GBps": round(copy_GBps, 1), "us_per_pair": us_per_pair})

@@ -8,7 +8,10 @@
   their balancedness (``report``);
 - ``migration``: the moves from one placement to another (``align``,
   ``plan_moves``), when they pay (``MigrationPolicy``), and the per-step
-  re-planning behind an imbalance alarm (``OnlineBalancer``).
+  re-planning behind an imbalance alarm (``OnlineBalancer``);
+- ``layer``: one MoE layer's balancing around each step (``LayerBalancer``:
+  periodic EPLB from history, online behind an alarm, or per step from the
+  step's own loads) and the loads a step counts (``step_loads``).
 
 A dispatch of physical ids (``num_experts=placement.num_physical``) runs on
 every route unchanged; cupyep.moe.MoELayer takes a placement.
@@ -16,6 +19,7 @@ every route unchanged; cupyep.moe.MoELayer takes a placement.
 from .placement import REPLICA_RULES, Placement, balancedness, physical_topk, report
 from .planner import POLICIES, pack, rebalance_experts, replicate
 from .migration import MigrationPolicy, Move, OnlineBalancer, align, plan_moves
+from .layer import MODES as BALANCE_MODES, LayerBalancer, step_loads
 
-__all__ = ["MigrationPolicy", "Move", "OnlineBalancer", "align", "plan_moves", "Placement", "REPLICA_RULES", "POLICIES", "balancedness", "pack", "physical_topk", "rebalance_experts",
+__all__ = ["BALANCE_MODES", "LayerBalancer", "step_loads", "MigrationPolicy", "Move", "OnlineBalancer", "align", "plan_moves", "Placement", "REPLICA_RULES", "POLICIES", "balancedness", "pack", "physical_topk", "rebalance_experts",
            "replicate", "report"]

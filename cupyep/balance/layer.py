@@ -1,0 +1,133 @@
+"""One MoE layer's balancing around each of its steps.
+
+:class:`LayerBalancer` drives a layer that holds a placement and moves its
+experts (cupyep.moe.MoELayer: ``placement``, ``num_experts``,
+``start_migration``, ``finish_migration``, ``buffer.group``) under one of
+three modes, each paying its own cost inside the step:
+
+- ``"eplb"``: every ``period`` steps, re-plan from an exponential moving
+  average of the past steps' loads (``smoothing``: the newest step's
+  weight; never the step about to run) and move the experts while that step
+  computes (the move starts before its forward and commits after it);
+- ``"online"``: cupyep.balance.OnlineBalancer on the same average: an
+  imbalance alarm, then a move only when MigrationPolicy says it pays; the
+  move overlaps the next step;
+- ``"per_step"``: the per-micro-batch mode: before the step, count its
+  loads (each rank's (token, expert) pairs per logical expert, exchanged:
+  what the layout pass has), plan from them, and finish the move before the
+  dispatch, so the step runs balanced for its own routing.
+
+Call :meth:`LayerBalancer.before` with the step's logical ``topk_idx`` before
+the layer's forward and :meth:`LayerBalancer.after` after it, on every rank
+(both are collective). Each returns what it did.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..arrays import xp_of
+from .migration import MigrationPolicy, OnlineBalancer, align, plan_moves
+from .planner import rebalance_experts
+
+MODES = ("eplb", "online", "per_step")
+
+
+def step_loads(group, topk_idx, num_experts: int) -> np.ndarray:
+    """Collective: [E] int64, the (token, expert) pairs per logical expert
+    over every rank's ``topk_idx`` ([T, k] int64, -1 for none; NumPy or
+    CuPy), from each rank's counts (one host exchange)."""
+    xp = xp_of(topk_idx)
+    local = xp.bincount((topk_idx + 1).ravel(), minlength=num_experts + 1)[1:]
+    local = local.get() if hasattr(local, "get") else np.asarray(local)
+    return group.exchange(local.astype(np.int64), "balance: expert loads").sum(axis=0)
+
+
+class LayerBalancer:
+    """Balancing of one layer (module docstring).
+
+    Arguments:
+        layer: the layer (a placement of one layer over its ranks; moves
+            its experts with start_migration / finish_migration).
+        mode: one of :data:`MODES`.
+        period: "eplb": steps between plans (>= 1).
+        smoothing: weight of the newest step in the load average, in (0, 1].
+        policy: "online": the MigrationPolicy that decides whether a move
+            pays (required for that mode).
+        alarm: "online": re-plan only above this per-GPU max over mean.
+        num_groups: expert groups for the planner (1: none).
+    """
+
+    def __init__(self, layer, mode: str, *, period: int = 4, smoothing: float = 0.5,
+                 policy: MigrationPolicy | None = None, alarm: float = 1.1, num_groups: int = 1):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if layer.placement is None:
+            raise ValueError("the layer holds no placement: give it one (e.g. rebalance_experts of uniform loads)")
+        if not isinstance(period, int) or period < 1:
+            raise ValueError(f"period must be an int >= 1, got {period!r}")
+        if not 0.0 < smoothing <= 1.0:
+            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        if mode == "online" and policy is None:
+            raise ValueError('mode "online" needs policy= (a MigrationPolicy)')
+        self.layer, self.mode, self.period, self.smoothing = layer, mode, period, float(smoothing)
+        self.num_groups = num_groups
+        self.group = layer.buffer.group
+        self.num_logical = layer.placement.num_logical
+        self.average = None  # [E] float64, the moving average of past loads
+        self.steps = 0
+        self.balancer = OnlineBalancer(layer.placement, policy, num_groups, alarm, smoothing) \
+            if mode == "online" else None
+        self._moving = False
+        self._applied = self.balancer.placement if self.balancer is not None else None
+
+    def _plan(self, loads) -> object:
+        p = self.layer.placement
+        groups = self.num_groups if self.num_groups % p.num_nodes == 0 else 1
+        return rebalance_experts(np.asarray(loads, dtype=np.float64)[None], p.num_physical, groups, p.num_nodes,
+                                 p.num_gpus).layer(0)
+
+    def _start(self, placement) -> dict:
+        old = self.layer.placement
+        moves = [m for m in plan_moves(old, align(old, placement))
+                 if m.src_rank != m.dst_rank or m.src_slot != m.dst_slot]
+        if moves:
+            self.layer.start_migration(placement)
+            self._moving = True
+        return {"planned": True, "moved_experts": len(moves),
+                "pulled": np.bincount([m.dst_rank for m in moves], minlength=old.num_gpus).tolist()}
+
+    def _finish(self) -> None:
+        if self._moving:
+            self.layer.finish_migration()
+            self._moving = False
+
+    def before(self, topk_idx) -> dict:
+        """Collective, before the step's forward. Returns {"planned": bool,
+        "moved_experts": moves over all ranks, "pulled": experts each rank
+        pulls}."""
+        none = {"planned": False, "moved_experts": 0, "pulled": [0] * self.layer.placement.num_gpus}
+        if self.mode == "per_step":
+            did = self._start(self._plan(step_loads(self.group, topk_idx, self.num_logical)))
+            self._finish()
+            return did
+        if self.mode == "eplb" and self.steps > 0 and self.steps % self.period == 0 and self.average is not None:
+            return self._start(self._plan(self.average))
+        if self.mode == "online" and self.balancer.placement is not self._applied:
+            self._applied = self.balancer.placement
+            return self._start(self._applied)
+        return none
+
+    def after(self, topk_idx) -> dict:
+        """Collective, after the step's forward: commit a move in flight, and
+        (eplb, online) add the step's loads to the average. Returns
+        {"alarm": whether the online balancer re-planned}."""
+        self._finish()
+        self.steps += 1
+        alarm = False
+        if self.mode in ("eplb", "online"):
+            loads = step_loads(self.group, topk_idx, self.num_logical).astype(np.float64)
+            s = self.smoothing
+            self.average = loads if self.average is None else s * loads + (1 - s) * self.average
+            if self.balancer is not None:
+                alarm = self.balancer.step(loads) is not None
+        return {"alarm": alarm}

@@ -1,0 +1,115 @@
+"""cupyep.balance.LayerBalancer on the CPU: a stand-in layer that records
+its moves, one rank or several whose exchange stacks every rank's counts."""
+import numpy as np
+import pytest
+
+from cupyep import routing
+from cupyep.balance import LayerBalancer, MigrationPolicy, Placement, align, rebalance_experts, step_loads
+
+E, R, K, T = 32, 4, 4, 64
+
+
+class _Group:
+    def __init__(self, others=()):
+        self.others = list(others)  # the other ranks' count rows, as they would arrive
+
+    def exchange(self, mine, phase):
+        assert phase == "balance: expert loads"
+        return np.stack([mine] + self.others)
+
+
+class _Layer:
+    """What LayerBalancer uses of cupyep.moe.MoELayer: a placement, moves."""
+
+    def __init__(self, placement, group):
+        self.placement, self.buffer = placement, type("B", (), {"group": group})()
+        self.moves, self._next = [], None
+
+    def start_migration(self, placement):
+        assert self._next is None
+        self._next = align(self.placement, placement)
+        self.moves.append("start")
+
+    def finish_migration(self):
+        self.placement, self._next = self._next, None
+        self.moves.append("finish")
+
+
+def _uniform_plan():
+    return rebalance_experts(np.ones((1, E)), E + 2 * R, 1, 1, R).layer(0)
+
+
+def _trace(step, kind="hot_expert", **params):
+    idx, _ = routing.make(kind, 1, [T] * R, E, K, step=step, **params)
+    return idx
+
+
+def test_step_loads_sums_every_rank_s_pairs_per_expert():
+    idx = _trace(0, hot_fraction=0.5)
+    mine = np.bincount(idx[0][idx[0] >= 0], minlength=E)
+    others = [np.bincount(i[i >= 0], minlength=E) for i in idx[1:]]
+    got = step_loads(_Group(others), idx[0], E)
+    assert np.array_equal(got, sum([mine] + others)) and got.dtype == np.int64
+
+
+def test_per_step_balances_each_step_for_its_own_loads_before_it_runs():
+    layer = _Layer(_uniform_plan(), _Group())
+    bal = LayerBalancer(layer, "per_step")
+    for step in range(4):
+        idx = _trace(step, kind="drift", s=1.4, period=1)  # the hot set moves every step
+        loads = np.concatenate([np.bincount(i[i >= 0], minlength=E)[None] for i in idx]).sum(0)
+        bal.group = _Group([np.bincount(i[i >= 0], minlength=E) for i in idx[1:]])  # this step's other ranks
+        did = bal.before(idx[0])
+        assert did["planned"] and layer.moves[-1:] in ([], ["finish"])  # finished before the forward
+        gpu = layer.placement.gpu_loads(loads[None])[0]
+        assert gpu.max() / gpu.mean() <= 1.05, (step, gpu)
+        assert bal.after(idx[0]) == {"alarm": False}
+
+
+def test_eplb_plans_every_period_from_past_loads_only_and_moves_beside_the_step():
+    layer = _Layer(_uniform_plan(), _Group())
+    bal = LayerBalancer(layer, "eplb", period=2, smoothing=1.0)  # the average is the last step's loads
+    seen = []
+    for step in range(5):
+        idx = _trace(step, hot_fraction=0.6, hot_expert=step)  # the hot expert changes every step
+        bal.group = _Group([np.bincount(i[i >= 0], minlength=E) for i in idx[1:]])
+        did = bal.before(idx[0])
+        seen.append(did["planned"])
+        if did["moved_experts"]:
+            assert layer.moves[-1] == "start"  # in flight during the forward
+            # planned from the past: the previous step's hot expert got replicas, this step's did not
+            nxt = layer._next
+            assert nxt.logcnt[0, step - 1] > 1 and nxt.logcnt[0, step] == 1
+        bal.after(idx[0])
+        assert layer._next is None  # committed after it
+    assert seen == [False, False, True, False, True]
+
+
+def test_online_moves_only_when_the_policy_says_it_pays():
+    idx = _trace(0, hot_fraction=0.6)
+    others = [np.bincount(i[i >= 0], minlength=E) for i in idx[1:]]
+    for us_per_pair, moves in ((1.0, True), (0.0, False)):  # a free FFN never pays for a move
+        layer = _Layer(_uniform_plan(), _Group(others))
+        policy = MigrationPolicy(bytes_per_expert=1 << 20, copy_GBps=100.0, us_per_pair=us_per_pair)
+        bal = LayerBalancer(layer, "online", policy=policy, alarm=1.01, smoothing=1.0)
+        assert bal.before(idx[0])["planned"] is False
+        assert bal.after(idx[0]) == {"alarm": True}
+        did = bal.before(idx[0])
+        assert (did["moved_experts"] > 0) == moves
+        bal.after(idx[0])
+        assert bal.before(idx[0])["moved_experts"] == 0  # the same plan is not moved to twice
+
+
+@pytest.mark.parametrize("kwargs,match", [({"mode": "sometimes"}, "mode"), ({"mode": "eplb", "period": 0}, "period"),
+                                          ({"mode": "eplb", "smoothing": 0.0}, "smoothing"),
+                                          ({"mode": "online"}, "policy")])
+def test_bad_settings_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LayerBalancer(_Layer(_uniform_plan(), _Group()), **kwargs)
+    with pytest.raises(ValueError, match="placement"):
+        LayerBalancer(_Layer(None, _Group()), "per_step")
+
+
+def test_a_placement_of_the_identity_kind_is_accepted():
+    layer = _Layer(Placement.identity(1, E, R), _Group())
+    assert LayerBalancer(layer, "per_step").num_logical == E
