@@ -15,16 +15,11 @@ from cupyep import routing
 from cupyep.low_latency.buffer import ranks_of as ranks
 from cupyep.testing import all_ranks, bf16_to_f32
 from test_low_latency_gpu import E, H, K, MAX_TOKENS, _check_dispatch, _combine_expected, tagged_x
+from test_low_latency_gpu import _nvshmem_across_nodes  # noqa: F401  (autouse: NVSHMEM across nodes)
 
 pytestmark = pytest.mark.gpu
 CAP = 12  # rows per (expert, source) region: uniform routings of 64 tokens fit, a hot expert does not
 T = 64
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _nvshmem_across_nodes(request, group):
-    if group.num_nodes > 1:
-        request.getfixturevalue("nvshmem_session")
 
 
 @pytest.fixture(scope="module")
