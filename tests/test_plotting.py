@@ -269,4 +269,3 @@ def test_main_figures_over_several_runs_are_medians_with_min_max(tmp_path, capsy
         P.main([*map(str, runs), "main"])  # several folders need --out
     assert P.main([*map(str, runs), "main", "--out", str(tmp_path / "cli")]) == 0
     assert f"wrote {tmp_path / 'cli' / 'normal.png'}" in capsys.readouterr().out
-
