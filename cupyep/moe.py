@@ -448,9 +448,10 @@ class MoELayer:
         """Collective: begin moving this layer's experts to ``placement`` (one
         layer, the same numbers of physical experts and ranks; the current one
         is the identity without a placement). The experts each rank gains are
-        pulled from their holders over the node's peer mappings on a side
-        stream (cupyep.balance.store) while forward keeps using the current
-        weights; :meth:`finish_migration` commits them. The first migration
+        pulled from their holders (peer mappings within a node, NVSHMEM gets
+        across nodes) on a side stream (cupyep.balance.store) while forward
+        keeps using the current weights; :meth:`finish_migration` commits
+        them. The first migration
         moves the layer's weights into registered memory (collective).
 
         Returns {"moves": the Move list, "received": experts this rank pulls}."""

@@ -92,9 +92,35 @@ def put_signal_spec(num_threads: int = 256):
                       kernels=(f"cupyep::shmem::put_signal<{num_threads}>",), nvshmem=True)
 
 
+def get_item_dtype():
+    """NumPy mirror of ``GetItem`` (cuda_src/nvshmem/get_rows.cu): one range
+    pulled from another PE."""
+    import numpy as np
+
+    from . import jit
+    return jit.struct_dtype([("dst", np.uint64), ("src", np.uint64), ("bytes", np.int64), ("pe", np.int32),
+                             ("pad", np.int32)])
+
+
+def get_rows_args_dtype():
+    """NumPy mirror of ``GetRowsArgs`` (cuda_src/nvshmem/get_rows.cu)."""
+    import numpy as np
+
+    from . import jit
+    return jit.struct_dtype([("items", np.uint64), ("num_items", np.int32)])
+
+
+def get_rows_spec():
+    """The pull kernel (cuda_src/nvshmem/get_rows.cu): byte ranges from other
+    PEs' symmetric buffers, a block-wide blocking get each."""
+    from .jit import KernelSpec
+    return KernelSpec(name="shmem_get_rows", source="nvshmem/get_rows.cu", kernels=("cupyep::shmem::get_rows",),
+                      nvshmem=True)
+
+
 def kernel_specs() -> list:
     """Specialisations the offline check compiles (it needs the NVSHMEM library)."""
-    return [put_signal_spec()]
+    return [put_signal_spec(), get_rows_spec()]
 
 
 def finalize() -> None:

@@ -481,6 +481,8 @@ MIRRORS = [
     (LLK.DISPATCH_ARGS_DTYPE, "low_latency::DispatchArgs"),
     (LLK.COMBINE_ARGS_DTYPE, "low_latency::CombineArgs"),
     (NV.put_signal_args_dtype(), "PutSignalArgs"),
+    (NV.get_item_dtype(), "GetItem"),
+    (NV.get_rows_args_dtype(), "GetRowsArgs"),
     (INTER.NOTIFY_ARGS_DTYPE, "TwoHopNotifyArgs"),
     (INTER.ARGS_DTYPE, "TwoHopDispatchArgs"),
     (INTER.COMBINE_ARGS_DTYPE, "TwoHopCombineArgs"),

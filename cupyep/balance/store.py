@@ -1,5 +1,6 @@
-"""Expert weights in IPC-registered memory, and their move to a new
-placement (within a node).
+"""Expert weights in memory every rank reaches, and their move to a new
+placement: within a node in IPC-registered memory, across nodes on the
+NVSHMEM symmetric heap.
 
 :class:`ExpertStore` holds a rank's physical experts' weights (``slots``
 experts, one array per matrix name) in a SymmetricBuffer, so that every
@@ -13,7 +14,9 @@ two steps:
    written before anyone reads them), each rank copies every expert it gains
    (cupyep.balance.migration.plan_moves: the moves whose ``dst_rank`` is
    this rank) from the holder's slot straight into a staging area of its
-   own: one copy over the peer mapping per moved expert. The current
+   own: within a node one copy over the peer mapping per moved expert,
+   across nodes one NVSHMEM get per expert and matrix
+   (cuda_src/nvshmem/get_rows.cu), the holder's symmetric address on its PE. The current
    weights are only read, so the layer keeps computing with them
    meanwhile, on its own stream;
 2. *commit* (collective): a bounded host wait until every rank's pulls are
@@ -32,10 +35,13 @@ ALIGN = 256
 
 
 class ExpertStore:
-    """One rank's physical experts, readable by every rank of the node.
+    """One rank's physical experts, readable by every rank: those of its node
+    by loads and stores, across nodes by NVSHMEM gets.
 
     Arguments:
-        group: from cupyep.init; all ranks of one node take part (collective).
+        group: from cupyep.init; every rank of the group takes part
+            (collective). Ranks are placement GPUs: node-local indices within
+            one node, world ranks across nodes.
         slots: physical experts per rank (P / R).
         shapes: {name: (per-expert shape, dtype)}, the same on every rank
             (e.g. {"w1": ((H, F), float32), "w2": ((F, H), float32)}).
@@ -45,10 +51,8 @@ class ExpertStore:
     """
 
     def __init__(self, group, slots: int, shapes: dict):
-        from ..barrier import GpuBarrier, barrier_region_bytes
+        from ..barrier import GpuBarrier, WorldBarrier, barrier_region_bytes
         from ..ipc import SymmetricBuffer
-        if group.num_nodes > 1:
-            raise ValueError("ExpertStore moves experts within a node (IPC); across nodes is not carried yet")
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.group, self.slots = group, int(slots)
@@ -58,14 +62,23 @@ class ExpertStore:
             nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
             self.layout[name] = (off, tuple(shape), np.dtype(dtype), nbytes)
             off += -(-nbytes * self.slots // ALIGN) * ALIGN
-        self.barrier_offset = off
-        self.nbytes = off + -(-barrier_region_bytes(group.local_size) // ALIGN) * ALIGN
-        self.buffer = SymmetricBuffer(group, self.nbytes)
-        self.barrier = GpuBarrier(group, self.buffer, self.barrier_offset)
+        self.across_nodes = group.num_nodes > 1
+        if self.across_nodes:
+            from ..nvshmem import HeapBuffer
+            self.rank, self.size = group.rank, group.world_size
+            self.nbytes = max(off, ALIGN)
+            self.buffer = HeapBuffer(group, self.nbytes)
+            self.barrier = WorldBarrier(group)
+        else:
+            self.rank, self.size = group.local_rank, group.local_size
+            self.barrier_offset = off
+            self.nbytes = off + -(-barrier_region_bytes(group.local_size) // ALIGN) * ALIGN
+            self.buffer = SymmetricBuffer(group, self.nbytes)
+            self.barrier = GpuBarrier(group, self.buffer, self.barrier_offset)
         self.arrays = {name: self.buffer.view(o, (self.slots, *shape), dt)
                        for name, (o, shape, dt, _) in self.layout.items()}
         self._stream = None
-        self._pending = None
+        self._pending = self._items = None
 
     def load(self, arrays: dict) -> None:
         """Copy ``arrays`` ({name: [slots, *shape]}) in (on the current stream)."""
@@ -84,12 +97,12 @@ class ExpertStore:
         import cupy
         if self._pending is not None:
             raise ValueError("a migration is in progress: finish it first")
-        me = self.group.local_rank
+        me = self.rank
         mine = [m for m in moves if m.dst_rank == me and (m.src_rank, m.src_slot) != (m.dst_rank, m.dst_slot)]
         for m in moves:
             if not (0 <= m.dst_slot < self.slots and 0 <= m.src_slot < self.slots and
-                    0 <= m.src_rank < self.group.local_size and 0 <= m.dst_rank < self.group.local_size):
-                raise ValueError(f"{m} lies outside {self.group.local_size} ranks of {self.slots} slots")
+                    0 <= m.src_rank < self.size and 0 <= m.dst_rank < self.size):
+                raise ValueError(f"{m} lies outside {self.size} ranks of {self.slots} slots")
         if self._stream is None:
             self._stream = cupy.cuda.Stream(non_blocking=True)
         ready = cupy.cuda.Event(disable_timing=True)
@@ -97,15 +110,40 @@ class ExpertStore:
         self._stream.wait_event(ready)
         self.barrier(self._stream)  # every rank's weights are written before any pull reads them
         staged = {name: cupy.empty((len(mine), *shape), dtype=dt) for name, (_, shape, dt, _) in self.layout.items()}
-        rt = cupy.cuda.runtime
-        for i, m in enumerate(mine):
-            for name, (off, _, _, nbytes) in self.layout.items():
-                src = self.buffer.peer_ptr_list[m.src_rank] + off + m.src_slot * nbytes
-                rt.memcpyAsync(staged[name].data.ptr + i * nbytes, src, nbytes, rt.memcpyDeviceToDevice,
-                               self._stream.ptr)
+        if self.across_nodes:
+            self._get(mine, staged)
+        else:
+            rt = cupy.cuda.runtime
+            for i, m in enumerate(mine):
+                for name, (off, _, _, nbytes) in self.layout.items():
+                    src = self.buffer.peer_ptr_list[m.src_rank] + off + m.src_slot * nbytes
+                    rt.memcpyAsync(staged[name].data.ptr + i * nbytes, src, nbytes, rt.memcpyDeviceToDevice,
+                                   self._stream.ptr)
         done = cupy.cuda.Event(disable_timing=True)
         done.record(self._stream)
         self._pending = (mine, staged, done)
+
+    def _get(self, mine, staged) -> None:
+        """Across nodes: one NVSHMEM get per (move, matrix) on the side
+        stream, from the holder's symmetric address on its PE."""
+        import cupy
+
+        from .. import jit
+        from ..nvshmem import get_item_dtype, get_rows_args_dtype, get_rows_spec
+        items = np.zeros(len(mine) * len(self.layout), dtype=get_item_dtype())
+        for i, m in enumerate(mine):
+            for j, (name, (off, _, _, nbytes)) in enumerate(self.layout.items()):
+                it = items[i * len(self.layout) + j]
+                it["dst"] = staged[name].data.ptr + i * nbytes
+                it["src"] = self.buffer.ptr + off + m.src_slot * nbytes
+                it["bytes"], it["pe"] = nbytes, m.src_rank
+        if not len(items):
+            return
+        with self._stream:
+            dev_items = cupy.asarray(items.view(np.uint8))
+            self._items = dev_items  # alive until the gets are done (finish_migration)
+            args = jit.pack(get_rows_args_dtype(), items=dev_items.data.ptr, num_items=len(items))
+            jit.kernel(get_rows_spec())((min(len(items), 128),), (256,), (args,))
 
     def finish_migration(self) -> int:
         """Collective: once every rank's pulls are done (a bounded wait, then a
@@ -119,14 +157,16 @@ class ExpertStore:
         for i, m in enumerate(mine):
             for name in self.layout:
                 self.arrays[name][m.dst_slot] = staged[name][i]
-        self._pending = None
+        self._pending = self._items = None
         return len(mine)
 
     def destroy(self) -> None:
         """Collective: free the registered memory."""
         if self._pending is not None:
             self.group.wait(self._pending[2], "expert_migration", "host wait for the pulls before destroy")
-            self._pending = None
+            self._pending = self._items = None
+        if self.across_nodes:
+            self.barrier.destroy()
         self.buffer.destroy()
 
     def __enter__(self):

@@ -1,9 +1,10 @@
 """Moving experts to a new placement on the GPU (cupyep.balance.store and
-MoELayer's migration), within a node: the weights arrive bit-exact, the
-layer computes with the old weights until the commit, and after it the
-layer is the logical layer under the new placement.
+MoELayer's migration), within a node and across (emulated) nodes: the
+weights arrive bit-exact, the layer computes with the old weights until the
+commit, and after it the layer is the logical layer under the new placement.
 
     python3 -m cupyep.launcher.gpu_tests --ranks 2 4 8 -k balance
+    python3 -m cupyep.launcher.gpu_tests --ranks 8 --ranks-per-node 4 -k balance
 """
 import numpy as np
 import pytest
@@ -27,13 +28,11 @@ def test_an_expert_store_moves_experts_bit_exact_while_compute_reads_the_old_one
 
     from cupyep.balance import align, plan_moves, rebalance_experts
     from cupyep.balance.store import ExpertStore
-    if group.num_nodes > 1:
-        pytest.skip("the store moves experts within a node")
-    R, me = group.local_size, group.local_rank
+    R, me = group.world_size, group.rank  # placement GPUs: every rank (across nodes the store gets by NVSHMEM)
     P = E + 2 * R
     rng = np.random.default_rng(11)
-    old = rebalance_experts(rng.zipf(1.6, (1, E)).astype(float), P, 1, 1, R).layer(0)
-    new = align(old, rebalance_experts(rng.zipf(1.6, (1, E)).astype(float), P, 1, 1, R).layer(0))
+    old = rebalance_experts(rng.zipf(1.6, (1, E)).astype(float), P, 1, group.num_nodes, R).layer(0)
+    new = align(old, rebalance_experts(rng.zipf(1.6, (1, E)).astype(float), P, 1, group.num_nodes, R).layer(0))
     n = P // R
     shapes = {"a": ((4, 64), np.float32), "b": ((3, 5), np.float32)}
     with ExpertStore(group, n, shapes) as store:
@@ -60,16 +59,14 @@ def test_a_layer_migrated_to_a_new_placement_is_the_logical_layer_under_it(group
 
     import cupyep
     from cupyep.balance import rebalance_experts
-    if group.num_nodes > 1:
-        pytest.skip("the store moves experts within a node")
-    R, me = group.local_size, group.local_rank
+    R, me = group.world_size, group.rank  # placement GPUs: every rank (across nodes the store gets by NVSHMEM)
     w = moe.MoEWeights.random(5, H, F, E)
     weights = moe.MoEWeights(cupy.asarray(w.router), cupy.asarray(w.w1), cupy.asarray(w.w2))
     cold = np.ones((1, E))
     hot = np.ones((1, E))
     hot[0, :4] = [30.0, 20.0, 10.0, 5.0]
-    first = rebalance_experts(cold, E + 2 * R, 1, 1, R).layer(0)
-    second = rebalance_experts(hot, E + 2 * R, 1, 1, R).layer(0)
+    first = rebalance_experts(cold, E + 2 * R, 1, group.num_nodes, R).layer(0)
+    second = rebalance_experts(hot, E + 2 * R, 1, group.num_nodes, R).layer(0)
     xs = [f32_to_bf16(np.random.default_rng([3, r]).standard_normal((T, H), dtype=np.float32)) for r in range(R)]
     x_all = cupy.asarray(np.concatenate(xs))
     with cupyep.Buffer(group, max_tokens=T, hidden=H, num_topk=K) as buf:
