@@ -83,8 +83,8 @@ class Group:
         timeout_s: budget of every bounded wait, in seconds.
         num_sms: the SMs this rank's CUDA context sees (0 without a GPU):
             the whole GPU, or under an MPS client cap
-            (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, the launcher's
-            ``--sm-share``) the SMs the cap leaves it.
+            (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, set by the user) the SMs
+            the cap leaves it.
         sm_capped: True when that cap is set for this rank.
         gpu_slot: this rank's index among the ranks sharing its GPU
             (0 .. ranks_per_gpu - 1): which SM partition is its own

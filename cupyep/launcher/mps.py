@@ -34,7 +34,8 @@ CONTROL_BINARY = "nvidia-cuda-mps-control"
 DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"
 PIPE_VAR = "CUDA_MPS_PIPE_DIRECTORY"
 LOG_VAR = "CUDA_MPS_LOG_DIRECTORY"
-#: The client cap on a rank's SMs (a percentage; ``python -m cupyep.launcher --sm-share``).
+#: The MPS client cap on a rank's SMs (a percentage). The launcher never sets it: capped, kernels that wait
+#: on other ranks' blocks can time out; ``--sm-share`` partitions only the compute (cupyep.sm_partition).
 SM_CAP_VAR = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 PID_FILE = "nvidia-cuda-mps-control.pid"  # in the pipe dir while it runs
 
@@ -217,7 +218,7 @@ def mps_daemon(env=None, start_timeout=10.0, stop_timeout=5.0):
     directory removed.  Every step of the stop is bounded in time.
 
     The daemon itself runs uncapped (``SM_CAP_VAR`` is removed from its
-    environment); a cap is the clients' own (the launcher's ``--sm-share``).  Raises ``MPSUnavailableError`` when the
+    environment); a cap is the clients' own.  Raises ``MPSUnavailableError`` when the
     control binary is missing or the daemon does not come up in
     ``start_timeout`` seconds.
     """
