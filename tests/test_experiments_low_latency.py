@@ -384,13 +384,3 @@ def test_study_metrics_are_recordable(fake_gpu):
     assert rec["status"] == "ok", rec.get("reason")
     assert rec["time_us"] == pytest.approx(30.0) and rec["kind"] == "combine" and rec["imbalance_factor"] == 1.25
     json.dumps(rec, allow_nan=False)
-
-
-def test_a_routing_past_the_capacity_is_skipped_before_launch():
-    """capacity_factor 1 over a hot expert: the configuration is skipped with its reason (nothing touches the GPU)."""
-    class _Group:
-        num_nodes, local_rank, local_size, rank, world_size = 1, 0, 2, 0, 2
-    cfg = _cfg(capacity_factor=1.0, routing="hot_expert", routing_params={"hot_fraction": 0.9})
-    with pytest.raises(experiments.studies.Skip, match=r"rows of one rank in one expert's region, more than the "
-                                                       r"capacity 4 of capacity_factor=1.0"):
-        G.run(_Group(), cfg)
