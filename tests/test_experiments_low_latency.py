@@ -74,10 +74,7 @@ def test_the_defaults_pass_the_checks_and_size_the_benchmarks_buffer():
             G.check_config(_cfg(kind=kind, timing=timing))
     args = G.buffer_args(_cfg())
     assert args == {"num_max_dispatch_tokens_per_rank": 128, "hidden": 7168, "num_experts": 256, "max_topk": 16,
-                    "num_blocks": None, "num_waiters": None, "num_threads": 512, "programmatic_launch": None,
-                    "capacity": None}
-    # a capacity factor over the mean load: 128 tokens x top-8 over 256 experts is 4 rows; factor 2 gives 8
-    assert G.buffer_args(_cfg(capacity_factor=2.0))["capacity"] == 8
+                    "num_blocks": None, "num_waiters": None, "num_threads": 512, "programmatic_launch": None}
     assert G.buffer_args(_cfg(tokens=1))["num_max_dispatch_tokens_per_rank"] == 128
     assert G.buffer_args(_cfg(tokens=512))["num_max_dispatch_tokens_per_rank"] == 512
     args = G.buffer_args(_cfg(max_tokens=256, num_blocks=32, num_waiters=8, plain_launch=1, topk=20))
@@ -218,7 +215,6 @@ class FakeBuffer:
         self.hidden, self.num_experts, self.max_tokens, self.num_ranks = hidden, experts, max_tokens, ranks
         self.num_bytes, self.num_blocks, self.num_waiters, self.num_threads = 1 << 20, 4, 4, 512
         self.programmatic_launch = True
-        self.capacity = max_tokens
         self.max_topk = 16
         self.calls = []
         self.combine_buffer = None
@@ -377,8 +373,7 @@ def test_study_metrics_are_recordable(fake_gpu):
     metrics = G.metrics_of(s.measure("combine", "strict", 5), buf, 1.25)
     assert not set(metrics) & (set(G.KNOBS) | set(worker.RECORD_FIELDS))
     assert metrics["buffer_config"] == {"max_tokens": 8, "max_topk": 16, "num_blocks": 4, "num_waiters": 4,
-                                        "num_threads": 512, "programmatic_launch": True, "buffer_bytes": 1 << 20,
-                                        "capacity": 8}
+                                        "num_threads": 512, "programmatic_launch": True, "buffer_bytes": 1 << 20}
     rec = worker.build_record(experiments.studies.get("low_latency"), cfg, 4, [("ok", None, metrics)], "r", 0,
                               "t", 1.0, {})
     assert rec["status"] == "ok", rec.get("reason")

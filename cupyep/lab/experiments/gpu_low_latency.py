@@ -18,11 +18,7 @@ Knobs (defaults: the benchmark's shape and defaults):
   of 128, the benchmark's, and ``tokens``), ``num_blocks`` and ``num_waiters``
   (0: the buffer's defaults), ``num_threads`` (512 or 1024),
   ``plain_launch`` (true / 1: kernels launched plainly instead of as
-  programmatic dependents), ``capacity_factor`` (0: regions of the worst
-  case; else rows per (expert, source) region from this factor over the
-  mean load, cupyep.low_latency.layout.capacity_for; a routing whose
-  fullest (expert, source) region exceeds it is skipped, with the reason,
-  before anything is launched);
+  programmatic dependents);
 - the boundary: ``flush`` (timing.FLUSH_MODES, before each strict call),
   ``sleep_us`` (GPU sleep ahead of each call), ``host_gap_ms`` (deepep hook
   mode's host-side gap between the halves).
@@ -51,13 +47,13 @@ from __future__ import annotations
 
 import numbers
 
-from .studies import Skip, Study, gpu_fixtures, register
+from .studies import Study, gpu_fixtures, register
 from ...routing import KINDS as ROUTING_KINDS
 
 KNOBS = {"kind": "dispatch_fp8", "timing": "strict", "tokens": 128, "hidden": 7168, "topk": 8, "experts": 256,
          "routing": "uniform", "routing_params": {}, "seed": 0, "max_tokens": 0, "num_blocks": 0, "num_waiters": 0,
          "num_threads": 512, "plain_launch": False, "flush": "write", "sleep_us": 400.0, "host_gap_ms": 2.0,
-         "iters": 100, "capacity_factor": 0.0}
+         "iters": 100}
 # Fields of the benchmark's record that the configuration already holds or that move to buffer_config.
 DROPPED = ("bench", "ranks", "l2_flush", "buffer_bytes", "programmatic_launch")
 MIN_TOPK_SLOTS = 16  # the buffer's max_topk (LowLatencyBuffer's default) unless topk is larger
@@ -106,7 +102,7 @@ def check_config(cfg: dict) -> None:
         raise ValueError(f"num_waiters ({waiters}) must be at most num_blocks ({blocks})")
     if cfg["plain_launch"] not in (True, False, 0, 1):
         raise ValueError(f"plain_launch must be a bool (or 0 / 1), got {cfg['plain_launch']!r}")
-    for name in ("sleep_us", "host_gap_ms", "capacity_factor"):
+    for name in ("sleep_us", "host_gap_ms"):
         v = cfg[name]
         if isinstance(v, bool) or not isinstance(v, numbers.Real) or not v >= 0:
             raise ValueError(f"{name} must be a number >= 0, got {v!r}")
@@ -118,16 +114,11 @@ def check_config(cfg: dict) -> None:
 
 def buffer_args(cfg: dict) -> dict:
     """LowLatencyBuffer's arguments for a configuration (after :func:`check_config`)."""
-    from ...low_latency.layout import capacity_for
     max_tokens = cfg["max_tokens"] or max(DEFAULT_MAX_TOKENS, cfg["tokens"])
-    max_topk = max(MIN_TOPK_SLOTS, cfg["topk"])
-    capacity = capacity_for(cfg["capacity_factor"], max_tokens, cfg["topk"], cfg["experts"]) \
-        if cfg["capacity_factor"] else None
     return {"num_max_dispatch_tokens_per_rank": max_tokens, "hidden": cfg["hidden"],
-            "num_experts": cfg["experts"], "max_topk": max_topk,
+            "num_experts": cfg["experts"], "max_topk": max(MIN_TOPK_SLOTS, cfg["topk"]),
             "num_blocks": cfg["num_blocks"] or None, "num_waiters": cfg["num_waiters"] or None,
-            "num_threads": cfg["num_threads"], "programmatic_launch": False if cfg["plain_launch"] else None,
-            "capacity": capacity}
+            "num_threads": cfg["num_threads"], "programmatic_launch": False if cfg["plain_launch"] else None}
 
 
 def _resources(group, args: dict):
@@ -150,8 +141,6 @@ def _resources(group, args: dict):
 def run(group, cfg: dict) -> dict:
     """Measure one configuration (collective); see the module docstring."""
     check_config(cfg)
-    import numpy as np
-
     from ... import routing
     from ...low_latency.layout import check_sizes
     from ...low_latency.buffer import ranks_of
@@ -160,12 +149,9 @@ def run(group, cfg: dict) -> dict:
     args = buffer_args(cfg)
     check_sizes(R, args["num_max_dispatch_tokens_per_rank"], cfg["hidden"], E, args["max_topk"])
     idx, w = routing.make(cfg["routing"], cfg["seed"], [T] * R, E, k, **dict(cfg["routing_params"]))
-    fullest = max(int(np.bincount(i[i >= 0], minlength=E).max(initial=0)) for i in idx)
-    if args["capacity"] is not None and fullest > args["capacity"]:
-        raise Skip(f"the routing puts {fullest} rows of one rank in one expert's region, more than the "
-                   f"capacity {args['capacity']} of capacity_factor={cfg['capacity_factor']}")
 
     import cupy
+    import numpy as np
 
     from ..bench.low_latency import measure
     from ...testing import payload_bf16
@@ -190,8 +176,7 @@ def metrics_of(rec: dict, buf, imbalance_factor: float) -> dict:
     metrics = {key: v for key, v in rec.items() if key not in KNOBS and key not in DROPPED}
     metrics["buffer_config"] = {"max_tokens": buf.max_tokens, "max_topk": buf.max_topk, "num_blocks": buf.num_blocks,
                                 "num_waiters": buf.num_waiters, "num_threads": buf.num_threads,
-                                "programmatic_launch": buf.programmatic_launch, "buffer_bytes": buf.num_bytes,
-                                "capacity": buf.capacity}
+                                "programmatic_launch": buf.programmatic_launch, "buffer_bytes": buf.num_bytes}
     metrics["imbalance_factor"] = imbalance_factor
     return metrics
 
