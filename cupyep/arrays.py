@@ -121,3 +121,11 @@ def check_expert_ids(topk_idx, num_experts: int) -> None:
         lo, hi = (int(v) for v in cupy.stack([topk_idx.min(), topk_idx.max()]).get())
         if lo < -1 or hi >= num_experts:
             raise ValueError(f"topk_idx holds expert ids in [{lo}, {hi}], outside [-1, {num_experts})")
+
+
+def expert_counts(topk_idx, num_experts: int):
+    """[E] int64 (the array module of ``topk_idx``): how many slots of
+    ``topk_idx`` ([T, k] int64 ids in [-1, E), NumPy or CuPy) name each
+    expert; -1 slots count for none."""
+    xp = xp_of(topk_idx)
+    return xp.bincount((topk_idx + 1).ravel(), minlength=num_experts + 1)[1:].astype(np.int64)

@@ -24,7 +24,7 @@ import numpy as np
 import cupyep
 from cupyep import routing
 
-from cupyep.balance import Placement, physical_topk, rebalance_experts, report
+from cupyep.balance import Placement, physical_topk, rebalance_experts, received, report
 from cupyep.barrier import GpuBarrier
 from cupyep.lab.bench import require_gpu
 from cupyep.lab.bench.copy import copy_bandwidth
@@ -39,18 +39,10 @@ RULES = ("none", "round_robin", "nearest")
 def loads(idx_by_rank, num_experts: int, num_ranks: int) -> dict:
     """What each rank receives under physical routing ``idx_by_rank`` (lists
     of [T, k] int64 over num_experts physical experts, -1 empty)."""
-    per_rank = num_experts // num_ranks
-    pairs = np.zeros(num_ranks)
-    rows = np.zeros(num_ranks)
-    remote = total = 0
-    for src, idx in enumerate(idx_by_rank):
-        dest = np.where(idx >= 0, idx // per_rank, -1)
-        pairs += np.bincount(dest[dest >= 0], minlength=num_ranks)
-        for r in range(num_ranks):
-            n = int((dest == r).any(axis=1).sum())
-            rows[r] += n
-            total += n
-            remote += n if r != src else 0
+    pairs, sent = received(idx_by_rank, num_experts, num_ranks)  # sent[s, d]: rows source s sends rank d
+    rows = sent.sum(axis=0)
+    total = int(sent.sum())
+    remote = total - int(np.trace(sent))
     return {"pairs_max_over_mean": round(float(pairs.max() / pairs.mean()), 4),
             "rows_max_over_mean": round(float(rows.max() / rows.mean()), 4),
             "remote_rows": round(remote / max(total, 1), 4), "pairs_per_rank": pairs.astype(int).tolist(),

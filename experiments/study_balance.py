@@ -42,7 +42,7 @@ import numpy as np
 
 import cupyep
 from cupyep import moe, routing, sm_partition
-from cupyep.balance import LayerBalancer, MigrationPolicy, physical_topk, rebalance_experts
+from cupyep.balance import LayerBalancer, MigrationPolicy, physical_topk, rebalance_experts, received
 from cupyep.lab.bench import require_gpu
 from cupyep.lab.bench.copy import copy_bandwidth
 from cupyep.lab.bench.report import JsonlWriter
@@ -65,19 +65,6 @@ def parse_trace(text: str) -> tuple[str, dict]:
             raise argparse.ArgumentTypeError(f"trace parameter {item!r} is not key=value")
         params[key] = int(value) if key in ("period", "hot_expert") else float(value)
     return kind, params
-
-
-def received(phys, num_physical: int, num_ranks: int) -> tuple[list, list]:
-    """(pairs, rows) each rank receives under physical routing ``phys``
-    (per source rank [T, k] int64, -1 empty)."""
-    per_rank = num_physical // num_ranks
-    pairs, rows = np.zeros(num_ranks, np.int64), np.zeros(num_ranks, np.int64)
-    for idx in phys:
-        dest = np.where(idx >= 0, idx // per_rank, -1)
-        pairs += np.bincount(dest[dest >= 0], minlength=num_ranks)
-        for r in range(num_ranks):
-            rows[r] += int((dest == r).any(axis=1).sum())
-    return pairs.tolist(), rows.tolist()
 
 
 def main():
@@ -166,6 +153,7 @@ def main():
                 phys = idx_all if placement is None else \
                     [physical_topk(i, placement, r, layer.rule) for r, i in enumerate(idx_all)]
                 pairs, rows = received(phys, layer.num_experts, R)
+                pairs, rows = pairs.tolist(), rows.sum(axis=0).tolist()
                 ffn = np.array([u["ffn"] for u in per_rank])
                 if step < args.warmup:  # the FFN's time per pair, for the migration arm's policy
                     us_per_pair = float(np.median(ffn / np.maximum(pairs, 1)))

@@ -16,10 +16,10 @@
 A dispatch of physical ids (``num_experts=placement.num_physical``) runs on
 every route unchanged; cupyep.moe.MoELayer takes a placement.
 """
-from .placement import REPLICA_RULES, Placement, balancedness, physical_topk, report
+from .placement import REPLICA_RULES, Placement, balancedness, physical_topk, received, report
 from .planner import POLICIES, pack, rebalance_experts, replicate
-from .migration import MigrationPolicy, Move, OnlineBalancer, align, plan_moves
+from .migration import MigrationPolicy, Move, OnlineBalancer, align, plan_moves, replan
 from .layer import MODES as BALANCE_MODES, LayerBalancer, step_loads
 
-__all__ = ["BALANCE_MODES", "LayerBalancer", "step_loads", "MigrationPolicy", "Move", "OnlineBalancer", "align", "plan_moves", "Placement", "REPLICA_RULES", "POLICIES", "balancedness", "pack", "physical_topk", "rebalance_experts",
-           "replicate", "report"]
+__all__ = ["replan", "BALANCE_MODES", "LayerBalancer", "step_loads", "MigrationPolicy", "Move", "OnlineBalancer", "align", "plan_moves", "Placement", "REPLICA_RULES", "POLICIES", "balancedness", "pack", "physical_topk", "rebalance_experts",
+           "received", "replicate", "report"]

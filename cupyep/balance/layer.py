@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..arrays import xp_of
-from .migration import MigrationPolicy, OnlineBalancer, align, plan_moves
-from .planner import rebalance_experts
+from ..arrays import expert_counts
+from .migration import MigrationPolicy, OnlineBalancer, align, plan_moves, replan
 
 MODES = ("eplb", "online", "per_step")
 
@@ -36,10 +35,9 @@ def step_loads(group, topk_idx, num_experts: int) -> np.ndarray:
     """Collective: [E] int64, the (token, expert) pairs per logical expert
     over every rank's ``topk_idx`` ([T, k] int64, -1 for none; NumPy or
     CuPy), from each rank's counts (one host exchange)."""
-    xp = xp_of(topk_idx)
-    local = xp.bincount((topk_idx + 1).ravel(), minlength=num_experts + 1)[1:]
-    local = local.get() if hasattr(local, "get") else np.asarray(local)
-    return group.exchange(local.astype(np.int64), "balance: expert loads").sum(axis=0)
+    local = expert_counts(topk_idx, num_experts)
+    local = local.get() if hasattr(local, "get") else local
+    return group.exchange(local, "balance: expert loads").sum(axis=0)
 
 
 class LayerBalancer:
@@ -81,10 +79,7 @@ class LayerBalancer:
         self._applied = self.balancer.placement if self.balancer is not None else None
 
     def _plan(self, loads) -> object:
-        p = self.layer.placement
-        groups = self.num_groups if self.num_groups % p.num_nodes == 0 else 1
-        return rebalance_experts(np.asarray(loads, dtype=np.float64)[None], p.num_physical, groups, p.num_nodes,
-                                 p.num_gpus).layer(0)
+        return replan(self.layer.placement, loads, self.num_groups)
 
     def _start(self, placement) -> dict:
         old = self.layer.placement

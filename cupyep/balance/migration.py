@@ -95,6 +95,16 @@ def plan_moves(old: Placement, new: Placement) -> list[Move]:
     return moves
 
 
+def replan(placement: Placement, loads, num_groups: int = 1) -> Placement:
+    """A new placement of one layer for ``loads`` [E] (pairs per logical
+    expert) on ``placement``'s slots, GPUs and nodes: rebalance_experts with
+    ``num_groups`` expert groups where the nodes divide them, else none."""
+    p = placement
+    groups = num_groups if num_groups % p.num_nodes == 0 else 1
+    return rebalance_experts(np.asarray(loads, dtype=np.float64).reshape(1, -1), p.num_physical, groups, p.num_nodes,
+                             p.num_gpus).layer(0)
+
+
 @dataclass(frozen=True)
 class MigrationPolicy:
     """When a move pays (module docstring).
@@ -186,9 +196,7 @@ class OnlineBalancer:
         if now <= self.alarm:
             return None
         p = self.placement
-        groups = self.num_groups if self.num_groups % p.num_nodes == 0 else 1
-        new = rebalance_experts(loads[None], p.num_physical, groups, p.num_nodes, p.num_gpus).layer(0)
-        decision = self.policy.decide(p, new, loads)
+        decision = self.policy.decide(p, replan(p, loads, self.num_groups), loads)
         if decision["pays"]:
             self.placement = decision["placement"]
         return decision

@@ -165,3 +165,27 @@ def physical_topk(topk_idx, placement: Placement, rank: int, rule: str = "round_
         hit = pick & (order == target[..., None])
         choice = xp.take_along_axis(cand, xp.argmax(hit, axis=-1)[..., None], axis=-1)[..., 0]
     return xp.where(valid, choice, -1).astype(np.int64)
+
+
+def received(idx_by_rank, num_physical: int, num_ranks: int) -> tuple[np.ndarray, np.ndarray]:
+    """What each rank receives under a physical routing (NumPy).
+
+    Arguments:
+        idx_by_rank: per source rank, [T, k] int64 physical ids in [-1, P)
+            (P / R experts per rank, in id order; -1 empty).
+        num_physical: P; num_ranks: R.
+
+    Returns:
+        (pairs, rows): [R] int64, the (row, expert) pairs each rank's experts
+        take; [R, R] int64, the rows source s sends rank d (a token with a
+        slot on d is one row there).
+    """
+    per_rank = num_physical // num_ranks
+    pairs = np.zeros(num_ranks, np.int64)
+    rows = np.zeros((num_ranks, num_ranks), np.int64)
+    for src, idx in enumerate(idx_by_rank):
+        dest = np.where(idx >= 0, idx // per_rank, -1)
+        pairs += np.bincount(dest[dest >= 0], minlength=num_ranks)
+        for r in range(num_ranks):
+            rows[src, r] = int((dest == r).any(axis=1).sum())
+    return pairs, rows

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import driver, jit
-from ..arrays import BF16, as_cupy, check
+from ..arrays import BF16, as_cupy, check, expert_counts
 from ..launcher.calls import traced_call
 from ..ipc import SymmetricBuffer
 from ..results import EventHandle
@@ -241,9 +241,8 @@ class LowLatencyBuffer:
         """Collective: the most rows any rank's dispatch of its ``topk_idx``
         ([T, k] int64, its own) would put in one (expert, source) region, over
         every rank of the buffer (one count on the GPU, one host exchange)."""
-        import cupy
         topk_idx = check(as_cupy(topk_idx, "topk_idx"), "topk_idx", np.int64, ndim=2)
-        counts = cupy.bincount((topk_idx + 1).ravel(), minlength=self.num_experts + 1)[1:]
+        counts = expert_counts(topk_idx, self.num_experts)
         mine = np.array([int(counts.max()) if counts.size else 0], dtype=np.int64)
         return int(self.group.exchange(mine, "low-latency dispatch: region rows").max())
 
