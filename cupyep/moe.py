@@ -451,27 +451,35 @@ class MoELayer:
         pulled from their holders (peer mappings within a node, NVSHMEM gets
         across nodes) on a side stream (cupyep.balance.store) while forward
         keeps using the current weights; :meth:`finish_migration` commits
-        them. The first migration
-        moves the layer's weights into registered memory (collective).
+        them. The first migration moves the layer's weights into registered
+        memory (:meth:`prepare_migration`) unless that was done before.
 
         Returns {"moves": the Move list, "received": experts this rank pulls}."""
         from .balance import Placement, align, plan_moves
-        from .balance.store import ExpertStore
         R = self.buffer.num_ranks
         if self._next is not None:
             raise ValueError("a migration is in progress: finish_migration first")
         old = self.placement or Placement.identity(1, self.num_experts, R)
         new = align(old, _check_placement(placement, self.rule, R))
-        if self._store is None:
-            H, F = self.w1.shape[1], self.w1.shape[2]
-            self._store = ExpertStore(self.buffer.group, self.num_local_experts,
-                                      {"w1": ((H, F), np.float32), "w2": ((F, H), np.float32)})
-            self._store.load({"w1": self.w1, "w2": self.w2})
-            self.w1, self.w2 = self._store.arrays["w1"], self._store.arrays["w2"]
+        self.prepare_migration()
         moves = plan_moves(old, new)
         self._store.start_migration(moves)
         self._next = new
         return {"moves": moves, "received": sum(m.dst_rank == self.buffer.rank for m in moves)}
+
+    def prepare_migration(self) -> None:
+        """Collective: move this layer's weights into registered memory that
+        peers can pull from (cupyep.balance.store.ExpertStore), once; later
+        calls do nothing. A migration's first step otherwise pays for it
+        (registration and a copy of the weights)."""
+        if self._store is not None:
+            return
+        from .balance.store import ExpertStore
+        H, F = self.w1.shape[1], self.w1.shape[2]
+        self._store = ExpertStore(self.buffer.group, self.num_local_experts,
+                                  {"w1": ((H, F), np.float32), "w2": ((F, H), np.float32)})
+        self._store.load({"w1": self.w1, "w2": self.w2})
+        self.w1, self.w2 = self._store.arrays["w1"], self._store.arrays["w2"]
 
     def finish_migration(self) -> int:
         """Collective: commit a migration (bounded waits); later forwards route

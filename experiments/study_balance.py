@@ -84,10 +84,14 @@ def main():
     p.add_argument("--period", type=int, default=4, help="eplb: steps between plans")
     p.add_argument("--smoothing", type=float, default=0.5, help="weight of the newest step in the load average")
     p.add_argument("--alarm", type=float, default=1.1, help="migration: re-plan above this max/mean")
+    p.add_argument("--groups", type=int, default=1,
+                   help="expert groups for the planner: a multiple of the nodes gives the hierarchical policy")
+    p.add_argument("--tolerance", type=float, default=1.05,
+                   help="per_step: keep the placement while it holds the step's loads within this max/mean")
     p.add_argument("--horizon", type=int, default=8, help="migration: steps a new placement is expected to serve")
     p.add_argument("--transport", choices=["queue", "direct"], default="direct")
     p.add_argument("--comm-sms", type=int, default=0,
-                   help="SMs of each rank's communication kernels (Buffer(num_sms=); 0: its share of the GPU). "
+                   help="SMs of each rank's communication kernels within a node (Buffer(num_sms=); 0: its share of the GPU). "
                         "With --sm-share a few keep other ranks' spinning blocks off the compute partitions")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=60.0, help="every bounded wait's budget (cupyep.init)")
@@ -106,24 +110,28 @@ def main():
     rng = np.random.default_rng([args.seed, me])
     x = moe.f32_to_bf16_bits(cupy.asarray(rng.standard_normal((T, H), dtype=np.float32)))
     copy_GBps = group.comm.bcast(copy_bandwidth(1 << 30) / 2e9 / group.ranks_per_gpu if me == 0 else 0.0)
-    buf = cupyep.Buffer(group, max_tokens=T, hidden=H, num_topk=k, num_sms=args.comm_sms)
+    # Within a node --comm-sms sets the communication kernels' SMs; across nodes each call's
+    # default config does (Buffer refuses num_sms there).
+    buf = cupyep.Buffer(group, max_tokens=T, hidden=H, num_topk=k, num_sms=args.comm_sms if nodes == 1 else 0)
     compute = sm_partition.compute_stream(group)
     compute_sms = sm_partition.partition_stream(group)[1] if compute is not None else group.num_sms
     for kind, params in args.traces:
         us_per_pair = 0.0
         for arm_name in args.arms:
             initial = None if arm_name == "none" else \
-                rebalance_experts(np.ones((1, E)), P, 1, nodes, R).layer(0)
+                rebalance_experts(np.ones((1, E)), P, args.groups, nodes, R).layer(0)
             layer = moe.MoELayer(buf, weights, k, transport=args.transport, placement=initial, compute_stream=compute)
             bal = None if arm_name in ("none", "migration") else LayerBalancer(
-                layer, MODE_OF_ARM[arm_name], period=args.period, smoothing=args.smoothing)
+                layer, MODE_OF_ARM[arm_name], period=args.period, smoothing=args.smoothing,
+                tolerance=args.tolerance, num_groups=args.groups)
             for step in range(args.warmup + args.steps):
                 idx_all, w_all = routing.make(kind, args.seed, [T] * R, E, k, step=step, **params)
                 topk_idx, topk_w = cupy.asarray(idx_all[me]), cupy.asarray(w_all[me])
                 if arm_name == "migration" and step == args.warmup:
                     us_per_pair = group.comm.bcast(us_per_pair)  # rank 0's, from this arm's warm-up
                     policy = MigrationPolicy(expert_bytes, copy_GBps, us_per_pair, args.horizon, overlap=1.0)
-                    bal = LayerBalancer(layer, "online", smoothing=args.smoothing, policy=policy, alarm=args.alarm)
+                    bal = LayerBalancer(layer, "online", smoothing=args.smoothing, policy=policy, alarm=args.alarm,
+                                        num_groups=args.groups)
                 faulthandler.dump_traceback_later(args.stack_after, file=sys.stderr)
                 cupy.cuda.get_current_stream().synchronize()
                 group.comm.Barrier()
@@ -172,8 +180,10 @@ def main():
                            "planned": did["planned"] or after["alarm"],
                            "moved_bytes_per_rank": [n * expert_bytes for n in did["pulled"]],
                            "expert_bytes": expert_bytes, "sm_share": compute is not None, "compute_sms": compute_sms,
-                           "comm_sms": buf.sm_budget,
-                           "copy_GBps": round(copy_GBps, 1), "us_per_pair": us_per_pair})
+                           "comm_sms": buf.sm_budget if nodes == 1 else None,
+                           "copy_GBps": round(copy_GBps, 1), "us_per_pair": us_per_pair,
+                           "tolerance": args.tolerance if arm_name == "per_step" else None,
+                           "groups": args.groups, "policy": None if placement is None else placement.policy})
             layer.destroy()
     buf.destroy()
     group.destroy()

@@ -23,7 +23,10 @@ class _Layer:
 
     def __init__(self, placement, group):
         self.placement, self.buffer = placement, type("B", (), {"group": group})()
-        self.moves, self._next = [], None
+        self.moves, self._next, self.prepared = [], None, 0
+
+    def prepare_migration(self):
+        self.prepared += 1
 
     def start_migration(self, placement):
         assert self._next is None
@@ -66,6 +69,33 @@ def test_per_step_balances_each_step_for_its_own_loads_before_it_runs():
         assert bal.after(idx[0]) == {"alarm": False}
 
 
+def test_per_step_keeps_a_placement_that_already_holds_the_step_s_loads():
+    layer = _Layer(_uniform_plan(), _Group())
+    bal = LayerBalancer(layer, "per_step", tolerance=1.05)
+    assert layer.prepared == 1  # the weights are registered when the balancer is made, not in a step
+    planned = []
+    for step in range(6):
+        idx = _trace(step, hot_fraction=0.8)  # a steady hot expert: new tokens each step, the same skew
+        loads = np.concatenate([np.bincount(i[i >= 0], minlength=E)[None] for i in idx]).sum(0)
+        bal.group = _Group([np.bincount(i[i >= 0], minlength=E) for i in idx[1:]])
+        before = layer.placement.gpu_loads(loads[None])[0]
+        did = bal.before(idx[0])
+        planned.append(did["planned"])
+        assert did["planned"] == (before.max() / before.mean() > 1.05)  # re-planned exactly when it is off
+        if did["moved_experts"]:  # and moved only for a plan that beats the current one
+            after = layer.placement.gpu_loads(loads[None])[0]
+            assert after.max() / after.mean() <= before.max() / before.mean() - LayerBalancer.MIN_GAIN
+        gpu = layer.placement.gpu_loads(loads[None])[0]
+        assert gpu.max() / gpu.mean() <= 1.05, (step, gpu)  # every step still runs within the tolerance
+        bal.after(idx[0])
+    assert planned[0] and planned.count(True) < len(planned) // 2, planned
+    always = _Layer(_uniform_plan(), _Group())
+    bal = LayerBalancer(always, "per_step", tolerance=1.0)
+    idx = _trace(0, hot_fraction=0.8)
+    bal.group = _Group([np.bincount(i[i >= 0], minlength=E) for i in idx[1:]])
+    assert bal.before(idx[0])["planned"]
+
+
 def test_eplb_plans_every_period_from_past_loads_only_and_moves_beside_the_step():
     layer = _Layer(_uniform_plan(), _Group())
     bal = LayerBalancer(layer, "eplb", period=2, smoothing=1.0)  # the average is the last step's loads
@@ -102,7 +132,8 @@ def test_online_moves_only_when_the_policy_says_it_pays():
 
 @pytest.mark.parametrize("kwargs,match", [({"mode": "sometimes"}, "mode"), ({"mode": "eplb", "period": 0}, "period"),
                                           ({"mode": "eplb", "smoothing": 0.0}, "smoothing"),
-                                          ({"mode": "online"}, "policy")])
+                                          ({"mode": "online"}, "policy"),
+                                          ({"mode": "per_step", "tolerance": 0.99}, "tolerance")])
 def test_bad_settings_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LayerBalancer(_Layer(_uniform_plan(), _Group()), **kwargs)

@@ -175,7 +175,8 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
             const float wt = __ldg(a.topk_weights + tj);
             const int pos = __ldg((a.pull ? a.slot_pos : a.combine_pos) + tj);
             w = 0.f;
-            if (e < 0 || e >= E) return nullptr;
+            // A slot past its region (an overflow the dispatch reported) was never sent: no row.
+            if (e < 0 || e >= E || __ldg(a.slot_pos + tj) >= a.c.capacity) return nullptr;
             w = wt;
             if (a.pull)
                 return at<int4>(a.c.peers[e / El], a.c.cur.combine_send) +
@@ -209,8 +210,8 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                 return false;
             int64_t n = 0;
             for (int64_t tj = 0; tj < (int64_t)T * k; ++tj) {
-                const int e = (int)__ldg(a.topk_idx + tj);
-                n += e >= r * El && e < (r + 1) * El;
+                const int e = (int)__ldg(a.topk_idx + tj);  // the rows r returns: those it received
+                n += e >= r * El && e < (r + 1) * El && __ldg(a.slot_pos + tj) < a.c.capacity;
             }
             return wait_geq(remote_signal(mine, a.c.cur, R, kSigReturnRows, r), n, a.c.guard, kWaitRemoteReturn, r);
         };

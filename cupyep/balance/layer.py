@@ -14,8 +14,16 @@ three modes, each paying its own cost inside the step:
   move overlaps the next step;
 - ``"per_step"``: the per-micro-batch mode: before the step, count its
   loads (each rank's (token, expert) pairs per logical expert, exchanged:
-  what the layout pass has), plan from them, and finish the move before the
-  dispatch, so the step runs balanced for its own routing.
+  what the layout pass has); when the current placement spreads them
+  unevenly (per-GPU max over mean above ``tolerance``), plan from them and
+  finish the move before the dispatch, so the step runs balanced for its
+  own routing. A placement that already holds the step's loads within
+  ``tolerance`` stays, and so does one that the new plan would not beat by
+  :attr:`LayerBalancer.MIN_GAIN`: on steady skew the experts move once, not
+  every step.
+
+The balancer moves the layer's weights into registered memory when it is
+made (``layer.prepare_migration()``, collective), so no step pays for that.
 
 Call :meth:`LayerBalancer.before` with the step's logical ``topk_idx`` before
 the layer's forward and :meth:`LayerBalancer.after` after it, on every rank
@@ -43,6 +51,9 @@ def step_loads(group, topk_idx, num_experts: int) -> np.ndarray:
 class LayerBalancer:
     """Balancing of one layer (module docstring).
 
+    per_step moves only for a plan whose per-GPU max over mean is at least
+    ``MIN_GAIN`` below the current placement's on the step's loads.
+
     Arguments:
         layer: the layer (a placement of one layer over its ranks; moves
             its experts with start_migration / finish_migration).
@@ -53,10 +64,16 @@ class LayerBalancer:
             pays (required for that mode).
         alarm: "online": re-plan only above this per-GPU max over mean.
         num_groups: expert groups for the planner (1: none).
+        tolerance: "per_step": keep the current placement while it holds the
+            step's per-GPU loads within this max over mean (>= 1.0; 1.0
+            re-plans every step).
     """
 
+    MIN_GAIN = 0.005
+
     def __init__(self, layer, mode: str, *, period: int = 4, smoothing: float = 0.5,
-                 policy: MigrationPolicy | None = None, alarm: float = 1.1, num_groups: int = 1):
+                 policy: MigrationPolicy | None = None, alarm: float = 1.1, num_groups: int = 1,
+                 tolerance: float = 1.05):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if layer.placement is None:
@@ -67,8 +84,10 @@ class LayerBalancer:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         if mode == "online" and policy is None:
             raise ValueError('mode "online" needs policy= (a MigrationPolicy)')
+        if not tolerance >= 1.0:
+            raise ValueError(f"tolerance must be >= 1.0 (a max over mean), got {tolerance}")
         self.layer, self.mode, self.period, self.smoothing = layer, mode, period, float(smoothing)
-        self.num_groups = num_groups
+        self.num_groups, self.tolerance = num_groups, float(tolerance)
         self.group = layer.buffer.group
         self.num_logical = layer.placement.num_logical
         self.average = None  # [E] float64, the moving average of past loads
@@ -77,6 +96,7 @@ class LayerBalancer:
             if mode == "online" else None
         self._moving = False
         self._applied = self.balancer.placement if self.balancer is not None else None
+        layer.prepare_migration()
 
     def _plan(self, loads) -> object:
         return replan(self.layer.placement, loads, self.num_groups)
@@ -102,7 +122,15 @@ class LayerBalancer:
         pulls}."""
         none = {"planned": False, "moved_experts": 0, "pulled": [0] * self.layer.placement.num_gpus}
         if self.mode == "per_step":
-            did = self._start(self._plan(step_loads(self.group, topk_idx, self.num_logical)))
+            loads = step_loads(self.group, topk_idx, self.num_logical)
+            gpu = self.layer.placement.gpu_loads(loads[None])[0]
+            if gpu.max() <= self.tolerance * gpu.mean():
+                return none
+            plan = self._plan(loads)
+            new = plan.gpu_loads(loads[None])[0]
+            if new.max() / new.mean() > gpu.max() / gpu.mean() - self.MIN_GAIN:  # moving would not pay
+                return dict(none, planned=True)
+            did = self._start(plan)
             self._finish()
             return did
         if self.mode == "eplb" and self.steps > 0 and self.steps % self.period == 0 and self.average is not None:
