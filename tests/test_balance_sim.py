@@ -578,9 +578,9 @@ def test_history_loads_regenerate_the_warm_up_of_routing_traces():
 
 def _real_records():
     from pathlib import Path
-    files = sorted(Path(__file__).resolve().parents[1].glob("results/balance_study/study_8ranks_*.jsonl"))
+    files = sorted(Path(__file__).resolve().parents[1].glob("results/balance_sim/inputs/study_8ranks_*.jsonl"))
     if not files:
-        pytest.skip("no measured balance-study records in results/balance_study/")
+        pytest.skip("no measured balance-study records in results/balance_sim/inputs/")
     return bs.read_records(files)
 
 
