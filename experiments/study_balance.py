@@ -91,7 +91,7 @@ def main():
     p.add_argument("--horizon", type=int, default=8, help="migration: steps a new placement is expected to serve")
     p.add_argument("--transport", choices=["queue", "direct"], default="direct")
     p.add_argument("--comm-sms", type=int, default=0,
-                   help="SMs of each rank's communication kernels within a node (Buffer(num_sms=); 0: its share of the GPU). "
+                   help="SMs of each rank's communication kernels (Buffer(num_sms=); 0: its share of the GPU). "
                         "With --sm-share a few keep other ranks' spinning blocks off the compute partitions")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=60.0, help="every bounded wait's budget (cupyep.init)")
@@ -110,9 +110,7 @@ def main():
     rng = np.random.default_rng([args.seed, me])
     x = moe.f32_to_bf16_bits(cupy.asarray(rng.standard_normal((T, H), dtype=np.float32)))
     copy_GBps = group.comm.bcast(copy_bandwidth(1 << 30) / 2e9 / group.ranks_per_gpu if me == 0 else 0.0)
-    # Within a node --comm-sms sets the communication kernels' SMs; across nodes each call's
-    # default config does (Buffer refuses num_sms there).
-    buf = cupyep.Buffer(group, max_tokens=T, hidden=H, num_topk=k, num_sms=args.comm_sms if nodes == 1 else 0)
+    buf = cupyep.Buffer(group, max_tokens=T, hidden=H, num_topk=k, num_sms=args.comm_sms)
     compute = sm_partition.compute_stream(group)
     compute_sms = sm_partition.partition_stream(group)[1] if compute is not None else group.num_sms
     for kind, params in args.traces:
@@ -180,7 +178,7 @@ def main():
                            "planned": did["planned"] or after["alarm"],
                            "moved_bytes_per_rank": [n * expert_bytes for n in did["pulled"]],
                            "expert_bytes": expert_bytes, "sm_share": compute is not None, "compute_sms": compute_sms,
-                           "comm_sms": buf.sm_budget if nodes == 1 else None,
+                           "comm_sms": buf.sm_budget,
                            "copy_GBps": round(copy_GBps, 1), "us_per_pair": us_per_pair,
                            "tolerance": args.tolerance if arm_name == "per_step" else None,
                            "groups": args.groups, "policy": None if placement is None else placement.policy})

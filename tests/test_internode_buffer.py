@@ -28,6 +28,7 @@ class _Group:
     def __init__(self, num_nodes=2, world_size=4, rank=0, others=None):
         self.num_nodes, self.world_size, self.rank = num_nodes, world_size, rank
         self.local_size = world_size // num_nodes
+        self.num_sms, self.sm_share = 132, 66
         self.others = others  # the other ranks' rows of the sizes exchange
         self.exchanges = 0
         self.agreements = []  # (call, fields) of every Group.agree
@@ -149,12 +150,16 @@ def test_the_engines_are_made_from_the_declared_sizes(monkeypatch):
     x, idx, w = _call(T=2, H=256, k=2)
     buf.dispatch(x, idx, w, num_experts=8)
     buf.dispatch(x, idx, w, num_experts=8)
-    assert made == [((64, 512, 4), {"route": "two_hop", "num_in_flight": 3})] and g.exchanges == 1
+    assert made == [((64, 512, 4), {"route": "two_hop", "num_in_flight": 3, "num_sms": 0})] and g.exchanges == 1
     buf.dispatch(x, idx, w, num_experts=8, transport="direct")
-    assert made[1] == ((64, 512, 4), {"route": "direct", "num_in_flight": 3}) and g.exchanges == 2
+    assert made[1] == ((64, 512, 4), {"route": "direct", "num_in_flight": 3, "num_sms": 0}) and g.exchanges == 2
     cupyep.Buffer(_Group())._shared.new_engine("two_hop")
     assert made[2] == ((DEFAULT_MAX_TOKENS, DEFAULT_HIDDEN, DEFAULT_NUM_TOPK),
-                       {"route": "two_hop", "num_in_flight": DEFAULT_IN_FLIGHT})  # the defaults
+                       {"route": "two_hop", "num_in_flight": DEFAULT_IN_FLIGHT, "num_sms": 0})  # the defaults
+    few = cupyep.Buffer(_Group(), num_sms=4)  # the communication kernels' blocks per rank, as within a node
+    assert few.sm_budget == 4 and cupyep.Buffer(_Group()).sm_budget == 66
+    few.dispatch(x, idx, w, num_experts=8)
+    assert made[3][1] == {"route": "two_hop", "num_in_flight": DEFAULT_IN_FLIGHT, "num_sms": 4}
 
 
 def test_a_validated_dispatch_has_the_ranks_agree_on_what_they_share(monkeypatch):
@@ -204,11 +209,15 @@ def test_bad_declared_sizes_raise_when_the_buffer_is_made(kw):
 
 
 def test_ranks_that_declared_different_sizes_raise_at_the_first_call():
-    g = _Group(others=[[64, 256, 4, 2], [64, 256, 8, 2], [64, 256, 4, 2]])
+    g = _Group(others=[[64, 256, 4, 2, 0], [64, 256, 8, 2, 0], [64, 256, 4, 2, 0]])
     buf = _buffer(g, max_tokens=64, hidden=256, num_topk=4, num_in_flight=2)
     with pytest.raises(ValueError, match="different sizes"):
         buf.dispatch(*_call(), num_experts=8)
     assert _engines(buf) == {}
+    g = _Group(others=[[64, 256, 4, 2, 4], [64, 256, 4, 2, 8], [64, 256, 4, 2, 4]])  # num_sms differs
+    buf = _buffer(g, max_tokens=64, hidden=256, num_topk=4, num_in_flight=2, num_sms=4)
+    with pytest.raises(ValueError, match=r"different sizes.*num_sms"):
+        buf.dispatch(*_call(), num_experts=8)
 
 
 @pytest.mark.parametrize("transport,route", [(None, "two_hop"), ("queue", "two_hop"), ("direct", "direct")])

@@ -54,16 +54,17 @@ class Buffer:
             first call that uses it: num_in_flight slots of this, a combine
             pool of R * max_tokens partial rows, and, for zero-copy combines,
             num_in_flight slots of R * max_tokens rows of ``hidden``.
-        num_sms: within a node, the SMs (blocks) this rank's communication
-            kernels use by default: 0 is its share of the GPU
-            (``Group.sm_share``); fewer leave the rest to compute beside them.
-            A config's own num_sms still wins for its call.
+        num_sms: the SMs (blocks) this rank's communication kernels use by
+            default: 0 is its share of the GPU (``Group.sm_share``); fewer
+            leave the rest to compute beside them. Within a node a config's
+            own num_sms still wins for its call; across nodes every rank must
+            give the same value (the routes' blocks pair up across ranks).
 
     Attributes:
         routes: {transport: Route}: the route that carries each transport here.
         num_device_sms: the GPU's SMs; sm_budget: the SMs this rank's
             communication kernels use by default (``num_sms``, else its share
-            of them); within a node.
+            of them).
 
     The buffer is collective: create, call and destroy it on every rank in
     the same order. Use it as a context manager or call :meth:`destroy`.
@@ -87,12 +88,10 @@ class Buffer:
             if num_direct_bytes is not None:
                 raise ValueError("num_direct_bytes sizes the direct route within a node; across nodes the pools "
                                  "are sized from the declared sizes")
-            if num_sms:
-                raise ValueError("num_sms sets the routes within a node; across nodes each call's config sets its "
-                                 "blocks")
             from .internode import Internode, InternodeRoute
             self.num_ranks, self.rank = group.world_size, group.rank
-            self._shared = Internode(group, self.sizes, self.num_in_flight, self.comm_stream)
+            self._shared = Internode(group, self.sizes, self.num_in_flight, self.comm_stream, num_sms)
+            self.num_device_sms, self.sm_budget = group.num_sms, num_sms or group.sm_share
             self.routes: dict[str, Route] = {t: InternodeRoute(self._shared, t) for t in TRANSPORTS}
         else:
             from .direct import DirectRoute

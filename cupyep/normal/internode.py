@@ -187,8 +187,9 @@ class Internode:
     declared sizes, the communication stream, the arrays of captured calls
     (alive as long as the buffer) and the expert-major kernels' loading."""
 
-    def __init__(self, group, sizes, num_in_flight: int, comm_stream):
+    def __init__(self, group, sizes, num_in_flight: int, comm_stream, num_sms: int = 0):
         self.group = group
+        self.num_sms = num_sms  # blocks per rank of every route's kernels (0: the rank's share)
         self.sizes = sizes
         self.num_in_flight = num_in_flight
         self.comm_stream = comm_stream
@@ -200,11 +201,11 @@ class Internode:
     def make_engine(self, route: str):
         """A TwoHopDispatch of ``route`` from the declared sizes (collective)."""
         s = self.sizes
-        mine = np.array([s.max_tokens, s.hidden, s.num_topk, self.num_in_flight], dtype=np.int64)
+        mine = np.array([s.max_tokens, s.hidden, s.num_topk, self.num_in_flight, self.num_sms], dtype=np.int64)
         every = self.group.exchange(mine, f"cupyep.Buffer across nodes: the declared sizes ({route} route)")
         if not (every == mine).all():
             raise ValueError(f"the ranks made cupyep.Buffer with different sizes ([max_tokens, hidden, num_topk, "
-                             f"num_in_flight] by rank): {every.tolist()}")
+                             f"num_in_flight, num_sms] by rank): {every.tolist()}")
         return self.new_engine(route)
 
     def new_engine(self, route: str):
@@ -212,7 +213,7 @@ class Internode:
         from .internode_kernels import TwoHopDispatch
         s = self.sizes
         return TwoHopDispatch(self.group, s.max_tokens, s.hidden, s.num_topk, route=route,
-                              num_in_flight=self.num_in_flight)
+                              num_in_flight=self.num_in_flight, num_sms=self.num_sms)
 
     def load_layout(self) -> None:
         """Collective, at the first layout: the layout kernel compiled once per
