@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from cupyep import routing
-from cupyep.balance import LayerBalancer, MigrationPolicy, Placement, align, rebalance_experts, step_loads
+from cupyep.balance import LayerBalancer, MigrationPolicy, Placement, align, per_step_decision, rebalance_experts, step_loads
+from cupyep.balance.layer import MIN_GAIN
 
 E, R, K, T = 32, 4, 4, 64
 
@@ -84,7 +85,7 @@ def test_per_step_keeps_a_placement_that_already_holds_the_step_s_loads():
         assert did["planned"] == (before.max() / before.mean() > 1.05)  # re-planned exactly when it is off
         if did["moved_experts"]:  # and moved only for a plan that beats the current one
             after = layer.placement.gpu_loads(loads[None])[0]
-            assert after.max() / after.mean() <= before.max() / before.mean() - LayerBalancer.MIN_GAIN
+            assert after.max() / after.mean() <= before.max() / before.mean() - MIN_GAIN
         gpu = layer.placement.gpu_loads(loads[None])[0]
         assert gpu.max() / gpu.mean() <= 1.05, (step, gpu)  # every step still runs within the tolerance
         bal.after(idx[0])
@@ -144,3 +145,49 @@ def test_bad_settings_are_refused(kwargs, match):
 def test_a_placement_of_the_identity_kind_is_accepted():
     layer = _Layer(Placement.identity(1, E, R), _Group())
     assert LayerBalancer(layer, "per_step").num_logical == E
+
+
+def test_the_per_step_rule_plans_above_the_tolerance_and_not_again_where_a_plan_did_not_pay():
+    start = _uniform_plan()
+    plan = lambda w: rebalance_experts(np.asarray(w, float)[None], E + 2 * R, 1, 1, R).layer(0)  # noqa: E731
+    even = np.full(E, 100.0)
+    assert per_step_decision(start, even, plan, 1.05) == (False, None, 1.0)
+    hot = even.copy()
+    hot[0] = 5000.0
+    planned, new, floor = per_step_decision(start, hot, plan, 1.05)
+    gpu, cur = new.gpu_loads(hot[None])[0], start.gpu_loads(hot[None])[0]
+    assert planned and floor == 1.0 and gpu.max() / gpu.mean() <= cur.max() / cur.mean() - MIN_GAIN
+    # the same loads again, held to 1.0: the plan cannot beat itself, and the floor remembers what it reached
+    planned, none, floor = per_step_decision(new, hot, plan, 1.0)
+    assert planned and none is None and floor == pytest.approx(gpu.max() / gpu.mean() + MIN_GAIN)
+    assert per_step_decision(new, hot, plan, 1.0, floor) == (False, None, floor)  # not tried again
+    assert per_step_decision(start, hot, plan, 1.0, floor)[1] is not None  # loads past the floor plan again
+    assert per_step_decision(start, even, plan, 0)[0]  # 0: every step
+
+
+def test_the_committed_study_s_per_step_decisions_are_the_rule_s():
+    """Replayed on the loads of the committed balance study (results/balance_study), the rule plans on
+    exactly the steps the GPU runs planned."""
+    import json
+    from pathlib import Path
+    from cupyep.balance import replan
+    files = sorted((Path(__file__).resolve().parents[1] / "results" / "balance_study").glob("study_8ranks_run*.jsonl"))
+    assert files
+    for path in files:
+        recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        runs = {}
+        for r in recs:
+            if r["arm"] == "per_step":
+                runs.setdefault((r["trace"], json.dumps(r["trace_params"])), []).append(r)
+        for key, rs in runs.items():
+            placement, floor = None, 1.0
+            for r in sorted(rs, key=lambda r: r["step"]):
+                loads = np.asarray(r["logical_loads"], dtype=np.float64)
+                if placement is None:  # the placement the recorded steps start from is not recorded: plan one
+                    placement = replan(rebalance_experts(np.ones((1, r["experts"])), r["physical_experts"], 1, 1,
+                                                         r["ranks"]).layer(0), loads)
+                    continue
+                planned, new, floor = per_step_decision(placement, loads, lambda w: replan(placement, w),
+                                                        r["tolerance"], floor)
+                assert planned == r["planned"], (path.name, key, r["step"])
+                placement = new or placement

@@ -19,7 +19,7 @@ every route unchanged; cupyep.moe.MoELayer takes a placement.
 from .placement import REPLICA_RULES, Placement, balancedness, physical_topk, received, report
 from .planner import POLICIES, pack, rebalance_experts, replicate
 from .migration import MigrationPolicy, Move, OnlineBalancer, align, plan_moves, replan
-from .layer import MODES as BALANCE_MODES, LayerBalancer, step_loads
+from .layer import MODES as BALANCE_MODES, LayerBalancer, per_step_decision, step_loads
 
-__all__ = ["replan", "BALANCE_MODES", "LayerBalancer", "step_loads", "MigrationPolicy", "Move", "OnlineBalancer", "align", "plan_moves", "Placement", "REPLICA_RULES", "POLICIES", "balancedness", "pack", "physical_topk", "rebalance_experts",
+__all__ = ["replan", "per_step_decision", "BALANCE_MODES", "LayerBalancer", "step_loads", "MigrationPolicy", "Move", "OnlineBalancer", "align", "plan_moves", "Placement", "REPLICA_RULES", "POLICIES", "balancedness", "pack", "physical_topk", "rebalance_experts",
            "received", "replicate", "report"]

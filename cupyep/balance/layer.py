@@ -19,8 +19,8 @@ three modes, each paying its own cost inside the step:
   finish the move before the dispatch, so the step runs balanced for its
   own routing. A placement that already holds the step's loads within
   ``tolerance`` stays, and so does one that the new plan would not beat by
-  :attr:`LayerBalancer.MIN_GAIN`: on steady skew the experts move once, not
-  every step.
+  :data:`MIN_GAIN` (:func:`per_step_decision`): on steady skew the experts
+  move once, not every step.
 
 The balancer moves the layer's weights into registered memory when it is
 made (``layer.prepare_migration()``, collective), so no step pays for that.
@@ -48,11 +48,47 @@ def step_loads(group, topk_idx, num_experts: int) -> np.ndarray:
     return group.exchange(local, "balance: expert loads").sum(axis=0)
 
 
+MIN_GAIN = 0.005
+
+
+def per_step_decision(placement, loads, plan, tolerance: float, floor: float = 1.0):
+    """The per-step rule, for one step's loads: (planned, the placement to
+    move to or None, the new floor).
+
+    Arguments:
+        placement: the current one-layer Placement.
+        loads: [E] the step's (token, expert) pairs per logical expert.
+        plan: loads [E] -> a new one-layer Placement (e.g. :func:`replan`).
+        tolerance: keep the placement while its per-GPU max over mean on
+            ``loads`` is at most this (>= 1); 0 plans and moves every step.
+        floor: what the last plan that did not pay reached (plus
+            :data:`MIN_GAIN`), 1.0 after one that moved: below it a plan
+            is not tried again, since on such loads it does no better.
+
+    A plan is moved to only when its max over mean is at least
+    :data:`MIN_GAIN` below the placement's; one that is not raises the floor
+    to its own max over mean plus MIN_GAIN (until the loads move past it).
+    """
+    if tolerance == 0:
+        return True, plan(loads), 1.0
+    cur = placement.gpu_loads(np.asarray(loads, dtype=np.float64)[None])[0]
+    if cur.mean() <= 0:
+        return False, None, floor
+    now = cur.max() / cur.mean()
+    if now <= max(tolerance, floor):
+        return False, None, floor
+    new = plan(loads)
+    got = new.gpu_loads(np.asarray(loads, dtype=np.float64)[None])[0]
+    reached = got.max() / got.mean()
+    if reached > now - MIN_GAIN:  # moving would not pay
+        return True, None, reached + MIN_GAIN
+    return True, new, 1.0
+
+
 class LayerBalancer:
     """Balancing of one layer (module docstring).
 
-    per_step moves only for a plan whose per-GPU max over mean is at least
-    ``MIN_GAIN`` below the current placement's on the step's loads.
+    per_step follows :func:`per_step_decision`.
 
     Arguments:
         layer: the layer (a placement of one layer over its ranks; moves
@@ -65,11 +101,9 @@ class LayerBalancer:
         alarm: "online": re-plan only above this per-GPU max over mean.
         num_groups: expert groups for the planner (1: none).
         tolerance: "per_step": keep the current placement while it holds the
-            step's per-GPU loads within this max over mean (>= 1.0; 1.0
-            re-plans every step).
+            step's per-GPU loads within this max over mean (>= 1.0), see
+            :func:`per_step_decision`; 0 plans and moves every step.
     """
-
-    MIN_GAIN = 0.005
 
     def __init__(self, layer, mode: str, *, period: int = 4, smoothing: float = 0.5,
                  policy: MigrationPolicy | None = None, alarm: float = 1.1, num_groups: int = 1,
@@ -84,8 +118,8 @@ class LayerBalancer:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         if mode == "online" and policy is None:
             raise ValueError('mode "online" needs policy= (a MigrationPolicy)')
-        if not tolerance >= 1.0:
-            raise ValueError(f"tolerance must be >= 1.0 (a max over mean), got {tolerance}")
+        if not (tolerance == 0 or tolerance >= 1.0):
+            raise ValueError(f"tolerance must be >= 1.0 (a max over mean) or 0 (every step), got {tolerance}")
         self.layer, self.mode, self.period, self.smoothing = layer, mode, period, float(smoothing)
         self.num_groups, self.tolerance = num_groups, float(tolerance)
         self.group = layer.buffer.group
@@ -96,6 +130,7 @@ class LayerBalancer:
             if mode == "online" else None
         self._moving = False
         self._applied = self.balancer.placement if self.balancer is not None else None
+        self._floor = 1.0  # per_step: the max over mean the last plan that did not pay reached
         layer.prepare_migration()
 
     def _plan(self, loads) -> object:
@@ -123,13 +158,10 @@ class LayerBalancer:
         none = {"planned": False, "moved_experts": 0, "pulled": [0] * self.layer.placement.num_gpus}
         if self.mode == "per_step":
             loads = step_loads(self.group, topk_idx, self.num_logical)
-            gpu = self.layer.placement.gpu_loads(loads[None])[0]
-            if gpu.max() <= self.tolerance * gpu.mean():
-                return none
-            plan = self._plan(loads)
-            new = plan.gpu_loads(loads[None])[0]
-            if new.max() / new.mean() > gpu.max() / gpu.mean() - self.MIN_GAIN:  # moving would not pay
-                return dict(none, planned=True)
+            planned, plan, self._floor = per_step_decision(self.layer.placement, loads, self._plan, self.tolerance,
+                                                           self._floor)
+            if plan is None:
+                return dict(none, planned=planned)
             did = self._start(plan)
             self._finish()
             return did

@@ -50,8 +50,12 @@ evenly over its replicas):
   moving average, ``MigrationPolicy`` on the cost model's per-pair time and
   copy bandwidth) fed each step's loads after the step, which is when it
   plans; it moves only when the move pays, during the next step;
-- ``"per_step"``: planned from the current step's own loads before the step
-  runs (the loads the layout pass has), every step.
+- ``"per_step"``: from the current step's own loads before the step runs
+  (the loads the layout pass has), as cupyep.balance.LayerBalancer does:
+  the placement stays while it holds them within max over mean
+  ``tolerance``; else a plan, moved to when it beats the placement
+  (cupyep.balance.per_step_decision, the same code). ``tolerance`` 0 plans
+  and moves every step.
 
 Every plan is aligned to the current placement (``migration.align``) and
 its moves planned (``migration.plan_moves``). As in the GPU study
@@ -149,7 +153,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..balance import OnlineBalancer, MigrationPolicy, Placement, align, plan_moves, rebalance_experts
+from ..balance import OnlineBalancer, MigrationPolicy, Placement, align, per_step_decision, plan_moves, rebalance_experts
 
 TRACES = ("zipf", "hot_expert", "drift")
 ARMS = ("none", "eplb", "migration", "per_step")
@@ -836,6 +840,9 @@ class ArmConfig:
             of groups_per_node * nodes (on one node the groups change
             nothing and one group is planned).
         policy: "hierarchical" or "global" (across nodes; the same on one).
+        tolerance: per_step keeps its placement while the step's per-GPU
+            max over mean is at most this (>= 1); 0 plans and moves every
+            step.
 
     The defaults match the GPU balance study's (experiments/study_balance.py).
     """
@@ -847,6 +854,7 @@ class ArmConfig:
     overlap: float = 0.0
     groups_per_node: int = 4
     policy: str = "hierarchical"
+    tolerance: float = 1.05
 
     def __post_init__(self):
         _int("redundant", self.redundant)
@@ -859,6 +867,8 @@ class ArmConfig:
             raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing!r}")
         if not (isinstance(self.overlap, (int, float)) and 0 <= self.overlap <= 1):
             raise ValueError(f"overlap must be in [0, 1], got {self.overlap!r}")
+        if not (isinstance(self.tolerance, (int, float)) and (self.tolerance == 0 or self.tolerance >= 1)):
+            raise ValueError(f"tolerance must be 0 (every step) or >= 1, got {self.tolerance!r}")
         if self.policy not in ("hierarchical", "global"):
             raise ValueError(f"policy must be 'hierarchical' or 'global', got {self.policy!r}")
 
@@ -1007,7 +1017,7 @@ def simulate(loads, arm: str, ranks: int, gpus_per_node: int, model: CostModel, 
     pairs, rows = np.zeros((S, L, R)), np.zeros((S, L, R))
     moved_rank = np.zeros((S, L, R), dtype=np.int64)
     phy2log = np.zeros((S, L, P), dtype=np.int64)
-    balancers, pending, average = [None] * L, [None] * L, [None] * L
+    balancers, pending, average, floor = [None] * L, [None] * L, [None] * L, [1.0] * L
     first_move = np.zeros((S, L), dtype=bool)
     has_moved = [bool(moved_before)] * L
     if arm == "migration":
@@ -1025,8 +1035,10 @@ def simulate(loads, arm: str, ranks: int, gpus_per_node: int, model: CostModel, 
                 nxt, moved, per_rank = _moves(pl, plan(average[layer][None]))
                 planned = True
             elif arm == "per_step":  # moved before the step runs
-                pl, moved, per_rank = _moves(pl, plan(w[s, layer][None]))
-                planned = True
+                planned, new, floor[layer] = per_step_decision(pl, w[s, layer], lambda v: plan(v[None]),
+                                                               config.tolerance, floor[layer])
+                if new is not None:
+                    pl, moved, per_rank = _moves(pl, new)
             elif arm == "migration" and pending[layer] is not None:
                 nxt, moved, per_rank = pending[layer]
                 pending[layer] = None
@@ -1246,7 +1258,10 @@ def validate(records, model: CostModel, config: ArmConfig | None = None, history
         if (P - E) % R:
             raise ValueError(f"records: physical_experts={P} - experts={E} is not a multiple of ranks={R}")
         cfg = ArmConfig.from_dict(first_rec.get("arm_params"), config)
-        cfg = replace(cfg, redundant=(P - E) // R if first_rec["arm"] != "none" else cfg.redundant)
+        # per_step's rule: the record's tolerance, else its arm_params', else (records made before the
+        # rule existed) every step
+        tol = first_rec.get("tolerance") or (first_rec.get("arm_params") or {}).get("tolerance") or 0.0
+        cfg = replace(cfg, redundant=(P - E) // R if first_rec["arm"] != "none" else cfg.redundant, tolerance=tol)
         before = list(range(steps[0]))
         past = history_loads(at[steps[0], layers[0]], before, layers) \
             if history and before and first_rec["arm"] != "migration" else None
