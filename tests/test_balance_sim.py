@@ -230,13 +230,14 @@ def test_break_even_expert_bytes_is_where_the_speed_up_reaches_one():
     R, T, k = 16, 4096, 8
     E = bs.experts_for(R, 4)
     loads = bs.trace_loads("hot_expert", 0, R * T, E, k, 10, hot_fraction=0.3)
+    every = bs.ArmConfig(tolerance=0)  # per_step moving every step: a move cost that grows with the size
     none = bs.simulate(loads, "none", R, 8, MODEL, 1 << 20, T, k)
-    res = bs.simulate(loads, "per_step", R, 8, MODEL, 1 << 20, T, k)
+    res = bs.simulate(loads, "per_step", R, 8, MODEL, 1 << 20, T, k, every)
     b = bs.break_even_expert_bytes(res, none, MODEL, warmup=2)
     assert 0 < b < math.inf
-    at = bs.simulate(loads, "per_step", R, 8, MODEL, int(round(b)), T, k)
+    at = bs.simulate(loads, "per_step", R, 8, MODEL, int(round(b)), T, k, every)
     assert at.layer_us[2:].mean() == pytest.approx(none.layer_us[2:].mean(), rel=1e-6)
-    above = bs.simulate(loads, "per_step", R, 8, MODEL, int(2 * b), T, k)
+    above = bs.simulate(loads, "per_step", R, 8, MODEL, int(2 * b), T, k, every)
     assert above.layer_us[2:].mean() > none.layer_us[2:].mean()
     assert bs.break_even_expert_bytes(none, none, MODEL) is None
 
@@ -559,7 +560,7 @@ def test_the_plan_cost_grows_with_the_experts_planned():
     assert replace(m, plan_exponent=0.0).plan_cost(8192) == KNOWN.plan_us
     assert replace(m, plan_experts=0).plan_cost(8192) == KNOWN.plan_us
     loads = bs.trace_loads("zipf", 0, 64 * 512, 256, 8, 3, s=1.2)
-    res = bs.simulate(loads, "per_step", 64, 8, m, 0, 512, 8)
+    res = bs.simulate(loads, "per_step", 64, 8, m, 0, 512, 8, bs.ArmConfig(tolerance=0))  # a plan every step
     assert res.balance_us == pytest.approx(np.full((3, 1), KNOWN.overhead_us["per_step"] + 4 * KNOWN.plan_us))
 
 

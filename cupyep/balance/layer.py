@@ -61,13 +61,17 @@ def per_step_decision(placement, loads, plan, tolerance: float, floor: float = 1
         plan: loads [E] -> a new one-layer Placement (e.g. :func:`replan`).
         tolerance: keep the placement while its per-GPU max over mean on
             ``loads`` is at most this (>= 1); 0 plans and moves every step.
-        floor: what the last plan that did not pay reached (plus
-            :data:`MIN_GAIN`), 1.0 after one that moved: below it a plan
-            is not tried again, since on such loads it does no better.
+        floor: the placement's max over mean when a plan last did not pay
+            (plus :data:`MIN_GAIN`), 1.0 after one that moved: up to it a
+            plan is not tried again.
 
-    A plan is moved to only when its max over mean is at least
-    :data:`MIN_GAIN` below the placement's; one that is not raises the floor
-    to its own max over mean plus MIN_GAIN (until the loads move past it).
+    A plan is moved to only when it removes at least half of the
+    placement's excess over a perfect 1.0 on these loads (and at least
+    :data:`MIN_GAIN`): a plan fitted to one step's loads always beats the
+    placement a little on them, and moving for that would chase the
+    step-to-step noise. One that does not pay raises the floor to the
+    placement's max over mean plus MIN_GAIN, so the next plan waits for the
+    loads to move past it.
     """
     if tolerance == 0:
         return True, plan(loads), 1.0
@@ -80,8 +84,8 @@ def per_step_decision(placement, loads, plan, tolerance: float, floor: float = 1
     new = plan(loads)
     got = new.gpu_loads(np.asarray(loads, dtype=np.float64)[None])[0]
     reached = got.max() / got.mean()
-    if reached > now - MIN_GAIN:  # moving would not pay
-        return True, None, reached + MIN_GAIN
+    if reached > now - max(MIN_GAIN, (now - 1.0) / 2):  # moving would not pay
+        return True, None, now + MIN_GAIN
     return True, new, 1.0
 
 
