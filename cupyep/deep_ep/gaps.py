@@ -1,0 +1,50 @@
+"""What DeepEP V1 offers and cupyep does not: each gap raises
+``NotImplementedError`` naming it, never a silent fallback.
+
+``GAPS`` maps the call or argument (as written in docs/deep_ep.md) to the
+reason; :func:`refuse` raises for one of them.
+"""
+from __future__ import annotations
+
+GAPS: dict[str, str] = {
+    "Buffer(allow_mnnvl=True)":
+        "multi-node NVLink domains: cupyep reaches ranks of another node through NVSHMEM, never over MNNVL",
+    "Buffer(use_fabric=True)":
+        "fabric memory handles: cupyep shares buffers within a node through CUDA IPC handles",
+    "Buffer(enable_shrink=True)":
+        "rank masking (shrink): cupyep's low-latency kernels have no mask buffer; a peer that does not answer "
+        "is a CommTimeoutError naming it, after which the buffer must be destroyed",
+    "Buffer(allow_nvlink_for_low_latency_mode=False)":
+        "low-latency traffic without NVLink: within a node cupyep's low-latency kernels write through CUDA IPC "
+        "(NVLink or the one shared GPU) only",
+    "Buffer.low_latency_update_mask_buffer": "rank masking: see Buffer(enable_shrink=True)",
+    "Buffer.low_latency_query_mask_buffer": "rank masking: see Buffer(enable_shrink=True)",
+    "Buffer.low_latency_clean_mask_buffer": "rank masking: see Buffer(enable_shrink=True)",
+    "Buffer.get_local_buffer_tensor":
+        "raw views of the communication buffer: cupyep's buffers are laid out by its own routes, and writes "
+        "there would corrupt them",
+    "Buffer.low_latency_combine(use_logfmt=True)":
+        "the LogFMT combine format: cupyep's low-latency combine sends BF16 rows",
+    "Buffer.low_latency_combine(combine_wait_recv_cost_stats=...)":
+        "per-source wait statistics of the combine: cupyep's low-latency combine records none "
+        "(the dispatch's dispatch_wait_recv_cost_stats are supported)",
+    "Buffer.dispatch(topk_idx=None) without a handle":
+        "a dispatch routed by is_token_in_rank alone: cupyep.Buffer.dispatch needs topk_idx for a dispatch "
+        "that is not cached (pass topk_idx, or a handle for a cached dispatch)",
+    "Buffer.combine(bias=...)":
+        "the bias added after the reduction: cupyep's combine reduces the rows and weights only",
+    "Buffer.dispatch(config=...) across nodes":
+        "cupyep's routes across nodes take no chunk config (they run on their own tuned sizes)",
+    "Buffer.combine(config=...) across nodes":
+        "cupyep's routes across nodes take no chunk config (they run on their own tuned sizes)",
+    "Buffer(group=<torch.distributed group of several nodes>)":
+        "NVSHMEM across nodes bootstraps from an MPI communicator: pass comm=<mpi4py communicator>",
+    "Buffer.low_latency_dispatch(use_ue8m0=True) with hidden % 512 != 0":
+        "DeepEP packs four UE8M0 exponents per int32; a hidden size that is not a multiple of 512 leaves a "
+        "partial word",
+}
+
+
+def refuse(what: str) -> None:
+    """Raise NotImplementedError for the gap ``what`` (a key of GAPS)."""
+    raise NotImplementedError(f"cupyep.deep_ep: {what} is not supported: {GAPS[what]}")
