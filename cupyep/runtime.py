@@ -230,7 +230,6 @@ class Group:
         every other rank); the outstanding requests of a timed-out exchange are
         cancelled."""
         import numpy as np
-        from mpi4py import MPI
         if self._xcomm is None:
             self._xcomm = self.comm.Dup()
         self._xseq += 1
@@ -245,13 +244,13 @@ class Group:
         start = time.monotonic()
         while True:
             pending = [r for r, req in recvs.items() if not req.Test()]
-            if not pending and MPI.Request.Testall(sends):
+            if not pending and all(req.Test() for req in sends):
                 return out
             if time.monotonic() - start > t:
                 for req in [*recvs.values(), *sends]:
                     try:
                         req.Cancel()
-                    except MPI.Exception:
+                    except Exception:  # a request that completed meanwhile, or cannot be cancelled
                         pass
                 raise CommTimeoutError("host", phase, self.rank, pending[0] if pending else None, timeout_s=t,
                                        detail=f"no part from rank(s) {pending}" if pending else
@@ -291,14 +290,26 @@ class Group:
         self.destroy()
 
 
+#: The communicator methods the runtime calls: an mpi4py Intracomm has them; any other object
+#: that has them (e.g. cupyep.deep_ep's stand-in over a torch.distributed group) serves too.
+COMM_METHODS = ("Get_rank", "Get_size", "allgather", "allreduce", "bcast", "gather", "Barrier", "Split",
+                "Split_type", "Dup", "Free", "Isend", "Irecv")
+
+
 def _as_intracomm(comm):
     from mpi4py import MPI
     if comm is None:
         return MPI.COMM_WORLD
-    if isinstance(comm, MPI.Comm) and comm == MPI.COMM_NULL:
-        raise ValueError("comm is MPI.COMM_NULL: this process is not part of the communicator")
-    if not isinstance(comm, MPI.Intracomm):
-        raise TypeError(f"comm must be an mpi4py.MPI.Intracomm (e.g. MPI.COMM_WORLD), got {type(comm).__name__}")
+    if isinstance(comm, MPI.Comm):
+        if comm == MPI.COMM_NULL:
+            raise ValueError("comm is MPI.COMM_NULL: this process is not part of the communicator")
+        if not isinstance(comm, MPI.Intracomm):
+            raise TypeError(f"comm must be an mpi4py.MPI.Intracomm (e.g. MPI.COMM_WORLD), got {type(comm).__name__}")
+        return comm
+    missing = [m for m in COMM_METHODS if not callable(getattr(comm, m, None))]
+    if missing:
+        raise TypeError(f"comm must be an mpi4py.MPI.Intracomm (e.g. MPI.COMM_WORLD) or an object with its methods "
+                        f"{', '.join(COMM_METHODS)}; got {type(comm).__name__}, which lacks {', '.join(missing)}")
     return comm
 
 
@@ -312,7 +323,9 @@ def init(comm=None, ranks_per_node: int | None = None, timeout_s: float = DEFAUL
     """Set up this rank. Collective over ``comm``.
 
     Arguments:
-        comm: an ``mpi4py.MPI.Intracomm``; default ``MPI.COMM_WORLD``.
+        comm: an ``mpi4py.MPI.Intracomm`` (default ``MPI.COMM_WORLD``), or an
+            object with its methods in :data:`COMM_METHODS` (requests whose
+            ``Test()`` polls and ``Cancel()`` aborts).
         ranks_per_node: emulate nodes of this many consecutive ranks on one
             host (must divide the world size and keep each emulated node on one
             host). Default: the launcher's ``--ranks-per-node``

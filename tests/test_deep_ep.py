@@ -717,8 +717,11 @@ def test_ranks_that_disagree_get_a_valueerror_on_every_rank(monkeypatch):
 def test_calls_the_communicator_does_not_serve_raise_naming_them():
     from mpi4py import MPI
     from cupyep.deep_ep.comm import TorchComm
+    from cupyep.runtime import COMM_METHODS, _as_intracomm
     comm = TorchComm(None)
-    assert comm != MPI.COMM_NULL and isinstance(comm, MPI.Intracomm)
+    assert _as_intracomm(comm) is comm and all(callable(getattr(comm, m)) for m in COMM_METHODS)
+    with pytest.raises(TypeError, match="got object, which lacks Get_rank"):
+        _as_intracomm(object())
     for name in ("Allreduce", "Alltoall", "Send", "Create_group"):
         with pytest.raises(NotImplementedError, match=name):
             getattr(comm, name)

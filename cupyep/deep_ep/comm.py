@@ -19,11 +19,11 @@ collectives and point-to-point messages of a CPU (gloo) process group:
 ``Free()``              drops the communicator (the process group stays with torch)
 ======================  ===============================================
 
-Any other mpi4py call raises ``NotImplementedError`` naming it. The class
-derives from ``mpi4py.MPI.Intracomm`` only so that ``cupyep.init`` accepts it
-(it checks the type); it holds no MPI communicator, and no MPI call reaches
-MPI through it. NVSHMEM across nodes bootstraps from a real MPI communicator,
-so a group of several nodes needs ``comm=`` (mpi4py) instead.
+Any other mpi4py call raises ``NotImplementedError`` naming it.
+``cupyep.init`` takes any object with the methods in
+``cupyep.runtime.COMM_METHODS``; this one holds no MPI communicator, and no
+call reaches MPI through it. NVSHMEM across nodes bootstraps from a real MPI
+communicator, so a group of several nodes needs ``comm=`` (mpi4py) instead.
 
 The transport is a small object (``backend``) with the methods of
 :class:`TorchBackend`; the tests drive the same logic through an in-process
@@ -122,16 +122,12 @@ class TorchBackend:
                 pass
 
 
-class TorchRequest(MPI.Request):
-    """An ``Isend``/``Irecv`` request: ``Test()`` polls, ``Cancel()`` aborts.
-    (``MPI.Request.Testall`` of these sees null requests, done: the sends
-    copy their bytes and complete in the background, held by the backend.)"""
+class TorchRequest:
+    """An ``Isend``/``Irecv`` request: ``Test()`` polls, ``Cancel()`` aborts
+    (the sends copy their bytes and complete in the background, held by the
+    backend)."""
 
-    def __new__(cls, backend=None, work=None):
-        return super().__new__(cls)  # a null MPI request
-
-    def __init__(self, backend=None, work=None):
-        super().__init__()
+    def __init__(self, backend, work):
         self._backend, self._work = backend, work
 
     def Test(self, status=None) -> bool:  # noqa: N802 (mpi4py's name)
@@ -141,32 +137,19 @@ class TorchRequest(MPI.Request):
         self._backend.cancel(self._work)
 
 
-class TorchComm(MPI.Intracomm):
+class TorchComm:
     """The subset of ``mpi4py.MPI.Intracomm`` that cupyep's runtime uses, over
     ``backend`` (a :class:`TorchBackend`, or an object with its methods)."""
 
-    def __new__(cls, backend):
-        return super().__new__(cls)  # a null MPI handle: nothing here reaches MPI
-
     def __init__(self, backend):
-        super().__init__()
         self._backend = backend
 
-    def __getattribute__(self, name):
-        if name[:1] != "_" and name not in SERVED and hasattr(MPI.Intracomm, name):
+    def __getattr__(self, name):  # only for names not defined here
+        if name[:1] != "_" and hasattr(MPI.Intracomm, name):
             raise NotImplementedError(
                 f"cupyep.deep_ep: the torch.distributed group stands in for an mpi4py communicator in the calls "
                 f"{sorted(SERVED)} only, not in {name!r}; pass comm=<mpi4py communicator> to Buffer instead")
-        return object.__getattribute__(self, name)
-
-    # A TorchComm is not MPI.COMM_NULL, and equals only itself.
-    def __eq__(self, other):
-        return self is other
-
-    def __ne__(self, other):
-        return self is not other
-
-    __hash__ = object.__hash__
+        raise AttributeError(name)
 
     def Get_rank(self) -> int:  # noqa: N802
         return self._backend.rank()
