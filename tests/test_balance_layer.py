@@ -167,8 +167,8 @@ def test_the_per_step_rule_plans_above_the_tolerance_and_not_again_where_a_plan_
 
 
 def test_the_committed_study_s_per_step_decisions_are_the_rule_s():
-    """Replayed on the loads of the committed balance study (results/balance_study), the rule plans on
-    exactly the steps the GPU runs planned."""
+    """Replayed on the loads of the committed balance study (results/balance_study), the rule plans and
+    moves on exactly the steps the GPU runs planned and moved."""
     import json
     from pathlib import Path
     from cupyep.balance import replan
@@ -191,4 +191,5 @@ def test_the_committed_study_s_per_step_decisions_are_the_rule_s():
                 planned, new, floor = per_step_decision(placement, loads, lambda w: replan(placement, w),
                                                         r["tolerance"], floor)
                 assert planned == r["planned"], (path.name, key, r["step"])
+                assert (new is not None) == (r["moved_experts"] > 0), (path.name, key, r["step"])
                 placement = new or placement
