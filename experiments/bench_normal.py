@@ -21,6 +21,13 @@ Transports (``--transports``, default both): the queue transport's kinds as
 above, the direct (one-copy) transport's as ``<kind>_direct`` with
 "transport": "direct" and its DirectConfig, with the default blocks and each
 of ``--direct-sms`` (SMs used against time).
+
+The copy roofline at the same number of SMs: with ``--direct-sms`` (or
+``--copy-probe BLOCKS...``) rank 0 alone times the copy kernel on R x S
+blocks for each S (R ranks of S blocks each), one "copy_probe" record per
+block count, and each ``--direct-sms`` record gets "copy_same_sms_GBps" and
+"of_copy_same_sms": its bytes (as "efficiency" counts them) over that
+probe's bandwidth, divided by its time.
 """
 import argparse
 from dataclasses import replace
@@ -30,7 +37,7 @@ import numpy as np
 import cupyep
 from cupyep.lab.bench import require_gpu
 from cupyep.barrier import GpuBarrier
-from cupyep.lab.bench.copy import copy_bandwidth
+from cupyep.lab.bench.copy import copy_bandwidth, copy_probe
 from cupyep.lab.bench.normal import DIRECT_KINDS, KINDS, measure
 from cupyep.lab.bench.report import JsonlWriter
 from cupyep.fp8 import per_token_cast_to_fp8
@@ -63,6 +70,8 @@ def main():
     p.add_argument("--transports", nargs="+", default=["queue", "direct"], choices=["queue", "direct"])
     p.add_argument("--direct-sms", type=int, nargs="*", default=[],
                    help="blocks per rank of the direct transport to time besides its default")
+    p.add_argument("--copy-probe", type=int, nargs="*", default=[],
+                   help="also time the copy kernel on these numbers of blocks (besides R x each --direct-sms)")
     args = p.parse_args()
     require_gpu(__file__)
     import cupy
@@ -105,9 +114,15 @@ def main():
         for timing in timings:
             for kind in direct_kinds:
                 out.write(run(kind, DirectConfig(), None, timing, "direct"))
-        for sms in (m for m in args.direct_sms if m <= buf.sm_budget):  # more would not all be resident
+        swept = [m for m in args.direct_sms if m <= buf.sm_budget]  # more would not all be resident
+        probe = _probe(group, [R * m for m in swept] + args.copy_probe, out)
+        for sms in swept:
             for kind in direct_kinds:
-                out.write({**run(kind, DirectConfig(num_sms=sms), None, "strict", "direct"), "sweep": True})
+                rec = run(kind, DirectConfig(num_sms=sms), None, "strict", "direct")
+                same = probe[R * sms]
+                out.write({**rec, "sweep": True, "copy_same_sms_GBps": round(same / 1e9, 1),
+                           "of_copy_same_sms": None if rec.get("efficiency") is None else
+                           round(rec["efficiency"] * copy_bw / same, 4)})
     if args.sweep:
         for threads, l2 in ((t, l2) for t in args.threads for l2 in (args.l2 or [None])):
             dcfg, fcfg, ccfg = with_l2(dcfg0, l2), with_l2(fcfg0, l2), with_l2(ccfg0, l2)
@@ -127,6 +142,18 @@ def main():
     bar.destroy()
     buf.destroy()
     group.destroy()
+
+
+def _probe(group, block_counts, out) -> dict:
+    """{blocks: copy bytes per second}, timed by rank 0 alone (the others
+    wait), written as "copy_probe" records; the same dict on every rank."""
+    counts = sorted({int(n) for n in block_counts if n > 0})
+    got = copy_probe(counts) if group.rank == 0 else None
+    got = group.comm.bcast(got)
+    for n in counts:
+        out.write({"kind": "copy_probe", "blocks": n, "copy_GBps": round(got[n] / 1e9, 1),
+                   "per_block_GBps": round(got[n] / 1e9 / n, 2)})
+    return got
 
 
 if __name__ == "__main__":

@@ -27,6 +27,14 @@ def device_copy(src, dst, num_blocks: int | None = None, threads: int = 512) -> 
     jit.kernel(COPY_SPEC)((blocks,), (threads,), (src, dst, np.int64(n // 16)))
 
 
+def copy_probe(block_counts, nbytes: int = 2 << 30, iters: int = 10) -> dict:
+    """{blocks: bytes moved (read + written) per second} of the copy kernel
+    launched on each number of blocks in ``block_counts`` (512 threads
+    each): the copy roofline at a number of SMs, which a communication
+    kernel on as many blocks is measured against."""
+    return {int(n): copy_bandwidth(nbytes, iters, int(n)) for n in sorted(set(block_counts))}
+
+
 def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20, num_blocks: int | None = None) -> float:
     """Bytes moved (read + written) per second by the copy kernel, median of ``iters``."""
     import cupy
