@@ -231,6 +231,7 @@ def host_buffer(monkeypatch):
         local_size, world_size, rank, num_nodes = 2, 2, 0, 1
     b.cgroup, b.internode, b.validate, b.normal = _Group(), False, False, _NormalStandIn()
     b.low_latency, b._ll_sizes, b.low_latency_mode, b.num_nvl_bytes = None, None, True, 1 << 20
+    b._ll_staging = None
     return b
 
 
@@ -369,11 +370,12 @@ def test_handle_entries_are_deepeps(monkeypatch):
 
 
 def test_low_latency_layout_range_packs_begin_and_count():
+    from cupyep.deep_ep import packing
     counts = np.array([[3, 0, 7], [1, 2, 0]], np.int32)
-    packed = handles_module.layout_range(counts, capacity=128)
+    packed = packing.layout_range(counts)
     assert packed.dtype == np.int64 and packed.shape == (2, 3)
     assert np.array_equal(packed & (2 ** 32 - 1), counts)
-    assert np.array_equal(packed >> 32, np.broadcast_to(np.arange(3) * 128, (2, 3)))
+    assert np.array_equal(packed >> 32, [[0, 3, 3], [0, 1, 3]])  # DeepEP's packed begins, sources in rank order
 
 
 @dataclass
@@ -391,6 +393,10 @@ class _LLHandle:
 class _LowLatencyStandIn:
     def __init__(self):
         self.calls, self.hooks = [], []
+        self.combine_buffer = np.zeros((2, 16, 512), np.uint16)
+
+    def get_next_combine_buffer(self, handle):
+        return self.combine_buffer
 
     def dispatch(self, x, topk_idx, **kw):
         self.calls.append(("dispatch", kw))
@@ -404,6 +410,7 @@ class _LowLatencyStandIn:
                                         "ev" if kw["async_finish"] else None, hook)
 
     def combine(self, x, topk_idx, topk_weights, handle, **kw):
+        assert x is None  # the adapter unpacked into get_next_combine_buffer
         self.calls.append(("combine", kw))
         from cupyep.low_latency.results import LowLatencyCombineResult
         return LowLatencyCombineResult(np.zeros((3, 512), np.uint16), None, None)
@@ -423,9 +430,17 @@ def test_low_latency_calls_return_deepeps_tuples(host_buffer):
     (fp8, scales), *_ = b.low_latency_dispatch(x, idx, 8, 4, round_scale=True, use_ue8m0=True)
     assert fp8.dtype == np.uint8 and scales.dtype == np.int32 and scales.shape == (2, 16, 1)  # 4 exponents a word
     out = np.empty((3, 512), np.uint16)
-    combined, ev, no_hook = b.low_latency_combine(x, idx, np.ones((3, 2), np.float32), handle, out=out,
+    with pytest.raises(ValueError, match="get_next_low_latency_combine_buffer"):
+        b.low_latency_combine(None, idx, np.ones((3, 2), np.float32), handle, zero_copy=True)
+    staging = b.get_next_low_latency_combine_buffer(handle)
+    assert staging.shape == (2, 16, 512) and staging.dtype == np.uint16
+    assert b.get_next_low_latency_combine_buffer(handle) is staging
+    combined, ev, no_hook = b.low_latency_combine(None, idx, np.ones((3, 2), np.float32), handle, out=out,
                                                   zero_copy=True)
     assert combined is out and no_hook is None and ll.calls[-1][1]["zero_copy"]
+    assert ll.calls[-1][1]["pull"] is None  # cupyep's default for its zero-copy combine
+    b.low_latency_combine(np.zeros((2, 16, 512), np.uint16), idx, np.ones((3, 2), np.float32), handle)
+    assert ll.calls[-1][1]["zero_copy"] and ll.calls[-1][1]["pull"] is False  # push, as cupyep's plain combine
     with pytest.raises(ValueError, match="low_latency_mode"):
         b.low_latency_mode = False
         b.low_latency_dispatch(x, idx, 16, 4)

@@ -12,8 +12,14 @@ NotImplementedError naming it (cupyep.deep_ep.gaps); the byte budgets map
 onto cupyep's declared sizes as cupyep.deep_ep.budget describes.
 
 Memory: received tensors live in CuPy's memory pool, allocated on the
-communication stream (normal mode) or on the stream of the call (low-latency
-mode), for either value of ``allocate_on_comm_stream`` (docs/deep_ep.md).
+communication stream (normal mode) or on the stream the call runs on
+(low-latency mode), for either value of ``allocate_on_comm_stream``
+(docs/deep_ep.md).
+
+Low-latency mode gives DeepEP's packed layout (cupyep.deep_ep.packing): the
+dispatch copies cupyep's received rows into packed tensors, and the combine
+copies packed expert outputs into cupyep's combine buffer; each copies only
+the valid rows, once.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ from .config import Config, to_cupyep, tuned_config
 from .events import EventHandle, EventOverlap, event_of, overlap
 from .gaps import refuse
 from .handles import DispatchHandle, LowLatencyHandle, native_handle
+from . import packing as P
 from .tensors import current_stream_ptr, to_cupy, to_torch, torch_stream
 
 
@@ -98,6 +105,7 @@ class Buffer:
         self.internode = g.num_nodes > 1
         self.low_latency = None
         self._ll_sizes = None
+        self._ll_staging = None  # get_next_low_latency_combine_buffer's packed tensor
         try:
             if not allow_nvlink_for_low_latency_mode and self.internode:
                 refuse("Buffer(allow_nvlink_for_low_latency_mode=False)")
@@ -189,7 +197,7 @@ class Buffer:
         for buf in (self.normal, self.low_latency):
             if buf is not None:
                 buf.destroy()
-        self.normal = self.low_latency = None
+        self.normal = self.low_latency = self._ll_staging = None
         if self._own_group:
             self.cgroup.destroy()
 
@@ -411,9 +419,10 @@ class Buffer:
         max_topk = B.check_low_latency_budget(self.num_rdma_bytes, *sizes[:2], R, sizes[2])
         if self.low_latency is not None:  # new sizes: the old buffer's results go with it (as DeepEP's layout)
             self.low_latency.destroy()
-            self.low_latency = None
+            self.low_latency = self._ll_staging = None
         self.low_latency = LowLatencyBuffer(self.cgroup, *sizes, max_topk=max_topk)
         self._ll_sizes = sizes
+        P.load(self.cgroup)  # the packing kernels, compiled here (collective) rather than within a call
         return self.low_latency
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
@@ -441,11 +450,16 @@ class Buffer:
         Returns:
             recv_x: [E_local, R * T, hidden] torch.bfloat16, or with use_fp8 a
                 tuple of [E_local, R * T, hidden] torch.float8_e4m3fn and scales
-                [E_local, R * T, hidden / 128] torch.float (use_ue8m0: packed
-                [E_local, R * T, hidden / 512] torch.int). Strided views of the
-                buffer, valid until the next dispatch. Source r's rows for local
-                expert e are rows [r * T, r * T + count) (handle[1] gives each
-                range), not rows [0, recv_count[e]) as in DeepEP.
+                [E_local, R * T, hidden / 128] torch.float (use_ue8m0: [E_local,
+                R * T, hidden / 512] torch.int, four UE8M0 exponents a word),
+                column-major in their last two dims (the transpose of a
+                contiguous [E_local, S, R * T] tensor), as DeepEP's. DeepEP's
+                packed layout: local expert e's rows are rows [0, recv_count[e]),
+                source after source in rank order (handle[1] gives each
+                source's range); later rows are unset. New tensors, copied from
+                cupyep's buffer by one kernel that moves only the received rows
+                (cupyep.deep_ep.packing); with return_recv_hook they are filled
+                when the hook runs.
             recv_count [E_local] torch.int, handle, event, hook (a callable
             with return_recv_hook, else None).
         """
@@ -460,15 +474,34 @@ class Buffer:
             res = ll.dispatch(rows, idx, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                               cumulative_local_expert_recv_stats=stats, dispatch_wait_recv_cost_stats=waits,
                               async_finish=async_finish, return_recv_hook=return_recv_hook, validate=self.validate)
-        if use_fp8:
-            scales = res.recv_x_scales
-            scales = to_torch(scales.view(np.int32) if use_ue8m0 else scales)  # 4 exponents a word
-            recv_x = (to_torch(res.recv_x, "fp8"), scales)
-        else:
-            recv_x = to_torch(res.recv_x, "bf16")
+            native, event, hook = res.handle, res.event, res.hook
+            R = native.layout_count.shape[1]
+            # The packing runs where the dispatch's receive half did: in the hook (on the stream current
+            # then), on the communication stream (async_finish, then recorded as the call's event), or here.
+            on_device = not isinstance(res.recv_x, np.ndarray)  # NumPy: cupyep's host logic over stand-ins
+            stream = ll.comm_stream if async_finish and hook is None and on_device else None
+            with stream if stream is not None else _nullcontext():
+                packed = P.packed_outputs(res.recv_x, res.recv_x_scales, R, native.max_tokens, use_ue8m0)
+
+            def pack():
+                P.pack_dispatch(res.recv_x, res.recv_x_scales, native.recv_src, native.layout_count,
+                                native.capacity, packed)
+            if hook is None:
+                with stream if stream is not None else _nullcontext():
+                    pack()
+                if stream is not None:
+                    event = _record(stream)
+            else:
+                native_hook = hook
+
+                def hook():
+                    native_hook()
+                    pack()
+        px, pscales, src_info, ranges = packed
+        recv_x = (to_torch(px, "fp8"), to_torch(pscales)) if use_fp8 else to_torch(px, "bf16")
         extra = (x, topk_idx, cumulative_local_expert_recv_stats) if async_finish else None
-        return (recv_x, to_torch(res.recv_count), LowLatencyHandle(res.handle), overlap(res.event, async_finish, extra),
-                _hook(res.hook))
+        return (recv_x, to_torch(res.recv_count), LowLatencyHandle(native, src_info, ranges),
+                overlap(event, async_finish, extra), _hook(hook))
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
@@ -477,14 +510,25 @@ class Buffer:
         weights (DeepEP's ``low_latency_combine``).
 
         Arguments:
-            x: [E_local, R * T, hidden] torch.bfloat16 expert outputs, rows as
-                the dispatch laid them out (with zero_copy: the tensor of
-                get_next_low_latency_combine_buffer, or None).
+            x: [E_local, R * T, hidden] torch.bfloat16 expert outputs, contiguous,
+                in the dispatch's packed layout (expert e's rows [0, recv_count[e]),
+                the rows the dispatch returned; other rows are not read). With
+                zero_copy the outputs are read from the tensor of
+                get_next_low_latency_combine_buffer and x is not read (as DeepEP;
+                it may be None).
             topk_idx, topk_weights: [num_tokens, num_topk] torch.int64 / torch.float, as dispatched.
             handle: the dispatch's handle.
             use_logfmt, combine_wait_recv_cost_stats: not supported (NotImplementedError).
             zero_copy, async_finish, return_recv_hook: as DeepEP.
             out: [num_tokens, hidden] torch.bfloat16 to write into (returned).
+
+        The packed rows are first copied into cupyep's combine buffer in its
+        region layout (one kernel, only the valid rows: cupyep.deep_ep.packing;
+        on torch's current stream, or with async_finish and without zero_copy
+        on the communication stream after it); cupyep's combine then reads
+        them from there, as its zero-copy combine (pushing the rows unless
+        zero_copy, which keeps cupyep's default), so either way they are
+        copied once.
 
         Returns:
             combined_x [num_tokens, hidden] torch.bfloat16, event, hook.
@@ -495,27 +539,77 @@ class Buffer:
             refuse("Buffer.low_latency_combine(combine_wait_recv_cost_stats=...)")
         native = native_handle(handle, "low_latency_combine")
         ll = self._low_latency_of(native, "low_latency_combine")
-        rows = to_cupy(x, "x")
+        if zero_copy:
+            if self._ll_staging is None:
+                raise ValueError("low_latency_combine(zero_copy=True) reads the tensor of "
+                                 "get_next_low_latency_combine_buffer(handle); call it first and write the expert "
+                                 "outputs there")
+            rows = self._ll_staging[0]
+        elif x is None:
+            raise ValueError("low_latency_combine needs x, the [E_local, R * T, hidden] expert outputs in the "
+                             "dispatch's packed layout (x may be None only with zero_copy=True)")
+        else:
+            rows = to_cupy(x, "x")
         with torch_stream():
-            res = ll.combine(rows, to_cupy(topk_idx, "topk_idx"), to_cupy(topk_weights, "topk_weights"), native,
-                             zero_copy=zero_copy, async_finish=async_finish, return_recv_hook=return_recv_hook,
-                             out=to_cupy(out, "out"), validate=self.validate)
+            dst = ll.get_next_combine_buffer(native)
+            # Without zero_copy the copy runs where the combine will (the communication stream with
+            # async_finish, after torch's), ordered like the copy cupyep's combine would make itself; with
+            # zero_copy it reads the tensor the caller wrote on torch's stream, so it runs there.
+            with _after_current(ll) if async_finish and not zero_copy and not isinstance(dst, np.ndarray) \
+                    else _nullcontext():
+                P.unpack_combine(rows, native.layout_count, native.capacity, dst)
+            res = ll.combine(None, to_cupy(topk_idx, "topk_idx"), to_cupy(topk_weights, "topk_weights"), native,
+                             zero_copy=True, pull=None if zero_copy else False, async_finish=async_finish,
+                             return_recv_hook=return_recv_hook, out=to_cupy(out, "out"), validate=self.validate)
         combined = out if out is not None else to_torch(res.combined_x, "bf16")
         extra = (x, topk_idx, topk_weights, combined) if async_finish else None
         return combined, overlap(res.event, async_finish, extra), _hook(res.hook)
 
     def get_next_low_latency_combine_buffer(self, handle):
-        """[E_local, R * T, hidden] torch.bfloat16: where to write the expert
-        outputs for the next ``low_latency_combine(..., zero_copy=True)``."""
+        """[E_local, R * T, hidden] torch.bfloat16, contiguous: where to write
+        the expert outputs, in the dispatch's packed layout, for the next
+        ``low_latency_combine(..., zero_copy=True)``. Unlike DeepEP's, it is not
+        the communication buffer itself but one tensor per Buffer and sizes
+        (E_local * R * T * hidden * 2 bytes from CuPy's memory pool, made at the
+        first call) whose valid rows the combine copies into cupyep's zero-copy
+        buffer: one copy of the received rows. Writes to it on torch's current
+        stream after a combine returns do not disturb that combine."""
         native = native_handle(handle, "get_next_low_latency_combine_buffer")
-        ll = self._low_latency_of(native, "get_next_low_latency_combine_buffer")
-        return to_torch(ll.get_next_combine_buffer(native), "bf16")
+        self._low_latency_of(native, "get_next_low_latency_combine_buffer")
+        if self._ll_staging is None:
+            El, R = native.layout_count.shape
+            from ..arrays import xp_of
+            xp = xp_of(native.layout_count)
+            with torch_stream():
+                staging = xp.empty((El, R * native.max_tokens, native.hidden), dtype=np.uint16)
+            self._ll_staging = staging, to_torch(staging, "bf16")
+        return self._ll_staging[1]
 
     def _low_latency_of(self, native, what: str):
         if self.low_latency is None or native.buffer_id != id(self.low_latency):
             raise ValueError(f"{what}: the handle is not of this Buffer's current low-latency buffer (a dispatch "
                              "of other sizes replaced it)")
         return self.low_latency
+
+
+def _nullcontext():
+    import contextlib
+    return contextlib.nullcontext()
+
+
+def _after_current(ll):
+    """The context of ``ll``'s communication stream, made to wait for CuPy's current stream first."""
+    import cupy
+    ll.comm_stream.wait_event(_record(cupy.cuda.get_current_stream()))
+    return ll.comm_stream
+
+
+def _record(stream):
+    """A CuPy event recorded on ``stream``."""
+    import cupy
+    ev = cupy.cuda.Event(disable_timing=True)
+    ev.record(stream)
+    return ev
 
 
 def _hook(native_hook) -> Optional[Callable[[], None]]:

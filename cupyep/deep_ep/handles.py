@@ -20,10 +20,13 @@ routes keep other bookkeeping, so only 0 (is_token_in_rank) and 7 (the
 source token of each received row, where DeepEP has its opaque source
 metadata) are given, and reading another raises NotImplementedError.
 
-A low-latency handle has DeepEP's five entries: 0 recv_src_info
-[E_local, R * T] int32 (source token of each row), 1 layout_range [E_local, R]
-int64 (``begin << 32 | count`` of each source's rows: cupyep keeps source r's
-rows at ``r * T``, so ``begin = r * T``), then T, hidden and num_experts.
+A low-latency handle has DeepEP's five entries, in DeepEP's packed layout
+(cupyep.deep_ep.packing): 0 recv_src_info [E_local, R * T] int32 (source
+token of each packed row; rows past recv_count[e] unset), 1 layout_range
+[E_local, R] int64 (``begin << 32 | count`` of each source's rows, ``begin``
+the sum of the counts of the sources before it), then T, hidden and
+num_experts. The cupyep handle inside (``native``) keeps cupyep's region
+layout, which the combine reads.
 """
 from __future__ import annotations
 
@@ -95,13 +98,15 @@ class LowLatencyHandle(Sequence):
     """A low-latency dispatch's handle (module docstring).
 
     Attributes:
-        native: the cupyep LowLatencyHandle.
+        native: the cupyep LowLatencyHandle (region layout).
+        src_info: [E_local, R * T] int32 device array, entry 0.
+        layout_range: [E_local, R] int64 device array, entry 1.
     """
 
-    __slots__ = ("native", "_cache")
+    __slots__ = ("native", "src_info", "layout_range", "_cache")
 
-    def __init__(self, native):
-        self.native, self._cache = native, {}
+    def __init__(self, native, src_info, layout_range):
+        self.native, self.src_info, self.layout_range, self._cache = native, src_info, layout_range, {}
 
     def __len__(self) -> int:
         return len(LOW_LATENCY_FIELDS)
@@ -120,22 +125,11 @@ class LowLatencyHandle(Sequence):
         if i == 4:
             return h.num_experts
         if i not in self._cache:
-            self._cache[i] = to_torch(h.recv_src) if i == 0 else to_torch(layout_range(h.layout_count, h.capacity))
+            self._cache[i] = to_torch(self.src_info if i == 0 else self.layout_range)
         return self._cache[i]
 
     def __repr__(self):
         return f"LowLatencyHandle({self.native.num_tokens} tokens, hidden {self.native.hidden})"
-
-
-def layout_range(layout_count, capacity: int):
-    """DeepEP's packed [E_local, R] int64 ranges, ``begin << 32 | count``,
-    of cupyep's per-(expert, source) counts (source r's rows begin at
-    ``r * capacity``). NumPy or CuPy, as ``layout_count``."""
-    from ..arrays import xp_of
-    xp = xp_of(layout_count)
-    R = layout_count.shape[1]
-    begin = (xp.arange(R, dtype=xp.int64) * int(capacity))[None, :]
-    return (begin << 32) | layout_count.astype(xp.int64)
 
 
 def native_handle(handle, what: str):

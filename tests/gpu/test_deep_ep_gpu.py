@@ -8,8 +8,12 @@ hash of (source rank, token, column), compared bit for bit). Checked:
 the layout; BF16 and FP8 dispatch; cached dispatch; worst-token mode and its
 -1 padding; combine with and without weights; an explicit Config; calls on a
 non-default torch stream and with previous_event / async_finish;
-low-latency dispatch and combine, with the receive hook, zero-copy, ``out``
-and the statistics arrays.
+low-latency dispatch and combine in DeepEP's packed layout (expert e's rows
+at [0, recv_count[e]), sources in rank order, column-major scales; the
+combine reads packed expert outputs and nothing past recv_count), with the
+receive hook, zero-copy, ``out`` and the statistics arrays; the packing
+kernels alone against their NumPy mapping, with C < T, and inside a CUDA
+graph capture.
 
 Two ways to run it, the same checks:
 
@@ -248,16 +252,24 @@ def _dequant(ctx, recv_x, use_fp8, use_ue8m0):
     """Identity experts: [E_local, R * T, H] bfloat16 from the received rows."""
     torch = ctx.torch
     if not use_fp8:
-        return recv_x.contiguous()
+        return recv_x.clone()
     q, s = recv_x
     if use_ue8m0:
         s = torch.ldexp(torch.ones((), device=q.device), (s.contiguous().view(torch.uint8).int() - 127)).float()
     return (q.float() * s.repeat_interleave(128, dim=-1)).to(torch.bfloat16)
 
 
+def _poison_past_count(ctx, y, count):
+    """NaN in every row of y past recv_count[e]: the combine must not read them."""
+    for e, n in enumerate(bits(count).tolist()):
+        y[e, n:] = float("nan")
+    return y
+
+
 def check_low_latency(ctx, use_fp8, hook_mode, payload="tagged", round_scale=False, use_ue8m0=False):
-    """DeepEP's low-latency test: per (expert, source) range against the
-    reference, the statistics, then combine (plain, zero-copy, into ``out``)."""
+    """DeepEP's low-latency test in DeepEP's packed layout: each (expert,
+    source) range of handle[1] against the reference's rows, the statistics,
+    then combine of packed outputs (plain, zero-copy, into ``out``)."""
     import ml_dtypes
     torch, buf, me, R = ctx.torch, ctx.buf, ctx.rank, ctx.num_ranks
     El = E // R
@@ -278,35 +290,47 @@ def check_low_latency(ctx, use_fp8, hook_mode, payload="tagged", round_scale=Fal
     mine = ref.low_latency_dispatch(xs, idx, E, LL_T)[me]
     ranges, src = bits(handle[1]), bits(handle[0])
     begin, cnt = ranges >> 32, ranges & (2 ** 32 - 1)
+    lc = mine.layout_count.astype(np.int64)
+    # DeepEP's packed layout: shapes, begins = the prefix of the counts over the sources before (rank order)
     ok = (np.array_equal(bits(count), mine.recv_count) and np.array_equal(bits(stats), mine.recv_count)
           and bool((bits(waits) >= 0).all()) and np.array_equal(cnt, mine.layout_count)
-          and np.array_equal(begin, np.broadcast_to(np.arange(R) * LL_T, (El, R))) and handle[2:] == (LL_T, LL_H, E))
+          and np.array_equal(begin, np.cumsum(lc, axis=1) - lc) and handle[2:] == (LL_T, LL_H, E)
+          and tuple(handle[0].shape) == (El, R * LL_T)
+          and tuple((recv_x[0] if use_fp8 else recv_x).shape) == (El, R * LL_T, LL_H)
+          and (recv_x[0] if use_fp8 else recv_x).is_contiguous())
+    if use_fp8:  # column-major scales: the transpose of a contiguous [El, S, R * T] tensor, as DeepEP's
+        S = LL_H // 512 if use_ue8m0 else LL_H // 128
+        sc = recv_x[1]
+        ok = ok and tuple(sc.shape) == (El, R * LL_T, S) and sc.transpose(1, 2).is_contiguous() \
+            and sc.dtype == (torch.int32 if use_ue8m0 else torch.float32)
     got = bits(recv_x[0] if use_fp8 else recv_x)
     if use_fp8:  # UE8M0: four exponent bytes a word, as DeepEP packs them
         scales = bits(recv_x[1].contiguous().view(torch.uint8)) if use_ue8m0 else bits(recv_x[1])
     bad = []
     for e in range(El):
-        for s in range(R):
-            rows = slice(s * LL_T, s * LL_T + int(mine.layout_count[e, s]))
-            if not np.array_equal(src[e, rows], mine.recv_src_info[e, rows]):
-                bad.append(("src", e, s))
-            elif not use_fp8:
-                if not np.array_equal(got[e, rows], mine.recv_x[e, rows]):
-                    bad.append(("x", e, s))
-                elif payload == "rank" and not (bf16_to_f32(got[e, rows, :-128]) == s - 128).all():
-                    bad.append(("rank value", e, s))
-            else:
-                rq = ref.per_token_cast_to_fp8(mine.recv_x[e, rows].view(ml_dtypes.bfloat16), round_scale=round_scale)
-                q = got[e, rows].view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-                want = rq.data.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-                want_scales = ref.pack_ue8m0(rq.scales) if use_ue8m0 else rq.scales
-                close = (np.abs(q - want) <= ref.e4m3_step(want)).all()
-                if not (np.array_equal(scales[e, rows], want_scales) and close):
-                    bad.append(("fp8", e, s))
+        n = int(mine.recv_count[e])
+        # the reference's rows of expert e, source after source in rank order (cupyep's region layout)
+        rows = np.concatenate([np.arange(s * LL_T, s * LL_T + int(mine.layout_count[e, s])) for s in range(R)])
+        srcs = np.repeat(np.arange(R), mine.layout_count[e])
+        if len(rows) != n or not np.array_equal(src[e, :n], mine.recv_src_info[e, rows]):
+            bad.append(("src", e))
+        elif not use_fp8:
+            if not np.array_equal(got[e, :n], mine.recv_x[e, rows]):
+                bad.append(("x", e))
+            elif payload == "rank" and not (bf16_to_f32(got[e, :n, :-128]) == (srcs - 128)[:, None]).all():
+                bad.append(("rank value", e))
+        else:
+            rq = ref.per_token_cast_to_fp8(mine.recv_x[e, rows].view(ml_dtypes.bfloat16), round_scale=round_scale)
+            q = got[e, :n].view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+            want = rq.data.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+            want_scales = ref.pack_ue8m0(rq.scales) if use_ue8m0 else rq.scales
+            close = (np.abs(q - want) <= ref.e4m3_step(want)).all()
+            if not (np.array_equal(scales[e, :n], want_scales) and close):
+                bad.append(("fp8", e))
     assert ctx.all(ok and not bad), (ok, bad[:5])
 
-    # Combine: identity experts, reduced with the weights.
-    y = _dequant(ctx, recv_x, use_fp8, use_ue8m0)
+    # Combine: identity experts on the packed rows, reduced with the weights.
+    y = _poison_past_count(ctx, _dequant(ctx, recv_x, use_fp8, use_ue8m0), count)
     valid = idx[me] >= 0
     want = bf16_to_f32(xs[me]) * (w[me] * valid).sum(axis=1, dtype=np.float64).astype(np.float32)[:, None]
     tol = 1e-5 if not use_fp8 else 9e-4  # REFERENCE.md's bounds
@@ -315,8 +339,8 @@ def check_low_latency(ctx, use_fp8, hook_mode, payload="tagged", round_scale=Fal
     hook() if hook_mode else event.current_stream_wait()
     d_plain = ref.calc_diff(bf16_to_f32(bits(combined)), want)
     # Zero-copy into a given out: the next dispatch, its combine buffer filled in place.
-    recv_x, _, handle = dispatch()
-    y = _dequant(ctx, recv_x, use_fp8, use_ue8m0)
+    recv_x, count, handle = dispatch()
+    y = _poison_past_count(ctx, _dequant(ctx, recv_x, use_fp8, use_ue8m0), count)
     zbuf = buf.get_next_low_latency_combine_buffer(handle)
     zbuf.copy_(y)
     out = torch.empty((LL_T, LL_H), dtype=torch.bfloat16, device="cuda")
@@ -324,9 +348,87 @@ def check_low_latency(ctx, use_fp8, hook_mode, payload="tagged", round_scale=Fal
                                                       async_finish=not hook_mode, return_recv_hook=hook_mode)
     hook() if hook_mode else event.current_stream_wait()
     d_zero = ref.calc_diff(bf16_to_f32(bits(out)), want)
-    ok = combined_z is out and zbuf.shape == (El, R * LL_T, LL_H) and d_plain < tol and d_zero < tol
+    ok = combined_z is out and zbuf.shape == (El, R * LL_T, LL_H) and zbuf.is_contiguous() and d_plain < tol \
+        and d_zero < tol
     ok = ok and np.array_equal(bits(stats), 2 * mine.recv_count)  # cumulative over the two dispatches
     assert ctx.all(ok), ("low-latency combine", d_plain, d_zero)
+
+
+def _strided(msgs, offset: int, nbytes: int, dtype):
+    """[E, rows, nbytes / itemsize] ``dtype`` view of bytes [offset, offset + nbytes) of each message of
+    ``msgs`` ([E, rows, message bytes] uint8, NumPy or CuPy), as cupyep's dispatch views them."""
+    dtype = np.dtype(dtype)
+    shape, strides = msgs.shape[:2] + (nbytes // dtype.itemsize,), msgs.strides[:2] + (dtype.itemsize,)
+    if isinstance(msgs, np.ndarray):
+        return np.ndarray(shape, dtype, buffer=msgs, offset=offset, strides=strides)
+    import cupy
+    return cupy.ndarray(shape, dtype, memptr=msgs.data + offset, strides=strides)
+
+
+def check_packing_kernels(ctx=None):
+    """cuda_src/deep_ep/pack.cu against the NumPy mapping of
+    cupyep.deep_ep.packing, on strided region views (as the dispatch's) with
+    C < T and empty experts, BF16 / FP8 / UE8M0; then both kernels inside a
+    CUDA graph capture (no host sync), replayed."""
+    import cupy
+    from cupyep.deep_ep import packing as P
+    from cupyep.low_latency.layout import message_layout
+    rng = np.random.default_rng(3)
+    El, R, C, T, Hk = 3, 5, 4, 6, 1024
+    counts = rng.integers(0, C + 1, size=(El, R)).astype(np.int32)
+    counts[0] = 0
+    counts[1, 2] = C
+    bad = []
+    for kind in ("bf16", "fp8", "ue8m0"):
+        fp8, ue8m0 = kind != "bf16", kind == "ue8m0"
+        m = message_layout(Hk, fp8, ue8m0)
+        host = rng.integers(0, 256, size=(El, R * C, m.nbytes), dtype=np.uint8)
+        dev = cupy.asarray(host)
+
+        def views(msgs, xp):
+            x = _strided(msgs, 0, Hk * (1 if fp8 else 2), np.uint8 if fp8 else np.uint16)
+            sc = _strided(msgs, m.scales, Hk // 128 * (1 if ue8m0 else 4), np.uint8 if ue8m0 else np.float32) \
+                if fp8 else None
+            return x, sc, _strided(msgs, m.tag, 4, np.int32)[:, :, 0]
+        want = P.packed_outputs(*views(host, np)[:2], R, T, ue8m0)
+        P.pack_dispatch(*views(host, np), counts, C, want)
+        got = P.packed_outputs(*views(dev, cupy)[:2], R, T, ue8m0)
+        P.pack_dispatch(*views(dev, cupy), cupy.asarray(counts), C, got)
+        n = counts.sum(axis=1)
+        for name, w, g in zip(("x", "scales", "src", "range"), want, got):
+            if w is None:
+                continue
+            g = cupy.asnumpy(g)
+            ok = all(np.array_equal(g[e, :n[e]], w[e, :n[e]]) for e in range(El)) if name != "range" \
+                else np.array_equal(g, w)
+            if not ok:
+                bad.append((kind, name))
+    # unpack into strided rows, and both kernels captured in a CUDA graph
+    x_host = rng.integers(0, 1 << 16, size=(El, R * T, Hk), dtype=np.uint16)
+    want = np.zeros((El, R * C, Hk + 64), np.uint16)
+    P.unpack_combine(x_host, counts, C, want[:, :, :Hk])
+    x, dcounts = cupy.asarray(x_host), cupy.asarray(counts)
+    dst = cupy.zeros((El, R * C, Hk + 64), np.uint16)
+    src_msgs = cupy.asarray(rng.integers(0, 256, size=(El, R * C, 2 * Hk + 16), dtype=np.uint8))
+    src_x, src_tag = _strided(src_msgs, 0, 2 * Hk, np.uint16), _strided(src_msgs, 2 * Hk, 4, np.int32)[:, :, 0]
+    packed = P.packed_outputs(src_x, None, R, T)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        P.load()
+        stream.begin_capture()
+        P.unpack_combine(x, dcounts, C, dst[:, :, :Hk])
+        P.pack_dispatch(src_x, None, src_tag, dcounts, C, packed)
+        graph = stream.end_capture()
+        graph.launch()
+    stream.synchronize()
+    if not np.array_equal(cupy.asnumpy(dst), want):
+        bad.append(("graph", "unpack"))
+    want_packed = P.packed_outputs(cupy.asnumpy(src_x), None, R, T)
+    P.pack_dispatch(cupy.asnumpy(src_x), None, cupy.asnumpy(src_tag), counts, C, want_packed)
+    got_x = cupy.asnumpy(packed[0])
+    if not all(np.array_equal(got_x[e, :n[e]], want_packed[0][e, :n[e]]) for e in range(El)):
+        bad.append(("graph", "pack"))
+    assert not bad, bad
 
 
 CHECKS = {
@@ -342,6 +444,7 @@ CHECKS = {
     "low-latency fp8": lambda c: check_low_latency(c, True, False),
     "low-latency fp8 hook": lambda c: check_low_latency(c, True, True),
     "low-latency fp8 ue8m0": lambda c: check_low_latency(c, True, False, round_scale=True, use_ue8m0=True),
+    "low-latency packing kernels": check_packing_kernels,
 }
 
 

@@ -1,0 +1,341 @@
+"""DeepEP's packed low-latency layout over cupyep's region layout
+(cupyep.deep_ep.packing, cuda_src/deep_ep/pack.cu), on the CPU.
+
+DeepEP's definition, written out here independently: local expert e's rows
+from source r are rows ``[begin, begin + count[e, r])`` of the expert's
+``R * T`` packed rows, ``layout_range[e, r] = begin << 32 | count``, the
+sources one after another (here in rank order, so ``begin`` is the sum of
+the counts of the sources before r), and FP8 scales are the transpose of a
+contiguous ``[E_local, S, R * T]`` array. cupyep keeps the same rows at
+``[r * C, r * C + count)`` of ``R * C`` region rows.
+
+The NumPy paths of pack_dispatch / unpack_combine are checked against that
+definition, and so is a line-by-line emulation of the two kernels' index
+and byte arithmetic (the GPU runs are in tests/gpu/test_deep_ep_gpu.py).
+"""
+import contextlib
+
+import numpy as np
+import pytest
+
+from cupyep import deep_ep
+from cupyep.deep_ep import buffer as buffer_module
+from cupyep.deep_ep import handles as handles_module
+from cupyep.deep_ep import packing as P
+from cupyep.low_latency.layout import message_layout
+
+
+def random_counts(rng, E, R, C, empty_experts=(), empty_sources=0.3):
+    counts = rng.integers(0, C + 1, size=(E, R)).astype(np.int32)
+    counts[rng.random((E, R)) < empty_sources] = 0
+    counts[:, rng.integers(0, R)] = C  # a full region somewhere
+    for e in empty_experts:
+        counts[e] = 0
+    return counts
+
+
+def deepep_layout(counts, T):
+    """DeepEP's packed positions, by walking the sources: for each (e, r) the
+    list of packed rows of its q-th row, and layout_range."""
+    E, R = counts.shape
+    rows, ranges = {}, np.zeros((E, R), np.int64)
+    for e in range(E):
+        begin = 0
+        for r in range(R):
+            n = int(counts[e, r])
+            rows[(e, r)] = list(range(begin, begin + n))
+            ranges[e, r] = (begin << 32) | n
+            begin += n
+        assert begin <= R * T
+    return rows, ranges
+
+
+CASES = [  # E_local, R, C, T
+    (3, 4, 5, 5),
+    (2, 8, 3, 7),     # C < T
+    (4, 1, 6, 6),     # one rank
+    (1, 40, 2, 9),    # more sources than a warp (the kernel's prefix loop)
+    (5, 3, 1, 4),     # C = 1
+]
+
+
+@pytest.mark.parametrize("E,R,C,T", CASES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_layout_range_and_row_map_are_deepeps(E, R, C, T, seed):
+    rng = np.random.default_rng(seed)
+    counts = random_counts(rng, E, R, C, empty_experts=(0,) if E > 1 else ())
+    rows, ranges = deepep_layout(counts, T)
+    got = P.layout_range(counts)
+    assert got.dtype == np.int64 and got.shape == (E, R)
+    assert np.array_equal(got, ranges)
+    assert np.array_equal(got & 0xFFFFFFFF, counts) and np.array_equal(got >> 32, P.packed_begin(counts))
+    e, region, packed = P.row_map(counts, C)
+    assert len(e) == counts.sum()
+    want = [(ee, r * C + q, rows[(ee, r)][q]) for ee in range(E) for r in range(R) for q in range(counts[ee, r])]
+    assert list(zip(e.tolist(), region.tolist(), packed.tolist())) == want
+    # every expert's packed rows are exactly [0, recv_count[e])
+    for ee in range(E):
+        assert sorted(packed[e == ee].tolist()) == list(range(counts[ee].sum()))
+
+
+def region_dispatch(rng, E, R, C, H, fp8, ue8m0=False):
+    """A dispatch result in cupyep's layout: strided views into messages, as
+    LowLatencyBuffer.dispatch gives them (stale bytes everywhere)."""
+    m = message_layout(H, fp8, ue8m0)
+    msgs = rng.integers(0, 256, size=(E, R * C, m.nbytes), dtype=np.uint8)
+    recv_x = msgs[:, :, :m.scales].view(np.uint8 if fp8 else np.uint16)
+    scales = None
+    if fp8:
+        n = H // 128
+        scales = msgs[:, :, m.scales:m.scales + n * (1 if ue8m0 else 4)]
+        scales = scales if ue8m0 else scales.view(np.float32)
+    src = msgs[:, :, m.tag:m.tag + 4].view(np.int32)[:, :, 0]
+    return msgs, m, recv_x, scales, src
+
+
+@pytest.mark.parametrize("E,R,C,T", CASES)
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "ue8m0"])
+def test_pack_gives_deepeps_rows_scales_and_src_info(E, R, C, T, kind):
+    rng = np.random.default_rng(E * 100 + R)
+    H = 512
+    fp8, ue8m0 = kind != "bf16", kind == "ue8m0"
+    counts = random_counts(rng, E, R, C, empty_experts=(E - 1,) if E > 1 else ())
+    _, _, recv_x, scales, src = region_dispatch(rng, E, R, C, H, fp8, ue8m0)
+    out = P.packed_outputs(recv_x, scales, R, T, ue8m0)
+    px, ps, pinfo, pranges = out
+    assert px.shape == (E, R * T, H) and px.dtype == recv_x.dtype and px.flags.c_contiguous
+    if fp8:
+        S = H // 512 if ue8m0 else H // 128
+        assert ps.shape == (E, R * T, S) and ps.dtype == (np.int32 if ue8m0 else np.float32)
+        assert ps.transpose(0, 2, 1).flags.c_contiguous  # column-major in the last two dims, as DeepEP's
+    else:
+        assert ps is None
+    P.pack_dispatch(recv_x, scales, src, counts, C, out)
+    rows, ranges = deepep_layout(counts, T)
+    assert np.array_equal(pranges, ranges)
+    words = None if not fp8 else (np.ascontiguousarray(scales).view(np.int32) if ue8m0 else scales)
+    for e in range(E):
+        n = int(counts[e].sum())
+        # rows [0, recv_count[e]) are the region rows, source after source in rank order
+        want = np.concatenate([recv_x[e, r * C:r * C + counts[e, r]] for r in range(R)])
+        assert np.array_equal(px[e, :n], want)
+        assert np.array_equal(pinfo[e, :n], np.concatenate([src[e, r * C:r * C + counts[e, r]] for r in range(R)]))
+        if fp8:
+            want_s = np.concatenate([words[e, r * C:r * C + counts[e, r]] for r in range(R)])
+            assert np.array_equal(ps[e, :n].view(np.int32), want_s.view(np.int32))
+        for r in range(R):
+            for q, p in enumerate(rows[(e, r)]):
+                assert np.array_equal(px[e, p], recv_x[e, r * C + q])
+
+
+@pytest.mark.parametrize("E,R,C,T", CASES)
+def test_unpack_fills_only_the_valid_region_rows_and_inverts_pack(E, R, C, T):
+    rng = np.random.default_rng(7 + E + R)
+    H = 256
+    counts = random_counts(rng, E, R, C, empty_experts=(0,) if E > 1 else ())
+    packed = rng.integers(0, 1 << 16, size=(E, R * T, H), dtype=np.uint16)
+    sentinel = np.uint16(0xABCD)
+    dst = np.full((E, R * C, H), sentinel, np.uint16)
+    P.unpack_combine(packed, counts, C, dst)
+    for e in range(E):
+        begin = 0
+        for r in range(R):
+            n = int(counts[e, r])
+            assert np.array_equal(dst[e, r * C:r * C + n], packed[e, begin:begin + n])
+            assert (dst[e, r * C + n:(r + 1) * C] == sentinel).all()  # rows past the count are not written
+            begin += n
+    # pack(unpack(x)) gives back the valid packed rows
+    src = np.zeros((E, R * C), np.int32)
+    out = P.packed_outputs(dst, None, R, T)
+    P.pack_dispatch(dst, None, src, counts, C, out)
+    for e in range(E):
+        n = int(counts[e].sum())
+        assert np.array_equal(out[0][e, :n], packed[e, :n])
+    with pytest.raises(ValueError, match="x must be"):
+        P.unpack_combine(packed[:, :, :128], counts, C, dst)
+
+
+# --------------------------------------------------- the kernels' arithmetic
+def emulate_pack_kernel(msgs, x_off, s_off, tag_off, expert_stride, row_stride, row_bytes, scale_words,
+                        counts, R, C, packed_rows, dst_x, dst_scales, dst_src, ranges):
+    """pack_rows of cuda_src/deep_ep/pack.cu, block by block, on flat byte /
+    word buffers (msgs: the bytes of the messages region)."""
+    E = counts.shape[0]
+    flat_counts = counts.reshape(-1)
+    for e in range(E):                       # blockIdx.y
+        for i in range(R * C):               # blockIdx.x
+            r, q = i // C, i - (i // C) * C
+            count = int(flat_counts[e * R + r])
+            if q >= count and q != 0:
+                continue
+            prefix = int(sum(flat_counts[e * R + j] for j in range(r)))
+            if q == 0:
+                ranges[e * R + r] = (prefix << 32) | count
+            if q >= count:
+                continue
+            p = e * packed_rows + prefix + q
+            src_off = e * expert_stride + i * row_stride
+            for k in range(row_bytes // 16):
+                dst_x[p * row_bytes + 16 * k:p * row_bytes + 16 * k + 16] = \
+                    msgs[x_off + src_off + 16 * k:x_off + src_off + 16 * k + 16]
+            if s_off is not None:
+                words = msgs[s_off + src_off:s_off + src_off + 4 * scale_words].view(np.uint32)
+                base = e * scale_words * packed_rows + prefix + q
+                for j in range(scale_words):
+                    dst_scales[base + j * packed_rows] = words[j]
+            dst_src[p] = msgs[tag_off + src_off:tag_off + src_off + 4].view(np.int32)[0]
+
+
+def emulate_unpack_kernel(src, packed_rows, dst, expert_stride, row_stride, row_bytes, counts, R, C):
+    E = counts.shape[0]
+    flat_counts = counts.reshape(-1)
+    for e in range(E):
+        for i in range(R * C):
+            r, q = i // C, i - (i // C) * C
+            if q >= flat_counts[e * R + r]:
+                continue
+            prefix = int(sum(flat_counts[e * R + j] for j in range(r)))
+            p = e * packed_rows + prefix + q
+            d = e * expert_stride + i * row_stride
+            dst[d:d + row_bytes] = src[p * row_bytes:(p + 1) * row_bytes]
+
+
+@pytest.mark.parametrize("E,R,C,T", [(2, 3, 2, 4), (3, 2, 3, 3), (1, 35, 1, 2)])
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "ue8m0"])
+def test_the_kernels_index_and_byte_arithmetic_is_deepeps(E, R, C, T, kind):
+    rng = np.random.default_rng(11 + E)
+    H = 512
+    fp8, ue8m0 = kind != "bf16", kind == "ue8m0"
+    counts = random_counts(rng, E, R, C, empty_experts=(0,) if E > 1 else ())
+    msgs, m, recv_x, scales, src = region_dispatch(rng, E, R, C, H, fp8, ue8m0)
+    want = P.packed_outputs(recv_x, scales, R, T, ue8m0)
+    for a in want:
+        if a is not None:
+            a[...] = 0
+    P.pack_dispatch(recv_x, scales, src, counts, C, want)
+    # the host wrapper's arguments: strides and offsets of the strided views
+    expert_stride, row_stride = recv_x.strides[:2]
+    assert expert_stride % 16 == 0 and row_stride % 16 == 0
+    row_bytes = H * recv_x.dtype.itemsize
+    S = 0 if not fp8 else want[1].shape[2]
+    flat = msgs.reshape(-1)
+    base = msgs.__array_interface__["data"][0]
+
+    def off(a):
+        return a.__array_interface__["data"][0] - base
+    dst_x = np.zeros(E * R * T * row_bytes, np.uint8)
+    dst_s = np.zeros(E * S * R * T, np.uint32)
+    dst_src, ranges = np.zeros(E * R * T, np.int32), np.zeros(E * R, np.int64)
+    emulate_pack_kernel(flat, off(recv_x), off(scales) if fp8 else None, off(src), expert_stride, row_stride,
+                        row_bytes, S, counts, R, C, R * T, dst_x, dst_s, dst_src, ranges)
+    assert np.array_equal(ranges.reshape(E, R), want[3])
+    assert np.array_equal(dst_x.reshape(E, R * T, row_bytes), want[0].view(np.uint8).reshape(E, R * T, row_bytes))
+    assert np.array_equal(dst_src.reshape(E, R * T), want[2])
+    if fp8:  # the kernel's word buffer is the C-contiguous [E, S, R * T] array the scales transpose
+        assert np.array_equal(dst_s.reshape(E, S, R * T), want[1].transpose(0, 2, 1).view(np.uint32))
+    # unpack into a strided region buffer (as the combine buffer is)
+    packed = rng.integers(0, 1 << 16, size=(E, R * T, H), dtype=np.uint16)
+    region_stride = 2 * H + 32
+    region = np.zeros(E * R * C * region_stride, np.uint8)
+    emulate_unpack_kernel(packed.view(np.uint8).reshape(-1), R * T, region, R * C * region_stride, region_stride,
+                          2 * H, counts, R, C)
+    got = region.reshape(E, R * C, region_stride)[:, :, :2 * H].copy().view(np.uint16)
+    want_region = np.zeros((E, R * C, H), np.uint16)
+    P.unpack_combine(packed, counts, C, want_region)
+    assert np.array_equal(got, want_region)
+
+
+def test_the_kernel_source_matches_the_emulation():
+    """The emulated statements are the kernels' (a change to one should change the other)."""
+    src = (P.jit.CUDA_SRC / P.PACK_SPEC.source).read_text()
+    for line in ("const int r = i / capacity, q = i - r * capacity;",
+                 "if (q >= count && q != 0) return;",
+                 "layout_range[(int64_t)e * num_ranks + r] = ((int64_t)prefix << 32) | (int64_t)(uint32_t)count;",
+                 "const int64_t p = (int64_t)e * packed_rows + prefix + q;",
+                 "const int64_t src_off = e * expert_stride + i * row_stride;",
+                 "uint32_t* d = dst_scales + (int64_t)e * scale_words * packed_rows + prefix + q;",
+                 "d[(int64_t)j * packed_rows] = s[j];",
+                 "reinterpret_cast<int4*>(dst + e * expert_stride + i * row_stride), row_bytes / 16);",
+                 "for (int j = threadIdx.x; j < r; j += 32) s += count_e[j];"):
+        assert line in src, line
+    assert P.THREADS == 256 and "constexpr int kThreads = 256;" in src
+    assert "cupyep.deep_ep.packing" in P.jit.SPEC_MODULES
+    assert P.PACK_SPEC in P.kernel_specs()
+
+
+# --------------------------------------------------- through deep_ep.Buffer, over a stand-in
+class _Handle:
+    def __init__(self, counts, recv_src, C, T, H, owner):
+        self.layout_count, self.recv_src, self.capacity, self.max_tokens = counts, recv_src, C, T
+        self.hidden, self.num_experts, self.num_tokens, self.buffer_id = H, counts.shape[0] * counts.shape[1], 3, \
+            id(owner)
+
+
+class _StandIn:
+    """cupyep's LowLatencyBuffer in region layout, on NumPy arrays."""
+
+    def __init__(self, rng, E, R, C, T, H):
+        self.E, self.R, self.C, self.T, self.H = E, R, C, T, H
+        self.counts = random_counts(rng, E, R, C, empty_experts=(0,))
+        self.msgs, _, self.recv_x, self.scales, self.src = region_dispatch(rng, E, R, C, H, True)
+        self.combine_buffer = np.zeros((E, R * C, H), np.uint16)
+        self.combined_from = None
+
+    def dispatch(self, x, topk_idx, **kw):
+        from cupyep.low_latency.results import LowLatencyDispatchResult
+        h = _Handle(self.counts, self.src, self.C, self.T, self.H, self)
+        return LowLatencyDispatchResult(self.recv_x, self.scales, self.counts.sum(1).astype(np.int32), h)
+
+    def get_next_combine_buffer(self, handle):
+        return self.combine_buffer
+
+    def combine(self, x, topk_idx, topk_weights, handle, **kw):
+        from cupyep.low_latency.results import LowLatencyCombineResult
+        assert x is None and kw["zero_copy"]
+        self.combined_from = self.combine_buffer.copy()
+        return LowLatencyCombineResult(np.zeros((3, self.H), np.uint16))
+
+
+@pytest.fixture
+def ll_buffer(monkeypatch):
+    monkeypatch.setattr(buffer_module, "to_cupy", lambda t, name: t)
+    monkeypatch.setattr(buffer_module, "to_torch", lambda a, view=None: a)
+    monkeypatch.setattr(handles_module, "to_torch", lambda a, view=None: a)
+    monkeypatch.setattr(buffer_module, "torch_stream", contextlib.nullcontext)
+    b = deep_ep.Buffer.__new__(deep_ep.Buffer)
+    E, R, C, T, H = 3, 4, 2, 5, 256
+    b.validate, b.low_latency_mode, b._ll_staging = False, True, None
+    b.low_latency = _StandIn(np.random.default_rng(5), E, R, C, T, H)
+    b._ll_sizes = (T, H, E * R)
+    return b
+
+
+def test_buffer_returns_deepeps_packed_layout_and_combines_packed_outputs(ll_buffer):
+    b, ll = ll_buffer, ll_buffer.low_latency
+    E, R, C, T, H = ll.E, ll.R, ll.C, ll.T, ll.H
+    x, idx = np.zeros((3, H), np.uint16), np.zeros((3, 2), np.int64)
+    (fp8, scales), count, handle, _, _ = b.low_latency_dispatch(x, idx, T, E * R)
+    rows, ranges = deepep_layout(ll.counts, T)
+    assert fp8.shape == (E, R * T, H) and scales.shape == (E, R * T, H // 128)
+    assert np.array_equal(handle[1], ranges) and handle[0].shape == (E, R * T)
+    for e in range(E):
+        n = int(count[e])
+        assert n == ll.counts[e].sum()
+        assert np.array_equal(fp8[e, :n], np.concatenate([ll.recv_x[e, r * C:r * C + ll.counts[e, r]]
+                                                          for r in range(R)]))
+        assert np.array_equal(handle[0][e, :n], np.concatenate([ll.src[e, r * C:r * C + ll.counts[e, r]]
+                                                                for r in range(R)]))
+    # combine: packed outputs land in the region rows of the combine buffer
+    out = np.random.default_rng(1).integers(0, 1 << 16, size=(E, R * T, H), dtype=np.uint16)
+    b.low_latency_combine(out, idx, np.ones((3, 2), np.float32), handle)
+    for (e, r), ps in rows.items():
+        for q, p in enumerate(ps):
+            assert np.array_equal(ll.combined_from[e, r * C + q], out[e, p])
+    # zero copy: written into the staging tensor, unpacked at combine time
+    staging = b.get_next_low_latency_combine_buffer(handle)
+    assert staging.shape == (E, R * T, H)
+    staging[...] = out[::-1]
+    b.low_latency_combine(None, idx, np.ones((3, 2), np.float32), handle, zero_copy=True)
+    for (e, r), ps in rows.items():
+        for q, p in enumerate(ps):
+            assert np.array_equal(ll.combined_from[e, r * C + q], out[::-1][e, p])
