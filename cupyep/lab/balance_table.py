@@ -29,6 +29,7 @@ COLUMNS = ("trace", "arm", "max/mean pairs: median (worst step)", "layer: median
 
 
 def _key(r) -> tuple:
+    """A trace's identity in a record or a row of :func:`rows_of`."""
     return r["trace"], json.dumps(r["trace_params"], sort_keys=True)
 
 
@@ -89,7 +90,7 @@ def over_runs(paths) -> list[dict]:
         for row in rows_of(_read(path)):
             if row["speedup"] is None:
                 raise ValueError(f"{path}: {_name(row)} has no 'none' arm to compare with")
-            g = groups.setdefault((_name(row), row["arm"]), {"trace": _name(row), "arm": row["arm"], "runs": 0})
+            g = groups.setdefault((_key(row), row["arm"]), {"trace": _name(row), "arm": row["arm"], "runs": 0})
             g["runs"] += 1
             for key, value in (("imbalance", row["imbalance"][0]), ("worst", row["imbalance"][1]),
                                ("layer_ms", row["layer_ms"][0]), ("speedup_median_step", row["speedup"][0]),
