@@ -74,7 +74,10 @@ def load(spec: KernelSpec, group=None) -> Module:
     """Compile (or fetch from cache) ``spec`` for the current device.
 
     With ``group`` this is collective over the node: local rank 0 compiles
-    first, the others wait at a node barrier and then hit CuPy's disk cache.
+    first and broadcasts its outcome over the node; the others then hit CuPy's
+    disk cache. When rank 0's compile fails, every rank of the node raises
+    (rank 0 the compiler's error, the others a RuntimeError quoting it), so no
+    rank waits for a module that will not come.
     """
     import cupy
     key = (cupy.cuda.Device().id, spec)
@@ -82,9 +85,18 @@ def load(spec: KernelSpec, group=None) -> Module:
     if mod is not None:
         return mod
     if group is not None and group.local_size > 1:
+        failure, error = None, None
         if group.local_rank == 0:
-            mod = Module(spec)
-        group.node_comm.Barrier()
+            try:
+                mod = Module(spec)
+            except Exception as exc:  # every rank of the node raises it, none waits for a module
+                failure, error = f"{type(exc).__name__}: {exc}", exc
+        failure = group.node_comm.bcast(failure, root=0)
+        if failure is not None:
+            if error is not None:
+                raise error
+            raise RuntimeError(f"{spec.name}: local rank 0 of this node could not compile it, so no rank of the "
+                               f"node loads it: {failure}")
         if group.local_rank != 0:
             mod = Module(spec)
     else:

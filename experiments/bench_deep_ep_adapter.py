@@ -46,6 +46,36 @@ def host_times(fn, iters: int, warmup: int, sync) -> list:
     return out
 
 
+def profile_adapter(path, group, sync, iters, calls, ll_calls):
+    """Rank 0 profiles ``iters`` adapter calls of each kind (the others make
+    the same calls unprofiled) and writes each kind's top functions by own
+    time, with their callers, to ``path``."""
+    import cProfile
+    import io
+    import pstats
+    out = io.StringIO()
+
+    def run(name, fn):
+        prof = cProfile.Profile() if group.rank == 0 else None
+        sync()
+        if prof:
+            prof.enable()
+        fn()
+        if prof:
+            prof.disable()
+            out.write(f"==== {name}: {iters} calls\n")
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+        sync()
+
+    for name, fn in calls.items():
+        run(name, lambda: [fn() for _ in range(iters)])
+    dispatch, combine = ll_calls
+    run("low_latency dispatch + combine", lambda: [combine(dispatch()) for _ in range(iters)])
+    if group.rank == 0:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(out.getvalue())
+
+
 def main():
     from cupyep.lab.bench import require_gpu
     require_gpu(__file__)
@@ -59,6 +89,9 @@ def main():
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of adapter and native timings")
+    p.add_argument("--cprofile", default=None,
+                   help="after the timings, profile --iters adapter calls of each kind on rank 0 (cProfile) and "
+                        "write the functions by own time to this text file")
     args = p.parse_args()
 
     import torch
@@ -180,6 +213,10 @@ def main():
             ds, cs = ll_times(d, c, args.iters, args.warmup)
             samples["low_latency_dispatch"][variant] += ds
             samples["low_latency_combine"][variant] += cs
+
+    if args.cprofile:
+        profile_adapter(args.cprofile, group, sync, args.iters,
+                        {name: fns[0] for name, fns in calls.items()}, ll_variants["adapter"])
 
     rows = []
     for name, by_variant in samples.items():

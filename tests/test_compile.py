@@ -48,3 +48,85 @@ def test_jit_check_compiles_every_spec():
     summary = [line for line in lines if line.startswith("compiled ")]
     assert summary and summary[0].startswith(f"compiled {len(specs)} specialisations ({len(rows)} kernels) "
                                              "for sm_90"), log
+
+
+# Headers NVRTC (CuPy's RawModule) can open: CUDA's own and CuPy's bundled CCCL.
+# A C/C++ standard header such as <cstdint> compiles with nvcc above but is
+# missing under NVRTC, so it may only appear in a branch that NVRTC skips.
+NVRTC_HEADERS = {"cuda_bf16.h", "cuda_fp16.h", "cuda_fp8.h", "cuda_runtime.h", "nvshmem.h", "nvshmemx.h"}
+
+
+def _unguarded_includes(text: str) -> list[tuple[int, str]]:
+    """(line, header) of every ``#include <...>`` outside NVRTC_HEADERS and not in
+    an ``#ifdef __CUDACC_RTC__ ... #else`` / ``#ifndef __CUDACC_RTC__`` branch."""
+    stack, bad = [], []          # per open #if: True while in a branch NVRTC skips
+    for no, line in enumerate(text.splitlines(), 1):
+        t = line.strip().replace("# ", "#")
+        if t.startswith("#if"):
+            skips = "ifndef __CUDACC_RTC__" in t or "!defined(__CUDACC_RTC__)" in t
+            stack.append(True if skips else (False if "__CUDACC_RTC__" in t else None))
+        elif t.startswith("#else") and stack and stack[-1] is not None:
+            stack[-1] = not stack[-1]
+        elif t.startswith("#endif") and stack:
+            stack.pop()
+        elif t.startswith("#include <"):
+            header = t[len("#include <"):].split(">")[0]
+            if header not in NVRTC_HEADERS and not header.startswith("cuda/") and not any(stack):
+                bad.append((no, header))
+    return bad
+
+
+def test_every_kernel_source_compiles_under_nvrtc_headers():
+    found = {}
+    for path in sorted((REPO / "cuda_src").rglob("*.cu*")):
+        bad = _unguarded_includes(path.read_text())
+        if bad:
+            found[str(path.relative_to(REPO))] = bad
+    assert not found, ("standard headers NVRTC cannot open (include common/types.cuh for fixed-width "
+                       f"integers): {found}")
+
+
+def test_the_include_check_sees_a_standard_header():
+    assert _unguarded_includes("#include <cstdint>\n") == [(1, "cstdint")]
+    assert _unguarded_includes("#include <cuda_bf16.h>\n#include <cuda/atomic>\n") == []
+    guarded = "#ifdef __CUDACC_RTC__\ntypedef int int32_t;\n#else\n#include <cstdint>\n#endif\n"
+    assert _unguarded_includes(guarded) == []
+    assert _unguarded_includes("#ifndef __CUDACC_RTC__\n#include <cstdio>\n#endif\n") == []
+    assert _unguarded_includes("#if FOO\n#else\n#include <cstdio>\n#endif\n") == [(3, "cstdio")]
+
+
+class _NodeComm:
+    """One rank's view of a node communicator whose local rank 0 sends ``failure``."""
+
+    def __init__(self, failure):
+        self.failure = failure
+
+    def bcast(self, obj, root=0):
+        return self.failure if obj is None else obj
+
+
+class _Group:
+    def __init__(self, local_rank, failure=None):
+        self.local_rank, self.local_size, self.node_comm = local_rank, 2, _NodeComm(failure)
+
+
+def _fake_device(monkeypatch):
+    import cupy
+    monkeypatch.setattr(cupy.cuda, "Device", lambda *a: type("D", (), {"id": 0})())
+    monkeypatch.setattr(jit, "_modules", {})
+
+
+def test_a_failed_compile_on_local_rank_0_raises_on_every_rank_of_the_node(monkeypatch):
+    _fake_device(monkeypatch)
+    spec = jit.all_specs()[0]
+
+    def broken(s):
+        raise SyntaxError("cannot open source file")
+    monkeypatch.setattr(jit, "Module", broken)
+    with pytest.raises(SyntaxError, match="cannot open"):
+        jit.load(spec, _Group(0))
+    with pytest.raises(RuntimeError, match=f"{spec.name}: local rank 0 of this node could not compile it.*"
+                                           "cannot open source file"):
+        jit.load(spec, _Group(1, failure="SyntaxError: cannot open source file"))
+    monkeypatch.setattr(jit, "Module", lambda s: ("module", s.name))
+    assert jit.load(spec, _Group(1)) == ("module", spec.name)

@@ -12,7 +12,7 @@
 // copy one row with 16-byte loads and stores. The prefix is summed by warp 0
 // of each copying block, from the counts on the device: no host sync, so the
 // kernels can be captured in a CUDA graph.
-#include <cstdint>
+#include "common/types.cuh"
 
 namespace cupyep {
 namespace deep_ep {

@@ -69,6 +69,9 @@ class ExpertStore:
             self.nbytes = max(off, ALIGN)
             self.buffer = HeapBuffer(group, self.nbytes)
             self.barrier = WorldBarrier(group)
+            from .. import jit
+            from ..nvshmem import get_rows_spec
+            jit.load(get_rows_spec(), group)  # compiled now (collectively), not inside a migration's first step
         else:
             self.rank, self.size = group.local_rank, group.local_size
             self.barrier_offset = off

@@ -28,7 +28,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import budget as B
-from .config import Config, to_cupyep, tuned_config
+from .config import Config, default_cupyep_config, to_cupyep, tuned_config
 from .events import EventHandle, EventOverlap, event_of, overlap
 from .gaps import refuse
 from .handles import DispatchHandle, LowLatencyHandle, native_handle
@@ -229,7 +229,7 @@ class Buffer:
         if config is None:
             num_sms = 2 * handle.num_channels if handle is not None else \
                 max(2, min(Buffer.num_sms, buf.sm_budget) // 2 * 2)
-            config = tuned_config(R, num_sms, combine)
+            return default_cupyep_config(R, num_sms, combine)
         return to_cupyep(config, R, combine)
 
     def get_dispatch_layout(self, topk_idx, num_experts: int, previous_event: Optional[EventOverlap] = None,

@@ -19,6 +19,7 @@ the results.
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
 
 # DeepEP V1's defaults and its assumptions in the buffer-size hints.
 NUM_MAX_NVL_PEERS = 8
@@ -111,13 +112,28 @@ def num_threads_for(num_ranks: int) -> int:
 def to_cupyep(config: Config, num_ranks: int, combine: bool = False):
     """cupyep's queue-route :class:`cupyep.Config` for DeepEP's ``config`` on
     ``num_ranks`` ranks of a node (module docstring). ValueError for a
-    config the kernels cannot run (cupyep's checks)."""
-    from ..normal.config import get_combine_config, get_dispatch_config
+    config the kernels cannot run (cupyep's checks). The result is frozen
+    and made once per distinct value (every call of a run maps the same few
+    configs)."""
     if not isinstance(config, Config):
         raise TypeError(f"config must be a cupyep.deep_ep.Config, got {type(config).__name__}")
+    return _mapped(config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
+                   num_ranks, bool(combine))
+
+
+@lru_cache(maxsize=256)
+def _mapped(num_sms: int, send_tokens: int, recv_tokens: int, num_ranks: int, combine: bool):
+    from ..normal.config import get_combine_config, get_dispatch_config
     tuned = (get_combine_config if combine else get_dispatch_config)(num_ranks)
-    return replace(tuned, num_sms=config.num_sms, chunk_size=config.num_max_nvl_chunked_send_tokens,
-                   queue_depth=config.num_max_nvl_chunked_recv_tokens, num_threads=num_threads_for(num_ranks))
+    return replace(tuned, num_sms=num_sms, chunk_size=send_tokens, queue_depth=recv_tokens,
+                   num_threads=num_threads_for(num_ranks))
+
+
+@lru_cache(maxsize=256)
+def default_cupyep_config(num_ranks: int, num_sms: int, combine: bool = False):
+    """``to_cupyep(tuned_config(num_ranks, num_sms, combine), num_ranks,
+    combine)``, made once per value: the config of a call given none."""
+    return to_cupyep(tuned_config(num_ranks, num_sms, combine), num_ranks, combine)
 
 
 def from_cupyep(cfg, rdma_send: int = 6, rdma_recv: int = 256) -> Config:

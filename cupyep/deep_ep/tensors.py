@@ -55,11 +55,15 @@ def to_cupy(t, name: str):
                         f"{type(t).__name__} {getattr(t, 'dtype', '')}")
     if not t.is_cuda:
         raise TypeError(f"{name} must be on a CUDA device, got a tensor on {t.device}")
-    shape, strides = tuple(t.shape), tuple(s * dtype.itemsize for s in t.stride())
-    if t.numel() == 0:
+    shape, n = tuple(t.shape), t.numel()
+    if n == 0:
         return cupy.empty(shape, dtype=dtype)
-    span = (sum((n - 1) * abs(s) for n, s in zip(shape, strides)) + dtype.itemsize) if shape else dtype.itemsize
-    mem = cupy.cuda.UnownedMemory(t.data_ptr(), span, t, t.device.index)
+    if t.is_contiguous():  # the common case: no strides to convert
+        strides, span = None, n * dtype.itemsize
+    else:
+        strides = tuple(s * dtype.itemsize for s in t.stride())
+        span = sum((d - 1) * abs(s) for d, s in zip(shape, strides)) + dtype.itemsize
+    mem = cupy.cuda.UnownedMemory(t.data_ptr(), span, t, t.get_device())
     return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0), strides)
 
 
