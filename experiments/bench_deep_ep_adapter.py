@@ -2,6 +2,7 @@
 torch tensors and through cupyep's own API, on the same cupyep buffers.
 
     python -m cupyep.launcher -n 8 experiments/bench_deep_ep_adapter.py --out results/deep_ep_adapter/adapter.json
+    python experiments/bench_deep_ep_adapter.py --table results/deep_ep_adapter/*.json   # Markdown, no GPU
 
 For each call it times the host side of one call (time.perf_counter around
 it; the median over ``--iters`` calls, after a warm-up) three ways:
@@ -76,7 +77,26 @@ def profile_adapter(path, group, sync, iters, calls, ll_calls):
         Path(path).write_text(out.getvalue())
 
 
+def table(paths) -> str:
+    """The Markdown table of documents this benchmark wrote: per file and
+    call, the slowest rank's median host time through the adapter and
+    natively (CuPy views; torch tensors), and the adapter's cost."""
+    lines = ["| file | ranks | call | adapter us | native us (CuPy views) | native us (torch tensors) | "
+             "adapter cost us | within 10 us |", "|" + " --- |" * 8]
+    for path in paths:
+        doc = json.loads(Path(path).read_text())
+        for r in doc["rows"]:
+            lines.append(f"| {Path(path).name} | {doc['ranks']} | {r['call']} | {r['adapter_us']:.1f} | "
+                         f"{r['native_cupy_us']:.1f} | {r['native_torch_us']:.1f} | {r['adapter_cost_us']:.1f} | "
+                         f"{'yes' if r['within_target'] else 'no'} |")
+    return "\n".join(lines)
+
+
 def main():
+    import sys
+    if sys.argv[1:2] == ["--table"]:  # no GPU needed
+        print(table(sys.argv[2:]))
+        return
     from cupyep.lab.bench import require_gpu
     require_gpu(__file__)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -785,3 +785,18 @@ def test_the_torch_backend_over_gloo(tmp_path):
                                                                      if os.environ.get("PYTHONPATH") else [])))
     subprocess.run([sys.executable, str(script), str(tmp_path / "rendezvous")], cwd=ROOT, env=env, check=True,
                    timeout=120)
+
+
+def test_the_adapter_results_readme_shows_what_the_table_command_prints():
+    """results/deep_ep_adapter/README.md holds `bench_deep_ep_adapter.py --table` of its committed files."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[1]
+    d = repo / "results" / "deep_ep_adapter"
+    readme = (d / "README.md").read_text()
+    for files in (["adapter_2ranks.json", "adapter_8ranks.json"],
+                  ["adapter_2ranks_before_config_cache.json", "adapter_8ranks_before_config_cache.json"]):
+        out = subprocess.run([sys.executable, str(repo / "experiments" / "bench_deep_ep_adapter.py"), "--table",
+                              *[str(d / f) for f in files]], capture_output=True, text=True, check=True).stdout
+        assert out.strip() in readme

@@ -14,6 +14,14 @@ combine and balancing, and the experts moved.
 ``--over-runs`` treats the files as repeated runs and gives one row per
 (trace, arm): the median over runs of each run's figures, with their
 [min, max] over runs.
+
+``--planner-bound`` gives, per file and trace, what the planner itself
+reaches on each recorded step's own loads (cupyep.balance.rebalance_experts
+with the records' physical slots, ranks and nodes): the max/mean load per
+GPU of its plan under the records' expert groups (hierarchical across
+nodes) and under one group (the global policy), medians over the steps,
+beside the ``per_step`` arm's measured max/mean. It separates what a policy
+allows from what the run achieved.
 """
 from __future__ import annotations
 
@@ -135,18 +143,67 @@ def markdown(paths) -> str:
     return "\n".join(lines)
 
 
+BOUND_COLUMNS = ("file", "trace", "policy of the records", "planned max/mean: records' groups", "planned max/mean: global",
+                 "per_step measured")
+
+
+def planner_bound(path) -> list[dict]:
+    """Per trace of one file: the medians over the ``per_step`` arm's steps
+    of the planner's max/mean GPU load on that step's logical loads, with
+    the records' groups and with one group, and of the measured max/mean."""
+    from ..balance import rebalance_experts
+    by_trace: dict = {}
+    for r in _read(path):
+        if r["arm"] == "per_step":
+            by_trace.setdefault(_key(r), []).append(r)
+    out = []
+    for rs in by_trace.values():
+        r0 = rs[0]
+        nodes, groups = r0.get("nodes", 1), r0.get("groups", 1) or 1
+
+        def planned(num_groups):
+            vals = []
+            for r in rs:
+                loads = np.asarray(r["logical_loads"], dtype=np.float64)[None]
+                g = np.asarray(rebalance_experts(loads, r["physical_experts"], num_groups, nodes,
+                                                 r["ranks"]).gpu_loads(loads))[0]
+                vals.append(g.max() / g.mean())
+            return float(np.median(vals))
+        out.append({"trace": _name({"trace": r0["trace"], "trace_params": r0["trace_params"]}),
+                    "policy": r0.get("policy"), "groups": groups, "nodes": nodes,
+                    "planned_groups": planned(groups), "planned_global": planned(1),
+                    "measured": float(np.median([r["imbalance"] for r in rs]))})
+    return out
+
+
+def markdown_planner_bound(paths) -> str:
+    """The table of :func:`planner_bound` for every file, as Markdown."""
+    lines = ["| " + " | ".join(BOUND_COLUMNS) + " |", "|" + " --- |" * len(BOUND_COLUMNS)]
+    for path in paths:
+        for b in planner_bound(path):
+            lines.append(f"| {Path(path).name} | {b['trace']} | {b['policy']} ({b['groups']} groups, {b['nodes']} nodes) | "
+                         f"{b['planned_groups']:.3f} | {b['planned_global']:.3f} | {b['measured']:.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cupyep.lab.balance_table", description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="+", help="records of experiments/study_balance.py (JSONL)")
     p.add_argument("--over-runs", action="store_true",
                    help="the files are repeated runs: medians over runs with their [min, max]")
+    p.add_argument("--planner-bound", action="store_true",
+                   help="per file and trace: the planner's max/mean on the per_step arm's loads, with the "
+                        "records' groups and globally, beside the measured one")
     args = p.parse_args(argv)
     missing = [f for f in args.files if not Path(f).is_file()]
     if missing:
         print(f"balance_table: no such file: {', '.join(missing)}", file=sys.stderr)
         return 2
     try:
-        print(markdown_over_runs(args.files) if args.over_runs else markdown(args.files))
+        if args.planner_bound:
+            print(markdown_planner_bound(args.files))
+        else:
+            print(markdown_over_runs(args.files) if args.over_runs else markdown(args.files))
     except (ValueError, KeyError, json.JSONDecodeError) as exc:
         print(f"balance_table: {exc}", file=sys.stderr)
         return 2
