@@ -2,6 +2,8 @@
 placement's invariants under both policies, that the hierarchical policy
 keeps each expert group on one node, that placements balance the loads
 they were planned for, input checks, and the replica rules."""
+import itertools
+
 import numpy as np
 import pytest
 
@@ -248,3 +250,70 @@ def test_the_online_balancer_replans_behind_its_alarm_and_keeps_what_pays():
     assert smooth.step(np.ones(E)) is None
     d = smooth.step(hot)  # the average of a balanced step and a hot one still trips the alarm
     assert d is not None
+
+
+# ------------------------------------------------------------------ against EPLB and the optimum
+EPLB_README_WEIGHT = np.array([[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+                               [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]])
+# The phy2log DeepSeek's EPLB README prints for these loads (16 slots, 4 groups, 2 nodes, 8 GPUs).
+EPLB_README_PHY2LOG = np.array([[5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+                                [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1]])
+
+
+def test_the_hierarchical_plan_of_eplb_s_readme_example_is_eplb_s():
+    p = rebalance_experts(EPLB_README_WEIGHT, 16, 4, 2, 8)
+    assert p.policy == "hierarchical"
+    assert np.array_equal(p.phy2log, EPLB_README_PHY2LOG)
+
+
+def _splits(items, k):
+    """Every split of ``items`` into unordered bins of ``k``."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for combo in itertools.combinations(range(len(rest)), k - 1):
+        chosen = set(combo)
+        left = [rest[i] for i in range(len(rest)) if i not in chosen]
+        for tail in _splits(left, k):
+            yield [[first] + [rest[i] for i in combo]] + tail
+
+
+def _best_heaviest_gpu(w, P, G):
+    """The lightest heaviest GPU of any placement of P replicas (each expert at least one, its load split
+    evenly over them) on G GPUs of P / G slots: every replica count, every split."""
+    best = np.inf
+    for cuts in itertools.combinations(range(1, P), len(w) - 1):
+        cnt = np.diff((0,) + cuts + (P,))
+        units = [w[e] / cnt[e] for e in range(len(w)) for _ in range(cnt[e])]
+        if max(units) >= best:
+            continue
+        for split in _splits(list(range(P)), P // G):
+            best = min(best, max(sum(units[i] for i in b) for b in split))
+    return best
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_plan_is_within_the_stated_factor_of_the_optimum_and_never_worse_than_eplb_s(seed):
+    """Brute force on small cases (E = 3-7 experts, P = 6-10 slots, G = 3-5 GPUs; Zipf, uniform and one-hot
+    loads): the heaviest GPU is within OPTIMUM_FACTOR of the best placement's, never heavier than EPLB's
+    own rule (replicate, then pack) gives, and on some case strictly lighter."""
+    from cupyep.balance.planner import OPTIMUM_FACTOR
+    rng = np.random.default_rng(seed)
+    shapes = [(4, 8, 4), (5, 8, 4), (6, 8, 4), (6, 9, 3), (5, 10, 5), (3, 6, 3)]
+    worst, better = 1.0, 0
+    for case in range(60):
+        E, P, G = shapes[case % len(shapes)]
+        kind = case % 3
+        w = (rng.zipf(1.3, E) * rng.integers(1, 50, E) if kind == 0 else rng.integers(1, 1000, E) if kind == 1
+             else np.r_[rng.integers(1, 100, E - 1), rng.integers(200, 5000)]).astype(float)
+        ours = np.asarray(rebalance_experts(w[None], P, 1, 1, G).gpu_loads(w[None]))[0].max()
+        phy2log, _, cnt = replicate(w[None], P)
+        per_replica = np.take_along_axis(w[None] / cnt, phy2log, axis=1)
+        gpu, _ = pack(per_replica, G)
+        eplb = np.bincount(gpu[0], per_replica[0], minlength=G).max()
+        assert ours <= eplb * (1 + 1e-12), (w, P, G)
+        better += ours < eplb * (1 - 1e-9)
+        worst = max(worst, ours / _best_heaviest_gpu(w, P, G))
+    assert worst <= OPTIMUM_FACTOR, worst
+    assert better > 0
