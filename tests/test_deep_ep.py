@@ -237,7 +237,6 @@ def host_buffer(monkeypatch):
 
 @pytest.mark.parametrize("call,args,kwargs,gap", [
     ("dispatch", (np.zeros((2, 128)),), {}, "Buffer.dispatch(topk_idx=None) without a handle"),
-    ("combine", (np.zeros((2, 128)), _NativeHandle()), dict(bias=np.zeros((2, 128))), "Buffer.combine(bias=...)"),
     ("low_latency_combine", (None, None, None, None), dict(use_logfmt=True),
      "Buffer.low_latency_combine(use_logfmt=True)"),
     ("low_latency_combine", (None, None, None, None), dict(combine_wait_recv_cost_stats=np.zeros(2, np.int64)),
@@ -800,3 +799,23 @@ def test_the_adapter_results_readme_shows_what_the_table_command_prints():
         out = subprocess.run([sys.executable, str(repo / "experiments" / "bench_deep_ep_adapter.py"), "--table",
                               *[str(d / f) for f in files]], capture_output=True, text=True, check=True).stdout
         assert out.strip() in readme
+
+
+def test_combine_adds_deepeps_bias_in_fp32_and_rounds_once_more(host_buffer):
+    """bias: one tensor or a tuple of two (either None), added in FP32 after the reduction and rounded to
+    nearest even; the wrong shape or dtype is a ValueError before the combine runs."""
+    from cupyep.testing import bf16_to_f32, f32_to_bf16
+    b = host_buffer
+    rng = np.random.default_rng(5)
+    handle = handles_module.DispatchHandle(_NativeHandle(T=4), False)
+    x = f32_to_bf16(rng.standard_normal((5, 128)).astype(np.float32))
+    b0, b1 = (f32_to_bf16(rng.standard_normal((4, 128)).astype(np.float32)) for _ in range(2))
+    for bias, terms in ((b0, [b0]), ((b0, b1), [b0, b1]), ((None, b1), [b1]), ((None, None), [])):
+        out, _, _ = b.combine(x.copy(), handle, bias=bias)
+        want = f32_to_bf16(bf16_to_f32(x[:4]) + sum((bf16_to_f32(t) for t in terms), np.zeros((4, 128), np.float32)))
+        assert np.array_equal(out, want)
+    calls = len(b.normal.calls)
+    for bad in (b0[:3], b0.astype(np.float32), (b0, b1, b0)):
+        with pytest.raises(ValueError, match="bias"):
+            b.combine(x.copy(), handle, bias=bad)
+    assert len(b.normal.calls) == calls  # refused before the combine

@@ -28,6 +28,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import budget as B
+from .bias import add_bias, check_bias, unpack_bias
 from .config import Config, default_cupyep_config, to_cupyep, tuned_config
 from .events import EventHandle, EventOverlap, event_of, overlap
 from .gaps import refuse
@@ -362,24 +363,37 @@ class Buffer:
             x: [N, hidden] torch.bfloat16, one row per received row of the dispatch.
             handle: that dispatch's handle.
             topk_weights: [N, num_topk] torch.float to reduce alike, or None.
-            bias: not supported (NotImplementedError).
+            bias: None, a [num_tokens, hidden] torch.bfloat16 tensor, or a
+                tuple of two (either may be None), added to the combined rows
+                in FP32 (cupyep.deep_ep.bias: after cupyep's BF16 rounding, so
+                an element may differ from DeepEP's by one BF16 ulp).
             config, previous_event, async_finish, allocate_on_comm_stream: as DeepEP.
 
         Returns:
             combined_x [num_tokens, hidden] torch.bfloat16, combined_topk_weights
             [num_tokens, num_topk] torch.float or None, event.
         """
-        if bias is not None:
-            refuse("Buffer.combine(bias=...)")
         self._check_allocation(allocate_on_comm_stream, previous_event, async_finish)
         buf = self._normal_buffer("combine")
         native = native_handle(handle, "combine")
         cfg = self._config(config, buf, native, True, "combine")
         rows, weights = to_cupy(x, "x"), to_cupy(topk_weights, "topk_weights")
+        biases = tuple(to_cupy(b, f"bias_{i}") for i, b in enumerate(unpack_bias(bias)))
+        if biases:
+            check_bias(biases, native.num_tokens, rows.shape[1])
         with torch_stream():
             res = buf.combine(rows, native, weights, config=cfg, previous_event=event_of(previous_event),
                               async_finish=async_finish)
-        return to_torch(res.combined_x, "bf16"), to_torch(res.combined_topk_weights), overlap(res.event, async_finish)
+            event = res.event
+            if biases:  # after the combine, where it ran: the communication stream with async_finish
+                stream = buf.comm_stream if async_finish and not isinstance(res.combined_x, np.ndarray) else None
+                with stream if stream is not None else _nullcontext():
+                    add_bias(res.combined_x, biases)
+                if stream is not None:
+                    event = _record(stream)
+        extra = biases if async_finish and biases else None
+        return (to_torch(res.combined_x, "bf16"), to_torch(res.combined_topk_weights),
+                overlap(event, async_finish, extra))
 
     def internode_dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                            is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,

@@ -31,8 +31,6 @@ GAPS: dict[str, str] = {
     "Buffer.dispatch(topk_idx=None) without a handle":
         "a dispatch routed by is_token_in_rank alone: cupyep.Buffer.dispatch needs topk_idx for a dispatch "
         "that is not cached (pass topk_idx, or a handle for a cached dispatch)",
-    "Buffer.combine(bias=...)":
-        "the bias added after the reduction: cupyep's combine reduces the rows and weights only",
     "Buffer.dispatch(config=...) across nodes":
         "cupyep's routes across nodes take no chunk config (they run on their own tuned sizes)",
     "Buffer.combine(config=...) across nodes":

@@ -6,7 +6,7 @@ result with cupyep.reference. x is either rank-valued (DeepEP's ``ones *
 rank``, checked block by block with the rank prefix matrix) or tagged (a
 hash of (source rank, token, column), compared bit for bit). Checked:
 the layout; BF16 and FP8 dispatch; cached dispatch; worst-token mode and its
--1 padding; combine with and without weights; an explicit Config; calls on a
+-1 padding; combine with and without weights, and with DeepEP's bias; an explicit Config; calls on a
 non-default torch stream and with previous_event / async_finish;
 low-latency dispatch and combine in DeepEP's packed layout (expert e's rows
 at [0, recv_count[e]), sources in rank order, column-major scales; the
@@ -189,6 +189,22 @@ def check_dispatch_combine(ctx, payload, async_mode=False, previous_mode=False, 
             sent = visited > 0  # a token whose slots are all -1 goes nowhere and combines to zero
             ok = ok and ref.calc_diff(got[sent] / visited[sent, None], bf16_to_f32(xs[me])[sent]) < 5e-6
         assert ctx.all(ok), ("combine", weights is not None, diff)
+
+    # DeepEP's bias: bias_0 and bias_1 [T, H] bfloat16, added in FP32 (one BF16 ulp from DeepEP's single
+    # rounding at most); the exact value is the BF16 rounding of the FP32 sum of the combined row and biases.
+    rng = np.random.default_rng(100 + me)
+    b0, b1 = (f32_to_bf16(rng.standard_normal((T, H)).astype(np.float32)) for _ in range(2))
+    for bias in (ctx.tensor(b0), (ctx.tensor(b0), ctx.tensor(b1))):
+        cargs = dict(x=recv_x, handle=handle, bias=bias, config=combine_config, async_finish=async_mode)
+        combined, _, event = buf.combine(**cargs)
+        plain, _, _ = buf.combine(x=recv_x, handle=handle, config=combine_config)
+        if async_mode:
+            event.current_stream_wait()
+        terms = [b0] if not isinstance(bias, tuple) else [b0, b1]
+        exact = f32_to_bf16(bf16_to_f32(bits(plain)) + sum(bf16_to_f32(t) for t in terms))
+        with_bias = bf16_to_f32(bits(combined))
+        diff = ref.calc_diff(with_bias, want + sum(bf16_to_f32(t) for t in terms))
+        assert ctx.all(np.array_equal(bits(combined), exact) and diff < 1e-5), ("combine with bias", diff)
 
 
 def check_dispatch_fp8(ctx):
