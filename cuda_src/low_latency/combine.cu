@@ -16,6 +16,10 @@
 // weight * row over the token's top-k slots, in slot order, so the result is
 // bitwise deterministic.
 //
+// Packed x (CombineArgs::x_expert_rows > 0): the expert outputs arrive in
+// DeepEP's packed layout instead of the region layout; only where each row is
+// read from changes (x_row).
+//
 // Pull (CombineArgs::pull): the expert outputs sit in every expert rank's
 // combine_send, where the owner knows each of its rows (its dispatch put (t, j)
 // at row slot_pos of region (expert, me)), and the owners read them from the
@@ -43,6 +47,15 @@ template <int N>
 struct Unroll {};
 template <int N>
 __device__ constexpr int unroll_of(Unroll<N>) { return N; }
+
+// The row of x that holds received row q of pair lo = (local expert le, source
+// s): its region slot, or in DeepEP's packed layout (x_expert_rows > 0) row q
+// after the rows of expert le's earlier sources (prefix: the rows of all
+// pairs before each pair, in (expert, source) order).
+__device__ __forceinline__ int64_t x_row(const CombineArgs& a, const int* prefix, int lo, int le, int R, int q,
+                                         int64_t slot) {
+    return a.x_expert_rows ? (int64_t)le * a.x_expert_rows + (prefix[lo] - prefix[le * R]) + q : slot;
+}
 
 template <int kNumThreads>
 __device__ __forceinline__ void combine_body(const CombineArgs& a) {
@@ -117,8 +130,9 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                     if (is_remote(a.c, s)) continue;  // whole rows, put below
                     const int64_t slot = (int64_t)le * slots + (int64_t)s * a.c.capacity + q;
                     const int64_t first = (int64_t)piece * kPiece;
-                    const int4* src =
-                        reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) + slot * a.x_row_bytes) + first;
+                    const int4* src = reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) +
+                                                                    x_row(a, prefix, lo, le, R, q, slot) *
+                                                                        a.x_row_bytes) + first;
                     int4* dst = (a.pull ? local_send + slot * row_int4
                                         : at<int4>(a.c.peers[s], a.c.cur.combine_recv) +
                                               ((int64_t)a.c.rank * ret_rows + colprefix[lo] + q) * row_int4) + first;
@@ -142,8 +156,8 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                 if (!is_remote(a.c, s)) continue;
                 const int64_t slot = (int64_t)le * slots + (int64_t)s * a.c.capacity + q;
                 int4* stage = local_send + slot * row_int4;
-                const int4* src =
-                    reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) + slot * a.x_row_bytes);
+                const int4* src = reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) +
+                                                                x_row(a, prefix, lo, le, R, q, slot) * a.x_row_bytes);
                 if (src != stage) {
                     warp_copy<8, true>(stage, src, row_int4, lane, [](const int4* p) { return ld_nc_na_v4(p); },
                                        [](int4* p, const int4& v) { st_na_v4(p, v); });

@@ -401,7 +401,8 @@ class LowLatencyBuffer:
     @traced_call("LowLatencyBuffer.combine")
     def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, *, zero_copy: bool = False,
                 pull: bool | None = None, async_finish: bool = False, return_recv_hook: bool = False, out=None,
-                validate: bool = False, kernel_time_ns=None, trace=None) -> LowLatencyCombineResult:
+                validate: bool = False, kernel_time_ns=None, trace=None,
+                x_layout: str = "regions") -> LowLatencyCombineResult:
         """Return expert outputs to their tokens and reduce with the top-k weights.
 
         Arguments:
@@ -429,6 +430,11 @@ class LowLatencyBuffer:
                 while they are read as long as each rank issues its calls, and
                 its writes to the combine buffer, on one stream in call order.
             out: optional [T, H] uint16 output array.
+            x_layout: "regions" (x as above) or "packed": x is [E_local, R *
+                max_tokens, H] in DeepEP's packed layout, expert e's rows at
+                [0, recv_count[e]) source after source in rank order (the
+                layout cupyep.deep_ep returns), read in place; the same row
+                stride rules. Not with zero_copy.
             async_finish, return_recv_hook, kernel_time_ns, trace: as in dispatch.
 
         Returns:
@@ -443,11 +449,19 @@ class LowLatencyBuffer:
         if k != handle.num_topk:
             raise ValueError(f"topk_idx has {k} columns, the dispatch had {handle.num_topk}")
         topk_weights = check(as_cupy(topk_weights, "topk_weights"), "topk_weights", np.float32, shape=(T, k))
+        if x_layout not in ("regions", "packed"):
+            raise ValueError(f"x_layout must be 'regions' or 'packed', got {x_layout!r}")
+        packed = x_layout == "packed"
         if zero_copy:
+            if packed:
+                raise ValueError("zero_copy reads get_next_combine_buffer(), which is in the region layout; "
+                                 "x_layout='packed' needs zero_copy=False")
             src = self.get_next_combine_buffer(handle)
             if x is not None and (as_cupy(x, "x").data.ptr != src.data.ptr):
                 raise ValueError("zero_copy reads get_next_combine_buffer(); pass x=None or that buffer")
         else:
+            if packed:
+                shape = (El, self.num_ranks * self.max_tokens, H)
             src = check(as_cupy(x, "x"), "x", BF16, shape=shape, contiguous=False)
             st = src.strides
             if st[2] != 2 or st[1] % 16 or st[1] < 2 * H or st[0] != shape[1] * st[1]:
@@ -469,7 +483,7 @@ class LowLatencyBuffer:
         args = dict(x=src.data.ptr, layout_count=handle.layout_count.data.ptr,
                     combine_pos=handle.combine_pos.data.ptr, slot_pos=handle.slot_pos.data.ptr,
                     topk_idx=topk_idx.data.ptr, topk_weights=topk_weights.data.ptr, out=out.data.ptr,
-                    x_row_bytes=src.strides[1],
+                    x_row_bytes=src.strides[1], x_expert_rows=shape[1] if packed else 0,
                     pull=int(zero_copy and self._one_gpu and not self.across_nodes if pull is None else bool(pull)))
         smem = K.combine_smem(self.num_experts)
 

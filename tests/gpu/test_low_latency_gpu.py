@@ -213,7 +213,8 @@ def test_pull_and_push(group, llbuf, hook):
     """Owners pulling the outputs from the expert ranks' combine buffers (from x
     copied there, or written there as zero-copy) give the reference result, bit
     for bit what the pushing combines give, over repeated dispatch/combine
-    rounds with uneven token counts. Across nodes only the push runs (pull is
+    rounds with uneven token counts; so does x in DeepEP's packed layout
+    (x_layout="packed"), pushed and pulled. Across nodes only the push runs (pull is
     refused before launch)."""
     import cupy
     me, R = ranks(group)
@@ -237,10 +238,34 @@ def test_pull_and_push(group, llbuf, hook):
                 if hook:
                     comb.hook()
                 outs.append(comb.combined_x.get())
+            # The same outputs in DeepEP's packed layout, read in place (x_layout="packed"); the rows past
+            # each expert's count are NaN, so a row read from there shows in the result.
+            comb = llbuf.combine(_packed(y, res.handle.layout_count.get(), R, llbuf.max_tokens), i_me, w_me,
+                                 res.handle, pull=pull, return_recv_hook=hook, x_layout="packed")
+            if hook:
+                comb.hook()
+            outs.append(comb.combined_x.get())
         got = bf16_to_f32(outs[0])
         diff = ref.calc_diff(got, _combine_expected(xs[me], idx[me], w[me]))
         same = all(np.array_equal(outs[0], o) for o in outs[1:])
-        assert all_ranks(group.comm, diff < 1e-5 and same and not np.isnan(got).any()), (it, diff, same)
+        nan = any(np.isnan(bf16_to_f32(o)).any() for o in outs)
+        assert all_ranks(group.comm, diff < 1e-5 and same and not nan), (it, diff, same, nan)
+
+
+def _packed(y, counts, R, T):
+    """[E_local, R * T, H] uint16: expert e's rows of y (region layout, [E_local, R * C, H]) at
+    [0, sum(counts[e])), source after source in rank order, the other rows NaN (0x7FC0)."""
+    import cupy
+    El, slots, H = y.shape
+    C = slots // R
+    out = cupy.full((El, R * T, H), 0x7FC0, dtype=np.uint16)
+    for e in range(El):
+        off = 0
+        for s in range(R):
+            n = int(counts[e, s])
+            out[e, off:off + n] = y[e, s * C:s * C + n]
+            off += n
+    return out
 
 
 @pytest.mark.parametrize("hook", [False, True])
@@ -556,6 +581,13 @@ def test_bad_input(group, llbuf):
                 cupy.zeros((2 * El, S, H), np.uint16)[::2]):           # gaps between experts
         with pytest.raises(ValueError, match="row stride"):
             llbuf.combine(bad, idx, cupy.zeros((4, K), np.float32), res.handle)
+    with pytest.raises(ValueError, match="x_layout"):
+        llbuf.combine(res.recv_x, idx, cupy.ones((4, K), np.float32), res.handle, x_layout="deepep")
+    with pytest.raises(ValueError, match="packed"):
+        llbuf.combine(None, idx, cupy.ones((4, K), np.float32), res.handle, zero_copy=True, x_layout="packed")
+    with pytest.raises(ValueError, match="shape"):  # packed: [E_local, R * max_tokens, H]
+        llbuf.combine(cupy.zeros((El, S - 1, H), np.uint16), idx, cupy.ones((4, K), np.float32), res.handle,
+                      x_layout="packed")
     # The skipped combine left the peers' flags untouched: run it so all ranks stay in step.
     llbuf.combine(res.recv_x, idx, cupy.ones((4, K), np.float32), res.handle)
     group.comm.Barrier()
