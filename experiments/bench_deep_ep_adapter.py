@@ -13,6 +13,11 @@ it; the median over ``--iters`` calls, after a warm-up) three ways:
 - ``native_torch_us``: the same native calls given the torch tensors (cupyep
   views them through DLPack).
 
+``pieces_us`` times the adapter's parts alone in the same launch (a tensor
+viewed as CuPy, an array handed to torch, torch's stream entered, a config
+mapped), so the cost can be split into them. ``-n 1`` runs one rank without
+MPS: the host cost of a call on a GPU of its own.
+
 ``adapter_cost_us`` = adapter_us - native_cupy_us is the whole cost of the
 adapter (tensor views in and out, torch's stream, the tuple and handle);
 ``adapter_minus_native_torch_us`` compares it with a caller of the native
@@ -234,6 +239,25 @@ def main():
             samples["low_latency_dispatch"][variant] += ds
             samples["low_latency_combine"][variant] += cs
 
+    # The adapter's pieces alone, in the same launch: one tensor viewed as CuPy, one array handed to
+    # torch (with the BF16 view), torch's stream made CuPy's, a Config mapped.
+    from cupyep.deep_ep import tensors as TS
+    from cupyep.deep_ep.config import default_cupyep_config
+    def stream_enter_exit():
+        ctx = TS.torch_stream()
+        ctx.__enter__()
+        ctx.__exit__(None, None, None)
+    pieces = {
+        "to_cupy (one tensor)": lambda: TS.to_cupy(x_t, "x"),
+        "to_torch (one array, as bfloat16)": lambda: TS.to_torch(x_c, "bf16"),
+        "torch_stream (enter and exit)": stream_enter_exit,
+        "default config": lambda: default_cupyep_config(R, 20, True),
+    }
+    piece_us = {}
+    for name, fn in pieces.items():
+        med = float(np.median(host_times(fn, args.iters * args.rounds, args.warmup, sync))) * 1e6
+        piece_us[name] = group.comm.allreduce(med, op=MPI.MAX)
+
     if args.cprofile:
         profile_adapter(args.cprofile, group, sync, args.iters,
                         {name: fns[0] for name, fns in calls.items()}, ll_variants["adapter"])
@@ -252,13 +276,16 @@ def main():
     if group.rank == 0:
         doc = {"bench": "deep_ep_adapter", "target_us": TARGET_US, "ranks": R,
                "shape": {"tokens": T, "hidden": H, "experts": E, "topk": k, "ll_tokens": T_ll},
-               "iters": args.iters, "rounds": args.rounds, "rows": rows, "env": environment(group)}
+               "iters": args.iters, "rounds": args.rounds, "rows": rows, "pieces_us": piece_us,
+               "env": environment(group)}
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(doc, indent=1) + "\n")
         for r in rows:
             print(f"{r['call']:40s} adapter {r['adapter_us']:8.1f} us  native {r['native_cupy_us']:8.1f} us  "
                   f"(torch in {r['native_torch_us']:8.1f})  cost {r['adapter_cost_us']:6.1f} us", flush=True)
+        for name, us in piece_us.items():
+            print(f"  piece: {name:36s} {us:8.1f} us", flush=True)
     buf.destroy()
     group.destroy()
 

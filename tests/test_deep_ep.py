@@ -236,7 +236,6 @@ def host_buffer(monkeypatch):
 
 
 @pytest.mark.parametrize("call,args,kwargs,gap", [
-    ("dispatch", (np.zeros((2, 128)),), {}, "Buffer.dispatch(topk_idx=None) without a handle"),
     ("low_latency_combine", (None, None, None, None), dict(use_logfmt=True),
      "Buffer.low_latency_combine(use_logfmt=True)"),
     ("low_latency_combine", (None, None, None, None), dict(combine_wait_recv_cost_stats=np.zeros(2, np.int64)),
@@ -819,3 +818,34 @@ def test_combine_adds_deepeps_bias_in_fp32_and_rounds_once_more(host_buffer):
         with pytest.raises(ValueError, match="bias"):
             b.combine(x.copy(), handle, bias=bad)
     assert len(b.normal.calls) == calls  # refused before the combine
+
+
+def test_a_dispatch_without_topk_goes_to_the_ranks_of_is_token_in_rank(host_buffer):
+    """DeepEP's dispatch without top-k: cupyep's dispatch gets one expert per rank that routes exactly the
+    rows of is_token_in_rank, the caller's expert counts, and the call returns no top-k."""
+    from cupyep.deep_ep.routing import rank_routing
+    b = host_buffer
+    in_rank = np.array([[True, False], [True, True], [False, False], [False, True]])
+    per_rank, per_expert = in_rank.sum(0).astype(np.int32), np.array([1, 1, 0, 0, 1, 0, 0, 1], np.int32)
+    x = np.zeros((4, 128), np.uint16)
+    recv_x, recv_idx, recv_w, counts, handle, _ = b.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    assert recv_x is x and recv_idx is None and recv_w is None and counts == [3, 4]
+    assert isinstance(handle, handles_module.DispatchHandle)
+    kw = b.normal.calls[-1][1]
+    assert kw["num_experts"] == 8 and kw["is_token_in_rank"] is in_rank and kw["num_tokens_per_expert"] is per_expert
+    want = np.array([[0, -1], [0, 4], [-1, -1], [-1, 4]])
+    assert np.array_equal(rank_routing(in_rank, 8), want) and rank_routing(in_rank, 8).dtype == np.int64
+    with pytest.raises(ValueError, match="multiple"):
+        rank_routing(in_rank, 7)
+    calls = len(b.normal.calls)
+    with pytest.raises(ValueError, match="topk_weights needs topk_idx"):
+        b.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                   topk_weights=np.ones((4, 2), np.float32))
+    with pytest.raises(ValueError, match="num_worst_tokens needs topk_idx"):
+        b.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                   num_worst_tokens=8)
+    b.internode = True
+    with pytest.raises(NotImplementedError, match="across nodes"):
+        b.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    assert len(b.normal.calls) == calls  # nothing reached cupyep

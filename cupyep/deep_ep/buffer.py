@@ -33,6 +33,7 @@ from .config import Config, default_cupyep_config, to_cupyep, tuned_config
 from .events import EventHandle, EventOverlap, event_of, overlap
 from .gaps import refuse
 from .handles import DispatchHandle, LowLatencyHandle, native_handle
+from .routing import rank_routing
 from . import packing as P
 from .tensors import current_stream_ptr, to_cupy, to_torch, torch_stream
 
@@ -275,7 +276,12 @@ class Buffer:
                 [E] torch.int: get_dispatch_layout's (needed without a handle;
                 num_experts is num_tokens_per_expert's length). Across nodes
                 cupyep's notify pass counts them again from topk_idx.
-            topk_idx: [num_tokens, num_topk] torch.int64 (needed without a handle).
+            topk_idx: [num_tokens, num_topk] torch.int64, or None: then (within a
+                node, as DeepEP) each token goes to the ranks is_token_in_rank
+                names, recv_topk_idx and recv_topk_weights are None, and the
+                expert counts are the caller's num_tokens_per_expert
+                (cupyep.deep_ep.routing.rank_routing gives cupyep's dispatch a
+                top-k of one expert per rank that routes the same rows).
             topk_weights: [num_tokens, num_topk] torch.float or None.
             expert_alignment: round each local expert's count up to a multiple.
             num_worst_tokens: > 0: receive into that many rows without a host
@@ -293,13 +299,20 @@ class Buffer:
             ints, aligned; [] in worst-token mode), handle, event. A cached
             dispatch returns (recv_x, None, None, None, None, event).
         """
-        if handle is None and topk_idx is None:
-            refuse("Buffer.dispatch(topk_idx=None) without a handle")
         if handle is not None and (topk_idx is not None or topk_weights is not None):
             raise ValueError("a cached dispatch (handle=...) takes no topk_idx or topk_weights (as DeepEP)")
         if handle is None and any(a is None for a in (num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)):
             raise ValueError("dispatch without a handle needs num_tokens_per_rank, is_token_in_rank and "
                              "num_tokens_per_expert (from get_dispatch_layout), as DeepEP")
+        by_rank = handle is None and topk_idx is None  # routed by is_token_in_rank alone
+        if by_rank:
+            if self.internode:
+                refuse("Buffer.dispatch(topk_idx=None) across nodes")
+            if topk_weights is not None:
+                raise ValueError("topk_weights needs topk_idx (as DeepEP)")
+            if num_worst_tokens > 0:
+                raise ValueError("num_worst_tokens needs topk_idx (as DeepEP: worst-token mode is a forward "
+                                 "with top-k)")
         self._check_allocation(allocate_on_comm_stream, previous_event, async_finish)
         buf = self._normal_buffer("dispatch")
         ev = event_of(previous_event)
@@ -324,15 +337,21 @@ class Buffer:
             return self._recv_x(res, fp8), None, None, None, None, overlap(res.event, async_finish)
         per_expert = to_cupy(num_tokens_per_expert, "num_tokens_per_expert")
         cfg = self._config(config, buf, None, False, "dispatch")
+        in_rank = to_cupy(is_token_in_rank, "is_token_in_rank")
         with torch_stream():
-            res = buf.dispatch(rows, to_cupy(topk_idx, "topk_idx"), to_cupy(topk_weights, "topk_weights"),
+            idx = to_cupy(topk_idx, "topk_idx") if not by_rank else \
+                rank_routing(in_rank, int(per_expert.shape[0]))
+            res = buf.dispatch(rows, idx, to_cupy(topk_weights, "topk_weights"),
                                num_experts=int(per_expert.shape[0]),
                                num_tokens_per_rank=to_cupy(num_tokens_per_rank, "num_tokens_per_rank"),
                                num_tokens_per_expert=per_expert,
-                               is_token_in_rank=to_cupy(is_token_in_rank, "is_token_in_rank"),
+                               is_token_in_rank=in_rank,
                                num_worst_tokens=num_worst_tokens, expert_alignment=expert_alignment, config=cfg,
                                previous_event=ev, async_finish=async_finish, validate=self.validate)
         counts = res.num_recv_tokens_per_expert
+        if by_rank:  # DeepEP's dispatch without top-k returns no top-k
+            return (self._recv_x(res, fp8), None, None, [] if counts is None else counts,
+                    DispatchHandle(res.handle, self.internode), overlap(res.event, async_finish))
         return (self._recv_x(res, fp8), to_torch(res.recv_topk_idx), to_torch(res.recv_topk_weights),
                 [] if counts is None else counts, DispatchHandle(res.handle, self.internode),
                 overlap(res.event, async_finish))

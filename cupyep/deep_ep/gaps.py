@@ -28,9 +28,9 @@ GAPS: dict[str, str] = {
     "Buffer.low_latency_combine(combine_wait_recv_cost_stats=...)":
         "per-source wait statistics of the combine: cupyep's low-latency combine records none "
         "(the dispatch's dispatch_wait_recv_cost_stats are supported)",
-    "Buffer.dispatch(topk_idx=None) without a handle":
-        "a dispatch routed by is_token_in_rank alone: cupyep.Buffer.dispatch needs topk_idx for a dispatch "
-        "that is not cached (pass topk_idx, or a handle for a cached dispatch)",
+    "Buffer.dispatch(topk_idx=None) across nodes":
+        "a dispatch routed by is_token_in_rank alone across nodes: cupyep's notify pass across nodes counts "
+        "from topk_idx (pass topk_idx, or a handle for a cached dispatch)",
     "Buffer.dispatch(config=...) across nodes":
         "cupyep's routes across nodes take no chunk config (they run on their own tuned sizes)",
     "Buffer.combine(config=...) across nodes":

@@ -6,7 +6,8 @@ result with cupyep.reference. x is either rank-valued (DeepEP's ``ones *
 rank``, checked block by block with the rank prefix matrix) or tagged (a
 hash of (source rank, token, column), compared bit for bit). Checked:
 the layout; BF16 and FP8 dispatch; cached dispatch; worst-token mode and its
--1 padding; combine with and without weights, and with DeepEP's bias; an explicit Config; calls on a
+-1 padding; combine with and without weights, and with DeepEP's bias; a
+dispatch routed by is_token_in_rank alone; an explicit Config; calls on a
 non-default torch stream and with previous_event / async_finish;
 low-latency dispatch and combine in DeepEP's packed layout (expert e's rows
 at [0, recv_count[e]), sources in rank order, column-major scales; the
@@ -205,6 +206,29 @@ def check_dispatch_combine(ctx, payload, async_mode=False, previous_mode=False, 
         with_bias = bf16_to_f32(bits(combined))
         diff = ref.calc_diff(with_bias, want + sum(bf16_to_f32(t) for t in terms))
         assert ctx.all(np.array_equal(bits(combined), exact) and diff < 1e-5), ("combine with bias", diff)
+
+
+def check_dispatch_without_topk(ctx):
+    """DeepEP's dispatch routed by is_token_in_rank alone: the rows of the reference dispatch of the same
+    routing, no top-k, the caller's expert counts; its combine is each token's sum over the ranks it went
+    to (DeepEP's check: combined / ranks visited == x)."""
+    from cupyep.deep_ep.routing import rank_routing
+    torch, buf, me, R = ctx.torch, ctx.buf, ctx.rank, ctx.num_ranks
+    idx, _, xs, x = _inputs(ctx, 7, "rank")
+    per_rank, _, per_expert, in_rank, _ = _layout(ctx, idx)
+    by_rank = [rank_routing(ref.get_dispatch_layout(i, E, R).is_token_in_rank, E) for i in idx]
+    mine = ref.intranode_dispatch(xs, by_rank, E)[me]
+    want_counts = ref.intranode_dispatch(xs, idx, E)[me].num_recv_tokens_per_expert
+    recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    ok = (recv_idx is None and recv_w is None and counts == want_counts
+          and np.array_equal(bits(recv_x), mine.recv_x))
+    assert ctx.all(ok), "dispatch without top-k differs (rows, counts or top-k not None)"
+    combined, combined_w, _ = buf.combine(recv_x, handle)
+    visited = bits(in_rank).sum(axis=1)
+    got, sent = bf16_to_f32(bits(combined)), visited > 0
+    ok = combined_w is None and ref.calc_diff(got[sent] / visited[sent, None], bf16_to_f32(xs[me])[sent]) < 5e-6
+    assert ctx.all(ok), "combine of a dispatch without top-k differs"
 
 
 def check_dispatch_fp8(ctx):
@@ -459,6 +483,7 @@ CHECKS = {
     "bf16 rank-valued": lambda c: check_dispatch_combine(c, "rank"),
     "bf16 async, previous_event": lambda c: check_dispatch_combine(c, "tagged", async_mode=True, previous_mode=True),
     "bf16 explicit Config": lambda c: check_dispatch_combine(c, "tagged", explicit_config=True),
+    "bf16 without top-k": check_dispatch_without_topk,
     "fp8": check_dispatch_fp8,
     "torch side stream": check_torch_stream_order,
     "low-latency bf16": lambda c: check_low_latency(c, False, False),
