@@ -78,6 +78,22 @@ def test_record_in_a_process(tmp_path):
             pass
         rec = calls.read_record(calls._record[2])
         print("AFTER", rec.rank, rec.pid == os.getpid(), rec.state, rec.current, rec.last, rec.counts, flush=True)
+
+        @calls.traced_call("Demo.sometimes")
+        def sometimes(fail):
+            if fail:
+                raise ValueError("once")
+        try:
+            sometimes(True)
+        except ValueError:
+            pass
+        print("RAISED", calls.read_record(calls._record[2]).where(), flush=True)
+        sometimes(False)  # a later call of the kind returns: its last call did not raise
+        print("RETURNED", calls.read_record(calls._record[2]).where(), flush=True)
+        try:
+            fails()
+        except KeyError:
+            pass
     """)
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, text=True, capture_output=True, timeout=60,
                          env=_env(**{calls.ENV_VAR: str(tmp_path), "PMI_RANK": "5"}))
@@ -87,10 +103,12 @@ def test_record_in_a_process(tmp_path):
     assert lines[0] == "INSIDE Demo.inner Demo.inner 1"
     assert lines[1] == ("AFTER 5 True 1 None Demo.fails "
                         "{'Demo.outer': 6, 'Demo.inner': 1, 'Demo.fails': 1}")
+    assert lines[2] == "RAISED after Demo.sometimes raised (ValueError: once), call 1 of that kind"
+    assert lines[3] == "RETURNED after Demo.sometimes, call 2 of that kind"
     (path,) = tmp_path.glob("*" + calls.SUFFIX)
     rec = calls.read_record(str(path))
     assert rec.state == calls.EXITED  # interpreter shutdown marked it
-    assert rec.where() == "after Demo.fails raised (KeyError: 'x'), call 1 of that kind"
+    assert rec.where() == "after Demo.fails raised (KeyError: 'x'), call 2 of that kind"
     assert not list(tmp_path.glob("*.tmp"))
 
 

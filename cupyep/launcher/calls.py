@@ -18,7 +18,8 @@ Record layout (native-endian int64 words, then names)::
                     (state: 1 running, 2 exited through interpreter
                     shutdown, 3 the same after an uncaught exception;
                     current / last / raised: name index + 1, 0 for none;
-                    raised: the last call that ended by an exception)
+                    raised: the kind whose latest call ended by an exception;
+                    cleared when a later call of that kind returns)
     words[8..8+N)   calls entered, per name (N = MAX_NAMES)
     then N names of NAME_BYTES bytes (UTF-8, NUL-padded)
     then ERROR_BYTES bytes: "Type: message" of the exception the raised
@@ -196,7 +197,8 @@ def traced_call(name: str):
 
     Per call (record open): saves the current call, stores this one as
     current and last, adds one to its count; on return or exception restores
-    the current call (an exception also marks the call as raised).  Without
+    the current call (an exception also marks the call as raised, until a
+    later call of the same kind returns).  Without
     an open record at decoration time the function is returned unchanged.
     """
     i = _index(name)
@@ -216,11 +218,15 @@ def traced_call(name: str):
             w[W_LAST] = tag
             w[count] += 1
             try:
-                return fn(*args, **kwargs)
+                result = fn(*args, **kwargs)
             except BaseException as exc:
                 w[W_RAISED] = tag
                 _write_error(exc)
                 raise
+            else:  # a later call of the kind that raised returned: the kind's last call did not raise
+                if w[W_RAISED] == tag:
+                    w[W_RAISED] = 0
+                return result
             finally:
                 w[W_CURRENT] = prev
 
