@@ -133,7 +133,6 @@ def test_topk_idx_t_is_torch_int64():
 @pytest.mark.parametrize("kwargs,gap", [
     (dict(allow_mnnvl=True), "Buffer(allow_mnnvl=True)"),
     (dict(use_fabric=True), "Buffer(use_fabric=True)"),
-    (dict(enable_shrink=True), "Buffer(enable_shrink=True)"),
     (dict(low_latency_mode=True, num_rdma_bytes=1, allow_nvlink_for_low_latency_mode=False),
      "Buffer(allow_nvlink_for_low_latency_mode=False)"),
 ])
@@ -240,9 +239,6 @@ def host_buffer(monkeypatch):
      "Buffer.low_latency_combine(use_logfmt=True)"),
     ("low_latency_combine", (None, None, None, None), dict(combine_wait_recv_cost_stats=np.zeros(2, np.int64)),
      "Buffer.low_latency_combine(combine_wait_recv_cost_stats=...)"),
-    ("low_latency_update_mask_buffer", (1,), {}, "Buffer.low_latency_update_mask_buffer"),
-    ("low_latency_query_mask_buffer", (np.zeros(2, np.int32),), {}, "Buffer.low_latency_query_mask_buffer"),
-    ("low_latency_clean_mask_buffer", (), {}, "Buffer.low_latency_clean_mask_buffer"),
     ("get_local_buffer_tensor", (None,), {}, "Buffer.get_local_buffer_tensor"),
     ("low_latency_dispatch", (np.zeros((2, 640), np.uint16), None, 8, 16), dict(use_ue8m0=True, round_scale=True),
      "Buffer.low_latency_dispatch(use_ue8m0=True) with hidden % 512 != 0"),
@@ -849,3 +845,32 @@ def test_a_dispatch_without_topk_goes_to_the_ranks_of_is_token_in_rank(host_buff
     with pytest.raises(NotImplementedError, match="across nodes"):
         b.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
     assert len(b.normal.calls) == calls  # nothing reached cupyep
+
+
+def test_the_mask_calls_need_shrink_mode_and_check_their_arguments(host_buffer):
+    """Without enable_shrink the mask calls are a ValueError naming the flag (DeepEP asserts it); with it,
+    a rank out of range or a mask_status of the wrong shape is a ValueError."""
+    b = host_buffer
+    b.enable_shrink = False
+    for call, args in (("low_latency_update_mask_buffer", (1, True)),
+                       ("low_latency_query_mask_buffer", (np.zeros(2, np.int32),)),
+                       ("low_latency_clean_mask_buffer", ())):
+        with pytest.raises(ValueError, match="enable_shrink=True"):
+            getattr(b, call)(*args)
+    b.enable_shrink, b._mask = True, np.zeros(2, np.int32)  # the stand-in's mask (a device array on the GPU)
+    b.low_latency_update_mask_buffer(1, True)
+    status = np.full(2, 7, np.int32)
+    b.low_latency_query_mask_buffer(status)
+    assert status.tolist() == [0, 1]
+    b.low_latency_update_mask_buffer(1)  # DeepEP's default mask=False unmasks
+    b.low_latency_query_mask_buffer(status)
+    assert status.tolist() == [0, 0]
+    b.low_latency_update_mask_buffer(0, True)
+    b.low_latency_clean_mask_buffer()
+    b.low_latency_query_mask_buffer(status)
+    assert status.tolist() == [0, 0]
+    for bad in (2, -1, True, 1.0):
+        with pytest.raises(ValueError, match="rank_to_mask"):
+            b.low_latency_update_mask_buffer(bad, True)
+    with pytest.raises(ValueError, match="mask_status"):
+        b.low_latency_query_mask_buffer(np.zeros(3, np.int32))

@@ -518,13 +518,17 @@ def test_error_phases_match_wait_sites():
     for kernel in ("low_latency_dispatch", "low_latency_combine"):
         assert "flag" in KERNELS[kernel][c["kWaitPeerFlag"]], kernel
     # The wait sites of sync.cuh: a peer's flag within the node, and across nodes a source's counts, then its
-    # messages; the combine's across nodes is in combine.cu. The send side never waits.
+    # messages (through wait_peer_geq: a bounded wait_geq, or in shrink mode a wait that masks the peer); the
+    # combine's across nodes is in combine.cu. The send side never waits.
     sync = strip_comments((jit.CUDA_SRC / "low_latency" / "sync.cuh").read_text())
     assert re.search(r"wait_until\((?:(?!wait_until).)*?kWaitPeerFlag, r\)", sync, re.S)
-    assert len(re.findall(r"wait_(until|geq)\(", sync)) == 3
-    assert "kWaitRemoteCounts, r)" in sync and "kWaitRemoteRows, r)" in sync
+    assert len(re.findall(r"\bwait_(until|geq)\(", sync)) == 2  # the flag's wait, and wait_peer_geq's bounded one
+    assert "wait_unless_masked(c, p," in sync and "atomicExch(c.mask + r, 1)" in sync
+    assert re.search(r"wait_peer_geq\([^;]*kWaitRemoteCounts, r\)", sync)
+    assert re.search(r"wait_peer_geq\([^;]*kWaitRemoteRows, r\)", sync)
     combine = strip_comments((jit.CUDA_SRC / "low_latency" / "combine.cu").read_text())
-    assert len(re.findall(r"wait_(until|geq)\(", combine)) == 2 and combine.count("kWaitRemoteReturn, r)") == 2
+    assert not re.findall(r"\bwait_(until|geq)\(", combine)
+    assert combine.count("wait_peer_geq(") == 2 and combine.count("kWaitRemoteReturn, r)") == 2
     dispatch = strip_comments((jit.CUDA_SRC / "low_latency" / "dispatch.cu").read_text())
     assert re.search(r"report_error\([^;]*kErrorBadInput, kBadExpertId", dispatch)
 

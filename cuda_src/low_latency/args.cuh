@@ -107,6 +107,7 @@ struct CallArgs {
     SetOffsets next;         // the set the next call uses: its flags are cleared here
     int64_t* kernel_time;    // [2] or null: min start / max end %globaltimer over blocks
     int64_t* trace;          // [G][kNumMarks] or null: %globaltimer of each block at each mark
+    int* mask;               // [R] or null (shrink mode off): mask[r] != 0: rank r is masked (sync.cuh)
     int num_tokens;          // T of this rank
     int hidden;
     int num_topk;

@@ -16,6 +16,10 @@
 // weight * row over the token's top-k slots, in slot order, so the result is
 // bitwise deterministic.
 //
+// Shrink mode (CallArgs::mask, sync.cuh): no row goes back to a masked owner,
+// and an owner leaves out the slots whose expert rank is masked (their rows
+// were never sent, or are not waited for).
+//
 // Packed x (CombineArgs::x_expert_rows > 0): the expert outputs arrive in
 // DeepEP's packed layout instead of the region layout; only where each row is
 // read from changes (x_row).
@@ -75,7 +79,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
         // rank's dispatch before it is done), even one I return no rows to.
         if (b == 0)
             for (int dst = threadIdx.x; dst < R; dst += blockDim.x)
-                if (is_remote(a.c, dst))
+                if (is_remote(a.c, dst) && !is_masked(a.c, dst))
                     nvshmemx_signal_op(signal_word(remote_signal(mine, a.c.cur, R, kSigCombineStart, a.c.rank)), 1,
                                        NVSHMEM_SIGNAL_ADD, dst);
 #endif
@@ -127,7 +131,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                     const int r = (int)(item / pieces), piece = (int)(item % pieces);
                     const int lo = pair_of(r);
                     const int le = lo / R, s = lo % R, q = r - prefix[lo];
-                    if (is_remote(a.c, s)) continue;  // whole rows, put below
+                    if (is_remote(a.c, s) || is_masked(a.c, s)) continue;  // remote: whole rows, put below
                     const int64_t slot = (int64_t)le * slots + (int64_t)s * a.c.capacity + q;
                     const int64_t first = (int64_t)piece * kPiece;
                     const int4* src = reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) +
@@ -153,7 +157,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
             for (int64_t r = (int64_t)b * num_warps + warp; r < prefix[P]; r += (int64_t)G * num_warps) {
                 const int lo = pair_of(r);
                 const int le = lo / R, s = lo % R, q = (int)(r - prefix[lo]);
-                if (!is_remote(a.c, s)) continue;
+                if (!is_remote(a.c, s) || is_masked(a.c, s)) continue;
                 const int64_t slot = (int64_t)le * slots + (int64_t)s * a.c.capacity + q;
                 int4* stage = local_send + slot * row_int4;
                 const int4* src = reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) +
@@ -189,8 +193,9 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
             const float wt = __ldg(a.topk_weights + tj);
             const int pos = __ldg((a.pull ? a.slot_pos : a.combine_pos) + tj);
             w = 0.f;
-            // A slot past its region (an overflow the dispatch reported) was never sent: no row.
-            if (e < 0 || e >= E || __ldg(a.slot_pos + tj) >= a.c.capacity) return nullptr;
+            // A slot past its region (an overflow the dispatch reported) was never sent: no row;
+            // nor is there one from a masked expert rank (shrink mode).
+            if (e < 0 || e >= E || __ldg(a.slot_pos + tj) >= a.c.capacity || is_masked(a.c, e / El)) return nullptr;
             w = wt;
             if (a.pull)
                 return at<int4>(a.c.peers[e / El], a.c.cur.combine_send) +
@@ -220,16 +225,21 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
         // An expert rank r of another node: its start (as a flag within the node, also with no rows for
         // me), then one row per slot of mine on its experts: that many signals.
         auto remote_rows = [&](int r) {
-            if (!wait_geq(remote_signal(mine, a.c.cur, R, kSigCombineStart, r), 1, a.c.guard, kWaitRemoteReturn, r))
+            if (!wait_peer_geq(a.c, remote_signal(mine, a.c.cur, R, kSigCombineStart, r), (int64_t)1,
+                               kWaitRemoteReturn, r))
                 return false;
             int64_t n = 0;
             for (int64_t tj = 0; tj < (int64_t)T * k; ++tj) {
                 const int e = (int)__ldg(a.topk_idx + tj);  // the rows r returns: those it received
                 n += e >= r * El && e < (r + 1) * El && __ldg(a.slot_pos + tj) < a.c.capacity;
             }
-            return wait_geq(remote_signal(mine, a.c.cur, R, kSigReturnRows, r), n, a.c.guard, kWaitRemoteReturn, r);
+            return wait_peer_geq(a.c, remote_signal(mine, a.c.cur, R, kSigReturnRows, r), n, kWaitRemoteReturn, r);
         };
         if (!wait_peer_flags(a.c, at<int>(mine, a.c.cur.combine_flag), a.c.guard, nullptr, remote_rows)) return;
+        if (a.c.mask != nullptr) {  // shrink mode: look the first slots up again, now that the mask is final
+            if (cached_t >= 0 && lane < k) lane_row = slot_row(cached_t, lane, lane_w);
+            if (cached_t >= 0 && cached_t < last_t && lane < k) next_row = slot_row(cached_t + 1, lane, next_w);
+        }
         trace_mark(a.c.trace, kMarkArrived);
         const int row_words = H / 8;
         for (int64_t item = item_begin; item < item_end; ++item) {

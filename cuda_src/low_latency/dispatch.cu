@@ -22,6 +22,8 @@
 //      and arrives on every destination's flag (sync.cuh).
 // Receive half (blocks b < num_waiters): wait for every source's flag, then
 // publish counts and stats.
+// Shrink mode (CallArgs::mask, sync.cuh): nothing is sent to a masked rank and
+// a masked source's counts are zero, so its rows are never read.
 #include <cuda_bf16.h>
 #include "common/fp8.cuh"
 #include "common/ptx.cuh"
@@ -89,6 +91,7 @@ __device__ __forceinline__ void send_item(const DispatchArgs& a, const int* own_
         if (e < 0) continue;
         const int dst = e / El, le = e % El;
         if (own_pos[tl * k + j] >= a.c.capacity) continue;  // past the region: reported, never written
+        if (is_masked(a.c, dst)) continue;                    // shrink mode: nothing goes to a masked rank
         const int64_t row = ((int64_t)le * R + a.c.rank) * a.c.capacity + own_pos[tl * k + j];
         // A rank of another node: into my staged message of (t, j), put once the block's are all written.
         char* base = is_remote(a.c, dst)
@@ -126,7 +129,7 @@ __device__ __forceinline__ void put_remote_messages(const DispatchArgs& a, const
     __syncthreads();
     for (int i = warp; i < n_own * k; i += num_warps) {  // warp-uniform: every lane takes part in the put
         const int e = own_e[i];
-        if (e < 0 || !is_remote(a.c, e / El) || own_pos[i] >= a.c.capacity) continue;
+        if (e < 0 || !is_remote(a.c, e / El) || own_pos[i] >= a.c.capacity || is_masked(a.c, e / El)) continue;
         const int t = b + (i / k) * G, j = i % k;
         const int64_t row = ((int64_t)(e % El) * R + a.c.rank) * a.c.capacity + own_pos[i];
         nvshmemx_putmem_signal_nbi_warp(at<char>(mine, a.c.cur.recv_x) + row * m.bytes,
@@ -253,7 +256,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
 #endif
         trace_mark(a.c.trace, kMarkSent);
         for (int dst = b; dst < R; dst += G) {
-            if (is_remote(a.c, dst)) continue;
+            if (is_remote(a.c, dst) || is_masked(a.c, dst)) continue;
             int* counts = at<int>(a.c.peers[dst], a.c.cur.dispatch_count);
             for (int le = threadIdx.x; le < El; le += blockDim.x)
                 counts[le * R + a.c.rank] = min(total[dst * El + le], a.c.capacity);
@@ -263,7 +266,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
         // a thread per destination puts them, fences, then signals, so they land before the signal.
         if (b == 0)
             for (int dst = threadIdx.x; dst < R; dst += blockDim.x) {
-                if (!is_remote(a.c, dst)) continue;
+                if (!is_remote(a.c, dst) || is_masked(a.c, dst)) continue;
                 int* counts = at<int>(mine, a.c.cur.dispatch_count);
                 for (int le = 0; le < El; ++le)
                     nvshmem_int_p(counts + le * R + a.c.rank, min(total[dst * El + le], a.c.capacity), dst);
@@ -288,7 +291,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
             if (threadIdx.x == 0) s_sum = 0;
             __syncthreads();
             for (int r = threadIdx.x; r < R; r += blockDim.x) {
-                const int c = ld_volatile(counts + le * R + r);
+                const int c = is_masked(a.c, r) ? 0 : ld_volatile(counts + le * R + r);  // a masked source: none
                 a.layout_count[le * R + r] = c;
                 atomicAdd(&s_sum, c);
             }

@@ -17,6 +17,17 @@
 // and the last one storing the flags, measured 2-3 us slower per call
 // (results/archive/low_latency_last_block.jsonl).
 //
+// Masked ranks (shrink mode, CallArgs::mask non-null): no rows, counts or
+// arrivals go to a masked rank, and no wait waits for one; its counts read as
+// zero and the combine leaves out the slots of its experts. A wait for a peer
+// that runs out of time masks that peer (mask[r] = 1) instead of reporting a
+// timeout, and waits for a peer that another block masked stop at once. The
+// host sets, reads and clears the mask in stream order
+// (LowLatencyBuffer.update_mask / query_mask / clean_mask); a change between a
+// dispatch and the combine of its handle is not defined. Positions do not
+// depend on the mask (they count per expert), so blocks that read it at
+// different moments still agree on every row of the ranks they send to.
+//
 // Flags are cleared one call ahead: block 0 of a call clears the flags of the
 // set the next call uses. A peer writes those flags only during the next call,
 // after it has seen this call's flag from this rank complete, which needs block
@@ -63,6 +74,40 @@ __device__ __forceinline__ void clear_next_flags(void* mine, const SetOffsets& n
 #endif
 }
 
+// Whether rank r is masked (always false outside shrink mode).
+__device__ __forceinline__ bool is_masked(const CallArgs& c, int r) {
+    return c.mask != nullptr && ld_volatile(c.mask + r) != 0;
+}
+
+// Shrink mode's wait on peer r: like wait_until, but it ends when r is masked
+// (by another block, or here: after the budget it masks r, reporting nothing).
+// Returns true when done(*p) holds, false when r is (now) masked.
+template <typename T, typename Done>
+__device__ __forceinline__ bool wait_unless_masked(const CallArgs& c, const T* p, Done&& done, int r) {
+    T v = ld_acquire_sys(p);
+    if (done(v)) return true;
+    const uint64_t start = global_timer_ns();
+    for (uint32_t iter = 1;; ++iter) {
+        v = ld_acquire_sys(p);
+        if (done(v)) return true;
+        if ((iter & 1023u) == 0) {
+            if (is_masked(c, r)) return false;
+            if (global_timer_ns() - start > c.guard.timeout_ns) {
+                atomicExch(c.mask + r, 1);
+                return false;
+            }
+        }
+    }
+}
+
+// A wait for *p >= expected from peer r: bounded (a reported timeout, false),
+// or in shrink mode until r is masked (false, nothing reported).
+template <typename T>
+__device__ __forceinline__ bool wait_peer_geq(const CallArgs& c, const T* p, T expected, int phase, int r) {
+    if (c.mask != nullptr) return !is_masked(c, r) && wait_unless_masked(c, p, [=](T v) { return v >= expected; }, r);
+    return wait_geq(p, expected, c.guard, phase, r);
+}
+
 // The value block b adds to a flag when num_blocks (<= kernels.MAX_BLOCKS) blocks arrive.
 __device__ __forceinline__ int arrival(int b, int num_blocks) { return 1 + (b == 0 ? num_blocks << 16 : 0); }
 
@@ -80,12 +125,14 @@ __device__ __forceinline__ void arrive(const CallArgs& c, int64_t flag_offset, i
     if ((int)blockIdx.x >= num_blocks) return;
     const int v = arrival(blockIdx.x, num_blocks);
     for (int dst = threadIdx.x; dst < c.num_ranks; dst += blockDim.x)
-        if (!is_remote(c, dst)) atomic_add_release_sys(at<int>(c.peers[dst], flag_offset) + c.rank, v);
+        if (!is_remote(c, dst) && !is_masked(c, dst)) atomic_add_release_sys(at<int>(c.peers[dst], flag_offset) + c.rank, v);
 }
 
 // Wait (every block) until all R peers' flags in `flags` are complete; a peer
 // on another node through remote(r) instead (bool: false after a timeout).
-// Block 0 adds the nanoseconds it waited for each peer to wait_stats.
+// Block 0 adds the nanoseconds it waited for each peer to wait_stats. In
+// shrink mode a masked peer is not waited for, a peer that runs out of time is
+// masked, and the result is true: the callers read the mask afterwards.
 template <typename Remote>
 __device__ __forceinline__ bool wait_peer_flags(const CallArgs& c, const int* flags, const Guard& guard,
                                                 int64_t* wait_stats, Remote&& remote) {
@@ -94,6 +141,12 @@ __device__ __forceinline__ bool wait_peer_flags(const CallArgs& c, const int* fl
     __syncthreads();
     for (int r = threadIdx.x; r < c.num_ranks; r += blockDim.x) {
         const uint64_t t0 = global_timer_ns();
+        if (c.mask != nullptr) {  // shrink mode: a peer that does not come is masked, not an error
+            if (is_remote(c, r)) (void)remote(r);
+            else if (!is_masked(c, r))
+                (void)wait_unless_masked(c, flags + r, [](int v) { return arrivals_complete(v); }, r);
+            continue;
+        }
         // A timeout reports (blocks arrived, blocks announced; 0 before block 0 arrived).
         if (is_remote(c, r) ? !remote(r)
                             : !wait_until(
@@ -115,11 +168,13 @@ __device__ __forceinline__ bool wait_peer_flags(const CallArgs& c, const int* fl
 __device__ __forceinline__ bool wait_remote_dispatch(const CallArgs& c, int r, const Guard& guard) {
     const int R = c.num_ranks, El = c.num_experts / R;
     void* mine = c.peers[c.rank];
-    if (!wait_geq(remote_signal(mine, c.cur, R, kSigCounts, r), 1, guard, kWaitRemoteCounts, r)) return false;
+    (void)guard;
+    if (!wait_peer_geq(c, remote_signal(mine, c.cur, R, kSigCounts, r), (int64_t)1, kWaitRemoteCounts, r))
+        return false;
     const int* counts = at<int>(mine, c.cur.dispatch_count);
     int64_t n = 0;
     for (int le = 0; le < El; ++le) n += ld_volatile(counts + le * R + r);
-    return wait_geq(remote_signal(mine, c.cur, R, kSigRows, r), n, guard, kWaitRemoteRows, r);
+    return wait_peer_geq(c, remote_signal(mine, c.cur, R, kSigRows, r), n, kWaitRemoteRows, r);
 }
 
 }  // namespace low_latency

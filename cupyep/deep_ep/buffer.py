@@ -85,8 +85,7 @@ class Buffer:
                  enable_shrink: bool = False, comm=None, *, max_tokens: int | None = None,
                  hidden: int | None = None, num_topk: int | None = None, validate: bool = False,
                  timeout_s: float | None = None) -> None:
-        for flag, gap in ((allow_mnnvl, "Buffer(allow_mnnvl=True)"), (use_fabric, "Buffer(use_fabric=True)"),
-                          (enable_shrink, "Buffer(enable_shrink=True)")):
+        for flag, gap in ((allow_mnnvl, "Buffer(allow_mnnvl=True)"), (use_fabric, "Buffer(use_fabric=True)")):
             if flag:
                 refuse(gap)
         if not allow_nvlink_for_low_latency_mode and low_latency_mode:
@@ -107,6 +106,7 @@ class Buffer:
         self.internode = g.num_nodes > 1
         self.low_latency = None
         self._ll_sizes = None
+        self._mask = None  # shrink mode: the [R] int32 mask every low-latency buffer of this Buffer uses
         self._ll_staging = None  # get_next_low_latency_combine_buffer's packed tensor
         try:
             if not allow_nvlink_for_low_latency_mode and self.internode:
@@ -180,14 +180,49 @@ class Buffer:
     def get_local_buffer_tensor(self, dtype, size=None, offset: int = 0, use_rdma_buffer: bool = False):
         refuse("Buffer.get_local_buffer_tensor")
 
+    # ------------------------------------------------------------ shrink mode (rank masking)
+    def _shrink_mask(self, what: str | None = None):
+        """The [R] int32 mask of shrink mode (made at first use), or None
+        without enable_shrink (ValueError naming ``what`` if given)."""
+        if not self.enable_shrink:
+            if what is not None:
+                raise ValueError(f"Buffer.{what} needs a Buffer made with enable_shrink=True (as DeepEP)")
+            return None
+        if self._mask is None:
+            import cupy
+            from ..low_latency.buffer import ranks_of
+            with torch_stream():
+                self._mask = cupy.zeros(ranks_of(self.cgroup)[1], dtype=np.int32)
+        return self._mask
+
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False):
-        refuse("Buffer.low_latency_update_mask_buffer")
+        """Mask (``mask=True``) or unmask ``rank_to_mask`` for the following
+        low-latency calls, on torch's current stream: nothing is sent to a
+        masked rank nor waited for from it (cupyep.LowLatencyBuffer,
+        enable_shrink). Change it between a combine and the next dispatch."""
+        m = self._shrink_mask("low_latency_update_mask_buffer")
+        if isinstance(rank_to_mask, bool) or not isinstance(rank_to_mask, (int, np.integer)) or \
+                not 0 <= rank_to_mask < m.shape[0]:
+            raise ValueError(f"rank_to_mask must be an int in [0, {m.shape[0]}), got {rank_to_mask!r}")
+        with torch_stream():
+            m[int(rank_to_mask)] = int(bool(mask))
 
     def low_latency_query_mask_buffer(self, mask_status):
-        refuse("Buffer.low_latency_query_mask_buffer")
+        """Copy the mask into ``mask_status`` ([R] torch.int, CUDA), on torch's
+        current stream: 1 for a masked rank (masked by a call or by a peer that
+        timed out)."""
+        m = self._shrink_mask("low_latency_query_mask_buffer")
+        out = to_cupy(mask_status, "mask_status")
+        if out is None or out.dtype != np.int32 or tuple(out.shape) != m.shape:
+            raise ValueError(f"mask_status must be a [{m.shape[0]}] torch.int tensor")
+        with torch_stream():
+            out[...] = m
 
     def low_latency_clean_mask_buffer(self):
-        refuse("Buffer.low_latency_clean_mask_buffer")
+        """Unmask every rank, on torch's current stream."""
+        m = self._shrink_mask("low_latency_clean_mask_buffer")
+        with torch_stream():
+            m.fill(0)
 
     def destroy(self) -> None:
         """Collective: free the buffers (needs ``explicitly_destroy=True``, as DeepEP)."""
@@ -453,7 +488,7 @@ class Buffer:
         if self.low_latency is not None:  # new sizes: the old buffer's results go with it (as DeepEP's layout)
             self.low_latency.destroy()
             self.low_latency = self._ll_staging = None
-        self.low_latency = LowLatencyBuffer(self.cgroup, *sizes, max_topk=max_topk)
+        self.low_latency = LowLatencyBuffer(self.cgroup, *sizes, max_topk=max_topk, mask=self._shrink_mask())
         self._ll_sizes = sizes
         P.load(self.cgroup)  # the packing kernels, compiled here (collective) rather than within a call
         return self.low_latency

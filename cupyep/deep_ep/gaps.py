@@ -11,15 +11,9 @@ GAPS: dict[str, str] = {
         "multi-node NVLink domains: cupyep reaches ranks of another node through NVSHMEM, never over MNNVL",
     "Buffer(use_fabric=True)":
         "fabric memory handles: cupyep shares buffers within a node through CUDA IPC handles",
-    "Buffer(enable_shrink=True)":
-        "rank masking (shrink): cupyep's low-latency kernels have no mask buffer; a peer that does not answer "
-        "is a CommTimeoutError naming it, after which the buffer must be destroyed",
     "Buffer(allow_nvlink_for_low_latency_mode=False)":
         "low-latency traffic without NVLink: within a node cupyep's low-latency kernels write through CUDA IPC "
         "(NVLink or the one shared GPU) only",
-    "Buffer.low_latency_update_mask_buffer": "rank masking: see Buffer(enable_shrink=True)",
-    "Buffer.low_latency_query_mask_buffer": "rank masking: see Buffer(enable_shrink=True)",
-    "Buffer.low_latency_clean_mask_buffer": "rank masking: see Buffer(enable_shrink=True)",
     "Buffer.get_local_buffer_tensor":
         "raw views of the communication buffer: cupyep's buffers are laid out by its own routes, and writes "
         "there would corrupt them",

@@ -10,7 +10,8 @@ NVSHMEM puts with signals (the CUPYEP_LL_NVSHMEM build of the kernels,
 ``cuda_src/low_latency/args.cuh``); the calls are the same. Kernels run on the caller's
 current stream (or on a communication stream with ``async_finish``), never
 wait on the host, and can be captured in CUDA graphs. Every wait on a peer is
-bounded by ``group.timeout_s`` and reported as ``CommTimeoutError``.
+bounded by ``group.timeout_s`` and reported as ``CommTimeoutError`` (in shrink
+mode the peer is masked instead, ``enable_shrink``).
 """
 from __future__ import annotations
 
@@ -75,6 +76,18 @@ class LowLatencyBuffer:
             every rank before launch; else the kernel's DeviceCapacityError,
             with no row past the region written). cupyep.low_latency.overflow
             splits such a call into micro-batches or falls back to normal mode.
+        enable_shrink: keep a mask of ranks ([R] int32 on the device; DeepEP's
+            shrink mode). Nothing is sent to a masked rank and nothing is
+            waited for from one: the dispatch drops the rows of its experts and
+            receives none from it, the combine leaves out the slots of its
+            experts. A peer that does not answer within ``group.timeout_s`` is
+            masked by the waiting kernel instead of raising CommTimeoutError;
+            :meth:`query_mask` tells who. The results over the remaining ranks
+            are the reference with the masked ranks' experts (and tokens)
+            dropped. Change the mask between a combine and the next dispatch,
+            never between a dispatch and the combine of its handle.
+        mask: an [R] int32 device array to use as the mask (shrink mode with a
+            mask that outlives this buffer, shared with a later one), or None.
 
     Collective: create, call and destroy it on every rank in the same order.
 
@@ -87,7 +100,7 @@ class LowLatencyBuffer:
     def __init__(self, group, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int, *,
                  max_topk: int = 16, num_blocks: int | None = None, num_waiters: int | None = None,
                  num_threads: int = K.DEFAULT_THREADS, programmatic_launch: bool | None = None,
-                 capacity: int | None = None):
+                 capacity: int | None = None, enable_shrink: bool = False, mask=None):
         import cupy
         group.require_gpu("cupyep.LowLatencyBuffer")
         # Across nodes every rank of the world takes part: ranks of my node by stores, the others by NVSHMEM puts.
@@ -122,6 +135,9 @@ class LowLatencyBuffer:
         else:
             self.buffer = SymmetricBuffer(group, self.layout.nbytes)
         self._structs = {}
+        if mask is not None:
+            mask = check(as_cupy(mask, "mask"), "mask", np.int32, shape=(R,))
+        self.mask = mask if mask is not None else cupy.zeros(R, dtype=np.int32) if enable_shrink else None
         self.comm_stream = cupy.cuda.Stream(non_blocking=True)
         self._schedule = CallSchedule()
         self._pending_hook = None
@@ -156,7 +172,8 @@ class LowLatencyBuffer:
 
     def _call_args(self, kernel: str, sets: dict, profile: dict, num_tokens: int, num_topk: int) -> dict:
         """The CallArgs fields of a call (args.cuh) but its phases, waiters and ablations."""
-        return dict(peers=self.buffer.peer_ptrs.data.ptr, **sets, **profile, num_tokens=num_tokens,
+        return dict(peers=self.buffer.peer_ptrs.data.ptr, **sets, **profile, mask=jit.ptr(self.mask),
+                    num_tokens=num_tokens,
                     hidden=self.hidden, num_topk=num_topk, num_experts=self.num_experts, num_ranks=self.num_ranks,
                     max_tokens=self.max_tokens, max_topk=self.max_topk, capacity=self.capacity, rank=self.rank,
                     ranks_per_node=self.ranks_per_node, guard=self._guard(kernel))
@@ -489,6 +506,37 @@ class LowLatencyBuffer:
 
         hook = self._run(self._combine_fn, K.COMBINE_ARGS_DTYPE, call_args, args, smem, stream, return_recv_hook)
         return LowLatencyCombineResult(out, self._finish(stream, async_finish), hook)
+
+    # ------------------------------------------------------------ shrink mode
+    @property
+    def enable_shrink(self) -> bool:
+        return self.mask is not None
+
+    def _shrink(self, what: str):
+        if self.mask is None:
+            raise ValueError(f"LowLatencyBuffer.{what} needs a buffer made with enable_shrink=True")
+        return self.mask
+
+    def update_mask(self, rank: int, masked: bool = True) -> None:
+        """Mask (or unmask) ``rank`` for the following calls, on the current stream."""
+        mask = self._shrink("update_mask")
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.num_ranks:
+            raise ValueError(f"rank must be an int in [0, {self.num_ranks}), got {rank!r}")
+        mask[int(rank)] = int(bool(masked))
+
+    def query_mask(self, out=None):
+        """[R] int32 on the device, 1 for a masked rank: a copy of the mask on
+        the current stream (into ``out``, an [R] int32 device array, if given)."""
+        mask = self._shrink("query_mask")
+        if out is None:
+            return mask.copy()
+        out = check(as_cupy(out, "out"), "out", np.int32, shape=(self.num_ranks,))
+        out[...] = mask
+        return out
+
+    def clean_mask(self) -> None:
+        """Unmask every rank, on the current stream."""
+        self._shrink("clean_mask").fill(0)
 
     # --------------------------------------------------------------- lifetime
     def synchronize(self) -> None:

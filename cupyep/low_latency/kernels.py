@@ -43,7 +43,7 @@ NUM_TRACE_SLOTS = 8
 
 SET_DTYPE = jit.struct_dtype([(n, i64) for n in FIELDS])
 CALL_DTYPE = jit.struct_dtype([
-    ("peers", u64), ("cur", SET_DTYPE), ("next", SET_DTYPE), ("kernel_time", u64), ("trace", u64),
+    ("peers", u64), ("cur", SET_DTYPE), ("next", SET_DTYPE), ("kernel_time", u64), ("trace", u64), ("mask", u64),
     ("num_tokens", i32), ("hidden", i32), ("num_topk", i32), ("num_experts", i32), ("num_ranks", i32),
     ("max_tokens", i32), ("max_topk", i32), ("capacity", i32), ("phases", i32), ("num_waiters", i32), ("rank", i32), ("ablate", i32),
     ("ranks_per_node", i32), ("guard", GUARD_DTYPE)])

@@ -20,6 +20,7 @@ Two ways to run it, the same checks:
 
     python -m cupyep.launcher.gpu_tests -k deep_ep          # mpi4py ranks (Buffer(comm=...)), 2, 4, 8
     python tests/gpu/test_deep_ep_gpu.py --ranks 4          # torch.multiprocessing.spawn, Buffer(torch group)
+    python tests/gpu/test_deep_ep_gpu.py --kill --ranks 4   # shrink mode: the last rank SIGKILLed mid-run
 
 The second starts a private MPS daemon when ranks share a GPU (as the
 launcher does) and a gloo process group; it prints one line per check.
@@ -213,7 +214,7 @@ def check_dispatch_without_topk(ctx):
     routing, no top-k, the caller's expert counts; its combine is each token's sum over the ranks it went
     to (DeepEP's check: combined / ranks visited == x)."""
     from cupyep.deep_ep.routing import rank_routing
-    torch, buf, me, R = ctx.torch, ctx.buf, ctx.rank, ctx.num_ranks
+    buf, me, R = ctx.buf, ctx.rank, ctx.num_ranks
     idx, _, xs, x = _inputs(ctx, 7, "rank")
     per_rank, _, per_expert, in_rank, _ = _layout(ctx, idx)
     by_rank = [rank_routing(ref.get_dispatch_layout(i, E, R).is_token_in_rank, E) for i in idx]
@@ -548,10 +549,100 @@ def _spawned(rank: int, num_ranks: int, init_file: str, checks: list) -> None:
         dist.destroy_process_group()
 
 
+# ------------------------------------------------------------------ shrink mode: a rank killed mid-run
+KILL_ROUNDS, KILL_AT = 4, 2  # low-latency rounds; the last rank SIGKILLs itself before round KILL_AT
+
+
+def _kill_rank(rank: int, num_ranks: int, init_file: str, out_dir: str, timeout_s: float) -> None:
+    """One rank of the kill check: DeepEP's shrink mode over gloo. The last rank kills itself (SIGKILL)
+    before round KILL_AT; from that round on, the others' first dispatch waits for it until the timeout,
+    masks it, and every result must be the reference with its experts and tokens dropped. Each survivor
+    writes its verdict to out_dir and leaves without tearing down gloo (its peer is gone)."""
+    import json
+    import signal
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=num_ranks)
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    deep_ep = deep_ep_module()
+    R, El, victim = num_ranks, E // num_ranks, num_ranks - 1
+    rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(LL_T, LL_H, R, E)
+    buf = deep_ep.Buffer(dist.group.WORLD, 0, rdma, low_latency_mode=True, num_qps_per_rank=El,
+                         explicitly_destroy=True, enable_shrink=True, timeout_s=timeout_s)
+    ctx = Ctx(buf, rank, R, torch)
+    rounds = []
+    for it in range(KILL_ROUNDS):
+        if rank == victim and it == KILL_AT:
+            os.kill(os.getpid(), signal.SIGKILL)
+        idx, w, xs = _ll_inputs(ctx, 80 + it, "tagged")
+        dropped = it >= KILL_AT
+        kept = [i.copy() for i in idx]
+        if dropped:  # the victim's experts and its tokens dropped
+            for r, i in enumerate(kept):
+                i[(i >= 0) & (i // El == victim)] = -1
+                if r == victim:
+                    i[:] = -1
+        x, topk_idx, topk_w = ctx.tensor(xs[rank]), ctx.tensor(idx[rank]), ctx.tensor(w[rank])
+        recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, topk_idx, LL_T, E, use_fp8=False)
+        torch.cuda.synchronize()
+        mine = ref.low_latency_dispatch(xs, kept, E, LL_T)[rank]
+        got, ok = bits(recv_x), np.array_equal(bits(count), mine.recv_count)
+        for e in range(El):
+            rows = np.concatenate([np.arange(s * LL_T, s * LL_T + int(mine.layout_count[e, s])) for s in range(R)])
+            ok = ok and np.array_equal(got[e, :len(rows)], mine.recv_x[e, rows])
+        y = _poison_past_count(ctx, recv_x.clone(), count)
+        combined, _, _ = buf.low_latency_combine(y, topk_idx, topk_w, handle)
+        torch.cuda.synchronize()
+        valid = kept[rank] >= 0
+        want = bf16_to_f32(xs[rank]) * (w[rank] * valid).sum(axis=1, dtype=np.float64).astype(np.float32)[:, None]
+        diff = ref.calc_diff(bf16_to_f32(bits(combined)), want)
+        rounds.append({"round": it, "dispatch": bool(ok), "combine_diff": float(diff)})
+    status = torch.zeros(R, dtype=torch.int32, device="cuda")
+    buf.low_latency_query_mask_buffer(status)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "rounds": rounds, "mask": status.cpu().tolist()}, f)
+    os._exit(0)
+
+
+def kill_check(num_ranks: int, timeout_s: float = 5.0) -> bool:
+    """Run :func:`_kill_rank` on ``num_ranks`` spawned processes; print and return the verdict: the victim
+    died by SIGKILL, every survivor finished every round equal to the reference (dispatch exactly,
+    combine within 1e-5) and its mask names the victim alone."""
+    import json
+    import tempfile
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_kill_rank, args=(r, num_ranks, os.path.join(tmp, "rendezvous"), tmp, timeout_s))
+                 for r in range(num_ranks)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=60 + 4 * timeout_s)
+        alive = [r for r, p in enumerate(procs) if p.is_alive()]
+        for r in alive:
+            procs[r].kill()
+        verdicts = {}
+        for r in range(num_ranks - 1):
+            path = os.path.join(tmp, f"rank{r}.json")
+            verdicts[r] = json.load(open(path)) if os.path.exists(path) else None
+    victim = num_ranks - 1
+    want_mask = [int(r == victim) for r in range(num_ranks)]
+    ok = not alive and procs[victim].exitcode == -9 and all(
+        v is not None and v["mask"] == want_mask and all(x["dispatch"] and x["combine_diff"] < 1e-5 for x in v["rounds"])
+        for v in verdicts.values())
+    print(f"[{num_ranks} ranks, shrink mode, rank {victim} killed before round {KILL_AT}] "
+          f"{'passed' if ok else 'FAILED'}: exit codes {[p.exitcode for p in procs]}, still running {alive}, "
+          f"survivors {json.dumps(verdicts)}", flush=True)
+    return ok
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="cupyep.deep_ep checks with ranks started by torch.multiprocessing.spawn")
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("-k", default=None, help="run the checks whose name contains this")
+    p.add_argument("--kill", action="store_true",
+                   help="instead: shrink mode with the last rank killed mid-run (kill_check)")
     args = p.parse_args(argv)
     import tempfile
     try:
@@ -566,13 +657,17 @@ def main(argv=None) -> int:
     if ndev == 0:
         print("skipped: no GPU")
         return 2
+    failed = False
     for n in args.ranks:
         with mps_daemon() if n > ndev else _nothing() as env:
             os.environ.update(env or {})
+            if args.kill:
+                failed |= not kill_check(n)
+                continue
             with tempfile.TemporaryDirectory() as tmp:
                 mp.spawn(_spawned, args=(n, os.path.join(tmp, "rendezvous"), checks), nprocs=n, join=True)
         print(f"== {n} ranks (torch.distributed): {len(checks)} checks passed", flush=True)
-    return 0
+    return 1 if failed else 0
 
 
 class _nothing:
