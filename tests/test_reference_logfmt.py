@@ -1,0 +1,91 @@
+"""cupyep.reference.logfmt: the LogFMT-10 format of combine rows (CPU)."""
+import numpy as np
+import pytest
+
+from cupyep.reference import logfmt as L
+
+
+def _rows(seed, n=16, h=512, scale=0.05):
+    rng = np.random.default_rng(seed)
+    import ml_dtypes
+    return (rng.standard_normal((n, h)) * scale).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def test_values_come_back_within_the_stated_bound_with_their_sign():
+    x = _rows(0)
+    codes, lo, hi = L.encode(x)
+    y = L.decode(codes, lo, hi)
+    assert codes.dtype == np.uint16 and int(codes.max()) < 1 << (L.CODE_BITS + 1)
+    bound = np.repeat(L.max_relative_error(lo, hi), L.GROUP, axis=1)
+    nz = x != 0
+    rel = np.abs(y[nz] - x[nz]) / np.abs(x[nz])
+    assert (rel <= bound[nz] * (1 + 1e-6)).all()
+    assert np.array_equal(np.sign(y), np.sign(x))
+    assert np.array_equal(L.roundtrip(x), y)
+
+
+def test_zeros_constant_groups_and_the_ends_of_the_range_are_exact():
+    x = np.zeros((3, 256), np.float32)
+    x[1, 7] = -0.375                      # one nonzero value in a group: hi == lo, one level
+    x[2, :128] = 2.0 ** -3                # every magnitude equal
+    x[2, 128:] = np.linspace(-1, 1, 128)
+    x[2, 200] = 0.0
+    codes, lo, hi = L.encode(x)
+    y = L.decode(codes, lo, hi)
+    assert (y[0] == 0).all() and (lo[0] == 0).all() and (hi[0] == 0).all()  # an all-zero group
+    assert y[1, 7] == -0.375 and (np.delete(y[1], 7) == 0).all()
+    assert (y[2, :128] == 2.0 ** -3).all()
+    g = x[2, 128:]
+    assert y[2, 128:][np.argmax(np.abs(g))] == np.abs(g).max() * np.sign(g[np.argmax(np.abs(g))])  # the top level
+    assert y[2, 200] == 0
+
+
+def test_a_decoded_level_encodes_to_itself():
+    x = _rows(1)
+    codes, lo, hi = L.encode(x)
+    y = L.decode(codes, lo, hi)
+    codes2, lo2, hi2 = L.encode(y)
+    assert np.array_equal(L.decode(codes2, lo2, hi2), y)
+
+
+def test_magnitudes_beyond_32_octaves_below_the_largest_go_to_zero_or_the_lowest_level():
+    x = np.zeros((1, 128), np.float32)
+    x[0, 0] = 1.0
+    x[0, 1] = 2.0 ** -40   # under the range's floor 2 ** -32: nearer zero than 2 ** -32
+    x[0, 2] = 2.0 ** -32.5  # nearer 2 ** -32 than zero
+    codes, lo, hi = L.encode(x)
+    y = L.decode(codes, lo, hi)
+    assert lo[0, 0] == -L.MAX_OCTAVES and hi[0, 0] == 0
+    assert y[0, 1] == 0 and y[0, 2] == np.float32(2.0 ** -32)
+
+
+def test_the_bound_and_the_bytes():
+    assert L.max_relative_error(0.0, 1.0) == pytest.approx(2 ** (1 / 1020) - 1)
+    assert L.max_relative_error(-32.0, 0.0) == pytest.approx(0.0220, abs=1e-4)
+    assert L.payload_bytes(2, 7168) == 2 * (7168 * 10 // 8 + 56 * 8)
+    assert L.payload_bytes(1, 7168) / (7168 * 2) == pytest.approx(0.65625)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        L.payload_bytes(1, 100)
+
+
+@pytest.mark.parametrize("bad,match", [(np.zeros((2, 100), np.float32), "multiple of 128"),
+                                       (np.zeros(128, np.float32), r"\[N, H\]"),
+                                       (np.full((1, 128), np.inf, np.float32), "finite")])
+def test_bad_rows_raise(bad, match):
+    with pytest.raises(ValueError, match=match):
+        L.encode(bad)
+
+
+def test_the_results_readme_shows_what_the_probe_prints():
+    """results/logfmt/README.md holds `probe_logfmt_accuracy.py --table` of its committed records, and the
+    records stay inside the BF16 calc_diff bound."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[1]
+    d = repo / "results" / "logfmt"
+    out = subprocess.run([sys.executable, str(repo / "experiments" / "probes" / "probe_logfmt_accuracy.py"), "--table",
+                          str(d / "accuracy.json")], capture_output=True, text=True, check=True).stdout
+    assert out.strip() in (d / "README.md").read_text()
+    assert all(r["calc_diff"] < 5e-6 for r in json.loads((d / "accuracy.json").read_text())["runs"])
