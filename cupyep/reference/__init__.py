@@ -13,6 +13,7 @@ Modules:
   deduplication) and its RDMA / NVLink bytes.
 - ``low_latency``: low-latency dispatch (one message per selection) and combine.
 - ``fp8``: per-token, per-128-channel e4m3 quantisation, UE8M0 scales.
+- ``logfmt``: LogFMT-10, a 10-bit log2 format of combine rows (encode, decode, its error bound).
 - ``metrics``: DeepEP's ``calc_diff`` similarity and BF16 rounding.
 
 Conventions: R ranks, E experts, ``E_local = E // R``; rank ``r`` owns experts
