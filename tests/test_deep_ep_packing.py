@@ -339,3 +339,39 @@ def test_buffer_returns_deepeps_packed_layout_and_combines_packed_outputs(ll_buf
     for (e, r), ps in rows.items():
         for q, p in enumerate(ps):
             assert np.array_equal(ll.combined_from[e, r * C + q], out[::-1][e, p])
+
+
+# --------------------------------------------------- the combine reading packed expert outputs in place
+def emulate_combine_x_row(counts, capacity, x_expert_rows):
+    """The low-latency combine's row of x for every received row (cuda_src/low_latency/combine.cu: the
+    exclusive prefix of the counts over pairs p = e * R + s, pair_of, x_row): {(e, s, q): row of x}."""
+    E, R = counts.shape
+    P_ = E * R
+    count = counts.reshape(-1)
+    prefix = np.concatenate([[0], np.cumsum(count)])  # prefix[p], prefix[P] = total
+    rows = {}
+    for r in range(int(prefix[P_])):
+        lo = int(np.searchsorted(prefix, r, side="right") - 1)  # the last p with prefix[p] <= r
+        le, s, q = lo // R, lo % R, r - int(prefix[lo])
+        slot = le * R * capacity + s * capacity + q
+        rows[(le, s, q)] = le * x_expert_rows + (int(prefix[lo]) - int(prefix[le * R])) + q if x_expert_rows \
+            else slot
+    return rows
+
+
+@pytest.mark.parametrize("E,R,C,T", CASES)
+def test_the_combine_reads_each_packed_row_where_deepeps_layout_puts_it(E, R, C, T):
+    """x_layout="packed": every received row (expert e, source s, q-th) is read from row
+    e * (R * T) + begin(e, s) + q, begin being DeepEP's (layout_range); the region layout reads its slot."""
+    rng = np.random.default_rng(E * 100 + R)
+    counts = rng.integers(0, C + 1, size=(E, R)).astype(np.int32)
+    deepep_rows, _ = deepep_layout(counts, T)
+    packed = emulate_combine_x_row(counts, C, R * T)
+    regions = emulate_combine_x_row(counts, C, 0)
+    assert set(packed) == {(e, s, q) for (e, s), rs in deepep_rows.items() for q in range(len(rs))}
+    for (e, s, q), row in packed.items():
+        assert row == e * R * T + deepep_rows[(e, s)][q]
+        assert regions[(e, s, q)] == (e * R + s) * C + q
+    src = (P.jit.CUDA_SRC / "low_latency" / "combine.cu").read_text()
+    assert ("return a.x_expert_rows ? (int64_t)le * a.x_expert_rows + (prefix[lo] - prefix[le * R]) + q : slot;"
+            in src)
