@@ -387,10 +387,6 @@ class _LLHandle:
 class _LowLatencyStandIn:
     def __init__(self):
         self.calls, self.hooks = [], []
-        self.combine_buffer = np.zeros((2, 16, 512), np.uint16)
-
-    def get_next_combine_buffer(self, handle):
-        return self.combine_buffer
 
     def dispatch(self, x, topk_idx, **kw):
         self.calls.append(("dispatch", kw))
@@ -404,8 +400,7 @@ class _LowLatencyStandIn:
                                         "ev" if kw["async_finish"] else None, hook)
 
     def combine(self, x, topk_idx, topk_weights, handle, **kw):
-        assert x is None  # the adapter unpacked into get_next_combine_buffer
-        self.calls.append(("combine", kw))
+        self.calls.append(("combine", dict(kw, x=x)))
         from cupyep.low_latency.results import LowLatencyCombineResult
         return LowLatencyCombineResult(np.zeros((3, 512), np.uint16), None, None)
 
@@ -431,10 +426,18 @@ def test_low_latency_calls_return_deepeps_tuples(host_buffer):
     assert b.get_next_low_latency_combine_buffer(handle) is staging
     combined, ev, no_hook = b.low_latency_combine(None, idx, np.ones((3, 2), np.float32), handle, out=out,
                                                   zero_copy=True)
-    assert combined is out and no_hook is None and ll.calls[-1][1]["zero_copy"]
-    assert ll.calls[-1][1]["pull"] is None  # cupyep's default for its zero-copy combine
-    b.low_latency_combine(np.zeros((2, 16, 512), np.uint16), idx, np.ones((3, 2), np.float32), handle)
-    assert ll.calls[-1][1]["zero_copy"] and ll.calls[-1][1]["pull"] is False  # push, as cupyep's plain combine
+    # cupyep's combine reads the staging tensor in place, in DeepEP's packed layout
+    kw = ll.calls[-1][1]
+    assert combined is out and no_hook is None and kw["x"] is staging and kw["x_layout"] == "packed"
+    assert "zero_copy" not in kw and "pull" not in kw  # cupyep's defaults: its own buffer is not involved
+    # the next zero-copy combine gets the other tensor (as DeepEP's two buffers), then the first again
+    other = b.get_next_low_latency_combine_buffer(handle)
+    assert other is not staging and other.shape == staging.shape
+    b.low_latency_combine(None, idx, np.ones((3, 2), np.float32), handle, zero_copy=True)
+    assert ll.calls[-1][1]["x"] is other and b.get_next_low_latency_combine_buffer(handle) is staging
+    y = np.zeros((2, 16, 512), np.uint16)
+    b.low_latency_combine(y, idx, np.ones((3, 2), np.float32), handle)
+    assert ll.calls[-1][1]["x"] is y and ll.calls[-1][1]["x_layout"] == "packed"
     with pytest.raises(ValueError, match="low_latency_mode"):
         b.low_latency_mode = False
         b.low_latency_dispatch(x, idx, 16, 4)

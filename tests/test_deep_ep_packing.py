@@ -9,9 +9,10 @@ the counts of the sources before r), and FP8 scales are the transpose of a
 contiguous ``[E_local, S, R * T]`` array. cupyep keeps the same rows at
 ``[r * C, r * C + count)`` of ``R * C`` region rows.
 
-The NumPy paths of pack_dispatch / unpack_combine are checked against that
-definition, and so is a line-by-line emulation of the two kernels' index
-and byte arithmetic (the GPU runs are in tests/gpu/test_deep_ep_gpu.py).
+The NumPy path of pack_dispatch is checked against that definition, and so
+are a line-by-line emulation of the packing kernel's index and byte
+arithmetic and of the low-latency combine's row of a packed x (the GPU runs
+are in tests/gpu/test_deep_ep_gpu.py and tests/gpu/test_low_latency_gpu.py).
 """
 import contextlib
 
@@ -128,33 +129,6 @@ def test_pack_gives_deepeps_rows_scales_and_src_info(E, R, C, T, kind):
                 assert np.array_equal(px[e, p], recv_x[e, r * C + q])
 
 
-@pytest.mark.parametrize("E,R,C,T", CASES)
-def test_unpack_fills_only_the_valid_region_rows_and_inverts_pack(E, R, C, T):
-    rng = np.random.default_rng(7 + E + R)
-    H = 256
-    counts = random_counts(rng, E, R, C, empty_experts=(0,) if E > 1 else ())
-    packed = rng.integers(0, 1 << 16, size=(E, R * T, H), dtype=np.uint16)
-    sentinel = np.uint16(0xABCD)
-    dst = np.full((E, R * C, H), sentinel, np.uint16)
-    P.unpack_combine(packed, counts, C, dst)
-    for e in range(E):
-        begin = 0
-        for r in range(R):
-            n = int(counts[e, r])
-            assert np.array_equal(dst[e, r * C:r * C + n], packed[e, begin:begin + n])
-            assert (dst[e, r * C + n:(r + 1) * C] == sentinel).all()  # rows past the count are not written
-            begin += n
-    # pack(unpack(x)) gives back the valid packed rows
-    src = np.zeros((E, R * C), np.int32)
-    out = P.packed_outputs(dst, None, R, T)
-    P.pack_dispatch(dst, None, src, counts, C, out)
-    for e in range(E):
-        n = int(counts[e].sum())
-        assert np.array_equal(out[0][e, :n], packed[e, :n])
-    with pytest.raises(ValueError, match="x must be"):
-        P.unpack_combine(packed[:, :, :128], counts, C, dst)
-
-
 # --------------------------------------------------- the kernels' arithmetic
 def emulate_pack_kernel(msgs, x_off, s_off, tag_off, expert_stride, row_stride, row_bytes, scale_words,
                         counts, R, C, packed_rows, dst_x, dst_scales, dst_src, ranges):
@@ -184,20 +158,6 @@ def emulate_pack_kernel(msgs, x_off, s_off, tag_off, expert_stride, row_stride, 
                 for j in range(scale_words):
                     dst_scales[base + j * packed_rows] = words[j]
             dst_src[p] = msgs[tag_off + src_off:tag_off + src_off + 4].view(np.int32)[0]
-
-
-def emulate_unpack_kernel(src, packed_rows, dst, expert_stride, row_stride, row_bytes, counts, R, C):
-    E = counts.shape[0]
-    flat_counts = counts.reshape(-1)
-    for e in range(E):
-        for i in range(R * C):
-            r, q = i // C, i - (i // C) * C
-            if q >= flat_counts[e * R + r]:
-                continue
-            prefix = int(sum(flat_counts[e * R + j] for j in range(r)))
-            p = e * packed_rows + prefix + q
-            d = e * expert_stride + i * row_stride
-            dst[d:d + row_bytes] = src[p * row_bytes:(p + 1) * row_bytes]
 
 
 @pytest.mark.parametrize("E,R,C,T", [(2, 3, 2, 4), (3, 2, 3, 3), (1, 35, 1, 2)])
@@ -233,16 +193,6 @@ def test_the_kernels_index_and_byte_arithmetic_is_deepeps(E, R, C, T, kind):
     assert np.array_equal(dst_src.reshape(E, R * T), want[2])
     if fp8:  # the kernel's word buffer is the C-contiguous [E, S, R * T] array the scales transpose
         assert np.array_equal(dst_s.reshape(E, S, R * T), want[1].transpose(0, 2, 1).view(np.uint32))
-    # unpack into a strided region buffer (as the combine buffer is)
-    packed = rng.integers(0, 1 << 16, size=(E, R * T, H), dtype=np.uint16)
-    region_stride = 2 * H + 32
-    region = np.zeros(E * R * C * region_stride, np.uint8)
-    emulate_unpack_kernel(packed.view(np.uint8).reshape(-1), R * T, region, R * C * region_stride, region_stride,
-                          2 * H, counts, R, C)
-    got = region.reshape(E, R * C, region_stride)[:, :, :2 * H].copy().view(np.uint16)
-    want_region = np.zeros((E, R * C, H), np.uint16)
-    P.unpack_combine(packed, counts, C, want_region)
-    assert np.array_equal(got, want_region)
 
 
 def test_the_kernel_source_matches_the_emulation():
@@ -255,7 +205,6 @@ def test_the_kernel_source_matches_the_emulation():
                  "const int64_t src_off = e * expert_stride + i * row_stride;",
                  "uint32_t* d = dst_scales + (int64_t)e * scale_words * packed_rows + prefix + q;",
                  "d[(int64_t)j * packed_rows] = s[j];",
-                 "reinterpret_cast<int4*>(dst + e * expert_stride + i * row_stride), row_bytes / 16);",
                  "for (int j = threadIdx.x; j < r; j += 32) s += count_e[j];"):
         assert line in src, line
     assert P.THREADS == 256 and "constexpr int kThreads = 256;" in src
@@ -278,7 +227,6 @@ class _StandIn:
         self.E, self.R, self.C, self.T, self.H = E, R, C, T, H
         self.counts = random_counts(rng, E, R, C, empty_experts=(0,))
         self.msgs, _, self.recv_x, self.scales, self.src = region_dispatch(rng, E, R, C, H, True)
-        self.combine_buffer = np.zeros((E, R * C, H), np.uint16)
         self.combined_from = None
 
     def dispatch(self, x, topk_idx, **kw):
@@ -286,13 +234,14 @@ class _StandIn:
         h = _Handle(self.counts, self.src, self.C, self.T, self.H, self)
         return LowLatencyDispatchResult(self.recv_x, self.scales, self.counts.sum(1).astype(np.int32), h)
 
-    def get_next_combine_buffer(self, handle):
-        return self.combine_buffer
-
     def combine(self, x, topk_idx, topk_weights, handle, **kw):
+        """Records the rows the kernel would read, by region slot (x_row of combine.cu on a packed x)."""
         from cupyep.low_latency.results import LowLatencyCombineResult
-        assert x is None and kw["zero_copy"]
-        self.combined_from = self.combine_buffer.copy()
+        assert kw["x_layout"] == "packed" and x.shape == (self.E, self.R * self.T, self.H)
+        self.combined_from = np.zeros((self.E, self.R * self.C, self.H), np.uint16)
+        rows = emulate_combine_x_row(self.counts, self.C, self.R * self.T)
+        for (e, s, q), row in rows.items():
+            self.combined_from[e, s * self.C + q] = x.reshape(-1, self.H)[row]
         return LowLatencyCombineResult(np.zeros((3, self.H), np.uint16))
 
 
@@ -325,13 +274,13 @@ def test_buffer_returns_deepeps_packed_layout_and_combines_packed_outputs(ll_buf
                                                           for r in range(R)]))
         assert np.array_equal(handle[0][e, :n], np.concatenate([ll.src[e, r * C:r * C + ll.counts[e, r]]
                                                                 for r in range(R)]))
-    # combine: packed outputs land in the region rows of the combine buffer
+    # combine: the kernel reads each packed row for its region slot
     out = np.random.default_rng(1).integers(0, 1 << 16, size=(E, R * T, H), dtype=np.uint16)
     b.low_latency_combine(out, idx, np.ones((3, 2), np.float32), handle)
     for (e, r), ps in rows.items():
         for q, p in enumerate(ps):
             assert np.array_equal(ll.combined_from[e, r * C + q], out[e, p])
-    # zero copy: written into the staging tensor, unpacked at combine time
+    # zero copy: written into the staging tensor, read in place
     staging = b.get_next_low_latency_combine_buffer(handle)
     assert staging.shape == (E, R * T, H)
     staging[...] = out[::-1]

@@ -7,11 +7,12 @@
 // source; here in rank order, so source r's rows begin at
 // prefix[e][r] = count[e][0] + ... + count[e][r - 1].
 //
-// Both kernels run one block per region row (grid R * C by E_local): a block
+// The kernel runs one block per region row (grid R * C by E_local): a block
 // whose row is past its (expert, source) count returns at once, the others
 // copy one row with 16-byte loads and stores. The prefix is summed by warp 0
 // of each copying block, from the counts on the device: no host sync, so the
-// kernels can be captured in a CUDA graph.
+// kernel can be captured in a CUDA graph. (The combine reads packed rows in
+// place: cuda_src/low_latency/combine.cu, x_row.)
 #include "common/types.cuh"
 
 namespace cupyep {
@@ -82,23 +83,6 @@ __global__ void __launch_bounds__(kThreads) pack_rows(
         for (int j = threadIdx.x; j < scale_words; j += kThreads) d[(int64_t)j * packed_rows] = s[j];
     }
     if (threadIdx.x == 0) dst_src[p] = *reinterpret_cast<const int*>(src_tag + src_off);
-}
-
-// Packed layout -> region layout (combine input).
-//
-//   src: [E_local][packed_rows][row_bytes] bytes, C-contiguous
-//   dst: row (e, i) at dst + e * expert_stride + i * row_stride (bytes)
-__global__ void __launch_bounds__(kThreads) unpack_rows(
-    const uint8_t* __restrict__ src, int packed_rows, uint8_t* __restrict__ dst, int64_t expert_stride,
-    int64_t row_stride, int row_bytes, const int* __restrict__ layout_count, int num_ranks, int capacity) {
-    const int e = blockIdx.y, i = blockIdx.x;
-    const int r = i / capacity, q = i - r * capacity;
-    const int* count_e = layout_count + (int64_t)e * num_ranks;
-    if (q >= count_e[r]) return;
-    const int prefix = source_prefix(count_e, r);
-    const int64_t p = (int64_t)e * packed_rows + prefix + q;
-    copy_row(reinterpret_cast<const int4*>(src + p * row_bytes),
-             reinterpret_cast<int4*>(dst + e * expert_stride + i * row_stride), row_bytes / 16);
 }
 
 }  // namespace deep_ep

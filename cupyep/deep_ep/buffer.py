@@ -107,7 +107,7 @@ class Buffer:
         self.low_latency = None
         self._ll_sizes = None
         self._mask = None  # shrink mode: the [R] int32 mask every low-latency buffer of this Buffer uses
-        self._ll_staging = None  # get_next_low_latency_combine_buffer's packed tensor
+        self._ll_staging, self._ll_next = None, 0  # get_next_low_latency_combine_buffer's two packed tensors
         try:
             if not allow_nvlink_for_low_latency_mode and self.internode:
                 refuse("Buffer(allow_nvlink_for_low_latency_mode=False)")
@@ -590,13 +590,11 @@ class Buffer:
             zero_copy, async_finish, return_recv_hook: as DeepEP.
             out: [num_tokens, hidden] torch.bfloat16 to write into (returned).
 
-        The packed rows are first copied into cupyep's combine buffer in its
-        region layout (one kernel, only the valid rows: cupyep.deep_ep.packing;
-        on torch's current stream, or with async_finish and without zero_copy
-        on the communication stream after it); cupyep's combine then reads
-        them from there, as its zero-copy combine (pushing the rows unless
-        zero_copy, which keeps cupyep's default), so either way they are
-        copied once.
+        cupyep's combine reads the packed rows in place (LowLatencyBuffer.combine
+        with x_layout="packed": each row from where DeepEP's layout puts it,
+        found from the counts the kernel scans anyway) and sends them; nothing
+        is copied first. With async_finish it reads x (or, with zero_copy, the
+        tensor get_next_low_latency_combine_buffer gave) until the event.
 
         Returns:
             combined_x [num_tokens, hidden] torch.bfloat16, event, hook.
@@ -612,23 +610,17 @@ class Buffer:
                 raise ValueError("low_latency_combine(zero_copy=True) reads the tensor of "
                                  "get_next_low_latency_combine_buffer(handle); call it first and write the expert "
                                  "outputs there")
-            rows = self._ll_staging[0]
+            rows = self._ll_staging[self._ll_next][0]
+            self._ll_next ^= 1  # the next zero-copy combine reads the other tensor (as DeepEP's two buffers)
         elif x is None:
             raise ValueError("low_latency_combine needs x, the [E_local, R * T, hidden] expert outputs in the "
                              "dispatch's packed layout (x may be None only with zero_copy=True)")
         else:
             rows = to_cupy(x, "x")
         with torch_stream():
-            dst = ll.get_next_combine_buffer(native)
-            # Without zero_copy the copy runs where the combine will (the communication stream with
-            # async_finish, after torch's), ordered like the copy cupyep's combine would make itself; with
-            # zero_copy it reads the tensor the caller wrote on torch's stream, so it runs there.
-            with _after_current(ll) if async_finish and not zero_copy and not isinstance(dst, np.ndarray) \
-                    else _nullcontext():
-                P.unpack_combine(rows, native.layout_count, native.capacity, dst)
-            res = ll.combine(None, to_cupy(topk_idx, "topk_idx"), to_cupy(topk_weights, "topk_weights"), native,
-                             zero_copy=True, pull=None if zero_copy else False, async_finish=async_finish,
-                             return_recv_hook=return_recv_hook, out=to_cupy(out, "out"), validate=self.validate)
+            res = ll.combine(rows, to_cupy(topk_idx, "topk_idx"), to_cupy(topk_weights, "topk_weights"), native,
+                             x_layout="packed", async_finish=async_finish, return_recv_hook=return_recv_hook,
+                             out=to_cupy(out, "out"), validate=self.validate)
         combined = out if out is not None else to_torch(res.combined_x, "bf16")
         extra = (x, topk_idx, topk_weights, combined) if async_finish else None
         return combined, overlap(res.event, async_finish, extra), _hook(res.hook)
@@ -636,12 +628,13 @@ class Buffer:
     def get_next_low_latency_combine_buffer(self, handle):
         """[E_local, R * T, hidden] torch.bfloat16, contiguous: where to write
         the expert outputs, in the dispatch's packed layout, for the next
-        ``low_latency_combine(..., zero_copy=True)``. Unlike DeepEP's, it is not
-        the communication buffer itself but one tensor per Buffer and sizes
-        (E_local * R * T * hidden * 2 bytes from CuPy's memory pool, made at the
-        first call) whose valid rows the combine copies into cupyep's zero-copy
-        buffer: one copy of the received rows. Writes to it on torch's current
-        stream after a combine returns do not disturb that combine."""
+        ``low_latency_combine(..., zero_copy=True)``, which reads them in place.
+        As DeepEP's, two such tensors alternate: the one given here belongs to
+        the next zero-copy combine, the other to the one before, which may
+        still be reading it (async_finish). Unlike DeepEP's they are not the
+        communication buffer but two tensors per Buffer and sizes (each
+        E_local * R * T * hidden * 2 bytes from CuPy's memory pool, made at the
+        first call)."""
         native = native_handle(handle, "get_next_low_latency_combine_buffer")
         self._low_latency_of(native, "get_next_low_latency_combine_buffer")
         if self._ll_staging is None:
@@ -649,9 +642,9 @@ class Buffer:
             from ..arrays import xp_of
             xp = xp_of(native.layout_count)
             with torch_stream():
-                staging = xp.empty((El, R * native.max_tokens, native.hidden), dtype=np.uint16)
-            self._ll_staging = staging, to_torch(staging, "bf16")
-        return self._ll_staging[1]
+                pair = [xp.empty((El, R * native.max_tokens, native.hidden), dtype=np.uint16) for _ in range(2)]
+            self._ll_staging, self._ll_next = [(a, to_torch(a, "bf16")) for a in pair], 0
+        return self._ll_staging[self._ll_next][1]
 
     def _low_latency_of(self, native, what: str):
         if self.low_latency is None or native.buffer_id != id(self.low_latency):
@@ -663,13 +656,6 @@ class Buffer:
 def _nullcontext():
     import contextlib
     return contextlib.nullcontext()
-
-
-def _after_current(ll):
-    """The context of ``ll``'s communication stream, made to wait for CuPy's current stream first."""
-    import cupy
-    ll.comm_stream.wait_event(_record(cupy.cuda.get_current_stream()))
-    return ll.comm_stream
 
 
 def _record(stream):

@@ -15,14 +15,15 @@ same on every run. FP8 scales are DeepEP's column-major tensor: allocated
 (``S = H / 128`` float32 scales, or ``H / 512`` int32 words of four UE8M0
 exponents).
 
-:func:`pack_dispatch` copies one dispatch's received rows into that layout,
-and :func:`unpack_combine` copies packed expert outputs back into the region
-layout that cupyep's combine reads. On CuPy arrays they launch the kernels of
-``cuda_src/deep_ep/pack.cu`` (one block per region row; blocks past a
-region's count return at once; only valid rows are copied, 16 bytes at a
-time; the packed positions are summed on the device, so nothing waits on the
-host and both can be captured in a CUDA graph). On NumPy arrays they run the
-same index mapping with NumPy (:func:`row_map`), for CPU tests.
+:func:`pack_dispatch` copies one dispatch's received rows into that layout.
+On CuPy arrays it launches the kernel of ``cuda_src/deep_ep/pack.cu`` (one
+block per region row; blocks past a region's count return at once; only
+valid rows are copied, 16 bytes at a time; the packed positions are summed
+on the device, so nothing waits on the host and it can be captured in a CUDA
+graph). On NumPy arrays it runs the same index mapping with NumPy
+(:func:`row_map`), for CPU tests. The combine needs no copy back: cupyep's
+low-latency combine reads packed expert outputs in place
+(``LowLatencyBuffer.combine(x_layout="packed")``).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from .. import jit
 from ..arrays import xp_of
 
 PACK_SPEC = jit.KernelSpec(name="deep_ep_pack", source="deep_ep/pack.cu",
-                           kernels=("cupyep::deep_ep::pack_rows", "cupyep::deep_ep::unpack_rows"))
+                           kernels=("cupyep::deep_ep::pack_rows",))
 THREADS = 256  # kThreads of pack.cu
 
 
@@ -178,35 +179,3 @@ def pack_dispatch(recv_x, recv_x_scales, recv_src, layout_count, capacity: int, 
         _ptr(x), np.uint64(0 if scales is None else scales.data.ptr), _ptr(src_info), _ptr(ranges)))
 
 
-def unpack_combine(x, layout_count, capacity: int, dst) -> None:
-    """Copy packed expert outputs into the region layout (on the current
-    stream; NumPy arrays: with NumPy). Only the valid rows are copied.
-
-    Arguments:
-        x: [E_local, R * T, H] uint16 (BF16 bits), C-contiguous, 16-byte aligned:
-            expert e's rows at [0, recv_count[e]), source after source in rank order.
-        layout_count: [E_local, R] int32, the dispatch's rows of each (expert, source).
-        capacity: C, rows of each region.
-        dst: [E_local, R * C, H] uint16, rows contiguous on 16-byte strides
-            (LowLatencyBuffer.get_next_combine_buffer, or a region-layout array).
-    """
-    E, RC, H = dst.shape
-    R = layout_count.shape[1]
-    if x.ndim != 3 or x.shape[0] != E or x.shape[2] != H or x.shape[1] < RC or x.dtype != dst.dtype:
-        raise ValueError(f"x must be [{E}, R * T >= {RC}, {H}] {dst.dtype}, got {list(x.shape)} {x.dtype}")
-    if xp_of(x) is np:
-        e, region, packed = row_map(layout_count, capacity)
-        dst[e, region] = x[e, packed]
-        return
-    _check_counts(layout_count, E)
-    if not x.flags.c_contiguous or x.data.ptr % 16:
-        raise ValueError("x must be C-contiguous and 16-byte aligned")
-    st, row_bytes = dst.strides, H * dst.dtype.itemsize
-    if st[2] != dst.dtype.itemsize or st[1] % 16 or st[0] % 16 or dst.data.ptr % 16 or row_bytes % 16:
-        raise ValueError(f"dst must have contiguous rows of a multiple of 16 bytes on 16-byte strides; its "
-                         f"strides are {st}")
-    if E == 0 or RC == 0:
-        return
-    fn = load()["cupyep::deep_ep::unpack_rows"]
-    fn((RC, E), (THREADS,), (_ptr(x), np.int32(x.shape[1]), _ptr(dst), np.int64(st[0]), np.int64(st[1]),
-                             np.int32(row_bytes), _ptr(layout_count), np.int32(R), np.int32(capacity)))

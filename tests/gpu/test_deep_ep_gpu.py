@@ -414,7 +414,7 @@ def _raw(a: np.ndarray) -> np.ndarray:
 def check_packing_kernels(ctx=None):
     """cuda_src/deep_ep/pack.cu against the NumPy mapping of
     cupyep.deep_ep.packing, on strided region views (as the dispatch's) with
-    C < T and empty experts, BF16 / FP8 / UE8M0; then both kernels inside a
+    C < T and empty experts, BF16 / FP8 / UE8M0; then the kernel inside a
     CUDA graph capture (no host sync), replayed."""
     import cupy
     from cupyep.deep_ep import packing as P
@@ -450,12 +450,8 @@ def check_packing_kernels(ctx=None):
                 if name != "range" else np.array_equal(g, w)
             if not ok:
                 bad.append((kind, name))
-    # unpack into strided rows, and both kernels captured in a CUDA graph
-    x_host = rng.integers(0, 1 << 16, size=(El, R * T, Hk), dtype=np.uint16)
-    want = np.zeros((El, R * C, Hk + 64), np.uint16)
-    P.unpack_combine(x_host, counts, C, want[:, :, :Hk])
-    x, dcounts = cupy.asarray(x_host), cupy.asarray(counts)
-    dst = cupy.zeros((El, R * C, Hk + 64), np.uint16)
+    # the kernel captured in a CUDA graph and replayed
+    dcounts = cupy.asarray(counts)
     src_msgs = cupy.asarray(rng.integers(0, 256, size=(El, R * C, 2 * Hk + 16), dtype=np.uint8))
     src_x, src_tag = _strided(src_msgs, 0, 2 * Hk, np.uint16), _strided(src_msgs, 2 * Hk, 4, np.int32)[:, :, 0]
     packed = P.packed_outputs(src_x, None, R, T)
@@ -463,13 +459,10 @@ def check_packing_kernels(ctx=None):
     with stream:
         P.load()
         stream.begin_capture()
-        P.unpack_combine(x, dcounts, C, dst[:, :, :Hk])
         P.pack_dispatch(src_x, None, src_tag, dcounts, C, packed)
         graph = stream.end_capture()
         graph.launch()
     stream.synchronize()
-    if not np.array_equal(cupy.asnumpy(dst), want):
-        bad.append(("graph", "unpack"))
     want_packed = P.packed_outputs(cupy.asnumpy(src_x), None, R, T)
     P.pack_dispatch(cupy.asnumpy(src_x), None, cupy.asnumpy(src_tag), counts, C, want_packed)
     got_x = cupy.asnumpy(packed[0])
