@@ -560,3 +560,21 @@ def test_return_position_matches_loops(num_ranks, num_experts, num_topk):
 def test_return_position_rejects_bad_sizes():
     with pytest.raises(ValueError, match="multiple of num_ranks"):
         ref.low_latency.return_position(np.zeros((1, 1), np.int64), 10, 3)
+
+
+def test_without_ranks_is_shrink_modes_routing():
+    """reference.low_latency.without_ranks: the masked ranks' experts dropped on every rank, a masked rank
+    sending nothing, the others' slots untouched."""
+    from cupyep.reference.low_latency import without_ranks
+    # E = 6 over R = 3: rank 2 owns experts 4 and 5
+    idx = [np.array([[0, 5], [3, -1]]), np.array([[4, 1], [2, 3]]), np.array([[4, 5], [0, 1]])]
+    kept = without_ranks(idx, [2], 6)
+    assert [k.tolist() for k in kept] == [[[0, -1], [3, -1]], [[-1, 1], [2, 3]], [[-1, -1], [-1, -1]]]
+    assert all(k.dtype == np.int64 for k in kept) and idx[0].tolist() == [[0, 5], [3, -1]]  # inputs untouched
+    assert [k.tolist() for k in without_ranks(idx, [], 6)] == [i.tolist() for i in idx]
+    assert [k.tolist() for k in without_ranks(idx, [0, 2], 6)] == [[[-1, -1], [-1, -1]], [[-1, -1], [2, 3]],
+                                                                  [[-1, -1], [-1, -1]]]
+    with pytest.raises(ValueError, match="multiple"):
+        without_ranks(idx, [0], 7)
+    with pytest.raises(ValueError, match="not all in"):
+        without_ranks(idx, [3], 6)

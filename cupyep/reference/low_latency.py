@@ -27,7 +27,7 @@ import numpy as np
 from .layout import validate_rank_inputs
 
 __all__ = ["LowLatencyDispatchResult", "low_latency_dispatch", "low_latency_combine", "return_position",
-           "slot_in_region"]
+           "slot_in_region", "without_ranks"]
 
 
 @dataclass(frozen=True)
@@ -292,3 +292,32 @@ def low_latency_combine(
                 acc[tokens] += values
         combined.append(acc.astype(np.float32))
     return combined
+
+
+def without_ranks(topk_idx: Sequence[np.ndarray], masked, num_experts: int) -> List[np.ndarray]:
+    """Every rank's routing as shrink mode runs it with the ranks ``masked``
+    left out (cupyep.LowLatencyBuffer(enable_shrink=True)): the slots of their
+    experts become -1 on every rank, and a masked rank sends nothing (all its
+    slots -1). The dispatch and combine of the other ranks then equal
+    :func:`low_latency_dispatch` and :func:`low_latency_combine` of this routing.
+
+    Arguments:
+        topk_idx: list over ranks of [T_r, k] int64 (-1 for none).
+        masked: the masked ranks (an iterable of ints).
+        num_experts: E, a multiple of the number of ranks.
+    """
+    R = len(topk_idx)
+    if num_experts % R:
+        raise ValueError(f"num_experts={num_experts} is not a multiple of the {R} ranks")
+    El, masked = num_experts // R, {int(r) for r in masked}
+    if not masked <= set(range(R)):
+        raise ValueError(f"masked ranks {sorted(masked)} are not all in [0, {R})")
+    out = []
+    for r, idx in enumerate(topk_idx):
+        idx = np.array(idx, dtype=np.int64, copy=True)
+        if r in masked:
+            idx[:] = -1
+        else:
+            idx[(idx >= 0) & np.isin(idx // El, sorted(masked))] = -1
+        out.append(idx)
+    return out

@@ -569,12 +569,7 @@ def _kill_rank(rank: int, num_ranks: int, init_file: str, out_dir: str, timeout_
             os.kill(os.getpid(), signal.SIGKILL)
         idx, w, xs = _ll_inputs(ctx, 80 + it, "tagged")
         dropped = it >= KILL_AT
-        kept = [i.copy() for i in idx]
-        if dropped:  # the victim's experts and its tokens dropped
-            for r, i in enumerate(kept):
-                i[(i >= 0) & (i // El == victim)] = -1
-                if r == victim:
-                    i[:] = -1
+        kept = ref.low_latency.without_ranks(idx, [victim] if dropped else [], E)  # its experts and tokens out
         x, topk_idx, topk_w = ctx.tensor(xs[rank]), ctx.tensor(idx[rank]), ctx.tensor(w[rank])
         recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, topk_idx, LL_T, E, use_fp8=False)
         torch.cuda.synchronize()

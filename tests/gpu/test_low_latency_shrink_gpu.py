@@ -26,18 +26,6 @@ def _nvshmem_across_nodes(request, group):
         request.getfixturevalue("nvshmem_session")
 
 
-def _without(idx, victim: int, El: int):
-    """Every rank's routing with the victim's experts dropped and the victim sending nothing."""
-    out = []
-    for r, i in enumerate(idx):
-        i = i.copy()
-        i[(i >= 0) & (i // El == victim)] = -1
-        if r == victim:
-            i[:] = -1
-        out.append(i)
-    return out
-
-
 def _survivor_checks(group, buf, victim, seed):
     """Dispatch and combine on every rank but the victim; returns whether they match the reference."""
     import cupy
@@ -45,7 +33,7 @@ def _survivor_checks(group, buf, victim, seed):
     El = E // R
     idx, w = global_routing(seed, [MAX_TOKENS] * R, E, K)
     xs = [payload_bf16(r, np.arange(MAX_TOKENS), H) for r in range(R)]
-    kept = _without(idx, victim, El)
+    kept = ref.low_latency.without_ranks(idx, [victim], E)
     mine = ref.low_latency_dispatch(xs, kept, E, MAX_TOKENS)[me]
     res = buf.dispatch(cupy.asarray(xs[me]), cupy.asarray(idx[me]), use_fp8=False)
     counts = res.handle.layout_count.get()
