@@ -24,7 +24,10 @@
 // timeout, and waits for a peer that another block masked stop at once. The
 // host sets, reads and clears the mask in stream order
 // (LowLatencyBuffer.update_mask / query_mask / clean_mask); a change between a
-// dispatch and the combine of its handle is not defined. Positions do not
+// dispatch and the combine of its handle is not defined, and so is unmasking
+// a rank that was masked by a timeout while the ranks are not in step (its
+// late arrivals may land on flags already cleared): make a new buffer then.
+// Positions do not
 // depend on the mask (they count per expert), so blocks that read it at
 // different moments still agree on every row of the ranks they send to.
 //
@@ -145,6 +148,9 @@ __device__ __forceinline__ bool wait_peer_flags(const CallArgs& c, const int* fl
             if (is_remote(c, r)) (void)remote(r);
             else if (!is_masked(c, r))
                 (void)wait_unless_masked(c, flags + r, [](int v) { return arrivals_complete(v); }, r);
+            if (wait_stats && blockIdx.x == 0)
+                atomicAdd(reinterpret_cast<unsigned long long*>(wait_stats + r),
+                          (unsigned long long)(global_timer_ns() - t0));
             continue;
         }
         // A timeout reports (blocks arrived, blocks announced; 0 before block 0 arrived).
