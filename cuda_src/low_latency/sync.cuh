@@ -27,9 +27,9 @@
 // dispatch and the combine of its handle is not defined, and so is unmasking
 // a rank that was masked by a timeout while the ranks are not in step (its
 // late arrivals may land on flags already cleared): make a new buffer then.
-// Positions do not
-// depend on the mask (they count per expert), so blocks that read it at
-// different moments still agree on every row of the ranks they send to.
+// Positions do not depend on the mask (they count per expert), so blocks that
+// read it at different moments still agree on every row of the ranks they
+// send to.
 //
 // Flags are cleared one call ahead: block 0 of a call clears the flags of the
 // set the next call uses. A peer writes those flags only during the next call,
