@@ -7,6 +7,7 @@ of every call (return tuples, handles, events) over stand-in cupyep buffers.
 The GPU side is tests/gpu/test_deep_ep_gpu.py.
 """
 import inspect
+import os
 import re
 import subprocess
 import sys
@@ -131,7 +132,6 @@ def test_topk_idx_t_is_torch_int64():
 
 # ------------------------------------------------------------------ gaps
 @pytest.mark.parametrize("kwargs,gap", [
-    (dict(allow_mnnvl=True), "Buffer(allow_mnnvl=True)"),
     (dict(use_fabric=True), "Buffer(use_fabric=True)"),
     (dict(low_latency_mode=True, num_rdma_bytes=1, allow_nvlink_for_low_latency_mode=False),
      "Buffer(allow_nvlink_for_low_latency_mode=False)"),
@@ -877,3 +877,15 @@ def test_the_mask_calls_need_shrink_mode_and_check_their_arguments(host_buffer):
             b.low_latency_update_mask_buffer(bad, True)
     with pytest.raises(ValueError, match="mask_status"):
         b.low_latency_query_mask_buffer(np.zeros(3, np.int32))
+
+
+def test_allow_mnnvl_sets_nvshmems_switch_as_deepep(monkeypatch):
+    """allow_mnnvl=False (the default) sets NVSHMEM_DISABLE_MNNVL=1 before anything starts; True leaves it."""
+    monkeypatch.setenv("NVSHMEM_DISABLE_MNNVL", "unset")  # so that the test's end restores the variable
+    monkeypatch.delenv("NVSHMEM_DISABLE_MNNVL")
+    with pytest.raises(ValueError, match="num_rdma_bytes"):  # stops right after the flags, before any group
+        deep_ep.Buffer(None, allow_mnnvl=True, low_latency_mode=True)
+    assert "NVSHMEM_DISABLE_MNNVL" not in os.environ
+    with pytest.raises(ValueError, match="num_rdma_bytes"):
+        deep_ep.Buffer(None, low_latency_mode=True)
+    assert os.environ["NVSHMEM_DISABLE_MNNVL"] == "1"

@@ -23,6 +23,7 @@ the valid rows, once.
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional
 
 import numpy as np
@@ -55,7 +56,14 @@ class Buffer:
             changes nothing here.
         allow_nvlink_for_low_latency_mode: True (cupyep's low-latency kernels
             use NVLink / IPC within a node); False raises NotImplementedError.
-        allow_mnnvl, use_fabric, enable_shrink: True raises NotImplementedError.
+        allow_mnnvl: False (DeepEP's default) sets NVSHMEM_DISABLE_MNNVL=1 before
+            NVSHMEM starts, as DeepEP does; True leaves NVSHMEM free to reach
+            ranks of other nodes over multi-node NVLink where it finds it
+            (cupyep's routes across nodes only put through NVSHMEM, whatever
+            its transport).
+        use_fabric: True raises NotImplementedError.
+        enable_shrink: low-latency rank masking (the low_latency_*_mask_buffer
+            calls; cupyep.LowLatencyBuffer, enable_shrink).
         explicitly_destroy: as DeepEP, ``destroy()`` needs it. Without it the
             buffers live until the process ends: cupyep frees collective
             memory only in ``destroy()``, never in a destructor.
@@ -85,9 +93,10 @@ class Buffer:
                  enable_shrink: bool = False, comm=None, *, max_tokens: int | None = None,
                  hidden: int | None = None, num_topk: int | None = None, validate: bool = False,
                  timeout_s: float | None = None) -> None:
-        for flag, gap in ((allow_mnnvl, "Buffer(allow_mnnvl=True)"), (use_fabric, "Buffer(use_fabric=True)")):
-            if flag:
-                refuse(gap)
+        if use_fabric:
+            refuse("Buffer(use_fabric=True)")
+        if not allow_mnnvl:  # as DeepEP: NVSHMEM reads it when it starts (the first Buffer across nodes)
+            os.environ["NVSHMEM_DISABLE_MNNVL"] = "1"
         if not allow_nvlink_for_low_latency_mode and low_latency_mode:
             refuse("Buffer(allow_nvlink_for_low_latency_mode=False)")
         if isinstance(num_qps_per_rank, bool) or not isinstance(num_qps_per_rank, int) or num_qps_per_rank <= 0:

@@ -7,8 +7,6 @@ reason; :func:`refuse` raises for one of them.
 from __future__ import annotations
 
 GAPS: dict[str, str] = {
-    "Buffer(allow_mnnvl=True)":
-        "multi-node NVLink domains: cupyep reaches ranks of another node through NVSHMEM, never over MNNVL",
     "Buffer(use_fabric=True)":
         "fabric memory handles: cupyep shares buffers within a node through CUDA IPC handles",
     "Buffer(allow_nvlink_for_low_latency_mode=False)":
