@@ -20,14 +20,16 @@ kinds in ``--sweep-kinds``.
 Transports (``--transports``, default both): the queue transport's kinds as
 above, the direct (one-copy) transport's as ``<kind>_direct`` with
 "transport": "direct" and its DirectConfig, with the default blocks and each
-of ``--direct-sms`` (SMs used against time).
+of ``--direct-sms`` (SMs used against time); the queue transport's kinds
+again with each of ``--queue-sms`` blocks per rank (Config.num_sms, for
+dispatch and combine alike).
 
-The copy roofline at the same number of SMs: with ``--direct-sms`` (or
-``--copy-probe BLOCKS...``) rank 0 alone times the copy kernel on R x S
-blocks for each S (R ranks of S blocks each), one "copy_probe" record per
-block count, and each ``--direct-sms`` record gets "copy_same_sms_GBps" and
-"of_copy_same_sms": its bytes (as "efficiency" counts them) over that
-probe's bandwidth, divided by its time.
+The copy roofline at the same number of SMs: with ``--direct-sms`` or
+``--queue-sms`` (or ``--copy-probe BLOCKS...``) rank 0 alone times the copy
+kernel on R x S blocks for each S (R ranks of S blocks each), one
+"copy_probe" record per block count, and each swept record gets
+"copy_same_sms_GBps" and "of_copy_same_sms": its bytes (as "efficiency"
+counts them) over that probe's bandwidth, divided by its time.
 """
 import argparse
 from dataclasses import replace
@@ -70,8 +72,12 @@ def main():
     p.add_argument("--transports", nargs="+", default=["queue", "direct"], choices=["queue", "direct"])
     p.add_argument("--direct-sms", type=int, nargs="*", default=[],
                    help="blocks per rank of the direct transport to time besides its default")
+    p.add_argument("--queue-sms", type=int, nargs="*", default=[],
+                   help="blocks per rank (Config.num_sms, even) of the queue transport to time besides its default, "
+                        "each against the copy kernel on as many SMs")
     p.add_argument("--copy-probe", type=int, nargs="*", default=[],
-                   help="also time the copy kernel on these numbers of blocks (besides R x each --direct-sms)")
+                   help="also time the copy kernel on these numbers of blocks (besides R x each --direct-sms and "
+                        "--queue-sms)")
     args = p.parse_args()
     require_gpu(__file__)
     import cupy
@@ -104,12 +110,25 @@ def main():
     # The default kinds, then the direct transport's own (zero-copy combine, unfused dispatches).
     extra = list(DIRECT_KINDS) if args.kinds == list(KINDS) else []
     direct_kinds = args.kinds + [k for k in extra if k not in args.kinds]
+    def against_copy(rec, blocks, probe):
+        """rec with the copy kernel's rate on ``blocks`` SMs and rec's fraction of it."""
+        same = probe[blocks]
+        return {**rec, "sweep": True, "copy_same_sms_GBps": round(same / 1e9, 1),
+                "of_copy_same_sms": None if rec.get("efficiency") is None else
+                round(rec["efficiency"] * copy_bw / same, 4)}
+
     if "queue" in args.transports:
         for l2 in args.l2 or [None]:
             dcfg, fcfg, ccfg = with_l2(dcfg0, l2), with_l2(fcfg0, l2), with_l2(ccfg0, l2)
             for timing in timings:
                 for kind in queue_kinds:
                     out.write(run(kind, fcfg if kind == "dispatch_fp8" else dcfg, ccfg, timing))
+        swept = [m for m in args.queue_sms if 2 <= m <= buf.sm_budget and m % 2 == 0]
+        probe = _probe(group, [R * m for m in swept], out)
+        for sms in swept:
+            for kind in queue_kinds:
+                d = replace(fcfg0 if kind == "dispatch_fp8" else dcfg0, num_sms=sms)
+                out.write(against_copy(run(kind, d, replace(ccfg0, num_sms=sms), "strict"), R * sms, probe))
     if "direct" in args.transports:
         for timing in timings:
             for kind in direct_kinds:
@@ -118,11 +137,8 @@ def main():
         probe = _probe(group, [R * m for m in swept] + args.copy_probe, out)
         for sms in swept:
             for kind in direct_kinds:
-                rec = run(kind, DirectConfig(num_sms=sms), None, "strict", "direct")
-                same = probe[R * sms]
-                out.write({**rec, "sweep": True, "copy_same_sms_GBps": round(same / 1e9, 1),
-                           "of_copy_same_sms": None if rec.get("efficiency") is None else
-                           round(rec["efficiency"] * copy_bw / same, 4)})
+                out.write(against_copy(run(kind, DirectConfig(num_sms=sms), None, "strict", "direct"), R * sms,
+                                       probe))
     if args.sweep:
         for threads, l2 in ((t, l2) for t in args.threads for l2 in (args.l2 or [None])):
             dcfg, fcfg, ccfg = with_l2(dcfg0, l2), with_l2(fcfg0, l2), with_l2(ccfg0, l2)
