@@ -26,6 +26,10 @@ copy bandwidth measured in this run) / time. With ``--trace N``, N more calls of
 each kind record when every block reached each mark (kernels.TRACE_MARKS),
 summarised as when the first and the last rank got there. ``--scatter-probe``
 adds the bare row scatter (cupyep/lab/bench/scatter.py) over the same arrays.
+``--num-blocks N [N ...]`` runs everything once per block count (a buffer
+each); with several, rank 0 also times the copy kernel on R x N blocks
+("copy_probe" records) and every record with an efficiency gets
+"copy_same_sms_GBps" and "of_copy_same_sms", its fraction of that probe.
 
 ``--timing both`` (the default; ``strict`` leaves it out) also times on DeepEP's own
 boundary (its bench_kineto and test_low_latency): a GPU sleep (its large
@@ -54,7 +58,7 @@ import cupyep
 from cupyep.lab.bench import require_gpu
 from cupyep.barrier import gpu_barrier
 from cupyep.low_latency import ranks_of
-from cupyep.lab.bench.copy import copy_bandwidth
+from cupyep.lab.bench.copy import copy_bandwidth, copy_probe
 from cupyep.lab.bench.low_latency import WARMUP, Session
 from cupyep.lab.bench.report import JsonlWriter
 from cupyep.lab.bench.scatter import pattern_rows, scatter
@@ -74,7 +78,9 @@ def main():
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--iters", type=int, default=300)
-    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--num-blocks", type=int, nargs="+", default=[None],
+                   help="blocks per rank (default: the rank's share of the SMs); several values run everything "
+                        "once per value, each record also against the copy kernel on as many SMs")
     p.add_argument("--num-waiters", type=int, default=None)
     p.add_argument("--threads", type=int, default=512)
     p.add_argument("--flush", choices=FLUSH_MODES, default="write",
@@ -105,17 +111,50 @@ def main():
                    help="GPU sleep before each timed call, so host launch cost is not timed (0: time it)")
     args = p.parse_args()
     require_gpu(__file__)
-    import cupy
     group = cupyep.init()
-    out = JsonlWriter(args.out, group)
+    out_all = JsonlWriter(args.out, group)
     me, R = ranks_of(group)  # the node's ranks, or across nodes (--ranks-per-node) every rank of the world
     copy_bw = group.comm.bcast(copy_bandwidth(2 << 30) if me == 0 else 0.0)
-    buf = cupyep.LowLatencyBuffer(group, args.max_tokens, args.hidden, args.experts, num_blocks=args.num_blocks,
-                                  num_waiters=args.num_waiters, num_threads=args.threads,
-                                  programmatic_launch=False if args.plain_launch else None)
     bar = gpu_barrier(group)  # lines up every rank a call involves, across nodes too
     H, warmup = args.hidden, WARMUP
+    sweep = [n for n in args.num_blocks if n is not None]
+    probe = {}
+    if len(args.num_blocks) > 1:  # the copy kernel on R x N blocks, timed by rank 0 alone
+        probe = group.comm.bcast(copy_probe(sorted({R * n for n in sweep})) if me == 0 else None)
+        for n in sorted(probe):
+            out_all.write({"kind": "copy_probe", "blocks": n, "copy_GBps": round(probe[n] / 1e9, 1),
+                       "per_block_GBps": round(probe[n] / 1e9 / n, 2)})
+    for num_blocks in args.num_blocks:
+        buf = cupyep.LowLatencyBuffer(group, args.max_tokens, args.hidden, args.experts, num_blocks=num_blocks,
+                                      num_waiters=args.num_waiters, num_threads=args.threads,
+                                      programmatic_launch=False if args.plain_launch else None)
+        out = _AgainstCopy(out_all, probe.get(R * buf.num_blocks), copy_bw)
+        run_buffer(args, group, buf, bar, out, me, R, H, warmup, copy_bw)
+        buf.synchronize()
+        group.comm.Barrier()
+        buf.destroy()
+    bar.destroy()
+    group.destroy()
 
+
+class _AgainstCopy:
+    """A JSONL writer that adds, to each record with an "efficiency", the copy
+    kernel's rate on as many SMs as the buffer's blocks and the record's
+    fraction of it ("copy_same_sms_GBps", "of_copy_same_sms"), when known."""
+
+    def __init__(self, out, same, copy_bw):
+        self.out, self.same, self.copy_bw = out, same, copy_bw
+
+    def write(self, rec):
+        if self.same and rec.get("efficiency") is not None:
+            rec = {**rec, "copy_same_sms_GBps": round(self.same / 1e9, 1),
+                   "of_copy_same_sms": round(rec["efficiency"] * self.copy_bw / self.same, 4)}
+        self.out.write(rec)
+
+
+def run_buffer(args, group, buf, bar, out, me, R, H, warmup, copy_bw):
+    """Every timed call of the benchmark on one buffer (its block count)."""
+    import cupy
     for T in args.tokens:
         idx, w = global_routing(T, [T] * R, args.experts, args.topk)
         x = cupy.asarray(payload_bf16(me, np.arange(T), H))
@@ -251,10 +290,7 @@ def main():
                 everyone = np.stack(group.comm.allgather(tr[warmup:].get()))  # [R, n, G, M]
                 out.write({**s.base, "kind": f"{kind}_trace", "n": args.trace,
                            "marks": trace_marks(everyone, TRACE_MARKS)})
-    buf.synchronize()
-    bar.destroy()
-    buf.destroy()
-    group.destroy()
+
 
 
 if __name__ == "__main__":
