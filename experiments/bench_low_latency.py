@@ -123,7 +123,7 @@ def main():
         probe = group.comm.bcast(copy_probe(sorted({R * n for n in sweep})) if me == 0 else None)
         for n in sorted(probe):
             out_all.write({"kind": "copy_probe", "blocks": n, "copy_GBps": round(probe[n] / 1e9, 1),
-                       "per_block_GBps": round(probe[n] / 1e9 / n, 2)})
+                           "per_block_GBps": round(probe[n] / 1e9 / n, 2)})
     for num_blocks in args.num_blocks:
         buf = cupyep.LowLatencyBuffer(group, args.max_tokens, args.hidden, args.experts, num_blocks=num_blocks,
                                       num_waiters=args.num_waiters, num_threads=args.threads,
