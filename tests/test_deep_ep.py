@@ -237,8 +237,6 @@ def host_buffer(monkeypatch):
 @pytest.mark.parametrize("call,args,kwargs,gap", [
     ("low_latency_combine", (None, None, None, None), dict(use_logfmt=True),
      "Buffer.low_latency_combine(use_logfmt=True)"),
-    ("low_latency_combine", (None, None, None, None), dict(combine_wait_recv_cost_stats=np.zeros(2, np.int64)),
-     "Buffer.low_latency_combine(combine_wait_recv_cost_stats=...)"),
     ("get_local_buffer_tensor", (None,), {}, "Buffer.get_local_buffer_tensor"),
     ("low_latency_dispatch", (np.zeros((2, 640), np.uint16), None, 8, 16), dict(use_ue8m0=True, round_scale=True),
      "Buffer.low_latency_dispatch(use_ue8m0=True) with hidden % 512 != 0"),
@@ -438,6 +436,10 @@ def test_low_latency_calls_return_deepeps_tuples(host_buffer):
     y = np.zeros((2, 16, 512), np.uint16)
     b.low_latency_combine(y, idx, np.ones((3, 2), np.float32), handle)
     assert ll.calls[-1][1]["x"] is y and ll.calls[-1][1]["x_layout"] == "packed"
+    assert ll.calls[-1][1]["combine_wait_recv_cost_stats"] is None
+    waits = np.zeros(2, np.int64)
+    b.low_latency_combine(y, idx, np.ones((3, 2), np.float32), handle, combine_wait_recv_cost_stats=waits)
+    assert ll.calls[-1][1]["combine_wait_recv_cost_stats"] is waits  # handed to cupyep's combine
     with pytest.raises(ValueError, match="low_latency_mode"):
         b.low_latency_mode = False
         b.low_latency_dispatch(x, idx, 16, 4)

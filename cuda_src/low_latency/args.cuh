@@ -161,6 +161,7 @@ struct CombineArgs {
     const float* topk_weights;  // [T, k]
     int4* out;                  // [T, H] BF16
     int64_t x_row_bytes;        // bytes between rows of x (a multiple of 16)
+    int64_t* wait_stats;        // [R] or null: += ns block 0 waited for each expert rank's rows
     int64_t x_expert_rows;      // 0: x in the region layout (expert e's rows from source s at rows
                                 // [s * capacity, s * capacity + count)); else x is packed as DeepEP's:
                                 // [E_local, x_expert_rows, H], expert e's rows at [0, recv_count[e]),

@@ -235,7 +235,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
             }
             return wait_peer_geq(a.c, remote_signal(mine, a.c.cur, R, kSigReturnRows, r), n, kWaitRemoteReturn, r);
         };
-        if (!wait_peer_flags(a.c, at<int>(mine, a.c.cur.combine_flag), a.c.guard, nullptr, remote_rows)) return;
+        if (!wait_peer_flags(a.c, at<int>(mine, a.c.cur.combine_flag), a.c.guard, a.wait_stats, remote_rows)) return;
         if (a.c.mask != nullptr) {  // shrink mode: look the first slots up again, now that the mask is final
             if (cached_t >= 0 && lane < k) lane_row = slot_row(cached_t, lane, lane_w);
             if (cached_t >= 0 && cached_t < last_t && lane < k) next_row = slot_row(cached_t + 1, lane, next_w);

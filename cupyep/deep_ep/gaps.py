@@ -18,9 +18,6 @@ GAPS: dict[str, str] = {
     "Buffer.low_latency_combine(use_logfmt=True)":
         "the LogFMT combine format: cupyep's low-latency combine sends BF16 rows (the format is defined in "
         "cupyep.reference.logfmt, with its accuracy in results/logfmt, but no kernel carries it yet)",
-    "Buffer.low_latency_combine(combine_wait_recv_cost_stats=...)":
-        "per-source wait statistics of the combine: cupyep's low-latency combine records none "
-        "(the dispatch's dispatch_wait_recv_cost_stats are supported)",
     "Buffer.dispatch(topk_idx=None) across nodes":
         "a dispatch routed by is_token_in_rank alone across nodes: cupyep's notify pass across nodes counts "
         "from topk_idx (pass topk_idx, or a handle for a cached dispatch)",

@@ -419,7 +419,7 @@ class LowLatencyBuffer:
     def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, *, zero_copy: bool = False,
                 pull: bool | None = None, async_finish: bool = False, return_recv_hook: bool = False, out=None,
                 validate: bool = False, kernel_time_ns=None, trace=None,
-                x_layout: str = "regions") -> LowLatencyCombineResult:
+                x_layout: str = "regions", combine_wait_recv_cost_stats=None) -> LowLatencyCombineResult:
         """Return expert outputs to their tokens and reduce with the top-k weights.
 
         Arguments:
@@ -452,6 +452,9 @@ class LowLatencyBuffer:
                 [0, recv_count[e]) source after source in rank order (the
                 layout cupyep.deep_ep returns), read in place; the same row
                 stride rules. Not with zero_copy.
+            combine_wait_recv_cost_stats: [R] int64 device array, += nanoseconds
+                block 0 waited for each expert rank's rows (as dispatch's
+                dispatch_wait_recv_cost_stats; DeepEP's argument of that name).
             async_finish, return_recv_hook, kernel_time_ns, trace: as in dispatch.
 
         Returns:
@@ -487,6 +490,9 @@ class LowLatencyBuffer:
                                  f"recv_x); its strides are {st}")
         if out is not None:
             out = check(as_cupy(out, "out"), "out", BF16, shape=(T, H))
+        wait = as_cupy(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats")
+        if wait is not None:
+            check(wait, "combine_wait_recv_cost_stats", np.int64, shape=(self.num_ranks,))
         if pull and self.across_nodes:
             raise ValueError("pull=True reads the expert ranks' buffers, which ranks of other nodes cannot; "
                              "across nodes the combine pushes (pull=None or False)")
@@ -500,7 +506,7 @@ class LowLatencyBuffer:
         args = dict(x=src.data.ptr, layout_count=handle.layout_count.data.ptr,
                     combine_pos=handle.combine_pos.data.ptr, slot_pos=handle.slot_pos.data.ptr,
                     topk_idx=topk_idx.data.ptr, topk_weights=topk_weights.data.ptr, out=out.data.ptr,
-                    x_row_bytes=src.strides[1], x_expert_rows=shape[1] if packed else 0,
+                    x_row_bytes=src.strides[1], wait_stats=jit.ptr(wait), x_expert_rows=shape[1] if packed else 0,
                     pull=int(zero_copy and self._one_gpu and not self.across_nodes if pull is None else bool(pull)))
         smem = K.combine_smem(self.num_experts)
 

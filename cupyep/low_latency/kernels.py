@@ -53,7 +53,8 @@ DISPATCH_ARGS_DTYPE = jit.struct_dtype([
     ("fp8", i32), ("round_scale", i32), ("ue8m0", i32)])
 COMBINE_ARGS_DTYPE = jit.struct_dtype([
     ("c", CALL_DTYPE), ("x", u64), ("layout_count", u64), ("combine_pos", u64), ("slot_pos", u64),
-    ("topk_idx", u64), ("topk_weights", u64), ("out", u64), ("x_row_bytes", i64), ("x_expert_rows", i64),
+    ("topk_idx", u64), ("topk_weights", u64), ("out", u64), ("x_row_bytes", i64), ("wait_stats", u64),
+    ("x_expert_rows", i64),
     ("pull", i32)])
 
 

@@ -375,10 +375,13 @@ def check_low_latency(ctx, use_fp8, hook_mode, payload="tagged", round_scale=Fal
     valid = idx[me] >= 0
     want = bf16_to_f32(xs[me]) * (w[me] * valid).sum(axis=1, dtype=np.float64).astype(np.float32)[:, None]
     tol = 1e-5 if not use_fp8 else 9e-4  # REFERENCE.md's bounds
+    cwaits = torch.zeros(R, dtype=torch.int64, device="cuda")
     combined, event, hook = buf.low_latency_combine(y, topk_idx, topk_w, handle, async_finish=not hook_mode,
-                                                    return_recv_hook=hook_mode)
+                                                    return_recv_hook=hook_mode, combine_wait_recv_cost_stats=cwaits)
     hook() if hook_mode else event.current_stream_wait()
     d_plain = ref.calc_diff(bf16_to_f32(bits(combined)), want)
+    # nanoseconds waited for each expert rank: never negative (0 where its rows were in before the wait)
+    assert ctx.all(bool((bits(cwaits) >= 0).all()) and bits(cwaits).shape == (R,)), bits(cwaits)
     # Zero-copy into a given out: the next dispatch, its combine buffer filled in place.
     recv_x, count, handle = dispatch()
     y = _poison_past_count(ctx, _dequant(ctx, recv_x, use_fp8, use_ue8m0), count)

@@ -581,6 +581,9 @@ def test_bad_input(group, llbuf):
                 cupy.zeros((2 * El, S, H), np.uint16)[::2]):           # gaps between experts
         with pytest.raises(ValueError, match="row stride"):
             llbuf.combine(bad, idx, cupy.zeros((4, K), np.float32), res.handle)
+    with pytest.raises(ValueError, match="combine_wait_recv_cost_stats"):
+        llbuf.combine(res.recv_x, idx, cupy.ones((4, K), np.float32), res.handle,
+                      combine_wait_recv_cost_stats=cupy.zeros(ranks(group)[1] + 1, np.int64))
     with pytest.raises(ValueError, match="x_layout"):
         llbuf.combine(res.recv_x, idx, cupy.ones((4, K), np.float32), res.handle, x_layout="deepep")
     with pytest.raises(ValueError, match="packed"):
