@@ -235,8 +235,6 @@ def host_buffer(monkeypatch):
 
 
 @pytest.mark.parametrize("call,args,kwargs,gap", [
-    ("low_latency_combine", (None, None, None, None), dict(use_logfmt=True),
-     "Buffer.low_latency_combine(use_logfmt=True)"),
     ("get_local_buffer_tensor", (None,), {}, "Buffer.get_local_buffer_tensor"),
     ("low_latency_dispatch", (np.zeros((2, 640), np.uint16), None, 8, 16), dict(use_ue8m0=True, round_scale=True),
      "Buffer.low_latency_dispatch(use_ue8m0=True) with hidden % 512 != 0"),
@@ -440,6 +438,14 @@ def test_low_latency_calls_return_deepeps_tuples(host_buffer):
     waits = np.zeros(2, np.int64)
     b.low_latency_combine(y, idx, np.ones((3, 2), np.float32), handle, combine_wait_recv_cost_stats=waits)
     assert ll.calls[-1][1]["combine_wait_recv_cost_stats"] is waits  # handed to cupyep's combine
+    assert ll.calls[-1][1]["use_logfmt"] is False
+    b.low_latency_combine(y, idx, np.ones((3, 2), np.float32), handle, use_logfmt=True)
+    assert ll.calls[-1][1]["use_logfmt"] is True  # cupyep's LogFMT-10 combine
+    b.internode, calls = True, len(ll.calls)
+    with pytest.raises(NotImplementedError, match="across nodes"):
+        b.low_latency_combine(y, idx, np.ones((3, 2), np.float32), handle, use_logfmt=True)
+    assert len(ll.calls) == calls
+    b.internode = False
     with pytest.raises(ValueError, match="low_latency_mode"):
         b.low_latency_mode = False
         b.low_latency_dispatch(x, idx, 16, 4)

@@ -89,3 +89,81 @@ def test_the_results_readme_shows_what_the_probe_prints():
                           str(d / "accuracy.json")], capture_output=True, text=True, check=True).stdout
     assert out.strip() in (d / "README.md").read_text()
     assert all(r["calc_diff"] < 5e-6 for r in json.loads((d / "accuracy.json").read_text())["runs"])
+
+
+# ---------------------------------------------------------------- the device's version (common/logfmt.cuh)
+def _pack80(codes):
+    """encode8's bits: code i at bit 10 i of 80, as five uint16 (emulated statement by statement)."""
+    low = 0
+    for i in range(6):
+        low |= int(codes[i]) << (10 * i)
+    low |= (int(codes[6]) & 0xF) << 60
+    high = (int(codes[6]) >> 4) | (int(codes[7]) << 6)
+    return [low & 0xFFFF, (low >> 16) & 0xFFFF, (low >> 32) & 0xFFFF, (low >> 48) & 0xFFFF, high & 0xFFFF]
+
+
+def _unpack80(words):
+    """decode8's bits."""
+    low = words[0] | (words[1] << 16) | (words[2] << 32) | (words[3] << 48)
+    high = words[4]
+    out = [(low >> (10 * i)) & 0x3FF for i in range(6)]
+    out.append(((low >> 60) & 0xF) | ((high & 0x3F) << 4))
+    out.append((high >> 6) & 0x3FF)
+    return out
+
+
+def _encode1_f32(x, lo, hi):
+    """encode1 in float32, as the device computes it (log2f, exp2f, floorf)."""
+    f = np.float32
+    a = abs(f(x))
+    if a == 0:
+        return 0
+    step = f((f(hi) - f(lo)) / f(L.LEVELS - 1))
+    lowest = np.exp2(f(lo), dtype=np.float32)
+    if a < lowest:
+        c = 1 if a >= f(0.5) * lowest else 0
+    else:
+        t = f((np.log2(a, dtype=np.float32) - f(lo)) / step) if step > 0 else f(0)
+        c = int(min(max(np.floor(t), 0), L.LEVELS - 1)) + 1
+
+        def level(ci):
+            return np.exp2(f(lo) + f(ci - 1) * step, dtype=np.float32)
+        if c < L.LEVELS and a - level(c) > level(c + 1) - a:
+            c += 1
+    return 0 if c == 0 else c | ((1 << 9) if x < 0 else 0)
+
+
+def test_the_devices_80_bit_packing_inverts():
+    rng = np.random.default_rng(4)
+    for _ in range(200):
+        codes = rng.integers(0, 1 << 10, size=8)
+        words = _pack80(codes)
+        assert all(0 <= w < 1 << 16 for w in words) and _unpack80(words) == list(codes)
+
+
+def test_the_devices_float32_codes_are_the_references_but_for_rare_ties():
+    """The device's encode1 in float32 against the reference's float64 codes: the same code for nearly
+    every value, one level apart at most (a value at a rounding threshold)."""
+    x = _rows(2, n=4, h=256)
+    codes, lo, hi = L.encode(x)
+    g = x.reshape(4, 2, 128)
+    dev = np.array([[[_encode1_f32(v, lo[n, j], hi[n, j]) for v in g[n, j]] for j in range(2)] for n in range(4)])
+    ref_codes = codes.reshape(4, 2, 128).astype(np.int64)
+    assert ((dev >> 9) == (ref_codes >> 9)).all()  # signs
+    diff = np.abs((dev & 0x1FF) - (ref_codes & 0x1FF))
+    assert diff.max() <= 1 and (diff == 0).mean() > 0.99
+
+
+def test_the_device_header_has_the_emulated_statements():
+    from cupyep import jit
+    src = (jit.CUDA_SRC / "common" / "logfmt.cuh").read_text()
+    for line in ("low |= (uint64_t)(code[6] & 0xfu) << 60;",
+                 "const uint32_t high = (code[6] >> 4) | (code[7] << 6);",
+                 "f[6] = decode1((uint32_t)((low >> 60) & 0xfu) | ((high & 0x3fu) << 4), lo, hi);",
+                 "f[7] = decode1((high >> 6) & 0x3ffu, lo, hi);",
+                 "if (ci < kLevels && a - level(ci, lo, step) > level(ci + 1, lo, step) - a) ++ci;",
+                 "c = a >= 0.5f * lowest ? 1u : 0u;",
+                 "return make_float2(fmaxf(log2f(amin), hi - kMaxOctaves), hi);"):
+        assert line in src, line
+    assert "constexpr int kLevels = 511;" in src and "constexpr float kMaxOctaves = 32.f;" in src
+    assert L.LEVELS == 511 and L.MAX_OCTAVES == 32.0 and L.GROUP == 128

@@ -20,6 +20,11 @@
 // and an owner leaves out the slots whose expert rank is masked (their rows
 // were never sent, or are not waited for).
 //
+// LogFMT-10 (the combine_logfmt kernel, pushed within a node): the send half
+// encodes each row per 128-channel group (common/logfmt.cuh, the format of
+// cupyep.reference.logfmt) into the owner's combine_recv, 10.5 bits a value;
+// the receive half decodes as it reduces.
+//
 // Packed x (CombineArgs::x_expert_rows > 0): the expert outputs arrive in
 // DeepEP's packed layout instead of the region layout; only where each row is
 // read from changes (x_row).
@@ -37,6 +42,7 @@
 #include <cuda_bf16.h>
 #include "common/bf16.cuh"
 #include "common/copy.cuh"
+#include "common/logfmt.cuh"
 #include "common/scan.cuh"
 #include "common/ptx.cuh"
 #include "common/timeout.cuh"
@@ -61,7 +67,7 @@ __device__ __forceinline__ int64_t x_row(const CombineArgs& a, const int* prefix
     return a.x_expert_rows ? (int64_t)le * a.x_expert_rows + (prefix[lo] - prefix[le * R]) + q : slot;
 }
 
-template <int kNumThreads>
+template <int kNumThreads, bool kLogFMT>
 __device__ __forceinline__ void combine_body(const CombineArgs& a) {
     extern __shared__ int smem[];
     const int R = a.c.num_ranks, E = a.c.num_experts, El = E / R, T = a.c.num_tokens, k = a.c.num_topk, H = a.c.hidden;
@@ -147,10 +153,37 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                 }
             };
             // (16 words per lane need the registers of 512 threads per block, not 1024.)
-            if (kNumThreads <= 512 && big_pieces >= (int64_t)G * num_warps)
+            if constexpr (kLogFMT) {
+                // LogFMT-10 (pushed within a node): a warp per (received row, two groups); lane l takes
+                // word 16 g + l % 16 of group g = 2 * pair + l / 16, the half-warp finds the group's range,
+                // each lane stores its 8 codes, and lane 0 of each half the group's (lo, hi).
+                const int groups = H / logfmt::kGroup, group_pairs = (groups + 1) / 2;
+                const int64_t lf_row = logfmt::row_bytes(H);
+                const int64_t num_items = (int64_t)prefix[P] * group_pairs;
+                for (int64_t item = (int64_t)b * num_warps + warp; item < num_items; item += (int64_t)G * num_warps) {
+                    const int r = (int)(item / group_pairs), g = 2 * (int)(item % group_pairs) + lane / 16;
+                    const int lo = pair_of(r);
+                    const int le = lo / R, s = lo % R, q = r - prefix[lo];
+                    if (is_remote(a.c, s) || is_masked(a.c, s)) continue;  // warp-uniform: one row per item
+                    const int64_t slot = (int64_t)le * slots + (int64_t)s * a.c.capacity + q;
+                    const int w = g * 16 + lane % 16;
+                    float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+                    if (g < groups)
+                        logfmt::unpack8(ld_nc_na_v4(reinterpret_cast<const int4*>(
+                                            reinterpret_cast<const char*>(a.x) +
+                                            x_row(a, prefix, lo, le, R, q, slot) * a.x_row_bytes) + w), f);
+                    const float2 range = logfmt::group_range(f);  // every lane takes part in the shuffles
+                    if (g >= groups || (a.c.ablate & kAblateRows)) continue;
+                    char* dst = at<char>(a.c.peers[s], a.c.cur.combine_recv) +
+                                ((int64_t)a.c.rank * ret_rows + colprefix[lo] + q) * lf_row;
+                    logfmt::encode8(f, range.x, range.y, logfmt::codes_of(dst, H, w));
+                    if (lane % 16 == 0) reinterpret_cast<float2*>(dst)[g] = range;
+                }
+            } else if (kNumThreads <= 512 && big_pieces >= (int64_t)G * num_warps) {
                 copy_rows(Unroll<kNumThreads <= 512 ? 16 : 8>{});
-            else
+            } else {
                 copy_rows(Unroll<8>{});
+            }
 #ifdef CUPYEP_LL_NVSHMEM
             // Rows for owners on other nodes: a warp per row, staged in the same slot of my own
             // combine_send (unless x is that buffer already), then put with a signal that counts it.
@@ -184,6 +217,8 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
         if (b >= a.c.num_waiters) return;  // a sender only
         const int4* recv = at<int4>(mine, a.c.cur.combine_recv);
         const int64_t ret_rows = return_rows(a.c.max_tokens, a.c.max_topk, El, a.c.capacity);
+        // A returned row's 16-byte words: H / 8 of BF16, or a LogFMT-10 row's (common/logfmt.cuh).
+        const int64_t recv_row_int4 = kLogFMT ? logfmt::row_bytes(H) / 16 : H / 8;
         // Where slot j of token t's row starts (null for an empty slot), and its weight.
         // The three loads are independent (none waits for another's value), and none
         // reads what the peers write, so they may run before the flags are in.
@@ -200,7 +235,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
             if (a.pull)
                 return at<int4>(a.c.peers[e / El], a.c.cur.combine_send) +
                        (((int64_t)(e % El) * R + a.c.rank) * a.c.capacity + pos) * H / 8;
-            return recv + ((int64_t)(e / El) * ret_rows + pos) * H / 8;
+            return recv + ((int64_t)(e / El) * ret_rows + pos) * recv_row_int4;
         };
         // Slots whose chunks a warp has in flight: all of a top-8 at 512 threads (128
         // registers), half at 1024 (64 registers).
@@ -271,6 +306,27 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                         p = slot_row(t, j, w[u]);
                     }
                     const bool some = j < k && p != nullptr;
+                    if constexpr (kLogFMT) {  // decode the lane's two runs of 8 values, accumulate them here
+                        v[u][0] = v[u][1] = make_int4(0, 0, 0, 0);
+                        if (some) {
+                            const char* row = reinterpret_cast<const char*>(p);
+                            float f[8];
+                            if (active0) {
+                                const float2 rg = logfmt::range_of(row, w0);
+                                logfmt::decode8(logfmt::codes_of(row, H, w0), rg.x, rg.y, f);
+#pragma unroll
+                                for (int i = 0; i < 8; ++i) acc[i] = fmaf(f[i], w[u], acc[i]);
+                            }
+                            if (active1) {
+                                const float2 rg = logfmt::range_of(row, w1);
+                                logfmt::decode8(logfmt::codes_of(row, H, w1), rg.x, rg.y, f);
+#pragma unroll
+                                for (int i = 0; i < 8; ++i) acc[8 + i] = fmaf(f[i], w[u], acc[8 + i]);
+                            }
+                        }
+                        w[u] = 0.f;  // accumulated already: the BF16 step below adds zeros
+                        continue;
+                    }
                     v[u][0] = some && active0 ? ld_na_v4(p + w0) : make_int4(0, 0, 0, 0);
                     v[u][1] = some && active1 ? ld_na_v4(p + w1) : make_int4(0, 0, 0, 0);
                     if (!some) w[u] = 0.f;
@@ -290,7 +346,13 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
 
 template <int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1) combine(CombineArgs a) {
-    profiled(a.c, [&] { combine_body<kNumThreads>(a); });
+    profiled(a.c, [&] { combine_body<kNumThreads, false>(a); });
+}
+
+// The same with the rows in LogFMT-10 (pushed, within a node; the host refuses the rest).
+template <int kNumThreads>
+__global__ void __launch_bounds__(kNumThreads, 1) combine_logfmt(CombineArgs a) {
+    profiled(a.c, [&] { combine_body<kNumThreads, true>(a); });
 }
 
 }  // namespace low_latency

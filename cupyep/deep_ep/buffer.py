@@ -595,7 +595,8 @@ class Buffer:
                 it may be None).
             topk_idx, topk_weights: [num_tokens, num_topk] torch.int64 / torch.float, as dispatched.
             handle: the dispatch's handle.
-            use_logfmt: not supported (NotImplementedError).
+            use_logfmt: the rows travel in LogFMT-10 (cupyep.reference.logfmt;
+                within a node; across nodes NotImplementedError).
             combine_wait_recv_cost_stats: [R] torch.int64, += nanoseconds waited
                 for each expert rank's rows (as the dispatch's statistics).
             zero_copy, async_finish, return_recv_hook: as DeepEP.
@@ -610,8 +611,8 @@ class Buffer:
         Returns:
             combined_x [num_tokens, hidden] torch.bfloat16, event, hook.
         """
-        if use_logfmt:
-            refuse("Buffer.low_latency_combine(use_logfmt=True)")
+        if use_logfmt and self.internode:
+            refuse("Buffer.low_latency_combine(use_logfmt=True) across nodes")
         native = native_handle(handle, "low_latency_combine")
         ll = self._low_latency_of(native, "low_latency_combine")
         if zero_copy:
@@ -629,7 +630,7 @@ class Buffer:
         with torch_stream():
             res = ll.combine(rows, to_cupy(topk_idx, "topk_idx"), to_cupy(topk_weights, "topk_weights"), native,
                              x_layout="packed", async_finish=async_finish, return_recv_hook=return_recv_hook,
-                             out=to_cupy(out, "out"), validate=self.validate,
+                             out=to_cupy(out, "out"), validate=self.validate, use_logfmt=use_logfmt,
                              combine_wait_recv_cost_stats=to_cupy(combine_wait_recv_cost_stats,
                                                                   "combine_wait_recv_cost_stats"))
         combined = out if out is not None else to_torch(res.combined_x, "bf16")

@@ -15,9 +15,9 @@ GAPS: dict[str, str] = {
     "Buffer.get_local_buffer_tensor":
         "raw views of the communication buffer: cupyep's buffers are laid out by its own routes, and writes "
         "there would corrupt them",
-    "Buffer.low_latency_combine(use_logfmt=True)":
-        "the LogFMT combine format: cupyep's low-latency combine sends BF16 rows (the format is defined in "
-        "cupyep.reference.logfmt, with its accuracy in results/logfmt, but no kernel carries it yet)",
+    "Buffer.low_latency_combine(use_logfmt=True) across nodes":
+        "the LogFMT combine across nodes: cupyep's LogFMT-10 combine (cupyep.reference.logfmt) pushes its rows "
+        "within a node only",
     "Buffer.dispatch(topk_idx=None) across nodes":
         "a dispatch routed by is_token_in_rank alone across nodes: cupyep's notify pass across nodes counts "
         "from topk_idx (pass topk_idx, or a handle for a cached dispatch)",

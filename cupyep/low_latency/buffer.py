@@ -419,7 +419,8 @@ class LowLatencyBuffer:
     def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, *, zero_copy: bool = False,
                 pull: bool | None = None, async_finish: bool = False, return_recv_hook: bool = False, out=None,
                 validate: bool = False, kernel_time_ns=None, trace=None,
-                x_layout: str = "regions", combine_wait_recv_cost_stats=None) -> LowLatencyCombineResult:
+                x_layout: str = "regions", combine_wait_recv_cost_stats=None,
+                use_logfmt: bool = False) -> LowLatencyCombineResult:
         """Return expert outputs to their tokens and reduce with the top-k weights.
 
         Arguments:
@@ -452,6 +453,11 @@ class LowLatencyBuffer:
                 [0, recv_count[e]) source after source in rank order (the
                 layout cupyep.deep_ep returns), read in place; the same row
                 stride rules. Not with zero_copy.
+            use_logfmt: send the rows in LogFMT-10 (cupyep.reference.logfmt
+                defines it; 10.5 bits a value instead of 16, each value within
+                2 ** (step / 2) - 1 of itself for the step of its 128-channel
+                group: results/logfmt). Within a node, pushed: pull=True and
+                buffers across nodes raise ValueError.
             combine_wait_recv_cost_stats: [R] int64 device array, += nanoseconds
                 block 0 waited for each expert rank's rows (as dispatch's
                 dispatch_wait_recv_cost_stats; DeepEP's argument of that name).
@@ -496,6 +502,14 @@ class LowLatencyBuffer:
         if pull and self.across_nodes:
             raise ValueError("pull=True reads the expert ranks' buffers, which ranks of other nodes cannot; "
                              "across nodes the combine pushes (pull=None or False)")
+        if use_logfmt:
+            if self.across_nodes:
+                raise ValueError("use_logfmt=True: the LogFMT combine runs within a node; this buffer spans nodes")
+            if pull:
+                raise ValueError("use_logfmt=True pushes the encoded rows; pass pull=None or False")
+            pull = False
+        # (the LogFMT kernel is loaded, collectively the first time, before the call takes its set)
+        fn = self._combine_fn if not use_logfmt else jit.kernel(K.combine_logfmt_spec(self.num_threads), self.group)
         profile = self._profile_args(kernel_time_ns, trace)
         _, _, _, sets = self._take_set("combine")
         stream = self._stream(async_finish)
@@ -510,7 +524,7 @@ class LowLatencyBuffer:
                     pull=int(zero_copy and self._one_gpu and not self.across_nodes if pull is None else bool(pull)))
         smem = K.combine_smem(self.num_experts)
 
-        hook = self._run(self._combine_fn, K.COMBINE_ARGS_DTYPE, call_args, args, smem, stream, return_recv_hook)
+        hook = self._run(fn, K.COMBINE_ARGS_DTYPE, call_args, args, smem, stream, return_recv_hook)
         return LowLatencyCombineResult(out, self._finish(stream, async_finish), hook)
 
     # ------------------------------------------------------------ shrink mode

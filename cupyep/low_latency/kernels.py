@@ -75,10 +75,19 @@ def combine_spec(num_threads: int = DEFAULT_THREADS, across_nodes: bool = False)
     return _spec("combine", num_threads, across_nodes)
 
 
+def combine_logfmt_spec(num_threads: int = DEFAULT_THREADS) -> jit.KernelSpec:
+    """The combine with its rows in LogFMT-10 (within a node; combine.cu
+    combine_logfmt): a specialisation of its own, so that the plain combine
+    keeps its registers."""
+    return jit.KernelSpec(name=f"low_latency_combine_logfmt_threads_{num_threads}", source="low_latency/combine.cu",
+                          kernels=(f"cupyep::low_latency::combine_logfmt<{num_threads}>",))
+
+
 def kernel_specs() -> list[jit.KernelSpec]:
     """Specialisations compiled by ``python -m cupyep.jit --check`` (those
     across nodes need the NVSHMEM library, as every NVSHMEM kernel)."""
-    return [s for t in THREAD_CHOICES for a in (False, True) for s in (dispatch_spec(t, a), combine_spec(t, a))]
+    return [s for t in THREAD_CHOICES for a in (False, True) for s in (dispatch_spec(t, a), combine_spec(t, a))] + \
+        [combine_logfmt_spec(t) for t in THREAD_CHOICES]
 
 
 def set_struct(s) -> np.void:

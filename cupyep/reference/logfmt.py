@@ -1,4 +1,5 @@
-"""LogFMT-10: a 10-bit logarithmic format for combine rows (the reference).
+"""LogFMT-10: a 10-bit logarithmic format for combine rows (the reference;
+the low-latency combine's device version is cuda_src/common/logfmt.cuh).
 
 A row of BF16 values is cut into groups of ``GROUP`` (128) channels. Each
 group keeps the base-2 logarithms of its largest magnitude and of its

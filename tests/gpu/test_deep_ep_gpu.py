@@ -382,6 +382,12 @@ def check_low_latency(ctx, use_fp8, hook_mode, payload="tagged", round_scale=Fal
     d_plain = ref.calc_diff(bf16_to_f32(bits(combined)), want)
     # nanoseconds waited for each expert rank: never negative (0 where its rows were in before the wait)
     assert ctx.all(bool((bits(cwaits) >= 0).all()) and bits(cwaits).shape == (R,)), bits(cwaits)
+    # The same combine with the rows in LogFMT-10: within the format's accuracy of the plain one
+    lf, event, hook = buf.low_latency_combine(y, topk_idx, topk_w, handle, use_logfmt=True,
+                                              async_finish=not hook_mode, return_recv_hook=hook_mode)
+    hook() if hook_mode else event.current_stream_wait()
+    d_lf = ref.calc_diff(bf16_to_f32(bits(lf)), bf16_to_f32(bits(combined)))
+    assert ctx.all(d_lf < 1e-5 and not np.isnan(bf16_to_f32(bits(lf))).any()), ("use_logfmt", d_lf)
     # Zero-copy into a given out: the next dispatch, its combine buffer filled in place.
     recv_x, count, handle = dispatch()
     y = _poison_past_count(ctx, _dequant(ctx, recv_x, use_fp8, use_ue8m0), count)

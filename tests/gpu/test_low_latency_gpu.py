@@ -657,3 +657,42 @@ def test_fault_device_finds_bad_expert_id(group, llbuf):
     assert all_ranks(group.comm, ok), bad
     llbuf.combine(out.recv_x, cupy.asarray(ridx[me]), cupy.asarray(w[me]), out.handle)
     llbuf.synchronize()
+
+
+@pytest.mark.parametrize("hook", [False, True])
+def test_logfmt_combine(group, llbuf, hook):
+    """use_logfmt=True: the rows travel in LogFMT-10 and the result is the reference's combine of the
+    rows through the format (cupyep.reference.logfmt), from x in the region layout and in DeepEP's packed
+    one; within its stated accuracy of the BF16 combine; refused across nodes and with pull=True."""
+    import cupy
+    from cupyep.reference import logfmt as LF
+    me, R = ranks(group)
+    tokens = [MAX_TOKENS - 2 * r for r in range(R)]
+    idx, w = _routing(group, 95 + hook, tokens)
+    xs = [tagged_x(r, tokens[r]) for r in range(R)]
+    i_me, w_me = cupy.asarray(idx[me]), cupy.asarray(w[me])
+    res = llbuf.dispatch(cupy.asarray(xs[me]), i_me, use_fp8=False)
+    y = res.recv_x.copy()
+    if group.num_nodes > 1:
+        with pytest.raises(ValueError, match="within a node"):
+            llbuf.combine(y, i_me, w_me, res.handle, use_logfmt=True)
+        llbuf.combine(y, i_me, w_me, res.handle)  # the refused call took no set: keep the ranks in step
+        return
+    with pytest.raises(ValueError, match="pull"):
+        llbuf.combine(y, i_me, w_me, res.handle, use_logfmt=True, pull=True)
+    outs = []
+    for packed in (False, True):
+        x = _packed(y, res.handle.layout_count.get(), R, llbuf.max_tokens) if packed else y
+        comb = llbuf.combine(x, i_me, w_me, res.handle, use_logfmt=True, return_recv_hook=hook,
+                             x_layout="packed" if packed else "regions")
+        if hook:
+            comb.hook()
+        outs.append(bf16_to_f32(comb.combined_x.get()))
+    # identity experts: every slot of token t returns x[t], through the format
+    valid = idx[me] >= 0
+    sw = (w[me] * valid).sum(axis=1, dtype=np.float64).astype(np.float32)[:, None]
+    want_lf = LF.roundtrip(bf16_to_f32(xs[me])) * sw
+    want = bf16_to_f32(xs[me]) * sw
+    d_lf, d_exact = ref.calc_diff(outs[0], want_lf), ref.calc_diff(outs[0], want)
+    ok = np.array_equal(outs[0], outs[1]) and d_lf < 1e-6 and d_exact < 5e-6 and not np.isnan(outs[0]).any()
+    assert all_ranks(group.comm, ok), (d_lf, d_exact, np.array_equal(outs[0], outs[1]))

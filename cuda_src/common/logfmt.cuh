@@ -1,0 +1,134 @@
+// LogFMT-10 on the device: the format of cupyep.reference.logfmt (which
+// defines it) for rows of BF16 values.
+//
+// A row of H values (H a multiple of 128) is H / 128 groups. Its bytes:
+//   [G][2] float32  (lo, hi) of each group: log2 of its smallest nonzero and
+//                   largest magnitude, lo >= hi - 32 (0, 0 for an all-zero group)
+//   [G][160] bytes  each group's 128 codes of 10 bits (sign << 9 | magnitude),
+//                   code i of a group at bits [10 i, 10 i + 10), little-endian
+// padded to a multiple of 16 bytes. Magnitude code c in 1..511 is
+// 2 ** (lo + (c - 1) * step), step = (hi - lo) / 510; 0 is zero. Encoding
+// rounds to the nearer level in linear terms; below 2 ** lo to the nearer of
+// zero and the lowest level.
+//
+// The helpers work on 8 consecutive values (one int4 of BF16) of one group,
+// as 16 lanes cover a group; the group's (lo, hi) come from a reduction over
+// those lanes (group_range).
+#pragma once
+#include <cuda_bf16.h>
+#include "common/types.cuh"
+
+namespace cupyep {
+namespace logfmt {
+
+constexpr int kGroup = 128;
+constexpr int kLevels = 511;
+constexpr float kMaxOctaves = 32.f;
+constexpr int kCodeBytesPerGroup = kGroup * 10 / 8;  // 160
+
+__host__ __device__ constexpr int64_t meta_bytes(int hidden) { return (int64_t)(hidden / kGroup) * 8; }
+__host__ __device__ constexpr int64_t row_bytes(int hidden) {
+    return (meta_bytes(hidden) + (int64_t)(hidden / kGroup) * kCodeBytesPerGroup + 15) / 16 * 16;
+}
+
+__device__ __forceinline__ void unpack8(const int4& v, float (&f)[8]) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 p = __bfloat1622float2(h[i]);
+        f[2 * i] = p.x;
+        f[2 * i + 1] = p.y;
+    }
+}
+
+// (lo, hi) of a group whose 128 values 16 lanes hold 8 each (lanes l with the
+// same l / 16): the reduction stays within each half of the warp.
+__device__ __forceinline__ float2 group_range(const float (&f)[8]) {
+    float amax = 0.f, amin = INFINITY;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const float a = fabsf(f[i]);
+        amax = fmaxf(amax, a);
+        if (a > 0.f) amin = fminf(amin, a);
+    }
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        amin = fminf(amin, __shfl_xor_sync(0xffffffffu, amin, o));
+    }
+    if (amax == 0.f) return make_float2(0.f, 0.f);
+    const float hi = log2f(amax);
+    return make_float2(fmaxf(log2f(amin), hi - kMaxOctaves), hi);
+}
+
+__device__ __forceinline__ float level(int c, float lo, float step) { return exp2f(lo + (float)(c - 1) * step); }
+
+// The 10-bit code of one value of a group of range (lo, hi).
+__device__ __forceinline__ uint32_t encode1(float x, float lo, float hi) {
+    const float a = fabsf(x);
+    if (a == 0.f) return 0u;
+    const float step = (hi - lo) / (float)(kLevels - 1);
+    uint32_t c;
+    const float lowest = exp2f(lo);
+    if (a < lowest) {
+        c = a >= 0.5f * lowest ? 1u : 0u;
+    } else {
+        const float t = step > 0.f ? (log2f(a) - lo) / step : 0.f;
+        int ci = (int)fminf(fmaxf(floorf(t), 0.f), (float)(kLevels - 1)) + 1;
+        if (ci < kLevels && a - level(ci, lo, step) > level(ci + 1, lo, step) - a) ++ci;
+        c = (uint32_t)ci;
+    }
+    return c == 0u ? 0u : (c | (x < 0.f ? 1u << 9 : 0u));
+}
+
+__device__ __forceinline__ float decode1(uint32_t code, float lo, float hi) {
+    const uint32_t m = code & 0x1ffu;
+    if (m == 0u) return 0.f;
+    const float v = level((int)m, lo, (hi - lo) / (float)(kLevels - 1));
+    return (code >> 9) & 1u ? -v : v;
+}
+
+// Encode 8 values into their 80 bits, stored as five uint16 at dst (2-byte aligned).
+__device__ __forceinline__ void encode8(const float (&f)[8], float lo, float hi, uint16_t* dst) {
+    uint32_t code[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) code[i] = encode1(f[i], lo, hi);
+    // 80 bits little-endian: code i at bit 10 i
+    uint64_t low = 0;
+#pragma unroll
+    for (int i = 0; i < 6; ++i) low |= (uint64_t)code[i] << (10 * i);  // bits 0..59
+    low |= (uint64_t)(code[6] & 0xfu) << 60;                           // bits 60..63
+    const uint32_t high = (code[6] >> 4) | (code[7] << 6);             // bits 64..79
+    dst[0] = (uint16_t)low;
+    dst[1] = (uint16_t)(low >> 16);
+    dst[2] = (uint16_t)(low >> 32);
+    dst[3] = (uint16_t)(low >> 48);
+    dst[4] = (uint16_t)high;
+}
+
+// Decode the 8 values whose 80 bits start at src (2-byte aligned).
+__device__ __forceinline__ void decode8(const uint16_t* src, float lo, float hi, float (&f)[8]) {
+    const uint64_t low = (uint64_t)src[0] | ((uint64_t)src[1] << 16) | ((uint64_t)src[2] << 32) |
+                         ((uint64_t)src[3] << 48);
+    const uint32_t high = src[4];
+#pragma unroll
+    for (int i = 0; i < 6; ++i) f[i] = decode1((uint32_t)(low >> (10 * i)) & 0x3ffu, lo, hi);
+    f[6] = decode1((uint32_t)((low >> 60) & 0xfu) | ((high & 0x3fu) << 4), lo, hi);
+    f[7] = decode1((high >> 6) & 0x3ffu, lo, hi);
+}
+
+// Word w (8 values, w = group * 16 + i) of a LogFMT row: where its codes and its group's range are.
+__device__ __forceinline__ const uint16_t* codes_of(const char* row, int hidden, int w) {
+    return reinterpret_cast<const uint16_t*>(row + meta_bytes(hidden) + (int64_t)(w / 16) * kCodeBytesPerGroup +
+                                             (w % 16) * 10);
+}
+__device__ __forceinline__ uint16_t* codes_of(char* row, int hidden, int w) {
+    return reinterpret_cast<uint16_t*>(row + meta_bytes(hidden) + (int64_t)(w / 16) * kCodeBytesPerGroup +
+                                       (w % 16) * 10);
+}
+__device__ __forceinline__ float2 range_of(const char* row, int w) {
+    return reinterpret_cast<const float2*>(row)[w / 16];
+}
+
+}  // namespace logfmt
+}  // namespace cupyep
