@@ -324,3 +324,74 @@ def test_the_combine_reads_each_packed_row_where_deepeps_layout_puts_it(E, R, C,
     src = (P.jit.CUDA_SRC / "low_latency" / "combine.cu").read_text()
     assert ("return a.x_expert_rows ? (int64_t)le * a.x_expert_rows + (prefix[lo] - prefix[le * R]) + q : slot;"
             in src)
+
+
+# --------------------------------------------------- the dispatch's own packing (dispatch.cu pack_received)
+def emulate_pack_received(msgs, m, counts, R, C, packed_rows, H, fp8, ue8m0, dst_x, dst_scales, dst_src, ranges,
+                          num_workers=3):
+    """pack_received statement by statement: workers (warps) take region rows (le, r, q) grid-strided."""
+    El = counts.shape[0]
+    row_words = (H if fp8 else 2 * H) // 16
+    scale_words = (H // 512 if ue8m0 else H // 128) if fp8 else 0
+    flat = msgs.reshape(-1)
+    for worker in range(num_workers):
+        for item in range(worker, El * R * C, num_workers):
+            le, i = item // (R * C), item % (R * C)
+            r, q = i // C, i - (i // C) * C
+            count = int(counts[le, r])
+            if q >= count and q != 0:
+                continue
+            prefix = int(counts[le, :r].sum())
+            if q == 0:
+                ranges[le * R + r] = (prefix << 32) | count
+            if q >= count:
+                continue
+            p = le * packed_rows + prefix + q
+            msg = ((le * R + r) * C + q) * m.nbytes
+            dst_x[p * row_words * 16:(p + 1) * row_words * 16] = flat[msg:msg + row_words * 16]
+            if fp8:
+                sc = flat[msg + m.scales:msg + m.scales + 4 * scale_words].view(np.uint32)
+                for j in range(scale_words):
+                    dst_scales[le * scale_words * packed_rows + prefix + q + j * packed_rows] = sc[j]
+            dst_src[p] = flat[msg + m.tag:msg + m.tag + 4].view(np.int32)[0]
+
+
+@pytest.mark.parametrize("E,R,C,T", [(2, 3, 2, 4), (3, 2, 3, 3), (1, 35, 1, 2)])
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "ue8m0"])
+def test_the_dispatchs_own_packing_is_pack_dispatch(E, R, C, T, kind):
+    rng = np.random.default_rng(21 + E + R)
+    H = 512
+    fp8, ue8m0 = kind != "bf16", kind == "ue8m0"
+    counts = random_counts(rng, E, R, C, empty_experts=(0,) if E > 1 else ())
+    msgs, m, recv_x, scales, src = region_dispatch(rng, E, R, C, H, fp8, ue8m0)
+    want = P.packed_outputs(recv_x, scales, R, T, ue8m0)
+    for a in want:
+        if a is not None:
+            a[...] = 0
+    P.pack_dispatch(recv_x, scales, src, counts, C, want)
+    row_bytes = H if fp8 else 2 * H
+    S = 0 if not fp8 else want[1].shape[2]
+    dst_x = np.zeros(E * R * T * row_bytes, np.uint8)
+    dst_s = np.zeros(E * S * R * T, np.uint32)
+    dst_src, ranges = np.zeros(E * R * T, np.int32), np.zeros(E * R, np.int64)
+    emulate_pack_received(msgs, m, counts, R, C, R * T, H, fp8, ue8m0, dst_x, dst_s, dst_src, ranges)
+    assert np.array_equal(ranges.reshape(E, R), want[3])
+    n = counts.sum(axis=1)
+    got_x = dst_x.reshape(E, R * T, row_bytes)
+    want_x = want[0].view(np.uint8).reshape(E, R * T, row_bytes)
+    assert all(np.array_equal(got_x[e, :n[e]], want_x[e, :n[e]]) for e in range(E))
+    assert all(np.array_equal(dst_src.reshape(E, R * T)[e, :n[e]], want[2][e, :n[e]]) for e in range(E))
+    if fp8:
+        got_s = dst_s.reshape(E, S, R * T)
+        want_s = want[1].transpose(0, 2, 1).view(np.uint32)
+        assert all(np.array_equal(got_s[e, :, :n[e]], want_s[e, :, :n[e]]) for e in range(E))
+    src_cu = (P.jit.CUDA_SRC / "low_latency" / "dispatch.cu").read_text()
+    for line in ("const int r = i / C, q = i - r * C;",
+                 "if (q >= count && q != 0) continue;  // warp-uniform",
+                 "if (q == 0 && lane == 0) a.packed_range[le * R + r] = ((int64_t)prefix << 32) | (int64_t)(uint32_t)count;",
+                 "const int64_t p = (int64_t)le * a.packed_rows + prefix + q;",
+                 "const char* msg = recv + ((int64_t)(le * R + r) * C + q) * m.bytes;",
+                 "uint32_t* d = a.packed_scales + (int64_t)le * scale_words * a.packed_rows + prefix + q;",
+                 "for (int j = lane; j < scale_words; j += 32) d[(int64_t)j * a.packed_rows] = sc[j];",
+                 "if (lane == 0) a.packed_src[p] = *reinterpret_cast<const int*>(msg + m.tag);"):
+        assert line in src_cu, line

@@ -474,7 +474,8 @@ def test_kernel_specs():
     specs = K.kernel_specs()
     names = [s.name for s in specs]
     assert len(names) == len(set(names))
-    assert len(specs) == 5 * len(K.THREAD_CHOICES)  # within a node and across nodes, and the LogFMT combine
+    # dispatch, combine and the packing dispatch within a node and across nodes, and the LogFMT combine
+    assert len(specs) == 7 * len(K.THREAD_CHOICES)
     for s in specs:
         assert (jit.CUDA_SRC / s.source).is_file(), s
         assert len(s.kernels) == 1 and s.kernels[0].startswith("cupyep::low_latency::")
@@ -488,6 +489,8 @@ def test_kernel_specs():
         assert d[0] == K.dispatch_spec(t) and c[0] == K.combine_spec(t)
         lf = [s for s in specs if s.kernels == (f"cupyep::low_latency::combine_logfmt<{t}>",)]
         assert lf == [K.combine_logfmt_spec(t)] and not lf[0].nvshmem and lf[0].source == "low_latency/combine.cu"
+        pk = [s for s in specs if s.kernels == (f"cupyep::low_latency::dispatch_packed<{t}>",)]
+        assert sorted(pk, key=lambda s: s.nvshmem) == [K.dispatch_packed_spec(t), K.dispatch_packed_spec(t, True)]
         assert d[0].name == f"low_latency_dispatch_threads_{t}"
         assert c[0].name == f"low_latency_combine_threads_{t}"
     assert K.dispatch_spec() == K.dispatch_spec(K.DEFAULT_THREADS)

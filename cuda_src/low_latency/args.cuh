@@ -145,6 +145,12 @@ struct DispatchArgs {
     int* slot_pos;           // [T, k] out: row of (t, j) within its (expert, me) region at the expert's rank
     int* cumulative_stats;   // [E_local] or null: += recv_count
     int64_t* wait_stats;     // [R] or null: += ns block 0 waited for each source
+    // DeepEP's packed layout, filled by the receive half of dispatch_packed (cupyep.deep_ep.packing):
+    uint8_t* packed_x;       // [E_local][packed_rows][H or 2H] the received rows, expert e's at [0, recv_count[e])
+    uint32_t* packed_scales; // [E_local][S][packed_rows] the FP8 scales (float32, or words of 4 UE8M0 bytes), or null
+    int* packed_src;         // [E_local][packed_rows] each packed row's source token
+    int64_t* packed_range;   // [E_local][R] begin << 32 | count of each source's rows
+    int64_t packed_rows;     // R * max_tokens
     int mask_words;          // 32-token words per expert of the position scan's window (shared [E][mask_words])
     int fp8;                 // 1: cast to e4m3 with per-128 scales
     int round_scale;         // 1: power-of-two scales

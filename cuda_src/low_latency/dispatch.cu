@@ -140,6 +140,46 @@ __device__ __forceinline__ void put_remote_messages(const DispatchArgs& a, const
 }
 #endif
 
+// DeepEP's packed layout (the dispatch_packed kernel; cupyep.deep_ep.packing gives
+// the definition): after its waits, every waiter's warps take region rows
+// (expert le, source r, q-th) of all experts, and copy a received one to row
+// prefix + q of its expert, the prefix being the counts of the sources before
+// r (summed by the warp); row q = 0 of each (le, r) also writes its range. The
+// same as cuda_src/deep_ep/pack.cu's kernel, without a launch of its own.
+__device__ __forceinline__ void pack_received(const DispatchArgs& a, const int* counts, int b) {
+    const int R = a.c.num_ranks, El = a.c.num_experts / R, H = a.c.hidden, C = a.c.capacity;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
+    const Message m = message_layout(H, a.fp8, a.ue8m0);
+    const int64_t row_words = (a.fp8 ? (int64_t)H : 2 * (int64_t)H) / 16;
+    const int scale_words = a.fp8 ? (a.ue8m0 ? H / 512 : H / 128) : 0;
+    const char* recv = at<char>(a.c.peers[a.c.rank], a.c.cur.recv_x);
+    const int64_t items = (int64_t)El * R * C;
+    for (int64_t item = (int64_t)b * num_warps + warp; item < items; item += (int64_t)a.c.num_waiters * num_warps) {
+        const int le = (int)(item / ((int64_t)R * C)), i = (int)(item % ((int64_t)R * C));
+        const int r = i / C, q = i - r * C;
+        const int count = is_masked(a.c, r) ? 0 : ld_volatile(counts + le * R + r);
+        if (q >= count && q != 0) continue;  // warp-uniform
+        int prefix = 0;
+        for (int j = lane; j < r; j += 32) prefix += is_masked(a.c, j) ? 0 : ld_volatile(counts + le * R + j);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) prefix += __shfl_xor_sync(0xffffffffu, prefix, o);
+        if (q == 0 && lane == 0) a.packed_range[le * R + r] = ((int64_t)prefix << 32) | (int64_t)(uint32_t)count;
+        if (q >= count) continue;
+        const int64_t p = (int64_t)le * a.packed_rows + prefix + q;
+        const char* msg = recv + ((int64_t)(le * R + r) * C + q) * m.bytes;
+        const int4* src = reinterpret_cast<const int4*>(msg);
+        int4* dst = reinterpret_cast<int4*>(a.packed_x) + p * row_words;
+        for (int64_t w = lane; w < row_words; w += 32) dst[w] = ld_na_v4(src + w);
+        if (a.packed_scales != nullptr) {
+            const uint32_t* sc = reinterpret_cast<const uint32_t*>(msg + m.scales);
+            uint32_t* d = a.packed_scales + (int64_t)le * scale_words * a.packed_rows + prefix + q;
+            for (int j = lane; j < scale_words; j += 32) d[(int64_t)j * a.packed_rows] = sc[j];
+        }
+        if (lane == 0) a.packed_src[p] = *reinterpret_cast<const int*>(msg + m.tag);
+    }
+}
+
+template <bool kPacked>
 __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
     extern __shared__ int smem[];
     const int R = a.c.num_ranks, E = a.c.num_experts, El = E / R, T = a.c.num_tokens, k = a.c.num_topk, H = a.c.hidden;
@@ -301,12 +341,20 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
                 if (a.cumulative_stats) a.cumulative_stats[le] += s_sum;
             }
         }
+        if constexpr (kPacked) pack_received(a, counts, b);
     }
 }
 
 template <int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1) dispatch(DispatchArgs a) {
-    profiled(a.c, [&] { dispatch_body(a); });
+    profiled(a.c, [&] { dispatch_body<false>(a); });
+}
+
+// The same, the receive half also filling DeepEP's packed layout (DispatchArgs::packed_x): a kernel of its
+// own, so that the plain dispatch keeps its registers.
+template <int kNumThreads>
+__global__ void __launch_bounds__(kNumThreads, 1) dispatch_packed(DispatchArgs a) {
+    profiled(a.c, [&] { dispatch_body<true>(a); });
 }
 
 }  // namespace low_latency

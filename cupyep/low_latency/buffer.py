@@ -280,7 +280,7 @@ class LowLatencyBuffer:
     def dispatch(self, x, topk_idx, *, use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
                  cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
                  async_finish: bool = False, return_recv_hook: bool = False, validate: bool = True,
-                 kernel_time_ns=None, trace=None) -> LowLatencyDispatchResult:
+                 kernel_time_ns=None, trace=None, packed_out=None) -> LowLatencyDispatchResult:
         """Send every (token, expert) pair to the expert's rank.
 
         Arguments:
@@ -291,6 +291,14 @@ class LowLatencyBuffer:
             use_ue8m0: store scales as UE8M0 exponent bytes (needs round_scale).
             cumulative_local_expert_recv_stats: [E_local] int32 device array, += rows received per expert.
             dispatch_wait_recv_cost_stats: [R] int64 device array, += nanoseconds waited for each source.
+            packed_out: None, or (x, scales, src_info, layout_range) device arrays for DeepEP's
+                packed layout, which the receive half fills too (the dispatch_packed kernel; in the
+                hook with return_recv_hook): x [E_local, R * max_tokens, H] uint8 (FP8) or uint16,
+                C-contiguous; scales (FP8 only, else None) [E_local, R * max_tokens, S] float32
+                (S = H / 128) or int32 words of four UE8M0 bytes (S = H / 512), the transpose of a
+                C-contiguous [E_local, S, R * max_tokens] array; src_info [E_local, R * max_tokens]
+                int32; layout_range [E_local, R] int64 (begin << 32 | count). As
+                cupyep.deep_ep.packing.packed_outputs makes them and pack_dispatch fills them.
             async_finish: run on the communication stream and return an event.
             return_recv_hook: run only the send half now; ``result.hook()`` runs the receive half.
             validate: check expert ids and distinctness on the host (one small sync; skipped in graph capture).
@@ -323,6 +331,10 @@ class LowLatencyBuffer:
         if wait is not None:
             check(wait, "dispatch_wait_recv_cost_stats", np.int64, shape=(R,))
         plan = K.dispatch_smem(max(T, 1), self.num_blocks, k, self.num_experts)
+        packed = self._check_packed_out(packed_out, use_fp8, use_ue8m0)
+        # (the packing kernel is loaded, collectively the first time, before the call takes its set)
+        fn = self._dispatch_fn if packed is None else \
+            jit.kernel(K.dispatch_packed_spec(self.num_threads, self.across_nodes), self.group)
         profile = self._profile_args(kernel_time_ns, trace)
 
         region, call, cur, sets = self._take_set("dispatch")
@@ -337,10 +349,12 @@ class LowLatencyBuffer:
                     recv_count=recv_count.data.ptr, combine_pos=combine_pos.data.ptr,
                     slot_pos=slot_pos.data.ptr, cumulative_stats=jit.ptr(stats),
                     wait_stats=jit.ptr(wait), mask_words=plan.mask_words,
-                    fp8=int(use_fp8), round_scale=int(round_scale), ue8m0=int(use_ue8m0))
+                    fp8=int(use_fp8), round_scale=int(round_scale), ue8m0=int(use_ue8m0),
+                    **({} if packed is None else dict(
+                        packed_x=packed[0].data.ptr, packed_scales=jit.ptr(packed[1]), packed_src=packed[2].data.ptr,
+                        packed_range=packed[3].data.ptr, packed_rows=R * self.max_tokens)))
 
-        hook = self._run(self._dispatch_fn, K.DISPATCH_ARGS_DTYPE, call_args, args, plan.bytes, stream,
-                         return_recv_hook)
+        hook = self._run(fn, K.DISPATCH_ARGS_DTYPE, call_args, args, plan.bytes, stream, return_recv_hook)
         event = self._finish(stream, async_finish)
 
         # Strided views of the messages (layout.message_layout).
@@ -526,6 +540,34 @@ class LowLatencyBuffer:
 
         hook = self._run(fn, K.COMBINE_ARGS_DTYPE, call_args, args, smem, stream, return_recv_hook)
         return LowLatencyCombineResult(out, self._finish(stream, async_finish), hook)
+
+    def _check_packed_out(self, packed_out, use_fp8: bool, use_ue8m0: bool):
+        """dispatch's packed_out as CuPy arrays, checked (ValueError naming the array), or None."""
+        if packed_out is None:
+            return None
+        if not isinstance(packed_out, (tuple, list)) or len(packed_out) != 4:
+            raise ValueError("packed_out must be (x, scales, src_info, layout_range)")
+        El, R, H = self.num_local_experts, self.num_ranks, self.hidden
+        RT = R * self.max_tokens
+        x, scales, src, rng = (as_cupy(a, n) for a, n in zip(packed_out, ("packed x", "packed scales",
+                                                                          "packed src_info", "layout_range")))
+        check(x, "packed x", np.uint8 if use_fp8 else BF16, shape=(El, RT, H))
+        check(src, "packed src_info", np.int32, shape=(El, RT))
+        check(rng, "layout_range", np.int64, shape=(El, R))
+        if not (x.flags.c_contiguous and src.flags.c_contiguous and rng.flags.c_contiguous):
+            raise ValueError("packed x, src_info and layout_range must be C-contiguous")
+        if use_fp8:
+            S = H // 512 if use_ue8m0 else H // 128
+            dt = np.int32 if use_ue8m0 else np.float32
+            if scales is None:
+                raise ValueError("an FP8 dispatch's packed_out needs the scales")
+            check(scales, "packed scales", dt, shape=(El, RT, S), contiguous=False)
+            if scales.strides != (S * RT * 4, 4, RT * 4):
+                raise ValueError(f"packed scales must be the transpose of a C-contiguous [{El}, {S}, {RT}] array "
+                                 f"(DeepEP's column-major scales); their strides are {scales.strides}")
+        elif scales is not None:
+            raise ValueError("a BF16 dispatch's packed_out has no scales (None)")
+        return x, scales, src, rng
 
     # ------------------------------------------------------------ shrink mode
     @property

@@ -49,7 +49,9 @@ CALL_DTYPE = jit.struct_dtype([
     ("ranks_per_node", i32), ("guard", GUARD_DTYPE)])
 DISPATCH_ARGS_DTYPE = jit.struct_dtype([
     ("c", CALL_DTYPE), ("x", u64), ("topk_idx", u64), ("layout_count", u64), ("recv_count", u64),
-    ("combine_pos", u64), ("slot_pos", u64), ("cumulative_stats", u64), ("wait_stats", u64), ("mask_words", i32),
+    ("combine_pos", u64), ("slot_pos", u64), ("cumulative_stats", u64), ("wait_stats", u64),
+    ("packed_x", u64), ("packed_scales", u64), ("packed_src", u64), ("packed_range", u64), ("packed_rows", i64),
+    ("mask_words", i32),
     ("fp8", i32), ("round_scale", i32), ("ue8m0", i32)])
 COMBINE_ARGS_DTYPE = jit.struct_dtype([
     ("c", CALL_DTYPE), ("x", u64), ("layout_count", u64), ("combine_pos", u64), ("slot_pos", u64),
@@ -75,6 +77,17 @@ def combine_spec(num_threads: int = DEFAULT_THREADS, across_nodes: bool = False)
     return _spec("combine", num_threads, across_nodes)
 
 
+def dispatch_packed_spec(num_threads: int = DEFAULT_THREADS, across_nodes: bool = False) -> jit.KernelSpec:
+    """The dispatch whose receive half also fills DeepEP's packed layout
+    (dispatch.cu dispatch_packed; a specialisation of its own, so that the
+    plain dispatch keeps its registers)."""
+    suffix = "_nvshmem" if across_nodes else ""
+    return jit.KernelSpec(name=f"low_latency_dispatch_packed_threads_{num_threads}{suffix}",
+                          source="low_latency/dispatch.cu",
+                          kernels=(f"cupyep::low_latency::dispatch_packed<{num_threads}>",),
+                          defines=(("CUPYEP_LL_NVSHMEM", 1),) if across_nodes else (), nvshmem=across_nodes)
+
+
 def combine_logfmt_spec(num_threads: int = DEFAULT_THREADS) -> jit.KernelSpec:
     """The combine with its rows in LogFMT-10 (within a node; combine.cu
     combine_logfmt): a specialisation of its own, so that the plain combine
@@ -86,7 +99,8 @@ def combine_logfmt_spec(num_threads: int = DEFAULT_THREADS) -> jit.KernelSpec:
 def kernel_specs() -> list[jit.KernelSpec]:
     """Specialisations compiled by ``python -m cupyep.jit --check`` (those
     across nodes need the NVSHMEM library, as every NVSHMEM kernel)."""
-    return [s for t in THREAD_CHOICES for a in (False, True) for s in (dispatch_spec(t, a), combine_spec(t, a))] + \
+    return [s for t in THREAD_CHOICES for a in (False, True)
+            for s in (dispatch_spec(t, a), combine_spec(t, a), dispatch_packed_spec(t, a))] + \
         [combine_logfmt_spec(t) for t in THREAD_CHOICES]
 
 

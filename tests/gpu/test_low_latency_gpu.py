@@ -696,3 +696,41 @@ def test_logfmt_combine(group, llbuf, hook):
     d_lf, d_exact = ref.calc_diff(outs[0], want_lf), ref.calc_diff(outs[0], want)
     ok = np.array_equal(outs[0], outs[1]) and d_lf < 1e-6 and d_exact < 5e-6 and not np.isnan(outs[0]).any()
     assert all_ranks(group.comm, ok), (d_lf, d_exact, np.array_equal(outs[0], outs[1]))
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "ue8m0"])
+@pytest.mark.parametrize("hook", [False, True])
+def test_the_dispatch_fills_deepeps_packed_layout(group, llbuf, kind, hook):
+    """packed_out: the dispatch's receive half (dispatch_packed) fills DeepEP's packed layout with what
+    cupyep.deep_ep.packing's own kernel makes of the same result: rows, scales, source tokens and ranges,
+    bit for bit over the received rows (in the hook with return_recv_hook)."""
+    import cupy
+    from cupyep.deep_ep import packing as P
+    me, R = ranks(group)
+    fp8, ue8m0 = kind != "bf16", kind == "ue8m0"
+    tokens = [MAX_TOKENS - 3 * r for r in range(R)]
+    idx, _ = _routing(group, 100 + 2 * hook + fp8 + ue8m0, tokens)
+    xs = [tagged_x(r, tokens[r]) for r in range(R)]
+    El, RT = E // R, R * llbuf.max_tokens
+    S = H // 512 if ue8m0 else H // 128
+    out = (cupy.empty((El, RT, H), np.uint8 if fp8 else np.uint16),
+           cupy.empty((El, S, RT), np.int32 if ue8m0 else np.float32).transpose(0, 2, 1) if fp8 else None,
+           cupy.empty((El, RT), np.int32), cupy.empty((El, R), np.int64))
+    res = llbuf.dispatch(cupy.asarray(xs[me]), cupy.asarray(idx[me]), use_fp8=fp8, round_scale=ue8m0,
+                         use_ue8m0=ue8m0, return_recv_hook=hook, packed_out=out)
+    if hook:
+        res.hook()
+    want = P.packed_outputs(res.recv_x, res.recv_x_scales, R, llbuf.max_tokens, ue8m0)
+    P.pack_dispatch(res.recv_x, res.recv_x_scales, res.handle.recv_src, res.handle.layout_count,
+                    res.handle.capacity, want)
+    n = res.recv_count.get()
+    ok = np.array_equal(out[3].get(), want[3].get())
+    for got, w in zip(out[:3], want[:3]):
+        if w is None:
+            continue
+        g, w = got.get(), w.get()
+        ok &= all(np.array_equal(np.ascontiguousarray(g[e, :n[e]]).view(np.uint8),
+                                 np.ascontiguousarray(w[e, :n[e]]).view(np.uint8)) for e in range(El))
+    assert all_ranks(group.comm, ok), kind
+    with pytest.raises(ValueError, match="packed"):
+        llbuf.dispatch(cupy.asarray(xs[me]), cupy.asarray(idx[me]), use_fp8=False, packed_out=out[:2])
