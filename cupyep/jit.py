@@ -46,7 +46,6 @@ SPEC_MODULES = (
     "cupyep.normal.internode_kernels",
     "cupyep.low_latency.kernels",
     "cupyep.nvshmem",
-    "cupyep.deep_ep.packing",
 )
 
 class Module:

@@ -1,5 +1,6 @@
 """DeepEP's packed low-latency layout over cupyep's region layout
-(cupyep.deep_ep.packing, cuda_src/deep_ep/pack.cu), on the CPU.
+(cupyep.deep_ep.packing; on the GPU the dispatch and combine kernels of
+cuda_src/low_latency), on the CPU.
 
 DeepEP's definition, written out here independently: local expert e's rows
 from source r are rows ``[begin, begin + count[e, r])`` of the expert's
@@ -9,17 +10,18 @@ the counts of the sources before r), and FP8 scales are the transpose of a
 contiguous ``[E_local, S, R * T]`` array. cupyep keeps the same rows at
 ``[r * C, r * C + count)`` of ``R * C`` region rows.
 
-The NumPy path of pack_dispatch is checked against that definition, and so
-are a line-by-line emulation of the packing kernel's index and byte
-arithmetic and of the low-latency combine's row of a packed x (the GPU runs
-are in tests/gpu/test_deep_ep_gpu.py and tests/gpu/test_low_latency_gpu.py).
+pack_dispatch (array indexing) is checked against that definition, and so
+are a statement-by-statement emulation of the dispatch's own packing
+(dispatch.cu pack_received) and of the combine's row of a packed x
+(combine.cu x_row); the GPU runs are in tests/gpu/test_low_latency_gpu.py
+and tests/gpu/test_deep_ep_gpu.py.
 """
 import contextlib
 
 import numpy as np
 import pytest
 
-from cupyep import deep_ep
+from cupyep import deep_ep, jit
 from cupyep.deep_ep import buffer as buffer_module
 from cupyep.deep_ep import handles as handles_module
 from cupyep.deep_ep import packing as P
@@ -129,89 +131,6 @@ def test_pack_gives_deepeps_rows_scales_and_src_info(E, R, C, T, kind):
                 assert np.array_equal(px[e, p], recv_x[e, r * C + q])
 
 
-# --------------------------------------------------- the kernels' arithmetic
-def emulate_pack_kernel(msgs, x_off, s_off, tag_off, expert_stride, row_stride, row_bytes, scale_words,
-                        counts, R, C, packed_rows, dst_x, dst_scales, dst_src, ranges):
-    """pack_rows of cuda_src/deep_ep/pack.cu, block by block, on flat byte /
-    word buffers (msgs: the bytes of the messages region)."""
-    E = counts.shape[0]
-    flat_counts = counts.reshape(-1)
-    for e in range(E):                       # blockIdx.y
-        for i in range(R * C):               # blockIdx.x
-            r, q = i // C, i - (i // C) * C
-            count = int(flat_counts[e * R + r])
-            if q >= count and q != 0:
-                continue
-            prefix = int(sum(flat_counts[e * R + j] for j in range(r)))
-            if q == 0:
-                ranges[e * R + r] = (prefix << 32) | count
-            if q >= count:
-                continue
-            p = e * packed_rows + prefix + q
-            src_off = e * expert_stride + i * row_stride
-            for k in range(row_bytes // 16):
-                dst_x[p * row_bytes + 16 * k:p * row_bytes + 16 * k + 16] = \
-                    msgs[x_off + src_off + 16 * k:x_off + src_off + 16 * k + 16]
-            if s_off is not None:
-                words = msgs[s_off + src_off:s_off + src_off + 4 * scale_words].view(np.uint32)
-                base = e * scale_words * packed_rows + prefix + q
-                for j in range(scale_words):
-                    dst_scales[base + j * packed_rows] = words[j]
-            dst_src[p] = msgs[tag_off + src_off:tag_off + src_off + 4].view(np.int32)[0]
-
-
-@pytest.mark.parametrize("E,R,C,T", [(2, 3, 2, 4), (3, 2, 3, 3), (1, 35, 1, 2)])
-@pytest.mark.parametrize("kind", ["bf16", "fp8", "ue8m0"])
-def test_the_kernels_index_and_byte_arithmetic_is_deepeps(E, R, C, T, kind):
-    rng = np.random.default_rng(11 + E)
-    H = 512
-    fp8, ue8m0 = kind != "bf16", kind == "ue8m0"
-    counts = random_counts(rng, E, R, C, empty_experts=(0,) if E > 1 else ())
-    msgs, m, recv_x, scales, src = region_dispatch(rng, E, R, C, H, fp8, ue8m0)
-    want = P.packed_outputs(recv_x, scales, R, T, ue8m0)
-    for a in want:
-        if a is not None:
-            a[...] = 0
-    P.pack_dispatch(recv_x, scales, src, counts, C, want)
-    # the host wrapper's arguments: strides and offsets of the strided views
-    expert_stride, row_stride = recv_x.strides[:2]
-    assert expert_stride % 16 == 0 and row_stride % 16 == 0
-    row_bytes = H * recv_x.dtype.itemsize
-    S = 0 if not fp8 else want[1].shape[2]
-    flat = msgs.reshape(-1)
-    base = msgs.__array_interface__["data"][0]
-
-    def off(a):
-        return a.__array_interface__["data"][0] - base
-    dst_x = np.zeros(E * R * T * row_bytes, np.uint8)
-    dst_s = np.zeros(E * S * R * T, np.uint32)
-    dst_src, ranges = np.zeros(E * R * T, np.int32), np.zeros(E * R, np.int64)
-    emulate_pack_kernel(flat, off(recv_x), off(scales) if fp8 else None, off(src), expert_stride, row_stride,
-                        row_bytes, S, counts, R, C, R * T, dst_x, dst_s, dst_src, ranges)
-    assert np.array_equal(ranges.reshape(E, R), want[3])
-    assert np.array_equal(dst_x.reshape(E, R * T, row_bytes), want[0].view(np.uint8).reshape(E, R * T, row_bytes))
-    assert np.array_equal(dst_src.reshape(E, R * T), want[2])
-    if fp8:  # the kernel's word buffer is the C-contiguous [E, S, R * T] array the scales transpose
-        assert np.array_equal(dst_s.reshape(E, S, R * T), want[1].transpose(0, 2, 1).view(np.uint32))
-
-
-def test_the_kernel_source_matches_the_emulation():
-    """The emulated statements are the kernels' (a change to one should change the other)."""
-    src = (P.jit.CUDA_SRC / P.PACK_SPEC.source).read_text()
-    for line in ("const int r = i / capacity, q = i - r * capacity;",
-                 "if (q >= count && q != 0) return;",
-                 "layout_range[(int64_t)e * num_ranks + r] = ((int64_t)prefix << 32) | (int64_t)(uint32_t)count;",
-                 "const int64_t p = (int64_t)e * packed_rows + prefix + q;",
-                 "const int64_t src_off = e * expert_stride + i * row_stride;",
-                 "uint32_t* d = dst_scales + (int64_t)e * scale_words * packed_rows + prefix + q;",
-                 "d[(int64_t)j * packed_rows] = s[j];",
-                 "for (int j = threadIdx.x; j < r; j += 32) s += count_e[j];"):
-        assert line in src, line
-    assert P.THREADS == 256 and "constexpr int kThreads = 256;" in src
-    assert "cupyep.deep_ep.packing" in P.jit.SPEC_MODULES
-    assert P.PACK_SPEC in P.kernel_specs()
-
-
 # --------------------------------------------------- through deep_ep.Buffer, over a stand-in
 class _Handle:
     def __init__(self, counts, recv_src, C, T, H, owner):
@@ -225,13 +144,16 @@ class _StandIn:
 
     def __init__(self, rng, E, R, C, T, H):
         self.E, self.R, self.C, self.T, self.H = E, R, C, T, H
+        self.num_local_experts, self.num_ranks, self.max_tokens, self.hidden = E, R, T, H
         self.counts = random_counts(rng, E, R, C, empty_experts=(0,))
         self.msgs, _, self.recv_x, self.scales, self.src = region_dispatch(rng, E, R, C, H, True)
         self.combined_from = None
 
     def dispatch(self, x, topk_idx, **kw):
+        """Fills packed_out as the dispatch_packed kernel does (pack_dispatch is its definition)."""
         from cupyep.low_latency.results import LowLatencyDispatchResult
         h = _Handle(self.counts, self.src, self.C, self.T, self.H, self)
+        P.pack_dispatch(self.recv_x, self.scales, self.src, self.counts, self.C, kw["packed_out"])
         return LowLatencyDispatchResult(self.recv_x, self.scales, self.counts.sum(1).astype(np.int32), h)
 
     def combine(self, x, topk_idx, topk_weights, handle, **kw):
@@ -321,7 +243,7 @@ def test_the_combine_reads_each_packed_row_where_deepeps_layout_puts_it(E, R, C,
     for (e, s, q), row in packed.items():
         assert row == e * R * T + deepep_rows[(e, s)][q]
         assert regions[(e, s, q)] == (e * R + s) * C + q
-    src = (P.jit.CUDA_SRC / "low_latency" / "combine.cu").read_text()
+    src = (jit.CUDA_SRC / "low_latency" / "combine.cu").read_text()
     assert ("return a.x_expert_rows ? (int64_t)le * a.x_expert_rows + (prefix[lo] - prefix[le * R]) + q : slot;"
             in src)
 
@@ -385,7 +307,7 @@ def test_the_dispatchs_own_packing_is_pack_dispatch(E, R, C, T, kind):
         got_s = dst_s.reshape(E, S, R * T)
         want_s = want[1].transpose(0, 2, 1).view(np.uint32)
         assert all(np.array_equal(got_s[e, :, :n[e]], want_s[e, :, :n[e]]) for e in range(E))
-    src_cu = (P.jit.CUDA_SRC / "low_latency" / "dispatch.cu").read_text()
+    src_cu = (jit.CUDA_SRC / "low_latency" / "dispatch.cu").read_text()
     for line in ("const int r = i / C, q = i - r * C;",
                  "if (q >= count && q != 0) continue;  // warp-uniform",
                  "if (q == 0 && lane == 0) a.packed_range[le * R + r] = ((int64_t)prefix << 32) | (int64_t)(uint32_t)count;",

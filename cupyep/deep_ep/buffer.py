@@ -36,6 +36,7 @@ from .gaps import refuse
 from .handles import DispatchHandle, LowLatencyHandle, native_handle
 from .routing import rank_routing
 from . import packing as P
+from ..arrays import xp_of
 from .tensors import current_stream_ptr, to_cupy, to_torch, torch_stream
 
 
@@ -499,7 +500,10 @@ class Buffer:
             self.low_latency = self._ll_staging = None
         self.low_latency = LowLatencyBuffer(self.cgroup, *sizes, max_topk=max_topk, mask=self._shrink_mask())
         self._ll_sizes = sizes
-        P.load(self.cgroup)  # the packing kernels, compiled here (collective) rather than within a call
+        # the dispatch that fills DeepEP's packed layout, compiled here (collectively) rather than within a call
+        from .. import jit
+        from ..low_latency import kernels as LLK
+        jit.kernel(LLK.dispatch_packed_spec(self.low_latency.num_threads, self.low_latency.across_nodes), self.cgroup)
         return self.low_latency
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
@@ -533,10 +537,10 @@ class Buffer:
                 contiguous [E_local, S, R * T] tensor), as DeepEP's. DeepEP's
                 packed layout: local expert e's rows are rows [0, recv_count[e]),
                 source after source in rank order (handle[1] gives each
-                source's range); later rows are unset. New tensors, copied from
-                cupyep's buffer by one kernel that moves only the received rows
-                (cupyep.deep_ep.packing); with return_recv_hook they are filled
-                when the hook runs.
+                source's range); later rows are unset. New tensors, filled by
+                the dispatch's receive half itself (its dispatch_packed kernel;
+                the layout: cupyep.deep_ep.packing); with return_recv_hook when
+                the hook runs.
             recv_count [E_local] torch.int, handle, event, hook (a callable
             with return_recv_hook, else None).
         """
@@ -548,32 +552,19 @@ class Buffer:
         stats = to_cupy(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats")
         waits = to_cupy(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats")
         with torch_stream():
+            # DeepEP's packed results, new tensors, allocated where the dispatch runs (the communication
+            # stream with async_finish, else torch's) and filled by its receive half (in the hook with
+            # return_recv_hook): no launch of their own.
+            on_device = not isinstance(rows, np.ndarray)  # NumPy: cupyep's host logic over stand-ins
+            stream = ll.comm_stream if async_finish and not return_recv_hook and on_device else None
+            with stream if stream is not None else _nullcontext():
+                packed = P.packed_outputs_for(ll.num_local_experts, ll.num_ranks, ll.max_tokens, ll.hidden,
+                                              use_fp8, use_ue8m0, xp_of(rows))
             res = ll.dispatch(rows, idx, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                               cumulative_local_expert_recv_stats=stats, dispatch_wait_recv_cost_stats=waits,
-                              async_finish=async_finish, return_recv_hook=return_recv_hook, validate=self.validate)
+                              async_finish=async_finish, return_recv_hook=return_recv_hook, validate=self.validate,
+                              packed_out=packed)
             native, event, hook = res.handle, res.event, res.hook
-            R = native.layout_count.shape[1]
-            # The packing runs where the dispatch's receive half did: in the hook (on the stream current
-            # then), on the communication stream (async_finish, then recorded as the call's event), or here.
-            on_device = not isinstance(res.recv_x, np.ndarray)  # NumPy: cupyep's host logic over stand-ins
-            stream = ll.comm_stream if async_finish and hook is None and on_device else None
-            with stream if stream is not None else _nullcontext():
-                packed = P.packed_outputs(res.recv_x, res.recv_x_scales, R, native.max_tokens, use_ue8m0)
-
-            def pack():
-                P.pack_dispatch(res.recv_x, res.recv_x_scales, native.recv_src, native.layout_count,
-                                native.capacity, packed)
-            if hook is None:
-                with stream if stream is not None else _nullcontext():
-                    pack()
-                if stream is not None:
-                    event = _record(stream)
-            else:
-                native_hook = hook
-
-                def hook():
-                    native_hook()
-                    pack()
         px, pscales, src_info, ranges = packed
         recv_x = (to_torch(px, "fp8"), to_torch(pscales)) if use_fp8 else to_torch(px, "bf16")
         extra = (x, topk_idx, cumulative_local_expert_recv_stats) if async_finish else None

@@ -15,30 +15,20 @@ same on every run. FP8 scales are DeepEP's column-major tensor: allocated
 (``S = H / 128`` float32 scales, or ``H / 512`` int32 words of four UE8M0
 exponents).
 
-:func:`pack_dispatch` copies one dispatch's received rows into that layout.
-On CuPy arrays it launches the kernel of ``cuda_src/deep_ep/pack.cu`` (one
-block per region row; blocks past a region's count return at once; only
-valid rows are copied, 16 bytes at a time; the packed positions are summed
-on the device, so nothing waits on the host and it can be captured in a CUDA
-graph). On NumPy arrays it runs the same index mapping with NumPy
-(:func:`row_map`), for CPU tests. The combine needs no copy back: cupyep's
-low-latency combine reads packed expert outputs in place
-(``LowLatencyBuffer.combine(x_layout="packed")``).
+:func:`pack_dispatch` copies one dispatch's received rows into that layout
+with array indexing (NumPy or CuPy): the definition the kernels are checked
+against. On the GPU the dispatch fills the layout itself, in its receive half
+(``LowLatencyBuffer.dispatch(packed_out=...)``, the ``dispatch_packed`` kernel
+of ``cuda_src/low_latency/dispatch.cu``; :func:`packed_outputs_for` makes the
+arrays), and the combine reads packed expert outputs in place
+(``LowLatencyBuffer.combine(x_layout="packed")``): no copy has a launch of
+its own.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .. import jit
 from ..arrays import xp_of
-
-PACK_SPEC = jit.KernelSpec(name="deep_ep_pack", source="deep_ep/pack.cu",
-                           kernels=("cupyep::deep_ep::pack_rows",))
-THREADS = 256  # kThreads of pack.cu
-
-
-def kernel_specs() -> list[jit.KernelSpec]:
-    return [PACK_SPEC]
 
 
 # ------------------------------------------------------------------ index math (NumPy or CuPy)
@@ -82,26 +72,10 @@ def row_map(layout_count, capacity: int):
     return e, r * int(capacity) + qq, packed_begin(layout_count)[e, r] + qq
 
 
-# ------------------------------------------------------------------ host wrappers
-def _ptr(a) -> np.uint64:
-    return np.uint64(a.data.ptr)
-
-
-def _check_counts(layout_count, E: int) -> None:
-    if layout_count.dtype != np.int32 or layout_count.ndim != 2 or layout_count.shape[0] != E \
-            or not layout_count.flags.c_contiguous:
-        raise ValueError(f"layout_count must be a C-contiguous [{E}, R] int32 array, got {layout_count.shape} "
-                         f"{layout_count.dtype}")
-
-
-def load(group=None):
-    """Compile (or fetch) the kernels of this module for the current device;
-    with ``group`` collectively over the node (jit.load)."""
-    return jit.load(PACK_SPEC, group)
-
-
+# ------------------------------------------------------------------ the outputs and the definition
 def packed_outputs(recv_x, recv_x_scales, num_ranks: int, max_tokens: int, use_ue8m0: bool = False):
-    """Uninitialised outputs of :func:`pack_dispatch`, on the current stream.
+    """Uninitialised outputs of :func:`pack_dispatch` for a dispatch result
+    (NumPy or CuPy, as ``recv_x``; CuPy on the current stream).
 
     Arguments:
         recv_x: [E_local, R * C, H] uint8 (FP8 bits) or uint16 (BF16 bits), the
@@ -116,28 +90,34 @@ def packed_outputs(recv_x, recv_x_scales, num_ranks: int, max_tokens: int, use_u
          use_ue8m0), the transpose of a C-contiguous [E_local, S, R * T] array, or None;
          src_info [E_local, R * T] int32; layout_range [E_local, R] int64).
     """
-    xp = xp_of(recv_x)
     E, _, H = recv_x.shape
-    RT = num_ranks * max_tokens
-    x = xp.empty((E, RT, H), dtype=recv_x.dtype)
+    return packed_outputs_for(E, num_ranks, max_tokens, H, recv_x_scales is not None, use_ue8m0, xp_of(recv_x))
+
+
+def packed_outputs_for(num_local_experts: int, num_ranks: int, max_tokens: int, hidden: int, use_fp8: bool,
+                       use_ue8m0: bool, xp=np):
+    """:func:`packed_outputs` from the sizes (E_local, R, T, H) and the
+    format: what ``LowLatencyBuffer.dispatch(packed_out=...)`` fills.
+    ``xp``: numpy or cupy."""
+    E, RT, H = num_local_experts, num_ranks * max_tokens, hidden
+    x = xp.empty((E, RT, H), dtype=np.uint8 if use_fp8 else np.uint16)
     scales = None
-    if recv_x_scales is not None:
+    if use_fp8:
         S = H // 512 if use_ue8m0 else H // 128
         scales = xp.empty((E, S, RT), dtype=np.int32 if use_ue8m0 else np.float32).transpose(0, 2, 1)
     return x, scales, xp.empty((E, RT), dtype=np.int32), xp.empty((E, num_ranks), dtype=np.int64)
 
 
 def pack_dispatch(recv_x, recv_x_scales, recv_src, layout_count, capacity: int, outputs) -> None:
-    """Copy a low-latency dispatch's valid rows into DeepEP's packed layout
-    (on the current stream; NumPy arrays: with NumPy).
+    """Copy a low-latency dispatch's valid rows into DeepEP's packed layout,
+    by array indexing (NumPy, or CuPy on the current stream).
 
     Arguments:
-        recv_x: [E_local, R * C, H] uint8 (FP8 bits) or uint16 (BF16 bits), rows
-            contiguous, any row and expert strides that are multiples of 16 bytes
+        recv_x: [E_local, R * C, H] uint8 (FP8 bits) or uint16 (BF16 bits)
             (cupyep's LowLatencyDispatchResult.recv_x).
         recv_x_scales: [E_local, R * C, H / 128] float32, or uint8 UE8M0 exponents
-            (H a multiple of 512), with recv_x's strides; None for BF16.
-        recv_src: [E_local, R * C] int32 source token of each row, with recv_x's strides (the handle's recv_src).
+            (H a multiple of 512); None for BF16.
+        recv_src: [E_local, R * C] int32 source token of each row (the handle's recv_src).
         layout_count: [E_local, R] int32 rows of each (expert, source) region.
         capacity: C, rows of each region.
         outputs: the arrays of :func:`packed_outputs`, written here: valid rows
@@ -145,37 +125,13 @@ def pack_dispatch(recv_x, recv_x_scales, recv_src, layout_count, capacity: int, 
             recv_count[e] are left as they are (as DeepEP's).
     """
     x, scales, src_info, ranges = outputs
-    E, RC, H = recv_x.shape
-    R = layout_count.shape[1]
-    if xp_of(recv_x) is np:
-        e, region, packed = row_map(layout_count, capacity)
-        x[e, packed] = recv_x[e, region]
-        if scales is not None:
-            s = recv_x_scales
-            if s.dtype == np.uint8:  # four UE8M0 exponents a word
-                s = np.ascontiguousarray(s).view(np.int32)
-            scales[e, packed] = s[e, region]
-        src_info[e, packed] = recv_src[e, region]
-        ranges[...] = layout_range(layout_count)
-        return
-    if E == 0 or RC == 0:
-        return
-    _check_counts(layout_count, E)
-    st = recv_x.strides
-    row_bytes = H * recv_x.dtype.itemsize
-    if st[2] != recv_x.dtype.itemsize or st[1] % 16 or st[0] % 16 or recv_x.data.ptr % 16 or row_bytes % 16:
-        raise ValueError(f"recv_x must have contiguous rows of a multiple of 16 bytes on 16-byte strides; its "
-                         f"strides are {st}")
-    if scales is not None and recv_x_scales.strides[:2] != st[:2]:
-        raise ValueError("recv_x_scales must have recv_x's row and expert strides")
-    if recv_src.strides != st[:2]:
-        raise ValueError("recv_src must have recv_x's row and expert strides")
-    fn = load()["cupyep::deep_ep::pack_rows"]
-    scale_words = 0 if scales is None else scales.shape[2]
-    fn((RC, E), (THREADS,), (
-        np.uint64(recv_x.data.ptr), np.uint64(0 if scales is None else recv_x_scales.data.ptr),
-        np.uint64(recv_src.data.ptr), np.int64(st[0]), np.int64(st[1]), np.int32(row_bytes), np.int32(scale_words),
-        _ptr(layout_count), np.int32(R), np.int32(capacity), np.int32(x.shape[1]),
-        _ptr(x), np.uint64(0 if scales is None else scales.data.ptr), _ptr(src_info), _ptr(ranges)))
-
-
+    xp = xp_of(recv_x)
+    e, region, packed = row_map(layout_count, capacity)
+    x[e, packed] = recv_x[e, region]
+    if scales is not None:
+        sc = recv_x_scales
+        if sc.dtype == np.uint8:  # four UE8M0 exponents a word
+            sc = xp.ascontiguousarray(sc).view(np.int32)
+        scales[e, packed] = sc[e, region]
+    src_info[e, packed] = recv_src[e, region]
+    ranges[...] = layout_range(layout_count)
