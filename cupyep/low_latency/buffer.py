@@ -556,6 +556,9 @@ class LowLatencyBuffer:
         check(rng, "layout_range", np.int64, shape=(El, R))
         if not (x.flags.c_contiguous and src.flags.c_contiguous and rng.flags.c_contiguous):
             raise ValueError("packed x, src_info and layout_range must be C-contiguous")
+        if use_ue8m0 and H % 512:
+            raise ValueError(f"packed_out with use_ue8m0 holds four UE8M0 exponents a word: hidden={H} must be a "
+                             f"multiple of 512")
         if use_fp8:
             S = H // 512 if use_ue8m0 else H // 128
             dt = np.int32 if use_ue8m0 else np.float32
