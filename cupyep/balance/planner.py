@@ -89,6 +89,13 @@ def replicate(weight: np.ndarray, num_physical: int) -> tuple[np.ndarray, np.nda
         replica [X, P] int64: which replica of its expert it is; logcnt [X, n]
         int64: replicas per expert).
     """
+    return _replicate(weight, num_physical, lambda logcnt: np.argmax(weight / logcnt, axis=1))
+
+
+def _replicate(weight: np.ndarray, num_physical: int, choose):
+    """:func:`replicate`'s outputs, each further replica going to the expert
+    that ``choose(logcnt)`` picks per row (logcnt: [X, n] the replica counts
+    so far; it returns [X] expert ids)."""
     X, n = weight.shape
     if num_physical < n:
         raise ValueError(f"{num_physical} physical experts cannot hold {n} logical ones")
@@ -98,7 +105,7 @@ def replicate(weight: np.ndarray, num_physical: int) -> tuple[np.ndarray, np.nda
     logcnt = np.ones((X, n), dtype=np.int64)
     rows = np.arange(X)
     for i in range(n, num_physical):
-        e = np.argmax(weight / logcnt, axis=1)
+        e = choose(logcnt)
         phy2log[:, i] = e
         replica[:, i] = logcnt[rows, e]
         logcnt[rows, e] += 1
@@ -113,24 +120,13 @@ def replicate_spread(weight: np.ndarray, num_physical: int, num_packs: int):
     as :func:`replicate`, to the largest load per replica). It keeps a hot
     expert at one replica per pack where :func:`replicate` would put a
     second replica on a pack and so raise that pack's load."""
-    X, n = weight.shape
-    if num_physical < n:
-        raise ValueError(f"{num_physical} physical experts cannot hold {n} logical ones")
-    phy2log = np.empty((X, num_physical), dtype=np.int64)
-    replica = np.zeros((X, num_physical), dtype=np.int64)
-    phy2log[:, :n] = np.arange(n)
-    logcnt = np.ones((X, n), dtype=np.int64)
-    rows = np.arange(X)
-    for i in range(n, num_physical):
+    def choose(logcnt):
         bound = -(-logcnt // num_packs) * weight / logcnt
         after = -(-(logcnt + 1) // num_packs) * weight / (logcnt + 1)
         lowers = after < bound
         pick = np.argmax(np.where(lowers, bound, -np.inf), axis=1)
-        e = np.where(lowers.any(axis=1), pick, np.argmax(weight / logcnt, axis=1))
-        phy2log[:, i] = e
-        replica[:, i] = logcnt[rows, e]
-        logcnt[rows, e] += 1
-    return phy2log, replica, logcnt
+        return np.where(lowers.any(axis=1), pick, np.argmax(weight / logcnt, axis=1))
+    return _replicate(weight, num_physical, choose)
 
 
 def replicate_and_pack(weight: np.ndarray, num_physical: int, num_packs: int):
