@@ -58,7 +58,7 @@ import cupyep
 from cupyep.lab.bench import require_gpu
 from cupyep.barrier import gpu_barrier
 from cupyep.low_latency import ranks_of
-from cupyep.lab.bench.copy import copy_bandwidth, copy_probe
+from cupyep.lab.bench.copy import against_copy, copy_bandwidth, probe_on_rank0
 from cupyep.lab.bench.low_latency import WARMUP, Session
 from cupyep.lab.bench.report import JsonlWriter
 from cupyep.lab.bench.scatter import pattern_rows, scatter
@@ -117,13 +117,9 @@ def main():
     copy_bw = group.comm.bcast(copy_bandwidth(2 << 30) if me == 0 else 0.0)
     bar = gpu_barrier(group)  # lines up every rank a call involves, across nodes too
     H, warmup = args.hidden, WARMUP
-    sweep = [n for n in args.num_blocks if n is not None]
     probe = {}
     if len(args.num_blocks) > 1:  # the copy kernel on R x N blocks, timed by rank 0 alone
-        probe = group.comm.bcast(copy_probe(sorted({R * n for n in sweep})) if me == 0 else None)
-        for n in sorted(probe):
-            out_all.write({"kind": "copy_probe", "blocks": n, "copy_GBps": round(probe[n] / 1e9, 1),
-                           "per_block_GBps": round(probe[n] / 1e9 / n, 2)})
+        probe = probe_on_rank0(group, [R * n for n in args.num_blocks if n is not None], out_all)
     for num_blocks in args.num_blocks:
         buf = cupyep.LowLatencyBuffer(group, args.max_tokens, args.hidden, args.experts, num_blocks=num_blocks,
                                       num_waiters=args.num_waiters, num_threads=args.threads,
@@ -146,10 +142,7 @@ class _AgainstCopy:
         self.out, self.same, self.copy_bw = out, same, copy_bw
 
     def write(self, rec):
-        if self.same and rec.get("efficiency") is not None:
-            rec = {**rec, "copy_same_sms_GBps": round(self.same / 1e9, 1),
-                   "of_copy_same_sms": round(rec["efficiency"] * self.copy_bw / self.same, 4)}
-        self.out.write(rec)
+        self.out.write(against_copy(rec, self.same, self.copy_bw) if rec.get("efficiency") is not None else rec)
 
 
 def run_buffer(args, group, buf, bar, out, me, R, H, warmup, copy_bw):

@@ -39,7 +39,7 @@ import numpy as np
 import cupyep
 from cupyep.lab.bench import require_gpu
 from cupyep.barrier import GpuBarrier
-from cupyep.lab.bench.copy import copy_bandwidth, copy_probe
+from cupyep.lab.bench.copy import against_copy, copy_bandwidth, probe_on_rank0
 from cupyep.lab.bench.normal import DIRECT_KINDS, KINDS, measure
 from cupyep.lab.bench.report import JsonlWriter
 from cupyep.fp8 import per_token_cast_to_fp8
@@ -110,13 +110,6 @@ def main():
     # The default kinds, then the direct transport's own (zero-copy combine, unfused dispatches).
     extra = list(DIRECT_KINDS) if args.kinds == list(KINDS) else []
     direct_kinds = args.kinds + [k for k in extra if k not in args.kinds]
-    def against_copy(rec, blocks, probe):
-        """rec with the copy kernel's rate on ``blocks`` SMs and rec's fraction of it."""
-        same = probe[blocks]
-        return {**rec, "sweep": True, "copy_same_sms_GBps": round(same / 1e9, 1),
-                "of_copy_same_sms": None if rec.get("efficiency") is None else
-                round(rec["efficiency"] * copy_bw / same, 4)}
-
     if "queue" in args.transports:
         for l2 in args.l2 or [None]:
             dcfg, fcfg, ccfg = with_l2(dcfg0, l2), with_l2(fcfg0, l2), with_l2(ccfg0, l2)
@@ -124,21 +117,22 @@ def main():
                 for kind in queue_kinds:
                     out.write(run(kind, fcfg if kind == "dispatch_fp8" else dcfg, ccfg, timing))
         swept = [m for m in args.queue_sms if 2 <= m <= buf.sm_budget and m % 2 == 0]
-        probe = _probe(group, [R * m for m in swept], out)
+        probe = probe_on_rank0(group, [R * m for m in swept], out)
         for sms in swept:
             for kind in queue_kinds:
                 d = replace(fcfg0 if kind == "dispatch_fp8" else dcfg0, num_sms=sms)
-                out.write(against_copy(run(kind, d, replace(ccfg0, num_sms=sms), "strict"), R * sms, probe))
+                out.write(against_copy({**run(kind, d, replace(ccfg0, num_sms=sms), "strict"), "sweep": True},
+                                       probe[R * sms], copy_bw))
     if "direct" in args.transports:
         for timing in timings:
             for kind in direct_kinds:
                 out.write(run(kind, DirectConfig(), None, timing, "direct"))
         swept = [m for m in args.direct_sms if m <= buf.sm_budget]  # more would not all be resident
-        probe = _probe(group, [R * m for m in swept] + args.copy_probe, out)
+        probe = probe_on_rank0(group, [R * m for m in swept] + args.copy_probe, out)
         for sms in swept:
             for kind in direct_kinds:
-                out.write(against_copy(run(kind, DirectConfig(num_sms=sms), None, "strict", "direct"), R * sms,
-                                       probe))
+                out.write(against_copy({**run(kind, DirectConfig(num_sms=sms), None, "strict", "direct"),
+                                        "sweep": True}, probe[R * sms], copy_bw))
     if args.sweep:
         for threads, l2 in ((t, l2) for t in args.threads for l2 in (args.l2 or [None])):
             dcfg, fcfg, ccfg = with_l2(dcfg0, l2), with_l2(fcfg0, l2), with_l2(ccfg0, l2)
@@ -158,18 +152,6 @@ def main():
     bar.destroy()
     buf.destroy()
     group.destroy()
-
-
-def _probe(group, block_counts, out) -> dict:
-    """{blocks: copy bytes per second}, timed by rank 0 alone (the others
-    wait), written as "copy_probe" records; the same dict on every rank."""
-    counts = sorted({int(n) for n in block_counts if n > 0})
-    got = copy_probe(counts) if group.rank == 0 else None
-    got = group.comm.bcast(got)
-    for n in counts:
-        out.write({"kind": "copy_probe", "blocks": n, "copy_GBps": round(got[n] / 1e9, 1),
-                   "per_block_GBps": round(got[n] / 1e9 / n, 2)})
-    return got
 
 
 if __name__ == "__main__":

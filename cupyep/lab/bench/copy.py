@@ -44,3 +44,26 @@ def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20, num_blocks: int | Non
     from .timing import time_fn
     t = time_fn(lambda: device_copy(src, dst, num_blocks), iters=iters, warmup=3, flush=False)
     return 2 * (nbytes // 16 * 16) / t.median_s
+
+
+def probe_on_rank0(group, block_counts, out) -> dict:
+    """:func:`copy_probe` on each count of ``block_counts`` (those > 0),
+    timed by rank 0 alone while the others wait, written to ``out`` as
+    "copy_probe" records; the same {blocks: bytes per second} on every rank."""
+    counts = sorted({int(n) for n in block_counts if n and n > 0})
+    got = group.comm.bcast(copy_probe(counts) if group.rank == 0 else None)
+    for n in counts:
+        out.write({"kind": "copy_probe", "blocks": n, "copy_GBps": round(got[n] / 1e9, 1),
+                   "per_block_GBps": round(got[n] / 1e9 / n, 2)})
+    return got
+
+
+def against_copy(rec: dict, same: float | None, copy_bw: float) -> dict:
+    """``rec`` (a benchmark record whose "efficiency" is its bytes over
+    ``copy_bw``, per its time) with "copy_same_sms_GBps", the copy kernel's
+    rate ``same`` on as many SMs, and "of_copy_same_sms", the record's
+    fraction of it; ``rec`` unchanged when ``same`` is unknown."""
+    if not same:
+        return rec
+    return {**rec, "copy_same_sms_GBps": round(same / 1e9, 1),
+            "of_copy_same_sms": None if rec.get("efficiency") is None else round(rec["efficiency"] * copy_bw / same, 4)}
