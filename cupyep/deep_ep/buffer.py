@@ -500,10 +500,8 @@ class Buffer:
             self.low_latency = self._ll_staging = None
         self.low_latency = LowLatencyBuffer(self.cgroup, *sizes, max_topk=max_topk, mask=self._shrink_mask())
         self._ll_sizes = sizes
-        # the dispatch that fills DeepEP's packed layout, compiled here (collectively) rather than within a call
-        from .. import jit
-        from ..low_latency import kernels as LLK
-        jit.kernel(LLK.dispatch_packed_spec(self.low_latency.num_threads, self.low_latency.across_nodes), self.cgroup)
+        # the dispatch that fills DeepEP's packed layout, loaded here (collectively) rather than within a call
+        self.low_latency.load_kernel("dispatch_packed")
         return self.low_latency
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:

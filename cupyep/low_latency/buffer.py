@@ -145,6 +145,7 @@ class LowLatencyBuffer:
         try:
             self._dispatch_fn = jit.kernel(K.dispatch_spec(num_threads, self.across_nodes), group)
             self._combine_fn = jit.kernel(K.combine_spec(num_threads, self.across_nodes), group)
+            self._variants = {}  # dispatch_packed / combine_logfmt, loaded at their first use (load_kernel)
             self._check_resident()
         except BaseException:
             self.buffer.destroy()
@@ -333,8 +334,7 @@ class LowLatencyBuffer:
         plan = K.dispatch_smem(max(T, 1), self.num_blocks, k, self.num_experts)
         packed = self._check_packed_out(packed_out, use_fp8, use_ue8m0)
         # (the packing kernel is loaded, collectively the first time, before the call takes its set)
-        fn = self._dispatch_fn if packed is None else \
-            jit.kernel(K.dispatch_packed_spec(self.num_threads, self.across_nodes), self.group)
+        fn = self._dispatch_fn if packed is None else self.load_kernel("dispatch_packed")
         profile = self._profile_args(kernel_time_ns, trace)
 
         region, call, cur, sets = self._take_set("dispatch")
@@ -523,7 +523,7 @@ class LowLatencyBuffer:
                 raise ValueError("use_logfmt=True pushes the encoded rows; pass pull=None or False")
             pull = False
         # (the LogFMT kernel is loaded, collectively the first time, before the call takes its set)
-        fn = self._combine_fn if not use_logfmt else jit.kernel(K.combine_logfmt_spec(self.num_threads), self.group)
+        fn = self._combine_fn if not use_logfmt else self.load_kernel("combine_logfmt")
         profile = self._profile_args(kernel_time_ns, trace)
         _, _, _, sets = self._take_set("combine")
         stream = self._stream(async_finish)
@@ -540,6 +540,18 @@ class LowLatencyBuffer:
 
         hook = self._run(fn, K.COMBINE_ARGS_DTYPE, call_args, args, smem, stream, return_recv_hook)
         return LowLatencyCombineResult(out, self._finish(stream, async_finish), hook)
+
+    def load_kernel(self, name: str):
+        """The kernel of ``name`` ("dispatch_packed" or "combine_logfmt"),
+        compiled and loaded collectively at its first use, then kept."""
+        fn = self._variants.get(name)
+        if fn is None:
+            specs = {"dispatch_packed": lambda: K.dispatch_packed_spec(self.num_threads, self.across_nodes),
+                     "combine_logfmt": lambda: K.combine_logfmt_spec(self.num_threads)}
+            if name not in specs:
+                raise ValueError(f"no kernel {name!r}; one of {sorted(specs)}")
+            fn = self._variants[name] = jit.kernel(specs[name](), self.group)
+        return fn
 
     def _check_packed_out(self, packed_out, use_fp8: bool, use_ue8m0: bool):
         """dispatch's packed_out as CuPy arrays, checked (ValueError naming the array), or None."""
