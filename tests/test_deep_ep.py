@@ -19,9 +19,10 @@ from queue import Empty, Queue
 import numpy as np
 import pytest
 
+from deep_ep_stubs import stub_tensors
+
 from cupyep import deep_ep
 from cupyep.deep_ep import budget as B
-from cupyep.deep_ep import buffer as buffer_module
 from cupyep.deep_ep import handles as handles_module
 from cupyep.deep_ep.config import Config, from_cupyep, to_cupyep, tuned_config
 from cupyep.deep_ep.events import EventHandle, EventOverlap, event_of, overlap
@@ -217,11 +218,7 @@ class _NormalStandIn:
 @pytest.fixture
 def host_buffer(monkeypatch):
     """A deep_ep.Buffer over the stand-in normal buffer, within one node of 2 ranks."""
-    import contextlib
-    monkeypatch.setattr(buffer_module, "to_cupy", lambda t, name: t)
-    monkeypatch.setattr(buffer_module, "to_torch", lambda a, view=None: a)
-    monkeypatch.setattr(handles_module, "to_torch", lambda a, view=None: a)
-    monkeypatch.setattr(buffer_module, "torch_stream", contextlib.nullcontext)
+    stub_tensors(monkeypatch)
     monkeypatch.setattr(deep_ep.Buffer, "num_sms", 20)
     monkeypatch.setattr(deep_ep.Buffer, "_num_sms_set", False)
     b = deep_ep.Buffer.__new__(deep_ep.Buffer)

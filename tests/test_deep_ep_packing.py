@@ -16,14 +16,12 @@ are a statement-by-statement emulation of the dispatch's own packing
 (combine.cu x_row); the GPU runs are in tests/gpu/test_low_latency_gpu.py
 and tests/gpu/test_deep_ep_gpu.py.
 """
-import contextlib
-
 import numpy as np
 import pytest
 
+from deep_ep_stubs import stub_tensors
+
 from cupyep import deep_ep, jit
-from cupyep.deep_ep import buffer as buffer_module
-from cupyep.deep_ep import handles as handles_module
 from cupyep.deep_ep import packing as P
 from cupyep.low_latency.layout import message_layout
 
@@ -169,10 +167,7 @@ class _StandIn:
 
 @pytest.fixture
 def ll_buffer(monkeypatch):
-    monkeypatch.setattr(buffer_module, "to_cupy", lambda t, name: t)
-    monkeypatch.setattr(buffer_module, "to_torch", lambda a, view=None: a)
-    monkeypatch.setattr(handles_module, "to_torch", lambda a, view=None: a)
-    monkeypatch.setattr(buffer_module, "torch_stream", contextlib.nullcontext)
+    stub_tensors(monkeypatch)
     b = deep_ep.Buffer.__new__(deep_ep.Buffer)
     E, R, C, T, H = 3, 4, 2, 5, 256
     b.validate, b.low_latency_mode, b._ll_staging = False, True, None
