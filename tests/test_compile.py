@@ -3,6 +3,7 @@ registered kernel specialisation for sm_90 with nvcc (no GPU needed). Needs
 the CUDA toolkit; without nvcc this test fails (it is not skipped)."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -84,6 +85,38 @@ def test_every_kernel_source_compiles_under_nvrtc_headers():
             found[str(path.relative_to(REPO))] = bad
     assert not found, ("standard headers NVRTC cannot open (include common/types.cuh for fixed-width "
                        f"integers): {found}")
+
+
+# Macros of the C library's headers (<math.h>, <float.h>, <limits.h>, <stdint.h>):
+# nvcc's host headers define them, NVRTC does not.
+LIBC_MACROS = ("INFINITY", "NAN", "HUGE_VAL", "HUGE_VALF", "FLT_MAX", "FLT_MIN", "DBL_MAX", "INT_MAX",
+               "INT_MIN", "UINT_MAX", "M_PI", "SIZE_MAX", "CHAR_BIT", "INT32_MAX", "UINT32_MAX")
+
+
+def _libc_macros(text: str) -> list[tuple[int, str]]:
+    """(line, macro) of every LIBC_MACROS name used in code (comments stripped) and not #defined in ``text``."""
+    code = re.sub(r"/\*.*?\*/", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)
+    defined = set(re.findall(r"#\s*define\s+(\w+)", code))
+    bad = []
+    for no, line in enumerate(code.splitlines(), 1):
+        line = line.split("//")[0]
+        bad += [(no, m) for m in re.findall(r"\b[A-Z_0-9]+\b", line) if m in LIBC_MACROS and m not in defined]
+    return bad
+
+
+def test_no_kernel_source_uses_a_libc_macro():
+    found = {}
+    for path in sorted((REPO / "cuda_src").rglob("*.cu*")):
+        bad = _libc_macros(path.read_text())
+        if bad:
+            found[str(path.relative_to(REPO))] = bad
+    assert not found, f"C library macros NVRTC does not define (write the value, e.g. __int_as_float(0x7f800000)): {found}"
+
+
+def test_the_macro_check_sees_a_libc_macro():
+    assert _libc_macros("float a = INFINITY;\n") == [(1, "INFINITY")]
+    assert _libc_macros("int c; // or INT_MAX\n/* FLT_MAX */\n") == []
+    assert _libc_macros("#define INT_MAX 0x7fffffff\nint c = INT_MAX;\n") == []
 
 
 def test_the_include_check_sees_a_standard_header():

@@ -44,7 +44,7 @@ __device__ __forceinline__ void unpack8(const int4& v, float (&f)[8]) {
 // (lo, hi) of a group whose 128 values 16 lanes hold 8 each (lanes l with the
 // same l / 16): the reduction stays within each half of the warp.
 __device__ __forceinline__ float2 group_range(const float (&f)[8]) {
-    float amax = 0.f, amin = INFINITY;
+    float amax = 0.f, amin = __int_as_float(0x7f800000);  // +inf (NVRTC has no <math.h> INFINITY)
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         const float a = fabsf(f[i]);

@@ -203,7 +203,10 @@ def check_dispatch_combine(ctx, payload, async_mode=False, previous_mode=False, 
         if async_mode:
             event.current_stream_wait()
         terms = [b0] if not isinstance(bias, tuple) else [b0, b1]
-        exact = f32_to_bf16(bf16_to_f32(bits(plain)) + sum(bf16_to_f32(t) for t in terms))
+        acc = bf16_to_f32(bits(plain))
+        for t in terms:  # left to right, as cupyep.deep_ep.bias adds them: (row + bias_0) + bias_1
+            acc = acc + bf16_to_f32(t)
+        exact = f32_to_bf16(acc)
         with_bias = bf16_to_f32(bits(combined))
         diff = ref.calc_diff(with_bias, want + sum(bf16_to_f32(t) for t in terms))
         assert ctx.all(np.array_equal(bits(combined), exact) and diff < 1e-5), ("combine with bias", diff)
