@@ -693,9 +693,17 @@ def test_logfmt_combine(group, llbuf, hook):
     sw = (w[me] * valid).sum(axis=1, dtype=np.float64).astype(np.float32)[:, None]
     want_lf = LF.roundtrip(bf16_to_f32(xs[me])) * sw
     want = bf16_to_f32(xs[me]) * sw
-    d_lf, d_exact = ref.calc_diff(outs[0], want_lf), ref.calc_diff(outs[0], want)
-    ok = np.array_equal(outs[0], outs[1]) and d_lf < 1e-6 and d_exact < 5e-6 and not np.isnan(outs[0]).any()
-    assert all_ranks(group.comm, ok), (d_lf, d_exact, np.array_equal(outs[0], outs[1]))
+    # The hash columns (|x| <= 1, many octaves a group) show the format: the result is the BF16 rounding
+    # of the reference's LogFMT combine (calc_diff ~4e-9, the summation order and BF16 rounding) and
+    # measurably off the exact combine (~1e-7). The token-index columns (one value a group, which the
+    # format carries exactly) would swamp calc_diff; they are checked to one BF16 unit instead.
+    hcols = slice(0, H - 128)
+    d_lf = ref.calc_diff(outs[0][:, hcols], want_lf[:, hcols])
+    d_exact = ref.calc_diff(outs[0][:, hcols], want[:, hcols])
+    tag_ok = np.all(np.abs(outs[0][:, -128:] - want[:, -128:]) <= np.abs(want[:, -128:]) * 2.0 ** -7 + 1e-30)
+    ok = (np.array_equal(outs[0], outs[1]) and d_lf < 2e-8 and 5 * d_lf < d_exact < 5e-6 and tag_ok
+          and not np.isnan(outs[0]).any())
+    assert all_ranks(group.comm, ok), (d_lf, d_exact, bool(tag_ok), np.array_equal(outs[0], outs[1]))
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "ue8m0"])
