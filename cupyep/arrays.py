@@ -13,7 +13,11 @@ import numpy as np
 BF16 = np.dtype(np.uint16)   # bfloat16 bit pattern
 FP8 = np.dtype(np.uint8)     # float8 e4m3fn bit pattern
 
-_TORCH_VIEWS = {"torch.bfloat16": ("int16", np.uint16), "torch.float8_e4m3fn": ("uint8", np.uint8)}
+# torch dtype name -> the NumPy dtype cupyep sees (BF16 and FP8 as their bits)
+_TORCH_NAMES = {"bfloat16": np.uint16, "float8_e4m3fn": np.uint8, "float32": np.float32, "int64": np.int64,
+                "int32": np.int32, "bool": np.bool_, "uint8": np.uint8, "int16": np.int16, "float16": np.float16,
+                "float64": np.float64, "int8": np.int8}
+_TORCH_DTYPES: dict = {}  # torch dtype -> NumPy dtype (filled when the first tensor is seen)
 
 
 def xp_of(a):
@@ -26,20 +30,58 @@ def xp_of(a):
 
 
 def as_cupy(a, name: str):
-    """Zero-copy view of ``a`` as a cupy array (None passes through)."""
+    """Zero-copy view of ``a`` as a cupy array (None passes through).
+
+    A CUDA torch tensor is viewed directly (:func:`torch_view`); anything
+    else speaking ``__cuda_array_interface__`` or DLPack through CuPy.
+    TypeError for host data."""
     import cupy
     if a is None or isinstance(a, cupy.ndarray):
         return a
-    view = _TORCH_VIEWS.get(str(getattr(a, "dtype", "")))
-    if view is not None:  # torch: reinterpret the bits, then share memory
-        import torch
-        return cupy.from_dlpack(a.view(getattr(torch, view[0]))).view(view[1])
+    if type(a).__module__.startswith("torch"):
+        return torch_view(a, name)
     if hasattr(a, "__cuda_array_interface__"):
         return cupy.asarray(a)
     if hasattr(a, "__dlpack__"):
         return cupy.from_dlpack(a)
     raise TypeError(f"{name} must be a CuPy array or a GPU array speaking DLPack or __cuda_array_interface__, "
                     f"got {type(a).__name__}")
+
+
+def torch_view(t, name: str):
+    """A CuPy array over a CUDA torch tensor's memory, holding the tensor
+    alive: BF16 as ``uint16`` bits, FP8 e4m3 as ``uint8`` bits, the others as
+    their NumPy dtype, strides kept. Nothing is copied and no stream is
+    synchronised (the caller orders its work after the tensor's producer).
+    A tensor that carries the CuPy array it was made from
+    (``t._cupyep_array``, set by ``cupyep.deep_ep``) gives that array back.
+    TypeError for a CPU tensor or a dtype cupyep does not carry."""
+    import cupy
+    a = getattr(t, "_cupyep_array", None)
+    if a is not None and a.data.ptr == t.data_ptr() and a.shape == t.shape:
+        return a
+    if not _TORCH_DTYPES:
+        import torch
+        _TORCH_DTYPES.update({getattr(torch, n): np.dtype(d) for n, d in _TORCH_NAMES.items() if hasattr(torch, n)})
+    dtype = _TORCH_DTYPES.get(getattr(t, "dtype", None))
+    if dtype is None or not hasattr(t, "data_ptr"):
+        raise TypeError(f"{name} must be a CUDA torch tensor (or a CuPy array), got "
+                        f"{type(t).__name__} {getattr(t, 'dtype', '')}")
+    if not t.is_cuda:
+        raise TypeError(f"{name} must be on a CUDA device, got a tensor on {t.device}")
+    shape = tuple(t.shape)
+    n = t.numel()
+    if n == 0:
+        return cupy.empty(shape, dtype=dtype)
+    if t.is_contiguous():  # the common case: no strides to convert
+        strides, span = None, n * dtype.itemsize
+    else:
+        strides = tuple(s * dtype.itemsize for s in t.stride())
+        if any(s < 0 for s in strides):
+            raise TypeError(f"{name} has negative strides")
+        span = sum((d - 1) * s for d, s in zip(shape, strides)) + dtype.itemsize
+    mem = cupy.cuda.UnownedMemory(t.data_ptr(), span, t, t.get_device())
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0), strides)
 
 
 def carve(shapes: dict, dtype=np.int32, zero: bool = False) -> dict:

@@ -52,6 +52,34 @@ def host_times(fn, iters: int, warmup: int, sync) -> list:
     return out
 
 
+def allocations_per_call(fn, calls: int, sync) -> dict:
+    """CuPy allocations per call of ``fn`` over ``calls`` calls: ``pool`` (every
+    allocation through CuPy's memory pool) and ``device`` (those the pool could
+    not serve from its cache, each a cudaMalloc)."""
+    import cupy
+
+    class Count(cupy.cuda.MemoryHook):
+        name = "cupyep_count"
+
+        def __init__(self):
+            self.pool = self.device = 0
+
+        def malloc_preprocess(self, **kw):
+            self.pool += 1
+
+        def alloc_preprocess(self, **kw):
+            self.device += 1
+
+    fn()
+    sync()
+    hook = Count()
+    with hook:
+        for _ in range(calls):
+            fn()
+    sync()
+    return {"pool": hook.pool / calls, "device": hook.device / calls}
+
+
 def profile_adapter(path, group, sync, iters, calls, ll_calls):
     """Rank 0 profiles ``iters`` adapter calls of each kind (the others make
     the same calls unprofiled) and writes each kind's top functions by own
@@ -119,6 +147,7 @@ def main():
                         "write the functions by own time to this text file")
     args = p.parse_args()
 
+    import cupy
     import torch
     from mpi4py import MPI
 
@@ -247,7 +276,12 @@ def main():
         ctx = TS.torch_stream()
         ctx.__enter__()
         ctx.__exit__(None, None, None)
+    from cupyep.deep_ep import packing as PK
+    packed = PK.packed_outputs_for(ll.num_local_experts, R, T_ll, H, True, False, cupy)
     pieces = {
+        "packed outputs (allocate four arrays)": lambda: PK.packed_outputs_for(ll.num_local_experts, R, T_ll, H,
+                                                                                True, False, cupy),
+        "packed outputs (check)": lambda: ll._check_packed_out(packed, True, False),
         "to_cupy (one tensor)": lambda: TS.to_cupy(x_t, "x"),
         "to_torch (one array, as bfloat16)": lambda: TS.to_torch(x_c, "bf16"),
         "torch_stream (enter and exit)": stream_enter_exit,
@@ -257,6 +291,15 @@ def main():
     for name, fn in pieces.items():
         med = float(np.median(host_times(fn, args.iters * args.rounds, args.warmup, sync))) * 1e6
         piece_us[name] = group.comm.allreduce(med, op=MPI.MAX)
+
+    # CuPy allocations per call, each variant (pool requests and cudaMallocs), outside the timings.
+    allocs = {}
+    for name, fns in calls.items():
+        allocs[name] = {v: allocations_per_call(fn, 20, sync) for v, fn in
+                        zip(("adapter", "native_cupy", "native_torch"), fns)}
+    for name, (d, c) in (("low_latency_dispatch + combine", ll_variants["adapter"]),
+                         ("low_latency_dispatch + combine (native)", ll_variants["native_cupy"])):
+        allocs[name] = allocations_per_call(lambda: c(d()), 20, sync)
 
     if args.cprofile:
         profile_adapter(args.cprofile, group, sync, args.iters,
@@ -277,6 +320,7 @@ def main():
         doc = {"bench": "deep_ep_adapter", "target_us": TARGET_US, "ranks": R,
                "shape": {"tokens": T, "hidden": H, "experts": E, "topk": k, "ll_tokens": T_ll},
                "iters": args.iters, "rounds": args.rounds, "rows": rows, "pieces_us": piece_us,
+               "allocations_per_call": allocs,
                "env": environment(group)}
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -286,6 +330,7 @@ def main():
                   f"(torch in {r['native_torch_us']:8.1f})  cost {r['adapter_cost_us']:6.1f} us", flush=True)
         for name, us in piece_us.items():
             print(f"  piece: {name:36s} {us:8.1f} us", flush=True)
+        print("  allocations per call (pool / cudaMalloc):", json.dumps(allocs), flush=True)
     buf.destroy()
     group.destroy()
 

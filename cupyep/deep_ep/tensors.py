@@ -1,10 +1,11 @@
 """torch tensors in and out of cupyep without copies, and torch's current
 stream as CuPy's.
 
-In: :func:`to_cupy` views a CUDA tensor's memory as a CuPy array (BF16 as
-``uint16`` bits, FP8 e4m3 as ``uint8`` bits, the others as their NumPy
-dtype), holding the tensor alive; nothing is copied and no stream is
-synchronised (the call orders itself after torch's current stream instead).
+In: :func:`to_cupy` views a CUDA tensor's memory as a CuPy array
+(``cupyep.arrays.torch_view``: BF16 as ``uint16`` bits, FP8 e4m3 as
+``uint8`` bits, the others as their NumPy dtype), holding the tensor alive;
+nothing is copied and no stream is synchronised (the call orders itself
+after torch's current stream instead).
 Out: :func:`to_torch` hands a CuPy array to torch through DLPack, again
 without a copy or a stream synchronisation, and reinterprets the bits as
 ``torch.bfloat16`` / ``torch.float8_e4m3fn`` where asked; the tensor
@@ -21,11 +22,7 @@ import contextlib
 
 import numpy as np
 
-# torch dtype name -> the NumPy dtype cupyep sees
-_IN_NAMES = {"bfloat16": np.uint16, "float8_e4m3fn": np.uint8, "float32": np.float32, "int64": np.int64,
-             "int32": np.int32, "bool": np.bool_, "uint8": np.uint8, "int16": np.int16, "float16": np.float16,
-             "float64": np.float64}
-_IN: dict = {}  # torch dtype -> NumPy dtype (filled at the first call, which imports torch)
+from ..arrays import as_cupy
 
 _capsule = None  # how a CuPy array becomes a DLPack capsule without a stream synchronisation (chosen once)
 _from_dlpack = None  # torch.utils.dlpack.from_dlpack
@@ -33,38 +30,10 @@ _uint16_ok = True  # whether torch imports uint16 through DLPack (else BF16 bits
 _streams: dict = {}  # torch stream handle -> cupy ExternalStream
 
 
-def _in_dtypes() -> dict:
-    if not _IN:
-        import torch
-        _IN.update({getattr(torch, n): np.dtype(d) for n, d in _IN_NAMES.items()})
-    return _IN
-
-
-def to_cupy(t, name: str):
-    """A CuPy view of ``t`` (a CUDA torch tensor; CuPy arrays and None pass
-    through). TypeError for a CPU tensor or an unknown dtype."""
-    import cupy
-    if t is None or isinstance(t, cupy.ndarray):
-        return t
-    a = getattr(t, "_cupyep_array", None)  # a tensor to_torch made: its own CuPy array, while unchanged
-    if a is not None and a.data.ptr == t.data_ptr() and a.shape == t.shape:
-        return a
-    dtype = (_IN or _in_dtypes()).get(getattr(t, "dtype", None))
-    if dtype is None or not hasattr(t, "data_ptr"):
-        raise TypeError(f"{name} must be a CUDA torch tensor (or a CuPy array), got "
-                        f"{type(t).__name__} {getattr(t, 'dtype', '')}")
-    if not t.is_cuda:
-        raise TypeError(f"{name} must be on a CUDA device, got a tensor on {t.device}")
-    shape, n = tuple(t.shape), t.numel()
-    if n == 0:
-        return cupy.empty(shape, dtype=dtype)
-    if t.is_contiguous():  # the common case: no strides to convert
-        strides, span = None, n * dtype.itemsize
-    else:
-        strides = tuple(s * dtype.itemsize for s in t.stride())
-        span = sum((d - 1) * abs(s) for d, s in zip(shape, strides)) + dtype.itemsize
-    mem = cupy.cuda.UnownedMemory(t.data_ptr(), span, t, t.get_device())
-    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0), strides)
+# A CuPy view of a CUDA torch tensor (CuPy arrays and None pass through): the
+# one conversion cupyep has, which hands back the array of a tensor
+# to_torch made.
+to_cupy = as_cupy
 
 
 def _pick_capsule(a):

@@ -693,17 +693,20 @@ def test_logfmt_combine(group, llbuf, hook):
     sw = (w[me] * valid).sum(axis=1, dtype=np.float64).astype(np.float32)[:, None]
     want_lf = LF.roundtrip(bf16_to_f32(xs[me])) * sw
     want = bf16_to_f32(xs[me]) * sw
-    # The hash columns (|x| <= 1, many octaves a group) show the format: the result is the BF16 rounding
-    # of the reference's LogFMT combine (calc_diff ~4e-9, the summation order and BF16 rounding) and
-    # measurably off the exact combine (~1e-7). The token-index columns (one value a group, which the
-    # format carries exactly) would swamp calc_diff; they are checked to one BF16 unit instead.
+    # The hash columns (|x| <= 1 with zeros and tiny values: groups of the full 32 octaves, the format's
+    # coarsest step) show the format: the reference's LogFMT combine is off the exact one by d_fmt
+    # (~6.5e-6); the GPU's must be an order of magnitude closer to it than that (its float32 log2/exp2
+    # put a value on the neighbouring level now and then: ~2.7e-7 measured), and no further from the
+    # exact combine than the format itself. The token-index columns (one value a group, which the format
+    # carries exactly) would swamp calc_diff; they are checked to one BF16 unit instead.
     hcols = slice(0, H - 128)
+    d_fmt = ref.calc_diff(want_lf[:, hcols], want[:, hcols])
     d_lf = ref.calc_diff(outs[0][:, hcols], want_lf[:, hcols])
     d_exact = ref.calc_diff(outs[0][:, hcols], want[:, hcols])
     tag_ok = np.all(np.abs(outs[0][:, -128:] - want[:, -128:]) <= np.abs(want[:, -128:]) * 2.0 ** -7 + 1e-30)
-    ok = (np.array_equal(outs[0], outs[1]) and d_lf < 2e-8 and 5 * d_lf < d_exact < 5e-6 and tag_ok
+    ok = (np.array_equal(outs[0], outs[1]) and d_lf < 0.1 * d_fmt and d_exact < 1.5 * d_fmt and tag_ok
           and not np.isnan(outs[0]).any())
-    assert all_ranks(group.comm, ok), (d_lf, d_exact, bool(tag_ok), np.array_equal(outs[0], outs[1]))
+    assert all_ranks(group.comm, ok), (d_lf, d_exact, d_fmt, bool(tag_ok), np.array_equal(outs[0], outs[1]))
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "ue8m0"])
