@@ -3,13 +3,13 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 L=/tmp/logs; mkdir -p $L $OUT/results
 T0=$(date +%s)
 el() { echo "$1 rc=$2 t=$(( $(date +%s)-T0 ))"; }
+timeout 150 python3 -m cupyep.launcher.gpu_tests --ranks 2 8 -k "deep_ep or packed_layout" -- --maxfail=20 > $L/t2_8.log 2>&1; el t2_8 $?
+grep -E "^== |AssertionError|Error:" $L/t2_8.log | sort | uniq -c | head -20
 for n in 1 2 8; do
-  timeout 90 python3 -m cupyep.launcher -n $n experiments/bench_deep_ep_adapter.py --out $OUT/results/adapter_$n.json > $L/adapter_$n.log 2>&1; el adapter$n $?
-  grep " us \|allocations" $L/adapter_$n.log | head -20
+  timeout 60 python3 -m cupyep.launcher -n $n experiments/bench_deep_ep_adapter.py --out $OUT/results/adapter_$n.json > $L/adapter_$n.log 2>&1; el adapter$n $?
+  grep " us " $L/adapter_$n.log | head -20
 done
-timeout 80 python3 tests/gpu/test_deep_ep_gpu.py --ranks 4 > $L/spawn4.log 2>&1; el spawn4 $?
-tail -2 $L/spawn4.log
-left=$(( 560 - ($(date +%s)-T0) ))
-timeout $left python3 -m cupyep.launcher.gpu_tests --ranks 8 -k "low_latency or logfmt" -- --maxfail=20 > $L/ll8.log 2>&1; el ll8 $?
-grep -E "^== |passed|failed|AssertionError: \(" $L/ll8.log | sort | uniq -c | head -20
+left=$(( 400 - ($(date +%s)-T0) ))
+[ $left -gt 30 ] && timeout $left python3 -m cupyep.launcher -n 8 experiments/bench_normal.py --kinds dispatch_bf16 combine_bf16 --transports direct --direct-sms 2 4 6 8 12 16 --timing strict --out $OUT/results/sms_8.json > $L/sms_8.log 2>&1; el sms8 $?
+grep -c of_copy_same_sms $L/sms_8.log
 tar czf $OUT/logs.tgz -C $L .

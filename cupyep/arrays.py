@@ -8,6 +8,8 @@ as those automatically.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 BF16 = np.dtype(np.uint16)   # bfloat16 bit pattern
@@ -91,7 +93,7 @@ def carve(shapes: dict, dtype=np.int32, zero: bool = False) -> dict:
     allocation alive."""
     import cupy
     dtype = np.dtype(dtype)
-    sizes = {name: int(np.prod(shape, dtype=np.int64)) for name, shape in shapes.items()}
+    sizes = {name: math.prod(shape) for name, shape in shapes.items()}
     total = sum(-(-n // 16) * 16 for n in sizes.values())
     base = cupy.empty(max(total, 1), dtype=dtype)
     if zero:

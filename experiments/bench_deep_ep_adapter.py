@@ -276,12 +276,7 @@ def main():
         ctx = TS.torch_stream()
         ctx.__enter__()
         ctx.__exit__(None, None, None)
-    from cupyep.deep_ep import packing as PK
-    packed = PK.packed_outputs_for(ll.num_local_experts, R, T_ll, H, True, False, cupy)
     pieces = {
-        "packed outputs (allocate four arrays)": lambda: PK.packed_outputs_for(ll.num_local_experts, R, T_ll, H,
-                                                                                True, False, cupy),
-        "packed outputs (check)": lambda: ll._check_packed_out(packed, True, False),
         "to_cupy (one tensor)": lambda: TS.to_cupy(x_t, "x"),
         "to_torch (one array, as bfloat16)": lambda: TS.to_torch(x_c, "bf16"),
         "torch_stream (enter and exit)": stream_enter_exit,

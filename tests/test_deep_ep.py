@@ -24,6 +24,7 @@ from deep_ep_stubs import stub_tensors
 from cupyep import deep_ep
 from cupyep.deep_ep import budget as B
 from cupyep.deep_ep import handles as handles_module
+from cupyep.deep_ep import packing
 from cupyep.deep_ep.config import Config, from_cupyep, to_cupyep, tuned_config
 from cupyep.deep_ep.events import EventHandle, EventOverlap, event_of, overlap
 from cupyep.deep_ep.gaps import GAPS
@@ -357,7 +358,6 @@ def test_handle_entries_are_deepeps(monkeypatch):
 
 
 def test_low_latency_layout_range_packs_begin_and_count():
-    from cupyep.deep_ep import packing
     counts = np.array([[3, 0, 7], [1, 2, 0]], np.int32)
     packed = packing.layout_range(counts)
     assert packed.dtype == np.int64 and packed.shape == (2, 3)
@@ -391,8 +391,10 @@ class _LowLatencyStandIn:
         fp8 = kw["use_fp8"]
         recv = np.zeros((2, 16, 512), np.uint8 if fp8 else np.uint16)
         scales = np.zeros((2, 16, 4), np.uint8 if kw["use_ue8m0"] else np.float32) if fp8 else None
+        assert kw["packed_out"] is True  # the adapter has cupyep's dispatch make DeepEP's packed outputs
+        packed = packing.packed_outputs_for(2, 2, 8, 512, fp8, kw["use_ue8m0"], np)
         return LowLatencyDispatchResult(recv, scales, np.zeros(2, np.int32), h,
-                                        "ev" if kw["async_finish"] else None, hook)
+                                        "ev" if kw["async_finish"] else None, hook, packed)
 
     def combine(self, x, topk_idx, topk_weights, handle, **kw):
         self.calls.append(("combine", dict(kw, x=x)))

@@ -148,11 +148,15 @@ class _StandIn:
         self.combined_from = None
 
     def dispatch(self, x, topk_idx, **kw):
-        """Fills packed_out as the dispatch_packed kernel does (pack_dispatch is its definition)."""
+        """Makes the packed outputs (packed_out=True) and fills them as the dispatch_packed kernel does
+        (pack_dispatch is its definition)."""
         from cupyep.low_latency.results import LowLatencyDispatchResult
         h = _Handle(self.counts, self.src, self.C, self.T, self.H, self)
-        P.pack_dispatch(self.recv_x, self.scales, self.src, self.counts, self.C, kw["packed_out"])
-        return LowLatencyDispatchResult(self.recv_x, self.scales, self.counts.sum(1).astype(np.int32), h)
+        assert kw["packed_out"] is True
+        packed = P.packed_outputs(self.recv_x, self.scales, self.R, self.T, kw["use_ue8m0"])
+        P.pack_dispatch(self.recv_x, self.scales, self.src, self.counts, self.C, packed)
+        return LowLatencyDispatchResult(self.recv_x, self.scales, self.counts.sum(1).astype(np.int32), h,
+                                        packed=packed)
 
     def combine(self, x, topk_idx, topk_weights, handle, **kw):
         """Records the rows the kernel would read, by region slot (x_row of combine.cu on a packed x)."""

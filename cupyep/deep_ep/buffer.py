@@ -35,8 +35,6 @@ from .events import EventHandle, EventOverlap, event_of, overlap
 from .gaps import refuse
 from .handles import DispatchHandle, LowLatencyHandle, native_handle
 from .routing import rank_routing
-from . import packing as P
-from ..arrays import xp_of
 from .tensors import current_stream_ptr, to_cupy, to_torch, torch_stream
 
 
@@ -550,19 +548,14 @@ class Buffer:
         stats = to_cupy(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats")
         waits = to_cupy(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats")
         with torch_stream():
-            # DeepEP's packed results, new tensors, allocated where the dispatch runs (the communication
-            # stream with async_finish, else torch's) and filled by its receive half (in the hook with
+            # DeepEP's packed results: new arrays the dispatch makes where it runs (the communication
+            # stream with async_finish, else torch's) and fills in its receive half (in the hook with
             # return_recv_hook): no launch of their own.
-            on_device = not isinstance(rows, np.ndarray)  # NumPy: cupyep's host logic over stand-ins
-            stream = ll.comm_stream if async_finish and not return_recv_hook and on_device else None
-            with stream if stream is not None else _nullcontext():
-                packed = P.packed_outputs_for(ll.num_local_experts, ll.num_ranks, ll.max_tokens, ll.hidden,
-                                              use_fp8, use_ue8m0, xp_of(rows))
             res = ll.dispatch(rows, idx, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                               cumulative_local_expert_recv_stats=stats, dispatch_wait_recv_cost_stats=waits,
                               async_finish=async_finish, return_recv_hook=return_recv_hook, validate=self.validate,
-                              packed_out=packed)
-            native, event, hook = res.handle, res.event, res.hook
+                              packed_out=True)
+            native, event, hook, packed = res.handle, res.event, res.hook, res.packed
         px, pscales, src_info, ranges = packed
         recv_x = (to_torch(px, "fp8"), to_torch(pscales)) if use_fp8 else to_torch(px, "bf16")
         extra = (x, topk_idx, cumulative_local_expert_recv_stats) if async_finish else None

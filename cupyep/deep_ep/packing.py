@@ -19,8 +19,8 @@ exponents).
 with array indexing (NumPy or CuPy): the definition the kernels are checked
 against. On the GPU the dispatch fills the layout itself, in its receive half
 (``LowLatencyBuffer.dispatch(packed_out=...)``, the ``dispatch_packed`` kernel
-of ``cuda_src/low_latency/dispatch.cu``; :func:`packed_outputs_for` makes the
-arrays), and the combine reads packed expert outputs in place
+of ``cuda_src/low_latency/dispatch.cu``; with ``packed_out=True`` it makes the
+arrays, as :func:`packed_outputs_for` describes them), and the combine reads packed expert outputs in place
 (``LowLatencyBuffer.combine(x_layout="packed")``): no copy has a launch of
 its own.
 """
@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..arrays import xp_of
+from ..low_latency.layout import packed_payload
 
 
 # ------------------------------------------------------------------ index math (NumPy or CuPy)
@@ -99,13 +100,9 @@ def packed_outputs_for(num_local_experts: int, num_ranks: int, max_tokens: int, 
     """:func:`packed_outputs` from the sizes (E_local, R, T, H) and the
     format: what ``LowLatencyBuffer.dispatch(packed_out=...)`` fills.
     ``xp``: numpy or cupy."""
-    E, RT, H = num_local_experts, num_ranks * max_tokens, hidden
-    x = xp.empty((E, RT, H), dtype=np.uint8 if use_fp8 else np.uint16)
-    scales = None
-    if use_fp8:
-        S = H // 512 if use_ue8m0 else H // 128
-        scales = xp.empty((E, S, RT), dtype=np.int32 if use_ue8m0 else np.float32).transpose(0, 2, 1)
-    return x, scales, xp.empty((E, RT), dtype=np.int32), xp.empty((E, num_ranks), dtype=np.int64)
+    x, scales = packed_payload(num_local_experts, num_ranks, max_tokens, hidden, use_fp8, use_ue8m0, xp)
+    return (x, scales, xp.empty((num_local_experts, num_ranks * max_tokens), dtype=np.int32),
+            xp.empty((num_local_experts, num_ranks), dtype=np.int64))
 
 
 def pack_dispatch(recv_x, recv_x_scales, recv_src, layout_count, capacity: int, outputs) -> None:

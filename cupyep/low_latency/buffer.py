@@ -18,12 +18,13 @@ from __future__ import annotations
 import numpy as np
 
 from .. import driver, jit
-from ..arrays import BF16, as_cupy, check, expert_counts
+from ..arrays import BF16, as_cupy, carve, check, expert_counts
 from ..launcher.calls import traced_call
 from ..ipc import SymmetricBuffer
 from ..results import EventHandle
 from . import kernels as K
-from .layout import CallSchedule, call_offsets, check_capacity, check_sizes, low_latency_layout, message_layout
+from .layout import (CallSchedule, call_offsets, check_capacity, check_sizes, low_latency_layout, message_layout,
+                     packed_payload)
 from .results import LowLatencyCombineResult, LowLatencyDispatchResult, LowLatencyHandle
 
 
@@ -292,7 +293,9 @@ class LowLatencyBuffer:
             use_ue8m0: store scales as UE8M0 exponent bytes (needs round_scale).
             cumulative_local_expert_recv_stats: [E_local] int32 device array, += rows received per expert.
             dispatch_wait_recv_cost_stats: [R] int64 device array, += nanoseconds waited for each source.
-            packed_out: None, or (x, scales, src_info, layout_range) device arrays for DeepEP's
+            packed_out: None; True: the dispatch makes DeepEP's packed outputs itself (new
+                arrays, as cupyep.deep_ep.packing.packed_outputs_for describes them; returned as
+                ``result.packed``); or (x, scales, src_info, layout_range) device arrays for DeepEP's
                 packed layout, which the receive half fills too (the dispatch_packed kernel; in the
                 hook with return_recv_hook): x [E_local, R * max_tokens, H] uint8 (FP8) or uint16,
                 C-contiguous; scales (FP8 only, else None) [E_local, R * max_tokens, S] float32
@@ -332,18 +335,26 @@ class LowLatencyBuffer:
         if wait is not None:
             check(wait, "dispatch_wait_recv_cost_stats", np.int64, shape=(R,))
         plan = K.dispatch_smem(max(T, 1), self.num_blocks, k, self.num_experts)
-        packed = self._check_packed_out(packed_out, use_fp8, use_ue8m0)
+        make_packed = packed_out is True
+        if make_packed and use_ue8m0 and H % 512:
+            raise ValueError(f"packed outputs with use_ue8m0 hold four UE8M0 exponents a word: hidden={H} must be "
+                             "a multiple of 512")
+        packed = None if make_packed else self._check_packed_out(packed_out, use_fp8, use_ue8m0)
         # (the packing kernel is loaded, collectively the first time, before the call takes its set)
-        fn = self._dispatch_fn if packed is None else self.load_kernel("dispatch_packed")
+        fn = self._dispatch_fn if packed is None and not make_packed else self.load_kernel("dispatch_packed")
         profile = self._profile_args(kernel_time_ns, trace)
 
         region, call, cur, sets = self._take_set("dispatch")
         stream = self._stream(async_finish)
-        with stream:
-            layout_count = cupy.empty((El, R), dtype=np.int32)
-            recv_count = cupy.empty(El, dtype=np.int32)
-            combine_pos = cupy.empty((T, k), dtype=np.int32)
-            slot_pos = cupy.empty((T, k), dtype=np.int32)
+        RT = R * self.max_tokens
+        with stream:  # the small arrays in one allocation; packed rows and scales in their own
+            small = carve({"layout_count": (El, R), "recv_count": (El,), "combine_pos": (T, k), "slot_pos": (T, k),
+                           **({"src": (El, RT), "range": (El, 2 * R)} if make_packed else {})}, np.int32)
+            layout_count, recv_count = small["layout_count"], small["recv_count"]
+            combine_pos, slot_pos = small["combine_pos"], small["slot_pos"]
+            if make_packed:
+                packed = (*packed_payload(El, R, self.max_tokens, H, use_fp8, use_ue8m0, cupy), small["src"],
+                          small["range"].view(np.int64))
         call_args = self._call_args("low_latency_dispatch", sets, profile, T, k)
         args = dict(x=x.data.ptr, topk_idx=topk_idx.data.ptr, layout_count=layout_count.data.ptr,
                     recv_count=recv_count.data.ptr, combine_pos=combine_pos.data.ptr,
@@ -373,7 +384,7 @@ class LowLatencyBuffer:
                                   num_tokens=T, num_topk=k, hidden=H, num_experts=self.num_experts,
                                   max_tokens=self.max_tokens, capacity=self.capacity, set_index=region, call=call,
                                   buffer_id=id(self))
-        return LowLatencyDispatchResult(recv_x, recv_scales, recv_count, handle, event, hook)
+        return LowLatencyDispatchResult(recv_x, recv_scales, recv_count, handle, event, hook, packed)
 
     def _run(self, fn, dtype, call_args: dict, args: dict, smem: int, stream, return_recv_hook: bool):
         """Launch both halves of a kernel on ``stream``, or the send half now and

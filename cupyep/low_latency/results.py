@@ -68,6 +68,9 @@ class LowLatencyDispatchResult:
         event: EventHandle when async_finish, else None.
         hook: with return_recv_hook, call it to run the receive half
             (recv_count / layout counts are valid after it); else None.
+        packed: with ``packed_out``, DeepEP's packed outputs the dispatch
+            filled: (x, scales or None, src_info, layout_range) (new arrays
+            with ``packed_out=True``, else the caller's); else None.
     """
     recv_x: object
     recv_x_scales: object
@@ -75,6 +78,7 @@ class LowLatencyDispatchResult:
     handle: LowLatencyHandle
     event: object = None
     hook: Optional[Callable[[], None]] = None
+    packed: Optional[tuple] = None
 
 
 @dataclass

@@ -711,10 +711,12 @@ def test_logfmt_combine(group, llbuf, hook):
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "ue8m0"])
 @pytest.mark.parametrize("hook", [False, True])
-def test_the_dispatch_fills_deepeps_packed_layout(group, llbuf, kind, hook):
+@pytest.mark.parametrize("made", [False, True], ids=["given", "made"])
+def test_the_dispatch_fills_deepeps_packed_layout(group, llbuf, kind, hook, made):
     """packed_out: the dispatch's receive half (dispatch_packed) fills DeepEP's packed layout with what
     cupyep.deep_ep.packing's own kernel makes of the same result: rows, scales, source tokens and ranges,
-    bit for bit over the received rows (in the hook with return_recv_hook)."""
+    bit for bit over the received rows (in the hook with return_recv_hook); into the caller's arrays, or
+    (packed_out=True) into new ones of the same shapes and strides, returned as result.packed."""
     import cupy
     from cupyep.deep_ep import packing as P
     me, R = ranks(group)
@@ -728,9 +730,16 @@ def test_the_dispatch_fills_deepeps_packed_layout(group, llbuf, kind, hook):
            cupy.empty((El, S, RT), np.int32 if ue8m0 else np.float32).transpose(0, 2, 1) if fp8 else None,
            cupy.empty((El, RT), np.int32), cupy.empty((El, R), np.int64))
     res = llbuf.dispatch(cupy.asarray(xs[me]), cupy.asarray(idx[me]), use_fp8=fp8, round_scale=ue8m0,
-                         use_ue8m0=ue8m0, return_recv_hook=hook, packed_out=out)
+                         use_ue8m0=ue8m0, return_recv_hook=hook, packed_out=True if made else out)
     if hook:
         res.hook()
+    if made:
+        assert all((a is None and b is None) or (a.shape == b.shape and a.strides == b.strides
+                                                 and a.dtype == b.dtype) for a, b in zip(res.packed, out))
+        out = res.packed
+    else:
+        assert res.packed is not None and all(a is b or a.data.ptr == b.data.ptr
+                                              for a, b in zip(res.packed, out) if b is not None)
     want = P.packed_outputs(res.recv_x, res.recv_x_scales, R, llbuf.max_tokens, ue8m0)
     P.pack_dispatch(res.recv_x, res.recv_x_scales, res.handle.recv_src, res.handle.layout_count,
                     res.handle.capacity, want)
