@@ -26,7 +26,7 @@ def payload_bf16(src_rank: int, tokens, hidden: int) -> np.ndarray:
     """
     t = np.asarray(tokens, dtype=np.uint32)[:, None]
     h = np.arange(hidden, dtype=np.uint32)[None, :]
-    v = (t * np.uint32(2654435761)) ^ (h * np.uint32(40503)) ^ np.uint32((src_rank + 1) * 374761393)
+    v = (t * np.uint32(2654435761)) ^ (h * np.uint32(40503)) ^ np.uint32(((src_rank + 1) * 374761393) & 0xFFFFFFFF)
     v ^= v >> np.uint32(13)
     v *= np.uint32(1274126177)
     v ^= v >> np.uint32(16)

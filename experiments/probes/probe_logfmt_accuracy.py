@@ -46,12 +46,15 @@ def rows(kind: str, rng, n: int, h: int) -> np.ndarray:
     elif kind == "swiglu":  # silu(a) * b of unit normals, the FFN's inner product's shape
         a, b = rng.standard_normal((n, h)), rng.standard_normal((n, h))
         x = a / (1 + np.exp(-a)) * b * 0.1
+    elif kind == "bit hash":  # the GPU tests' rows: random BF16 bit patterns below 1, every exponent alike
+        from cupyep.testing import bf16_to_f32, payload_bf16
+        return bf16_to_f32(payload_bf16(int(rng.integers(64)), np.arange(n), h))
     else:
         raise ValueError(kind)
     return bf16(x)
 
 
-KINDS = ("normal 0.05", "normal 1", "student-t 3, 0.05", "swiglu")
+KINDS = ("normal 0.05", "normal 1", "student-t 3, 0.05", "swiglu", "bit hash")
 
 
 def one(kind: str, seed: int, tokens: int, hidden: int, topk: int) -> dict:
