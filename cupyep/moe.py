@@ -12,7 +12,8 @@ The layer every user of an EP library writes first, kept small:
    SiLU, no gate/up split: enough to exercise the layout, not a model;
 4. ``Buffer.combine(y, handle, pair_weights=recv_topk_weights,
    expert_major=True)``: each token gets the weighted sum of its experts'
-   outputs.
+   outputs (on the direct transport within a node with ``zero_copy=True``:
+   the owners read the reduced rows where they were written).
 
 :func:`reference_forward` computes the same layer in one process for the
 tokens of all ranks (CuPy for CuPy input, NumPy for NumPy input), so a GPU
@@ -354,15 +355,27 @@ class MoELayer:
             own share of the SMs, cupyep.sm_partition.compute_stream), or
             None: the current stream. It waits for the dispatch, and the
             combine waits for it.
+        zero_copy: combine without the push pass: the reduce of each
+            received row's expert outputs goes straight into the dispatch
+            slot's zero-copy buffer and the tokens' owners read it there
+            (``Buffer.combine(..., zero_copy=True)``; the same result,
+            bitwise). None (default): where the route has it, the direct
+            transport within a node; True elsewhere is a ValueError.
 
     Collective: every rank calls :meth:`forward` in the same order.
     """
 
     def __init__(self, buffer, weights: MoEWeights, num_topk: int, transport: str = "queue",
-                 expert_alignment: int = 128, placement=None, rule: str = "round_robin", compute_stream=None):
+                 expert_alignment: int = 128, placement=None, rule: str = "round_robin", compute_stream=None,
+                 zero_copy: bool | None = None):
         R, me = buffer.num_ranks, buffer.rank
         if transport not in ("queue", "direct"):
             raise ValueError(f"transport must be 'queue' or 'direct', got {transport!r}")
+        has_zero_copy = transport == "direct" and not getattr(buffer, "internode", False)
+        if zero_copy and not has_zero_copy:
+            raise ValueError("zero_copy=True needs the direct transport within a node (the route with a zero-copy "
+                             "combine)")
+        self.zero_copy = has_zero_copy if zero_copy is None else bool(zero_copy)
         if not 1 <= num_topk <= weights.num_experts:
             raise ValueError(f"num_topk must be in [1, {weights.num_experts}], got {num_topk}")
         self.placement, self.rule = _check_placement(placement, rule, R), rule
@@ -422,8 +435,8 @@ class MoELayer:
         mark("ffn")
         y = self._ffn(out)
         mark("combine")
-        combined = self.buffer.combine(y, out.handle, pair_weights=out.recv_topk_weights,
-                                       expert_major=True).combined_x
+        combined = self.buffer.combine(y, out.handle, pair_weights=out.recv_topk_weights, expert_major=True,
+                                       **({"zero_copy": True} if self.zero_copy else {})).combined_x
         mark("end")
         return combined
 

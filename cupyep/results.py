@@ -220,7 +220,8 @@ class CombineResult:
         expert_reduced_x: [N, H] uint16 (BF16 bits) when x was expert-major: the
             per-received-row reduction of the expert outputs that was combined
             (kept here so a captured CUDA graph's temporary stays alive; in
-            worst-token mode rows at or after the received count are not written); else None.
+            worst-token mode rows at or after the received count are not written); else None
+            (and None for a zero-copy combine, whose reduce wrote the handle's buffer).
     """
     combined_x: object
     combined_topk_weights: object

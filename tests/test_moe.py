@@ -400,7 +400,12 @@ def test_layer_forward_over_a_host_buffer(weights, transport, tokens, alignment)
         assert diff < bound and worst < moe.MOE_TOKEN_BOUND, (diff, worst)
     assert bufs[0].calls == [("dispatch", {"expert_major": True, "expert_alignment": alignment, "transport": transport,
                                            "validate": False}),
-                             ("combine", {"expert_major": True, "zero_copy": False})]
+                             ("combine", {"expert_major": True, "zero_copy": transport == "direct"})]
+    # the direct transport within a node combines zero-copy by default; the queue route has no such combine
+    assert [layer.zero_copy for layer in layers] == [transport == "direct"] * R
+    if transport == "queue":
+        with pytest.raises(ValueError, match="zero_copy=True needs the direct transport"):
+            _HostLayer(bufs[0], weights, K, transport=transport, zero_copy=True)
 
 
 def test_layer_rejects_bad_arguments(weights):

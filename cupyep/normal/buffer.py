@@ -340,7 +340,9 @@ class Buffer:
             zero_copy: the direct route within a node only: x is this handle's
                 :meth:`get_combine_buffer`, where the caller wrote its outputs;
                 each token's owner reads the rows there (one pass over the rows
-                instead of a push and a read back). Same result, bitwise.
+                instead of a push and a read back). Same result, bitwise. With
+                expert-major x, x is the experts' outputs as usual and their
+                reduce writes the handle's buffer (which the caller leaves alone).
 
         Returns:
             CombineResult with combined_x [T, H] uint16 (BF16): for every token,

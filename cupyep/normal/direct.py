@@ -252,14 +252,15 @@ class DirectRoute(NodeRoute):
         return pool.view(zc_x, (N, hidden), BF16)
 
     def _check_zero_copy(self, call: CombineCall) -> None:
-        """ValueError unless x is the handle's get_combine_buffer; StaleResultError
-        when the handle's slot went to a later dispatch."""
-        if call.expert_major:
-            raise ValueError("zero_copy takes one row per received row, not expert-major outputs")
+        """ValueError unless x is the handle's get_combine_buffer (or, expert-major,
+        the outputs whose reduce goes there); StaleResultError when the handle's
+        slot went to a later dispatch."""
         if call.num_topk > D.ZERO_COPY_MAX_TOPK:
             raise ValueError(f"a zero-copy combine carries at most {D.ZERO_COPY_MAX_TOPK} top-k weights, "
                              f"got {call.num_topk}")
         call.handle.lease.check("the zero-copy combine buffer")
+        if call.expert_major:  # the reduce writes the handle's buffer; x stays where the experts wrote it
+            return
         pool = self.pools.pools["zero_copy"]
         zc_x, _, _ = self.pools.zero_copy_layout(call.x.shape[1], call.handle.lease.slot)
         if pool is None or call.x.data.ptr != pool.ptr + zc_x:
@@ -276,14 +277,17 @@ class DirectRoute(NodeRoute):
         fn = self._kernel(D.combine_spec(node.num_ranks, cfg.num_threads), cfg, "direct combine")
         T, H, k = handle.num_tokens, call.x.shape[1], call.num_topk
         N = handle.num_worst_tokens or handle.num_recv_tokens
-        reduced = node.reduce_expert_major(call.x, handle, call.pair_weights) if call.expert_major else None
+        reduced = None
+        if call.expert_major:  # one row per received row; zero-copy: straight into the handle's buffer
+            out = self.get_combine_buffer(handle, H) if call.zero_copy else None
+            reduced = node.reduce_expert_major(call.x, handle, call.pair_weights, out)
         x = call.x if reduced is None else reduced
         combined = cupy.empty((T, H), dtype=BF16)
         combined_w = cupy.empty((T, k), dtype=np.float32) if call.topk_weights is not None else None
         blocks = cfg.num_sms or D.default_num_sms(node.sm_budget, max(N, T), cfg.num_threads)
         D.launch_combine(fn, blocks, cfg.num_threads, self.pools, handle, x, call.row_weights, call.topk_weights,
                          combined, combined_w, call.zero_copy, node.rank, node.group.guard("direct_combine"))
-        return CombineResult(combined, combined_w, None, reduced)
+        return CombineResult(combined, combined_w, None, None if call.zero_copy else reduced)
 
     def destroy(self) -> None:
         if self._pools is not None:

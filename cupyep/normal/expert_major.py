@@ -263,7 +263,7 @@ def build(recv_x, recv_x_scales, recv_topk_idx, num_recv_ptr: int, num_local_exp
     return ExpertMajorOutput(expert_x, expert_x_scales, expert_offsets, expert_src_row, recv_expert_row, M)
 
 
-def reduce(y, recv_expert_row, pair_weights, num_recv_ptr: int, num_sms: int):
+def reduce(y, recv_expert_row, pair_weights, num_recv_ptr: int, num_sms: int, out=None):
     """Launch expert_major_reduce on the current stream.
 
     Arguments:
@@ -272,6 +272,8 @@ def reduce(y, recv_expert_row, pair_weights, num_recv_ptr: int, num_sms: int):
         pair_weights: [N, k] float32 or None (weight 1).
         num_recv_ptr: device pointer to the valid-row count, or 0 (all N rows).
         num_sms: SMs to size the grid-stride launch by.
+        out: [N, H] uint16 C-contiguous to write the rows into (a zero-copy
+            combine's buffer), or None for a new array.
 
     Returns:
         [N, H] uint16 (BF16 bits), rank-major: row r = BF16(FP32 sum over its
@@ -282,7 +284,11 @@ def reduce(y, recv_expert_row, pair_weights, num_recv_ptr: int, num_sms: int):
     y = check(as_cupy(y, "x"), "x", BF16, ndim=2)
     M, H = y.shape
     N, k = recv_expert_row.shape
-    out = cupy.empty((N, H), dtype=BF16)
+    if out is None:
+        out = cupy.empty((N, H), dtype=BF16)
+    elif tuple(out.shape) != (N, H) or out.dtype != BF16 or not out.flags.c_contiguous:
+        raise ValueError(f"the reduce's out must be a C-contiguous [{N}, {H}] uint16 array, got "
+                         f"{list(out.shape)} {out.dtype}")
     if N:
         args = jit.pack(REDUCE_ARGS_DTYPE, y=jit.ptr(y), recv_expert_row=jit.ptr(recv_expert_row),
                         pair_weights=jit.ptr(pair_weights), num_recv=num_recv_ptr, out=jit.ptr(out), x_int4=2 * H // 16,

@@ -160,11 +160,12 @@ class Node:
             handle = replace(handle, recv_expert_row=None, num_expert_rows=0)
         return handle, em
 
-    def reduce_expert_major(self, x, handle, pair_weights):
+    def reduce_expert_major(self, x, handle, pair_weights, out=None):
         """[N, H] BF16 rows of expert-major outputs ``x`` [M_cap, H]: each
-        received row's slots summed in FP32, weighted by ``pair_weights``."""
+        received row's slots summed in FP32, weighted by ``pair_weights``
+        (into ``out`` when given)."""
         num_recv_ptr = handle.recv_rank_offset.data.ptr + 4 * self.num_ranks if handle.num_worst_tokens else 0
-        return EM.reduce(x, handle.recv_expert_row, pair_weights, num_recv_ptr, self.num_device_sms)
+        return EM.reduce(x, handle.recv_expert_row, pair_weights, num_recv_ptr, self.num_device_sms, out)
 
     # ------------------------------------------------------------ common
     def check_resident(self, fn, num_sms: int, num_threads: int, what: str, step: int) -> None:

@@ -48,8 +48,10 @@ def weights(group):
 
 @pytest.fixture(scope="module")
 def layers(group, buf, weights):
-    """One layer per transport, over the same buffer and weights."""
+    """One layer per transport, over the same buffer and weights (the direct transport's default combines
+    zero-copy within a node; "direct push" is its pushing combine)."""
     out = {t: moe.MoELayer(buf, weights, NUM_TOPK, transport=t) for t in TRANSPORTS}
+    out["direct push"] = moe.MoELayer(buf, weights, NUM_TOPK, transport="direct", zero_copy=False)
     group.comm.Barrier()
     return out
 
@@ -104,9 +106,11 @@ def test_moe_layer_is_deterministic_and_transport_independent(group, layers):
     me = group.local_rank
     x = cupy.asarray(_tokens(4, [NUM_TOKENS] * group.local_size)[me])
     group.comm.Barrier()
-    runs = {t: [layers[t].forward(x).get() for _ in range(2)] for t in TRANSPORTS}
+    runs = {t: [layers[t].forward(x).get() for _ in range(2)] for t in layers}
     same = {t: np.array_equal(a, b) for t, (a, b) in runs.items()}
     same["queue == direct"] = np.array_equal(runs["queue"][0], runs["direct"][0])
+    same["direct == direct push"] = np.array_equal(runs["direct"][0], runs["direct push"][0])
+    same["zero-copy where the route has it"] = layers["direct"].zero_copy == (group.num_nodes == 1)
     assert all_ranks(group.comm, all(same.values())), {k: v for k, v in same.items() if not v}
     group.comm.Barrier()
 
