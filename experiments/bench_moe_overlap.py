@@ -43,7 +43,8 @@ stream around the barrier and the call; the slowest rank's (MPI MAX) median
 over --iters. The serial and the overlapped schedule alternate in one round;
 the parts (dispatch, FFN, combine of each micro-batch, each alone, in
 decode order) are a round of their own. Record: "mode", "transport",
-"comm_sms", "tokens", "hidden", "ffn", "serial_us", "overlapped_us",
+"comm_sms", "combine" (normal mode: "zero_copy", MoELayer's default on the
+direct transport within a node, or "push"; --combines), "tokens", "hidden", "ffn", "serial_us", "overlapped_us",
 "speedup" (serial / overlapped), "parts" (medians, us), "comm_us" and
 "compute_us" (their sums), "ideal_us" = max(comm_us, compute_us),
 "pipeline_us" (normal mode: what this two-lane schedule takes at the parts'
@@ -135,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--comm-sms", nargs="+", type=parse_comm_sms, default=[parse_comm_sms(v) for v in DEFAULT_COMM_SMS],
                    help="normal mode: blocks per rank of dispatch and combine ('default': the library's)")
     p.add_argument("--alignment", type=int, default=128, help="normal mode's expert_alignment (as MoELayer)")
+    p.add_argument("--combines", nargs="+", choices=("default", "push"), default=["default"],
+                   help="normal mode's combine: MoELayer's default (zero-copy on the direct transport within a "
+                        "node, the pushing combine elsewhere) and/or the pushing combine everywhere")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--flush", choices=FLUSH_MODES, default="write")
@@ -364,8 +368,9 @@ class NormalRunner:
     communication stream (async, ordered among themselves by events), the FFN
     on the current (compute) stream."""
 
-    def __init__(self, mbs: dict, num_experts: int, transport: str, dcfg, ccfg, alignment: int, w1, w2, ffn):
-        self.mbs, self.E, self.transport = mbs, num_experts, transport
+    def __init__(self, mbs: dict, num_experts: int, transport: str, dcfg, ccfg, alignment: int, w1, w2, ffn,
+                 zero_copy: bool = False):
+        self.mbs, self.E, self.transport, self.zero_copy = mbs, num_experts, transport, zero_copy
         self.dcfg, self.ccfg, self.alignment = dcfg, ccfg, alignment
         self.w1, self.w2, self.ffn = w1, w2, ffn
 
@@ -397,7 +402,8 @@ class NormalRunner:
                 ready.record(compute)  # after this micro-batch's FFN
                 mb.buf.comm_stream.wait_event(last)  # after the communication step before it
                 c = mb.buf.combine(state["y"][m], d.handle, pair_weights=d.recv_topk_weights, expert_major=True,
-                                   config=self.ccfg, previous_event=ready, async_finish=True)
+                                   config=self.ccfg, previous_event=ready, async_finish=True,
+                                   zero_copy=self.zero_copy)
                 state.setdefault("c", {})[m] = c
                 last = c.event.event
                 issued.append(last)
@@ -560,6 +566,23 @@ def agreed_refusal(comm, problem: str | None) -> str | None:
     raise RuntimeError(f"a configuration was refused on ranks {refused} only, and ran on the others: {detail}")
 
 
+def transport_has_zero_copy(buf) -> dict:
+    """{transport: whether its combine can be zero-copy} for this buffer (the direct transport within a node)."""
+    return {t: t == "direct" and not buf.internode for t in TRANSPORTS}
+
+
+def normal_arms(args, has_zero_copy: dict) -> list:
+    """(transport, comm_sms, zero_copy) of each normal-mode arm: per transport and SM count, one arm per
+    --combines entry, "default" being MoELayer's default and "push" the pushing combine (the same arm
+    once where they coincide)."""
+    arms = []
+    for transport in args.transport:
+        for sms in args.comm_sms:
+            kinds = {has_zero_copy[transport] if c == "default" else False for c in args.combines}
+            arms += [(transport, sms, zc) for zc in sorted(kinds, reverse=True)]
+    return arms
+
+
 def run_normal(group, args, out, barrier) -> None:
     import cupy
     from cupyep.moe import expert_ffn
@@ -572,29 +595,29 @@ def run_normal(group, args, out, barrier) -> None:
         budget = bufs["a"].sm_budget
         for F in args.ffn:
             w1, w2 = local_weights(group.local_rank, R, args.hidden, F, args.experts)
-            for transport in args.transport:
-                for sms in args.comm_sms:
-                    dcfg, ccfg = normal_configs(bufs["a"], transport, sms)
-                    rec = {**base_record(group, args, "normal", T, F), "transport": transport, "comm_sms": sms,
-                           "num_sms": dcfg.num_sms, "expert_alignment": args.alignment,
-                           "dispatch_config": asdict(dcfg), "combine_config": asdict(ccfg)}
-                    problem = comm_sms_problem(transport, sms)
-                    if problem is None and sms is not None and sms > budget:
-                        problem = f"num_sms={sms} exceeds this rank's SM budget ({budget})"
-                    runner = NormalRunner(mbs, args.experts, transport, dcfg, ccfg, args.alignment, w1, w2,
-                                          expert_ffn)
-                    if problem is None:
-                        try:  # the first run allocates the direct pools and compiles; a refused config raises
-                            warm = runner.run(schedule("normal", False), {})  # before any launch, on every rank
-                        except ValueError as e:
-                            problem = str(e)
-                        problem = agreed_refusal(group.comm, problem)
-                    if problem:
-                        out.write({**rec, "skipped": problem})
-                        continue
-                    cupy.cuda.get_current_stream().synchronize()
-                    del warm
-                    out.write({**rec, **measure(group, runner, "normal", barrier, args)})
+            for transport, sms, zero_copy in normal_arms(args, transport_has_zero_copy(bufs["a"])):
+                dcfg, ccfg = normal_configs(bufs["a"], transport, sms)
+                rec = {**base_record(group, args, "normal", T, F), "transport": transport, "comm_sms": sms,
+                       "num_sms": dcfg.num_sms, "expert_alignment": args.alignment,
+                       "combine": "zero_copy" if zero_copy else "push",
+                       "dispatch_config": asdict(dcfg), "combine_config": asdict(ccfg)}
+                problem = comm_sms_problem(transport, sms)
+                if problem is None and sms is not None and sms > budget:
+                    problem = f"num_sms={sms} exceeds this rank's SM budget ({budget})"
+                runner = NormalRunner(mbs, args.experts, transport, dcfg, ccfg, args.alignment, w1, w2,
+                                      expert_ffn, zero_copy)
+                if problem is None:
+                    try:  # the first run allocates the direct pools and compiles; a refused config raises
+                        warm = runner.run(schedule("normal", False), {})  # before any launch, on every rank
+                    except ValueError as e:
+                        problem = str(e)
+                    problem = agreed_refusal(group.comm, problem)
+                if problem:
+                    out.write({**rec, "skipped": problem})
+                    continue
+                cupy.cuda.get_current_stream().synchronize()
+                del warm
+                out.write({**rec, **measure(group, runner, "normal", barrier, args)})
             del w1, w2
     finally:
         bufs["a"].destroy()  # the one buffer of both micro-batches

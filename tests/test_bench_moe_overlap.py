@@ -487,3 +487,18 @@ def test_a_refusal_counts_only_when_every_rank_agrees():
     assert B.agreed_refusal(_Gathered(["too big", "too big"]), "too big") == "too big"
     with pytest.raises(RuntimeError, match=r"ranks \[1\] only.*rank 1: pool too small"):
         B.agreed_refusal(_Gathered([None, "pool too small"]), None)
+
+
+def test_normal_arms_pair_each_transport_with_its_combines():
+    bench = B
+    from types import SimpleNamespace
+    has = {"queue": False, "direct": True}
+    args = SimpleNamespace(transport=["queue", "direct"], comm_sms=[None, 8], combines=["default", "push"])
+    arms = bench.normal_arms(args, has)
+    # the queue route has one combine (its default is the push); the direct one both, zero-copy first
+    assert arms == [("queue", None, False), ("queue", 8, False), ("direct", None, True), ("direct", None, False),
+                    ("direct", 8, True), ("direct", 8, False)]
+    args.combines = ["default"]
+    assert bench.normal_arms(args, has) == [("queue", None, False), ("queue", 8, False), ("direct", None, True),
+                                            ("direct", 8, True)]
+    assert bench.normal_arms(args, {"queue": False, "direct": False})[-1] == ("direct", 8, False)  # across nodes
