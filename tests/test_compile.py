@@ -77,12 +77,18 @@ def _unguarded_includes(text: str) -> list[tuple[int, str]]:
     return bad
 
 
-def test_every_kernel_source_compiles_under_nvrtc_headers():
+def _findings(check) -> dict:
+    """{kernel source: check(its text)} for every source in cuda_src where the check finds something."""
     found = {}
     for path in sorted((REPO / "cuda_src").rglob("*.cu*")):
-        bad = _unguarded_includes(path.read_text())
+        bad = check(path.read_text())
         if bad:
             found[str(path.relative_to(REPO))] = bad
+    return found
+
+
+def test_every_kernel_source_compiles_under_nvrtc_headers():
+    found = _findings(_unguarded_includes)
     assert not found, ("standard headers NVRTC cannot open (include common/types.cuh for fixed-width "
                        f"integers): {found}")
 
@@ -105,11 +111,7 @@ def _libc_macros(text: str) -> list[tuple[int, str]]:
 
 
 def test_no_kernel_source_uses_a_libc_macro():
-    found = {}
-    for path in sorted((REPO / "cuda_src").rglob("*.cu*")):
-        bad = _libc_macros(path.read_text())
-        if bad:
-            found[str(path.relative_to(REPO))] = bad
+    found = _findings(_libc_macros)
     assert not found, f"C library macros NVRTC does not define (write the value, e.g. __int_as_float(0x7f800000)): {found}"
 
 
