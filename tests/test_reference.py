@@ -170,6 +170,22 @@ def test_layout_rejects_bad_input():
         ref.get_dispatch_layout(good, 8, 4, 3)
 
 
+def test_rank_inputs_name_the_bad_rank_of_x_and_x_scales():
+    from cupyep.reference.layout import validate_rank_inputs
+    idx = [np.zeros((2, 1), np.int64), np.zeros((3, 1), np.int64)]
+    x = [np.zeros((2, 128), np.uint8), np.zeros((3, 128), np.uint8)]
+    scales = [np.zeros((2, 1), np.float32), np.zeros((3, 1), np.float32)]
+    assert validate_rank_inputs(x, idx, 4, x_scales=scales) == 2
+    with pytest.raises(ValueError, match=r"^x\[1\] must be a 2-D numpy array with 3 rows"):
+        validate_rank_inputs([x[0], x[1][:2]], idx, 4)
+    with pytest.raises(ValueError, match=r"^x\[1\] has 256 columns of uint8, x\[0\] has 128"):
+        validate_rank_inputs([x[0], np.zeros((3, 256), np.uint8)], idx, 4)
+    with pytest.raises(ValueError, match=r"^x_scales\[1\] has 1 columns of float64"):
+        validate_rank_inputs(x, idx, 4, x_scales=[scales[0], scales[1].astype(np.float64)])
+    with pytest.raises(ValueError, match=r"^x_scales\[0\] must be a 2-D numpy array with 2 rows"):
+        validate_rank_inputs(x, idx, 4, x_scales=[scales[0][:, 0], scales[1]])
+
+
 # ---------------------------------------------------------------- normal-mode dispatch
 
 

@@ -188,18 +188,9 @@ def validate_rank_inputs(
         validate_topk_idx(idx, num_experts)
         if idx.shape[1] != topk_idx[0].shape[1]:
             raise ValueError(f"topk_idx[{rank}] has {idx.shape[1]} slots, topk_idx[0] has {topk_idx[0].shape[1]}")
-        if x is not None:
-            xs = x[rank]
-            if not isinstance(xs, np.ndarray) or xs.ndim != 2 or xs.shape[0] != idx.shape[0]:
-                raise ValueError(
-                    f"x[{rank}] must be a 2-D numpy array with {idx.shape[0]} rows, "
-                    f"got {getattr(xs, 'shape', type(xs))}"
-                )
-            if xs.shape[1] != x[0].shape[1] or xs.dtype != x[0].dtype:
-                raise ValueError(
-                    f"x[{rank}] has hidden {xs.shape[1]} dtype {xs.dtype}, "
-                    f"x[0] has hidden {x[0].shape[1]} dtype {x[0].dtype}"
-                )
+        for name, arrays in (("x", x), ("x_scales", x_scales)):
+            if arrays is not None:
+                _check_rank_rows(name, arrays, rank, idx.shape[0])
         if topk_weights is not None:
             weights = topk_weights[rank]
             if not isinstance(weights, np.ndarray) or weights.shape != idx.shape or weights.dtype != np.float32:
@@ -207,18 +198,18 @@ def validate_rank_inputs(
                     f"topk_weights[{rank}] must be float32 of shape {idx.shape}, got "
                     f"{getattr(weights, 'shape', type(weights))} {getattr(weights, 'dtype', '')}"
                 )
-        if x_scales is not None:
-            scales = x_scales[rank]
-            if not isinstance(scales, np.ndarray) or scales.ndim != 2 or scales.shape[0] != idx.shape[0]:
-                raise ValueError(
-                    f"x_scales[{rank}] must be a 2-D array with {idx.shape[0]} rows, "
-                    f"got {getattr(scales, 'shape', type(scales))}"
-                )
-            if scales.shape[1] != x_scales[0].shape[1] or scales.dtype != x_scales[0].dtype:
-                raise ValueError(
-                    f"x_scales[{rank}] has {scales.shape[1]} columns of {scales.dtype}, "
-                    f"x_scales[0] has {x_scales[0].shape[1]} of {x_scales[0].dtype}"
-                )
     if x_scales is not None:
         check_fp8_hidden(x[0].shape[1])
     return num_local_experts
+
+
+def _check_rank_rows(name: str, arrays, rank: int, rows: int) -> None:
+    """ValueError unless ``arrays[rank]`` is a 2-D NumPy array of ``rows`` rows
+    with the columns and dtype of ``arrays[0]`` (one entry per rank: x or x_scales)."""
+    a = arrays[rank]
+    if not isinstance(a, np.ndarray) or a.ndim != 2 or a.shape[0] != rows:
+        raise ValueError(f"{name}[{rank}] must be a 2-D numpy array with {rows} rows, "
+                         f"got {getattr(a, 'shape', type(a))}")
+    if a.shape[1] != arrays[0].shape[1] or a.dtype != arrays[0].dtype:
+        raise ValueError(f"{name}[{rank}] has {a.shape[1]} columns of {a.dtype}, "
+                         f"{name}[0] has {arrays[0].shape[1]} of {arrays[0].dtype}")
