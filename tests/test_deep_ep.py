@@ -24,7 +24,7 @@ from deep_ep_stubs import stub_tensors
 from cupyep import deep_ep
 from cupyep.deep_ep import budget as B
 from cupyep.deep_ep import handles as handles_module
-from cupyep.deep_ep import packing
+from cupyep.reference import packed_layout as packing
 from cupyep.deep_ep.config import Config, from_cupyep, to_cupyep, tuned_config
 from cupyep.deep_ep.events import EventHandle, EventOverlap, event_of, overlap
 from cupyep.deep_ep.gaps import GAPS

@@ -1,5 +1,5 @@
 """DeepEP's packed low-latency layout over cupyep's region layout
-(cupyep.deep_ep.packing; on the GPU the dispatch and combine kernels of
+(cupyep.reference.packed_layout; on the GPU the dispatch and combine kernels of
 cuda_src/low_latency), on the CPU.
 
 DeepEP's definition, written out here independently: local expert e's rows
@@ -22,7 +22,7 @@ import pytest
 from deep_ep_stubs import stub_tensors
 
 from cupyep import deep_ep, jit
-from cupyep.deep_ep import packing as P
+from cupyep.reference import packed_layout as P
 from cupyep.low_latency.layout import message_layout
 
 

@@ -16,7 +16,7 @@ communication stream (normal mode) or on the stream the call runs on
 (low-latency mode), for either value of ``allocate_on_comm_stream``
 (docs/deep_ep.md).
 
-Low-latency mode gives DeepEP's packed layout (cupyep.deep_ep.packing): the
+Low-latency mode gives DeepEP's packed layout (cupyep.reference.packed_layout): the
 dispatch copies cupyep's received rows into packed tensors, and the combine
 copies packed expert outputs into cupyep's combine buffer; each copies only
 the valid rows, once.
@@ -535,7 +535,7 @@ class Buffer:
                 source after source in rank order (handle[1] gives each
                 source's range); later rows are unset. New tensors, filled by
                 the dispatch's receive half itself (its dispatch_packed kernel;
-                the layout: cupyep.deep_ep.packing); with return_recv_hook when
+                the layout: cupyep.reference.packed_layout); with return_recv_hook when
                 the hook runs.
             recv_count [E_local] torch.int, handle, event, hook (a callable
             with return_recv_hook, else None).

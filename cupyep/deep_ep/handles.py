@@ -21,7 +21,7 @@ source token of each received row, where DeepEP has its opaque source
 metadata) are given, and reading another raises NotImplementedError.
 
 A low-latency handle has DeepEP's five entries, in DeepEP's packed layout
-(cupyep.deep_ep.packing): 0 recv_src_info [E_local, R * T] int32 (source
+(cupyep.reference.packed_layout): 0 recv_src_info [E_local, R * T] int32 (source
 token of each packed row; rows past recv_count[e] unset), 1 layout_range
 [E_local, R] int64 (``begin << 32 | count`` of each source's rows, ``begin``
 the sum of the counts of the sources before it), then T, hidden and

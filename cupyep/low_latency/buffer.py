@@ -23,8 +23,8 @@ from ..launcher.calls import traced_call
 from ..ipc import SymmetricBuffer
 from ..results import EventHandle
 from . import kernels as K
-from .layout import (CallSchedule, call_offsets, check_capacity, check_sizes, low_latency_layout, message_layout,
-                     packed_payload)
+from ..reference.packed_layout import packed_payload
+from .layout import CallSchedule, call_offsets, check_capacity, check_sizes, low_latency_layout, message_layout
 from .results import LowLatencyCombineResult, LowLatencyDispatchResult, LowLatencyHandle
 
 
@@ -294,7 +294,7 @@ class LowLatencyBuffer:
             cumulative_local_expert_recv_stats: [E_local] int32 device array, += rows received per expert.
             dispatch_wait_recv_cost_stats: [R] int64 device array, += nanoseconds waited for each source.
             packed_out: None; True: the dispatch makes DeepEP's packed outputs itself (new
-                arrays, as cupyep.deep_ep.packing.packed_outputs_for describes them; returned as
+                arrays, as cupyep.reference.packed_layout.packed_outputs_for describes them; returned as
                 ``result.packed``); or (x, scales, src_info, layout_range) device arrays for DeepEP's
                 packed layout, which the receive half fills too (the dispatch_packed kernel; in the
                 hook with return_recv_hook): x [E_local, R * max_tokens, H] uint8 (FP8) or uint16,
@@ -302,7 +302,7 @@ class LowLatencyBuffer:
                 (S = H / 128) or int32 words of four UE8M0 bytes (S = H / 512), the transpose of a
                 C-contiguous [E_local, S, R * max_tokens] array; src_info [E_local, R * max_tokens]
                 int32; layout_range [E_local, R] int64 (begin << 32 | count). As
-                cupyep.deep_ep.packing.packed_outputs makes them and pack_dispatch fills them.
+                cupyep.reference.packed_layout.packed_outputs makes them and pack_dispatch fills them.
             async_finish: run on the communication stream and return an event.
             return_recv_hook: run only the send half now; ``result.hook()`` runs the receive half.
             validate: check expert ids and distinctness on the host (one small sync; skipped in graph capture).

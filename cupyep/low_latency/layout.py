@@ -50,8 +50,6 @@ import operator
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import numpy as np
-
 ALIGN = 128
 FIELDS = ("dispatch_count", "dispatch_flag", "combine_flag", "recv_x", "combine_send", "combine_recv",
           "remote_signal", "stage")
@@ -276,24 +274,3 @@ def call_offsets(layout: LowLatencyLayout, signal_set: int, dispatch_region: int
     fields = {n: getattr(sets[dispatch_region], n) for n in DATA_FIELDS["dispatch"]}
     fields.update({n: getattr(sets[combine_region], n) for n in DATA_FIELDS["combine"]})
     return dataclasses.replace(sets[signal_set], **fields)
-
-
-def packed_payload(num_local_experts: int, num_ranks: int, max_tokens: int, hidden: int, use_fp8: bool,
-                   use_ue8m0: bool, xp=np):
-    """Uninitialised rows and scales of DeepEP's packed low-latency layout
-    (cupyep.deep_ep.packing describes it), NumPy or CuPy (``xp``; CuPy on the
-    current stream).
-
-    Returns:
-        (x [E_local, R * T, H] uint8 (FP8 bits) or uint16 (BF16 bits),
-         C-contiguous; scales [E_local, R * T, S] float32 (S = H / 128) or
-         int32 (S = H / 512, four UE8M0 exponents a word, use_ue8m0), the
-         transpose of a C-contiguous [E_local, S, R * T] array, or None for BF16).
-    """
-    E, RT, H = num_local_experts, num_ranks * max_tokens, hidden
-    x = xp.empty((E, RT, H), dtype=np.uint8 if use_fp8 else np.uint16)
-    if not use_fp8:
-        return x, None
-    S = H // 512 if use_ue8m0 else H // 128
-    return x, xp.empty((E, S, RT), dtype=np.int32 if use_ue8m0 else np.float32).transpose(0, 2, 1)
-

@@ -14,6 +14,8 @@ Modules:
 - ``low_latency``: low-latency dispatch (one message per selection) and combine.
 - ``fp8``: per-token, per-128-channel e4m3 quantisation, UE8M0 scales.
 - ``logfmt``: LogFMT-10, a 10-bit log2 format of combine rows (encode, decode, its error bound).
+- ``packed_layout``: DeepEP's packed low-latency layout over cupyep's
+  region layout (index math and the packing by array indexing, NumPy or CuPy).
 - ``metrics``: DeepEP's ``calc_diff`` similarity and BF16 rounding.
 
 Conventions: R ranks, E experts, ``E_local = E // R``; rank ``r`` owns experts

@@ -714,11 +714,11 @@ def test_logfmt_combine(group, llbuf, hook):
 @pytest.mark.parametrize("made", [False, True], ids=["given", "made"])
 def test_the_dispatch_fills_deepeps_packed_layout(group, llbuf, kind, hook, made):
     """packed_out: the dispatch's receive half (dispatch_packed) fills DeepEP's packed layout with what
-    cupyep.deep_ep.packing's own kernel makes of the same result: rows, scales, source tokens and ranges,
+    cupyep.reference.packed_layout's definition makes of the same result: rows, scales, source tokens and ranges,
     bit for bit over the received rows (in the hook with return_recv_hook); into the caller's arrays, or
     (packed_out=True) into new ones of the same shapes and strides, returned as result.packed."""
     import cupy
-    from cupyep.deep_ep import packing as P
+    from cupyep.reference import packed_layout as P
     me, R = ranks(group)
     fp8, ue8m0 = kind != "bf16", kind == "ue8m0"
     tokens = [MAX_TOKENS - 3 * r for r in range(R)]

@@ -19,17 +19,25 @@ exponents).
 with array indexing (NumPy or CuPy): the definition the kernels are checked
 against. On the GPU the dispatch fills the layout itself, in its receive half
 (``LowLatencyBuffer.dispatch(packed_out=...)``, the ``dispatch_packed`` kernel
-of ``cuda_src/low_latency/dispatch.cu``; with ``packed_out=True`` it makes the
-arrays, as :func:`packed_outputs_for` describes them), and the combine reads packed expert outputs in place
+of ``cuda_src/low_latency/dispatch.cu``; with ``packed_out=True`` it makes
+the arrays, as :func:`packed_outputs_for` describes them), and the combine
+reads packed expert outputs in place
 (``LowLatencyBuffer.combine(x_layout="packed")``): no copy has a launch of
-its own.
+its own. ``cupyep.deep_ep`` returns this layout from its low-latency calls.
+
+Part of the reference: the functions take NumPy arrays, or CuPy arrays for
+the GPU tests (the same indexing on the device).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ..arrays import xp_of
-from ..low_latency.layout import packed_payload
+
+def xp_of(a):
+    """numpy, or cupy for a CuPy array (cupy is not imported here unless the caller already has)."""
+    import sys
+    cupy = sys.modules.get("cupy")
+    return cupy.get_array_module(a) if cupy is not None else np
 
 
 # ------------------------------------------------------------------ index math (NumPy or CuPy)
@@ -74,6 +82,26 @@ def row_map(layout_count, capacity: int):
 
 
 # ------------------------------------------------------------------ the outputs and the definition
+def packed_payload(num_local_experts: int, num_ranks: int, max_tokens: int, hidden: int, use_fp8: bool,
+                   use_ue8m0: bool, xp=np):
+    """Uninitialised rows and scales of DeepEP's packed low-latency layout
+    (this module's layout), NumPy or CuPy (``xp``; CuPy on the
+    current stream).
+
+    Returns:
+        (x [E_local, R * T, H] uint8 (FP8 bits) or uint16 (BF16 bits),
+         C-contiguous; scales [E_local, R * T, S] float32 (S = H / 128) or
+         int32 (S = H / 512, four UE8M0 exponents a word, use_ue8m0), the
+         transpose of a C-contiguous [E_local, S, R * T] array, or None for BF16).
+    """
+    E, RT, H = num_local_experts, num_ranks * max_tokens, hidden
+    x = xp.empty((E, RT, H), dtype=np.uint8 if use_fp8 else np.uint16)
+    if not use_fp8:
+        return x, None
+    S = H // 512 if use_ue8m0 else H // 128
+    return x, xp.empty((E, S, RT), dtype=np.int32 if use_ue8m0 else np.float32).transpose(0, 2, 1)
+
+
 def packed_outputs(recv_x, recv_x_scales, num_ranks: int, max_tokens: int, use_ue8m0: bool = False):
     """Uninitialised outputs of :func:`pack_dispatch` for a dispatch result
     (NumPy or CuPy, as ``recv_x``; CuPy on the current stream).
