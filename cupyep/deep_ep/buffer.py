@@ -16,10 +16,10 @@ communication stream (normal mode) or on the stream the call runs on
 (low-latency mode), for either value of ``allocate_on_comm_stream``
 (docs/deep_ep.md).
 
-Low-latency mode gives DeepEP's packed layout (cupyep.reference.packed_layout): the
-dispatch copies cupyep's received rows into packed tensors, and the combine
-copies packed expert outputs into cupyep's combine buffer; each copies only
-the valid rows, once.
+Low-latency mode gives DeepEP's packed layout (cupyep.reference.packed_layout):
+the dispatch's receive half copies the received rows into new packed tensors
+(only the valid rows, once), and the combine reads packed expert outputs in
+place.
 """
 from __future__ import annotations
 
