@@ -443,6 +443,50 @@ def test_ll_combine_distinguishes_experts(ll_inputs):
         assert np.array_equal(combined[src], expected.astype(np.float32))
 
 
+def test_ll_partial_combine_reduces_per_expert_rank_then_per_token(ll_inputs):
+    """Expert e multiplies by (e + 1): the partial combine is, per token, the FP32 sum in rank order of
+    BF16 partials, each the FP32 sum in slot order of the rank's weighted expert outputs; within
+    calc_diff 5e-6 of the exact (per-slot) combine; and it checks its inputs as the per-slot one."""
+    x, idx, _, w = ll_inputs
+    results = ref.low_latency_dispatch(x, idx, NUM_EXPERTS, LL_MAX)
+    expert_out = [(r.recv_x * (dst * NUM_LOCAL + np.arange(NUM_LOCAL) + 1)[:, None, None])
+                  .astype(ml_dtypes.bfloat16) for dst, r in enumerate(results)]
+    got = ref.low_latency_partial_combine(expert_out, results, idx, w)
+    exact = ref.low_latency_combine(expert_out, results, idx, w)
+    for src in range(NUM_RANKS):
+        want = np.zeros((LL_TOKENS[src], HIDDEN), np.float32)
+        for t in range(LL_TOKENS[src]):
+            partial = np.zeros((NUM_RANKS, HIDDEN), np.float32)
+            for j, e in enumerate(idx[src][t]):
+                if e >= 0:
+                    y = (x[src][t] * (e + 1)).astype(ml_dtypes.bfloat16).astype(np.float32)
+                    partial[e // NUM_LOCAL] += np.float32(w[src][t, j]) * y
+            for d in range(NUM_RANKS):
+                want[t] += ref.bf16_round(partial[d])
+        assert got[src].dtype == np.float32 and np.array_equal(got[src], want)
+        if LL_TOKENS[src]:
+            assert ref.calc_diff(got[src], exact[src]) < 5e-6
+    with pytest.raises(ValueError, match="expert_out"):
+        ref.low_latency_partial_combine([r.recv_x[:, :4] for r in results], results, idx, w)
+    other = ref.make_routing(3, LL_TOKENS, NUM_EXPERTS, NUM_TOPK)
+    with pytest.raises(ValueError, match="does not hold"):
+        ref.low_latency_partial_combine(expert_out, results, other, w)
+
+
+def test_ll_combine_rows_per_slot_and_per_rank():
+    # 2 ranks of 4 experts: token 0 picks experts 0, 1 (rank 0) and 5 (rank 1); token 1 picks 6, 7 and -1.
+    idx = [np.array([[0, 1, 5], [6, 7, -1]], np.int64), np.zeros((0, 3), np.int64)]
+    rows = ref.low_latency.combine_rows(idx, 8, 2)
+    assert rows == {"per_slot": 5, "per_rank": 3, "saved": 1 - 3 / 5}
+    # the benchmark's routing, top-8 of 256: about a third fewer rows at 8 ranks, more at fewer
+    from cupyep.testing import global_routing
+    saved = {R: ref.low_latency.combine_rows(global_routing(0, [128] * R, 256, 8)[0], 256, R)["saved"]
+             for R in (2, 4, 8)}
+    assert 0.30 < saved[8] < saved[4] < saved[2] < 0.80, saved
+    with pytest.raises(ValueError, match="multiple"):
+        ref.low_latency.combine_rows(idx, 9, 2)
+
+
 def test_ll_rejects_bad_input(ll_inputs):
     x, idx, _, w = ll_inputs
     with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank"):

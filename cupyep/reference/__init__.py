@@ -50,7 +50,7 @@ from .intranode import (
     intranode_dispatch,
 )
 from .layout import DispatchLayout, get_dispatch_layout, validate_topk_idx
-from .low_latency import LowLatencyDispatchResult, low_latency_combine, low_latency_dispatch
+from .low_latency import LowLatencyDispatchResult, low_latency_combine, low_latency_dispatch, low_latency_partial_combine
 from .metrics import bf16_round, calc_diff
 
 __all__ = [
@@ -67,6 +67,7 @@ __all__ = [
     "LowLatencyDispatchResult",
     "low_latency_dispatch",
     "low_latency_combine",
+    "low_latency_partial_combine",
     "FP8_E4M3_MAX",
     "FP8_BLOCK_SIZE",
     "Fp8Tensor",

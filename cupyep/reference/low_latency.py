@@ -14,7 +14,12 @@ sent twice. DeepEP assumes the experts of one token are distinct, so rows
 naming the same expert twice are rejected.
 
 Combine accumulates in float64 (exact products of float32 factors) and rounds
-once to float32.
+once to float32. :func:`low_latency_partial_combine` is the combine with the
+reduce split between the expert ranks (one BF16 partial per token and expert
+rank) and the owner (the partials summed in rank order), as normal mode
+reduces; :func:`combine_rows` counts the rows each form sends (with the
+benchmark's routing, top-8 of 256 experts: 33 % fewer at 8 ranks, 54 % at 4,
+75 % at 2).
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from .layout import validate_rank_inputs
+from .metrics import bf16_round
 
-__all__ = ["LowLatencyDispatchResult", "low_latency_dispatch", "low_latency_combine", "return_position",
-           "slot_in_region", "without_ranks"]
+__all__ = ["LowLatencyDispatchResult", "low_latency_dispatch", "low_latency_combine",
+           "low_latency_partial_combine", "combine_rows", "return_position", "slot_in_region", "without_ranks"]
 
 
 @dataclass(frozen=True)
@@ -250,48 +256,122 @@ def low_latency_combine(
     Returns:
         list over source ranks s of [num_tokens_s, hidden] float32.
     """
-    num_ranks = len(results)
-    if num_ranks == 0 or len(expert_out) != num_ranks:
-        raise ValueError(
-            f"expert_out and results must be non-empty lists of equal length, "
-            f"got {len(expert_out)} and {num_ranks}"
-        )
-    num_local_experts, num_slots = results[0].recv_src_info.shape
-    max_tokens = results[0].num_max_dispatch_tokens_per_rank
-    region = results[0].capacity
-    hidden = results[0].recv_x.shape[2]
-    for dst in range(num_ranks):
-        expected = (num_local_experts, num_slots, hidden)
-        if np.shape(expert_out[dst]) != expected or results[dst].recv_src_info.shape != expected[:2]:
-            raise ValueError(
-                f"expert_out[{dst}] has shape {np.shape(expert_out[dst])}, expected {expected}"
-            )
-    num_experts = num_local_experts * num_ranks
-    if len(topk_idx) != num_ranks or topk_weights is None:
-        raise ValueError(f"topk_idx and topk_weights need one entry per rank ({num_ranks})")
-    validate_rank_inputs(None, topk_idx, num_experts, topk_weights)
-    _check_ll_inputs(topk_idx, max_tokens)
-
+    num_local_experts, region, hidden = _check_combine_inputs(expert_out, results, topk_idx, topk_weights)
     combined = []
     for src, idx in enumerate(topk_idx):
-        position = slot_in_region(idx, num_experts)
         acc = np.zeros((idx.shape[0], hidden), dtype=np.float64)
-        for j in range(idx.shape[1]):  # one slot at a time: tokens are unique within it
-            experts = idx[:, j]
-            for dst in range(num_ranks):
-                tokens = np.flatnonzero((experts >= 0) & (experts // num_local_experts == dst))
-                local = experts[tokens] % num_local_experts
-                slot = src * region + position[tokens, j]
-                if np.any(results[dst].recv_src_info[local, slot] != tokens):
-                    raise ValueError(
-                        f"results[{dst}] does not hold the tokens of source rank {src} where "
-                        f"topk_idx[{src}] places them"
-                    )
-                values = expert_out[dst][local, slot].astype(np.float64)
-                values *= topk_weights[src][tokens, j][:, None]
-                acc[tokens] += values
+        for j, tokens, _, values in _expert_rows(expert_out, results, src, idx, num_local_experts, region):
+            values *= topk_weights[src][tokens, j][:, None]
+            acc[tokens] += values
         combined.append(acc.astype(np.float32))
     return combined
+
+
+def _check_combine_inputs(expert_out, results, topk_idx, topk_weights) -> tuple:
+    """(E_local, capacity, hidden) of a combine's inputs; ValueError unless every rank has its expert
+    outputs of its dispatch result's shape and a valid routing and weights."""
+    num_ranks = len(results)
+    if num_ranks == 0 or len(expert_out) != num_ranks:
+        raise ValueError(f"expert_out and results must be non-empty lists of equal length, "
+                         f"got {len(expert_out)} and {num_ranks}")
+    num_local_experts, num_slots = results[0].recv_src_info.shape
+    hidden = results[0].recv_x.shape[2]
+    expected = (num_local_experts, num_slots, hidden)
+    for dst in range(num_ranks):
+        if np.shape(expert_out[dst]) != expected or results[dst].recv_src_info.shape != expected[:2]:
+            raise ValueError(f"expert_out[{dst}] has shape {np.shape(expert_out[dst])}, expected {expected}")
+    if len(topk_idx) != num_ranks or topk_weights is None:
+        raise ValueError(f"topk_idx and topk_weights need one entry per rank ({num_ranks})")
+    validate_rank_inputs(None, topk_idx, num_local_experts * num_ranks, topk_weights)
+    _check_ll_inputs(topk_idx, results[0].num_max_dispatch_tokens_per_rank)
+    return num_local_experts, results[0].capacity, hidden
+
+
+def _expert_rows(expert_out, results, src: int, idx: np.ndarray, num_local_experts: int, region: int):
+    """Per slot j of source ``src``'s routing ``idx``: (tokens, their expert's rank, their expert output
+    rows [n, hidden] as float64), from each destination's ``expert_out``; ValueError when a result does
+    not hold the tokens where the routing places them."""
+    num_experts = num_local_experts * len(results)
+    position = slot_in_region(idx, num_experts)
+    for j in range(idx.shape[1]):  # one slot at a time: tokens are unique within it
+        experts = idx[:, j]
+        for dst in range(len(results)):
+            tokens = np.flatnonzero((experts >= 0) & (experts // num_local_experts == dst))
+            local = experts[tokens] % num_local_experts
+            slot = src * region + position[tokens, j]
+            if np.any(results[dst].recv_src_info[local, slot] != tokens):
+                raise ValueError(f"results[{dst}] does not hold the tokens of source rank {src} where "
+                                 f"topk_idx[{src}] places them")
+            yield j, tokens, dst, expert_out[dst][local, slot].astype(np.float64)
+
+
+def low_latency_partial_combine(
+    expert_out: Sequence[np.ndarray],
+    results: Sequence[LowLatencyDispatchResult],
+    topk_idx: Sequence[np.ndarray],
+    topk_weights: Sequence[np.ndarray],
+) -> List[np.ndarray]:
+    """The combine with the reduce split between the expert ranks and the
+    owner: each expert rank first sums, for every token, the weighted
+    outputs of its local experts and sends one BF16 row per (token, expert
+    rank) instead of one per (token, expert); the owner then sums those
+    partials.
+
+    partial_{s,d}[t] = BF16(FP32 sum, in slot order j, of topk_weights_s[t, j]
+    * expert_out_d[slot of (s, t, j)] over the slots j whose expert lives on
+    rank d); combined_s[t] = FP32 sum over d in rank order of
+    partial_{s,d}[t] (the caller rounds it to BF16, as the kernels do). The
+    rounding points are those of normal mode's partials (cupyep.reference.
+    intranode: BF16 partials stay within calc_diff 5e-6 of the exact sum,
+    results/direct, "Partials"). The expert side needs the weights, so a
+    dispatch that feeds this combine carries them with its rows.
+
+    Arguments and shapes: as :func:`low_latency_combine` (expert_out is
+    taken as BF16 values: float32 holding BF16 values, or bfloat16).
+
+    Returns:
+        list over source ranks s of [num_tokens_s, hidden] float32 (before the
+        final BF16 rounding).
+    """
+    num_local_experts, region, hidden = _check_combine_inputs(expert_out, results, topk_idx, topk_weights)
+    num_ranks = len(results)
+    combined = []
+    for src, idx in enumerate(topk_idx):
+        partial = np.zeros((num_ranks, idx.shape[0], hidden), dtype=np.float32)
+        for j, tokens, dst, values in _expert_rows(expert_out, results, src, idx, num_local_experts, region):
+            w = topk_weights[src][tokens, j].astype(np.float32)[:, None]
+            partial[dst, tokens] += values.astype(np.float32) * w  # FP32, slot order
+        acc = np.zeros((idx.shape[0], hidden), dtype=np.float32)
+        for dst in range(num_ranks):  # BF16 partials, summed in FP32 in rank order
+            acc += bf16_round(partial[dst])
+        combined.append(acc)
+    return combined
+
+
+def combine_rows(topk_idx: Sequence[np.ndarray], num_experts: int, num_ranks: int) -> dict:
+    """Rows a low-latency combine sends back, over all ranks: one per
+    (token, expert) slot (``per_slot``, as :func:`low_latency_combine`) and
+    one per (token, expert rank) (``per_rank``, as
+    :func:`low_latency_partial_combine`). -1 slots send nothing.
+
+    Returns:
+        {"per_slot": int, "per_rank": int, "saved": 1 - per_rank / per_slot}.
+    """
+    if num_experts % num_ranks:
+        raise ValueError(f"num_experts={num_experts} is not a multiple of the {num_ranks} ranks")
+    El = num_experts // num_ranks
+    per_slot = per_rank = 0
+    for idx in topk_idx:
+        idx = np.asarray(idx)
+        valid = idx >= 0
+        per_slot += int(valid.sum())
+        ranks = np.where(valid, idx // El, -1)
+        hit = np.zeros((idx.shape[0], num_ranks), dtype=bool)
+        rows, cols = np.nonzero(valid)
+        hit[rows, ranks[rows, cols]] = True
+        per_rank += int(hit.sum())
+    return {"per_slot": per_slot, "per_rank": per_rank,
+            "saved": 1.0 - per_rank / per_slot if per_slot else 0.0}
 
 
 def without_ranks(topk_idx: Sequence[np.ndarray], masked, num_experts: int) -> List[np.ndarray]:
