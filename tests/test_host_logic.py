@@ -856,3 +856,55 @@ def test_a_rank_s_sm_share_and_residency_follow_its_cap(num_sms, capped, per_gpu
     if capped or per_gpu == 1:
         with pytest.raises(ValueError, match="deadlock"):
             jit.require_resident("k", 1, g.sm_share + 1, 128, g.co_resident_ranks, g.num_sms, "num_sms")
+
+
+# ------------------------------------------------------------------ torch tensors, without torch
+class _FakeTorch:
+    """A stand-in ``torch`` module: the dtypes cupyep maps, as plain objects."""
+
+    def __init__(self):
+        for name in ("bfloat16", "float8_e4m3fn", "float32", "int64", "int32", "bool", "uint8", "int16",
+                     "float16", "float64", "int8"):
+            setattr(self, name, f"torch.{name}")
+
+
+def _fake_tensor_class():
+    class Tensor:  # what torch_view reads of a tensor
+        def __init__(self, dtype, cuda=True, cached=None):
+            self.dtype, self.is_cuda, self.device = dtype, cuda, "cuda:0" if cuda else "cpu"
+            self.shape = (2, 3)
+            if cached is not None:
+                self._cupyep_array = cached
+
+        def data_ptr(self):
+            return 4096
+
+    Tensor.__module__ = "torch"
+    return Tensor
+
+
+@pytest.fixture
+def fake_torch(monkeypatch):
+    import sys
+    from cupyep import arrays
+    monkeypatch.setitem(sys.modules, "torch", _FakeTorch())
+    monkeypatch.setattr(arrays, "_TORCH_DTYPES", {})
+    return _fake_tensor_class()
+
+
+def test_a_torch_tensor_is_viewed_by_torch_view_and_errors_name_the_argument(fake_torch):
+    Tensor = fake_torch
+    with pytest.raises(TypeError, match="^recv_x must be on a CUDA device, got a tensor on cpu$"):
+        as_cupy(Tensor("torch.float32", cuda=False), "recv_x")
+    with pytest.raises(TypeError, match="^x must be a CUDA torch tensor .* got Tensor torch.complex64$"):
+        as_cupy(Tensor("torch.complex64"), "x")
+
+
+def test_a_tensor_that_carries_its_array_gets_it_back_while_it_is_unchanged(fake_torch):
+    from types import SimpleNamespace
+    Tensor = fake_torch
+    arr = SimpleNamespace(data=SimpleNamespace(ptr=4096), shape=(2, 3))
+    assert as_cupy(Tensor("torch.float32", cached=arr), "x") is arr
+    moved = SimpleNamespace(data=SimpleNamespace(ptr=8192), shape=(2, 3))  # the tensor's memory changed
+    with pytest.raises(TypeError, match="CUDA device"):  # so it is viewed anew (here: refused as host data)
+        as_cupy(Tensor("torch.float32", cuda=False, cached=moved), "x")
