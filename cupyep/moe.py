@@ -371,7 +371,7 @@ class MoELayer:
         R, me = buffer.num_ranks, buffer.rank
         if transport not in ("queue", "direct"):
             raise ValueError(f"transport must be 'queue' or 'direct', got {transport!r}")
-        has_zero_copy = transport == "direct" and not getattr(buffer, "internode", False)
+        has_zero_copy = buffer.routes[transport].zero_copy
         if zero_copy and not has_zero_copy:
             raise ValueError("zero_copy=True needs the direct transport within a node (the route with a zero-copy "
                              "combine)")

@@ -568,7 +568,7 @@ def agreed_refusal(comm, problem: str | None) -> str | None:
 
 def transport_has_zero_copy(buf) -> dict:
     """{transport: whether its combine can be zero-copy} for this buffer (the direct transport within a node)."""
-    return {t: t == "direct" and not buf.internode for t in TRANSPORTS}
+    return {t: buf.routes[t].zero_copy for t in TRANSPORTS}
 
 
 def normal_arms(args, has_zero_copy: dict) -> list:

@@ -314,8 +314,11 @@ class _HostBuffer:
     results are the real DispatchResult / CombineResult."""
 
     def __init__(self, world, rank):
+        from types import SimpleNamespace
         self.world, self.rank, self.num_ranks = world, rank, world.R
         self.calls = []
+        # within one node, as Buffer.routes: only the direct route has a zero-copy combine
+        self.routes = {"queue": SimpleNamespace(zero_copy=False), "direct": SimpleNamespace(zero_copy=True)}
 
     def dispatch(self, *args, **kwargs):
         import inspect

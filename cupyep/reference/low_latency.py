@@ -288,9 +288,9 @@ def _check_combine_inputs(expert_out, results, topk_idx, topk_weights) -> tuple:
 
 
 def _expert_rows(expert_out, results, src: int, idx: np.ndarray, num_local_experts: int, region: int):
-    """Per slot j of source ``src``'s routing ``idx``: (tokens, their expert's rank, their expert output
-    rows [n, hidden] as float64), from each destination's ``expert_out``; ValueError when a result does
-    not hold the tokens where the routing places them."""
+    """Per slot j of source ``src``'s routing ``idx`` and destination rank d: (j, the tokens whose slot j
+    expert lives on d, d, their expert output rows [n, hidden] as float64 from ``expert_out[d]``);
+    ValueError when a result does not hold the tokens where the routing places them."""
     num_experts = num_local_experts * len(results)
     position = slot_in_region(idx, num_experts)
     for j in range(idx.shape[1]):  # one slot at a time: tokens are unique within it
