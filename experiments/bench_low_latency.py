@@ -16,6 +16,10 @@ The kernels are launched as programmatic dependents (unless --plain-launch),
 so they are resident before the barrier ends and start counting when it does. When all ranks share one GPU (and so one
 %globaltimer), the stamps also give the ranks' start skew and
 ``after_last_start``, the call's latency once the last rank has started.
+``--partial`` adds the partial combine ("combine_partial", and its halves
+"combine_partial_send_half" / "combine_partial_recv_half"): the dispatch
+carries the weights and each expert rank returns one row per (token, expert
+rank); its bytes to peers count those rows.
 The default combine pushes the rows ("combine"; "combine_pull": the expert
 ranks copy them into their own buffers and the owners pull them); the
 zero-copy combine pulls by default ("combine_zero_copy";
@@ -96,6 +100,9 @@ def main():
                         "the same arrays: BF16 dispatch rows into recv_x, combine rows into combine_recv")
     p.add_argument("--zero-copy", action="store_true",
                    help="also time zero-copy combines, pulling and pushing (combine(..., zero_copy=True, pull=...))")
+    p.add_argument("--partial", action="store_true",
+                   help="also time the partial combine (combine(..., partial=True) after a dispatch given the "
+                        "weights: one row per (token, expert rank)), whole and in halves, on both boundaries")
     p.add_argument("--plain-launch", action="store_true",
                    help="launch the kernels plainly (LowLatencyBuffer(programmatic_launch=False)); by default "
                         "they are programmatic dependents where the GPU supports it, resident while the GPU "
@@ -168,6 +175,12 @@ def run_buffer(args, group, buf, bar, out, me, R, H, warmup, copy_bw):
         for name in ("fp8", "bf16", "pull"):
             for rec in s.records(name, "strict", args.iters):
                 out.write(rec)
+
+        if args.partial:
+            # The partial combine: the expert side sums each token's rows, one row per expert rank returns.
+            for name in ("partial",) + (() if args.no_hook else ("hook_partial",)):
+                for rec in s.records(name, "strict", args.iters):
+                    out.write(rec)
 
         if args.zero_copy:
             # Zero-copy combines, the owners pulling the rows (default) or the expert ranks pushing them.
@@ -264,7 +277,9 @@ def run_buffer(args, group, buf, bar, out, me, R, H, warmup, copy_bw):
 
         if args.timing == "both":
             # DeepEP's boundary: a barrier per period, then calls back to back, each rank's own times.
-            for name in ("fp8",) + (() if args.no_hook else ("hook",)):
+            names = ("fp8",) + (() if args.no_hook else ("hook",))
+            names += (("partial",) + (() if args.no_hook else ("hook_partial",))) if args.partial else ()
+            for name in names:
                 for rec in s.records(name, "deepep", args.deepep_iters, args.host_gap_ms):
                     out.write(rec)
 

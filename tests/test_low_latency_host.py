@@ -378,6 +378,27 @@ def test_check_waiters():
             K.check_waiters(bad, 64)
 
 
+def test_dispatch_smem_with_weights_adds_a_row_per_rank():
+    # total [E + R], seg [E], own_e / own_pos / own_rpos [Tb][k], masks [E + R][words]
+    assert K.dispatch_smem(128, 16, 8, 256, 8) == (4, 4 * (256 + 264 + 3 * 8 * 8) + 4 * 264 * 4)
+    assert K.dispatch_smem(128, 16, 8, 256, 0) == K.dispatch_smem(128, 16, 8, 256)
+    for T, blocks, k, E, R in [(1, 1, 1, 8, 8), (128, 24, 8, 256, 8), (4096, 132, 8, 2048, 64)]:
+        words, nbytes = K.dispatch_smem(T, blocks, k, E, R)
+        assert nbytes <= K.SMEM_BUDGET and words >= 1
+        assert words <= K.dispatch_smem(T, blocks, k, E)[0]
+
+
+def test_partial_span_balances_units_within_the_table_budget():
+    # 8 ranks x 128 tokens over 16 blocks: 4 units a block of 16 rows
+    assert K.partial_span(8, 128, 16, 8, 256) == 16
+    assert K.partial_span(2, 128, 2, 8, 256) == 32
+    assert K.partial_span(8, 128, 1, 8, 256) == 128        # never more than a source's rows
+    assert K.partial_span(1, 1, 132, 8, 256) == 1
+    span = K.partial_span(8, 4096, 1, 32, 2048)          # the table's shared memory caps it
+    assert K.combine_smem(2048, 32, span) <= K.SMEM_BUDGET < K.combine_smem(2048, 32, span + 1)
+    assert K.combine_smem(256, 8, 16) == 4 * (3 * 256 + 1) + 8 * 16 * 8
+
+
 def test_combine_smem():
     assert K.combine_smem(256) == 4 * (3 * 256 + 1)  # counts [E], prefix [E + 1], colprefix [E]
     assert K.combine_smem(1) == 16
@@ -474,8 +495,8 @@ def test_kernel_specs():
     specs = K.kernel_specs()
     names = [s.name for s in specs]
     assert len(names) == len(set(names))
-    # dispatch, combine and the packing dispatch within a node and across nodes, and the LogFMT combine
-    assert len(specs) == 7 * len(K.THREAD_CHOICES)
+    # dispatch, combine and the packing dispatch within a node and across nodes, the LogFMT and partial combines
+    assert len(specs) == 8 * len(K.THREAD_CHOICES)
     for s in specs:
         assert (jit.CUDA_SRC / s.source).is_file(), s
         assert len(s.kernels) == 1 and s.kernels[0].startswith("cupyep::low_latency::")
@@ -489,6 +510,8 @@ def test_kernel_specs():
         assert d[0] == K.dispatch_spec(t) and c[0] == K.combine_spec(t)
         lf = [s for s in specs if s.kernels == (f"cupyep::low_latency::combine_logfmt<{t}>",)]
         assert lf == [K.combine_logfmt_spec(t)] and not lf[0].nvshmem and lf[0].source == "low_latency/combine.cu"
+        pc = [s for s in specs if s.kernels == (f"cupyep::low_latency::combine_partial<{t}>",)]
+        assert pc == [K.combine_partial_spec(t)] and not pc[0].nvshmem and pc[0].source == "low_latency/combine.cu"
         pk = [s for s in specs if s.kernels == (f"cupyep::low_latency::dispatch_packed<{t}>",)]
         assert sorted(pk, key=lambda s: s.nvshmem) == [K.dispatch_packed_spec(t), K.dispatch_packed_spec(t, True)]
         assert d[0].name == f"low_latency_dispatch_threads_{t}"

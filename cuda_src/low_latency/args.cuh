@@ -73,7 +73,9 @@ struct SetOffsets {
 
 // Byte offsets within one dispatch message and its size: payload (H bytes FP8
 // or 2H BF16) at 0, FP8 scales (H / 128 float32 or UE8M0 bytes, padded to 16)
-// at `scales`, a 16-byte tag (int32 source token, uint8 top-k slot) at `tag`.
+// at `scales`, a 16-byte tag (int32 source token, uint8 top-k slot; from a
+// dispatch given the weights, also the slot's float32 weight and, as int32, the
+// token's row among the source's tokens to this rank) at `tag`.
 // Mirrored by cupyep/low_latency/layout.py message_layout.
 struct Message {
     int64_t scales, tag, bytes;
@@ -145,6 +147,11 @@ struct DispatchArgs {
     int* slot_pos;           // [T, k] out: row of (t, j) within its (expert, me) region at the expert's rank
     int* cumulative_stats;   // [E_local] or null: += recv_count
     int64_t* wait_stats;     // [R] or null: += ns block 0 waited for each source
+    // For the partial combine (combine.cu combine_partial), or null: each message's tag also carries
+    // its slot's weight and the token's row among this rank's tokens to the expert's rank.
+    const float* topk_weights;  // [T, k] float32 or null
+    int* rank_pos;           // [T, k] out (with topk_weights): row of token t among this rank's tokens with an
+                             // expert on the rank of slot j's expert (-1 for empty slots)
     // DeepEP's packed layout, filled by the receive half of dispatch_packed (cupyep.deep_ep.packing):
     uint8_t* packed_x;       // [E_local][packed_rows][H or 2H] the received rows, expert e's at [0, recv_count[e])
     uint32_t* packed_scales; // [E_local][S][packed_rows] the FP8 scales (float32, or words of 4 UE8M0 bytes), or null
@@ -172,7 +179,12 @@ struct CombineArgs {
                                 // [s * capacity, s * capacity + count)); else x is packed as DeepEP's:
                                 // [E_local, x_expert_rows, H], expert e's rows at [0, recv_count[e]),
                                 // source after source in rank order
+    // The partial combine (combine.cu combine_partial):
+    const char* tags;           // the dispatch's tag of region row 0 (the tags of its recv_x messages)
+    int64_t tag_stride;         // bytes between two rows' tags (a message's size)
+    const int* rank_pos;        // [T, k] from a dispatch given the weights (DispatchArgs::rank_pos)
     int pull;                   // 1: owners read the expert outputs from the expert ranks' combine_send
+    int partial_span;           // partial rows p of one source per unit of the send half
 };
 
 // Trace marks: with a trace array, thread 0 of block b writes %globaltimer to

@@ -25,6 +25,19 @@
 // cupyep.reference.logfmt) into the owner's combine_recv, 10.5 bits a value;
 // the receive half decodes as it reduces.
 //
+// Partial (the combine_partial kernel, pushed within a node; the dispatch was
+// given the weights, so each received row's tag holds its slot j, its weight and
+// p, the token's row among the source's tokens to this rank): the send half
+// sums, per (source, token), the weighted rows of its local experts in FP32 in
+// slot order, rounds the sum to BF16 and writes that one partial row to row p
+// of its range of the owner's combine_recv. Units of `partial_span` rows p of
+// one source go to blocks in turn; a block first reads the tags of all the
+// source's rows to it into a [span][k] table of (x row, weight) in shared
+// memory, then its warps take (p, 512-channel chunk) items. The owner sums
+// its token's partials, one per expert rank, in FP32 in rank order
+// (cupyep.reference.low_latency_partial_combine, bit for bit): a third fewer
+// rows at top-8 over 8 ranks.
+//
 // Packed x (CombineArgs::x_expert_rows > 0): the expert outputs arrive in
 // DeepEP's packed layout instead of the region layout; only where each row is
 // read from changes (x_row).
@@ -67,7 +80,7 @@ __device__ __forceinline__ int64_t x_row(const CombineArgs& a, const int* prefix
     return a.x_expert_rows ? (int64_t)le * a.x_expert_rows + (prefix[lo] - prefix[le * R]) + q : slot;
 }
 
-template <int kNumThreads, bool kLogFMT>
+template <int kNumThreads, bool kLogFMT, bool kPartial = false>
 __device__ __forceinline__ void combine_body(const CombineArgs& a) {
     extern __shared__ int smem[];
     const int R = a.c.num_ranks, E = a.c.num_experts, El = E / R, T = a.c.num_tokens, k = a.c.num_topk, H = a.c.hidden;
@@ -153,7 +166,85 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                 }
             };
             // (16 words per lane need the registers of 512 threads per block, not 1024.)
-            if constexpr (kLogFMT) {
+            if constexpr (kPartial) {
+                // Units of `span` partial rows p of one source, a block each in turn.
+                const int span = a.partial_span, units_per_src = (a.c.max_tokens + span - 1) / span;
+                int* tab_row = colprefix + P;                                  // [span][k] x row or -1
+                float* tab_w = reinterpret_cast<float*>(tab_row + span * k);  // [span][k] its weight
+                // Rows a warp has in flight: half of the receive half's, so that the table's lane
+                // values and the sums fit beside them without spilling.
+                constexpr int kBatch = kNumThreads <= 512 ? 4 : 2;
+                constexpr int kChunkWords = kChunkElems / 8;
+                const int row_words = H / 8;
+                for (int u = b; u < R * units_per_src; u += G) {
+                    const int s = u / units_per_src, p0 = (u % units_per_src) * span;
+                    if (is_masked(a.c, s)) continue;  // block-uniform: nothing goes to a masked owner
+                    for (int i = threadIdx.x; i < span * k; i += blockDim.x) tab_row[i] = -1;
+                    __syncthreads();
+                    for (int le = 0; le < El; ++le) {
+                        const int lo = le * R + s;
+                        for (int q = threadIdx.x; q < count[lo]; q += blockDim.x) {
+                            const int64_t slot = (int64_t)le * slots + (int64_t)s * a.c.capacity + q;
+                            const int4 tag = *reinterpret_cast<const int4*>(a.tags + slot * a.tag_stride);
+                            const int pl = tag.w - p0, j = tag.y & 0xff;
+                            if (pl < 0 || pl >= span || j >= k) continue;
+                            tab_row[pl * k + j] = (int)x_row(a, prefix, lo, le, R, q, slot);
+                            tab_w[pl * k + j] = __int_as_float(tag.z);
+                        }
+                    }
+                    __syncthreads();
+                    int4* dst_base = at<int4>(a.c.peers[s], a.c.cur.combine_recv) + (int64_t)a.c.rank * ret_rows * row_int4;
+                    for (int item = warp; item < span * num_chunks; item += num_warps) {
+                        const int pl = item / num_chunks, ch = item % num_chunks;
+                        const int lane_row = lane < k ? tab_row[pl * k + lane] : -1;
+                        const float lane_w = lane < k ? tab_w[pl * k + lane] : 0.f;
+                        if (!__ballot_sync(0xffffffffu, lane_row >= 0) || p0 + pl >= ret_rows) continue;  // warp-uniform
+                        const int w0 = ch * kChunkWords + lane, w1 = w0 + 32;
+                        const bool active0 = w0 < row_words, active1 = w1 < row_words;
+                        float acc[16];
+#pragma unroll
+                        for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+                        for (int j0 = 0; j0 < k; j0 += kBatch) {
+                            int4 v[kBatch][2];
+                            float w[kBatch];
+#pragma unroll
+                            for (int uu = 0; uu < kBatch; ++uu) {
+                                const int r = __shfl_sync(0xffffffffu, lane_row, (j0 + uu) & 31);
+                                w[uu] = __shfl_sync(0xffffffffu, lane_w, (j0 + uu) & 31);
+                                const bool some = j0 + uu < k && r >= 0;
+                                const int4* src = reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) +
+                                                                                (int64_t)r * a.x_row_bytes);
+                                v[uu][0] = some && active0 ? ld_nc_na_v4(src + w0) : make_int4(0, 0, 0, 0);
+                                v[uu][1] = some && active1 ? ld_nc_na_v4(src + w1) : make_int4(0, 0, 0, 0);
+                                if (!some) w[uu] = 0.f;
+                            }
+                            // Product, then sum, each rounded (no fused multiply-add): the reference's FP32
+                            // arithmetic, slot by slot. An absent slot adds +0 * 0, which leaves the sum as
+                            // it is (it is never -0: it starts at +0, and a sum rounded to nearest is -0
+                            // only when both terms are).
+#pragma unroll
+                            for (int uu = 0; uu < kBatch; ++uu) {
+                                const __nv_bfloat162* h0 = reinterpret_cast<const __nv_bfloat162*>(&v[uu][0]);
+                                const __nv_bfloat162* h1 = reinterpret_cast<const __nv_bfloat162*>(&v[uu][1]);
+#pragma unroll
+                                for (int i = 0; i < 4; ++i) {
+                                    const float2 f0 = __bfloat1622float2(h0[i]), f1 = __bfloat1622float2(h1[i]);
+                                    acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(f0.x, w[uu]));
+                                    acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(f0.y, w[uu]));
+                                    acc[8 + 2 * i] = __fadd_rn(acc[8 + 2 * i], __fmul_rn(f1.x, w[uu]));
+                                    acc[8 + 2 * i + 1] = __fadd_rn(acc[8 + 2 * i + 1], __fmul_rn(f1.y, w[uu]));
+                                }
+                            }
+                        }
+                        int4* dst = dst_base + (int64_t)(p0 + pl) * row_int4;
+                        if (!(a.c.ablate & kAblateRows)) {
+                            if (active0) st_na_v4(dst + w0, pack_bf16x8(acc));
+                            if (active1) st_na_v4(dst + w1, pack_bf16x8(acc + 8));
+                        }
+                    }
+                    __syncthreads();  // before the next unit's table
+                }
+            } else if constexpr (kLogFMT) {
                 // LogFMT-10 (pushed within a node): a warp per (received row, two groups); lane l takes
                 // word 16 g + l % 16 of group g = 2 * pair + l / 16, the half-warp finds the group's range,
                 // each lane stores its 8 codes, and lane 0 of each half the group's (lo, hi).
@@ -237,6 +328,46 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                        (((int64_t)(e % El) * R + a.c.rank) * a.c.capacity + pos) * H / 8;
             return recv + ((int64_t)(e / El) * ret_rows + pos) * recv_row_int4;
         };
+        // Partial: token t's partial rows, one per expert rank, handed to lanes 0, 1, ... in rank order
+        // (weight 1; null past them). Lane j < k looks slot j up; a slot counts if it is the token's
+        // first on its rank, and its rank's place is the number of counted slots on lower ranks.
+        // Every lane takes part (shuffles); the result is warp-uniform in t.
+        auto partial_row = [&](int t, float& w) -> const int4* {
+            int r = -1, p = 0;
+            if (lane < k) {
+                const int64_t tj = (int64_t)t * k + lane;
+                const int e = (int)__ldg(a.topk_idx + tj);
+                if (e >= 0 && e < E && __ldg(a.slot_pos + tj) < a.c.capacity && !is_masked(a.c, e / El)) {
+                    p = __ldg(a.rank_pos + tj);
+                    r = p < ret_rows ? e / El : -1;
+                }
+            }
+            bool first = r >= 0;
+            for (int j = 0; j < k; ++j) {
+                const int rj = __shfl_sync(0xffffffffu, r, j);
+                if (j < lane && rj == r) first = false;
+            }
+            const unsigned firsts = __ballot_sync(0xffffffffu, first);
+            int place = 0;
+            for (int j = 0; j < k; ++j) {
+                const int rj = __shfl_sync(0xffffffffu, r, j);
+                if (((firsts >> j) & 1u) && rj < r) ++place;
+            }
+            const int4* row = nullptr;
+            for (int j = 0; j < k; ++j) {
+                const int pj = __shfl_sync(0xffffffffu, place, j), rj = __shfl_sync(0xffffffffu, r, j);
+                const int qj = __shfl_sync(0xffffffffu, p, j);
+                if (((firsts >> j) & 1u) && pj == lane) row = recv + ((int64_t)rj * ret_rows + qj) * recv_row_int4;
+            }
+            w = row != nullptr ? 1.f : 0.f;
+            return row;
+        };
+        // Lane `lane`'s row of token t and its weight: slot `lane`'s, or (partial) the lane's partial.
+        auto lookup = [&](int t, float& w) -> const int4* {
+            if constexpr (kPartial) return partial_row(t, w);
+            w = 0.f;
+            return lane < k ? slot_row(t, lane, w) : nullptr;
+        };
         // Slots whose chunks a warp has in flight: all of a top-8 at 512 threads (128
         // registers), half at 1024 (64 registers).
         constexpr int kBatch = kNumThreads <= 512 ? 8 : 4;
@@ -252,11 +383,11 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
         int cached_t = item_begin < item_end ? (int)(item_begin / num_chunks) : -1;
         const int4* lane_row = nullptr;
         float lane_w = 0.f;
-        if (cached_t >= 0 && lane < k) lane_row = slot_row(cached_t, lane, lane_w);
+        if (cached_t >= 0) lane_row = lookup(cached_t, lane_w);
         const int last_t = item_begin < item_end ? (int)((item_end - 1) / num_chunks) : -1;
         const int4* next_row = nullptr;
         float next_w = 0.f;
-        if (cached_t >= 0 && cached_t < last_t && lane < k) next_row = slot_row(cached_t + 1, lane, next_w);
+        if (cached_t >= 0 && cached_t < last_t) next_row = lookup(cached_t + 1, next_w);
         // An expert rank r of another node: its start (as a flag within the node, also with no rows for
         // me), then one row per slot of mine on its experts: that many signals.
         auto remote_rows = [&](int r) {
@@ -272,8 +403,8 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
         };
         if (!wait_peer_flags(a.c, at<int>(mine, a.c.cur.combine_flag), a.c.guard, a.wait_stats, remote_rows)) return;
         if (a.c.mask != nullptr) {  // shrink mode: look the first slots up again, now that the mask is final
-            if (cached_t >= 0 && lane < k) lane_row = slot_row(cached_t, lane, lane_w);
-            if (cached_t >= 0 && cached_t < last_t && lane < k) next_row = slot_row(cached_t + 1, lane, next_w);
+            if (cached_t >= 0) lane_row = lookup(cached_t, lane_w);
+            if (cached_t >= 0 && cached_t < last_t) next_row = lookup(cached_t + 1, next_w);
         }
         trace_mark(a.c.trace, kMarkArrived);
         const int row_words = H / 8;
@@ -283,7 +414,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                 cached_t = t;
                 lane_row = next_row, lane_w = next_w;
                 next_row = nullptr, next_w = 0.f;
-                if (t < last_t && lane < k) next_row = slot_row(t + 1, lane, next_w);
+                if (t < last_t) next_row = lookup(t + 1, next_w);
             }
             const int w0 = ch * kChunkWords + lane, w1 = w0 + 32;
             const bool active0 = w0 < row_words, active1 = w1 < row_words;  // every lane stays for the shuffles
@@ -353,6 +484,12 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(CombineArgs a) {
 template <int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1) combine_logfmt(CombineArgs a) {
     profiled(a.c, [&] { combine_body<kNumThreads, true>(a); });
+}
+
+// The same with the expert side's partial reduce (pushed, within a node; the host refuses the rest).
+template <int kNumThreads>
+__global__ void __launch_bounds__(kNumThreads, 1) combine_partial(CombineArgs a) {
+    profiled(a.c, [&] { combine_body<kNumThreads, false, true>(a); });
 }
 
 }  // namespace low_latency

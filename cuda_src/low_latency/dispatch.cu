@@ -57,8 +57,9 @@ __device__ __forceinline__ void load_batch(const DispatchArgs& a, int4 (&v)[kBat
 // Cast one item (token tl of this block, chunk ch) to FP8 if asked and store it
 // to the message of each of the token's experts; lane 0 of chunk 0 also writes
 // the message's tag (source token and slot).
-__device__ __forceinline__ void send_item(const DispatchArgs& a, const int* own_e, const int* own_pos, int tl, int ch,
-                                          int b, int G, int lane, const int4 (&v)[2]) {
+__device__ __forceinline__ void send_item(const DispatchArgs& a, const int* own_e, const int* own_pos,
+                                          const int* own_rpos, int tl, int ch, int b, int G, int lane,
+                                          const int4 (&v)[2]) {
     const int R = a.c.num_ranks, El = a.c.num_experts / R, k = a.c.num_topk, H = a.c.hidden, t = b + tl * G;
     const int elem0 = ch * kChunkElems + lane * 16;
     const bool active = elem0 < H;
@@ -110,8 +111,15 @@ __device__ __forceinline__ void send_item(const DispatchArgs& a, const int* own_
                 st_na_v4(d + 1, v[1]);
             }
         }
-        if (ch == 0 && lane == 0 && !(a.c.ablate & kAblateTags))
-            *reinterpret_cast<int2*>(base + m.tag) = make_int2(t, j);  // source token; slot in the low byte
+        if (ch == 0 && lane == 0 && !(a.c.ablate & kAblateTags)) {
+            // Source token; slot in the low byte; with weights, also the slot's weight and the token's
+            // partial row at the expert rank (the partial combine's table, combine.cu).
+            if (a.topk_weights)
+                *reinterpret_cast<int4*>(base + m.tag) =
+                    make_int4(t, j, __float_as_int(__ldg(a.topk_weights + (int64_t)t * k + j)), own_rpos[tl * k + j]);
+            else
+                *reinterpret_cast<int2*>(base + m.tag) = make_int2(t, j);
+        }
     }
 }
 
@@ -207,19 +215,25 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
         load_batch(a, v, warp, num_warps, num_items, num_chunks, b, G, lane);
         clear_next_flags(mine, a.c.next, R);
         const int Tb = (T + G - 1) / G;           // own tokens, at most
-        int* total = smem;                        // [E] rows to e (after the windows so far)
-        int* seg = total + E;                     // [E] rows to e's rank for experts before e
+        // With weights (for the partial combine), the masks and totals have a row per rank
+        // after the experts' (row E + d: the tokens with an expert on rank d).
+        const bool ranked = a.topk_weights != nullptr;
+        const int Er = E + (ranked ? R : 0);
+        int* total = smem;                        // [Er] rows to e, tokens to rank d (after the windows so far)
+        int* seg = total + Er;                    // [E] rows to e's rank for experts before e
         int* own_e = seg + E;                     // [Tb][k] global expert, -1 for none
         int* own_pos = own_e + Tb * k;            // [Tb][k] row within (expert, this source)
-        unsigned* mask = reinterpret_cast<unsigned*>(own_pos + Tb * k);  // [E][W] tokens of the window per expert
-        for (int e = threadIdx.x; e < E; e += blockDim.x) total[e] = 0;
+        int* own_rpos = own_pos + Tb * k;         // [Tb][k] (ranked only) the token's row among mine to that rank
+        unsigned* mask = reinterpret_cast<unsigned*>(own_rpos + (ranked ? Tb * k : 0));  // [Er][W] per window
+        for (int e = threadIdx.x; e < Er; e += blockDim.x) total[e] = 0;
         // Token windows of 32 * W: each (token, slot) sets its token's bit in its expert's
         // mask (OR commutes, so the result does not depend on the order); a token's row
         // for expert e is then the count of e's tokens before it: popcounts of the bits
-        // below it plus the earlier windows' total.
+        // below it plus the earlier windows' total. The same over ranks gives a token's
+        // row among this rank's tokens to rank d.
         for (int t0 = 0; t0 < T; t0 += 32 * W) {
             const int nt = min(T - t0, 32 * W);
-            for (int i = threadIdx.x; i < E * W; i += blockDim.x) mask[i] = 0u;
+            for (int i = threadIdx.x; i < Er * W; i += blockDim.x) mask[i] = 0u;
             __syncthreads();
             for (int u = 0, i = threadIdx.x; i < nt * k; ++u, i += blockDim.x) {
                 const int t = t0 + i / k, j = i % k;
@@ -236,6 +250,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
                     e = -1;
                 }
                 if (e >= 0) atomicOr(mask + e * W + (t - t0) / 32, 1u << ((t - t0) % 32));
+                if (e >= 0 && ranked) atomicOr(mask + (E + e / El) * W + (t - t0) / 32, 1u << ((t - t0) % 32));
                 if (t % G == b) own_e[(t / G) * k + j] = e;
             }
             __syncthreads();
@@ -248,9 +263,15 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
                 int c = total[e];
                 for (int w = 0; w < tw / 32; ++w) c += __popc(me_mask[w]);
                 own_pos[i] = c + __popc(me_mask[tw / 32] & ((1u << (tw % 32)) - 1u));
+                if (ranked) {
+                    const unsigned* rk_mask = mask + (E + e / El) * W;
+                    int cr = total[E + e / El];
+                    for (int w = 0; w < tw / 32; ++w) cr += __popc(rk_mask[w]);
+                    own_rpos[i] = cr + __popc(rk_mask[tw / 32] & ((1u << (tw % 32)) - 1u));
+                }
             }
             __syncthreads();
-            for (int e = threadIdx.x; e < E; e += blockDim.x) {
+            for (int e = threadIdx.x; e < Er; e += blockDim.x) {
                 int c = 0;
                 for (int w = 0; w < W; ++w) c += __popc(mask[e * W + w]);
                 total[e] += c;
@@ -274,6 +295,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
             const int64_t tj = (int64_t)(b + (i / k) * G) * k + i % k;
             a.combine_pos[tj] = e >= 0 ? seg[e] + own_pos[i] : -1;
             a.slot_pos[tj] = e >= 0 ? own_pos[i] : -1;
+            if (ranked) a.rank_pos[tj] = e >= 0 ? own_rpos[i] : -1;
         }
         __syncthreads();
         trace_mark(a.c.trace, kMarkPrep);
@@ -287,7 +309,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
 #pragma unroll
             for (int u = 0; u < kBatch; ++u) {
                 const int item = first + u * num_warps;
-                if (item < num_items) send_item(a, own_e, own_pos, item / num_chunks, item % num_chunks, b, G, lane, v[u]);
+                if (item < num_items) send_item(a, own_e, own_pos, own_rpos, item / num_chunks, item % num_chunks, b, G, lane, v[u]);
             }
         }
 

@@ -282,7 +282,7 @@ class LowLatencyBuffer:
     def dispatch(self, x, topk_idx, *, use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
                  cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
                  async_finish: bool = False, return_recv_hook: bool = False, validate: bool = True,
-                 kernel_time_ns=None, trace=None, packed_out=None) -> LowLatencyDispatchResult:
+                 kernel_time_ns=None, trace=None, packed_out=None, topk_weights=None) -> LowLatencyDispatchResult:
         """Send every (token, expert) pair to the expert's rank.
 
         Arguments:
@@ -293,6 +293,9 @@ class LowLatencyBuffer:
             use_ue8m0: store scales as UE8M0 exponent bytes (needs round_scale).
             cumulative_local_expert_recv_stats: [E_local] int32 device array, += rows received per expert.
             dispatch_wait_recv_cost_stats: [R] int64 device array, += nanoseconds waited for each source.
+            topk_weights: None, or [T, k] float32: the rows carry their slot's weight, so that
+                ``combine(..., partial=True)`` can reduce each token's rows on the expert side
+                (with the weights given here: that combine takes no others).
             packed_out: None; True: the dispatch makes DeepEP's packed outputs itself (new
                 arrays, as cupyep.reference.packed_layout.packed_outputs_for describes them; returned as
                 ``result.packed``); or (x, scales, src_info, layout_range) device arrays for DeepEP's
@@ -334,7 +337,10 @@ class LowLatencyBuffer:
         wait = as_cupy(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats")
         if wait is not None:
             check(wait, "dispatch_wait_recv_cost_stats", np.int64, shape=(R,))
-        plan = K.dispatch_smem(max(T, 1), self.num_blocks, k, self.num_experts)
+        if topk_weights is not None:
+            topk_weights = check(as_cupy(topk_weights, "topk_weights"), "topk_weights", np.float32, shape=(T, k))
+        ranked = topk_weights is not None
+        plan = K.dispatch_smem(max(T, 1), self.num_blocks, k, self.num_experts, R if ranked else 0)
         make_packed = packed_out is True
         if make_packed and use_ue8m0 and H % 512:
             raise ValueError(f"packed outputs with use_ue8m0 hold four UE8M0 exponents a word: hidden={H} must be "
@@ -349,9 +355,10 @@ class LowLatencyBuffer:
         RT = R * self.max_tokens
         with stream:  # the small arrays in one allocation; packed rows and scales in their own
             small = carve({"layout_count": (El, R), "recv_count": (El,), "combine_pos": (T, k), "slot_pos": (T, k),
+                           **({"rank_pos": (T, k)} if ranked else {}),
                            **({"src": (El, RT), "range": (El, 2 * R)} if make_packed else {})}, np.int32)
             layout_count, recv_count = small["layout_count"], small["recv_count"]
-            combine_pos, slot_pos = small["combine_pos"], small["slot_pos"]
+            combine_pos, slot_pos, rank_pos = small["combine_pos"], small["slot_pos"], small.get("rank_pos")
             if make_packed:
                 packed = (*packed_payload(El, R, self.max_tokens, H, use_fp8, use_ue8m0, cupy), small["src"],
                           small["range"].view(np.int64))
@@ -359,6 +366,7 @@ class LowLatencyBuffer:
         args = dict(x=x.data.ptr, topk_idx=topk_idx.data.ptr, layout_count=layout_count.data.ptr,
                     recv_count=recv_count.data.ptr, combine_pos=combine_pos.data.ptr,
                     slot_pos=slot_pos.data.ptr, cumulative_stats=jit.ptr(stats),
+                    topk_weights=jit.ptr(topk_weights), rank_pos=jit.ptr(rank_pos),
                     wait_stats=jit.ptr(wait), mask_words=plan.mask_words,
                     fp8=int(use_fp8), round_scale=int(round_scale), ue8m0=int(use_ue8m0),
                     **({} if packed is None else dict(
@@ -380,7 +388,7 @@ class LowLatencyBuffer:
         recv_scales = part(m.scales, (El, slots, H // 128), np.uint8 if use_ue8m0 else np.float32) if use_fp8 else None
         handle = LowLatencyHandle(layout_count=layout_count, recv_src=part(m.tag, (El, slots), np.int32),
                                   recv_slot=part(m.tag + 4, (El, slots), np.uint8), combine_pos=combine_pos,
-                                  slot_pos=slot_pos,
+                                  slot_pos=slot_pos, rank_pos=rank_pos, weights=topk_weights,
                                   num_tokens=T, num_topk=k, hidden=H, num_experts=self.num_experts,
                                   max_tokens=self.max_tokens, capacity=self.capacity, set_index=region, call=call,
                                   buffer_id=id(self))
@@ -445,7 +453,7 @@ class LowLatencyBuffer:
                 pull: bool | None = None, async_finish: bool = False, return_recv_hook: bool = False, out=None,
                 validate: bool = False, kernel_time_ns=None, trace=None,
                 x_layout: str = "regions", combine_wait_recv_cost_stats=None,
-                use_logfmt: bool = False) -> LowLatencyCombineResult:
+                use_logfmt: bool = False, partial: bool = False) -> LowLatencyCombineResult:
         """Return expert outputs to their tokens and reduce with the top-k weights.
 
         Arguments:
@@ -483,6 +491,14 @@ class LowLatencyBuffer:
                 2 ** (step / 2) - 1 of itself for the step of its 128-channel
                 group: results/logfmt). Within a node, pushed: pull=True and
                 buffers across nodes raise ValueError.
+            partial: each expert rank first sums, per token, the weighted rows of its
+                local experts (FP32, slot order) and returns one BF16 row per (token,
+                expert rank) instead of one per (token, expert); the owner sums those
+                in rank order (cupyep.reference.low_latency_partial_combine, which
+                it equals bit for bit). Needs a dispatch given ``topk_weights``, whose
+                weights it uses: ``topk_weights`` here must be None or that same
+                array. Within a node, pushed, top-k <= 32: pull=True, use_logfmt and
+                buffers across nodes raise ValueError.
             combine_wait_recv_cost_stats: [R] int64 device array, += nanoseconds
                 block 0 waited for each expert rank's rows (as dispatch's
                 dispatch_wait_recv_cost_stats; DeepEP's argument of that name).
@@ -499,7 +515,21 @@ class LowLatencyBuffer:
         k = topk_idx.shape[1]
         if k != handle.num_topk:
             raise ValueError(f"topk_idx has {k} columns, the dispatch had {handle.num_topk}")
-        topk_weights = check(as_cupy(topk_weights, "topk_weights"), "topk_weights", np.float32, shape=(T, k))
+        if partial:
+            if handle.rank_pos is None:
+                raise ValueError("partial=True reduces with the weights the dispatch carried: dispatch with "
+                                 "topk_weights=... first")
+            if topk_weights is not None and topk_weights is not handle.weights:
+                raise ValueError("partial=True reduces with the weights given to the dispatch; pass "
+                                 "topk_weights=None or that same array")
+            if self.across_nodes or use_logfmt or pull or k > 32:
+                raise ValueError("partial=True pushes BF16 partial rows within a node, for top-k <= 32: not with "
+                                 "a buffer across nodes, use_logfmt=True or pull=True "
+                                 f"(got across_nodes={self.across_nodes}, use_logfmt={use_logfmt}, pull={pull}, "
+                                 f"top-k={k})")
+            pull, topk_weights = False, handle.weights
+        else:
+            topk_weights = check(as_cupy(topk_weights, "topk_weights"), "topk_weights", np.float32, shape=(T, k))
         if x_layout not in ("regions", "packed"):
             raise ValueError(f"x_layout must be 'regions' or 'packed', got {x_layout!r}")
         packed = x_layout == "packed"
@@ -534,7 +564,8 @@ class LowLatencyBuffer:
                 raise ValueError("use_logfmt=True pushes the encoded rows; pass pull=None or False")
             pull = False
         # (the LogFMT kernel is loaded, collectively the first time, before the call takes its set)
-        fn = self._combine_fn if not use_logfmt else self.load_kernel("combine_logfmt")
+        fn = self.load_kernel("combine_logfmt") if use_logfmt else \
+            self.load_kernel("combine_partial") if partial else self._combine_fn
         profile = self._profile_args(kernel_time_ns, trace)
         _, _, _, sets = self._take_set("combine")
         stream = self._stream(async_finish)
@@ -548,17 +579,24 @@ class LowLatencyBuffer:
                     x_row_bytes=src.strides[1], wait_stats=jit.ptr(wait), x_expert_rows=shape[1] if packed else 0,
                     pull=int(zero_copy and self._one_gpu and not self.across_nodes if pull is None else bool(pull)))
         smem = K.combine_smem(self.num_experts)
+        if partial:
+            span = K.partial_span(self.num_ranks, self.max_tokens, self.num_blocks, k, self.num_experts)
+            args.update(tags=handle.recv_src.data.ptr, tag_stride=handle.recv_src.strides[1],
+                        rank_pos=handle.rank_pos.data.ptr, partial_span=span)
+            smem = K.combine_smem(self.num_experts, k, span)
 
         hook = self._run(fn, K.COMBINE_ARGS_DTYPE, call_args, args, smem, stream, return_recv_hook)
         return LowLatencyCombineResult(out, self._finish(stream, async_finish), hook)
 
     def load_kernel(self, name: str):
-        """The kernel of ``name`` ("dispatch_packed" or "combine_logfmt"),
-        compiled and loaded collectively at its first use, then kept."""
+        """The kernel of ``name`` ("dispatch_packed", "combine_logfmt" or
+        "combine_partial"), compiled and loaded collectively at its first use,
+        then kept."""
         fn = self._variants.get(name)
         if fn is None:
             specs = {"dispatch_packed": lambda: K.dispatch_packed_spec(self.num_threads, self.across_nodes),
-                     "combine_logfmt": lambda: K.combine_logfmt_spec(self.num_threads)}
+                     "combine_logfmt": lambda: K.combine_logfmt_spec(self.num_threads),
+                     "combine_partial": lambda: K.combine_partial_spec(self.num_threads)}
             if name not in specs:
                 raise ValueError(f"no kernel {name!r}; one of {sorted(specs)}")
             fn = self._variants[name] = jit.kernel(specs[name](), self.group)

@@ -50,14 +50,15 @@ CALL_DTYPE = jit.struct_dtype([
 DISPATCH_ARGS_DTYPE = jit.struct_dtype([
     ("c", CALL_DTYPE), ("x", u64), ("topk_idx", u64), ("layout_count", u64), ("recv_count", u64),
     ("combine_pos", u64), ("slot_pos", u64), ("cumulative_stats", u64), ("wait_stats", u64),
+    ("topk_weights", u64), ("rank_pos", u64),
     ("packed_x", u64), ("packed_scales", u64), ("packed_src", u64), ("packed_range", u64), ("packed_rows", i64),
     ("mask_words", i32),
     ("fp8", i32), ("round_scale", i32), ("ue8m0", i32)])
 COMBINE_ARGS_DTYPE = jit.struct_dtype([
     ("c", CALL_DTYPE), ("x", u64), ("layout_count", u64), ("combine_pos", u64), ("slot_pos", u64),
     ("topk_idx", u64), ("topk_weights", u64), ("out", u64), ("x_row_bytes", i64), ("wait_stats", u64),
-    ("x_expert_rows", i64),
-    ("pull", i32)])
+    ("x_expert_rows", i64), ("tags", u64), ("tag_stride", i64), ("rank_pos", u64),
+    ("pull", i32), ("partial_span", i32)])
 
 
 def _spec(kind: str, num_threads: int, across_nodes: bool) -> jit.KernelSpec:
@@ -96,12 +97,21 @@ def combine_logfmt_spec(num_threads: int = DEFAULT_THREADS) -> jit.KernelSpec:
                           kernels=(f"cupyep::low_latency::combine_logfmt<{num_threads}>",))
 
 
+def combine_partial_spec(num_threads: int = DEFAULT_THREADS) -> jit.KernelSpec:
+    """The combine whose expert side sums each token's rows into one partial
+    row per (token, expert rank) (within a node; combine.cu
+    combine_partial): a specialisation of its own, so that the plain combine
+    keeps its registers."""
+    return jit.KernelSpec(name=f"low_latency_combine_partial_threads_{num_threads}", source="low_latency/combine.cu",
+                          kernels=(f"cupyep::low_latency::combine_partial<{num_threads}>",))
+
+
 def kernel_specs() -> list[jit.KernelSpec]:
     """Specialisations compiled by ``python -m cupyep.jit --check`` (those
     across nodes need the NVSHMEM library, as every NVSHMEM kernel)."""
     return [s for t in THREAD_CHOICES for a in (False, True)
             for s in (dispatch_spec(t, a), combine_spec(t, a), dispatch_packed_spec(t, a))] + \
-        [combine_logfmt_spec(t) for t in THREAD_CHOICES]
+        [s for t in THREAD_CHOICES for s in (combine_logfmt_spec(t), combine_partial_spec(t))]
 
 
 def set_struct(s) -> np.void:
@@ -115,23 +125,27 @@ class DispatchSmem(NamedTuple):
     bytes: int       # dynamic shared memory per block
 
 
-def dispatch_smem(num_tokens: int, num_blocks: int, num_topk: int, num_experts: int) -> DispatchSmem:
+def dispatch_smem(num_tokens: int, num_blocks: int, num_topk: int, num_experts: int,
+                  num_ranks: int = 0) -> DispatchSmem:
     """The dispatch kernel's shared-memory plan for a call.
 
-    Layout: total [E], seg [E], own_e / own_pos [Tb][k], then the token
-    window's bitmasks [E][mask_words], all 32-bit, with Tb = ceil(T / blocks).
-    A window holds as many tokens (32 per word) as fit in SMEM_BUDGET, at most
-    all T; more tokens take more windows. Raises ValueError if not even one
-    word per expert fits.
+    Layout: total [E + R'], seg [E], own_e / own_pos [Tb][k], own_rpos
+    [Tb][k] (with R' only), then the token window's bitmasks [E + R'][mask_words],
+    all 32-bit, with Tb = ceil(T / blocks). R' = ``num_ranks`` for a dispatch
+    given the weights (its per-rank rows, dispatch.cu), else 0. A window holds
+    as many tokens (32 per word) as fit in SMEM_BUDGET, at most all T; more
+    tokens take more windows. Raises ValueError if not even one word per row
+    fits.
     """
     tb = (num_tokens + num_blocks - 1) // num_blocks
-    fixed = 4 * (2 * num_experts + 2 * tb * num_topk)
-    words = min((num_tokens + 31) // 32, (SMEM_BUDGET - fixed) // (4 * num_experts))
+    rows = num_experts + num_ranks
+    fixed = 4 * (num_experts + rows + (3 if num_ranks else 2) * tb * num_topk)
+    words = min((num_tokens + 31) // 32, (SMEM_BUDGET - fixed) // (4 * rows))
     if words < 1:
-        raise ValueError(f"low-latency dispatch needs {fixed + 4 * num_experts} bytes of shared memory for "
+        raise ValueError(f"low-latency dispatch needs {fixed + 4 * rows} bytes of shared memory for "
                          f"{num_experts} experts, top-{num_topk} and {tb} tokens per block; the budget is "
                          f"{SMEM_BUDGET}: use fewer experts or more blocks")
-    return DispatchSmem(words, fixed + 4 * num_experts * words)
+    return DispatchSmem(words, fixed + 4 * rows * words)
 
 
 MAX_BLOCKS = 0x7FFF  # a flag holds the arriving blocks' count in 15 bits (sync.cuh)
@@ -170,8 +184,22 @@ def check_peer_atomics(devices, native_atomics) -> None:
                            "one GPU (MPS) or on NVLink-connected GPUs")
 
 
-def combine_smem(num_experts: int) -> int:
+def combine_smem(num_experts: int, num_topk: int = 0, partial_span: int = 0) -> int:
     """Bytes of the combine kernel's shared memory: the [E] rows of each (local
     expert, source) pair, their [E + 1] prefix, and the [E] offsets of each
-    pair's rows in its source's return range (int32)."""
-    return 4 * (3 * num_experts + 1)
+    pair's rows in its source's return range (int32); for the partial combine,
+    then its [partial_span][k] table of x rows (int32) and weights (float32)."""
+    return 4 * (3 * num_experts + 1) + 8 * partial_span * num_topk
+
+
+PARTIAL_UNITS_PER_BLOCK = 4
+
+
+def partial_span(num_ranks: int, max_tokens: int, num_blocks: int, num_topk: int, num_experts: int) -> int:
+    """Partial rows p of one source per unit of the partial combine's send
+    half (combine.cu): about PARTIAL_UNITS_PER_BLOCK units per block over the
+    R * max_tokens rows, so that the units balance over the blocks, and no more
+    than the table's shared memory holds."""
+    span = -(-num_ranks * max_tokens // (PARTIAL_UNITS_PER_BLOCK * num_blocks))
+    room = (SMEM_BUDGET - combine_smem(num_experts)) // (8 * num_topk)
+    return max(1, min(span, max_tokens, room))

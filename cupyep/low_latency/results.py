@@ -22,6 +22,10 @@ class LowLatencyHandle:
         slot_pos: [T, k] int32 device array: the row of (token, slot) within
             its (expert, this rank) region of the expert rank's rows (-1 for
             empty slots); a pulling combine reads the outputs from there.
+        rank_pos: [T, k] int32 device array, or None: from a dispatch given
+            the weights, the row of (token, slot)'s partial in the range its
+            expert rank returns (combine(..., partial=True); -1 for empty slots).
+        weights: the [T, k] float32 device array given to that dispatch, or None.
         num_tokens: T of this rank's dispatch (combine returns [T, H]).
         max_tokens, capacity: the buffer's tokens per rank and rows per
             (expert, source) region (capacity <= max_tokens).
@@ -42,6 +46,8 @@ class LowLatencyHandle:
     set_index: int
     call: int
     buffer_id: int
+    rank_pos: object = None
+    weights: object = None
 
     @property
     def layout_begin(self):

@@ -754,3 +754,91 @@ def test_the_dispatch_fills_deepeps_packed_layout(group, llbuf, kind, hook, made
     assert all_ranks(group.comm, ok), kind
     with pytest.raises(ValueError, match="packed"):
         llbuf.dispatch(cupy.asarray(xs[me]), cupy.asarray(idx[me]), use_fp8=False, packed_out=out[:2])
+
+
+def _scaled_experts(bits, first_expert, xp):
+    """Expert e's output of its row x: BF16(x * (1 + (e % 8) / 8)), rounded to nearest even, from
+    [E_local, S, H] uint16 rows (``first_expert``: the global id of local expert 0). Every expert
+    scales differently, so a row combined with the wrong expert's weight or from the wrong expert
+    changes the result."""
+    El = bits.shape[0]
+    c = (1.0 + ((first_expert + xp.arange(El)) % 8) / 8.0).astype(np.float32)[:, None, None]
+    v = ((bits.astype(np.uint32) << np.uint32(16)).view(np.float32) * c).view(np.uint32)
+    return ((v + np.uint32(0x7FFF) + ((v >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+
+
+@pytest.mark.parametrize("hook", [False, True])
+def test_partial_combine(group, llbuf, hook):
+    """combine(partial=True): each expert rank returns one partial row per (token, expert rank); the
+    result equals cupyep.reference.low_latency_partial_combine bit for bit, from x in the region layout,
+    in DeepEP's packed one and zero-copy, and stays within the BF16 bound of the per-slot combine.
+    Experts scale their rows by an expert-dependent factor, so a misrouted row or weight shows."""
+    import cupy
+    import ml_dtypes
+    me, R = ranks(group)
+    El = E // R
+    tokens = [MAX_TOKENS - 3 * r for r in range(R)]
+    idx, w = _routing(group, 211 + hook, tokens)
+    xs = [tagged_x(r, tokens[r]) for r in range(R)]
+    i_me, w_me = cupy.asarray(idx[me]), cupy.asarray(w[me])
+    if group.num_nodes > 1:
+        res = llbuf.dispatch(cupy.asarray(xs[me]), i_me, use_fp8=False, topk_weights=w_me)
+        with pytest.raises(ValueError, match="within a node"):
+            llbuf.combine(res.recv_x.copy(), i_me, None, res.handle, partial=True)
+        llbuf.combine(res.recv_x.copy(), i_me, w_me, res.handle)  # the refused call took no set
+        return
+    # Without the weights in the dispatch, or with other weights, or pulled: refused before any launch.
+    res = llbuf.dispatch(cupy.asarray(xs[me]), i_me, use_fp8=False)
+    y = _scaled_experts(res.recv_x, me * El, cupy)
+    with pytest.raises(ValueError, match="dispatch with topk_weights"):
+        llbuf.combine(y, i_me, w_me, res.handle, partial=True)
+    res = llbuf.dispatch(cupy.asarray(xs[me]), i_me, use_fp8=False, topk_weights=w_me)
+    ok = np.array_equal(res.handle.rank_pos.get(), _rank_positions(idx[me], El))
+    y = _scaled_experts(res.recv_x, me * El, cupy)
+    with pytest.raises(ValueError, match="same array"):
+        llbuf.combine(y, i_me, w_me.copy(), res.handle, partial=True)
+    with pytest.raises(ValueError, match="pull=True"):
+        llbuf.combine(y, i_me, None, res.handle, partial=True, pull=True)
+    outs = []
+    for how in ("regions", "packed", "zero_copy", "weights_again"):
+        x = _packed(y, res.handle.layout_count.get(), R, llbuf.max_tokens) if how == "packed" else y
+        if how == "zero_copy":
+            llbuf.get_next_combine_buffer(res.handle)[...] = y
+            x = None
+        comb = llbuf.combine(x, i_me, w_me if how == "weights_again" else None, res.handle, partial=True,
+                             return_recv_hook=hook, zero_copy=how == "zero_copy",
+                             x_layout="packed" if how == "packed" else "regions")
+        if hook:
+            comb.hook()
+        outs.append(comb.combined_x.get())
+    per_slot = bf16_to_f32(llbuf.combine(y, i_me, w_me, res.handle).combined_x.get())
+    # The reference, from every rank's expert outputs (only the rows the routings name are read).
+    refs = ref.low_latency_dispatch(xs, idx, E, MAX_TOKENS)
+    expert_out = []
+    for d in range(R):
+        out = np.zeros(refs[d].recv_x.shape, dtype=np.uint16)
+        for e in range(El):
+            for s in range(R):
+                n = int(refs[d].layout_count[e, s])
+                sl = slice(s * MAX_TOKENS, s * MAX_TOKENS + n)
+                out[e, sl] = _scaled_experts(refs[d].recv_x[e:e + 1, sl], d * El + e, np)[0]
+        expert_out.append(out.view(ml_dtypes.bfloat16))
+    want = f32_to_bf16(ref.low_latency.low_latency_partial_combine(expert_out, refs, idx, w)[me])
+    exact = all(np.array_equal(o, want) for o in outs)
+    diff = ref.calc_diff(bf16_to_f32(outs[0]), per_slot)
+    ok &= exact and diff < 1e-5
+    assert all_ranks(group.comm, ok), (exact, [int((o != want).sum()) for o in outs], diff)
+
+
+def _rank_positions(idx, El):
+    """[T, k] int32: token t's row among this rank's tokens with an expert on the rank of slot j's
+    expert (-1 for empty slots): what a dispatch given the weights records for the partial combine."""
+    T, k = idx.shape
+    ranks = np.where(idx >= 0, idx // El, -1)
+    out = np.full((T, k), -1, dtype=np.int32)
+    seen = {}
+    for t in range(T):
+        for d in sorted({int(r) for r in ranks[t] if r >= 0}):
+            out[t, ranks[t] == d] = seen.get(d, 0)
+            seen[d] = seen.get(d, 0) + 1
+    return out

@@ -14,8 +14,13 @@ the data copy it wrote last time (layout.CallSchedule):
   and the owners pull them;
 - ``combine_zero_copy`` / ``combine_zero_copy_push``: the zero-copy combine
   (rows in ``get_next_combine_buffer``), pulled / pushed;
+- ``combine_partial``: the partial combine (``combine(partial=True)``: one
+  row per (token, expert rank), summed on the expert side) after an FP8
+  dispatch given the weights;
 - ``dispatch_fp8_send_half``, ``dispatch_fp8_recv_half``,
-  ``combine_send_half``, ``combine_recv_half``: hook mode's halves.
+  ``combine_send_half``, ``combine_recv_half``: hook mode's halves;
+  ``combine_partial_send_half``, ``combine_partial_recv_half``: the partial
+  combine's.
 
 Timing boundaries (``TIMINGS``):
 
@@ -55,7 +60,8 @@ __all__ = ["KINDS", "HOOK_KINDS", "TIMINGS", "ROUNDS", "WARMUP", "round_of", "ch
 HOOK_KINDS = ("dispatch_fp8_send_half", "dispatch_fp8_recv_half", "combine_send_half", "combine_recv_half")
 # Round name -> the kinds it records, in the order the benchmark writes them.
 ROUNDS = {"fp8": ("dispatch_fp8", "combine"), "bf16": ("dispatch_bf16",), "pull": ("combine_pull",),
-          "zero_copy": ("combine_zero_copy",), "zero_copy_push": ("combine_zero_copy_push",), "hook": HOOK_KINDS}
+          "zero_copy": ("combine_zero_copy",), "zero_copy_push": ("combine_zero_copy_push",), "hook": HOOK_KINDS,
+          "partial": ("combine_partial",), "hook_partial": ("combine_partial_send_half", "combine_partial_recv_half")}
 KINDS = tuple(k for kinds in ROUNDS.values() for k in kinds)
 TIMINGS = ("strict", "deepep")
 WARMUP = 10  # untimed rounds ahead of a strict measurement
@@ -185,6 +191,10 @@ class Session:
         self.copy_bw, self.flush, self.sleep_us, self.warmup = copy_bw, flush, sleep_us, warmup
         T, H = x.shape
         self.pairs = int((topk_idx >= 0).sum())
+        # (token, expert rank) pairs: the rows a partial combine returns
+        from ...reference.low_latency import combine_rows
+        host_idx = topk_idx.get() if hasattr(topk_idx, "get") else topk_idx
+        self.rank_pairs = combine_rows([host_idx], buf.num_experts, buf.num_ranks)["per_rank"]
         self.rows = row_bytes(H)
         self.base = {"bench": "low_latency", "ranks": buf.num_ranks, "tokens": T, "hidden": H,
                      "topk": int(topk_idx.shape[1]), "experts": buf.num_experts, "max_tokens": buf.max_tokens,
@@ -228,7 +238,7 @@ class Session:
             return 0
         if kind.startswith("dispatch"):
             return self.pairs * self.rows["bf16" if kind.startswith("dispatch_bf16") else "fp8"]
-        return self.pairs * self.rows["combine"]
+        return (self.rank_pairs if kind.startswith("combine_partial") else self.pairs) * self.rows["combine"]
 
     # ------------------------------------------------------ strict boundary
     def steps(self, calls, iters: int) -> list:
@@ -254,6 +264,15 @@ class Session:
             return [(d_fp8, None), (lambda i, st: self.combine(i, st, pull=True), "combine_pull")]
         if name in ("zero_copy", "zero_copy_push"):
             return [(d_fp8, None), (self.zero_copy_combine(name == "zero_copy"), ROUNDS[name][0])]
+        if name == "partial":
+            return [(lambda i, st: d_fp8(i, st, topk_weights=self.topk_weights), None),
+                    (lambda i, st: self.combine(i, st, partial=True), "combine_partial")]
+        if name == "hook_partial":
+            def cps(i, st):
+                self.pending["c"] = self.combine(i, st, partial=True, return_recv_hook=True)
+            return [(lambda i, st: d_fp8(i, st, topk_weights=self.topk_weights, return_recv_hook=True), None),
+                    (lambda i, st: self.pending["d"].hook(kernel_time_ns=st), None),
+                    (cps, ROUNDS[name][0]), (lambda i, st: self.pending["c"].hook(kernel_time_ns=st), ROUNDS[name][1])]
         if name == "hook":
             def cs(i, st):
                 self.pending["c"] = self.combine(i, st, return_recv_hook=True)
@@ -292,7 +311,10 @@ class Session:
 
     def _deepep_body(self, name: str, host_gap_ms: float):
         buf, x, idx, w = self.buf, self.x, self.topk_idx, self.topk_weights
-        if name == "hook":
+        if name in ("hook", "hook_partial"):
+            partial = name == "hook_partial"
+            ck = ROUNDS[name][-2:] if partial else HOOK_KINDS[2:]
+
             def gap_then_align():
                 # The work between the halves (DeepEP: a GEMM on the CPU, about as long on every
                 # rank): every send half is out before any rank starts its receive half.
@@ -301,24 +323,26 @@ class Session:
 
             def hooked(st):
                 d = buf.dispatch(x, idx, use_fp8=True, validate=False, return_recv_hook=True,
-                                 kernel_time_ns=st(HOOK_KINDS[0]))
+                                 kernel_time_ns=st(HOOK_KINDS[0]), **({"topk_weights": w} if partial else {}))
                 gap_then_align()
                 d.hook(kernel_time_ns=st(HOOK_KINDS[1]))
-                c = buf.combine(self.y, idx, w, d.handle, return_recv_hook=True, kernel_time_ns=st(HOOK_KINDS[2]))
+                c = buf.combine(self.y, idx, w, d.handle, return_recv_hook=True, kernel_time_ns=st(ck[0]),
+                                **({"partial": True} if partial else {}))
                 gap_then_align()
-                c.hook(kernel_time_ns=st(HOOK_KINDS[3]))
+                c.hook(kernel_time_ns=st(ck[1]))
             return hooked
         if name not in ROUNDS:
             raise ValueError(f"round must be one of {tuple(ROUNDS)}, got {name!r}")
         dkind = "dispatch_bf16" if name == "bf16" else "dispatch_fp8"
         ckind = {"fp8": "combine", "bf16": None, "pull": "combine_pull", "zero_copy": "combine_zero_copy",
-                 "zero_copy_push": "combine_zero_copy_push"}[name]
+                 "zero_copy_push": "combine_zero_copy_push", "partial": "combine_partial"}[name]
         kw = ({"pull": True} if name == "pull" else {"zero_copy": True, "pull": name == "zero_copy"}
-              if name.startswith("zero_copy") else {})
+              if name.startswith("zero_copy") else {"partial": True} if name == "partial" else {})
+        dkw = {"topk_weights": w} if name == "partial" else {}
         src = None if name.startswith("zero_copy") else self.y
 
         def single(st):
-            d = buf.dispatch(x, idx, use_fp8=name != "bf16", validate=False, kernel_time_ns=st(dkind))
+            d = buf.dispatch(x, idx, use_fp8=name != "bf16", validate=False, kernel_time_ns=st(dkind), **dkw)
             buf.combine(src, idx, w, d.handle, kernel_time_ns=st(ckind) if ckind else None, **kw)
         return single
 
