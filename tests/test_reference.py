@@ -617,6 +617,31 @@ def test_return_position_matches_loops(num_ranks, num_experts, num_topk):
     assert np.array_equal(got, want)
 
 
+@pytest.mark.parametrize("num_ranks,num_experts,num_topk", [(1, 4, 2), (2, 8, 3), (4, 16, 4), (8, 256, 8), (3, 9, 5)])
+def test_rank_position_numbers_each_ranks_tokens(num_ranks, num_experts, num_topk):
+    rng = np.random.default_rng(num_ranks * 10 + num_topk)
+    T, El = 41, num_experts // num_ranks
+    idx = np.stack([rng.permutation(num_experts)[:num_topk] for _ in range(T)]).astype(np.int64)
+    idx[rng.random(idx.shape) < 0.3] = -1
+    got = ref.low_latency.rank_position(idx, num_experts, num_ranks)
+    assert got.shape == idx.shape and got.dtype == np.int64
+    # Loops: rank r's tokens in ascending order, numbered 0, 1, ...; every slot of a token on r shares it.
+    want = np.full(idx.shape, -1, dtype=np.int64)
+    for r in range(num_ranks):
+        n = 0
+        for t in range(T):
+            on_r = (idx[t] >= 0) & (idx[t] // El == r)
+            if on_r.any():
+                want[t, on_r] = n
+                n += 1
+    assert np.array_equal(got, want)
+    # one partial row per (token, expert rank): combine_rows' per_rank
+    pairs = {(t, int(idx[t, j]) // El) for t, j in zip(*np.nonzero(idx >= 0))}
+    assert ref.low_latency.combine_rows([idx], num_experts, num_ranks)["per_rank"] == len(pairs)
+    with pytest.raises(ValueError, match="multiple of num_ranks"):
+        ref.low_latency.rank_position(idx, 10, 3)
+
+
 def test_return_position_rejects_bad_sizes():
     with pytest.raises(ValueError, match="multiple of num_ranks"):
         ref.low_latency.return_position(np.zeros((1, 1), np.int64), 10, 3)

@@ -131,6 +131,33 @@ def return_position(topk_idx: np.ndarray, num_experts: int, num_ranks: int) -> n
     return result
 
 
+def rank_position(topk_idx: np.ndarray, num_experts: int, num_ranks: int) -> np.ndarray:
+    """Where each token's partial row from an expert rank comes back in the
+    partial combine (:func:`low_latency_partial_combine`; a dispatch given the
+    weights records it, ``LowLatencyHandle.rank_pos``).
+
+    Arguments:
+        topk_idx: [num_tokens, num_topk] int64 of this source, distinct experts per row or -1.
+        num_experts: E, divisible by num_ranks.
+        num_ranks: R.
+
+    Returns:
+        [num_tokens, num_topk] int64: for slot (t, j), how many earlier tokens
+        of this source have an expert on the rank of topk_idx[t, j] (the same
+        for every slot of t on that rank), -1 for -1 slots.
+    """
+    topk_idx = np.asarray(topk_idx)
+    if num_ranks < 1 or num_experts % num_ranks:
+        raise ValueError(f"num_experts={num_experts} must be a positive multiple of num_ranks={num_ranks}")
+    valid = topk_idx >= 0
+    ranks = np.where(valid, topk_idx // (num_experts // num_ranks), 0)
+    hit = np.zeros((topk_idx.shape[0], num_ranks), dtype=np.int64)
+    rows, cols = np.nonzero(valid)
+    hit[rows, ranks[rows, cols]] = 1
+    before = np.cumsum(hit, axis=0) - hit  # [T, R] earlier tokens with an expert on each rank
+    return np.where(valid, np.take_along_axis(before, ranks, axis=1), -1)
+
+
 def _check_ll_inputs(topk_idx: Sequence[np.ndarray], num_max_dispatch_tokens_per_rank: int) -> None:
     if not isinstance(num_max_dispatch_tokens_per_rank, (int, np.integer)) or num_max_dispatch_tokens_per_rank <= 0:
         raise ValueError(

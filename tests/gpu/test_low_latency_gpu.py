@@ -793,7 +793,7 @@ def test_partial_combine(group, llbuf, hook):
     with pytest.raises(ValueError, match="dispatch with topk_weights"):
         llbuf.combine(y, i_me, w_me, res.handle, partial=True)
     res = llbuf.dispatch(cupy.asarray(xs[me]), i_me, use_fp8=False, topk_weights=w_me)
-    ok = np.array_equal(res.handle.rank_pos.get(), _rank_positions(idx[me], El))
+    ok = np.array_equal(res.handle.rank_pos.get(), ref.low_latency.rank_position(idx[me], E, R))
     y = _scaled_experts(res.recv_x, me * El, cupy)
     with pytest.raises(ValueError, match="same array"):
         llbuf.combine(y, i_me, w_me.copy(), res.handle, partial=True)
@@ -829,16 +829,3 @@ def test_partial_combine(group, llbuf, hook):
     ok &= exact and diff < 1e-5
     assert all_ranks(group.comm, ok), (exact, [int((o != want).sum()) for o in outs], diff)
 
-
-def _rank_positions(idx, El):
-    """[T, k] int32: token t's row among this rank's tokens with an expert on the rank of slot j's
-    expert (-1 for empty slots): what a dispatch given the weights records for the partial combine."""
-    T, k = idx.shape
-    ranks = np.where(idx >= 0, idx // El, -1)
-    out = np.full((T, k), -1, dtype=np.int32)
-    seen = {}
-    for t in range(T):
-        for d in sorted({int(r) for r in ranks[t] if r >= 0}):
-            out[t, ranks[t] == d] = seen.get(d, 0)
-            seen[d] = seen.get(d, 0) + 1
-    return out
