@@ -388,17 +388,6 @@ def test_dispatch_smem_with_weights_adds_a_row_per_rank():
         assert words <= K.dispatch_smem(T, blocks, k, E)[0]
 
 
-def test_partial_span_balances_units_within_the_table_budget():
-    # 8 ranks x 128 tokens over 16 blocks: 4 units a block of 16 rows
-    assert K.partial_span(8, 128, 16, 8, 256) == 16
-    assert K.partial_span(2, 128, 2, 8, 256) == 32
-    assert K.partial_span(8, 128, 1, 8, 256) == 128        # never more than a source's rows
-    assert K.partial_span(1, 1, 132, 8, 256) == 1
-    span = K.partial_span(8, 4096, 1, 32, 2048)          # the table's shared memory caps it
-    assert K.combine_smem(2048, 32, span) <= K.SMEM_BUDGET < K.combine_smem(2048, 32, span + 1)
-    assert K.combine_smem(256, 8, 16) == 4 * (3 * 256 + 1) + 8 * 16 * 8
-
-
 def test_combine_smem():
     assert K.combine_smem(256) == 4 * (3 * 256 + 1)  # counts [E], prefix [E + 1], colprefix [E]
     assert K.combine_smem(1) == 16

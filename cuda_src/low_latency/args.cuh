@@ -73,9 +73,13 @@ struct SetOffsets {
 
 // Byte offsets within one dispatch message and its size: payload (H bytes FP8
 // or 2H BF16) at 0, FP8 scales (H / 128 float32 or UE8M0 bytes, padded to 16)
-// at `scales`, a 16-byte tag (int32 source token, uint8 top-k slot; from a
-// dispatch given the weights, also the slot's float32 weight and, as int32, the
-// token's row among the source's tokens to this rank) at `tag`.
+// at `scales`, a 16-byte tag at `tag`: int32 source token, uint8 top-k slot;
+// from a dispatch given the weights (for the partial combine, combine.cu) also,
+// after the slot, a byte that is 1 for the token's first row on this rank (by
+// slot) and a uint16 p, the token's row among the source's tokens to this rank
+// (words 0 and 1 = token, slot | head << 8 | p << 16), then the slot's float32
+// weight and the region row (local expert * capacity + row) of the token's
+// next row on this rank, -1 after its last.
 // Mirrored by cupyep/low_latency/layout.py message_layout.
 struct Message {
     int64_t scales, tag, bytes;
@@ -184,7 +188,6 @@ struct CombineArgs {
     int64_t tag_stride;         // bytes between two rows' tags (a message's size)
     const int* rank_pos;        // [T, k] from a dispatch given the weights (DispatchArgs::rank_pos)
     int pull;                   // 1: owners read the expert outputs from the expert ranks' combine_send
-    int partial_span;           // partial rows p of one source per unit of the send half
 };
 
 // Trace marks: with a trace array, thread 0 of block b writes %globaltimer to

@@ -26,15 +26,13 @@
 // the receive half decodes as it reduces.
 //
 // Partial (the combine_partial kernel, pushed within a node; the dispatch was
-// given the weights, so each received row's tag holds its slot j, its weight and
-// p, the token's row among the source's tokens to this rank): the send half
-// sums, per (source, token), the weighted rows of its local experts in FP32 in
-// slot order, rounds the sum to BF16 and writes that one partial row to row p
-// of its range of the owner's combine_recv. Units of `partial_span` rows p of
-// one source go to blocks in turn; a block first reads the tags of all the
-// source's rows to it into a [span][k] table of (x row, weight) in shared
-// memory, then its warps take (p, 512-channel chunk) items. The owner sums
-// its token's partials, one per expert rank, in FP32 in rank order
+// given the weights): each received row's tag (args.cuh) holds its slot's
+// weight, whether it is its token's first row on this rank (the head), p (the
+// token's row among the source's tokens to this rank) and the region row of
+// the token's next row here. The send half gives a warp each head row: it
+// follows the chain and sums the token's rows, in FP32 in slot order, into
+// one BF16 partial row at row p of its range of the owner's combine_recv. The
+// owner sums its token's partials, one per expert rank, in FP32 in rank order
 // (cupyep.reference.low_latency_partial_combine, bit for bit): a third fewer
 // rows at top-8 over 8 ranks.
 //
@@ -167,82 +165,72 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
             };
             // (16 words per lane need the registers of 512 threads per block, not 1024.)
             if constexpr (kPartial) {
-                // Units of `span` partial rows p of one source, a block each in turn.
-                const int span = a.partial_span, units_per_src = (a.c.max_tokens + span - 1) / span;
-                int* tab_row = colprefix + P;                                  // [span][k] x row or -1
-                float* tab_w = reinterpret_cast<float*>(tab_row + span * k);  // [span][k] its weight
-                // Rows a warp has in flight: half of the receive half's, so that the table's lane
-                // values and the sums fit beside them without spilling.
-                constexpr int kBatch = kNumThreads <= 512 ? 4 : 2;
-                constexpr int kChunkWords = kChunkElems / 8;
-                const int row_words = H / 8;
-                for (int u = b; u < R * units_per_src; u += G) {
-                    const int s = u / units_per_src, p0 = (u % units_per_src) * span;
-                    if (is_masked(a.c, s)) continue;  // block-uniform: nothing goes to a masked owner
-                    for (int i = threadIdx.x; i < span * k; i += blockDim.x) tab_row[i] = -1;
-                    __syncthreads();
-                    for (int le = 0; le < El; ++le) {
-                        const int lo = le * R + s;
-                        for (int q = threadIdx.x; q < count[lo]; q += blockDim.x) {
-                            const int64_t slot = (int64_t)le * slots + (int64_t)s * a.c.capacity + q;
-                            const int4 tag = *reinterpret_cast<const int4*>(a.tags + slot * a.tag_stride);
-                            const int pl = tag.w - p0, j = tag.y & 0xff;
-                            if (pl < 0 || pl >= span || j >= k) continue;
-                            tab_row[pl * k + j] = (int)x_row(a, prefix, lo, le, R, q, slot);
-                            tab_w[pl * k + j] = __int_as_float(tag.z);
+                // A warp per head row (its token's first row on this rank, by slot): it follows the
+                // token's chain of rows here (each tag names the next), lane i keeping the i-th row and
+                // weight, then sums them chunk by chunk into the partial row the owner reads at p.
+                // Units of 1024 channels: each lane owns words lane + 32 i (i < 4) of a unit, so a row
+                // keeps 2 KiB in flight per warp.
+                constexpr int kUnitWords = 128, kRowsInFlight = kNumThreads <= 512 ? 2 : 1;
+                const int row_words = H / 8, units = (row_words + kUnitWords - 1) / kUnitWords;
+                for (int64_t r = (int64_t)b * num_warps + warp; r < prefix[P]; r += (int64_t)G * num_warps) {
+                    const int lo = pair_of(r);
+                    const int le = lo / R, s = lo % R, q = (int)(r - prefix[lo]);
+                    if (is_masked(a.c, s)) continue;  // warp-uniform: nothing goes to a masked owner
+                    int64_t slot = (int64_t)le * slots + (int64_t)s * a.c.capacity + q;
+                    int4 tag = *reinterpret_cast<const int4*>(a.tags + slot * a.tag_stride);
+                    if (!((tag.y >> 8) & 1)) continue;  // not the token's first row here: its head sums it
+                    const int p = (int)((unsigned)tag.y >> 16);
+                    if (p >= ret_rows) continue;
+                    int my_row = -1, n = 0, cle = le, cq = q;
+                    float my_w = 0.f;
+                    for (;;) {  // every lane walks the chain (the same loads), lane n keeps element n
+                        if (lane == n) {
+                            my_row = (int)x_row(a, prefix, cle * R + s, cle, R, cq, slot);
+                            my_w = __int_as_float(tag.z);
                         }
+                        ++n;
+                        if (tag.w < 0 || n >= k) break;
+                        cle = tag.w / a.c.capacity, cq = tag.w % a.c.capacity;
+                        slot = (int64_t)cle * slots + (int64_t)s * a.c.capacity + cq;
+                        tag = *reinterpret_cast<const int4*>(a.tags + slot * a.tag_stride);
                     }
-                    __syncthreads();
-                    int4* dst_base = at<int4>(a.c.peers[s], a.c.cur.combine_recv) + (int64_t)a.c.rank * ret_rows * row_int4;
-                    for (int item = warp; item < span * num_chunks; item += num_warps) {
-                        const int pl = item / num_chunks, ch = item % num_chunks;
-                        const int lane_row = lane < k ? tab_row[pl * k + lane] : -1;
-                        const float lane_w = lane < k ? tab_w[pl * k + lane] : 0.f;
-                        if (!__ballot_sync(0xffffffffu, lane_row >= 0) || p0 + pl >= ret_rows) continue;  // warp-uniform
-                        const int w0 = ch * kChunkWords + lane, w1 = w0 + 32;
-                        const bool active0 = w0 < row_words, active1 = w1 < row_words;
-                        float acc[16];
+                    int4* dst = at<int4>(a.c.peers[s], a.c.cur.combine_recv) +
+                                ((int64_t)a.c.rank * ret_rows + p) * row_int4;
+                    for (int unit = 0; unit < units; ++unit) {
+                        float acc[32];
 #pragma unroll
-                        for (int i = 0; i < 16; ++i) acc[i] = 0.f;
-                        for (int j0 = 0; j0 < k; j0 += kBatch) {
-                            int4 v[kBatch][2];
-                            float w[kBatch];
+                        for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+                        for (int j0 = 0; j0 < n; j0 += kRowsInFlight) {
+                            int4 v[kRowsInFlight][4];
+                            float w[kRowsInFlight];
 #pragma unroll
-                            for (int uu = 0; uu < kBatch; ++uu) {
-                                const int r = __shfl_sync(0xffffffffu, lane_row, (j0 + uu) & 31);
-                                w[uu] = __shfl_sync(0xffffffffu, lane_w, (j0 + uu) & 31);
-                                const bool some = j0 + uu < k && r >= 0;
+                            for (int uu = 0; uu < kRowsInFlight; ++uu) {
+                                const int row = __shfl_sync(0xffffffffu, my_row, (j0 + uu) & 31);
+                                w[uu] = j0 + uu < n ? __shfl_sync(0xffffffffu, my_w, (j0 + uu) & 31) : 0.f;
                                 const int4* src = reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) +
-                                                                                (int64_t)r * a.x_row_bytes);
-                                v[uu][0] = some && active0 ? ld_nc_na_v4(src + w0) : make_int4(0, 0, 0, 0);
-                                v[uu][1] = some && active1 ? ld_nc_na_v4(src + w1) : make_int4(0, 0, 0, 0);
-                                if (!some) w[uu] = 0.f;
-                            }
-                            // Product, then sum, each rounded (no fused multiply-add): the reference's FP32
-                            // arithmetic, slot by slot. An absent slot adds +0 * 0, which leaves the sum as
-                            // it is (it is never -0: it starts at +0, and a sum rounded to nearest is -0
-                            // only when both terms are).
-#pragma unroll
-                            for (int uu = 0; uu < kBatch; ++uu) {
-                                const __nv_bfloat162* h0 = reinterpret_cast<const __nv_bfloat162*>(&v[uu][0]);
-                                const __nv_bfloat162* h1 = reinterpret_cast<const __nv_bfloat162*>(&v[uu][1]);
+                                                                                (int64_t)row * a.x_row_bytes);
 #pragma unroll
                                 for (int i = 0; i < 4; ++i) {
-                                    const float2 f0 = __bfloat1622float2(h0[i]), f1 = __bfloat1622float2(h1[i]);
-                                    acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(f0.x, w[uu]));
-                                    acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(f0.y, w[uu]));
-                                    acc[8 + 2 * i] = __fadd_rn(acc[8 + 2 * i], __fmul_rn(f1.x, w[uu]));
-                                    acc[8 + 2 * i + 1] = __fadd_rn(acc[8 + 2 * i + 1], __fmul_rn(f1.y, w[uu]));
+                                    const int word = unit * kUnitWords + lane + 32 * i;
+                                    v[uu][i] = j0 + uu < n && word < row_words ? ld_nc_na_v4(src + word)
+                                                                               : make_int4(0, 0, 0, 0);
                                 }
                             }
+                            // Product, then sum, each rounded, subnormals kept (bf16.cuh): the reference's
+                            // FP32 arithmetic, in slot order (an absent row adds +0 * 0: no change, the sum
+                            // starting at +0 and a sum rounded to nearest being -0 only when both terms are).
+#pragma unroll
+                            for (int uu = 0; uu < kRowsInFlight; ++uu)
+#pragma unroll
+                                for (int i = 0; i < 4; ++i) mul_add_bf16x8_ieee(acc + 8 * i, v[uu][i], w[uu]);
                         }
-                        int4* dst = dst_base + (int64_t)(p0 + pl) * row_int4;
-                        if (!(a.c.ablate & kAblateRows)) {
-                            if (active0) st_na_v4(dst + w0, pack_bf16x8(acc));
-                            if (active1) st_na_v4(dst + w1, pack_bf16x8(acc + 8));
-                        }
+                        if (!(a.c.ablate & kAblateRows))
+#pragma unroll
+                            for (int i = 0; i < 4; ++i) {
+                                const int word = unit * kUnitWords + lane + 32 * i;
+                                if (word < row_words) st_na_v4(dst + word, pack_bf16x8(acc + 8 * i));
+                            }
                     }
-                    __syncthreads();  // before the next unit's table
                 }
             } else if constexpr (kLogFMT) {
                 // LogFMT-10 (pushed within a node): a warp per (received row, two groups); lane l takes
@@ -464,8 +452,13 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                 }
 #pragma unroll
                 for (int u = 0; u < kBatch; ++u) {
-                    fma_bf16x8(acc, v[u][0], w[u]);
-                    fma_bf16x8(acc + 8, v[u][1], w[u]);
+                    if constexpr (kPartial) {  // weight 1 or an absent lane's zeros: IEEE sums (bf16.cuh)
+                        add_bf16x8_ieee(acc, v[u][0]);
+                        add_bf16x8_ieee(acc + 8, v[u][1]);
+                    } else {
+                        fma_bf16x8(acc, v[u][0], w[u]);
+                        fma_bf16x8(acc + 8, v[u][1], w[u]);
+                    }
                 }
             }
             int4* out = a.out + (int64_t)t * row_words;

@@ -112,13 +112,23 @@ __device__ __forceinline__ void send_item(const DispatchArgs& a, const int* own_
             }
         }
         if (ch == 0 && lane == 0 && !(a.c.ablate & kAblateTags)) {
-            // Source token; slot in the low byte; with weights, also the slot's weight and the token's
-            // partial row at the expert rank (the partial combine's table, combine.cu).
-            if (a.topk_weights)
+            // Source token; slot in the low byte; with weights, the partial combine's chain (args.cuh):
+            // head, p, weight, and the next of the token's rows sent to this rank.
+            if (a.topk_weights) {
+                bool head = true;
+                int next = -1;
+                for (int j2 = 0; j2 < k; ++j2) {
+                    const int e2 = own_e[tl * k + j2];
+                    if (j2 == j || e2 < 0 || e2 / El != dst || own_pos[tl * k + j2] >= a.c.capacity) continue;
+                    if (j2 < j) head = false;
+                    else if (next < 0) next = (e2 % El) * a.c.capacity + own_pos[tl * k + j2];
+                }
                 *reinterpret_cast<int4*>(base + m.tag) =
-                    make_int4(t, j, __float_as_int(__ldg(a.topk_weights + (int64_t)t * k + j)), own_rpos[tl * k + j]);
-            else
+                    make_int4(t, j | (int)head << 8 | own_rpos[tl * k + j] << 16,
+                              __float_as_int(__ldg(a.topk_weights + (int64_t)t * k + j)), next);
+            } else {
                 *reinterpret_cast<int2*>(base + m.tag) = make_int2(t, j);
+            }
         }
     }
 }

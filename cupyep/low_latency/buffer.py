@@ -340,6 +340,10 @@ class LowLatencyBuffer:
         if topk_weights is not None:
             topk_weights = check(as_cupy(topk_weights, "topk_weights"), "topk_weights", np.float32, shape=(T, k))
         ranked = topk_weights is not None
+        if ranked and self.max_tokens > 0xFFFF:
+            raise ValueError(f"a dispatch given topk_weights tags each row with its token's row among the "
+                             f"{self.max_tokens} tokens in 16 bits: num_max_dispatch_tokens_per_rank must be at "
+                             "most 65535")
         plan = K.dispatch_smem(max(T, 1), self.num_blocks, k, self.num_experts, R if ranked else 0)
         make_packed = packed_out is True
         if make_packed and use_ue8m0 and H % 512:
@@ -580,10 +584,8 @@ class LowLatencyBuffer:
                     pull=int(zero_copy and self._one_gpu and not self.across_nodes if pull is None else bool(pull)))
         smem = K.combine_smem(self.num_experts)
         if partial:
-            span = K.partial_span(self.num_ranks, self.max_tokens, self.num_blocks, k, self.num_experts)
             args.update(tags=handle.recv_src.data.ptr, tag_stride=handle.recv_src.strides[1],
-                        rank_pos=handle.rank_pos.data.ptr, partial_span=span)
-            smem = K.combine_smem(self.num_experts, k, span)
+                        rank_pos=handle.rank_pos.data.ptr)
 
         hook = self._run(fn, K.COMBINE_ARGS_DTYPE, call_args, args, smem, stream, return_recv_hook)
         return LowLatencyCombineResult(out, self._finish(stream, async_finish), hook)

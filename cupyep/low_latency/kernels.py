@@ -58,7 +58,7 @@ COMBINE_ARGS_DTYPE = jit.struct_dtype([
     ("c", CALL_DTYPE), ("x", u64), ("layout_count", u64), ("combine_pos", u64), ("slot_pos", u64),
     ("topk_idx", u64), ("topk_weights", u64), ("out", u64), ("x_row_bytes", i64), ("wait_stats", u64),
     ("x_expert_rows", i64), ("tags", u64), ("tag_stride", i64), ("rank_pos", u64),
-    ("pull", i32), ("partial_span", i32)])
+    ("pull", i32)])
 
 
 def _spec(kind: str, num_threads: int, across_nodes: bool) -> jit.KernelSpec:
@@ -184,22 +184,8 @@ def check_peer_atomics(devices, native_atomics) -> None:
                            "one GPU (MPS) or on NVLink-connected GPUs")
 
 
-def combine_smem(num_experts: int, num_topk: int = 0, partial_span: int = 0) -> int:
+def combine_smem(num_experts: int) -> int:
     """Bytes of the combine kernel's shared memory: the [E] rows of each (local
     expert, source) pair, their [E + 1] prefix, and the [E] offsets of each
-    pair's rows in its source's return range (int32); for the partial combine,
-    then its [partial_span][k] table of x rows (int32) and weights (float32)."""
-    return 4 * (3 * num_experts + 1) + 8 * partial_span * num_topk
-
-
-PARTIAL_UNITS_PER_BLOCK = 4
-
-
-def partial_span(num_ranks: int, max_tokens: int, num_blocks: int, num_topk: int, num_experts: int) -> int:
-    """Partial rows p of one source per unit of the partial combine's send
-    half (combine.cu): about PARTIAL_UNITS_PER_BLOCK units per block over the
-    R * max_tokens rows, so that the units balance over the blocks, and no more
-    than the table's shared memory holds."""
-    span = -(-num_ranks * max_tokens // (PARTIAL_UNITS_PER_BLOCK * num_blocks))
-    room = (SMEM_BUDGET - combine_smem(num_experts)) // (8 * num_topk)
-    return max(1, min(span, max_tokens, room))
+    pair's rows in its source's return range (int32)."""
+    return 4 * (3 * num_experts + 1)

@@ -757,14 +757,14 @@ def test_the_dispatch_fills_deepeps_packed_layout(group, llbuf, kind, hook, made
 
 
 def _scaled_experts(bits, first_expert, xp):
-    """Expert e's output of its row x: BF16(x * (1 + (e % 8) / 8)), rounded to nearest even, from
-    [E_local, S, H] uint16 rows (``first_expert``: the global id of local expert 0). Every expert
-    scales differently, so a row combined with the wrong expert's weight or from the wrong expert
-    changes the result."""
+    """Expert e's output of its row x: x * 2 ** (e % 4), exactly, on the BF16 bits (the exponent field
+    raised; zeros and subnormals, exponent field 0, pass unchanged), from [E_local, S, H] uint16 rows
+    (``first_expert``: the global id of local expert 0). Integer arithmetic, so NumPy and the GPU
+    agree bit for bit (CuPy's float kernels flush subnormals). Every expert scales differently, so a
+    row combined with the wrong expert's weight or from the wrong expert changes the result."""
     El = bits.shape[0]
-    c = (1.0 + ((first_expert + xp.arange(El)) % 8) / 8.0).astype(np.float32)[:, None, None]
-    v = ((bits.astype(np.uint32) << np.uint32(16)).view(np.float32) * c).view(np.uint32)
-    return ((v + np.uint32(0x7FFF) + ((v >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    shift = (((first_expert + xp.arange(El)) % 4).astype(np.uint16) << np.uint16(7))[:, None, None]
+    return xp.where((bits & np.uint16(0x7F80)) != 0, bits + shift, bits).astype(np.uint16)
 
 
 @pytest.mark.parametrize("hook", [False, True])
