@@ -27,8 +27,9 @@ zero-copy combine pulls by default ("combine_zero_copy";
 the buffer bytes per rank, and efficiency = (2 x bytes moved between ranks
 by all ranks, written into peers or, for pulling combines, read from them /
 copy bandwidth measured in this run) / time. With ``--trace N``, N more calls of
-each kind record when every block reached each mark (kernels.TRACE_MARKS),
-summarised as when the first and the last rank got there. ``--scatter-probe``
+each kind (the partial combine too, with ``--partial``) record when every
+block reached each mark (kernels.TRACE_MARKS), summarised as when the first
+and the last rank got there. ``--scatter-probe``
 adds the bare row scatter (cupyep/lab/bench/scatter.py) over the same arrays.
 ``--num-blocks N [N ...]`` runs everything once per block count (a buffer
 each); with several, rank 0 also times the copy kernel on R x N blocks
@@ -291,9 +292,12 @@ def run_buffer(args, group, buf, bar, out, me, R, H, warmup, copy_bw):
         if args.trace:
             G = buf.num_blocks
             traces = {k: cupy.zeros((warmup + args.trace, G, NUM_TRACE_SLOTS), dtype=np.int64)
-                      for k in ("dispatch_fp8", "combine")}
+                      for k in ("dispatch_fp8", "combine") + (("combine_partial",) if args.partial else ())}
             steps([lambda i, st: d_fp8(i, st, trace=traces["dispatch_fp8"][i]),
                    lambda i, st: combine(i, st, trace=traces["combine"][i])], args.trace)
+            if args.partial:  # the partial combine, after a dispatch given the weights
+                steps([lambda i, st: d_fp8(i, st, topk_weights=s.topk_weights),
+                       lambda i, st: combine(i, st, partial=True, trace=traces["combine_partial"][i])], args.trace)
             for kind, tr in traces.items():
                 everyone = np.stack(group.comm.allgather(tr[warmup:].get()))  # [R, n, G, M]
                 out.write({**s.base, "kind": f"{kind}_trace", "n": args.trace,

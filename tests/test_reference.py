@@ -595,12 +595,18 @@ def test_metrics():
 
 
 
+def _distinct_routing(seed: int, T: int, num_experts: int, num_topk: int, empty: float) -> np.ndarray:
+    """[T, num_topk] int64: distinct experts per row, a fraction ``empty`` of the slots -1."""
+    rng = np.random.default_rng(seed)
+    idx = np.stack([rng.permutation(num_experts)[:num_topk] for _ in range(T)]).astype(np.int64)
+    idx[rng.random(idx.shape) < empty] = -1
+    return idx
+
+
 @pytest.mark.parametrize("num_ranks,num_experts,num_topk", [(1, 4, 2), (2, 8, 3), (4, 16, 4), (8, 256, 8), (3, 9, 5)])
 def test_return_position_matches_loops(num_ranks, num_experts, num_topk):
-    rng = np.random.default_rng(num_ranks * 100 + num_topk)
     T, El = 37, num_experts // num_ranks
-    idx = np.stack([rng.permutation(num_experts)[:num_topk] for _ in range(T)]).astype(np.int64)
-    idx[rng.random(idx.shape) < 0.2] = -1
+    idx = _distinct_routing(num_ranks * 100 + num_topk, T, num_experts, num_topk, 0.2)
     got = ref.low_latency.return_position(idx, num_experts, num_ranks)
     assert got.shape == idx.shape and got.dtype == np.int64
     # Loops: each rank's rows listed by (local expert, token), numbered in that order.
@@ -619,10 +625,8 @@ def test_return_position_matches_loops(num_ranks, num_experts, num_topk):
 
 @pytest.mark.parametrize("num_ranks,num_experts,num_topk", [(1, 4, 2), (2, 8, 3), (4, 16, 4), (8, 256, 8), (3, 9, 5)])
 def test_rank_position_numbers_each_ranks_tokens(num_ranks, num_experts, num_topk):
-    rng = np.random.default_rng(num_ranks * 10 + num_topk)
     T, El = 41, num_experts // num_ranks
-    idx = np.stack([rng.permutation(num_experts)[:num_topk] for _ in range(T)]).astype(np.int64)
-    idx[rng.random(idx.shape) < 0.3] = -1
+    idx = _distinct_routing(num_ranks * 10 + num_topk, T, num_experts, num_topk, 0.3)
     got = ref.low_latency.rank_position(idx, num_experts, num_ranks)
     assert got.shape == idx.shape and got.dtype == np.int64
     # Loops: rank r's tokens in ascending order, numbered 0, 1, ...; every slot of a token on r shares it.
