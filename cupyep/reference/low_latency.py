@@ -120,15 +120,32 @@ def return_position(topk_idx: np.ndarray, num_experts: int, num_ranks: int) -> n
         for -1 slots.
     """
     topk_idx = np.asarray(topk_idx)
-    if num_ranks < 1 or num_experts % num_ranks:
-        raise ValueError(f"num_experts={num_experts} must be a positive multiple of num_ranks={num_ranks}")
-    num_local = num_experts // num_ranks
+    num_local = _local_experts(num_experts, num_ranks)
     valid = topk_idx >= 0
     counts = np.bincount(topk_idx[valid], minlength=num_experts).reshape(num_ranks, num_local)
     before = (np.cumsum(counts, axis=1) - counts).reshape(-1)  # rows to the same rank for earlier experts
     result = slot_in_region(topk_idx, num_experts)
     result[valid] += before[topk_idx[valid]]
     return result
+
+
+def _local_experts(num_experts: int, num_ranks: int) -> int:
+    """E / R; ValueError unless E is a positive multiple of R."""
+    if num_ranks < 1 or num_experts % num_ranks:
+        raise ValueError(f"num_experts={num_experts} must be a positive multiple of num_ranks={num_ranks}")
+    return num_experts // num_ranks
+
+
+def _rank_hits(topk_idx: np.ndarray, num_experts: int, num_ranks: int) -> tuple:
+    """(valid, ranks, hit) of one source's [T, k] routing: valid [T, k] bool (not -1), ranks [T, k] the
+    rank of each slot's expert (0 for -1 slots), hit [T, R] int64, 1 where token t has an expert on rank r."""
+    topk_idx = np.asarray(topk_idx)
+    valid = topk_idx >= 0
+    ranks = np.where(valid, topk_idx // _local_experts(num_experts, num_ranks), 0)
+    hit = np.zeros((topk_idx.shape[0], num_ranks), dtype=np.int64)
+    rows, cols = np.nonzero(valid)
+    hit[rows, ranks[rows, cols]] = 1
+    return valid, ranks, hit
 
 
 def rank_position(topk_idx: np.ndarray, num_experts: int, num_ranks: int) -> np.ndarray:
@@ -146,14 +163,7 @@ def rank_position(topk_idx: np.ndarray, num_experts: int, num_ranks: int) -> np.
         of this source have an expert on the rank of topk_idx[t, j] (the same
         for every slot of t on that rank), -1 for -1 slots.
     """
-    topk_idx = np.asarray(topk_idx)
-    if num_ranks < 1 or num_experts % num_ranks:
-        raise ValueError(f"num_experts={num_experts} must be a positive multiple of num_ranks={num_ranks}")
-    valid = topk_idx >= 0
-    ranks = np.where(valid, topk_idx // (num_experts // num_ranks), 0)
-    hit = np.zeros((topk_idx.shape[0], num_ranks), dtype=np.int64)
-    rows, cols = np.nonzero(valid)
-    hit[rows, ranks[rows, cols]] = 1
+    valid, ranks, hit = _rank_hits(topk_idx, num_experts, num_ranks)
     before = np.cumsum(hit, axis=0) - hit  # [T, R] earlier tokens with an expert on each rank
     return np.where(valid, np.take_along_axis(before, ranks, axis=1), -1)
 
@@ -384,18 +394,11 @@ def combine_rows(topk_idx: Sequence[np.ndarray], num_experts: int, num_ranks: in
     Returns:
         {"per_slot": int, "per_rank": int, "saved": 1 - per_rank / per_slot}.
     """
-    if num_experts % num_ranks:
-        raise ValueError(f"num_experts={num_experts} is not a multiple of the {num_ranks} ranks")
-    El = num_experts // num_ranks
+    _local_experts(num_experts, num_ranks)
     per_slot = per_rank = 0
     for idx in topk_idx:
-        idx = np.asarray(idx)
-        valid = idx >= 0
+        valid, _, hit = _rank_hits(idx, num_experts, num_ranks)
         per_slot += int(valid.sum())
-        ranks = np.where(valid, idx // El, -1)
-        hit = np.zeros((idx.shape[0], num_ranks), dtype=bool)
-        rows, cols = np.nonzero(valid)
-        hit[rows, ranks[rows, cols]] = True
         per_rank += int(hit.sum())
     return {"per_slot": per_slot, "per_rank": per_rank,
             "saved": 1.0 - per_rank / per_slot if per_slot else 0.0}
