@@ -72,6 +72,9 @@ def main():
     p.add_argument("--transports", nargs="+", default=["queue", "direct"], choices=["queue", "direct"])
     p.add_argument("--direct-sms", type=int, nargs="*", default=[],
                    help="blocks per rank of the direct transport to time besides its default")
+    p.add_argument("--direct-bulk", type=int, nargs="+", default=[0],
+                   help="DirectConfig.bulk_stage_bytes of the --direct-sms points (0: warp copies; > 0: bulk "
+                        "copies through two stages of this many bytes per warp); each value sweeps every point")
     p.add_argument("--queue-sms", type=int, nargs="*", default=[],
                    help="blocks per rank (Config.num_sms, even) of the queue transport to time besides its default, "
                         "each against the copy kernel on as many SMs")
@@ -129,10 +132,12 @@ def main():
                 out.write(run(kind, DirectConfig(), None, timing, "direct"))
         swept = [m for m in args.direct_sms if m <= buf.sm_budget]  # more would not all be resident
         probe = probe_on_rank0(group, [R * m for m in swept] + args.copy_probe, out)
-        for sms in swept:
-            for kind in direct_kinds:
-                out.write(against_copy({**run(kind, DirectConfig(num_sms=sms), None, "strict", "direct"),
-                                        "sweep": True}, probe[R * sms], copy_bw))
+        for bulk in args.direct_bulk:
+            for sms in swept:
+                for kind in direct_kinds:
+                    cfg = DirectConfig(num_sms=sms, bulk_stage_bytes=bulk)
+                    out.write(against_copy({**run(kind, cfg, None, "strict", "direct"), "sweep": True},
+                                           probe[R * sms], copy_bw))
     if args.sweep:
         for threads, l2 in ((t, l2) for t in args.threads for l2 in (args.l2 or [None])):
             dcfg, fcfg, ccfg = with_l2(dcfg0, l2), with_l2(fcfg0, l2), with_l2(ccfg0, l2)

@@ -85,6 +85,22 @@ def test_direct_config_validation():
         D.DirectConfig(num_threads=100).validate()
 
 
+def test_bulk_stages_are_validated_and_sized():
+    cfg = D.DirectConfig(bulk_stage_bytes=4096).validate()
+    assert cfg.bulk_shared_bytes() == 2 * 4096 * (D.THREADS // 32)
+    assert D.DirectConfig().bulk_shared_bytes() == 0
+    with pytest.raises(ValueError, match="multiple of 16"):
+        D.DirectConfig(bulk_stage_bytes=1000).validate()
+    with pytest.raises(ValueError, match="multiple of 16"):
+        D.DirectConfig(bulk_stage_bytes=-16).validate()
+    with pytest.raises(ValueError, match="use bulk_stage_bytes <= 7264"):
+        D.DirectConfig(bulk_stage_bytes=8192).validate()  # 16 warps x 2 stages x 8 KiB > 227 KiB
+    D.DirectConfig(bulk_stage_bytes=7264).validate()
+    # The fused kernel's shared memory holds its notify block's counts or, later, the stages.
+    assert D.fused_shared_bytes(8, 256, 4, False, 512, 0) == 4 * (8 * 5 + 8 + 256)
+    assert D.fused_shared_bytes(8, 256, 4, False, 512, cfg.bulk_shared_bytes()) == cfg.bulk_shared_bytes()
+
+
 def test_notify_channels_fill_the_notify_block():
     for r in range(1, 9):
         assert 1 <= D.notify_channels(r) and r * D.notify_channels(r) <= 32

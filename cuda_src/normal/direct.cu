@@ -15,6 +15,9 @@
 //      destination's dispatch_arrived[me] (release); block 0 then waits until
 //      every source has delivered what the count matrix says, so the kernel's
 //      end means this rank's output is complete.
+//   Rows move by warp copies of 16-byte words, or (bulk_stage > 0) by bulk
+//   copies through two shared-memory stages per warp (common/bulk.cuh), which
+//   keep more bytes in flight per SM than a warp's registers hold.
 //   Worst-token mode: rows past the received count get -1 ids and sources and
 //   0 weights (no host work, CUDA-graph safe).
 //   Expert-major (out.em_x >= 0): the payload goes, once per local slot,
@@ -37,6 +40,7 @@
 //      weight * partial, rounded to BF16 (bitwise what the queue transport's
 //      combine computes), and the sum of the top-k weights.
 #include "common/bf16.cuh"
+#include "common/bulk.cuh"
 #include "common/copy.cuh"
 #include "common/ptx.cuh"
 #include "common/timeout.cuh"
@@ -76,14 +80,32 @@ __device__ __forceinline__ bool last_block_out(int64_t* exited) {
     return s_last != 0;
 }
 
+// A warp's row copy: by the warp's bulk pipe when `bulk` (lane 0 issues it),
+// else by the warp's 16-byte loads and stores.
+__device__ __forceinline__ void copy_row(int4* dst, const int4* src, int64_t n_int4, bool bulk, BulkPipe& pipe,
+                                        int lane) {
+    if (bulk)
+        pipe.copy(dst, src, n_int4 * 16, lane);
+    else
+        warp_copy<4, true>(dst, src, n_int4, lane, [](const int4* p) { return ld_nc_na_v4(p); },
+                           [](int4* p, const int4& v) { st_na_v4(p, v); });
+}
+
+// The calling warp's bulk pipe over its two stages of `stage_bytes` in the
+// block's dynamic shared memory (bars: the warp's two mbarriers). Every lane calls it.
+__device__ __forceinline__ void init_warp_pipe(BulkPipe& pipe, uint64_t* bars, int stage_bytes, int warp, int lane) {
+    extern __shared__ __align__(128) char s_bulk_stages[];
+    if (stage_bytes > 0) pipe.init(s_bulk_stages + (int64_t)warp * 2 * stage_bytes, bars, stage_bytes, lane);
+}
+
 // Row t of x (and its scales) to row `row` of the arrays at byte offsets
 // x_off / scales_off (-1: none) of a destination's pool, by one warp.
 __device__ __forceinline__ void send_row(char* pool, int64_t x_off, int64_t scales_off, int64_t row,
-                                         const DirectDispatchArgs& a, int t, int64_t x_int4, int lane) {
+                                         const DirectDispatchArgs& a, int t, int64_t x_int4, int lane,
+                                         BulkPipe& pipe) {
     const DirectRecvLayout& o = a.out;
-    warp_copy<4, true>(reinterpret_cast<int4*>(pool + x_off + row * o.x_bytes), a.x + t * x_int4, x_int4, lane,
-                       [](const int4* p) { return ld_nc_na_v4(p); },
-                       [](int4* p, const int4& v) { st_na_v4(p, v); });
+    copy_row(reinterpret_cast<int4*>(pool + x_off + row * o.x_bytes), a.x + t * x_int4, x_int4, a.bulk_stage > 0,
+             pipe, lane);
     if (a.x_scales && scales_off >= 0) {
         float* sc = reinterpret_cast<float*>(pool + scales_off) + row * a.num_scales;
         for (int q = lane; q < a.num_scales; q += 32) sc[q] = __ldg(a.x_scales + (int64_t)t * a.num_scales + q);
@@ -128,6 +150,7 @@ __device__ __forceinline__ void direct_dispatch_body(const DirectDispatchArgs& a
     __shared__ int s_sent[R];       // rows this block delivered to each destination
     __shared__ int64_t s_epoch;
     __shared__ int s_fail;
+    __shared__ __align__(8) uint64_t s_bars[kWarps][2];  // each warp's bulk pipe
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int C = a.num_channels, T = a.num_tokens, k = a.num_topk, ns = a.num_scales;
     const DirectRecvLayout& o = a.out;
@@ -143,8 +166,10 @@ __device__ __forceinline__ void direct_dispatch_body(const DirectDispatchArgs& a
         s_row0[threadIdx.x] = a.rank > 0 ? a.rank_prefix_matrix[(a.rank - 1) * R + threadIdx.x] : 0;
         s_sent[threadIdx.x] = 0;
     }
-    __syncthreads();
+    __syncthreads();  // (in the fused kernel, also: the shared memory the notify block used is free)
     const int64_t epoch = s_epoch;
+    BulkPipe pipe;
+    init_warp_pipe(pipe, s_bars[warp], a.bulk_stage, warp, lane);
 
     // 1. My pool is free for this call; wait until every destination's is.
     if (handshake && blockIdx.x == 0 && threadIdx.x < R)
@@ -177,7 +202,7 @@ __device__ __forceinline__ void direct_dispatch_body(const DirectDispatchArgs& a
         const int t = __ldg(a.send_list + (int64_t)d * T + i);
         char* pool = static_cast<char*>(a.pools[d]);
         if (!expand)
-            send_row(pool, o.x, o.x_scales, row, a, t, x_int4, lane);
+            send_row(pool, o.x, o.x_scales, row, a, t, x_int4, lane, pipe);
         if (lane == 0) reinterpret_cast<int*>(pool + o.src_idx)[row] = t;
         if (a.topk_idx) {
             const int E_local = a.num_local_experts;
@@ -206,7 +231,7 @@ __device__ __forceinline__ void direct_dispatch_body(const DirectDispatchArgs& a
                 if (q < k) pair_rows[q] = em;
                 for (unsigned m = __ballot_sync(0xffffffffu, em >= 0); m; m &= m - 1) {
                     const int dst = __shfl_sync(0xffffffffu, em, __ffs(m) - 1);
-                    send_row(pool, o.em_x, o.em_x_scales, dst, a, t, x_int4, lane);
+                    send_row(pool, o.em_x, o.em_x_scales, dst, a, t, x_int4, lane, pipe);
                     if (lane == 0) reinterpret_cast<int*>(pool + o.em_src_row)[dst] = (int)row;
                 }
             }
@@ -217,6 +242,7 @@ __device__ __forceinline__ void direct_dispatch_body(const DirectDispatchArgs& a
         }
     }
     if (lane == 0 && run) atomicAdd(&s_sent[d], run);
+    if (a.bulk_stage > 0) pipe.drain(lane);
 
     // Worst-token padding of my own arrays: rows [received, capacity).
     {
@@ -352,6 +378,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) direct_combine(DirectCombineAr
     __shared__ int64_t s_meta_row[kWarps][R];  // per warp: the partial row (metadata) of its token from rank d
     __shared__ int64_t s_epoch;
     __shared__ int s_fail;
+    __shared__ __align__(8) uint64_t s_bars[kWarps][2];  // each warp's bulk pipe
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int C = a.num_channels, T = a.num_tokens, k = a.num_topk, me = a.rank;
     const int64_t x_int4 = a.x_int4, meta = a.meta_stride;
@@ -374,6 +401,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) direct_combine(DirectCombineAr
     }
     __syncthreads();
     const int64_t epoch = s_epoch;
+    const bool bulk = a.bulk_stage > 0 && !zero_copy;
+    BulkPipe pipe;
+    if (bulk) init_warp_pipe(pipe, s_bars[warp], a.bulk_stage, warp, lane);
 
     // 1. My partial rows are free for this call; wait until every owner's are.
     if (blockIdx.x == 0 && threadIdx.x < R)
@@ -403,15 +433,15 @@ __global__ void __launch_bounds__(kNumThreads, 1) direct_combine(DirectCombineAr
         }
         char* pool = static_cast<char*>(a.pools[s]);
         if (!zero_copy)
-            warp_copy<4, true>(reinterpret_cast<int4*>(pool + a.partial_x) + prow * x_int4,
-                               a.x + (int64_t)r * x_int4, x_int4, lane, [](const int4* p) { return ld_nc_na_v4(p); },
-                               [](int4* p, const int4& v) { st_na_v4(p, v); });
+            copy_row(reinterpret_cast<int4*>(pool + a.partial_x) + prow * x_int4, a.x + (int64_t)r * x_int4, x_int4,
+                     bulk, pipe, lane);
         float* m = reinterpret_cast<float*>(pool + a.partial_meta) + prow * meta;
         if (lane == 0) m[0] = a.row_weights ? __ldg(a.row_weights + r) : 1.f;
         if (a.recv_topk_weights)
             for (int q = lane; q < k; q += 32) m[1 + q] = __ldg(a.recv_topk_weights + (int64_t)r * k + q);
     }
     if (lane == 0 && run) atomicAdd(&s_sent[s], run);
+    if (bulk) pipe.drain(lane);
 
     // 3. Publish; wait for every expert rank's rows.
     __syncthreads();

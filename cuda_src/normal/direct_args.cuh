@@ -87,6 +87,8 @@ struct DirectDispatchArgs {
     int num_channels;
     int capacity;                    // rows of the receive arrays; rows past recv_rank_offset[R] are padding
     int rank;
+    int bulk_stage;                  // > 0: rows move by bulk copies through two stages of this many bytes
+                                     // per warp (dynamic shared memory); 0: warp copies of 16-byte words
     Guard guard;
 };
 
@@ -123,6 +125,7 @@ struct DirectCombineArgs {
     int num_topk;
     int num_channels;
     int rank;
+    int bulk_stage;                  // as DirectDispatchArgs::bulk_stage, for the pushed rows
     Guard guard;
 };
 

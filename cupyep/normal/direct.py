@@ -63,11 +63,15 @@ class DirectRoute(NodeRoute):
         return self.dispatch_config(config, False, handle)
 
 
-    def _kernel(self, spec, cfg: D.DirectConfig, what: str):
+    def _kernel(self, spec, cfg: D.DirectConfig, what: str, shared_bytes: int | None = None):
         """The kernel, after checking that every rank's blocks fit the GPU at
-        once (the default, at most this rank's SM budget, always does)."""
+        once with ``shared_bytes`` of dynamic shared memory (default: the
+        config's bulk stages); the default, at most this rank's SM budget,
+        always does."""
         fn = jit.kernel(spec)
-        self.node.check_resident(fn, cfg.num_sms or self.node.sm_budget, cfg.num_threads, what, step=1)
+        shared = cfg.bulk_shared_bytes() if shared_bytes is None else shared_bytes
+        self.node.check_resident(D.with_shared(fn, shared), cfg.num_sms or self.node.sm_budget, cfg.num_threads,
+                                 what, step=1, shared_bytes=shared)
         return fn
 
     # ---------------------------------------------------------- dispatch
@@ -109,7 +113,9 @@ class DirectRoute(NodeRoute):
         notified = handle is None
         fused = cfg.fused and notified
         if fused:
-            fused_fn = self._kernel(D.fused_spec(R, cfg.num_threads), cfg, "fused direct dispatch")
+            fused_fn = self._kernel(D.fused_spec(R, cfg.num_threads), cfg, "fused direct dispatch",
+                                    D.fused_shared_bytes(R, call.num_experts, D.notify_channels(R), direct_em,
+                                                         cfg.num_threads, cfg.bulk_shared_bytes()))
         pool = pools.pool("dispatch")
         capturing = cupy.cuda.get_current_stream().is_capturing() or node.comm_stream.is_capturing()
         lease = pools.slots.take("Buffer.dispatch (direct)", pin=capturing)
@@ -135,10 +141,11 @@ class DirectRoute(NodeRoute):
             blocks = cfg.num_sms or D.default_num_sms(node.sm_budget, rows_sent, cfg.num_threads)
             args = D.send_args(pools, pool, lay, handle, x, call.x_scales, topk_idx, call.topk_weights,
                                call.num_experts, capacity=N, rank=node.rank,
-                               guard=node.group.guard("direct_dispatch"), pos=pos)
+                               guard=node.group.guard("direct_dispatch"), pos=pos,
+                               bulk_stage=cfg.bulk_stage_bytes)
             if direct_em:
                 D.launch_positions(args, call.num_experts)
-            D.launch_send(fn, blocks, cfg.num_threads, args)
+            D.launch_send(fn, blocks, cfg.num_threads, args, cfg.bulk_shared_bytes())
         # The handle owns its routing: the source indices (and the expert-major map) are copied out
         # of the slot, so combine and cached dispatch take it whatever happens to the slot later.
         handle = replace(handle, recv_src_idx=copy(recv_src_idx), lease=lease)
@@ -210,10 +217,11 @@ class DirectRoute(NodeRoute):
         sargs = D.send_args(self.pools, pool, lay, handle or _Offsets(arrays, C), call.x, call.x_scales, call.topk_idx,
                             call.topk_weights, call.num_experts, capacity=call.num_worst_tokens if worst else 0,
                             rank=node.rank, guard=node.group.guard("direct_dispatch"), pos=pos,
-                            compute_pos=pos is not None, pos_threads=cfg.num_threads)
+                            compute_pos=pos is not None, pos_threads=cfg.num_threads,
+                            bulk_stage=cfg.bulk_stage_bytes)
         D.launch_fused(fn, cfg.num_sms or node.sm_budget, cfg.num_threads, nargs, sargs, node.group.guard("layout"),
                        0 if worst else node.host_counts_ptr + 4 * node.host_status_index, R, call.num_experts, C,
-                       pos is not None)
+                       pos is not None, cfg.bulk_shared_bytes())
         if worst:
             return handle, True
         status = self._wait_host_status()
@@ -274,7 +282,8 @@ class DirectRoute(NodeRoute):
     def combine(self, call: CombineCall):
         import cupy
         node, cfg, handle = self.node, call.config, call.handle
-        fn = self._kernel(D.combine_spec(node.num_ranks, cfg.num_threads), cfg, "direct combine")
+        fn = self._kernel(D.combine_spec(node.num_ranks, cfg.num_threads), cfg, "direct combine",
+                          0 if call.zero_copy else cfg.bulk_shared_bytes())
         T, H, k = handle.num_tokens, call.x.shape[1], call.num_topk
         N = handle.num_worst_tokens or handle.num_recv_tokens
         reduced = None
@@ -286,7 +295,8 @@ class DirectRoute(NodeRoute):
         combined_w = cupy.empty((T, k), dtype=np.float32) if call.topk_weights is not None else None
         blocks = cfg.num_sms or D.default_num_sms(node.sm_budget, max(N, T), cfg.num_threads)
         D.launch_combine(fn, blocks, cfg.num_threads, self.pools, handle, x, call.row_weights, call.topk_weights,
-                         combined, combined_w, call.zero_copy, node.rank, node.group.guard("direct_combine"))
+                         combined, combined_w, call.zero_copy, node.rank, node.group.guard("direct_combine"),
+                         cfg.bulk_stage_bytes)
         return CombineResult(combined, combined_w, None, None if call.zero_copy else reduced)
 
     def destroy(self) -> None:

@@ -42,6 +42,7 @@ u64, i64, i32 = np.uint64, np.int64, np.int32
 SYNC_STRIDE = 64       # bytes between counters (kDirectSyncStride)
 ALIGN = 256            # alignment of every array in a pool
 THREADS = 512
+MAX_SHARED_BYTES = 227 * 1024  # dynamic shared memory one block may have on sm_90
 STATE_HEADER = 9       # kStateHeader
 ZERO_COPY_MAX_TOPK = 32  # top-k weights a zero-copy combine carries (its metadata stride is fixed)
 
@@ -57,7 +58,7 @@ DISPATCH_ARGS_DTYPE = jit.struct_dtype([
     ("x_scales", u64), ("topk_idx", u64), ("topk_weights", u64), ("send_list", u64),
     ("send_channel_prefix", u64), ("rank_prefix_matrix", u64), ("recv_rank_offset", u64), ("state", u64),
     ("expand", EXPAND_DTYPE), ("num_tokens", i32), ("num_scales", i32), ("num_topk", i32), ("num_local_experts", i32),
-    ("num_channels", i32), ("capacity", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
+    ("num_channels", i32), ("capacity", i32), ("rank", i32), ("bulk_stage", i32), ("guard", GUARD_DTYPE)])
 FUSED_ARGS_DTYPE = jit.struct_dtype([
     ("notify", NOTIFY_ARGS_DTYPE), ("dispatch", DISPATCH_ARGS_DTYPE), ("layout_guard", GUARD_DTYPE),
     ("host_status", u64)])
@@ -66,7 +67,7 @@ COMBINE_ARGS_DTYPE = jit.struct_dtype([
     ("zc_x", i64), ("rows", i64), ("meta_stride", i64), ("x", u64), ("row_weights", u64), ("recv_topk_weights", u64), ("rank_prefix_matrix", u64),
     ("recv_rank_offset", u64), ("send_head", u64), ("send_channel_prefix", u64), ("combined_x", u64),
     ("combined_topk_weights", u64), ("state", u64), ("num_tokens", i32), ("x_int4", i32), ("num_topk", i32),
-    ("num_channels", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
+    ("num_channels", i32), ("rank", i32), ("bulk_stage", i32), ("guard", GUARD_DTYPE)])
 
 
 POSITIONS_KERNEL = "cupyep::normal::direct_expert_positions"
@@ -131,17 +132,37 @@ class DirectConfig:
             counts, while the rows are moving). The default: it saves about 340 us of the 1770 us dispatch at 8
             ranks, T = 4096 (results/direct/). False: layout, notify and send
             as three launches.
+        bulk_stage_bytes: 0 moves the rows (the dispatch's, and the ones a
+            pushing combine sends) by warp copies of 16-byte words; > 0 (a
+            multiple of 16) by bulk asynchronous copies through two stages
+            of this many bytes per warp in shared memory
+            (cuda_src/common/bulk.cuh), 2 * bulk_stage_bytes * num_threads / 32
+            bytes a block: more bytes in flight per SM than registers hold,
+            so fewer SMs move the same rate.
     """
     num_sms: int = 0
     num_threads: int = THREADS
     fused: bool = True
+    bulk_stage_bytes: int = 0
 
     def validate(self) -> "DirectConfig":
         if self.num_sms < 0:
             raise ValueError(f"num_sms must be >= 0 (0: from the shape), got {self.num_sms}")
         if self.num_threads % 32 or not 32 <= self.num_threads <= 1024:
             raise ValueError(f"num_threads must be a multiple of 32 in [32, 1024], got {self.num_threads}")
+        if self.bulk_stage_bytes < 0 or self.bulk_stage_bytes % 16:
+            raise ValueError(f"bulk_stage_bytes must be a multiple of 16 (0: warp copies), got "
+                             f"{self.bulk_stage_bytes}")
+        if self.bulk_shared_bytes() > MAX_SHARED_BYTES:
+            raise ValueError(f"bulk_stage_bytes={self.bulk_stage_bytes} needs {self.bulk_shared_bytes()} bytes of "
+                             f"shared memory a block at num_threads={self.num_threads} (2 stages per warp); a block "
+                             f"has at most {MAX_SHARED_BYTES}: use bulk_stage_bytes <= "
+                             f"{MAX_SHARED_BYTES // (2 * (self.num_threads // 32)) // 16 * 16}")
         return self
+
+    def bulk_shared_bytes(self) -> int:
+        """Dynamic shared memory the bulk stages of a block take (0 without them)."""
+        return 2 * self.bulk_stage_bytes * (self.num_threads // 32)
 
 
 def default_num_sms(sm_budget: int, num_rows: int, num_threads: int = THREADS) -> int:
@@ -401,13 +422,14 @@ class DirectPools:
 # ------------------------------------------------------------------ launches
 def send_args(pools: DirectPools, pool, lay: RecvLayout, offsets, x, x_scales, topk_idx, topk_weights,
               num_experts: int, capacity: int, rank: int, guard: np.void, pos=None, compute_pos: bool = False,
-              pos_threads: int = POSITIONS_THREADS) -> np.void:
+              pos_threads: int = POSITIONS_THREADS, bulk_stage: int = 0) -> np.void:
     """DirectDispatchArgs of a send into ``pool`` laid out as ``lay``, at the
     offsets of ``offsets`` (a handle, or the arrays a fused notify fills);
     ``capacity``: rows of the receive arrays (padding past the count);
     ``pos``: the [T, k] expert-major positions (expert-major layouts),
     which the fused kernel fills when ``compute_pos`` (with blocks of
-    ``pos_threads`` threads; else the position kernel)."""
+    ``pos_threads`` threads; else the position kernel); ``bulk_stage``:
+    DirectConfig.bulk_stage_bytes."""
     T, H = x.shape
     k = topk_idx.shape[1] if topk_idx is not None else 0
     tables = offsets.expand
@@ -423,7 +445,7 @@ def send_args(pools: DirectPools, pool, lay: RecvLayout, offsets, x, x_scales, t
         rank_prefix_matrix=jit.ptr(offsets.rank_prefix_matrix), recv_rank_offset=jit.ptr(offsets.recv_rank_offset),
         state=jit.ptr(pools.state), expand=expand, num_tokens=T, num_scales=H // 128 if x_scales is not None else 0,
         num_topk=k, num_local_experts=num_experts // pools.num_ranks, num_channels=offsets.num_channels,
-        capacity=capacity, rank=rank, guard=guard)
+        capacity=capacity, rank=rank, bulk_stage=bulk_stage, guard=guard)
 
 
 def launch_positions(args: np.void, num_experts: int) -> None:
@@ -432,27 +454,50 @@ def launch_positions(args: np.void, num_experts: int) -> None:
                                  shared_mem=4 * hist_warps(num_experts) * num_experts)
 
 
-def launch_send(fn, num_blocks: int, num_threads: int, args: np.void) -> None:
-    """The send of a direct dispatch (``fn``: dispatch_spec's kernel)."""
-    fn((num_blocks,), (num_threads,), (args,))
+_shared_limit: dict = {}  # kernel handle -> the dynamic shared memory it has been allowed
+
+
+def with_shared(fn, shared_bytes: int):
+    """``fn`` allowed ``shared_bytes`` of dynamic shared memory (the driver's
+    limit is raised past the default 48 KiB, once per kernel and size)."""
+    if shared_bytes > 48 * 1024 and _shared_limit.get(fn.kernel.ptr, 0) < shared_bytes:
+        fn.max_dynamic_shared_size_bytes = shared_bytes
+        _shared_limit[fn.kernel.ptr] = shared_bytes
+    return fn
+
+
+def launch_send(fn, num_blocks: int, num_threads: int, args: np.void, shared_bytes: int = 0) -> None:
+    """The send of a direct dispatch (``fn``: dispatch_spec's kernel;
+    ``shared_bytes``: DirectConfig.bulk_shared_bytes)."""
+    with_shared(fn, shared_bytes)((num_blocks,), (num_threads,), (args,), shared_mem=shared_bytes)
+
+
+def fused_shared_bytes(num_ranks: int, num_experts: int, num_channels: int, with_positions: bool,
+                       num_threads: int, bulk_bytes: int) -> int:
+    """Dynamic shared memory of the fused dispatch: its notify block's counts
+    (or the position pass's histogram) and, after them in time, the bulk stages."""
+    hist = hist_warps(num_experts, num_threads) * num_experts if with_positions else 0
+    return max(4 * max(num_ranks * (num_channels + 1) + num_ranks + num_experts, hist), bulk_bytes)
 
 
 def launch_fused(fn, num_blocks: int, num_threads: int, notify: np.void, send: np.void, layout_guard: np.void,
-                 host_status: int, num_ranks: int, num_experts: int, num_channels: int, with_positions: bool) -> None:
+                 host_status: int, num_ranks: int, num_experts: int, num_channels: int, with_positions: bool,
+                 bulk_bytes: int = 0) -> None:
     """The fused dispatch (layout, notify and send in one launch); ``host_status``:
-    the mapped word it publishes its verdict in (0 in worst-token mode)."""
+    the mapped word it publishes its verdict in (0 in worst-token mode);
+    ``bulk_bytes``: DirectConfig.bulk_shared_bytes."""
     args = jit.pack(FUSED_ARGS_DTYPE, notify=notify, dispatch=send, layout_guard=layout_guard,
                     host_status=host_status)
-    hist = hist_warps(num_experts, num_threads) * num_experts if with_positions else 0
-    smem = max(num_ranks * (num_channels + 1) + num_ranks + num_experts, hist)
-    fn((num_blocks,), (num_threads,), (args,), shared_mem=4 * smem)
+    smem = fused_shared_bytes(num_ranks, num_experts, num_channels, with_positions, num_threads, bulk_bytes)
+    with_shared(fn, smem)((num_blocks,), (num_threads,), (args,), shared_mem=smem)
 
 
 def launch_combine(fn, num_blocks: int, num_threads: int, pools: DirectPools, handle, x, row_weights, topk_weights,
-                   combined, combined_w, zero_copy: bool, rank: int, guard: np.void) -> None:
+                   combined, combined_w, zero_copy: bool, rank: int, guard: np.void, bulk_stage: int = 0) -> None:
     """The direct combine: each expert rank pushes its rows (zero-copy: only
     their weights) into the owners' partial rows, each owner reduces them in
-    rank order into combined [T, H] (and combined_w [T, k])."""
+    rank order into combined [T, H] (and combined_w [T, k]); ``bulk_stage``:
+    DirectConfig.bulk_stage_bytes (unused by a zero-copy combine)."""
     T, H = combined.shape
     k = topk_weights.shape[1] if topk_weights is not None else 0
     if zero_copy:
@@ -470,5 +515,7 @@ def launch_combine(fn, num_blocks: int, num_threads: int, pools: DirectPools, ha
         recv_rank_offset=jit.ptr(handle.recv_rank_offset), send_head=jit.ptr(handle.send_head),
         send_channel_prefix=jit.ptr(handle.send_channel_prefix), combined_x=jit.ptr(combined),
         combined_topk_weights=jit.ptr(combined_w), state=jit.ptr(pools.state), num_tokens=T, x_int4=H * 2 // 16,
-        num_topk=k, num_channels=handle.num_channels, rank=rank, guard=guard)
-    fn((num_blocks,), (num_threads,), (args,))
+        num_topk=k, num_channels=handle.num_channels, rank=rank, bulk_stage=0 if zero_copy else bulk_stage,
+        guard=guard)
+    smem = 0 if zero_copy else 2 * bulk_stage * (num_threads // 32)
+    with_shared(fn, smem)((num_blocks,), (num_threads,), (args,), shared_mem=smem)

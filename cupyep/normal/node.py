@@ -168,10 +168,12 @@ class Node:
         return EM.reduce(x, handle.recv_expert_row, pair_weights, num_recv_ptr, self.num_device_sms, out)
 
     # ------------------------------------------------------------ common
-    def check_resident(self, fn, num_sms: int, num_threads: int, what: str, step: int) -> None:
+    def check_resident(self, fn, num_sms: int, num_threads: int, what: str, step: int,
+                       shared_bytes: int = 0) -> None:
         """ValueError before launch unless every rank's ``num_sms`` blocks of
-        ``fn`` fit the GPU at once (ranks sharing it under MPS included)."""
-        jit.require_resident(what, jit.max_resident_blocks(fn, num_threads), num_sms, num_threads,
+        ``fn`` (with ``shared_bytes`` of dynamic shared memory each) fit the
+        GPU at once (ranks sharing it under MPS included)."""
+        jit.require_resident(what, jit.max_resident_blocks(fn, num_threads, shared_bytes), num_sms, num_threads,
                              self.group.co_resident_ranks, self.num_device_sms, "num_sms", step=step)
 
     def destroy(self) -> None:

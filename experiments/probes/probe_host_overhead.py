@@ -152,6 +152,38 @@ def merge_profiles(profiles: list) -> list:
     return sorted(rows, key=lambda r: -r[2])[:30]
 
 
+def pin_rank() -> None:
+    """Pin this process to one CPU: the (rank * stride)-th of those it may run
+    on, stride spreading the node's ranks over them (before cupyep.init, from
+    the launcher's rank variables)."""
+    import os
+    cpus = sorted(os.sched_getaffinity(0))
+    rank = int(next((os.environ[v] for v in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_RANK")
+                     if v in os.environ), 0))
+    size = int(next((os.environ[v] for v in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMI_SIZE")
+                     if v in os.environ), 1))
+    stride = max(1, len(cpus) // max(1, size))
+    os.sched_setaffinity(0, {cpus[(rank * stride) % len(cpus)]})
+
+
+def cpu_facts() -> dict:
+    """The CPUs this rank may run on, the cgroup's CPU limit, and the CPU it is on."""
+    import os
+    facts = {"affinity": sorted(os.sched_getaffinity(0)), "cpu_count": os.cpu_count()}
+    for path in ("/sys/fs/cgroup/cpu.max", "/sys/fs/cgroup/cpu/cpu.cfs_quota_us"):
+        try:
+            with open(path) as f:
+                facts[path] = f.read().strip()
+        except OSError:
+            pass
+    try:
+        with open("/proc/self/stat") as f:
+            facts["on_cpu"] = int(f.read().rsplit(")", 1)[1].split()[36])
+    except (OSError, IndexError, ValueError):
+        pass
+    return facts
+
+
 def routes(group) -> dict:
     if group.num_nodes > 1:
         return {"two_hop": {"transport": None}, "direct": {"transport": "direct"}}
@@ -174,7 +206,18 @@ def main():
                    help="also sample this many calls per route on rank 0's host (a sampling thread)")
     p.add_argument("--profile", type=int, default=0,
                    help="also profile this many calls per route (cProfile, rank 0's; slows them)")
+    p.add_argument("--pin", action="store_true",
+                   help="pin each rank to one CPU of its own (the i-th of the CPUs it may run on, spread out)")
+    p.add_argument("--gc-off", action="store_true",
+                   help="freeze the objects made so far and turn Python's cyclic collector off while timing")
     args = p.parse_args()
+    if args.pin:
+        pin_rank()
+    if args.gc_off:
+        import gc
+        gc.collect()
+        gc.freeze()
+        gc.disable()
     group = cupyep.init()
     R, me = group.world_size, group.rank
     T, H, E = args.tokens, args.hidden, args.experts
@@ -184,7 +227,8 @@ def main():
     buf = cupyep.Buffer(group, max_tokens=T, hidden=H, num_topk=args.topk)
     clock = WaitClock(group)
     out = {"probe": "host_overhead", "ranks": R, "ranks_per_node": group.local_size, "tokens": T, "hidden": H,
-           "experts": E, "topk": args.topk, "iters": args.iters, "routes": {}}
+           "experts": E, "topk": args.topk, "iters": args.iters, "pin": args.pin, "gc_off": args.gc_off,
+           "cpus": group.comm.gather(cpu_facts(), root=0), "routes": {}}
     worst = lambda v: group.comm.allreduce(float(np.median(v)) * 1e6, op=MPI.MAX)  # noqa: E731
     for name, kw in routes(group).items():
         def call():

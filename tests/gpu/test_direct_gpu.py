@@ -245,6 +245,49 @@ def test_direct_worst_tokens_and_cuda_graph(group, buf):
         assert all_ranks(group.comm, all(checks.values())), (it, {k: v for k, v in checks.items() if not v})
 
 
+@pytest.mark.parametrize("stage", [4096, 1024, 4000])
+@pytest.mark.parametrize("seed,num_tokens,hidden,case,zero_rank", CASES)
+def test_direct_bulk_copies_match_warp_copies(group, buf, seed, num_tokens, hidden, case, zero_rank, stage):
+    """DirectConfig(bulk_stage_bytes=stage): the rows move by bulk copies
+    through shared memory (a 1024- or 4000-byte stage splits each row into
+    several pieces, the last one short). Bitwise the warp copies' results:
+    the fused and unfused notified dispatch, a cached FP8 dispatch, an
+    expert-major dispatch (fused and unfused) and the pushing combine of each."""
+    import cupy
+    from dataclasses import replace
+    from cupyep.normal.direct_kernels import DirectConfig
+    tokens, idx, w, x = _inputs(group, seed, num_tokens, hidden, case, zero_rank)
+    me = group.local_rank
+    xs, ids, ws = cupy.asarray(x), cupy.asarray(idx[me]), cupy.asarray(w[me])
+    x8 = per_token_cast_to_fp8(xs)
+    got = {}
+    for bulk in (0, stage):
+        base = DirectConfig(bulk_stage_bytes=bulk)
+        r = got[bulk] = {}
+        for fused in (True, False):
+            cfg = replace(base, fused=fused)
+            out = buf.dispatch(xs, ids, ws, num_experts=NUM_EXPERTS, transport="direct", config=cfg)
+            r[f"dispatch fused={fused}"] = _host(out)
+            r[f"combine fused={fused}"] = buf.combine(out.recv_x, out.handle, topk_weights=out.recv_topk_weights,
+                                                      config=cfg).combined_x.get()
+            fp8 = buf.dispatch(x8, handle=out.handle, config=cfg)
+            r[f"cached fp8 fused={fused}"] = (fp8.recv_x.get(), fp8.recv_x_scales.get())
+            em = buf.dispatch(xs, ids, ws, num_experts=NUM_EXPERTS, expert_alignment=8, expert_major=True,
+                              transport="direct", config=cfg)
+            r[f"expert-major fused={fused}"] = (em.expert_x.get(), em.expert_src_row.get())
+            r[f"expert-major combine fused={fused}"] = buf.combine(
+                em.expert_x, em.handle, pair_weights=em.recv_topk_weights, config=cfg).combined_x.get()
+
+    def equal(a, b):
+        if isinstance(a, dict):
+            return all(equal(a[k], b[k]) for k in a)
+        if isinstance(a, tuple):
+            return all(equal(u, v) for u, v in zip(a, b))
+        return (a is None and b is None) or np.array_equal(a, b)
+    same = {k: equal(got[0][k], got[stage][k]) for k in got[0]}
+    assert all_ranks(group.comm, all(same.values())), {k: v for k, v in same.items() if not v}
+
+
 def test_direct_expert_major_matches_queue(group, buf):
     """expert_major=True on the direct transport: the same expert-major arrays,
     and the same combine of expert-major outputs, as the queue transport."""
