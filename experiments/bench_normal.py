@@ -24,6 +24,10 @@ of ``--direct-sms`` (SMs used against time); the queue transport's kinds
 again with each of ``--queue-sms`` blocks per rank (Config.num_sms, for
 dispatch and combine alike).
 
+``python experiments/bench_normal.py --blocks-table FILE...`` (no GPU) prints
+the swept direct points of repeated runs as a Markdown table: median and
+[min, max] of the time and of the fraction of the copy probe.
+
 The copy roofline at the same number of SMs: with ``--direct-sms`` or
 ``--queue-sms`` (or ``--copy-probe BLOCKS...``) rank 0 alone times the copy
 kernel on R x S blocks for each S (R ranks of S blocks each), one
@@ -44,11 +48,41 @@ from cupyep.lab.bench.normal import DIRECT_KINDS, KINDS, measure
 from cupyep.lab.bench.report import JsonlWriter
 from cupyep.fp8 import per_token_cast_to_fp8
 from cupyep.normal import Config
-from cupyep.normal.direct_kernels import DirectConfig
+from cupyep.normal.direct_kernels import MAX_SHARED_BYTES, DirectConfig
 from cupyep.testing import global_routing, payload_bf16
 
 
+def blocks_table(paths) -> str:
+    """The Markdown table of the swept direct points (``--direct-sms``) in
+    ``paths`` (JSONL files of repeated runs of one command): per kind, bulk
+    stage and blocks per rank, the median time over the files with [min, max]
+    and the median fraction of the copy probe at the same SMs with [min, max]."""
+    import json
+    import statistics
+    from collections import defaultdict
+    points = defaultdict(list)
+    for path in paths:
+        for line in open(path):
+            r = json.loads(line)
+            if r.get("sweep") and r.get("transport") == "direct":
+                c = r["dispatch_config"]
+                bulk = c.get("bulk_stage_bytes")
+                points[(r["ranks"], r["kind"], "default" if bulk is None else bulk, c["num_sms"],
+                        c["num_threads"])].append((r["time_us"], r["of_copy_same_sms"]))
+    lines = ["| ranks | kind | bulk stage | threads | blocks per rank | runs | us: median [min, max] | "
+             "of probe: median [min, max] |", "|" + " --- |" * 8]
+    for (R, kind, bulk, sms, threads), v in sorted(points.items(), key=lambda kv: tuple(map(str, kv[0][:3])) + kv[0][3:]):
+        t, f = [a for a, _ in v], [b for _, b in v]
+        lines.append(f"| {R} | {kind} | {bulk} | {threads} | {sms} | {len(v)} | {statistics.median(t):.0f} "
+                     f"[{min(t):.0f}, {max(t):.0f}] | {statistics.median(f):.3f} [{min(f):.3f}, {max(f):.3f}] |")
+    return "\n".join(lines)
+
+
 def main():
+    import sys
+    if sys.argv[1:2] == ["--blocks-table"]:  # no GPU needed
+        print(blocks_table(sys.argv[2:]))
+        return
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="results/normal.jsonl")
     p.add_argument("--tokens", type=int, default=4096)
@@ -72,9 +106,13 @@ def main():
     p.add_argument("--transports", nargs="+", default=["queue", "direct"], choices=["queue", "direct"])
     p.add_argument("--direct-sms", type=int, nargs="*", default=[],
                    help="blocks per rank of the direct transport to time besides its default")
-    p.add_argument("--direct-bulk", type=int, nargs="+", default=[0],
+    p.add_argument("--direct-bulk", type=int, nargs="+", default=[None],
                    help="DirectConfig.bulk_stage_bytes of the --direct-sms points (0: warp copies; > 0: bulk "
-                        "copies through two stages of this many bytes per warp); each value sweeps every point")
+                        "copies through two stages of this many bytes per warp; default: the config's own); each "
+                        "value sweeps every point")
+    p.add_argument("--direct-threads", type=int, nargs="+", default=[DirectConfig.num_threads],
+                   help="DirectConfig.num_threads of the --direct-sms points; each value sweeps every point (a "
+                        "(threads, bulk) pair whose stages exceed a block's shared memory is left out)")
     p.add_argument("--queue-sms", type=int, nargs="*", default=[],
                    help="blocks per rank (Config.num_sms, even) of the queue transport to time besides its default, "
                         "each against the copy kernel on as many SMs")
@@ -132,12 +170,16 @@ def main():
                 out.write(run(kind, DirectConfig(), None, timing, "direct"))
         swept = [m for m in args.direct_sms if m <= buf.sm_budget]  # more would not all be resident
         probe = probe_on_rank0(group, [R * m for m in swept] + args.copy_probe, out)
-        for bulk in args.direct_bulk:
-            for sms in swept:
-                for kind in direct_kinds:
-                    cfg = DirectConfig(num_sms=sms, bulk_stage_bytes=bulk)
-                    out.write(against_copy({**run(kind, cfg, None, "strict", "direct"), "sweep": True},
-                                           probe[R * sms], copy_bw))
+        for threads in args.direct_threads:
+            for bulk in args.direct_bulk:
+                cfg0 = DirectConfig(num_threads=threads, bulk_stage_bytes=bulk)
+                if cfg0.bulk_shared_bytes() > MAX_SHARED_BYTES:
+                    continue
+                for sms in swept:
+                    for kind in direct_kinds:
+                        cfg = replace(cfg0, num_sms=sms)
+                        out.write(against_copy({**run(kind, cfg, None, "strict", "direct"), "sweep": True},
+                                               probe[R * sms], copy_bw))
     if args.sweep:
         for threads, l2 in ((t, l2) for t in args.threads for l2 in (args.l2 or [None])):
             dcfg, fcfg, ccfg = with_l2(dcfg0, l2), with_l2(fcfg0, l2), with_l2(ccfg0, l2)

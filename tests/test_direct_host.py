@@ -88,7 +88,17 @@ def test_direct_config_validation():
 def test_bulk_stages_are_validated_and_sized():
     cfg = D.DirectConfig(bulk_stage_bytes=4096).validate()
     assert cfg.bulk_shared_bytes() == 2 * 4096 * (D.THREADS // 32)
-    assert D.DirectConfig().bulk_shared_bytes() == 0
+    assert D.DirectConfig(bulk_stage_bytes=0).bulk_shared_bytes() == 0
+    # The default: BULK_STAGE_BYTES (less where it would not fit) for calls of few blocks, else warp copies.
+    assert D.DirectConfig(num_sms=D.BULK_MAX_BLOCKS).bulk_stage() == D.BULK_STAGE_BYTES
+    assert D.DirectConfig(num_sms=D.BULK_MAX_BLOCKS + 1).bulk_stage() == 0
+    assert D.DirectConfig().bulk_stage() == 0  # blocks from the shape: decided by resolved()
+    assert D.DirectConfig().resolved(sm_budget=6).bulk_stage_bytes == D.BULK_STAGE_BYTES
+    assert D.DirectConfig().resolved(sm_budget=66).bulk_stage_bytes == 0
+    assert D.DirectConfig(num_sms=4).resolved(sm_budget=66).bulk_stage_bytes == D.BULK_STAGE_BYTES
+    assert D.DirectConfig(bulk_stage_bytes=0, num_sms=4).resolved(66).bulk_stage_bytes == 0
+    assert D.DirectConfig(num_sms=4, num_threads=1024).validate().bulk_stage() == 3632
+    assert D.DirectConfig(num_sms=4, num_threads=1024).bulk_shared_bytes() <= D.MAX_SHARED_BYTES
     with pytest.raises(ValueError, match="multiple of 16"):
         D.DirectConfig(bulk_stage_bytes=1000).validate()
     with pytest.raises(ValueError, match="multiple of 16"):

@@ -55,7 +55,7 @@ class DirectRoute(NodeRoute):
     def dispatch_config(self, config, fp8: bool, handle) -> D.DirectConfig:
         if config is not None and not isinstance(config, D.DirectConfig):
             raise ValueError(f"the direct transport takes a DirectConfig, got {type(config).__name__}")
-        return (config or D.DirectConfig()).validate()
+        return (config or D.DirectConfig()).validate().resolved(self.node.sm_budget)
 
     def combine_config(self, config, handle) -> D.DirectConfig:
         if isinstance(config, Config):
@@ -142,7 +142,7 @@ class DirectRoute(NodeRoute):
             args = D.send_args(pools, pool, lay, handle, x, call.x_scales, topk_idx, call.topk_weights,
                                call.num_experts, capacity=N, rank=node.rank,
                                guard=node.group.guard("direct_dispatch"), pos=pos,
-                               bulk_stage=cfg.bulk_stage_bytes)
+                               bulk_stage=cfg.bulk_stage())
             if direct_em:
                 D.launch_positions(args, call.num_experts)
             D.launch_send(fn, blocks, cfg.num_threads, args, cfg.bulk_shared_bytes())
@@ -218,7 +218,7 @@ class DirectRoute(NodeRoute):
                             call.topk_weights, call.num_experts, capacity=call.num_worst_tokens if worst else 0,
                             rank=node.rank, guard=node.group.guard("direct_dispatch"), pos=pos,
                             compute_pos=pos is not None, pos_threads=cfg.num_threads,
-                            bulk_stage=cfg.bulk_stage_bytes)
+                            bulk_stage=cfg.bulk_stage())
         D.launch_fused(fn, cfg.num_sms or node.sm_budget, cfg.num_threads, nargs, sargs, node.group.guard("layout"),
                        0 if worst else node.host_counts_ptr + 4 * node.host_status_index, R, call.num_experts, C,
                        pos is not None, cfg.bulk_shared_bytes())
@@ -296,7 +296,7 @@ class DirectRoute(NodeRoute):
         blocks = cfg.num_sms or D.default_num_sms(node.sm_budget, max(N, T), cfg.num_threads)
         D.launch_combine(fn, blocks, cfg.num_threads, self.pools, handle, x, call.row_weights, call.topk_weights,
                          combined, combined_w, call.zero_copy, node.rank, node.group.guard("direct_combine"),
-                         cfg.bulk_stage_bytes)
+                         cfg.bulk_stage())
         return CombineResult(combined, combined_w, None, None if call.zero_copy else reduced)
 
     def destroy(self) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -43,6 +43,8 @@ SYNC_STRIDE = 64       # bytes between counters (kDirectSyncStride)
 ALIGN = 256            # alignment of every array in a pool
 THREADS = 512
 MAX_SHARED_BYTES = 227 * 1024  # dynamic shared memory one block may have on sm_90
+BULK_STAGE_BYTES = 7168  # the default bulk stage (half a BF16 row of 7168), where a block's stages fit
+BULK_MAX_BLOCKS = 8      # by default, bulk copies only for calls of at most this many blocks per rank
 STATE_HEADER = 9       # kStateHeader
 ZERO_COPY_MAX_TOPK = 32  # top-k weights a zero-copy combine carries (its metadata stride is fixed)
 
@@ -138,20 +140,25 @@ class DirectConfig:
             of this many bytes per warp in shared memory
             (cuda_src/common/bulk.cuh), 2 * bulk_stage_bytes * num_threads / 32
             bytes a block: more bytes in flight per SM than registers hold,
-            so fewer SMs move the same rate.
+            so fewer SMs move the same rate (results/sm_economy). None, the
+            default: bulk copies for a call of at most BULK_MAX_BLOCKS
+            blocks per rank (0.88-0.98 of the copy probe where warp copies
+            reach 0.82-0.91), warp copies above (with 12 or more blocks per
+            rank at 2 ranks bulk copies were no faster and at times 1.5x
+            slower); see :meth:`bulk_stage`.
     """
     num_sms: int = 0
     num_threads: int = THREADS
     fused: bool = True
-    bulk_stage_bytes: int = 0
+    bulk_stage_bytes: int | None = None
 
     def validate(self) -> "DirectConfig":
         if self.num_sms < 0:
             raise ValueError(f"num_sms must be >= 0 (0: from the shape), got {self.num_sms}")
         if self.num_threads % 32 or not 32 <= self.num_threads <= 1024:
             raise ValueError(f"num_threads must be a multiple of 32 in [32, 1024], got {self.num_threads}")
-        if self.bulk_stage_bytes < 0 or self.bulk_stage_bytes % 16:
-            raise ValueError(f"bulk_stage_bytes must be a multiple of 16 (0: warp copies), got "
+        if self.bulk_stage_bytes is not None and (self.bulk_stage_bytes < 0 or self.bulk_stage_bytes % 16):
+            raise ValueError(f"bulk_stage_bytes must be a multiple of 16 (0: warp copies; None: the default), got "
                              f"{self.bulk_stage_bytes}")
         if self.bulk_shared_bytes() > MAX_SHARED_BYTES:
             raise ValueError(f"bulk_stage_bytes={self.bulk_stage_bytes} needs {self.bulk_shared_bytes()} bytes of "
@@ -160,9 +167,28 @@ class DirectConfig:
                              f"{MAX_SHARED_BYTES // (2 * (self.num_threads // 32)) // 16 * 16}")
         return self
 
+    def bulk_stage(self, num_blocks: int | None = None) -> int:
+        """The bulk stage in bytes (0: warp copies) of a call on up to
+        ``num_blocks`` blocks per rank (None: num_sms): bulk_stage_bytes, or
+        by default BULK_STAGE_BYTES (less where a block's stages would not
+        fit) when the call has at most BULK_MAX_BLOCKS blocks, else 0."""
+        if self.bulk_stage_bytes is not None:
+            return self.bulk_stage_bytes
+        blocks = self.num_sms if num_blocks is None else num_blocks
+        if not 0 < blocks <= BULK_MAX_BLOCKS:
+            return 0
+        return min(BULK_STAGE_BYTES, MAX_SHARED_BYTES // (2 * max(1, self.num_threads // 32)) // 16 * 16)
+
+    def resolved(self, sm_budget: int) -> "DirectConfig":
+        """This config with bulk_stage_bytes decided for a rank whose calls
+        take at most ``sm_budget`` blocks when num_sms is 0."""
+        if self.bulk_stage_bytes is not None:
+            return self
+        return replace(self, bulk_stage_bytes=self.bulk_stage(self.num_sms or sm_budget))
+
     def bulk_shared_bytes(self) -> int:
         """Dynamic shared memory the bulk stages of a block take (0 without them)."""
-        return 2 * self.bulk_stage_bytes * (self.num_threads // 32)
+        return 2 * self.bulk_stage() * (self.num_threads // 32)
 
 
 def default_num_sms(sm_budget: int, num_rows: int, num_threads: int = THREADS) -> int:
