@@ -56,7 +56,8 @@ def blocks_table(paths) -> str:
     """The Markdown table of the swept direct points (``--direct-sms``) in
     ``paths`` (JSONL files of repeated runs of one command): per kind, bulk
     stage and blocks per rank, the median time over the files with [min, max]
-    and the median fraction of the copy probe at the same SMs with [min, max]."""
+    and the median fraction of the copy probe at the same SMs with [min, max],
+    by the event clock and, where the records have it, the kernel's own."""
     import json
     import statistics
     from collections import defaultdict
@@ -68,13 +69,20 @@ def blocks_table(paths) -> str:
                 c = r["dispatch_config"]
                 bulk = c.get("bulk_stage_bytes")
                 points[(r["ranks"], r["kind"], "default" if bulk is None else bulk, c["num_sms"],
-                        c["num_threads"])].append((r["time_us"], r["of_copy_same_sms"]))
-    lines = ["| ranks | kind | bulk stage | threads | blocks per rank | runs | us: median [min, max] | "
-             "of probe: median [min, max] |", "|" + " --- |" * 8]
+                        c["num_threads"])].append((r["time_us"], r["of_copy_same_sms"], r.get("kernel_us"),
+                                                   r.get("of_copy_same_sms_kernel")))
+    lines = ["| ranks | kind | bulk stage | threads | blocks per rank | runs | event us: median [min, max] | "
+             "of probe: median [min, max] | kernel us: median [min, max] | of probe, kernel clock |",
+             "|" + " --- |" * 10]
+
+    def cell(values, digits):
+        if any(v is None for v in values):
+            return "-"
+        return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}, {max(values):.{digits}f}]"
     for (R, kind, bulk, sms, threads), v in sorted(points.items(), key=lambda kv: tuple(map(str, kv[0][:3])) + kv[0][3:]):
-        t, f = [a for a, _ in v], [b for _, b in v]
-        lines.append(f"| {R} | {kind} | {bulk} | {threads} | {sms} | {len(v)} | {statistics.median(t):.0f} "
-                     f"[{min(t):.0f}, {max(t):.0f}] | {statistics.median(f):.3f} [{min(f):.3f}, {max(f):.3f}] |")
+        t, f, kt, kf = (list(c) for c in zip(*v))
+        lines.append(f"| {R} | {kind} | {bulk} | {threads} | {sms} | {len(v)} | {cell(t, 0)} | {cell(f, 3)} | "
+                     f"{cell(kt, 0)} | {cell(kf, 3)} |")
     return "\n".join(lines)
 
 

@@ -88,7 +88,7 @@ def buf(monkeypatch):
     b.sizes = DeclaredSizes(max_tokens=T, hidden=H, num_topk=K)
     b.group, b._calls, b.comm_stream = _Group(), _Calls(), _Stream()
     b.routes = {"queue": _Route("queue", id(b), {"notify_time_ns", "queue_occupancy"}),
-                "direct": _Route("direct", id(b), {"notify_time_ns"})}
+                "direct": _Route("direct", id(b), {"notify_time_ns", "kernel_time_ns"})}
     return b
 
 
@@ -141,6 +141,9 @@ def test_a_good_dispatch_reaches_its_route_checked_once(buf):
     (dict(transport="nvlink"), "transport must be one of"),
     (dict(transport="direct", queue_occupancy=np.zeros(3, np.uint64)), "queue_occupancy is a metric the direct"),
     (dict(notify_time_ns=np.zeros(3, np.int64)), r"notify_time_ns must have shape \[2\]"),
+    (dict(kernel_time_ns=np.zeros(2, np.int64)), "kernel_time_ns is a metric the queue"),
+    (dict(transport="direct", kernel_time_ns=np.zeros(3, np.int64)), r"kernel_time_ns must have shape \[2\]"),
+    (dict(transport="direct", kernel_time_ns=np.zeros(2, np.int32)), "kernel_time_ns must have dtype int64"),
     (dict(topk_idx=None), "dispatch needs topk_idx and num_experts"),
 ])
 def test_bad_dispatch_input_raises_before_any_route_runs(buf, change, match):
@@ -172,6 +175,7 @@ def test_a_handle_picks_its_route_and_a_foreign_one_is_refused(buf):
     (dict(pair_weights=np.ones((10, 2), np.float32)), "pair_weights weight expert-major rows"),
     (dict(expert_major=True), "expert_major=True needs a handle"),
     (dict(zero_copy=True), "zero_copy needs a handle of the direct transport"),
+    (dict(kernel_time_ns=np.zeros(2, np.int64)), "kernel_time_ns is a metric the queue"),
     (dict(x=np.zeros((10, H + 128), np.uint16)), "hidden=256"),
 ])
 def test_bad_combine_input_raises_before_any_route_runs(buf, change, match):

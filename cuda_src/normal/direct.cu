@@ -280,7 +280,9 @@ __device__ __forceinline__ void direct_dispatch_body(const DirectDispatchArgs& a
 
 template <int kNumRanks, int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1) direct_dispatch(DirectDispatchArgs a) {
+    stamp_start(a.kernel_time);
     direct_dispatch_body<kNumRanks, kNumThreads>(a, /*handshake=*/true);
+    stamp_end(a.kernel_time);
 }
 
 // Dispatch with the layout and the notify pass fused in (one launch):
@@ -306,6 +308,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) direct_dispatch_fused(DirectFu
     const DirectDispatchArgs& da = a.dispatch;
     const bool pos_here = da.out.em_x >= 0 && da.expand.compute_pos;
     const int pos_block = gridDim.x > 1 ? 1 : 0;  // computes the expert-major positions meanwhile
+    stamp_start(da.kernel_time);
     if (threadIdx.x == 0) s_seq = ld_volatile64(state + kFusedSeq) + 1;
     __syncthreads();
     const int64_t seq = s_seq;
@@ -363,6 +366,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) direct_dispatch_fused(DirectFu
         state[kFusedExited] = 0;
         state[kFusedSeq] = seq;
     }
+    stamp_end(da.kernel_time);
 }
 
 template <int kNumRanks, int kNumThreads>
@@ -383,6 +387,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) direct_combine(DirectCombineAr
     const int C = a.num_channels, T = a.num_tokens, k = a.num_topk, me = a.rank;
     const int64_t x_int4 = a.x_int4, meta = a.meta_stride;
     const bool zero_copy = a.zc_x >= 0;
+    stamp_start(a.kernel_time);
     if (threadIdx.x == 0) {
         s_epoch = ld_volatile64(a.state + kCombineEpoch) + 1;
         s_fail = 0;
@@ -520,6 +525,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) direct_combine(DirectCombineAr
             a.state[kCombineEpoch] = epoch;
         }
     }
+    stamp_end(a.kernel_time);
 }
 
 }  // namespace normal

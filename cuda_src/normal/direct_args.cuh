@@ -79,6 +79,7 @@ struct DirectDispatchArgs {
     const int* rank_prefix_matrix;   // [R, R] from notify
     const int* recv_rank_offset;     // [R + 1] from notify
     int64_t* state;                  // private, see above
+    int64_t* kernel_time;            // [2] or null: first block's start (min) / last block's end (max), ns
     DirectExpand expand;             // used when out.em_x >= 0
     int num_tokens;
     int num_scales;
@@ -120,6 +121,7 @@ struct DirectCombineArgs {
     int4* combined_x;                // [T, H * 2 / 16]
     float* combined_topk_weights;    // [T, k] or null
     int64_t* state;                  // private, see above
+    int64_t* kernel_time;            // [2] or null: first block's start (min) / last block's end (max), ns
     int num_tokens;
     int x_int4;
     int num_topk;

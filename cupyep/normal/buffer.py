@@ -189,7 +189,7 @@ class Buffer:
                  handle=None, num_tokens_per_rank=None, num_tokens_per_expert=None, is_token_in_rank=None,
                  num_worst_tokens: int = 0, expert_alignment: int = 1, config=None, previous_event=None,
                  async_finish: bool = False, validate: bool = True, expert_major: bool = False,
-                 transport: str | None = None, notify_time_ns=None, queue_occupancy=None,
+                 transport: str | None = None, notify_time_ns=None, queue_occupancy=None, kernel_time_ns=None,
                  fresh: bool = False) -> DispatchResult:
         """Send each token to every rank owning one of its experts.
 
@@ -247,6 +247,11 @@ class Buffer:
                 route): every time a receiver polls one of its rings it adds
                 the rows it finds waiting there to [0], 1 to [1], and raises
                 [2] to that count if larger.
+            kernel_time_ns: cupy int64 [2] or None (a metric of the direct
+                route): the send kernel (the fused kernel when fused) lowers
+                [0] to its first block's start and raises [1] to its last
+                block's end, %globaltimer ns (start from
+                cupyep.lab.bench.stamps.new_kernel_stamps).
 
         Returns:
             DispatchResult. num_recv_tokens_per_expert is a list of E_local ints
@@ -290,11 +295,13 @@ class Buffer:
             check(topk_weights, "topk_weights", np.float32, shape=(T, k))
         if expert_major and not self.internode:  # within a node the layout is built from recv_topk_idx
             EM.check_expert_major_request(topk_idx, expert_alignment)
-        for name, value in (("notify_time_ns", notify_time_ns), ("queue_occupancy", queue_occupancy)):
+        for name, value in (("notify_time_ns", notify_time_ns), ("queue_occupancy", queue_occupancy),
+                            ("kernel_time_ns", kernel_time_ns)):
             if value is not None and name not in route.metrics:
                 raise ValueError(f"{name} is a metric the {route.name} route does not fill")
         if notify_time_ns is not None:
             notify_time_ns = check(as_cupy(notify_time_ns, "notify_time_ns"), "notify_time_ns", np.int64, shape=(2,))
+        kernel_time_ns = _kernel_time(kernel_time_ns)
         if queue_occupancy is not None:
             queue_occupancy = check(as_cupy(queue_occupancy, "queue_occupancy"), "queue_occupancy", np.uint64,
                                     shape=(3,))
@@ -307,7 +314,8 @@ class Buffer:
                              queue_depth=queue.queue_depth if queue else 0, chunk_size=queue.chunk_size if queue else 0)
         call = DispatchCall(x, x_scales, topk_idx, topk_weights, num_experts, handle,
                             (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank), int(num_worst_tokens),
-                            expert_alignment, cfg, bool(expert_major), fresh, validate, notify_time_ns, queue_occupancy)
+                            expert_alignment, cfg, bool(expert_major), fresh, validate, notify_time_ns, queue_occupancy,
+                            kernel_time_ns)
         self._calls.begin(previous_event)
         with self.comm_stream:
             result = route.dispatch(call)
@@ -318,7 +326,7 @@ class Buffer:
     @traced_call("Buffer.combine")
     def combine(self, x, handle, topk_weights=None, *, row_weights=None, config=None, previous_event=None,
                 async_finish: bool = False, pair_weights=None, expert_major: bool | None = None,
-                zero_copy: bool = False) -> CombineResult:
+                zero_copy: bool = False, kernel_time_ns=None) -> CombineResult:
         """Send expert outputs back along the dispatch route and reduce them.
 
         Arguments:
@@ -343,6 +351,9 @@ class Buffer:
                 instead of a push and a read back). Same result, bitwise. With
                 expert-major x, x is the experts' outputs as usual and their
                 reduce writes the handle's buffer (which the caller leaves alone).
+            kernel_time_ns: cupy int64 [2] or None (a metric of the direct
+                route): the combine kernel's first block start and last block
+                end, as in :meth:`dispatch`.
 
         Returns:
             CombineResult with combined_x [T, H] uint16 (BF16): for every token,
@@ -371,8 +382,12 @@ class Buffer:
         if zero_copy and not route.zero_copy:
             raise ValueError(f"zero_copy needs a handle of the direct transport within a node, not of the "
                              f"{route.name} route")
+        if kernel_time_ns is not None and "kernel_time_ns" not in route.metrics:
+            raise ValueError(f"kernel_time_ns is a metric the {route.name} route does not fill")
+        kernel_time_ns = _kernel_time(kernel_time_ns)
         cfg = route.combine_config(config, handle)
-        call = CombineCall(x, handle, topk_weights, row_weights, pair_weights, em, bool(zero_copy), cfg)
+        call = CombineCall(x, handle, topk_weights, row_weights, pair_weights, em, bool(zero_copy), cfg,
+                           kernel_time_ns)
         route.check_combine(call)
         self._calls.begin(previous_event)
         with self.comm_stream:
@@ -430,3 +445,10 @@ def _capturing() -> bool:
     """Whether the current stream is capturing a CUDA graph (nothing may wait for the device then)."""
     import cupy
     return cupy.cuda.get_current_stream().is_capturing()
+
+
+def _kernel_time(kernel_time_ns):
+    """The kernel_time_ns metric checked: cupy int64 [2], or None."""
+    if kernel_time_ns is None:
+        return None
+    return check(as_cupy(kernel_time_ns, "kernel_time_ns"), "kernel_time_ns", np.int64, shape=(2,))

@@ -35,7 +35,7 @@ class DirectRoute(NodeRoute):
     are allocated, collectively, by the first call that uses each."""
 
     transport = name = "direct"
-    metrics = frozenset({"notify_time_ns"})
+    metrics = frozenset({"notify_time_ns", "kernel_time_ns"})
     zero_copy = True
 
     def __init__(self, node, sizes, num_in_flight: int, slot_bytes: int | None = None):
@@ -142,7 +142,7 @@ class DirectRoute(NodeRoute):
             args = D.send_args(pools, pool, lay, handle, x, call.x_scales, topk_idx, call.topk_weights,
                                call.num_experts, capacity=N, rank=node.rank,
                                guard=node.group.guard("direct_dispatch"), pos=pos,
-                               bulk_stage=cfg.bulk_stage())
+                               bulk_stage=cfg.bulk_stage(), kernel_time=call.kernel_time_ns)
             if direct_em:
                 D.launch_positions(args, call.num_experts)
             D.launch_send(fn, blocks, cfg.num_threads, args, cfg.bulk_shared_bytes())
@@ -218,7 +218,7 @@ class DirectRoute(NodeRoute):
                             call.topk_weights, call.num_experts, capacity=call.num_worst_tokens if worst else 0,
                             rank=node.rank, guard=node.group.guard("direct_dispatch"), pos=pos,
                             compute_pos=pos is not None, pos_threads=cfg.num_threads,
-                            bulk_stage=cfg.bulk_stage())
+                            bulk_stage=cfg.bulk_stage(), kernel_time=call.kernel_time_ns)
         D.launch_fused(fn, cfg.num_sms or node.sm_budget, cfg.num_threads, nargs, sargs, node.group.guard("layout"),
                        0 if worst else node.host_counts_ptr + 4 * node.host_status_index, R, call.num_experts, C,
                        pos is not None, cfg.bulk_shared_bytes())
@@ -296,7 +296,7 @@ class DirectRoute(NodeRoute):
         blocks = cfg.num_sms or D.default_num_sms(node.sm_budget, max(N, T), cfg.num_threads)
         D.launch_combine(fn, blocks, cfg.num_threads, self.pools, handle, x, call.row_weights, call.topk_weights,
                          combined, combined_w, call.zero_copy, node.rank, node.group.guard("direct_combine"),
-                         cfg.bulk_stage())
+                         cfg.bulk_stage(), call.kernel_time_ns)
         return CombineResult(combined, combined_w, None, None if call.zero_copy else reduced)
 
     def destroy(self) -> None:

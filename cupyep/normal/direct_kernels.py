@@ -59,7 +59,7 @@ DISPATCH_ARGS_DTYPE = jit.struct_dtype([
     ("pools", u64), ("syncs", u64), ("sync", SYNC_DTYPE), ("out", RECV_LAYOUT_DTYPE), ("x", u64),
     ("x_scales", u64), ("topk_idx", u64), ("topk_weights", u64), ("send_list", u64),
     ("send_channel_prefix", u64), ("rank_prefix_matrix", u64), ("recv_rank_offset", u64), ("state", u64),
-    ("expand", EXPAND_DTYPE), ("num_tokens", i32), ("num_scales", i32), ("num_topk", i32), ("num_local_experts", i32),
+    ("kernel_time", u64), ("expand", EXPAND_DTYPE), ("num_tokens", i32), ("num_scales", i32), ("num_topk", i32), ("num_local_experts", i32),
     ("num_channels", i32), ("capacity", i32), ("rank", i32), ("bulk_stage", i32), ("guard", GUARD_DTYPE)])
 FUSED_ARGS_DTYPE = jit.struct_dtype([
     ("notify", NOTIFY_ARGS_DTYPE), ("dispatch", DISPATCH_ARGS_DTYPE), ("layout_guard", GUARD_DTYPE),
@@ -68,8 +68,8 @@ COMBINE_ARGS_DTYPE = jit.struct_dtype([
     ("pools", u64), ("syncs", u64), ("sync", SYNC_DTYPE), ("partial_x", i64), ("partial_meta", i64),
     ("zc_x", i64), ("rows", i64), ("meta_stride", i64), ("x", u64), ("row_weights", u64), ("recv_topk_weights", u64), ("rank_prefix_matrix", u64),
     ("recv_rank_offset", u64), ("send_head", u64), ("send_channel_prefix", u64), ("combined_x", u64),
-    ("combined_topk_weights", u64), ("state", u64), ("num_tokens", i32), ("x_int4", i32), ("num_topk", i32),
-    ("num_channels", i32), ("rank", i32), ("bulk_stage", i32), ("guard", GUARD_DTYPE)])
+    ("combined_topk_weights", u64), ("state", u64), ("kernel_time", u64), ("num_tokens", i32), ("x_int4", i32),
+    ("num_topk", i32), ("num_channels", i32), ("rank", i32), ("bulk_stage", i32), ("guard", GUARD_DTYPE)])
 
 
 POSITIONS_KERNEL = "cupyep::normal::direct_expert_positions"
@@ -448,14 +448,15 @@ class DirectPools:
 # ------------------------------------------------------------------ launches
 def send_args(pools: DirectPools, pool, lay: RecvLayout, offsets, x, x_scales, topk_idx, topk_weights,
               num_experts: int, capacity: int, rank: int, guard: np.void, pos=None, compute_pos: bool = False,
-              pos_threads: int = POSITIONS_THREADS, bulk_stage: int = 0) -> np.void:
+              pos_threads: int = POSITIONS_THREADS, bulk_stage: int = 0, kernel_time=None) -> np.void:
     """DirectDispatchArgs of a send into ``pool`` laid out as ``lay``, at the
     offsets of ``offsets`` (a handle, or the arrays a fused notify fills);
     ``capacity``: rows of the receive arrays (padding past the count);
     ``pos``: the [T, k] expert-major positions (expert-major layouts),
     which the fused kernel fills when ``compute_pos`` (with blocks of
     ``pos_threads`` threads; else the position kernel); ``bulk_stage``:
-    DirectConfig.bulk_stage_bytes."""
+    DirectConfig.bulk_stage_bytes; ``kernel_time``: int64 [2] kernel stamps
+    (common/ptx.cuh stamp_start / stamp_end) or None."""
     T, H = x.shape
     k = topk_idx.shape[1] if topk_idx is not None else 0
     tables = offsets.expand
@@ -469,7 +470,8 @@ def send_args(pools: DirectPools, pool, lay: RecvLayout, offsets, x, x_scales, t
         topk_idx=jit.ptr(topk_idx), topk_weights=jit.ptr(topk_weights), send_list=jit.ptr(offsets.send_list),
         send_channel_prefix=jit.ptr(offsets.send_channel_prefix),
         rank_prefix_matrix=jit.ptr(offsets.rank_prefix_matrix), recv_rank_offset=jit.ptr(offsets.recv_rank_offset),
-        state=jit.ptr(pools.state), expand=expand, num_tokens=T, num_scales=H // 128 if x_scales is not None else 0,
+        state=jit.ptr(pools.state), kernel_time=jit.ptr(kernel_time), expand=expand, num_tokens=T,
+        num_scales=H // 128 if x_scales is not None else 0,
         num_topk=k, num_local_experts=num_experts // pools.num_ranks, num_channels=offsets.num_channels,
         capacity=capacity, rank=rank, bulk_stage=bulk_stage, guard=guard)
 
@@ -519,11 +521,13 @@ def launch_fused(fn, num_blocks: int, num_threads: int, notify: np.void, send: n
 
 
 def launch_combine(fn, num_blocks: int, num_threads: int, pools: DirectPools, handle, x, row_weights, topk_weights,
-                   combined, combined_w, zero_copy: bool, rank: int, guard: np.void, bulk_stage: int = 0) -> None:
+                   combined, combined_w, zero_copy: bool, rank: int, guard: np.void, bulk_stage: int = 0,
+                   kernel_time=None) -> None:
     """The direct combine: each expert rank pushes its rows (zero-copy: only
     their weights) into the owners' partial rows, each owner reduces them in
     rank order into combined [T, H] (and combined_w [T, k]); ``bulk_stage``:
-    DirectConfig.bulk_stage_bytes (unused by a zero-copy combine)."""
+    DirectConfig.bulk_stage_bytes (unused by a zero-copy combine); ``kernel_time``:
+    int64 [2] kernel stamps or None."""
     T, H = combined.shape
     k = topk_weights.shape[1] if topk_weights is not None else 0
     if zero_copy:
@@ -540,7 +544,8 @@ def launch_combine(fn, num_blocks: int, num_threads: int, pools: DirectPools, ha
         recv_topk_weights=jit.ptr(topk_weights), rank_prefix_matrix=jit.ptr(handle.rank_prefix_matrix),
         recv_rank_offset=jit.ptr(handle.recv_rank_offset), send_head=jit.ptr(handle.send_head),
         send_channel_prefix=jit.ptr(handle.send_channel_prefix), combined_x=jit.ptr(combined),
-        combined_topk_weights=jit.ptr(combined_w), state=jit.ptr(pools.state), num_tokens=T, x_int4=H * 2 // 16,
+        combined_topk_weights=jit.ptr(combined_w), state=jit.ptr(pools.state), kernel_time=jit.ptr(kernel_time),
+        num_tokens=T, x_int4=H * 2 // 16,
         num_topk=k, num_channels=handle.num_channels, rank=rank, bulk_stage=0 if zero_copy else bulk_stage,
         guard=guard)
     smem = 0 if zero_copy else 2 * bulk_stage * (num_threads // 32)

@@ -56,6 +56,7 @@ class DispatchCall:
     validate: bool
     notify_time_ns: object = None
     queue_occupancy: object = None
+    kernel_time_ns: object = None
     keep: list = field(default_factory=list)
 
     @property
@@ -94,6 +95,7 @@ class CombineCall:
     expert_major: bool
     zero_copy: bool
     config: object
+    kernel_time_ns: object = None
     keep: list = field(default_factory=list)
 
     @property

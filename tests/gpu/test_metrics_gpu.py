@@ -53,6 +53,38 @@ def test_notify_time_ns_counts_each_notified_call(group, buf, via):
     assert all_ranks(group.comm, ok), m
 
 
+def test_kernel_time_ns_stamps_each_direct_kernel(group, buf):
+    """kernel_time_ns on the direct route: every kernel (fused and unfused
+    notified dispatch, cached dispatch, pushing and zero-copy combine) stamps
+    its first block's start and last block's end in its own row, in stream
+    order, and a row no call was given stays as made; the queue route refuses
+    the metric before launch."""
+    import cupy
+    from cupyep.lab.bench.stamps import new_kernel_stamps
+    from cupyep.normal.direct_kernels import DirectConfig
+    me, R = group.local_rank, group.local_size
+    idx, w = global_routing(5, [512] * R, E, K)
+    x = cupy.asarray(payload_bf16(me, np.arange(512), 2048))
+    ids, ws = cupy.asarray(idx[me]), cupy.asarray(w[me])
+    st = new_kernel_stamps(6)
+    fused = buf.dispatch(x, ids, ws, num_experts=E, transport="direct", kernel_time_ns=st[0])
+    buf.dispatch(x, ids, ws, num_experts=E, transport="direct", config=DirectConfig(fused=False),
+                 kernel_time_ns=st[1])
+    buf.dispatch(x, handle=fused.handle, kernel_time_ns=st[2])
+    buf.combine(fused.recv_x, fused.handle, topk_weights=fused.recv_topk_weights, kernel_time_ns=st[3])
+    zc = buf.get_combine_buffer(fused.handle)
+    zc[...] = fused.recv_x
+    buf.combine(zc, fused.handle, topk_weights=fused.recv_topk_weights, zero_copy=True, kernel_time_ns=st[4])
+    buf.synchronize()
+    got = st.get()
+    used, unused = got[:5], got[5]
+    ok = bool(np.all(used[:, 0] > 0) and np.all(used[:, 1] > used[:, 0]) and np.all(used[:, 1] - used[:, 0] < 10**9)
+              and np.all(used[1:, 0] >= used[:-1, 0]) and unused[0] == np.iinfo(np.int64).max and unused[1] == 0)
+    assert all_ranks(group.comm, ok), got
+    with pytest.raises(ValueError, match="kernel_time_ns is a metric the queue"):
+        buf.dispatch(x, ids, ws, num_experts=E, transport="queue", kernel_time_ns=st[5])
+
+
 def test_notify_time_ns_is_checked_before_launch(group, buf):
     import cupy
     me, R = group.local_rank, group.local_size

@@ -62,8 +62,13 @@ def against_copy(rec: dict, same: float | None, copy_bw: float) -> dict:
     """``rec`` (a benchmark record whose "efficiency" is its bytes over
     ``copy_bw``, per its time) with "copy_same_sms_GBps", the copy kernel's
     rate ``same`` on as many SMs, and "of_copy_same_sms", the record's
-    fraction of it; ``rec`` unchanged when ``same`` is unknown."""
+    fraction of it (and "of_copy_same_sms_kernel", at the kernel's own time,
+    when the record has "kernel_efficiency"); ``rec`` unchanged when
+    ``same`` is unknown."""
     if not same:
         return rec
-    return {**rec, "copy_same_sms_GBps": round(same / 1e9, 1),
-            "of_copy_same_sms": None if rec.get("efficiency") is None else round(rec["efficiency"] * copy_bw / same, 4)}
+    out = {**rec, "copy_same_sms_GBps": round(same / 1e9, 1),
+           "of_copy_same_sms": None if rec.get("efficiency") is None else round(rec["efficiency"] * copy_bw / same, 4)}
+    if rec.get("kernel_efficiency") is not None:
+        out["of_copy_same_sms_kernel"] = round(rec["kernel_efficiency"] * copy_bw / same, 4)
+    return out

@@ -55,8 +55,13 @@ def measure(group, buf, barrier, kind: str, x, x_fp8, topk_idx, topk_weights, nu
         "p90_us", "p99_us" (slowest rank's), "rank_mean_us", "rank_GBps"
         (received rows x row bytes / time, mean over ranks), "efficiency"
         (2 x bytes received by all ranks / copy bandwidth / time),
-        "copy_GBps", "dispatch_config", "combine_config".
+        "copy_GBps", "dispatch_config", "combine_config"; on the direct
+        transport also "kernel_us" and "kernel_p90_us" (the slowest rank's
+        median and p90 of its kernel's first block start to last block end,
+        the kernel_time_ns stamps of the timed calls) and "kernel_efficiency"
+        (the efficiency at "kernel_us").
     """
+    import numpy as np
     from mpi4py import MPI
 
     from .timing import time_fn
@@ -73,34 +78,45 @@ def measure(group, buf, barrier, kind: str, x, x_fp8, topk_idx, topk_weights, nu
         dcfg = replace(dcfg, num_sms=ccfg.num_sms)
     T, H = x.shape
     first = buf.dispatch(x, topk_idx, topk_weights, num_experts=num_experts, config=dcfg, transport=transport)
+    stamps, used = None, [0]
+    if transport == "direct":  # the kernel's own clock: one row of stamps per call from here on
+        from .stamps import new_kernel_stamps
+        stamps = new_kernel_stamps(iters + 16)  # the timed calls are the last iters rows used
+
+    def kt() -> dict:
+        if stamps is None:
+            return {}
+        i = min(used[0], stamps.shape[0] - 1)
+        used[0] += 1
+        return {"kernel_time_ns": stamps[i]}
     n = first.recv_x.shape[0]
     row = 2 * H
     if kind == "dispatch_bf16":
-        fn = lambda: buf.dispatch(x, handle=first.handle, config=dcfg)  # noqa: E731
+        fn = lambda: buf.dispatch(x, handle=first.handle, config=dcfg, **kt())  # noqa: E731
     elif kind == "dispatch_fp8":
         if x_fp8 is None:
             raise ValueError("dispatch_fp8 needs x_fp8")
-        fn = lambda: buf.dispatch(x_fp8, handle=first.handle, config=dcfg)  # noqa: E731
+        fn = lambda: buf.dispatch(x_fp8, handle=first.handle, config=dcfg, **kt())  # noqa: E731
         row = H + H // 128 * 4
     elif kind == "dispatch_bf16_notify":
         fn = lambda: buf.dispatch(x, topk_idx, topk_weights, num_experts=num_experts, config=dcfg,  # noqa: E731
-                                  validate=False, transport=transport)
+                                  validate=False, transport=transport, **kt())
     elif kind == "dispatch_bf16_notify_unfused":
         fcfg = replace(dcfg, fused=False)
         fn = lambda: buf.dispatch(x, topk_idx, topk_weights, num_experts=num_experts, config=fcfg,  # noqa: E731
-                                  validate=False, transport=transport)
+                                  validate=False, transport=transport, **kt())
     elif kind.startswith("dispatch_bf16_expert_major"):
         ecfg = replace(dcfg, fused=False) if kind.endswith("_unfused") else dcfg
         fn = lambda: buf.dispatch(x, topk_idx, topk_weights, num_experts=num_experts, config=ecfg,  # noqa: E731
-                                  validate=False, transport=transport, expert_major=True)
+                                  validate=False, transport=transport, expert_major=True, **kt())
         n = int(fn().expert_offsets[-1].get())  # alignment 1: the pairs delivered
     elif kind == "combine_bf16_zero_copy":
         y = buf.get_combine_buffer(first.handle)
         y[...] = first.recv_x
-        fn = lambda: buf.combine(y, first.handle, config=ccfg, zero_copy=True)  # noqa: E731
+        fn = lambda: buf.combine(y, first.handle, config=ccfg, zero_copy=True, **kt())  # noqa: E731
     else:
         y = first.recv_x
-        fn = lambda: buf.combine(y, first.handle, config=ccfg)  # noqa: E731
+        fn = lambda: buf.combine(y, first.handle, config=ccfg, **kt())  # noqa: E731
     if timing == "strict":
         t = time_fn(fn, iters=iters, warmup=3, before=barrier)
     else:  # DeepEP's boundary: one barrier, then calls back to back
@@ -113,6 +129,13 @@ def measure(group, buf, barrier, kind: str, x, x_fp8, topk_idx, topk_weights, nu
     t_max = comm.allreduce(t.median_s, op=MPI.MAX)
     recv_bytes = n * row
     total = comm.allreduce(recv_bytes)
+    kernel = {}
+    if stamps is not None:
+        from .stamps import kernel_seconds
+        k = kernel_seconds(stamps[used[0] - iters:used[0]].get())
+        k_med = comm.allreduce(float(np.median(k)), op=MPI.MAX)
+        kernel = {"kernel_us": k_med * 1e6, "kernel_p90_us": slowest(float(np.percentile(k, 90))),
+                  "kernel_efficiency": 2 * total / copy_bw / k_med if copy_bw else None}
     return {"bench": "normal", "kind": kind if transport == "queue" else f"{kind}_direct", "transport": transport,
             "timing": timing, "ranks": R, "tokens": T, "hidden": H, "topk": int(topk_idx.shape[1]),
             "experts": num_experts, "time_us": t_max * 1e6, "p10_us": slowest(t.p10_s), "p90_us": slowest(t.p90_s),
@@ -120,4 +143,4 @@ def measure(group, buf, barrier, kind: str, x, x_fp8, topk_idx, topk_weights, nu
             "rank_GBps": comm.allreduce(recv_bytes / t.median_s) / R / 1e9,
             "efficiency": 2 * total / copy_bw / t_max if copy_bw else None,
             "copy_GBps": copy_bw / 1e9 if copy_bw else None,
-            "dispatch_config": asdict(dcfg), "combine_config": asdict(ccfg)}
+            **kernel, "dispatch_config": asdict(dcfg), "combine_config": asdict(ccfg)}
