@@ -57,7 +57,8 @@ def blocks_table(paths) -> str:
     ``paths`` (JSONL files of repeated runs of one command): per kind, bulk
     stage and blocks per rank, the median time over the files with [min, max]
     and the median fraction of the copy probe at the same SMs with [min, max],
-    by the event clock and, where the records have it, the kernel's own."""
+    by the event clock and, where the records have it, the kernels' own (the
+    span over every rank's kernel on one GPU, else the slowest rank's)."""
     import json
     import statistics
     from collections import defaultdict
@@ -69,10 +70,11 @@ def blocks_table(paths) -> str:
                 c = r["dispatch_config"]
                 bulk = c.get("bulk_stage_bytes")
                 points[(r["ranks"], r["kind"], "default" if bulk is None else bulk, c["num_sms"],
-                        c["num_threads"])].append((r["time_us"], r["of_copy_same_sms"], r.get("kernel_us"),
+                        c["num_threads"])].append((r["time_us"], r["of_copy_same_sms"],
+                                                   r.get("kernel_span_us", r.get("kernel_us")),
                                                    r.get("of_copy_same_sms_kernel")))
     lines = ["| ranks | kind | bulk stage | threads | blocks per rank | runs | event us: median [min, max] | "
-             "of probe: median [min, max] | kernel us: median [min, max] | of probe, kernel clock |",
+             "of probe: median [min, max] | kernel span us: median [min, max] | of probe, kernel clock |",
              "|" + " --- |" * 10]
 
     def cell(values, digits):

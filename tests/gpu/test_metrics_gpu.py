@@ -68,13 +68,13 @@ def test_kernel_time_ns_stamps_each_direct_kernel(group, buf):
     ids, ws = cupy.asarray(idx[me]), cupy.asarray(w[me])
     st = new_kernel_stamps(6)
     fused = buf.dispatch(x, ids, ws, num_experts=E, transport="direct", kernel_time_ns=st[0])
-    buf.dispatch(x, ids, ws, num_experts=E, transport="direct", config=DirectConfig(fused=False),
-                 kernel_time_ns=st[1])
-    buf.dispatch(x, handle=fused.handle, kernel_time_ns=st[2])
-    buf.combine(fused.recv_x, fused.handle, topk_weights=fused.recv_topk_weights, kernel_time_ns=st[3])
+    buf.combine(fused.recv_x, fused.handle, topk_weights=fused.recv_topk_weights, kernel_time_ns=st[1])
     zc = buf.get_combine_buffer(fused.handle)
     zc[...] = fused.recv_x
-    buf.combine(zc, fused.handle, topk_weights=fused.recv_topk_weights, zero_copy=True, kernel_time_ns=st[4])
+    buf.combine(zc, fused.handle, topk_weights=fused.recv_topk_weights, zero_copy=True, kernel_time_ns=st[2])
+    buf.dispatch(x, ids, ws, num_experts=E, transport="direct", config=DirectConfig(fused=False),
+                 kernel_time_ns=st[3])
+    buf.dispatch(x, handle=fused.handle, kernel_time_ns=st[4])  # a handle outlives its slot's rows
     buf.synchronize()
     got = st.get()
     used, unused = got[:5], got[5]

@@ -58,8 +58,12 @@ def measure(group, buf, barrier, kind: str, x, x_fp8, topk_idx, topk_weights, nu
         "copy_GBps", "dispatch_config", "combine_config"; on the direct
         transport also "kernel_us" and "kernel_p90_us" (the slowest rank's
         median and p90 of its kernel's first block start to last block end,
-        the kernel_time_ns stamps of the timed calls) and "kernel_efficiency"
-        (the efficiency at "kernel_us").
+        the kernel_time_ns stamps of the timed calls), and, when every rank
+        is on one GPU (one %globaltimer), "kernel_span_us" (median over calls
+        of the first rank's first block start to the last rank's last block
+        end: the time in which all ranks' bytes moved) and "kernel_skew_us"
+        (the last rank's start after the first's); "kernel_efficiency" is the
+        efficiency at "kernel_span_us" when there is one, else at "kernel_us".
     """
     import numpy as np
     from mpi4py import MPI
@@ -131,11 +135,18 @@ def measure(group, buf, barrier, kind: str, x, x_fp8, topk_idx, topk_weights, nu
     total = comm.allreduce(recv_bytes)
     kernel = {}
     if stamps is not None:
-        from .stamps import kernel_seconds
-        k = kernel_seconds(stamps[used[0] - iters:used[0]].get())
+        from .stamps import cross_rank, kernel_seconds, one_timer
+        mine = stamps[used[0] - iters:used[0]].get()
+        k = kernel_seconds(mine)
         k_med = comm.allreduce(float(np.median(k)), op=MPI.MAX)
-        kernel = {"kernel_us": k_med * 1e6, "kernel_p90_us": slowest(float(np.percentile(k, 90))),
-                  "kernel_efficiency": 2 * total / copy_bw / k_med if copy_bw else None}
+        kernel = {"kernel_us": k_med * 1e6, "kernel_p90_us": slowest(float(np.percentile(k, 90)))}
+        clock = k_med
+        if one_timer(group):
+            every = cross_rank(np.stack(comm.allgather(mine)))
+            kernel["kernel_span_us"] = every["span"]["median_us"]
+            kernel["kernel_skew_us"] = every["skew"]["median_us"]
+            clock = kernel["kernel_span_us"] * 1e-6
+        kernel["kernel_efficiency"] = 2 * total / copy_bw / clock if copy_bw else None
     return {"bench": "normal", "kind": kind if transport == "queue" else f"{kind}_direct", "transport": transport,
             "timing": timing, "ranks": R, "tokens": T, "hidden": H, "topk": int(topk_idx.shape[1]),
             "experts": num_experts, "time_us": t_max * 1e6, "p10_us": slowest(t.p10_s), "p90_us": slowest(t.p90_s),
