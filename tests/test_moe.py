@@ -328,7 +328,7 @@ class _HostBuffer:
         bound.apply_defaults()
         a = bound.arguments
         self.calls.append(("dispatch", {k: a[k] for k in ("expert_major", "expert_alignment", "transport",
-                                                          "validate")}))
+                                                          "validate", "config")}))
         assert a["expert_major"] and a["num_experts"] == self.world.E and a["handle"] is None
         assert a["x"].dtype == np.uint16 and a["topk_idx"].dtype == np.int64 and a["topk_weights"].dtype == np.float32
         A, E_local = a["expert_alignment"], self.world.E // self.world.R
@@ -359,7 +359,7 @@ class _HostBuffer:
         bound = inspect.signature(Buffer.combine).bind(self, *args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
-        self.calls.append(("combine", {k: a[k] for k in ("expert_major", "zero_copy")}))
+        self.calls.append(("combine", {k: a[k] for k in ("expert_major", "zero_copy", "config")}))
         y, handle = a["x"], a["handle"]
         r, lay = self.world.layouts[self.rank]
         assert a["expert_major"] and handle.rank == self.rank and a["topk_weights"] is None
@@ -402,13 +402,27 @@ def test_layer_forward_over_a_host_buffer(weights, transport, tokens, alignment)
         diff, worst = moe.agreement(got, want)
         assert diff < bound and worst < moe.MOE_TOKEN_BOUND, (diff, worst)
     assert bufs[0].calls == [("dispatch", {"expert_major": True, "expert_alignment": alignment, "transport": transport,
-                                           "validate": False}),
-                             ("combine", {"expert_major": True, "zero_copy": transport == "direct"})]
+                                           "validate": False, "config": None}),
+                             ("combine", {"expert_major": True, "zero_copy": transport == "direct", "config": None})]
     # the direct transport within a node combines zero-copy by default; the queue route has no such combine
     assert [layer.zero_copy for layer in layers] == [transport == "direct"] * R
     if transport == "queue":
         with pytest.raises(ValueError, match="zero_copy=True needs the direct transport"):
             _HostLayer(bufs[0], weights, K, transport=transport, zero_copy=True)
+
+
+def test_layer_passes_its_configs_to_dispatch_and_combine(weights):
+    """MoELayer(dispatch_config=..., combine_config=...) reaches both calls
+    unchanged (here the direct route's few-block config)."""
+    from cupyep.normal.direct_kernels import DirectConfig
+    R = 2
+    world = _World(R, E)
+    bufs = [_HostBuffer(world, r) for r in range(R)]
+    cfg = DirectConfig(num_sms=4)
+    layers = [_HostLayer(b, weights, K, transport="direct", dispatch_config=cfg, combine_config=cfg) for b in bufs]
+    xs = _tokens(32, [24, 24])
+    world.run(lambda r: layers[r].forward(xs[r]))
+    assert [c["config"] for _, c in bufs[0].calls] == [cfg, cfg]
 
 
 def test_layer_rejects_bad_arguments(weights):

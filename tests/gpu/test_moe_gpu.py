@@ -52,6 +52,11 @@ def layers(group, buf, weights):
     zero-copy within a node; "direct push" is its pushing combine)."""
     out = {t: moe.MoELayer(buf, weights, NUM_TOPK, transport=t) for t in TRANSPORTS}
     out["direct push"] = moe.MoELayer(buf, weights, NUM_TOPK, transport="direct", zero_copy=False)
+    if group.num_nodes == 1:  # 4 blocks per rank: the rows move by bulk copies
+        from cupyep.normal.direct_kernels import DirectConfig
+        few = DirectConfig(num_sms=4)
+        out["direct 4 blocks"] = moe.MoELayer(buf, weights, NUM_TOPK, transport="direct", dispatch_config=few,
+                                              combine_config=few)
     group.comm.Barrier()
     return out
 
@@ -110,6 +115,8 @@ def test_moe_layer_is_deterministic_and_transport_independent(group, layers):
     same = {t: np.array_equal(a, b) for t, (a, b) in runs.items()}
     same["queue == direct"] = np.array_equal(runs["queue"][0], runs["direct"][0])
     same["direct == direct push"] = np.array_equal(runs["direct"][0], runs["direct push"][0])
+    if "direct 4 blocks" in runs:
+        same["direct == direct 4 blocks"] = np.array_equal(runs["direct"][0], runs["direct 4 blocks"][0])
     same["zero-copy where the route has it"] = layers["direct"].zero_copy == (group.num_nodes == 1)
     assert all_ranks(group.comm, all(same.values())), {k: v for k, v in same.items() if not v}
     group.comm.Barrier()
