@@ -166,6 +166,9 @@ __device__ __forceinline__ void direct_dispatch_body(const DirectDispatchArgs& a
         s_row0[threadIdx.x] = a.rank > 0 ? a.rank_prefix_matrix[(a.rank - 1) * R + threadIdx.x] : 0;
         s_sent[threadIdx.x] = 0;
     }
+    // In the fused kernel the bulk stages reuse the shared memory the notify and position passes
+    // wrote: every thread orders its own generic accesses before the async proxy's writes.
+    if (a.bulk_stage > 0) fence_proxy_async_shared();
     __syncthreads();  // (in the fused kernel, also: the shared memory the notify block used is free)
     const int64_t epoch = s_epoch;
     BulkPipe pipe;
