@@ -47,12 +47,6 @@ def test_direct_configs_and_refusals():
         G._configs(FakeBuffer(), _cfg(transport="direct", queue_depth=64))
     with pytest.raises(experiments.Skip, match="direct transport"):
         G._configs(FakeBuffer(), _cfg(fused=False))
-    d, _ = G._configs(FakeBuffer(), _cfg(transport="direct", num_sms=4, bulk_stage_bytes=0))
-    assert d == DirectConfig(num_sms=4, bulk_stage_bytes=0)  # warp copies where the default is bulk
-    d, _ = G._configs(FakeBuffer(), _cfg(transport="direct", bulk_stage_bytes=4096))
-    assert d.bulk_stage_bytes == 4096
-    with pytest.raises(experiments.Skip, match="bulk_stage_bytes is a knob of the direct transport"):
-        G._configs(FakeBuffer(), _cfg(bulk_stage_bytes=4096))
     with pytest.raises(experiments.Skip, match="needs the direct transport"):
         G.run(None, _cfg(kind="combine_bf16_zero_copy"))
     with pytest.raises(experiments.Skip, match="transport must be"):

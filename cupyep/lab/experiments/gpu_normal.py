@@ -11,10 +11,7 @@ Knobs (defaults: the benchmark's shape, the library's default configs):
   parameters, and ``drop_fraction``), ``seed``;
 - the queue transport's config: ``num_sms``, ``queue_depth``,
   ``chunk_size``, ``num_threads``, ``l2_hints`` (0 / -1: the tuned default);
-  the direct transport's: ``num_sms``, ``num_threads``, ``fused`` and
-  ``bulk_stage_bytes`` (-1: the library's default, bulk copies at most 8
-  blocks per rank; 0: warp copies; > 0: bulk copies through stages of this
-  many bytes).
+  the direct transport's: ``num_sms``, ``num_threads`` and ``fused``.
 
 Metrics: the record of cupyep.lab.bench.normal.measure without its knob-like
 fields ("time_us" and p10/p90/p99, "rank_GBps", "efficiency" against the
@@ -37,8 +34,7 @@ from ...routing import KINDS as ROUTING_KINDS
 
 KNOBS = {"transport": "queue", "kind": "dispatch_bf16", "timing": "strict", "tokens": 4096, "hidden": 7168,
          "topk": 8, "experts": 256, "routing": "uniform", "routing_params": {}, "seed": 0, "num_sms": 0,
-         "queue_depth": 0, "chunk_size": 0, "num_threads": 0, "l2_hints": -1, "fused": True, "bulk_stage_bytes": -1,
-         "iters": 20}
+         "queue_depth": 0, "chunk_size": 0, "num_threads": 0, "l2_hints": -1, "fused": True, "iters": 20}
 QUEUE_ONLY = ("queue_depth", "chunk_size", "l2_hints")
 # Kinds whose call runs the notify pass: their records also carry its device time (cupyep.lab.metrics).
 NOTIFY_KINDS = ("dispatch_bf16_notify", "dispatch_bf16_notify_unfused", "dispatch_bf16_expert_major",
@@ -71,15 +67,12 @@ def _configs(buf, cfg: dict):
     if cfg["transport"] == "direct":
         if any(cfg[k] not in (0, -1) for k in QUEUE_ONLY):
             raise Skip(f"{', '.join(QUEUE_ONLY)} are knobs of the queue transport")
-        bulk = cfg["bulk_stage_bytes"]
-        d = DirectConfig(num_sms=cfg["num_sms"], fused=bool(cfg["fused"]), bulk_stage_bytes=None if bulk < 0 else bulk)
+        d = DirectConfig(num_sms=cfg["num_sms"], fused=bool(cfg["fused"]))
         if cfg["num_threads"]:
             d = replace(d, num_threads=cfg["num_threads"])
         return d, None
     if not cfg["fused"]:
         raise Skip("fused=false is a knob of the direct transport (the queue's notify is its own launch)")
-    if cfg["bulk_stage_bytes"] != -1:
-        raise Skip("bulk_stage_bytes is a knob of the direct transport")
     out = []
     for base in (buf.default_dispatch_config(fp8=cfg["kind"] == "dispatch_fp8"), buf.default_combine_config()):
         over = {k: cfg[k] for k in ("num_sms", "queue_depth", "chunk_size", "num_threads") if cfg[k]}
