@@ -60,3 +60,42 @@ def test_measure_rejects_bad_kinds_before_anything_runs():
         BN.measure(None, None, None, "dispatch_bf16_notify_unfused", None, None, None, None, 256, None)
     with pytest.raises(ValueError, match="timing must be"):
         BN.measure(None, None, None, "dispatch_bf16", None, None, None, None, 256, None, timing="loose")
+
+
+def _bench_normal():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "experiments" / "bench_normal.py"
+    spec = importlib.util.spec_from_file_location("bench_normal", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_blocks_table_takes_medians_and_ranges_over_runs(tmp_path):
+    """bench_normal --blocks-table: per (ranks, kind, bulk stage, threads,
+    blocks) the median and [min, max] over the files, on both clocks (the
+    span when a record has one); unswept and queue records are left out."""
+    import json
+    bench = _bench_normal()
+
+    def rec(t, f, kt=None, kf=None, bulk=None, sweep=True, transport="direct"):
+        r = {"bench": "normal", "kind": "dispatch_bf16_direct", "transport": transport, "ranks": 2,
+             "time_us": t, "of_copy_same_sms": f, "sweep": sweep,
+             "dispatch_config": {"num_sms": 6, "num_threads": 512, "bulk_stage_bytes": bulk}}
+        if kt is not None:
+            r.update(kernel_us=kt + 50, kernel_span_us=kt, of_copy_same_sms_kernel=kf)
+        return r
+    paths = []
+    for i, (t, f, kt, kf) in enumerate(((474, 0.891, 403, 1.048), (476, 0.887, 404, 1.046), (472, 0.893, 403, 1.05))):
+        p = tmp_path / f"run{i}.jsonl"
+        p.write_text("\n".join(json.dumps(r) for r in (
+            rec(t, f, kt, kf, bulk=7168), rec(500 + i, 0.82, bulk=0), rec(1, 1, sweep=False),
+            rec(2, 2, transport="queue"))) + "\n")
+        paths.append(str(p))
+    lines = bench.blocks_table(paths).splitlines()
+    assert len(lines) == 4  # header, rule, the warp-copy row and the bulk row
+    warp, bulk = lines[2], lines[3]
+    assert warp.startswith("| 2 | dispatch_bf16_direct | 0 | 512 | 6 | 3 | 501 [500, 502] | 0.820 [0.820, 0.820] | - | - |")
+    assert bulk == ("| 2 | dispatch_bf16_direct | 7168 | 512 | 6 | 3 | 474 [472, 476] | 0.891 [0.887, 0.893] | "
+                    "403 [403, 404] | 1.048 [1.046, 1.050] |")
