@@ -47,6 +47,9 @@ decode order) are a round of their own. Record: "mode", "transport",
 direct transport within a node, or "push"; --combines), "tokens", "hidden", "ffn", "serial_us", "overlapped_us",
 "speedup" (serial / overlapped), "parts" (medians, us), "comm_us" and
 "compute_us" (their sums), "ideal_us" = max(comm_us, compute_us),
+"exposed_us" = overlapped_us - compute_us (the communication the overlap did
+not hide behind the FFN), "ffn_sms" (normal mode: the GPU's SMs less every
+rank's communication blocks on it, the rank's share when num_sms is 0),
 "pipeline_us" (normal mode: what this two-lane schedule takes at the parts'
 times, dispatch A + max(FFN A, dispatch B) + max(combine A, FFN B) +
 combine B; :func:`simulate`), "bitwise_equal", "env" (cupyep.lab.bench.report).
@@ -270,11 +273,18 @@ def simulate(steps, durations: dict) -> float:
     return max(end.values(), default=0.0)
 
 
+def ffn_sms(device_sms: int, ranks_per_gpu: int, comm_blocks: int) -> int:
+    """SMs the FFN has while the communication kernels run: the GPU's less
+    every rank's ``comm_blocks`` on it (a block per SM), at least 0."""
+    return max(0, int(device_sms) - int(ranks_per_gpu) * int(comm_blocks))
+
+
 def summarize(mode: str, parts_us: dict, serial_us: float, overlapped_us: float) -> dict:
     """The record's figures from the measured medians (us)."""
     comm, compute = lane_sums(parts_us)
     out = {"serial_us": serial_us, "overlapped_us": overlapped_us, "speedup": serial_us / overlapped_us,
            "parts": dict(parts_us), "comm_us": comm, "compute_us": compute, "ideal_us": max(comm, compute),
+           "exposed_us": overlapped_us - compute,
            "ideal_speedup": serial_us / max(comm, compute) if max(comm, compute) > 0 else None}
     if mode == "normal":
         dur = {(op, m): parts_us[f"{op}_{m}"] for op in OPS["normal"] for m in MICRO_BATCHES}
@@ -593,12 +603,14 @@ def run_normal(group, args, out, barrier) -> None:
     try:
         mbs = micro_batches(x, topk_idx, topk_w, bufs, T)
         budget = bufs["a"].sm_budget
+        device_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         for F in args.ffn:
             w1, w2 = local_weights(group.local_rank, R, args.hidden, F, args.experts)
             for transport, sms, zero_copy in normal_arms(args, transport_has_zero_copy(bufs["a"])):
                 dcfg, ccfg = normal_configs(bufs["a"], transport, sms)
                 rec = {**base_record(group, args, "normal", T, F), "transport": transport, "comm_sms": sms,
                        "num_sms": dcfg.num_sms, "expert_alignment": args.alignment,
+                       "ffn_sms": ffn_sms(device_sms, group.ranks_per_gpu, dcfg.num_sms or budget),
                        "combine": "zero_copy" if zero_copy else "push",
                        "dispatch_config": asdict(dcfg), "combine_config": asdict(ccfg)}
                 problem = comm_sms_problem(transport, sms)

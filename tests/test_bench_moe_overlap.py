@@ -159,6 +159,8 @@ def test_summarize():
     assert s["speedup"] == pytest.approx(14.0 / 11.0) and s["ideal_us"] == 9.0
     assert (s["comm_us"], s["compute_us"]) == (5.0, 9.0) and s["pipeline_us"] == pytest.approx(10.5)
     assert s["parts"] == PARTS and s["ideal_speedup"] == pytest.approx(14.0 / 9.0)
+    assert s["exposed_us"] == pytest.approx(11.0 - 9.0)
+    assert B.ffn_sms(132, 8, 4) == 100 and B.ffn_sms(132, 8, 16) == 4 and B.ffn_sms(132, 8, 17) == 0
     ll = B.summarize("low_latency", PARTS, 14.0, 12.0)
     assert "pipeline_us" not in ll and ll["speedup"] == pytest.approx(14.0 / 12.0)
 
