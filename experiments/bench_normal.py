@@ -81,7 +81,10 @@ def blocks_table(paths) -> str:
         if any(v is None for v in values):
             return "-"
         return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}, {max(values):.{digits}f}]"
-    for (R, kind, bulk, sms, threads), v in sorted(points.items(), key=lambda kv: tuple(map(str, kv[0][:3])) + kv[0][3:]):
+    def order(item):  # ranks, kind and stage as text ("default" among numbers), then blocks and threads
+        key = item[0]
+        return tuple(map(str, key[:3])) + key[3:]
+    for (R, kind, bulk, sms, threads), v in sorted(points.items(), key=order):
         t, f, kt, kf = (list(c) for c in zip(*v))
         lines.append(f"| {R} | {kind} | {bulk} | {threads} | {sms} | {len(v)} | {cell(t, 0)} | {cell(f, 3)} | "
                      f"{cell(kt, 0)} | {cell(kf, 3)} |")

@@ -297,8 +297,7 @@ class Buffer:
             EM.check_expert_major_request(topk_idx, expert_alignment)
         for name, value in (("notify_time_ns", notify_time_ns), ("queue_occupancy", queue_occupancy),
                             ("kernel_time_ns", kernel_time_ns)):
-            if value is not None and name not in route.metrics:
-                raise ValueError(f"{name} is a metric the {route.name} route does not fill")
+            _check_metric(route, name, value)
         if notify_time_ns is not None:
             notify_time_ns = check(as_cupy(notify_time_ns, "notify_time_ns"), "notify_time_ns", np.int64, shape=(2,))
         kernel_time_ns = _kernel_time(kernel_time_ns)
@@ -382,8 +381,7 @@ class Buffer:
         if zero_copy and not route.zero_copy:
             raise ValueError(f"zero_copy needs a handle of the direct transport within a node, not of the "
                              f"{route.name} route")
-        if kernel_time_ns is not None and "kernel_time_ns" not in route.metrics:
-            raise ValueError(f"kernel_time_ns is a metric the {route.name} route does not fill")
+        _check_metric(route, "kernel_time_ns", kernel_time_ns)
         kernel_time_ns = _kernel_time(kernel_time_ns)
         cfg = route.combine_config(config, handle)
         call = CombineCall(x, handle, topk_weights, row_weights, pair_weights, em, bool(zero_copy), cfg,
@@ -445,6 +443,12 @@ def _capturing() -> bool:
     """Whether the current stream is capturing a CUDA graph (nothing may wait for the device then)."""
     import cupy
     return cupy.cuda.get_current_stream().is_capturing()
+
+
+def _check_metric(route, name: str, value) -> None:
+    """ValueError when a metric array is given to a route that does not fill it."""
+    if value is not None and name not in route.metrics:
+        raise ValueError(f"{name} is a metric the {route.name} route does not fill")
 
 
 def _kernel_time(kernel_time_ns):

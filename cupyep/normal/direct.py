@@ -282,8 +282,9 @@ class DirectRoute(NodeRoute):
     def combine(self, call: CombineCall):
         import cupy
         node, cfg, handle = self.node, call.config, call.handle
+        stage = 0 if call.zero_copy else cfg.bulk_stage()  # a zero-copy combine pushes no rows
         fn = self._kernel(D.combine_spec(node.num_ranks, cfg.num_threads), cfg, "direct combine",
-                          0 if call.zero_copy else cfg.bulk_shared_bytes())
+                          D.bulk_shared_bytes(stage, cfg.num_threads))
         T, H, k = handle.num_tokens, call.x.shape[1], call.num_topk
         N = handle.num_worst_tokens or handle.num_recv_tokens
         reduced = None
@@ -296,7 +297,7 @@ class DirectRoute(NodeRoute):
         blocks = cfg.num_sms or D.default_num_sms(node.sm_budget, max(N, T), cfg.num_threads)
         D.launch_combine(fn, blocks, cfg.num_threads, self.pools, handle, x, call.row_weights, call.topk_weights,
                          combined, combined_w, call.zero_copy, node.rank, node.group.guard("direct_combine"),
-                         cfg.bulk_stage(), call.kernel_time_ns)
+                         stage, call.kernel_time_ns)
         return CombineResult(combined, combined_w, None, None if call.zero_copy else reduced)
 
     def destroy(self) -> None:

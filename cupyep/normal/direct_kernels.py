@@ -59,8 +59,9 @@ DISPATCH_ARGS_DTYPE = jit.struct_dtype([
     ("pools", u64), ("syncs", u64), ("sync", SYNC_DTYPE), ("out", RECV_LAYOUT_DTYPE), ("x", u64),
     ("x_scales", u64), ("topk_idx", u64), ("topk_weights", u64), ("send_list", u64),
     ("send_channel_prefix", u64), ("rank_prefix_matrix", u64), ("recv_rank_offset", u64), ("state", u64),
-    ("kernel_time", u64), ("expand", EXPAND_DTYPE), ("num_tokens", i32), ("num_scales", i32), ("num_topk", i32), ("num_local_experts", i32),
-    ("num_channels", i32), ("capacity", i32), ("rank", i32), ("bulk_stage", i32), ("guard", GUARD_DTYPE)])
+    ("kernel_time", u64), ("expand", EXPAND_DTYPE), ("num_tokens", i32), ("num_scales", i32), ("num_topk", i32),
+    ("num_local_experts", i32), ("num_channels", i32), ("capacity", i32), ("rank", i32), ("bulk_stage", i32),
+    ("guard", GUARD_DTYPE)])
 FUSED_ARGS_DTYPE = jit.struct_dtype([
     ("notify", NOTIFY_ARGS_DTYPE), ("dispatch", DISPATCH_ARGS_DTYPE), ("layout_guard", GUARD_DTYPE),
     ("host_status", u64)])
@@ -164,7 +165,7 @@ class DirectConfig:
             raise ValueError(f"bulk_stage_bytes={self.bulk_stage_bytes} needs {self.bulk_shared_bytes()} bytes of "
                              f"shared memory a block at num_threads={self.num_threads} (2 stages per warp); a block "
                              f"has at most {MAX_SHARED_BYTES}: use bulk_stage_bytes <= "
-                             f"{MAX_SHARED_BYTES // (2 * (self.num_threads // 32)) // 16 * 16}")
+                             f"{largest_bulk_stage(self.num_threads)}")
         return self
 
     def bulk_stage(self, num_blocks: int | None = None) -> int:
@@ -177,7 +178,7 @@ class DirectConfig:
         blocks = self.num_sms if num_blocks is None else num_blocks
         if not 0 < blocks <= BULK_MAX_BLOCKS:
             return 0
-        return min(BULK_STAGE_BYTES, MAX_SHARED_BYTES // (2 * max(1, self.num_threads // 32)) // 16 * 16)
+        return min(BULK_STAGE_BYTES, largest_bulk_stage(self.num_threads))
 
     def resolved(self, sm_budget: int) -> "DirectConfig":
         """This config with bulk_stage_bytes decided for a rank whose calls
@@ -188,7 +189,18 @@ class DirectConfig:
 
     def bulk_shared_bytes(self) -> int:
         """Dynamic shared memory the bulk stages of a block take (0 without them)."""
-        return 2 * self.bulk_stage() * (self.num_threads // 32)
+        return bulk_shared_bytes(self.bulk_stage(), self.num_threads)
+
+
+def bulk_shared_bytes(stage_bytes: int, num_threads: int) -> int:
+    """Dynamic shared memory of a block's bulk stages: two of ``stage_bytes`` per warp."""
+    return 2 * stage_bytes * (num_threads // 32)
+
+
+def largest_bulk_stage(num_threads: int) -> int:
+    """The largest bulk stage (a multiple of 16 bytes) whose two stages per
+    warp fit a block of ``num_threads`` in MAX_SHARED_BYTES."""
+    return MAX_SHARED_BYTES // (2 * max(1, num_threads // 32)) // 16 * 16
 
 
 def default_num_sms(sm_budget: int, num_rows: int, num_threads: int = THREADS) -> int:
@@ -526,8 +538,8 @@ def launch_combine(fn, num_blocks: int, num_threads: int, pools: DirectPools, ha
     """The direct combine: each expert rank pushes its rows (zero-copy: only
     their weights) into the owners' partial rows, each owner reduces them in
     rank order into combined [T, H] (and combined_w [T, k]); ``bulk_stage``:
-    DirectConfig.bulk_stage_bytes (unused by a zero-copy combine); ``kernel_time``:
-    int64 [2] kernel stamps or None."""
+    the pushed rows' bulk stage (DirectConfig.bulk_stage; 0 for a zero-copy
+    combine, which pushes no rows); ``kernel_time``: int64 [2] kernel stamps or None."""
     T, H = combined.shape
     k = topk_weights.shape[1] if topk_weights is not None else 0
     if zero_copy:
@@ -546,7 +558,6 @@ def launch_combine(fn, num_blocks: int, num_threads: int, pools: DirectPools, ha
         send_channel_prefix=jit.ptr(handle.send_channel_prefix), combined_x=jit.ptr(combined),
         combined_topk_weights=jit.ptr(combined_w), state=jit.ptr(pools.state), kernel_time=jit.ptr(kernel_time),
         num_tokens=T, x_int4=H * 2 // 16,
-        num_topk=k, num_channels=handle.num_channels, rank=rank, bulk_stage=0 if zero_copy else bulk_stage,
-        guard=guard)
-    smem = 0 if zero_copy else 2 * bulk_stage * (num_threads // 32)
+        num_topk=k, num_channels=handle.num_channels, rank=rank, bulk_stage=bulk_stage, guard=guard)
+    smem = bulk_shared_bytes(bulk_stage, num_threads)
     with_shared(fn, smem)((num_blocks,), (num_threads,), (args,), shared_mem=smem)

@@ -87,12 +87,11 @@ def measure(group, buf, barrier, kind: str, x, x_fp8, topk_idx, topk_weights, nu
         from .stamps import new_kernel_stamps
         stamps = new_kernel_stamps(iters + 16)  # the timed calls are the last iters rows used
 
-    def kt() -> dict:
+    def kt() -> dict:  # a fresh row per call (an IndexError rather than a row stamped twice)
         if stamps is None:
             return {}
-        i = min(used[0], stamps.shape[0] - 1)
         used[0] += 1
-        return {"kernel_time_ns": stamps[i]}
+        return {"kernel_time_ns": stamps[used[0] - 1]}
     n = first.recv_x.shape[0]
     row = 2 * H
     if kind == "dispatch_bf16":
