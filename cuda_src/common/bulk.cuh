@@ -98,7 +98,7 @@ struct BulkPipe {
         __syncwarp();
     }
 
-    // Store the pending piece (its load must be the latest issued).
+    // Store the pending piece, number pieces - 1 (later loads may be in flight, not yet counted).
     __device__ __forceinline__ void store_pending() {
         const uint32_t n = pieces - 1, s = n & 1;
         mbar_wait(bar + s, (n >> 1) & 1);
@@ -118,12 +118,7 @@ struct BulkPipe {
             if (pieces >= 2) bulk_wait_read_all();
             mbar_arrive_expect_tx(bar + s, nb);
             bulk_load(stage + s * stage_bytes, static_cast<const char*>(src) + off, nb, bar + s);
-            if (pending_dst) {  // the previous piece's load was issued before this one: store it meanwhile
-                const uint32_t p = pieces - 1, ps = p & 1;
-                mbar_wait(bar + ps, (p >> 1) & 1);
-                bulk_store(pending_dst, stage + ps * stage_bytes, pending_bytes);
-                bulk_commit();
-            }
+            if (pending_dst) store_pending();  // the previous piece, while this one loads
             ++pieces;
             pending_dst = static_cast<char*>(dst) + off;
             pending_bytes = nb;
