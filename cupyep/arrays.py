@@ -86,23 +86,22 @@ def torch_view(t, name: str):
     return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0), strides)
 
 
-def carve(shapes: dict, dtype=np.int32, zero: bool = False) -> dict:
-    """Arrays of ``dtype`` for ``shapes`` ({name: shape}) in one device
-    allocation (each 16-element aligned), zeroed by one memset on the
-    current stream when ``zero``. Returns {name: cupy array}; each keeps the
-    allocation alive."""
+def carve(shapes: dict, dtype=np.int32, zero: bool = False, dtypes: dict | None = None) -> dict:
+    """Arrays for ``shapes`` ({name: shape}) in one device allocation, each
+    64-byte aligned: of ``dtype``, or of ``dtypes[name]`` where given; zeroed
+    by one memset on the current stream when ``zero``. Returns {name: cupy
+    array}; each keeps the allocation alive."""
     import cupy
-    dtype = np.dtype(dtype)
-    sizes = {name: math.prod(shape) for name, shape in shapes.items()}
-    total = sum(-(-n // 16) * 16 for n in sizes.values())
-    base = cupy.empty(max(total, 1), dtype=dtype)
+    offsets, end = {}, 0
+    for name, shape in shapes.items():
+        dt = np.dtype(dtypes.get(name, dtype) if dtypes else dtype)
+        offsets[name] = (end, dt)
+        end += -(-math.prod(shape) * dt.itemsize // 64) * 64
+    base = cupy.empty(max(end, 1), dtype=np.uint8)
     if zero:
         cupy.cuda.runtime.memsetAsync(base.data.ptr, 0, base.nbytes, cupy.cuda.get_current_stream().ptr)
-    out, off = {}, 0
-    for name, shape in shapes.items():
-        out[name] = cupy.ndarray(shape, dtype, base.data + off * dtype.itemsize)
-        off += -(-sizes[name] // 16) * 16
-    return out
+    mem = base.data
+    return {name: cupy.ndarray(shapes[name], dt, mem + off) for name, (off, dt) in offsets.items()}
 
 
 def copy(a):

@@ -123,47 +123,55 @@ _STRUCT_CODES = {"i1": "b", "u1": "B", "b1": "?", "i2": "h", "u2": "H", "i4": "i
                  "f4": "f", "f8": "d"}
 
 
-class _Packer:
-    """How :func:`pack` writes one struct dtype: a little-endian ``struct``
-    format with the dtype's padding, and per field its default."""
+def _packer(dtype: np.dtype):
+    """How :func:`pack` writes one struct dtype: a generated function of the
+    keyword dict that reads every field in one ``struct.pack`` call of a
+    little-endian format with the dtype's padding (no per-field Python loop:
+    launches pack their arguments on the host's critical path)."""
+    import struct
+    fmt, exprs, consts, end = ["<"], [], {}, 0
+    for i, (name, (ft, offset)) in enumerate(sorted(dtype.fields.items(), key=lambda kv: kv[1][1])):
+        if offset > end:
+            fmt.append(f"{offset - end}x")
+        if ft.fields:  # a nested struct: its bytes (zeros by default)
+            fmt.append(f"{ft.itemsize}s")
+            consts[f"_t{i}"], consts[f"_z{i}"] = ft, bytes(ft.itemsize)
+            exprs.append(f"_nested(g({name!r}, _z{i}), _t{i})")
+        else:
+            code = _STRUCT_CODES.get(f"{ft.kind}{ft.itemsize}")
+            if code is None or ft.subdtype is not None:
+                raise TypeError(f"pack cannot write field {name!r} of type {ft}")
+            fmt.append(code)
+            exprs.append(f"g({name!r}, 0)")
+        end = offset + ft.itemsize
+    if dtype.itemsize > end:
+        fmt.append(f"{dtype.itemsize - end}x")
+    names = frozenset(dtype.fields)
 
-    def __init__(self, dtype: np.dtype):
-        import struct
-        fmt, fields, end = ["<"], [], 0
-        for name, (ft, offset) in sorted(dtype.fields.items(), key=lambda kv: kv[1][1]):
-            if offset > end:
-                fmt.append(f"{offset - end}x")
-            if ft.fields:  # a nested struct: its bytes
-                fmt.append(f"{ft.itemsize}s")
-                fields.append((name, ft, bytes(ft.itemsize)))
-            else:
-                code = _STRUCT_CODES.get(f"{ft.kind}{ft.itemsize}")
-                if code is None or ft.subdtype is not None:
-                    raise TypeError(f"pack cannot write field {name!r} of type {ft}")
-                fmt.append(code)
-                fields.append((name, None, 0))
-            end = offset + ft.itemsize
-        if dtype.itemsize > end:
-            fmt.append(f"{dtype.itemsize - end}x")
-        self.struct = struct.Struct("".join(fmt))
-        self.fields = fields
-        self.names = frozenset(n for n, _, _ in fields)
-        self.dtype = dtype
-
-    def __call__(self, values: dict) -> np.void:
-        if not self.names.issuperset(values):
-            raise ValueError(f"{self.dtype} has no field(s) {sorted(set(values) - self.names)}")
-        args = []
-        for name, nested, default in self.fields:
-            v = values.get(name, default)
-            if nested is not None and not isinstance(v, bytes):
-                v = v.tobytes() if isinstance(v, np.void) and v.dtype == nested else \
-                    np.asarray(v, dtype=nested).tobytes()
-            args.append(v)
-        return np.frombuffer(self.struct.pack(*args), dtype=self.dtype)[0]
+    def unknown(values: dict):
+        raise ValueError(f"{dtype} has no field(s) {sorted(set(values) - names)}")
+    env = dict(consts, _pack=struct.Struct("".join(fmt)).pack, _frombuffer=np.frombuffer, _dtype=dtype,
+               _names=names, _nested=_nested_bytes, _unknown=unknown)
+    src = (f"def packed(values):\n"
+           f"    if not _names.issuperset(values):\n"
+           f"        _unknown(values)\n"
+           f"    g = values.get\n"
+           f"    return _frombuffer(_pack({', '.join(exprs)}), _dtype)[0]\n")
+    exec(compile(src, f"<pack {dtype}>", "exec"), env)
+    return env["packed"]
 
 
-_packers: dict[np.dtype, _Packer] = {}
+def _nested_bytes(v, dtype: np.dtype) -> bytes:
+    """A nested struct field's bytes: bytes as given, an np.void of ``dtype``
+    as its bytes, anything else converted to ``dtype``."""
+    if isinstance(v, bytes):
+        return v
+    if isinstance(v, np.void) and (v.dtype is dtype or v.dtype == dtype):
+        return v.tobytes()
+    return np.asarray(v, dtype=dtype).tobytes()
+
+
+_packers: dict = {}  # dtype -> its generated packing function
 
 
 def pack(dtype: np.dtype, **values) -> np.void:
@@ -171,7 +179,7 @@ def pack(dtype: np.dtype, **values) -> np.void:
     fields are zero, nested structs are np.void values of their dtype."""
     packer = _packers.get(dtype)
     if packer is None:
-        packer = _packers[dtype] = _Packer(dtype)
+        packer = _packers[dtype] = _packer(dtype)
     return packer(values)
 
 

@@ -66,6 +66,20 @@ class ExpandTables:
     most_rows: int
 
 
+def evolve(obj, **changes):
+    """A copy of the dataclass ``obj`` (frozen or not, without __slots__ or
+    __post_init__) with ``changes``: ``dataclasses.replace`` without
+    re-running __init__ over every field, for the calls' host path.
+    TypeError for a name that is not a field."""
+    unknown = changes.keys() - obj.__dataclass_fields__.keys()
+    if unknown:
+        raise TypeError(f"{type(obj).__name__} has no field(s) {sorted(unknown)}")
+    new = object.__new__(type(obj))
+    new.__dict__.update(obj.__dict__)
+    new.__dict__.update(changes)
+    return new
+
+
 @dataclass(frozen=True)
 class DispatchHandle:
     """What combine and cached dispatch need from a dispatch (device arrays).

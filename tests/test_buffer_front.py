@@ -209,8 +209,12 @@ def test_configs_of_the_other_transport_are_refused_by_the_real_routes():
     node = SimpleNamespace(num_ranks=R, sm_budget=66)
     q, d = object.__new__(QueueRoute), object.__new__(DirectRoute)
     q.node = d.node = node
+    q._configs, d._configs = {}, {}  # what __init__ makes (the validated configs, per caller's config)
     with pytest.raises(ValueError, match="DirectConfig needs transport='direct'"):
         q.dispatch_config(DirectConfig(), False, None)
     with pytest.raises(ValueError, match="takes a DirectConfig"):
         d.dispatch_config(Config(), False, None)
     assert isinstance(d.dispatch_config(None, False, None), DirectConfig)
+    assert d.dispatch_config(None, False, None) is d.dispatch_config(None, False, None)  # validated once
+    with pytest.raises(ValueError, match="takes a DirectConfig"):  # refused again, not served from the cache
+        d.dispatch_config(Config(), False, None)

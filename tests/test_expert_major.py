@@ -337,6 +337,8 @@ def fake_buffer(monkeypatch):
                            group=_NoLaunch(), layout=_NoLaunch(), buffer=_NoLaunch())
     queue, direct = object.__new__(QueueRoute), object.__new__(DirectRoute)
     queue.node = direct.node = node
+    for route in (queue, direct):  # the caches their __init__ makes
+        route._configs, route._kernels = {}, {}
     buf.routes = {"queue": queue, "direct": direct}
     return buf
 

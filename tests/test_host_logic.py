@@ -560,6 +560,47 @@ def test_pack_sets_fields_and_zeroes_the_rest():
     assert int(nested["guard"]["rank"]) == 3 and int(nested["offset"]) == 128
 
 
+def test_pack_writes_every_field_where_numpy_puts_it():
+    """The generated packer against NumPy's own structured assignment, on
+    the largest argument struct (nested structs, padding, every width)."""
+    from cupyep.normal import direct_kernels as D
+    dt = D.FUSED_ARGS_DTYPE
+    want = np.zeros((), dt)
+    rng = np.random.default_rng(0)
+    values = {}
+    for name in dt.names:
+        ft = dt.fields[name][0]
+        if ft.fields:
+            sub = np.zeros((), ft)
+            for n in ft.names:
+                if ft.fields[n][0].fields:
+                    continue
+                sub[n] = rng.integers(1, 1 << 20)
+            want[name] = sub
+            values[name] = sub[()]
+        else:
+            want[name] = values[name] = int(rng.integers(1, 1 << 30))
+    got = jit.pack(dt, **values)
+    assert got.tobytes() == want.tobytes()
+    assert jit.pack(dt, host_status=7, dispatch=want["dispatch"].tobytes())["dispatch"].tobytes() == \
+        want["dispatch"].tobytes()  # a nested struct given as its bytes
+    with pytest.raises(ValueError, match="no field"):
+        jit.pack(dt, not_a_field=1)
+
+
+def test_evolve_is_dataclasses_replace_on_frozen_handles():
+    import dataclasses
+    from cupyep.results import DispatchHandle, evolve
+    fields = {f.name: None for f in dataclasses.fields(DispatchHandle) if f.default is dataclasses.MISSING}
+    h = DispatchHandle(**{**fields, "num_recv_tokens": 3, "num_tokens": 4})
+    e = evolve(h, num_recv_tokens=5)
+    assert e == dataclasses.replace(h, num_recv_tokens=5) and h.num_recv_tokens == 3 and type(e) is DispatchHandle
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        e.num_tokens = 1
+    with pytest.raises(TypeError, match="no field"):
+        evolve(h, not_a_field=1)
+
+
 # --------------------------------------------------------------------- jit ---
 
 def test_kernel_spec_options():

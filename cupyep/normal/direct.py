@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import jit
 from ..arrays import BF16, copy
-from ..results import (RECEIVE_FIELDS, CombineResult, DispatchHandle, ExpandTables, aligned_expert_counts,
+from ..results import (RECEIVE_FIELDS, CombineResult, DispatchHandle, ExpandTables, aligned_expert_counts, evolve,
                        dispatch_result)
 from . import direct_kernels as D
 from . import expert_major as EM
@@ -44,6 +44,8 @@ class DirectRoute(NodeRoute):
         self.num_in_flight = num_in_flight
         self.slot_bytes = slot_bytes
         self._pools: D.DirectPools | None = None
+        self._configs: dict = {}  # the caller's config -> validated and resolved (every call asks)
+        self._kernels: dict = {}  # (spec, config, shared bytes) -> kernel, its residency checked
 
     @property
     def pools(self) -> D.DirectPools:
@@ -55,7 +57,10 @@ class DirectRoute(NodeRoute):
     def dispatch_config(self, config, fp8: bool, handle) -> D.DirectConfig:
         if config is not None and not isinstance(config, D.DirectConfig):
             raise ValueError(f"the direct transport takes a DirectConfig, got {type(config).__name__}")
-        return (config or D.DirectConfig()).validate().resolved(self.node.sm_budget)
+        cfg = self._configs.get(config)
+        if cfg is None:
+            cfg = self._configs[config] = (config or D.DirectConfig()).validate().resolved(self.node.sm_budget)
+        return cfg
 
     def combine_config(self, config, handle) -> D.DirectConfig:
         if isinstance(config, Config):
@@ -68,10 +73,14 @@ class DirectRoute(NodeRoute):
         once with ``shared_bytes`` of dynamic shared memory (default: the
         config's bulk stages); the default, at most this rank's SM budget,
         always does."""
-        fn = jit.kernel(spec)
-        shared = cfg.bulk_shared_bytes() if shared_bytes is None else shared_bytes
-        self.node.check_resident(D.with_shared(fn, shared), cfg.num_sms or self.node.sm_budget, cfg.num_threads,
-                                 what, step=1, shared_bytes=shared)
+        key = (spec, cfg, shared_bytes)
+        fn = self._kernels.get(key)
+        if fn is None:
+            fn = jit.kernel(spec)
+            shared = cfg.bulk_shared_bytes() if shared_bytes is None else shared_bytes
+            self.node.check_resident(D.with_shared(fn, shared), cfg.num_sms or self.node.sm_budget, cfg.num_threads,
+                                     what, step=1, shared_bytes=shared)
+            self._kernels[key] = fn
         return fn
 
     # ---------------------------------------------------------- dispatch
@@ -131,14 +140,14 @@ class DirectRoute(NodeRoute):
             handle = node.notify(T, H, call.num_experts, *routing, D.notify_channels(R), alignment,
                                  call.num_worst_tokens, transport="direct", notify_time_ns=call.notify_time_ns)
         N = handle.num_worst_tokens or handle.num_recv_tokens
-        rows_sent, m_view, m_need = self._rows(handle, direct_em, k, E_local, alignment)
+        m_view, m_need = self._expert_rows(handle, direct_em, k, E_local, alignment)
         if direct_em and not sent and m_need > lay.em_rows:  # the same verdict on every rank (global counts)
             direct_em, lay, pos, m_view = False, pools.recv_layout(shape, slot), None, 0
         recv_topk_idx = pool.view(lay.topk_idx, (N, k), np.int64) if topk_idx is not None else None
         recv_topk_weights = pool.view(lay.topk_weights, (N, k), np.float32) if call.topk_weights is not None else None
         recv_src_idx = pool.view(lay.src_idx, (N,), np.int32)
         if not sent:  # the send (a fused kernel that sent has sent already)
-            blocks = cfg.num_sms or D.default_num_sms(node.sm_budget, rows_sent, cfg.num_threads)
+            blocks = cfg.num_sms or D.default_num_sms(node.sm_budget, self._rows_sent(handle), cfg.num_threads)
             args = D.send_args(pools, pool, lay, handle, x, call.x_scales, topk_idx, call.topk_weights,
                                call.num_experts, capacity=N, rank=node.rank,
                                guard=node.group.guard("direct_dispatch"), pos=pos,
@@ -148,7 +157,7 @@ class DirectRoute(NodeRoute):
             D.launch_send(fn, blocks, cfg.num_threads, args, cfg.bulk_shared_bytes())
         # The handle owns its routing: the source indices (and the expert-major map) are copied out
         # of the slot, so combine and cached dispatch take it whatever happens to the slot later.
-        handle = replace(handle, recv_src_idx=copy(recv_src_idx), lease=lease)
+        handle = evolve(handle, recv_src_idx=copy(recv_src_idx), lease=lease)
         per_expert = aligned_expert_counts(handle.recv_expert_counts, alignment)
         if direct_em:
             em = EM.ExpertMajorOutput(
@@ -157,7 +166,7 @@ class DirectRoute(NodeRoute):
                 expert_offsets=handle.expand.meta[:E_local + 1],
                 expert_src_row=pool.view(lay.em_src_row, (m_view,), np.int32),
                 recv_expert_row=copy(pool.view(lay.em_recv_row, (N, k), np.int32)), num_expert_rows=m_view)
-            handle = replace(handle, recv_expert_row=em.recv_expert_row, num_expert_rows=m_view)
+            handle = evolve(handle, recv_expert_row=em.recv_expert_row, num_expert_rows=m_view)
             recv_x = recv_scales = None
         else:  # rank-major (and, past the slot's expert-major rows, the layout in arrays of its own)
             recv_x = pool.view(lay.x, (N, H), x.dtype)
@@ -175,24 +184,29 @@ class DirectRoute(NodeRoute):
         result.pooled = None if direct_em else RECEIVE_FIELDS
         return result
 
-    def _rows(self, handle, expert_major: bool, k: int, E_local: int, alignment: int) -> tuple[int, int, int]:
-        """(rows this rank sends, this rank's expert-major rows M_cap, the most
-        expert-major rows any rank lays out) of a dispatch; the expert-major
-        ones are 0 without expert_major. M_cap is exact whenever the handle's
-        counts are on the host (a notified call, or a cached one: the pairs
-        go where the handle's expand tables say, so the handle's counts are
-        this call's), else (worst-token mode) the bound."""
-        N = handle.num_worst_tokens or handle.num_recv_tokens
-        rows_sent = int(handle.counts[self.node.rank].sum()) if handle.counts is not None else \
-            handle.num_tokens * self.node.num_ranks
+    def _rows_sent(self, handle) -> int:
+        """Rows this rank sends in a dispatch on ``handle`` (the bound
+        T * R in worst-token mode, where the counts never reach the host)."""
+        if handle.counts is not None:
+            return int(handle.counts[self.node.rank].sum())
+        return handle.num_tokens * self.node.num_ranks
+
+    def _expert_rows(self, handle, expert_major: bool, k: int, E_local: int, alignment: int) -> tuple[int, int]:
+        """(this rank's expert-major rows M_cap, the most expert-major rows
+        any rank lays out) of a dispatch; both 0 without expert_major. M_cap
+        is exact whenever the handle's counts are on the host (a notified
+        call, or a cached one: the pairs go where the handle's expand tables
+        say, so the handle's counts are this call's), else (worst-token
+        mode) the bound."""
         if not expert_major:
-            return rows_sent, 0, 0
+            return 0, 0
+        N = handle.num_worst_tokens or handle.num_recv_tokens
         if handle.counts is not None:
             m_view = EM.expert_rows_capacity(aligned_expert_counts(handle.recv_expert_counts, alignment), N, k,
                                              E_local, alignment)
-            return rows_sent, m_view, handle.expand.most_rows
+            return m_view, handle.expand.most_rows
         bound = EM.expert_rows_capacity(None, N, k, E_local, alignment)
-        return rows_sent, bound, bound
+        return bound, bound
 
     def _dispatch_fused(self, fn, call: DispatchCall, pool, lay, pos) -> tuple[DispatchHandle, bool]:
         """One launch of the fused kernel (layout + notify + send into ``pool``
@@ -203,14 +217,12 @@ class DirectRoute(NodeRoute):
         (status 2, the same verdict on every rank) and the caller sends
         another way. ``pos``: the [T, k] expert-major positions the kernel
         fills (expert-major dispatch), else None."""
-        import cupy
         node, cfg = self.node, call.config
         R = node.num_ranks
         T, H = call.num_tokens, call.hidden
         C = D.notify_channels(R)
         worst = call.num_worst_tokens > 0
-        in_rank = cupy.empty((T, R), dtype=np.bool_)
-        nargs, arrays = node.notify_args(T, call.num_experts, None, None, in_rank, C, call.expert_alignment,
+        nargs, arrays = node.notify_args(T, call.num_experts, None, None, None, C, call.expert_alignment,
                                          call.num_worst_tokens, "direct", call.notify_time_ns)
         handle = node.notify_handle(arrays, T, H, call.num_experts, C, call.num_worst_tokens, "direct") \
             if worst else None

@@ -244,10 +244,18 @@ class RecvLayout:
                           sh(self.em_src_row), sh(self.em_recv_row), self.em_rows)
 
     def struct(self) -> np.void:
+        return _layout_struct(self)
+
+    def _pack(self) -> np.void:
         return jit.pack(RECV_LAYOUT_DTYPE, x=self.x, x_scales=self.x_scales, topk_idx=self.topk_idx,
                         topk_weights=self.topk_weights, src_idx=self.src_idx, x_bytes=self.x_bytes, rows=self.rows,
                         em_x=self.em_x, em_x_scales=self.em_x_scales, em_src_row=self.em_src_row,
                         em_recv_row=self.em_recv_row, em_rows=self.em_rows)
+
+
+@functools.lru_cache(maxsize=256)  # a slot's layout is packed once (every send packs it)
+def _layout_struct(layout: RecvLayout) -> np.void:
+    return layout._pack()
 
 
 def recv_layout(rows: int, x_bytes: int, num_scales: int, num_topk: int, with_idx: bool,
@@ -415,10 +423,14 @@ class DirectPools:
     def recv_layout(self, shape: tuple, slot: int) -> RecvLayout:
         """The rank-major recv_layout of ``shape`` (x_bytes, num_scales, num_topk,
         with_idx, with_weights) in dispatch slot ``slot``: the most rows the slot holds."""
-        key = ("dispatch", shape)
-        if key not in self._layouts:
-            self._layouts[key] = recv_layout(rows_that_fit(self.slot_bytes, *shape), *shape)
-        return self._layouts[key].at(slot * self.slot_bytes)
+        key = ("dispatch", shape, slot)
+        lay = self._layouts.get(key)
+        if lay is None:
+            base = self._layouts.get(key[:2])
+            if base is None:
+                base = self._layouts[key[:2]] = recv_layout(rows_that_fit(self.slot_bytes, *shape), *shape)
+            lay = self._layouts[key] = base.at(slot * self.slot_bytes)
+        return lay
 
     def expand_layout(self, shape: tuple, slot: int) -> RecvLayout:
         """The expert-major recv_layout of ``shape`` in dispatch slot ``slot``:

@@ -39,11 +39,10 @@ def launch_layout(topk_idx, num_experts: int, num_ranks: int, guard: np.void):
         (num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32,
         is_token_in_rank [T, R] bool), cupy.
     """
-    import cupy
     T, k = topk_idx.shape
-    counts = carve({"per_rank": (num_ranks,), "per_expert": (num_experts,)}, zero=True)
-    per_rank, per_expert = counts["per_rank"], counts["per_expert"]
-    in_rank = cupy.empty((T, num_ranks), dtype=np.bool_)
+    counts = carve({"per_rank": (num_ranks,), "per_expert": (num_experts,), "in_rank": (T, num_ranks)}, zero=True,
+                   dtypes={"in_rank": np.bool_})  # one allocation, one memset (the kernel adds to the counts)
+    per_rank, per_expert, in_rank = counts["per_rank"], counts["per_expert"], counts["in_rank"]
     fn = jit.kernel(layout_spec())
     if T:
         args = jit.pack(LAYOUT_ARGS_DTYPE, topk_idx=jit.ptr(topk_idx), num_tokens_per_rank=jit.ptr(per_rank),

@@ -5,14 +5,13 @@ passes that make a handle, and the expert-major layout of received rows.
 """
 from __future__ import annotations
 
-from dataclasses import replace
 
 import numpy as np
 
 from .. import jit
 from ..arrays import as_cupy, carve, check
 from ..ipc import SymmetricBuffer
-from ..results import DispatchHandle, ExpandTables, LayoutResult
+from ..results import DispatchHandle, ExpandTables, LayoutResult, evolve
 from . import expert_major as EM
 from . import layout as L
 from . import node_kernels as NK
@@ -90,7 +89,9 @@ class Node:
 
     def notify_args(self, T, num_experts, per_rank, per_expert, in_rank, C, alignment, num_worst_tokens,
                     transport: str = "queue", notify_time_ns=None):
-        """(NotifyArgs, the handle's arrays) of a notify pass; resets the host
+        """(NotifyArgs, the handle's arrays) of a notify pass (``in_rank`` None:
+        [T, R] bool is_token_in_rank carved with them, for a kernel that lays
+        the tokens out); resets the host
         counts' first words (not in worst-token mode, where they never reach
         the host). The direct route's pass also fills its expert-major
         tables (expand_base [R, E_local + 1], expert_meta [2 E_local + 1])."""
@@ -100,8 +101,12 @@ class Node:
                   "recv_off": (R + 1,), "rpm": (R, R), "recv_per_expert": (E_local,)}
         if transport == "direct":
             shapes.update(expand_base=(R, E_local + 1), expert_meta=(2 * E_local + 1,))
-        arrays = carve(shapes)  # one allocation
-        arrays["in_rank"] = in_rank
+        if in_rank is None:  # the fused direct dispatch lays the tokens out itself, into the handle's array
+            shapes["in_rank"] = (T, R)
+        arrays = carve(shapes, dtypes={"in_rank": np.bool_})  # one allocation
+        if in_rank is not None:
+            arrays["in_rank"] = in_rank
+        in_rank = arrays["in_rank"]
         if transport == "direct":
             arrays["alignment"] = int(alignment)
         worst = num_worst_tokens > 0
@@ -155,9 +160,9 @@ class Node:
             em = EM.build(recv_x, recv_scales, recv_topk_idx, num_recv_ptr, num_experts // R, alignment, m_cap,
                           self.group.guard("expert_major"), self.num_device_sms)
         if em is not None:
-            handle = replace(handle, recv_expert_row=em.recv_expert_row, num_expert_rows=em.num_expert_rows)
+            handle = evolve(handle, recv_expert_row=em.recv_expert_row, num_expert_rows=em.num_expert_rows)
         elif handle.recv_expert_row is not None:
-            handle = replace(handle, recv_expert_row=None, num_expert_rows=0)
+            handle = evolve(handle, recv_expert_row=None, num_expert_rows=0)
         return handle, em
 
     def reduce_expert_major(self, x, handle, pair_weights, out=None):

@@ -40,6 +40,7 @@ def kernel_specs() -> list[jit.KernelSpec]:
     return [notify_spec(r) for r in range(1, 9)]
 
 
+@functools.cache  # the layout is fixed per buffer, and every notify pass packs it
 def offsets_struct(layout) -> np.void:
     return jit.pack(OFFSETS_DTYPE, barrier=layout.barrier, notify=layout.notify,
                     notify_row_ints=layout.notify_row_ints, dispatch_tail=layout.counter(0),

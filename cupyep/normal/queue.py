@@ -15,7 +15,7 @@ from dataclasses import replace
 import numpy as np
 
 from .. import jit
-from ..results import CombineResult, DispatchHandle, aligned_expert_counts, dispatch_result
+from ..results import CombineResult, DispatchHandle, aligned_expert_counts, dispatch_result, evolve
 from . import queue_kernels as K
 from .config import Config, get_combine_config, get_dispatch_config
 from .direct_kernels import DirectConfig
@@ -32,6 +32,8 @@ class QueueRoute(NodeRoute):
 
     def __init__(self, node):
         self.node = node
+        self._configs: dict = {}  # (kind, the caller's config, fp8, channels) -> validated config
+        self._kernels: dict = {}  # (spec, config) -> kernel, its residency checked
         R = node.num_ranks
         jit.load(K.dispatch_spec_for(R, self.default_dispatch_config()), node.group)
         jit.load(K.combine_spec_for(R, self.default_combine_config()), node.group)
@@ -50,24 +52,37 @@ class QueueRoute(NodeRoute):
     def dispatch_config(self, config, fp8: bool, handle) -> Config:
         if isinstance(config, DirectConfig):
             raise ValueError("a DirectConfig needs transport='direct'")
-        cfg = (config or self.default_dispatch_config(fp8, handle)).validate(self.node.num_ranks)
-        if handle is not None and cfg.num_channels != handle.num_channels:
-            raise ValueError(f"config has {cfg.num_channels} channels, the handle was made with {handle.num_channels}")
+        key = ("dispatch", config, fp8, handle.num_channels if handle is not None else None)
+        cfg = self._configs.get(key)
+        if cfg is None:
+            cfg = (config or self.default_dispatch_config(fp8, handle)).validate(self.node.num_ranks)
+            if handle is not None and cfg.num_channels != handle.num_channels:
+                raise ValueError(f"config has {cfg.num_channels} channels, the handle was made with "
+                                 f"{handle.num_channels}")
+            self._configs[key] = cfg
         return cfg
 
     def combine_config(self, config, handle) -> Config:
         if isinstance(config, DirectConfig):
             raise ValueError("a DirectConfig needs a handle of the direct transport")
+        key = ("combine", config, handle.num_channels)
+        cfg = self._configs.get(key)
+        if cfg is not None:
+            return cfg
         cfg = (config or self.default_combine_config(handle)).validate(self.node.num_ranks, combine=True)
         if cfg.num_channels != handle.num_channels:
             raise ValueError(f"combine config has {cfg.num_channels} channels (num_sms={cfg.num_sms}) but the "
                              f"dispatch used {handle.num_channels}: use num_sms={2 * handle.num_channels}")
+        self._configs[key] = cfg
         return cfg
 
 
     def _kernel(self, spec, cfg: Config, what: str):
-        fn = jit.kernel(spec)
-        self.node.check_resident(fn, cfg.num_sms, cfg.num_threads, what, step=2)
+        fn = self._kernels.get((spec, cfg))
+        if fn is None:
+            fn = jit.kernel(spec)
+            self.node.check_resident(fn, cfg.num_sms, cfg.num_threads, what, step=2)
+            self._kernels[spec, cfg] = fn
         return fn
 
     # ---------------------------------------------------------- dispatch
@@ -94,7 +109,7 @@ class QueueRoute(NodeRoute):
                 "recv_src_idx": handle.recv_src_idx if handle.recv_src_idx is not None else
                 cupy.empty(N, dtype=np.int32)}
         if handle.recv_src_idx is None:
-            handle = replace(handle, recv_src_idx=recv["recv_src_idx"])
+            handle = evolve(handle, recv_src_idx=recv["recv_src_idx"])
         K.launch_dispatch(fn, cfg, node.buffer, rs, call.x, call.x_scales, call.topk_idx, call.topk_weights, handle,
                           recv, call.queue_occupancy, call.num_experts // R, N, node.rank,
                           node.group.guard("queue_dispatch"))

@@ -72,6 +72,7 @@ def kernel_specs() -> list[jit.KernelSpec]:
     return specs
 
 
+@functools.lru_cache(maxsize=256)  # a ring set is packed once (every call packs it)
 def ring_struct(rs) -> np.void:
     return jit.pack(RING_DTYPE, ring=rs.offset, counter_tail=rs.counter_tail, counter_head=rs.counter_head,
                     slot_bytes=rs.slot_bytes, x_bytes=rs.x_bytes, depth=rs.depth, chunk=rs.chunk)

@@ -14,6 +14,7 @@ whenever no call is in flight, whichever ring they index.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ..barrier import barrier_region_bytes
@@ -111,6 +112,7 @@ def combine_slot(hidden: int, num_topk: int) -> tuple[int, int]:
     return 2 * hidden, _align(2 * hidden + combine_meta_bytes(num_topk))
 
 
+@functools.lru_cache(maxsize=256)  # every call places its rings; the placement depends on these only
 def ring_set(layout: BufferLayout, kind: str, hidden: int, num_topk: int, fp8: bool, config: Config) -> RingSet:
     """Place one call's rings; ValueError when they do not fit the region."""
     if kind == "dispatch":

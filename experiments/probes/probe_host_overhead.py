@@ -86,9 +86,11 @@ def count_calls(fn) -> int:
     return n
 
 
-def profile(fn, calls: int, top: int = 30) -> list:
-    """The ``top`` functions by own time over ``calls`` calls of ``fn`` (cProfile):
-    [name, calls per call, own us per call, cumulative us per call]."""
+def profile(fn, calls: int, top: int = 45) -> list:
+    """The ``top`` functions by cumulative time over ``calls`` calls of ``fn``
+    (cProfile): [name, calls per call, own us per call, cumulative us per
+    call]. C functions (CuPy's, the CUDA runtime's through them) appear as
+    their own rows, so a CUDA call's cost is not charged to its caller."""
     import cProfile
     import pstats
     pr = cProfile.Profile()
@@ -97,14 +99,15 @@ def profile(fn, calls: int, top: int = 30) -> list:
         fn()
         pr.disable()
     st = pstats.Stats(pr).stats
-    rows = sorted(st.items(), key=lambda kv: -kv[1][2])[:top]
+    rows = sorted(st.items(), key=lambda kv: -kv[1][3])[:top]
     return [[f"{f.rsplit('/', 2)[-1] if '/' in f else f}:{line}:{name}", round(nc / calls, 2),
              round(tt / calls * 1e6, 2), round(ct / calls * 1e6, 2)] for (f, line, name), (_, nc, tt, ct, _) in rows]
 
 
 def sample(fn, calls: int, period_s: float = 2e-5) -> dict:
     """Where the host's time goes in ``fn``, by a sampling thread (no tracing,
-    so the calls run at full speed): the innermost cupyep frame of the
+    so the calls run at full speed, but the thread takes the interpreter lock
+    every few us, which inflates the lines that release it: CUDA calls): the innermost cupyep frame of the
     calling thread's stack every ``period_s``. Returns {"file:line function":
     us per call} (the call's time split by the share of samples), and
     "_samples"."""
@@ -142,6 +145,57 @@ def sample(fn, calls: int, period_s: float = 2e-5) -> dict:
     return out
 
 
+def trace_lines(fn, calls: int, top: int = 40) -> dict:
+    """Where the host's time goes in ``fn``, line by line (a ``sys.settrace``
+    tracer on cupyep's own frames, in this thread only): the wall time from
+    each traced line to the next event, with the tracer's own work left out,
+    so a line's figure includes the C calls it makes (CuPy, the CUDA driver)
+    and any untraced Python it calls. Returns {"file:line function": us per
+    call} for the ``top`` lines, "_traced_us" (their sum over all lines per
+    call) and "_per_call_us" (the calls' wall time, tracer included)."""
+    clock = time.perf_counter_ns
+    acc: dict = {}
+    state = {"key": None, "t": 0}
+
+    def where(frame):
+        return f"{frame.f_code.co_filename.rsplit('/cupyep/', 1)[-1]}:{frame.f_lineno} {frame.f_code.co_name}"
+
+    def charge(now):
+        key = state["key"]
+        if key is not None:
+            acc[key] = acc.get(key, 0) + now - state["t"]
+
+    def local(frame, event, arg):
+        charge(clock())
+        if event == "return":
+            back = frame.f_back
+            state["key"] = where(back) if back is not None and "/cupyep/" in back.f_code.co_filename else None
+        else:
+            state["key"] = where(frame)
+        state["t"] = clock()
+        return local
+
+    def on_call(frame, event, arg):
+        name = frame.f_code.co_filename
+        if "/cupyep/" not in name or "/probes/" in name:
+            return None
+        return local(frame, event, arg)
+
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        state["key"] = None
+        sys.settrace(on_call)
+        try:
+            fn()
+        finally:
+            sys.settrace(None)
+    elapsed = time.perf_counter() - t0
+    out = {k: round(v / calls / 1e3, 1) for k, v in sorted(acc.items(), key=lambda kv: -kv[1])[:top]}
+    out["_traced_us"] = round(sum(acc.values()) / calls / 1e3, 1)
+    out["_per_call_us"] = round(elapsed / calls * 1e6, 1)
+    return out
+
+
 def merge_profiles(profiles: list) -> list:
     """The median row of each function over single-call profiles."""
     by = {}
@@ -149,7 +203,7 @@ def merge_profiles(profiles: list) -> list:
         for name, nc, tt, ct in prof:
             by.setdefault(name, []).append((nc, tt, ct))
     rows = [[name, *map(lambda c: float(np.median(c)), zip(*v))] for name, v in by.items() if len(v) == len(profiles)]
-    return sorted(rows, key=lambda r: -r[2])[:30]
+    return sorted(rows, key=lambda r: -r[3])[:120]
 
 
 def pin_rank() -> None:
@@ -204,6 +258,8 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("--sample", type=int, default=0,
                    help="also sample this many calls per route on rank 0's host (a sampling thread)")
+    p.add_argument("--trace", type=int, default=0,
+                   help="also time this many calls per route line by line (sys.settrace, rank 0's kept)")
     p.add_argument("--profile", type=int, default=0,
                    help="also profile this many calls per route (cProfile, rank 0's; slows them)")
     p.add_argument("--pin", action="store_true",
@@ -263,11 +319,14 @@ def main():
         if args.sample:
             group.comm.Barrier()
             rec["samples"] = sample(call, args.sample)  # every rank calls; rank 0's is kept
+        if args.trace:
+            group.comm.Barrier()
+            rec["lines"] = trace_lines(call, args.trace)  # every rank calls; rank 0's is kept
         if args.profile:
             for _ in range(args.profile):  # every rank calls; rank 0's profile is kept
                 cupy.cuda.runtime.deviceSynchronize()
                 group.comm.Barrier()
-                prof = profile(call, 1)
+                prof = profile(call, 1, top=300)
                 if me == 0:
                     rec.setdefault("_profiles", []).append(prof)
             if me == 0:

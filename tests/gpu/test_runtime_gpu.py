@@ -72,3 +72,12 @@ def test_symmetric_buffer_that_does_not_fit_fails_on_every_rank(group):
         assert all_ranks(group.comm, len(buf.peer_ptr_list) == group.local_size)
     finally:
         buf.destroy()
+
+
+def test_carve_lays_out_mixed_dtypes_aligned_in_one_allocation(group):
+    from cupyep.arrays import carve
+    a = carve({"n": (3,), "mask": (5, 3), "w": (2, 2)}, dtypes={"mask": np.bool_, "w": np.float32}, zero=True)
+    assert (a["n"].dtype, a["mask"].dtype, a["w"].dtype) == (np.int32, np.bool_, np.float32)
+    assert a["mask"].shape == (5, 3) and all(v.data.ptr % 64 == 0 for v in a.values())
+    assert a["mask"].data.ptr - a["n"].data.ptr == 64 and a["w"].data.ptr - a["mask"].data.ptr == 64
+    assert not any(bool(v.any()) for v in a.values())  # zeroed, every array
