@@ -5,7 +5,6 @@ passes that make a handle, and the expert-major layout of received rows.
 """
 from __future__ import annotations
 
-
 import numpy as np
 
 from .. import jit

@@ -181,3 +181,50 @@ def test_a_layer_given_a_routing_runs_its_experts_on_the_rank_s_own_sms(group, b
     ok = diff < moe.MOE_CALC_DIFF_BOUND and worst < moe.MOE_TOKEN_BOUND and not np.isnan(bf16_to_f32(got)).any()
     assert all_ranks(group.comm, ok), (diff, worst)
     group.comm.Barrier()
+
+
+@pytest.mark.parametrize("partition", [False, True], ids=["one stream", "SM partition"])
+def test_pool_memory_poisoned_with_nan_never_reaches_the_output(group, buf, weights, partition):
+    """The direct route's pools (dispatch slots, pushed partial rows,
+    zero-copy rows) filled with 0xFF bytes before each forward: NaN as BF16
+    and FP32, -1 as int32. Whatever the layer reads that no kernel of its
+    own call wrote then shows in the output as NaN or as a wrong row.
+    Three forwards, each after poisoning, with the skewed routing of the
+    test above (half the tokens on one hot expert, 5 % empty slots), with
+    the FFN on the rank's own SMs or on the full GPU: the reference, every
+    rank."""
+    import cupy
+
+    from cupyep import routing, sm_partition
+    if group.num_nodes > 1:
+        pytest.skip("the direct route's pools are the route within a node")
+    if partition and group.ranks_per_gpu < 2:
+        pytest.skip("an SM partition needs ranks sharing a GPU")
+    R, me = group.local_size, group.local_rank
+    tokens = [NUM_TOKENS] * R
+    idx, w = routing.make("hot_expert", 5, tokens, NUM_EXPERTS, NUM_TOPK, drop_fraction=0.05, hot_fraction=0.5)
+    stream = sm_partition.partition_stream(group)[0] if partition else None
+    layer = moe.MoELayer(buf, weights, NUM_TOPK, transport="direct", compute_stream=stream)
+    xs = _tokens(12, tokens)
+    x, ids, ws = cupy.asarray(xs[me]), cupy.asarray(idx[me]), cupy.asarray(w[me])
+    lo = me * NUM_TOKENS
+    want = moe.reference_forward(cupy.asarray(np.concatenate(xs)), weights, NUM_TOPK, num_ranks=R,
+                                 topk_idx=np.concatenate(idx), topk_weights=np.concatenate(w))[lo:lo + NUM_TOKENS]
+    want = want.get()
+    group.comm.Barrier()
+    layer.forward(x, ids, ws)  # the pools are allocated by their first use
+    pools = [p for p in buf.routes["direct"].pools.pools.values() if p is not None]
+    for step in range(3):
+        cupy.cuda.runtime.deviceSynchronize()
+        group.comm.Barrier()  # no rank's kernel reads or writes a pool while it is poisoned
+        for pool in pools:
+            pool.view(0, (pool.nbytes,), np.uint8).fill(255)
+        cupy.cuda.runtime.deviceSynchronize()
+        group.comm.Barrier()
+        got = layer.forward(x, ids, ws).get()
+        diff, worst = moe.agreement(got, want)
+        nan = bool(np.isnan(bf16_to_f32(got)).any())
+        ok = not nan and diff < moe.MOE_CALC_DIFF_BOUND and worst < moe.MOE_TOKEN_BOUND
+        assert all_ranks(group.comm, ok), {"rank": me, "step": step, "nan": nan, "calc_diff": diff, "worst": worst}
+    buf.synchronize()
+    group.comm.Barrier()
