@@ -55,7 +55,7 @@ from cupyep.testing import global_routing, payload_bf16
 def blocks_table(paths) -> str:
     """The Markdown table of the swept direct points (``--direct-sms``) in
     ``paths`` (JSONL files of repeated runs of one command): per kind, bulk
-    stage and blocks per rank, the median time over the files with [min, max]
+    stage, combine words and blocks per rank, the median time over the files with [min, max]
     and the median fraction of the copy probe at the same SMs with [min, max],
     by the event clock and, where the records have it, the kernels' own (the
     span over every rank's kernel on one GPU, else the slowest rank's)."""
@@ -68,26 +68,27 @@ def blocks_table(paths) -> str:
             r = json.loads(line)
             if r.get("sweep") and r.get("transport") == "direct":
                 c = r["dispatch_config"]
-                bulk = c.get("bulk_stage_bytes")
-                points[(r["ranks"], r["kind"], "default" if bulk is None else bulk, c["num_sms"],
-                        c["num_threads"])].append((r["time_us"], r["of_copy_same_sms"],
+                bulk, words = c.get("bulk_stage_bytes"), c.get("combine_words")
+                points[(r["ranks"], r["kind"], "default" if bulk is None else bulk,
+                        "default" if words is None else words, c["num_sms"], c["num_threads"])].append((r["time_us"], r["of_copy_same_sms"],
                                                    r.get("kernel_span_us", r.get("kernel_us")),
                                                    r.get("of_copy_same_sms_kernel")))
-    lines = ["| ranks | kind | bulk stage | threads | blocks per rank | runs | event us: median [min, max] | "
-             "of probe: median [min, max] | kernel span us: median [min, max] | of probe, kernel clock |",
-             "|" + " --- |" * 10]
+    lines = ["| ranks | kind | bulk stage | combine words | threads | blocks per rank | runs | "
+             "event us: median [min, max] | of probe: median [min, max] | kernel span us: median [min, max] | "
+             "of probe, kernel clock |",
+             "|" + " --- |" * 11]
 
     def cell(values, digits):
         if any(v is None for v in values):
             return "-"
         return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}, {max(values):.{digits}f}]"
-    def order(item):  # ranks, kind and stage as text ("default" among numbers), then blocks and threads
+    def order(item):  # ranks, kind, stage and words as text ("default" among numbers), then blocks and threads
         key = item[0]
-        return tuple(map(str, key[:3])) + key[3:]
-    for (R, kind, bulk, sms, threads), v in sorted(points.items(), key=order):
+        return tuple(map(str, key[:4])) + key[4:]
+    for (R, kind, bulk, words, sms, threads), v in sorted(points.items(), key=order):
         t, f, kt, kf = (list(c) for c in zip(*v))
-        lines.append(f"| {R} | {kind} | {bulk} | {threads} | {sms} | {len(v)} | {cell(t, 0)} | {cell(f, 3)} | "
-                     f"{cell(kt, 0)} | {cell(kf, 3)} |")
+        lines.append(f"| {R} | {kind} | {bulk} | {words} | {threads} | {sms} | {len(v)} | {cell(t, 0)} | "
+                     f"{cell(f, 3)} | {cell(kt, 0)} | {cell(kf, 3)} |")
     return "\n".join(lines)
 
 
@@ -123,6 +124,10 @@ def main():
                    help="DirectConfig.bulk_stage_bytes of the --direct-sms points (0: warp copies; > 0: bulk "
                         "copies through two stages of this many bytes per warp; default: the config's own); each "
                         "value sweeps every point")
+    p.add_argument("--direct-words", type=int, nargs="+", default=[None],
+                   help="DirectConfig.combine_words of the --direct-sms points (row words per lane and rank the "
+                        "combine's reduce keeps in flight; default: the config's own); each value sweeps every "
+                        "point (a value past 16 / ranks is left out)")
     p.add_argument("--direct-threads", type=int, nargs="+", default=[DirectConfig.num_threads],
                    help="DirectConfig.num_threads of the --direct-sms points; each value sweeps every point (a "
                         "(threads, bulk) pair whose stages exceed a block's shared memory is left out)")
@@ -183,16 +188,18 @@ def main():
                 out.write(run(kind, DirectConfig(), None, timing, "direct"))
         swept = [m for m in args.direct_sms if m <= buf.sm_budget]  # more would not all be resident
         probe = probe_on_rank0(group, [R * m for m in swept] + args.copy_probe, out)
-        for threads in args.direct_threads:
-            for bulk in args.direct_bulk:
-                cfg0 = DirectConfig(num_threads=threads, bulk_stage_bytes=bulk)
-                if cfg0.bulk_shared_bytes() > MAX_SHARED_BYTES:
-                    continue
-                for sms in swept:
-                    for kind in direct_kinds:
-                        cfg = replace(cfg0, num_sms=sms)
-                        out.write(against_copy({**run(kind, cfg, None, "strict", "direct"), "sweep": True},
-                                               probe[R * sms], copy_bw))
+        for threads, bulk, words in ((t, b, w) for t in args.direct_threads for b in args.direct_bulk
+                                     for w in args.direct_words):
+            cfg0 = DirectConfig(num_threads=threads, bulk_stage_bytes=bulk, combine_words=words)
+            if cfg0.bulk_shared_bytes() > MAX_SHARED_BYTES or (words is not None and words * R > 16):
+                continue
+            for sms in swept:
+                for kind in direct_kinds:
+                    if not kind.startswith("combine") and words != args.direct_words[0]:
+                        continue  # the dispatch does not read combine_words: timed once per point
+                    cfg = replace(cfg0, num_sms=sms)
+                    out.write(against_copy({**run(kind, cfg, None, "strict", "direct"), "sweep": True},
+                                           probe[R * sms], copy_bw))
     if args.sweep:
         for threads, l2 in ((t, l2) for t in args.threads for l2 in (args.l2 or [None])):
             dcfg, fcfg, ccfg = with_l2(dcfg0, l2), with_l2(fcfg0, l2), with_l2(ccfg0, l2)

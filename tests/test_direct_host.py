@@ -111,6 +111,35 @@ def test_bulk_stages_are_validated_and_sized():
     assert D.fused_shared_bytes(8, 256, 4, False, 512, cfg.bulk_shared_bytes()) == cfg.bulk_shared_bytes()
 
 
+def test_combine_words_are_validated_per_rank_count_and_name_their_kernel():
+    from types import SimpleNamespace
+
+    from cupyep.normal.direct import DirectRoute
+    assert [D.combine_words(r) for r in (1, 2, 4, 8)] == [4, 4, 4, 2]
+    assert D.combine_words(2, 8) == 8
+    # the default keeps the names (and CuPy's disk cache) of the kernels compiled before the knob
+    assert D.combine_spec(8).name == "direct_combine_ranks_8_threads_512"
+    assert D.combine_spec(8).kernels == ("cupyep::normal::direct_combine<8, 512, 2>",)
+    assert D.combine_spec(8, 512, 2) is D.combine_spec(8)
+    assert D.combine_spec(2, 512, 8).name == "direct_combine_ranks_2_threads_512_words_8"
+    assert D.combine_spec(2, 512, 8).kernels == ("cupyep::normal::direct_combine<2, 512, 8>",)
+    checked = {s.name for s in D.kernel_specs()}
+    assert {"direct_combine_ranks_2_threads_512_words_8", "direct_combine_ranks_8_threads_512"} <= checked
+    with pytest.raises(ValueError, match="combine_words must be one of"):
+        D.DirectConfig(combine_words=3).validate()
+    route = object.__new__(DirectRoute)
+    route._configs = {}
+    for R, words, ok in ((2, 8, True), (4, 8, False), (8, 2, True), (8, 4, False)):
+        route.node = SimpleNamespace(num_ranks=R, sm_budget=132 // R)
+        route._configs = {}
+        cfg = D.DirectConfig(combine_words=words)
+        if ok:
+            assert route.dispatch_config(cfg, False, None).combine_words == words
+        else:
+            with pytest.raises(ValueError, match=r"at most 16 fit its registers: use combine_words <= "):
+                route.dispatch_config(cfg, False, None)
+
+
 def test_notify_channels_fill_the_notify_block():
     for r in range(1, 9):
         assert 1 <= D.notify_channels(r) and r * D.notify_channels(r) <= 32
@@ -149,7 +178,9 @@ def test_kernel_constants_match_the_host():
     assert "direct_dispatch(DirectDispatchArgs" in kernel and "direct_combine(DirectCombineArgs" in kernel
     assert all(s.source == "normal/direct.cu" for s in D.kernel_specs()[:-1])
     assert D.kernel_specs()[-1].source == "normal/direct_positions.cu"
-    assert len(D.kernel_specs()) == 25  # 1 to 8 ranks x (dispatch, fused, combine) + the position pass
+    # 1 to 8 ranks x (dispatch, fused, combine), the combine with 8 row words in flight at 1 and 2 ranks (the
+    # most their registers hold; 4 at 3-4 ranks and 2 above are the defaults) and the position pass
+    assert len(D.kernel_specs()) == 27
     assert any("direct_dispatch_fused(DirectFusedArgs" in line for line in kernel.splitlines())
     assert D.SYNC_DTYPE.itemsize == 32 and np.dtype(D.DISPATCH_ARGS_DTYPE).itemsize > 0
 

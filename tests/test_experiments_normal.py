@@ -73,8 +73,8 @@ def _bench_normal():
 
 
 def test_blocks_table_takes_medians_and_ranges_over_runs(tmp_path):
-    """bench_normal --blocks-table: per (ranks, kind, bulk stage, threads,
-    blocks) the median and [min, max] over the files, on both clocks (the
+    """bench_normal --blocks-table: per (ranks, kind, bulk stage, combine
+    words, threads, blocks) the median and [min, max] over the files, on both clocks (the
     span when a record has one); unswept and queue records are left out."""
     import json
     bench = _bench_normal()
@@ -96,6 +96,14 @@ def test_blocks_table_takes_medians_and_ranges_over_runs(tmp_path):
     lines = bench.blocks_table(paths).splitlines()
     assert len(lines) == 4  # header, rule, the warp-copy row and the bulk row
     warp, bulk = lines[2], lines[3]
-    assert warp.startswith("| 2 | dispatch_bf16_direct | 0 | 512 | 6 | 3 | 501 [500, 502] | 0.820 [0.820, 0.820] | - | - |")
-    assert bulk == ("| 2 | dispatch_bf16_direct | 7168 | 512 | 6 | 3 | 474 [472, 476] | 0.891 [0.887, 0.893] | "
-                    "403 [403, 404] | 1.048 [1.046, 1.050] |")
+    assert warp.startswith("| 2 | dispatch_bf16_direct | 0 | default | 512 | 6 | 3 | 501 [500, 502] | "
+                           "0.820 [0.820, 0.820] | - | - |")
+    assert bulk == ("| 2 | dispatch_bf16_direct | 7168 | default | 512 | 6 | 3 | 474 [472, 476] | "
+                    "0.891 [0.887, 0.893] | 403 [403, 404] | 1.048 [1.046, 1.050] |")
+    # combine words are a point of their own
+    p = tmp_path / "words.jsonl"
+    r = rec(300, 0.9)
+    r["kind"], r["dispatch_config"]["combine_words"] = "combine_bf16_zero_copy_direct", 8
+    p.write_text(json.dumps(r) + "\n")
+    assert bench.blocks_table([str(p)]).splitlines()[2].startswith(
+        "| 2 | combine_bf16_zero_copy_direct | default | 8 | 512 | 6 | 1 | 300 [300, 300] |")

@@ -372,11 +372,14 @@ __global__ void __launch_bounds__(kNumThreads, 1) direct_dispatch_fused(DirectFu
     stamp_end(da.kernel_time);
 }
 
-template <int kNumRanks, int kNumThreads>
+// kWords: row words (16 bytes) per lane and rank in flight before the reduce
+// sums them (cupyep.normal.direct_kernels.combine_words: 4 up to 4 ranks, 2
+// above; kWords * R <= 16 keeps them in registers).
+template <int kNumRanks, int kNumThreads, int kWords>
 __global__ void __launch_bounds__(kNumThreads, 1) direct_combine(DirectCombineArgs a) {
     constexpr int R = kNumRanks;
     constexpr int kWarps = kNumThreads / 32;
-    constexpr int kWords = R <= 4 ? 4 : 2;  // row words per lane and rank in flight before summing
+    static_assert(kWords >= 1 && kWords * R <= 16, "row words in flight: 1 to 16 / R");
     __shared__ int s_dst0[R];   // first partial row of my rows at each owner
     __shared__ int s_pbase[R];  // first partial row from each expert rank in my pool
     __shared__ int s_sent[R];

@@ -59,7 +59,13 @@ class DirectRoute(NodeRoute):
             raise ValueError(f"the direct transport takes a DirectConfig, got {type(config).__name__}")
         cfg = self._configs.get(config)
         if cfg is None:
-            cfg = self._configs[config] = (config or D.DirectConfig()).validate().resolved(self.node.sm_budget)
+            cfg = (config or D.DirectConfig()).validate().resolved(self.node.sm_budget)
+            R = self.node.num_ranks
+            if cfg.combine_words is not None and cfg.combine_words * R > 16:
+                raise ValueError(f"combine_words={cfg.combine_words} at {R} ranks keeps {cfg.combine_words * R} row "
+                                 f"words per lane in flight; at most 16 fit its registers: use combine_words <= "
+                                 f"{max(w for w in D.COMBINE_WORDS if w * R <= 16)}")
+            self._configs[config] = cfg
         return cfg
 
     def combine_config(self, config, handle) -> D.DirectConfig:
@@ -295,8 +301,8 @@ class DirectRoute(NodeRoute):
         import cupy
         node, cfg, handle = self.node, call.config, call.handle
         stage = 0 if call.zero_copy else cfg.bulk_stage()  # a zero-copy combine pushes no rows
-        fn = self._kernel(D.combine_spec(node.num_ranks, cfg.num_threads), cfg, "direct combine",
-                          D.bulk_shared_bytes(stage, cfg.num_threads))
+        fn = self._kernel(D.combine_spec(node.num_ranks, cfg.num_threads, cfg.combine_words), cfg,
+                          "direct combine", D.bulk_shared_bytes(stage, cfg.num_threads))
         T, H, k = handle.num_tokens, call.x.shape[1], call.num_topk
         N = handle.num_worst_tokens or handle.num_recv_tokens
         reduced = None

@@ -105,16 +105,35 @@ def fused_spec(num_ranks: int, num_threads: int = THREADS) -> jit.KernelSpec:
                           kernels=(f"cupyep::normal::direct_dispatch_fused<{num_ranks}, {num_threads}>",))
 
 
+COMBINE_WORDS = (1, 2, 4, 8)  # the combine's row words per lane and rank in flight that a config may ask for
+
+
+def combine_words(num_ranks: int, words: int | None = None) -> int:
+    """Row words (16 bytes) per lane and rank the direct combine's reduce
+    keeps in flight before summing them: ``words``, or by default 4 up to 4
+    ranks and 2 above (at most 16 / num_ranks, so they stay in registers)."""
+    return words if words is not None else (4 if num_ranks <= 4 else 2)
+
+
+def combine_spec(num_ranks: int, num_threads: int = THREADS, words: int | None = None) -> jit.KernelSpec:
+    """The direct combine with ``words`` row words in flight (None: the default; see :func:`combine_words`)."""
+    return _combine_spec(num_ranks, num_threads, combine_words(num_ranks, words))
+
+
 @functools.cache
-def combine_spec(num_ranks: int, num_threads: int = THREADS) -> jit.KernelSpec:
-    return jit.KernelSpec(name=f"direct_combine_ranks_{num_ranks}_threads_{num_threads}",
+def _combine_spec(num_ranks: int, num_threads: int, w: int) -> jit.KernelSpec:
+    tag = "" if w == combine_words(num_ranks) else f"_words_{w}"
+    return jit.KernelSpec(name=f"direct_combine_ranks_{num_ranks}_threads_{num_threads}{tag}",
                           source="normal/direct.cu",
-                          kernels=(f"cupyep::normal::direct_combine<{num_ranks}, {num_threads}>",))
+                          kernels=(f"cupyep::normal::direct_combine<{num_ranks}, {num_threads}, {w}>",))
 
 
 def kernel_specs() -> list[jit.KernelSpec]:
-    """Specialisations the offline check compiles: 1 to 8 ranks."""
-    return [s for r in range(1, 9) for s in (dispatch_spec(r), fused_spec(r), combine_spec(r))] + [positions_spec()]
+    """Specialisations the offline check compiles: 1 to 8 ranks, and the
+    combine with the most row words in flight each rank count allows."""
+    most = [combine_spec(r, THREADS, max(w for w in COMBINE_WORDS if w * r <= 16)) for r in range(1, 9)]
+    return [s for r in range(1, 9) for s in (dispatch_spec(r), fused_spec(r), combine_spec(r))] + \
+        [s for s in most if s not in {combine_spec(r) for r in range(1, 9)}] + [positions_spec()]
 
 
 def notify_channels(num_ranks: int) -> int:
@@ -147,11 +166,16 @@ class DirectConfig:
             reach 0.82-0.91), warp copies above (with 12 or more blocks per
             rank at 2 ranks bulk copies were no faster and at times 1.5x
             slower); see :meth:`bulk_stage`.
+        combine_words: row words (16 bytes) per lane and rank the combine's
+            reduce loads before it sums them, one of COMBINE_WORDS with
+            combine_words * ranks <= 16 (the loads stay in registers); more
+            keeps more bytes in flight per SM. None: :func:`combine_words`.
     """
     num_sms: int = 0
     num_threads: int = THREADS
     fused: bool = True
     bulk_stage_bytes: int | None = None
+    combine_words: int | None = None
 
     def validate(self) -> "DirectConfig":
         if self.num_sms < 0:
@@ -161,6 +185,9 @@ class DirectConfig:
         if self.bulk_stage_bytes is not None and (self.bulk_stage_bytes < 0 or self.bulk_stage_bytes % 16):
             raise ValueError(f"bulk_stage_bytes must be a multiple of 16 (0: warp copies; None: the default), got "
                              f"{self.bulk_stage_bytes}")
+        if self.combine_words is not None and self.combine_words not in COMBINE_WORDS:
+            raise ValueError(f"combine_words must be one of {COMBINE_WORDS} (None: the default), got "
+                             f"{self.combine_words}")
         if self.bulk_shared_bytes() > MAX_SHARED_BYTES:
             raise ValueError(f"bulk_stage_bytes={self.bulk_stage_bytes} needs {self.bulk_shared_bytes()} bytes of "
                              f"shared memory a block at num_threads={self.num_threads} (2 stages per warp); a block "

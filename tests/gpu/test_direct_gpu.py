@@ -288,6 +288,36 @@ def test_direct_bulk_copies_match_warp_copies(group, buf, seed, num_tokens, hidd
     assert all_ranks(group.comm, all(same.values())), {k: v for k, v in same.items() if not v}
 
 
+def test_direct_combine_words_do_not_change_a_bit(group, buf):
+    """DirectConfig(combine_words=w): the combine's reduce loads w row words
+    per lane and rank before summing; each word's sum runs over the ranks in
+    the same order whatever w is, so the pushing and the zero-copy combine
+    (with top-k weights and row weights, H = 7168 and 2048, whose rows do not
+    split evenly into 32 * w words) are bitwise those of the default."""
+    import cupy
+    from cupyep.normal.direct_kernels import COMBINE_WORDS, DirectConfig
+    R, me = group.local_size, group.local_rank
+    words = [None] + [w for w in COMBINE_WORDS if w * R <= 16]
+    for seed, T, H in ((61, 1000, 7168), (62, 300, 2048)):
+        tokens, idx, w, x = _inputs(group, seed, T, H)
+        got = {}
+        for cw in words:
+            cfg = DirectConfig(combine_words=cw)
+            out = buf.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=NUM_EXPERTS,
+                               transport="direct", config=cfg)
+            zc = buf.get_combine_buffer(out.handle)
+            zc[...] = out.recv_x
+            row_w = cupy.asarray((1.0 + (np.arange(zc.shape[0]) % 3)).astype(np.float32))
+            pushed = buf.combine(out.recv_x, out.handle, topk_weights=out.recv_topk_weights, row_weights=row_w,
+                                 config=cfg)
+            pulled = buf.combine(zc, out.handle, topk_weights=out.recv_topk_weights, row_weights=row_w,
+                                 zero_copy=True, config=cfg)
+            got[cw] = [a.get() for a in (pushed.combined_x, pushed.combined_topk_weights, pulled.combined_x,
+                                         pulled.combined_topk_weights)]
+        same = {(H, cw): all(np.array_equal(a, b) for a, b in zip(got[None], got[cw])) for cw in words[1:]}
+        assert all_ranks(group.comm, all(same.values())), {k: v for k, v in same.items() if not v}
+
+
 def test_direct_expert_major_matches_queue(group, buf):
     """expert_major=True on the direct transport: the same expert-major arrays,
     and the same combine of expert-major outputs, as the queue transport."""
