@@ -19,7 +19,12 @@ synchronisation and a host barrier. Per call:
 - ``total_us``: until the device is idle again;
 - ``python_calls``: Python function calls made during the call (a
   ``sys.setprofile`` counter, on a separate pass of calls so that the
-  counting does not slow the timed ones).
+  counting does not slow the timed ones);
+- with ``--phases N``: ``phases``, the inclusive time of each of PHASES
+  per call (wrapped timers, about a microsecond each; nested phases are
+  inside their callers' figures), and with ``--trace`` / ``--profile`` /
+  ``--sample`` the line tracer, cProfile and a sampling thread, each on
+  passes of their own.
 
 Each record holds the medians over calls, the slowest rank's (max over
 ranks), in microseconds.
@@ -196,6 +201,101 @@ def trace_lines(fn, calls: int, top: int = 40) -> dict:
     return out
 
 
+# Where a notified dispatch's host time goes, by phase: (label, module, attribute) of the callables
+# timed, each where its callers look it up (a function imported by name is wrapped in the importing module).
+PHASES = (
+    ("Buffer.dispatch (the whole call)", "cupyep.normal.buffer", "Buffer.dispatch"),
+    ("CommStream.begin", "cupyep.streams", "CommStream.begin"),
+    ("CommStream.end", "cupyep.streams", "CommStream.end"),
+    ("DirectRoute.dispatch", "cupyep.normal.direct", "DirectRoute.dispatch"),
+    ("DirectRoute._dispatch_fused", "cupyep.normal.direct", "DirectRoute._dispatch_fused"),
+    ("DirectRoute._wait_host_status (wait)", "cupyep.normal.direct", "DirectRoute._wait_host_status"),
+    ("direct_kernels.send_args", "cupyep.normal.direct_kernels", "send_args"),
+    ("direct_kernels.launch_fused", "cupyep.normal.direct_kernels", "launch_fused"),
+    ("direct_kernels.launch_send", "cupyep.normal.direct_kernels", "launch_send"),
+    ("QueueRoute.dispatch", "cupyep.normal.queue", "QueueRoute.dispatch"),
+    ("queue_kernels.launch_dispatch", "cupyep.normal.queue_kernels", "launch_dispatch"),
+    ("layout.launch_layout", "cupyep.normal.layout", "launch_layout"),
+    ("node_kernels.launch_notify", "cupyep.normal.node_kernels", "launch_notify"),
+    ("Node.notify_args", "cupyep.normal.node", "Node.notify_args"),
+    ("Node.notify_handle", "cupyep.normal.node", "Node.notify_handle"),
+    ("Node.with_expert_major", "cupyep.normal.node", "Node.with_expert_major"),
+    ("Node.notify (launch, wait, handle)", "cupyep.normal.node", "Node.notify"),
+    ("carve (in node)", "cupyep.normal.node", "carve"),
+    ("carve (in layout)", "cupyep.normal.layout", "carve"),
+    ("copy (in direct)", "cupyep.normal.direct", "copy"),
+    ("SymmetricBuffer.view", "cupyep.ipc", "SymmetricBuffer.view"),
+    ("dispatch_result (in direct)", "cupyep.normal.direct", "dispatch_result"),
+    ("dispatch_result (in queue)", "cupyep.normal.queue", "dispatch_result"),
+    ("jit.pack", "cupyep.jit", "pack"),
+)
+
+
+class PhaseClock:
+    """Inclusive wall time of named callables (``phases``: (label, module,
+    "attr" or "Class.attr")), each wrapped in a timer that costs about a
+    microsecond per call, so that the phases of a call add up to its time
+    without a profiler's distortion. :meth:`install` wraps, :meth:`remove`
+    restores; per measured call, :meth:`take` returns {label: [us, calls]}
+    and starts the next."""
+
+    def __init__(self, phases=PHASES):
+        self.phases = phases
+        self._saved: list = []
+        self._acc: dict = {}
+
+    def install(self) -> "PhaseClock":
+        import importlib
+        for label, module, attr in self.phases:
+            owner = importlib.import_module(module)
+            *path, name = attr.split(".")
+            for part in path:
+                owner = getattr(owner, part)
+            inner = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            self._saved.append((owner, name, inner))
+            setattr(owner, name, self._timed(label, inner))
+        return self
+
+    def _timed(self, label: str, inner):
+        acc, clock = self._acc, time.perf_counter_ns
+
+        def timed(*args, **kw):
+            t0 = clock()
+            try:
+                return inner(*args, **kw)
+            finally:
+                cell = acc.setdefault(label, [0, 0])
+                cell[0] += clock() - t0
+                cell[1] += 1
+        return timed
+
+    def remove(self) -> None:
+        for owner, name, inner in reversed(self._saved):
+            setattr(owner, name, inner)
+        self._saved.clear()
+
+    def take(self) -> dict:
+        out = {label: [ns / 1e3, n] for label, (ns, n) in self._acc.items()}
+        self._acc.clear()
+        return out
+
+
+def phase_times(fn, calls: int, clock: PhaseClock, before=None) -> dict:
+    """{label: [median us per call, calls per call]} of ``calls`` calls of
+    ``fn`` under ``clock`` (installed), each after ``before()``."""
+    per_call = []
+    for _ in range(calls):
+        if before is not None:
+            before()
+        clock.take()
+        fn()
+        per_call.append(clock.take())
+    labels = {label for rec in per_call for label in rec}
+    return {label: [round(float(np.median([rec.get(label, [0.0, 0])[0] for rec in per_call])), 1),
+                    float(np.median([rec.get(label, [0.0, 0])[1] for rec in per_call]))]
+            for label in sorted(labels, key=lambda l: -np.median([r.get(l, [0.0])[0] for r in per_call]))}
+
+
 def merge_profiles(profiles: list) -> list:
     """The median row of each function over single-call profiles."""
     by = {}
@@ -258,6 +358,8 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("--sample", type=int, default=0,
                    help="also sample this many calls per route on rank 0's host (a sampling thread)")
+    p.add_argument("--phases", type=int, default=0,
+                   help="also time this many calls per route by phase (PHASES, wrapped timers; rank 0's kept)")
     p.add_argument("--trace", type=int, default=0,
                    help="also time this many calls per route line by line (sys.settrace, rank 0's kept)")
     p.add_argument("--profile", type=int, default=0,
@@ -319,6 +421,15 @@ def main():
         if args.sample:
             group.comm.Barrier()
             rec["samples"] = sample(call, args.sample)  # every rank calls; rank 0's is kept
+        if args.phases:
+            clock = PhaseClock().install()
+            try:
+                def settle():
+                    cupy.cuda.runtime.deviceSynchronize()
+                    group.comm.Barrier()
+                rec["phases"] = phase_times(call, args.phases, clock, settle)  # rank 0's is kept
+            finally:
+                clock.remove()
         if args.trace:
             group.comm.Barrier()
             rec["lines"] = trace_lines(call, args.trace)  # every rank calls; rank 0's is kept
