@@ -48,15 +48,15 @@ from cupyep.lab.bench.normal import DIRECT_KINDS, KINDS, measure
 from cupyep.lab.bench.report import JsonlWriter
 from cupyep.fp8 import per_token_cast_to_fp8
 from cupyep.normal import Config
-from cupyep.normal.direct_kernels import MAX_SHARED_BYTES, DirectConfig
+from cupyep.normal.direct_kernels import MAX_SHARED_BYTES, DirectConfig, max_combine_words
 from cupyep.testing import global_routing, payload_bf16
 
 
 def blocks_table(paths) -> str:
     """The Markdown table of the swept direct points (``--direct-sms``) in
     ``paths`` (JSONL files of repeated runs of one command): per kind, bulk
-    stage, combine words and blocks per rank, the median time over the files with [min, max]
-    and the median fraction of the copy probe at the same SMs with [min, max],
+    stage, combine words and blocks per rank, the median time over the files
+    with [min, max] and the median fraction of the copy probe at the same SMs with [min, max],
     by the event clock and, where the records have it, the kernels' own (the
     span over every rank's kernel on one GPU, else the slowest rank's)."""
     import json
@@ -69,10 +69,10 @@ def blocks_table(paths) -> str:
             if r.get("sweep") and r.get("transport") == "direct":
                 c = r["dispatch_config"]
                 bulk, words = c.get("bulk_stage_bytes"), c.get("combine_words")
-                points[(r["ranks"], r["kind"], "default" if bulk is None else bulk,
-                        "default" if words is None else words, c["num_sms"], c["num_threads"])].append((r["time_us"], r["of_copy_same_sms"],
-                                                   r.get("kernel_span_us", r.get("kernel_us")),
-                                                   r.get("of_copy_same_sms_kernel")))
+                key = (r["ranks"], r["kind"], "default" if bulk is None else bulk,
+                       "default" if words is None else words, c["num_sms"], c["num_threads"])
+                points[key].append((r["time_us"], r["of_copy_same_sms"], r.get("kernel_span_us", r.get("kernel_us")),
+                                    r.get("of_copy_same_sms_kernel")))
     lines = ["| ranks | kind | bulk stage | combine words | threads | blocks per rank | runs | "
              "event us: median [min, max] | of probe: median [min, max] | kernel span us: median [min, max] | "
              "of probe, kernel clock |",
@@ -191,7 +191,7 @@ def main():
         for threads, bulk, words in ((t, b, w) for t in args.direct_threads for b in args.direct_bulk
                                      for w in args.direct_words):
             cfg0 = DirectConfig(num_threads=threads, bulk_stage_bytes=bulk, combine_words=words)
-            if cfg0.bulk_shared_bytes() > MAX_SHARED_BYTES or (words is not None and words * R > 16):
+            if cfg0.bulk_shared_bytes() > MAX_SHARED_BYTES or (words is not None and words > max_combine_words(R)):
                 continue
             for sms in swept:
                 for kind in direct_kinds:

@@ -117,6 +117,7 @@ def test_combine_words_are_validated_per_rank_count_and_name_their_kernel():
     from cupyep.normal.direct import DirectRoute
     assert [D.combine_words(r) for r in (1, 2, 4, 8)] == [4, 4, 4, 2]
     assert D.combine_words(2, 8) == 8
+    assert [D.max_combine_words(r) for r in (1, 2, 3, 4, 8)] == [8, 8, 4, 4, 2]
     # the default keeps the names (and CuPy's disk cache) of the kernels compiled before the knob
     assert D.combine_spec(8).name == "direct_combine_ranks_8_threads_512"
     assert D.combine_spec(8).kernels == ("cupyep::normal::direct_combine<8, 512, 2>",)

@@ -60,11 +60,11 @@ class DirectRoute(NodeRoute):
         cfg = self._configs.get(config)
         if cfg is None:
             cfg = (config or D.DirectConfig()).validate().resolved(self.node.sm_budget)
-            R = self.node.num_ranks
-            if cfg.combine_words is not None and cfg.combine_words * R > 16:
+            R, most = self.node.num_ranks, D.max_combine_words(self.node.num_ranks)
+            if cfg.combine_words is not None and cfg.combine_words > most:
                 raise ValueError(f"combine_words={cfg.combine_words} at {R} ranks keeps {cfg.combine_words * R} row "
                                  f"words per lane in flight; at most 16 fit its registers: use combine_words <= "
-                                 f"{max(w for w in D.COMBINE_WORDS if w * R <= 16)}")
+                                 f"{most}")
             self._configs[config] = cfg
         return cfg
 

@@ -111,8 +111,15 @@ COMBINE_WORDS = (1, 2, 4, 8)  # the combine's row words per lane and rank in fli
 def combine_words(num_ranks: int, words: int | None = None) -> int:
     """Row words (16 bytes) per lane and rank the direct combine's reduce
     keeps in flight before summing them: ``words``, or by default 4 up to 4
-    ranks and 2 above (at most 16 / num_ranks, so they stay in registers)."""
+    ranks and 2 above (at most :func:`max_combine_words`)."""
     return words if words is not None else (4 if num_ranks <= 4 else 2)
+
+
+def max_combine_words(num_ranks: int) -> int:
+    """The most row words per lane and rank (of COMBINE_WORDS) the combine
+    may keep in flight at ``num_ranks`` ranks: words * ranks <= 16, so that
+    they stay in registers (direct.cu's static_assert)."""
+    return max(w for w in COMBINE_WORDS if w * num_ranks <= 16)
 
 
 def combine_spec(num_ranks: int, num_threads: int = THREADS, words: int | None = None) -> jit.KernelSpec:
@@ -131,9 +138,10 @@ def _combine_spec(num_ranks: int, num_threads: int, w: int) -> jit.KernelSpec:
 def kernel_specs() -> list[jit.KernelSpec]:
     """Specialisations the offline check compiles: 1 to 8 ranks, and the
     combine with the most row words in flight each rank count allows."""
-    most = [combine_spec(r, THREADS, max(w for w in COMBINE_WORDS if w * r <= 16)) for r in range(1, 9)]
-    return [s for r in range(1, 9) for s in (dispatch_spec(r), fused_spec(r), combine_spec(r))] + \
-        [s for s in most if s not in {combine_spec(r) for r in range(1, 9)}] + [positions_spec()]
+    most = [combine_spec(r, THREADS, max_combine_words(r)) for r in range(1, 9)
+            if max_combine_words(r) != combine_words(r)]
+    return [s for r in range(1, 9) for s in (dispatch_spec(r), fused_spec(r), combine_spec(r))] + most + \
+        [positions_spec()]
 
 
 def notify_channels(num_ranks: int) -> int:
@@ -270,19 +278,12 @@ class RecvLayout:
                           self.x_bytes, self.rows, self.end + base, sh(self.em_x), sh(self.em_x_scales),
                           sh(self.em_src_row), sh(self.em_recv_row), self.em_rows)
 
+    @functools.lru_cache(maxsize=256)  # a slot's layout is packed once (every send packs it)
     def struct(self) -> np.void:
-        return _layout_struct(self)
-
-    def _pack(self) -> np.void:
         return jit.pack(RECV_LAYOUT_DTYPE, x=self.x, x_scales=self.x_scales, topk_idx=self.topk_idx,
                         topk_weights=self.topk_weights, src_idx=self.src_idx, x_bytes=self.x_bytes, rows=self.rows,
                         em_x=self.em_x, em_x_scales=self.em_x_scales, em_src_row=self.em_src_row,
                         em_recv_row=self.em_recv_row, em_rows=self.em_rows)
-
-
-@functools.lru_cache(maxsize=256)  # a slot's layout is packed once (every send packs it)
-def _layout_struct(layout: RecvLayout) -> np.void:
-    return layout._pack()
 
 
 def recv_layout(rows: int, x_bytes: int, num_scales: int, num_topk: int, with_idx: bool,

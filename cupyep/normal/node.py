@@ -103,9 +103,7 @@ class Node:
         if in_rank is None:  # the fused direct dispatch lays the tokens out itself, into the handle's array
             shapes["in_rank"] = (T, R)
         arrays = carve(shapes, dtypes={"in_rank": np.bool_})  # one allocation
-        if in_rank is not None:
-            arrays["in_rank"] = in_rank
-        in_rank = arrays["in_rank"]
+        in_rank = arrays.setdefault("in_rank", in_rank)
         if transport == "direct":
             arrays["alignment"] = int(alignment)
         worst = num_worst_tokens > 0

@@ -295,9 +295,9 @@ def test_direct_combine_words_do_not_change_a_bit(group, buf):
     (with top-k weights and row weights, H = 7168 and 2048, whose rows do not
     split evenly into 32 * w words) are bitwise those of the default."""
     import cupy
-    from cupyep.normal.direct_kernels import COMBINE_WORDS, DirectConfig
+    from cupyep.normal.direct_kernels import COMBINE_WORDS, DirectConfig, max_combine_words
     R, me = group.local_size, group.local_rank
-    words = [None] + [w for w in COMBINE_WORDS if w * R <= 16]
+    words = [None] + [w for w in COMBINE_WORDS if w <= max_combine_words(R)]
     for seed, T, H in ((61, 1000, 7168), (62, 300, 2048)):
         tokens, idx, w, x = _inputs(group, seed, T, H)
         got = {}
