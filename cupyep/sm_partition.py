@@ -9,8 +9,18 @@ GPU's SMs split into ``ranks_per_gpu`` equal groups
 (``cuDevSmResourceSplitByCount``, the same split on every rank, so the
 groups are disjoint), the group at the rank's ``Group.gpu_slot``, held by a
 green context. Work on it scales with the rank's own rows, as on a GPU of
-that size. Communication kernels stay on the full GPU (the primary context):
-their co-residency across ranks, which their spin-waits need, is unchanged.
+that size.
+
+Communication kernels must then run on the partition too
+(``cupyep.Buffer(on_partition=True)``, the default when the launcher asked
+for partitions): their blocks spin until the other ranks' kernels arrive,
+and on the full GPU the blocks of the other ranks can hold every SM of a
+rank's partition while they wait for that rank, whose experts then never
+get an SM (a deadlock the kernels' timeouts end). Each rank's communication
+blocks on its own partition wait only for kernels that hold SMs of their
+own, so they all progress. :func:`partition_stream` gives one stream per
+``purpose`` on the same partition, so that a rank's compute and its
+communication still overlap.
 
 ``python -m cupyep.launcher --sm-share`` asks for it (``CUPYEP_SM_SHARE=1``);
 :func:`compute_stream` returns the partition's stream when asked, else None,
@@ -28,7 +38,10 @@ ENV_VAR = "CUPYEP_SM_SHARE"
 #: SMs are split in multiples of this (a Hopper GPC's share; the driver refuses finer splits of 132).
 GRANULE = 8
 
-_CACHE: dict = {}
+#: What a partition stream is for: each purpose has its own stream on the rank's partition.
+PURPOSES = ("compute", "communication")
+_CONTEXTS: dict = {}  # (device, ranks per GPU, slot) -> (green context, SMs)
+_STREAMS: dict = {}  # the same key -> {purpose: (stream, SMs, raw stream)}
 
 
 def requested() -> bool:
@@ -49,25 +62,56 @@ def share_of(num_sms: int, ranks_per_gpu: int) -> int:
     return share
 
 
-def partition_stream(group):
+def partition_stream(group, purpose: str = "compute"):
     """(stream, sms): a ``cupy.cuda.ExternalStream`` whose kernels run on
     this rank's partition of the GPU's SMs only, and that partition's SM
-    count. Made once per rank and device (cached). RuntimeError naming the
-    driver call that failed."""
+    count. One stream per ``purpose`` ("compute": the experts';
+    "communication": a Buffer's on the partition), made once per rank and
+    device (cached) on one green context. RuntimeError naming the driver call
+    that failed."""
+    if purpose not in PURPOSES:
+        raise ValueError(f"purpose must be one of {PURPOSES}, got {purpose!r}")
     key = (group.device_id, group.ranks_per_gpu, group.gpu_slot)
-    if key in _CACHE:
-        return _CACHE[key][:2]
+    streams = _STREAMS.setdefault(key, {})
+    if purpose not in streams:
+        ctx, sms = _green_context(group, key)
+        raw = _driver_call(group, "cuGreenCtxStreamCreate", ctx, _cu().CUstream_flags.CU_STREAM_NON_BLOCKING, 0)
+        import cupy
+        streams[purpose] = (cupy.cuda.ExternalStream(int(raw), group.device_id), sms, raw)  # live with the process
+    return streams[purpose][:2]
+
+
+def is_partition_stream(stream) -> bool:
+    """True when ``stream`` is one :func:`partition_stream` made."""
+    ptr = getattr(stream, "ptr", None)
+    return any(ptr == s[0].ptr for streams in _STREAMS.values() for s in streams.values())
+
+
+def _cu():
+    from cuda.bindings import driver
+    return driver
+
+
+def _driver_call(group, name, *args):
+    cu = _cu()
+    res = getattr(cu, name)(*args)
+    err, rest = res[0], res[1:]
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"rank {group.rank}: {name} failed ({err.name}) while making its SM partition "
+                           f"({group.gpu_slot} of {group.ranks_per_gpu} on GPU {group.device_id})")
+    return rest[0] if len(rest) == 1 else rest
+
+
+def _green_context(group, key):
+    """(green context, SMs) of this rank's partition (made once per key)."""
+    if key in _CONTEXTS:
+        return _CONTEXTS[key]
     group.require_gpu("an SM partition")
     import cupy
-    from cuda.bindings import driver as cu
+    cu = _cu()
 
     def call(name, *args):
-        res = getattr(cu, name)(*args)
-        err, rest = res[0], res[1:]
-        if err != cu.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"rank {group.rank}: {name} failed ({err.name}) while making its SM partition "
-                               f"({group.gpu_slot} of {group.ranks_per_gpu} on GPU {group.device_id})")
-        return rest[0] if len(rest) == 1 else rest
+        return _driver_call(group, name, *args)
 
     cupy.cuda.Device(group.device_id).use()  # the primary context exists before the green one
     dev = call("cuDeviceGet", group.device_id)
@@ -81,15 +125,16 @@ def partition_stream(group):
     mine = parts[group.gpu_slot]
     desc = call("cuDevResourceGenerateDesc", [mine], 1)
     ctx = call("cuGreenCtxCreate", desc, dev, cu.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM)
-    raw = call("cuGreenCtxStreamCreate", ctx, cu.CUstream_flags.CU_STREAM_NON_BLOCKING, 0)
-    stream = cupy.cuda.ExternalStream(int(raw), group.device_id)
-    _CACHE[key] = (stream, int(mine.sm.smCount), ctx, raw)  # the context and stream live with the process
-    return stream, int(mine.sm.smCount)
+    _CONTEXTS[key] = (ctx, int(mine.sm.smCount))  # the context lives with the process
+    return _CONTEXTS[key]
+
+
+def in_use(group) -> bool:
+    """True when this rank computes on its partition: the launcher asked for
+    SM partitions (:func:`requested`) and ranks share its GPU."""
+    return requested() and group.has_gpu and group.ranks_per_gpu > 1
 
 
 def compute_stream(group):
-    """This rank's partition stream when the launcher asked for SM partitions
-    (:func:`requested`) and ranks share its GPU, else None."""
-    if not requested() or not group.has_gpu or group.ranks_per_gpu < 2:
-        return None
-    return partition_stream(group)[0]
+    """This rank's partition stream when :func:`in_use`, else None."""
+    return partition_stream(group)[0] if in_use(group) else None

@@ -19,10 +19,10 @@ class CommStream:
     """``stream``: a non-blocking cupy Stream; ``group``: whose device errors
     a call raises first."""
 
-    def __init__(self, group):
+    def __init__(self, group, stream=None):
         import cupy
         self.group = group
-        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.stream = cupy.cuda.Stream(non_blocking=True) if stream is None else stream
         self._held: list = []  # (event, arrays) of async calls
         self._mark = None  # the event begin records on the caller's stream, made once (a wait takes its state then)
 

@@ -115,17 +115,19 @@ def test_combine_words_are_validated_per_rank_count_and_name_their_kernel():
     from types import SimpleNamespace
 
     from cupyep.normal.direct import DirectRoute
-    assert [D.combine_words(r) for r in (1, 2, 4, 8)] == [4, 4, 4, 2]
+    assert [D.combine_words(r) for r in (1, 2, 3, 4, 8)] == [8, 8, 4, 4, 2]
     assert D.combine_words(2, 8) == 8
     assert [D.max_combine_words(r) for r in (1, 2, 3, 4, 8)] == [8, 8, 4, 4, 2]
     # the default keeps the names (and CuPy's disk cache) of the kernels compiled before the knob
     assert D.combine_spec(8).name == "direct_combine_ranks_8_threads_512"
     assert D.combine_spec(8).kernels == ("cupyep::normal::direct_combine<8, 512, 2>",)
     assert D.combine_spec(8, 512, 2) is D.combine_spec(8)
-    assert D.combine_spec(2, 512, 8).name == "direct_combine_ranks_2_threads_512_words_8"
-    assert D.combine_spec(2, 512, 8).kernels == ("cupyep::normal::direct_combine<2, 512, 8>",)
+    assert D.combine_spec(2).kernels == ("cupyep::normal::direct_combine<2, 512, 8>",)
+    assert D.combine_spec(2, 512, 4).name == "direct_combine_ranks_2_threads_512_words_4"
+    assert D.combine_spec(2, 512, 4).kernels == ("cupyep::normal::direct_combine<2, 512, 4>",)
     checked = {s.name for s in D.kernel_specs()}
-    assert {"direct_combine_ranks_2_threads_512_words_8", "direct_combine_ranks_8_threads_512"} <= checked
+    assert {"direct_combine_ranks_2_threads_512", "direct_combine_ranks_2_threads_512_words_4",
+            "direct_combine_ranks_8_threads_512"} <= checked
     with pytest.raises(ValueError, match="combine_words must be one of"):
         D.DirectConfig(combine_words=3).validate()
     route = object.__new__(DirectRoute)

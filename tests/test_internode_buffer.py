@@ -84,7 +84,7 @@ class _Stream:
 class _Calls:
     """cupyep.streams.CommStream without a GPU: records the ordering requests."""
 
-    def __init__(self, group):
+    def __init__(self, group, stream=None):
         self.stream, self.log = _Stream(), []
 
     def begin(self, previous_event):
@@ -137,6 +137,9 @@ def test_a_group_across_nodes_gets_the_routes_across_nodes():
     assert {t: r.name for t, r in buf.routes.items()} == ROUTES == {"queue": "two_hop", "direct": "direct"}
     with pytest.raises(ValueError, match="num_direct_bytes"):
         cupyep.Buffer(_Group(num_nodes=2), num_direct_bytes=1 << 20)
+    with pytest.raises(ValueError, match="on_partition"):  # before any partition is made
+        cupyep.Buffer(_Group(num_nodes=2), on_partition=True)
+    assert not buf.on_partition
 
 
 def test_the_engines_are_made_from_the_declared_sizes(monkeypatch):

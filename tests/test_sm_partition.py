@@ -40,6 +40,24 @@ def test_no_partition_unless_asked_for_and_ranks_share_a_gpu(monkeypatch, env, g
     else:
         monkeypatch.setenv(sm_partition.ENV_VAR, env)
     assert sm_partition.compute_stream(group) is None
+    assert not sm_partition.in_use(group)
+
+
+def test_partitions_in_use_when_asked_for_and_ranks_share_a_gpu(monkeypatch):
+    monkeypatch.setenv(sm_partition.ENV_VAR, "1")
+    assert sm_partition.in_use(_Group())  # a Buffer's default on_partition then
+
+
+def test_a_stream_for_an_unknown_purpose_is_refused_before_the_driver_is_asked():
+    with pytest.raises(ValueError, match="purpose"):
+        sm_partition.partition_stream(_Group(), "ffn")
+
+
+def test_a_stream_no_partition_made_is_not_a_partition_stream():
+    class _Stream:
+        ptr = 12345
+    assert not sm_partition.is_partition_stream(_Stream())
+    assert not sm_partition.is_partition_stream(None)
 
 
 def _study():

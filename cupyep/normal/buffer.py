@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import sm_partition
 from ..arrays import BF16, as_cupy, check, check_expert_ids, dispatch_rows
 from ..launcher.calls import traced_call
 from ..results import CombineResult, DispatchHandle, DispatchResult, LayoutResult, check_hidden
@@ -59,12 +60,23 @@ class Buffer:
             leave the rest to compute beside them. Within a node a config's
             own num_sms still wins for its call; across nodes every rank must
             give the same value (the routes' blocks pair up across ranks).
+        on_partition: run this rank's communication kernels on its SM
+            partition (cupyep.sm_partition, a stream of their own there),
+            within a node: needed where ranks sharing a GPU compute on their
+            partitions beside the communication (MoELayer's
+            ``compute_stream``), since kernels of other ranks on the full GPU
+            can hold every SM of a partition while they wait for its rank.
+            The SM budget is then at most the partition's SMs, and a
+            residency check counts this rank's blocks alone. None (default):
+            when the launcher asked for partitions (``--sm-share``) and ranks
+            share the GPU.
 
     Attributes:
         routes: {transport: Route}: the route that carries each transport here.
-        num_device_sms: the GPU's SMs; sm_budget: the SMs this rank's
-            communication kernels use by default (``num_sms``, else its share
-            of them).
+        num_device_sms: the SMs this rank's communication kernels can run on
+            (the GPU's, or its partition's); sm_budget: the SMs they use by
+            default (``num_sms``, else its share of them).
+        on_partition: whether they run on this rank's SM partition.
 
     The buffer is collective: create, call and destroy it on every rank in
     the same order. Use it as a context manager or call :meth:`destroy`.
@@ -72,7 +84,7 @@ class Buffer:
 
     def __init__(self, group, num_bytes: int | None = None, *, max_tokens: int = DEFAULT_MAX_TOKENS,
                  hidden: int = DEFAULT_HIDDEN, num_topk: int = DEFAULT_NUM_TOPK, num_in_flight: int = DEFAULT_IN_FLIGHT,
-                 num_direct_bytes: int | None = None, num_sms: int = 0):
+                 num_direct_bytes: int | None = None, num_sms: int = 0, on_partition: bool | None = None):
         self.sizes = DeclaredSizes(max_tokens, hidden, num_topk)
         self.num_in_flight = check_num_in_flight(num_in_flight)
         if not isinstance(num_sms, int) or isinstance(num_sms, bool) or num_sms < 0:
@@ -82,7 +94,14 @@ class Buffer:
         group.require_gpu("cupyep.Buffer")
         self.group = group
         self.internode = group.num_nodes > 1
-        self._calls = CommStream(group)
+        self.on_partition = sm_partition.in_use(group) if on_partition is None else bool(on_partition)
+        part_stream = None
+        if self.on_partition:
+            if self.internode:
+                raise ValueError("on_partition runs the routes within a node on an SM partition; across nodes the "
+                                 "NVSHMEM routes run on the full GPU")
+            part_stream, part_sms = sm_partition.partition_stream(group, "communication")
+        self._calls = CommStream(group, part_stream)
         self.comm_stream = self._calls.stream
         if self.internode:
             if num_direct_bytes is not None:
@@ -100,9 +119,15 @@ class Buffer:
             from .queue_layout import default_num_bytes
             import cupy
             self.num_ranks, self.rank = group.local_size, group.local_rank
-            self.num_device_sms, self.sm_budget = group.num_sms, num_sms or group.sm_share  # seen by this rank; its use
+            if self.on_partition:  # the partition's SMs, this rank's alone
+                self.num_device_sms, resident_ranks = part_sms, 1
+                self.sm_budget = num_sms or min(group.sm_share, part_sms)
+            else:  # seen by this rank; its use
+                self.num_device_sms, resident_ranks = group.num_sms, group.co_resident_ranks
+                self.sm_budget = num_sms or group.sm_share
             num_bytes = int(num_bytes or default_num_bytes(self.num_ranks, self.sizes, self.sm_budget))
-            self._shared = Node(group, num_bytes, self.comm_stream, id(self), self.num_device_sms, self.sm_budget)
+            self._shared = Node(group, num_bytes, self.comm_stream, id(self), self.num_device_sms, self.sm_budget,
+                                resident_ranks)
             self.routes = {"queue": QueueRoute(self._shared),
                            "direct": DirectRoute(self._shared, self.sizes, self.num_in_flight, num_direct_bytes)}
 

@@ -27,10 +27,13 @@ class Node:
     group: from cupyep.init, one node; num_bytes: bytes of each rank's IPC
     buffer (cupyep.normal.queue_layout.size_hint); comm_stream: the
     buffer's communication stream, on which every pass runs; buffer_id: the
-    id its handles carry; num_device_sms, sm_budget: the GPU's SMs and this
-    rank's share of them (the Buffer's)."""
+    id its handles carry; num_device_sms, sm_budget: the SMs its kernels run
+    on (the GPU's, or its partition's) and this rank's share of them (the
+    Buffer's); resident_ranks: the ranks whose blocks share those SMs (a
+    residency check counts them all)."""
 
-    def __init__(self, group, num_bytes: int, comm_stream, buffer_id: int, num_device_sms: int, sm_budget: int):
+    def __init__(self, group, num_bytes: int, comm_stream, buffer_id: int, num_device_sms: int, sm_budget: int,
+                 resident_ranks: int):
         import ctypes
 
         import cupy
@@ -39,7 +42,7 @@ class Node:
         self.rank = group.local_rank
         self.comm_stream = comm_stream
         self.buffer_id = buffer_id
-        self.num_device_sms, self.sm_budget = num_device_sms, sm_budget
+        self.num_device_sms, self.sm_budget, self.resident_ranks = num_device_sms, sm_budget, resident_ranks
         self.layout = buffer_layout(self.num_ranks, num_bytes)
         self.buffer = SymmetricBuffer(group, num_bytes)
         # Mapped host memory the notify pass writes: [1 + E_local + R * R + 1] (see NotifyArgs), then
@@ -174,9 +177,9 @@ class Node:
                        shared_bytes: int = 0) -> None:
         """ValueError before launch unless every rank's ``num_sms`` blocks of
         ``fn`` (with ``shared_bytes`` of dynamic shared memory each) fit the
-        GPU at once (ranks sharing it under MPS included)."""
+        SMs at once (ranks sharing them under MPS included)."""
         jit.require_resident(what, jit.max_resident_blocks(fn, num_threads, shared_bytes), num_sms, num_threads,
-                             self.group.co_resident_ranks, self.num_device_sms, "num_sms", step=step)
+                             self.resident_ranks, self.num_device_sms, "num_sms", step=step)
 
     def destroy(self) -> None:
         import cupy

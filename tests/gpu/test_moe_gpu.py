@@ -35,6 +35,19 @@ def buf(group):
 
 
 @pytest.fixture(scope="module")
+def part_buf(group, buf):
+    """A buffer whose kernels run on the rank's SM partition (the one its
+    experts' FFN gets) where ranks share the GPU; else ``buf``."""
+    import cupyep
+    if group.ranks_per_gpu < 2 or group.num_nodes > 1:
+        yield buf
+        return
+    b = cupyep.Buffer(group, on_partition=True)
+    yield b
+    b.destroy()
+
+
+@pytest.fixture(scope="module")
 def weights(group):
     """The layer's weights, the same on every rank (about 1 GiB), held on the
     GPU: the layers take their experts' slices and the reference reads all."""
@@ -158,22 +171,24 @@ def test_moe_layer_with_replicated_experts_is_the_logical_layer(group, buf, weig
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_layer_given_a_routing_runs_its_experts_on_the_rank_s_own_sms(group, buf, weights, transport):
+def test_a_layer_given_a_routing_runs_its_experts_on_the_rank_s_own_sms(group, part_buf, weights, transport):
     """forward(x, topk_idx, topk_weights) with a skewed seeded routing (half
     the tokens on one hot expert, 5 % empty slots) instead of the router's,
     its FFN on the rank's own share of the SMs (cupyep.sm_partition) where
-    ranks share the GPU: the reference under that routing, every rank."""
+    ranks share the GPU, beside a buffer on the same partition: the
+    reference under that routing, every rank."""
     import cupy
 
     from cupyep import routing, sm_partition
     R, me = group.local_size, group.local_rank
     tokens = [NUM_TOKENS] * R
     idx, w = routing.make("hot_expert", 5, tokens, NUM_EXPERTS, NUM_TOPK, drop_fraction=0.05, hot_fraction=0.5)
-    stream = sm_partition.partition_stream(group)[0] if group.ranks_per_gpu > 1 else None
-    layer = moe.MoELayer(buf, weights, NUM_TOPK, transport=transport, compute_stream=stream)
+    stream = sm_partition.partition_stream(group)[0] if part_buf.on_partition else None
+    layer = moe.MoELayer(part_buf, weights, NUM_TOPK, transport=transport, compute_stream=stream)
     xs = _tokens(12, tokens)
     group.comm.Barrier()
     got = layer.forward(cupy.asarray(xs[me]), cupy.asarray(idx[me]), cupy.asarray(w[me])).get()
+    group.check_errors()  # a kernel's timeout is raised here, not mistaken for a wrong row
     lo = me * NUM_TOKENS
     want = moe.reference_forward(cupy.asarray(np.concatenate(xs)), weights, NUM_TOPK, num_ranks=R,
                                  topk_idx=np.concatenate(idx), topk_weights=np.concatenate(w))[lo:lo + NUM_TOKENS]
@@ -184,7 +199,7 @@ def test_a_layer_given_a_routing_runs_its_experts_on_the_rank_s_own_sms(group, b
 
 
 @pytest.mark.parametrize("partition", [False, True], ids=["one stream", "SM partition"])
-def test_pool_memory_poisoned_with_nan_never_reaches_the_output(group, buf, weights, partition):
+def test_pool_memory_poisoned_with_nan_never_reaches_the_output(group, buf, part_buf, weights, partition):
     """The direct route's pools (dispatch slots, pushed partial rows,
     zero-copy rows) filled with 0xFF bytes before each forward: NaN as BF16
     and FP32, -1 as int32. Whatever the layer reads that no kernel of its
@@ -200,6 +215,7 @@ def test_pool_memory_poisoned_with_nan_never_reaches_the_output(group, buf, weig
         pytest.skip("the direct route's pools are the route within a node")
     if partition and group.ranks_per_gpu < 2:
         pytest.skip("an SM partition needs ranks sharing a GPU")
+    buf = part_buf if partition else buf
     R, me = group.local_size, group.local_rank
     tokens = [NUM_TOKENS] * R
     idx, w = routing.make("hot_expert", 5, tokens, NUM_EXPERTS, NUM_TOPK, drop_fraction=0.05, hot_fraction=0.5)
@@ -222,9 +238,25 @@ def test_pool_memory_poisoned_with_nan_never_reaches_the_output(group, buf, weig
         cupy.cuda.runtime.deviceSynchronize()
         group.comm.Barrier()
         got = layer.forward(x, ids, ws).get()
+        group.check_errors()
         diff, worst = moe.agreement(got, want)
         nan = bool(np.isnan(bf16_to_f32(got)).any())
         ok = not nan and diff < moe.MOE_CALC_DIFF_BOUND and worst < moe.MOE_TOKEN_BOUND
         assert all_ranks(group.comm, ok), {"rank": me, "step": step, "nan": nan, "calc_diff": diff, "worst": worst}
     buf.synchronize()
+    group.comm.Barrier()
+
+
+def test_a_partition_stream_beside_a_buffer_on_the_full_gpu_is_refused(group, buf, weights):
+    """An FFN on an SM partition beside communication kernels on the whole
+    GPU can starve (the other ranks' waiting blocks hold the partition's
+    SMs): MoELayer refuses the pair, naming the buffer's argument."""
+    from cupyep import sm_partition
+    if group.ranks_per_gpu < 2 or group.num_nodes > 1:
+        pytest.skip("SM partitions are for ranks sharing a GPU")
+    if buf.on_partition:
+        pytest.skip("the launcher put this run's buffers on partitions (--sm-share)")
+    stream = sm_partition.partition_stream(group)[0]
+    with pytest.raises(ValueError, match="on_partition=True"):
+        moe.MoELayer(buf, weights, NUM_TOPK, transport="direct", compute_stream=stream)
     group.comm.Barrier()
