@@ -86,22 +86,86 @@ def torch_view(t, name: str):
     return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0), strides)
 
 
-def carve(shapes: dict, dtype=np.int32, zero: bool = False, dtypes: dict | None = None) -> dict:
+def carve(shapes: dict, dtype=np.int32, zero: bool = False, dtypes: dict | None = None) -> "Carved":
     """Arrays for ``shapes`` ({name: shape}) in one device allocation, each
     64-byte aligned: of ``dtype``, or of ``dtypes[name]`` where given; zeroed
-    by one memset on the current stream when ``zero``. Returns {name: cupy
-    array}; each keeps the allocation alive."""
+    by one memset on the current stream when ``zero``. Returns a
+    :class:`Carved` (``carved[name]`` is the cupy array; each keeps the
+    allocation alive)."""
     import cupy
-    offsets, end = {}, 0
-    for name, shape in shapes.items():
-        dt = np.dtype(dtypes.get(name, dtype) if dtypes else dtype)
-        offsets[name] = (end, dt)
-        end += -(-math.prod(shape) * dt.itemsize // 64) * 64
-    base = cupy.empty(max(end, 1), dtype=np.uint8)
+    key = (tuple(shapes.items()), dtype, tuple(dtypes.items()) if dtypes else None)
+    plan = _carve_plans.get(key)
+    if plan is None:
+        if len(_carve_plans) >= _MAX_PLANS:  # shapes that vary per call (a received count) would grow it
+            _carve_plans.clear()
+        plan, end = {}, 0
+        for name, shape in shapes.items():
+            dt = np.dtype(dtypes.get(name, dtype) if dtypes else dtype)
+            plan[name] = (end, tuple(shape), dt)
+            end += -(-math.prod(shape) * dt.itemsize // 64) * 64
+        plan = _carve_plans[key] = (plan, max(end, 1))
+    base = cupy.empty(plan[1], dtype=np.uint8)
     if zero:
         cupy.cuda.runtime.memsetAsync(base.data.ptr, 0, base.nbytes, cupy.cuda.get_current_stream().ptr)
-    mem = base.data
-    return {name: cupy.ndarray(shapes[name], dt, mem + off) for name, (off, dt) in offsets.items()}
+    return Carved(base, plan[0])
+
+
+_carve_plans: dict = {}  # carve's arguments -> ({name: (offset, shape, dtype)}, bytes)
+_MAX_PLANS = 1024
+
+
+class Carved:
+    """The arrays of one :func:`carve`: ``carved[name]`` is a cupy view of
+    its part of the allocation, made when first asked for (a view costs the
+    host a couple of microseconds, and a kernel needs only the address:
+    ``carved.ptr(name)``, integer arithmetic). Entries set with
+    ``carved[name] = value`` (an array of the caller's instead of its part,
+    or any value) are held as given; ``ptr`` of an absent name is 0."""
+
+    __slots__ = ("base", "base_ptr", "_plan", "_items")
+
+    def __init__(self, base, plan: dict):
+        self.base, self.base_ptr, self._plan, self._items = base, base.data.ptr, plan, {}
+
+    def __getitem__(self, name):
+        item = self._items.get(name)
+        if item is None:
+            if name not in self._plan:
+                raise KeyError(name)
+            item = self._items[name] = self.view(name)
+        return item
+
+    def __setitem__(self, name, value) -> None:
+        self._items[name] = value
+
+    def __contains__(self, name) -> bool:
+        return name in self._items or name in self._plan
+
+    def get(self, name, default=None):
+        return self[name] if name in self else default
+
+    def setdefault(self, name, value):
+        """``value`` under ``name`` unless it is carved or set (None: left as it is)."""
+        if value is not None and name not in self:
+            self._items[name] = value
+        return self.get(name)
+
+    def ptr(self, name) -> int:
+        """Device address of ``name``'s array (0 when absent)."""
+        item = self._items.get(name)
+        if item is not None:
+            return item.data.ptr
+        part = self._plan.get(name)
+        return self.base_ptr + part[0] if part is not None else 0
+
+    def view(self, name, shape=None):
+        """A new cupy view of ``name``'s part, of its carved shape or of
+        ``shape`` (no more elements than carved)."""
+        import cupy
+        off, carved, dt = self._plan[name]
+        if shape is not None and math.prod(shape) > math.prod(carved):
+            raise ValueError(f"{name}: a view of shape {tuple(shape)} exceeds the carved {carved}")
+        return cupy.ndarray(carved if shape is None else shape, dt, self.base.data + off)
 
 
 def copy(a):

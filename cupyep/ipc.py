@@ -65,6 +65,9 @@ def same_size(comm, nbytes, what: str, who: str) -> int:
     return nbytes
 
 
+_DTYPES: dict = {}  # what a caller names a dtype by -> the dtype (no np.dtype() per view)
+
+
 def buffer_view(owner, base: int, nbytes: int, offset: int, shape, dtype, strides=None, memptr=None):
     """A cupy array of ``shape`` starting ``offset`` bytes into the ``nbytes``
     buffer at device address ``base`` (kept alive by ``owner``), C-contiguous
@@ -72,8 +75,12 @@ def buffer_view(owner, base: int, nbytes: int, offset: int, shape, dtype, stride
     ``memptr``: a cupy MemoryPointer of the whole buffer, to view through
     (else one is made for the view)."""
     import cupy
-    dtype = np.dtype(dtype)
-    shape = tuple(int(d) for d in shape)
+    dt = _DTYPES.get(dtype)
+    if dt is None:
+        dt = _DTYPES[dtype] = np.dtype(dtype)
+    dtype = dt
+    if type(shape) is not tuple or any(type(d) is not int for d in shape):
+        shape = tuple(int(d) for d in shape)
     if strides is None:
         n = math.prod(shape) * dtype.itemsize
     else:

@@ -3,7 +3,7 @@ within and across nodes, and the event of a call (EventHandle, which
 low-latency mode returns too). Below every mode: it imports none."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 
 import numpy as np
 
@@ -51,6 +51,8 @@ class ExpandTables:
     cuda_src/normal/notify.cuh, expand_tables).
 
     Attributes:
+        carved: the cupyep.arrays.Carved of the handle's arrays that holds
+            them, as "expand_base" and "expert_meta";
         base: [R, E_local + 1] int32 device; [d, e]: the expert-major row at
             rank d of this rank's first pair for d's local expert e; [d, E_local]:
             the expert-major rows d lays out.
@@ -60,10 +62,21 @@ class ExpandTables:
         most_rows: the most expert-major rows any rank lays out (host), -1 in
             worst-token mode.
     """
-    base: object
-    meta: object
+    carved: object
     alignment: int
     most_rows: int
+
+    @property
+    def base(self):
+        return self.carved["expand_base"]
+
+    @property
+    def meta(self):
+        return self.carved["expert_meta"]
+
+    def ptrs(self) -> tuple[int, int]:
+        """Device addresses of (base, meta), without views."""
+        return self.carved.ptr("expand_base"), self.carved.ptr("expert_meta")
 
 
 def evolve(obj, **changes):
@@ -138,6 +151,67 @@ class DispatchHandle:
     counts: object = None
     expand: object = None
     lease: object = None
+
+    def __getattr__(self, name):
+        """A routing array of a handle made by :func:`carved_handle`, viewed
+        from its allocation when first read (the view is then kept)."""
+        carved = self.__dict__.get("_carved")
+        key = CARVED_FIELDS.get(name)
+        if carved is None or key is None or key not in carved:
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        if name == "recv_src_idx":  # carved for the slot's rows: the handle's are the first N
+            view = carved.view(key, (self.num_worst_tokens or self.num_recv_tokens,))
+        else:
+            view = carved[key]
+        self.__dict__[name] = view
+        return view
+
+    def array_ptr(self, name: str) -> int:
+        """Device address of the routing array ``name`` (0 for None), without
+        making a view of a carved one."""
+        value = self.__dict__.get(name)
+        if value is not None or name in self.__dict__:
+            return value.data.ptr if value is not None else 0
+        carved = self.__dict__.get("_carved")
+        key = CARVED_FIELDS.get(name)
+        return carved.ptr(key) if carved is not None and key is not None else getattr(self, name).data.ptr
+
+
+#: The routing arrays of a DispatchHandle and their names in its carved allocation (cupyep.normal.node).
+CARVED_FIELDS = {"rank_prefix_matrix": "rpm", "recv_channel_prefix": "recv_cp", "recv_rank_offset": "recv_off",
+                  "recv_src_idx": "src_idx", "is_token_in_rank": "in_rank", "send_head": "send_head",
+                  "send_list": "send_list", "send_channel_prefix": "send_cp"}
+_HANDLE_DEFAULTS = {f.name: f.default for f in fields(DispatchHandle) if f.default is not MISSING}
+
+
+class CarvedRouting:
+    """The routing arrays' addresses of a handle still being made (the
+    notify pass's carved arrays), by DispatchHandle's names, as
+    :meth:`DispatchHandle.array_ptr` gives a handle's."""
+
+    __slots__ = ("carved",)
+
+    def __init__(self, carved):
+        self.carved = carved
+
+    def array_ptr(self, name: str) -> int:
+        return self.carved.ptr(CARVED_FIELDS[name])
+
+
+def carved_handle(carved, **values) -> DispatchHandle:
+    """A DispatchHandle whose routing arrays are the parts of ``carved`` (a
+    cupyep.arrays.Carved holding "rpm", "recv_cp", "recv_off", "in_rank",
+    "send_head", "send_list", "send_cp" and, where carved, "src_idx"),
+    viewed when first read; ``values``: the other fields (recv_src_idx None
+    unless carved). Built without the dataclass's __init__ (host path)."""
+    handle = object.__new__(DispatchHandle)
+    d = handle.__dict__
+    d.update(_HANDLE_DEFAULTS)
+    d.update(values)
+    if "src_idx" not in carved:
+        d.setdefault("recv_src_idx", None)
+    d["_carved"] = carved
+    return handle
 
 
 @dataclass

@@ -601,6 +601,63 @@ def test_evolve_is_dataclasses_replace_on_frozen_handles():
         evolve(h, not_a_field=1)
 
 
+class _Mem:
+    """A device pointer's stand-in (MemoryPointer's ptr and + offset)."""
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def __add__(self, off):
+        return _Mem(self.ptr + off)
+
+
+class _Arr:
+    def __init__(self, ptr):
+        self.data = _Mem(ptr)
+
+
+def _carved(names=("rpm", "recv_cp", "recv_off", "in_rank", "send_head", "send_list", "send_cp", "src_idx")):
+    from cupyep.arrays import Carved
+    plan = {name: (64 * i, (4,), np.dtype(np.int32)) for i, name in enumerate(names)}
+    return Carved(_Arr(4096), plan)
+
+
+def test_carved_arrays_have_addresses_without_views_and_set_entries_win():
+    c = _carved(("a", "b"))
+    assert (c.ptr("a"), c.ptr("b"), c.ptr("absent")) == (4096, 4160, 0)
+    assert "a" in c and "absent" not in c and c.get("absent", 7) == 7
+    mine = _Arr(9000)
+    c["b"] = mine  # the caller's array instead of its carved part
+    assert c.ptr("b") == 9000 and c["b"] is mine and c.setdefault("b", _Arr(1)) is mine
+    c["alignment"] = 128  # any value
+    assert c["alignment"] == 128 and c.setdefault("absent", None) is None
+    with pytest.raises(KeyError):
+        c["absent"]
+
+
+def test_a_carved_handle_reads_its_routing_arrays_from_the_allocation():
+    import dataclasses
+    from cupyep.results import CARVED_FIELDS, DispatchHandle, carved_handle, evolve
+    c = _carved()
+    c["in_rank"] = _Arr(7000)  # the caller's is_token_in_rank
+    h = carved_handle(c, num_recv_tokens=3, num_worst_tokens=0, num_tokens=4, hidden=128, num_experts=8,
+                      num_channels=1, buffer_id=1, transport="direct")
+    assert type(h) is DispatchHandle and h.lease is None and h.recv_expert_row is None and h.num_recv_tokens == 3
+    assert {name: h.array_ptr(name) for name in CARVED_FIELDS} == {name: c.ptr(key) for name, key in
+                                                                  CARVED_FIELDS.items()}
+    assert h.array_ptr("is_token_in_rank") == 7000 and h.is_token_in_rank is c["in_rank"]
+    e = evolve(h, lease="slot")  # a copy keeps the allocation, and its arrays unviewed
+    assert e.lease == "slot" and e.array_ptr("send_head") == c.ptr("send_head") and h.lease is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        h.num_tokens = 1
+    with pytest.raises(AttributeError):
+        h.not_a_field
+    q = carved_handle(_carved(("rpm", "recv_cp", "recv_off", "in_rank", "send_head", "send_list", "send_cp")),
+                      num_recv_tokens=3, num_worst_tokens=0, num_tokens=4, hidden=128, num_experts=8, num_channels=1,
+                      buffer_id=1)
+    assert q.recv_src_idx is None and q.array_ptr("recv_src_idx") == 0  # not carved: the route sets its own
+
+
 # --------------------------------------------------------------------- jit ---
 
 def test_kernel_spec_options():

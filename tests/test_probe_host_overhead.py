@@ -56,3 +56,20 @@ def test_line_tracer_charges_cupyeps_own_lines():
     lines = [k for k in out if not k.startswith("_")]
     assert lines and all(k.startswith("arrays.py:") for k in lines)
     assert 0 < out["_traced_us"] <= out["_per_call_us"]
+
+
+def test_the_dispatch_timeline_splits_each_call_between_host_and_gpu():
+    path = PROBE.with_name("probe_dispatch_timeline.py")
+    spec = importlib.util.spec_from_file_location("probe_dispatch_timeline", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    # two calls (ns): entry, launched, counts seen, return; kernel start and end on the host's clock
+    host = np.array([[0, 100_000, 150_000, 200_000], [210_000, 300_000, 500_000, 560_000]])
+    kernel = np.array([[120_000, 400_000], [420_000, 700_000]])
+    q = mod.per_call(host, kernel, np.array([110_000, 420_000]))
+    assert set(q) == set(mod.QUANTITIES)
+    assert q["pre_us"].tolist() == [100, 90] and q["launch_to_start_us"].tolist() == [20, 120]
+    assert q["start_to_counts_us"].tolist() == [30, 80] and q["post_us"].tolist() == [50, 60]
+    assert q["kernel_us"].tolist() == [280, 280] and q["start_skew_us"].tolist() == [10, 0]
+    assert np.isnan(q["gpu_gap_us"][0]) and q["gpu_gap_us"][1] == 20
+    assert q["period_us"][0] == 210 and np.isnan(q["period_us"][1])

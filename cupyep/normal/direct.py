@@ -18,8 +18,8 @@ import numpy as np
 
 from .. import jit
 from ..arrays import BF16, copy
-from ..results import (RECEIVE_FIELDS, CombineResult, DispatchHandle, ExpandTables, aligned_expert_counts, evolve,
-                       dispatch_result)
+from ..results import (RECEIVE_FIELDS, CarvedRouting, CombineResult, DispatchHandle, ExpandTables,
+                       aligned_expert_counts, dispatch_result, evolve)
 from . import direct_kernels as D
 from . import expert_major as EM
 from .config import Config
@@ -142,16 +142,16 @@ class DirectRoute(NodeRoute):
         if fused:  # layout, notify and the send in one launch
             handle, sent = self._dispatch_fused(fused_fn, call, pool, lay, pos)
         elif notified:
-            routing = node.routing(topk_idx, call.num_experts, T, call.hints)
-            handle = node.notify(T, H, call.num_experts, *routing, D.notify_channels(R), alignment,
-                                 call.num_worst_tokens, transport="direct", notify_time_ns=call.notify_time_ns)
+            hints = node.check_hints(call.hints, call.num_experts, T)
+            handle = node.notify(topk_idx, H, call.num_experts, hints, D.notify_channels(R), alignment,
+                                 call.num_worst_tokens, transport="direct", notify_time_ns=call.notify_time_ns,
+                                 src_rows=lay.rows)
         N = handle.num_worst_tokens or handle.num_recv_tokens
         m_view, m_need = self._expert_rows(handle, direct_em, k, E_local, alignment)
         if direct_em and not sent and m_need > lay.em_rows:  # the same verdict on every rank (global counts)
             direct_em, lay, pos, m_view = False, pools.recv_layout(shape, slot), None, 0
         recv_topk_idx = pool.view(lay.topk_idx, (N, k), np.int64) if topk_idx is not None else None
         recv_topk_weights = pool.view(lay.topk_weights, (N, k), np.float32) if call.topk_weights is not None else None
-        recv_src_idx = pool.view(lay.src_idx, (N,), np.int32)
         if not sent:  # the send (a fused kernel that sent has sent already)
             blocks = cfg.num_sms or D.default_num_sms(node.sm_budget, self._rows_sent(handle), cfg.num_threads)
             args = D.send_args(pools, pool, lay, handle, x, call.x_scales, topk_idx, call.topk_weights,
@@ -161,9 +161,12 @@ class DirectRoute(NodeRoute):
             if direct_em:
                 D.launch_positions(args, call.num_experts)
             D.launch_send(fn, blocks, cfg.num_threads, args, cfg.bulk_shared_bytes())
-        # The handle owns its routing: the source indices (and the expert-major map) are copied out
-        # of the slot, so combine and cached dispatch take it whatever happens to the slot later.
-        handle = evolve(handle, recv_src_idx=copy(recv_src_idx), lease=lease)
+            if notified:
+                _copy_src_idx(handle, pool, lay, N)
+        # The handle owns its routing: the source indices (and the expert-major map) are copied out of
+        # the slot into the handle's carved array (a cached call's are its handle's already), so combine
+        # and cached dispatch take it whatever happens to the slot later.
+        handle = evolve(handle, lease=lease)
         per_expert = aligned_expert_counts(handle.recv_expert_counts, alignment)
         if direct_em:
             em = EM.ExpertMajorOutput(
@@ -229,7 +232,7 @@ class DirectRoute(NodeRoute):
         C = D.notify_channels(R)
         worst = call.num_worst_tokens > 0
         nargs, arrays = node.notify_args(T, call.num_experts, None, None, None, C, call.expert_alignment,
-                                         call.num_worst_tokens, "direct", call.notify_time_ns)
+                                         call.num_worst_tokens, "direct", call.notify_time_ns, lay.rows)
         handle = node.notify_handle(arrays, T, H, call.num_experts, C, call.num_worst_tokens, "direct") \
             if worst else None
         sargs = D.send_args(self.pools, pool, lay, handle or _Offsets(arrays, C), call.x, call.x_scales, call.topk_idx,
@@ -240,6 +243,9 @@ class DirectRoute(NodeRoute):
         D.launch_fused(fn, cfg.num_sms or node.sm_budget, cfg.num_threads, nargs, sargs, node.group.guard("layout"),
                        0 if worst else node.host_counts_ptr + 4 * node.host_status_index, R, call.num_experts, C,
                        pos is not None, cfg.bulk_shared_bytes())
+        # The handle's source indices, every row of the slot (the count is not on the host yet): queued
+        # before the host waits, so that the wait's critical path holds no more CUDA calls.
+        _copy_rows(arrays.ptr("src_idx"), pool, lay, lay.rows)
         if worst:
             return handle, True
         status = self._wait_host_status()
@@ -324,12 +330,27 @@ class DirectRoute(NodeRoute):
             self._pools = None
 
 
-class _Offsets:
-    """The offsets a fused send reads, before the handle exists (the arrays
-    its notify block fills), as the attributes send_args uses."""
+def _copy_rows(dst: int, pool, lay, rows: int) -> None:
+    """Copy the first ``rows`` source indices of the slot laid out as
+    ``lay`` in ``pool`` to device address ``dst``, on the current stream."""
+    import cupy
+    if rows:
+        cupy.cuda.runtime.memcpyAsync(dst, pool.ptr + lay.src_idx, 4 * rows, cupy.cuda.runtime.memcpyDeviceToDevice,
+                                      cupy.cuda.get_current_stream().ptr)
 
-    def __init__(self, arrays: dict, num_channels: int):
-        self.send_list, self.send_channel_prefix = arrays["send_list"], arrays["send_cp"]
-        self.rank_prefix_matrix, self.recv_rank_offset = arrays["rpm"], arrays["recv_off"]
+
+def _copy_src_idx(handle: DispatchHandle, pool, lay, rows: int) -> None:
+    """The slot's first ``rows`` source indices into the handle's own array."""
+    _copy_rows(handle.array_ptr("recv_src_idx"), pool, lay, rows)
+
+
+class _Offsets(CarvedRouting):
+    """The offsets a fused send reads, before the handle exists (the arrays
+    its notify block fills), as send_args reads a handle's."""
+
+    __slots__ = ("num_channels", "expand")
+
+    def __init__(self, arrays, num_channels: int):
+        super().__init__(arrays)
         self.num_channels = num_channels
-        self.expand = ExpandTables(arrays["expand_base"], arrays["expert_meta"], arrays["alignment"], -1)
+        self.expand = ExpandTables(arrays, arrays["alignment"], -1)

@@ -514,16 +514,17 @@ def send_args(pools: DirectPools, pool, lay: RecvLayout, offsets, x, x_scales, t
     T, H = x.shape
     k = topk_idx.shape[1] if topk_idx is not None else 0
     tables = offsets.expand
-    expand = jit.pack(EXPAND_DTYPE, base=jit.ptr(tables.base) if tables is not None else 0,
-                      pos=jit.ptr(pos), meta=jit.ptr(tables.meta) if tables is not None else 0,
+    base, meta = tables.ptrs() if tables is not None else (0, 0)
+    expand = jit.pack(EXPAND_DTYPE, base=base, pos=jit.ptr(pos), meta=meta,
                       num_experts=num_experts, hist_warps=hist_warps(num_experts, pos_threads),
                       compute_pos=int(compute_pos))
     return jit.pack(
         DISPATCH_ARGS_DTYPE, pools=jit.ptr(pool.peer_ptrs), syncs=jit.ptr(pools.sync.peer_ptrs),
         sync=pools.sync_struct, out=lay.struct(), x=jit.ptr(x), x_scales=jit.ptr(x_scales),
-        topk_idx=jit.ptr(topk_idx), topk_weights=jit.ptr(topk_weights), send_list=jit.ptr(offsets.send_list),
-        send_channel_prefix=jit.ptr(offsets.send_channel_prefix),
-        rank_prefix_matrix=jit.ptr(offsets.rank_prefix_matrix), recv_rank_offset=jit.ptr(offsets.recv_rank_offset),
+        topk_idx=jit.ptr(topk_idx), topk_weights=jit.ptr(topk_weights), send_list=offsets.array_ptr("send_list"),
+        send_channel_prefix=offsets.array_ptr("send_channel_prefix"),
+        rank_prefix_matrix=offsets.array_ptr("rank_prefix_matrix"),
+        recv_rank_offset=offsets.array_ptr("recv_rank_offset"),
         state=jit.ptr(pools.state), kernel_time=jit.ptr(kernel_time), expand=expand, num_tokens=T,
         num_scales=H // 128 if x_scales is not None else 0,
         num_topk=k, num_local_experts=num_experts // pools.num_ranks, num_channels=offsets.num_channels,
@@ -595,9 +596,9 @@ def launch_combine(fn, num_blocks: int, num_threads: int, pools: DirectPools, ha
         COMBINE_ARGS_DTYPE, pools=jit.ptr(pool.peer_ptrs), syncs=jit.ptr(pools.sync.peer_ptrs),
         sync=pools.sync_struct, partial_x=partial_x, partial_meta=partial_meta, zc_x=zc_x, rows=fit,
         meta_stride=meta_stride, x=jit.ptr(x), row_weights=jit.ptr(row_weights),
-        recv_topk_weights=jit.ptr(topk_weights), rank_prefix_matrix=jit.ptr(handle.rank_prefix_matrix),
-        recv_rank_offset=jit.ptr(handle.recv_rank_offset), send_head=jit.ptr(handle.send_head),
-        send_channel_prefix=jit.ptr(handle.send_channel_prefix), combined_x=jit.ptr(combined),
+        recv_topk_weights=jit.ptr(topk_weights), rank_prefix_matrix=handle.array_ptr("rank_prefix_matrix"),
+        recv_rank_offset=handle.array_ptr("recv_rank_offset"), send_head=handle.array_ptr("send_head"),
+        send_channel_prefix=handle.array_ptr("send_channel_prefix"), combined_x=jit.ptr(combined),
         combined_topk_weights=jit.ptr(combined_w), state=jit.ptr(pools.state), kernel_time=jit.ptr(kernel_time),
         num_tokens=T, x_int4=H * 2 // 16,
         num_topk=k, num_channels=handle.num_channels, rank=rank, bulk_stage=bulk_stage, guard=guard)

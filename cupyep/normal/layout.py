@@ -39,17 +39,36 @@ def launch_layout(topk_idx, num_experts: int, num_ranks: int, guard: np.void):
         (num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32,
         is_token_in_rank [T, R] bool), cupy.
     """
+    T = topk_idx.shape[0]
+    counts = carve(layout_shapes(T, num_experts, num_ranks), dtypes=LAYOUT_DTYPES)  # one allocation
+    launch_layout_into(topk_idx, num_experts, num_ranks, guard, counts)
+    return counts["per_rank"], counts["per_expert"], counts["in_rank"]
+
+
+#: The layout's outputs as cupyep.arrays.carve parts (the counts first: one memset zeroes both).
+LAYOUT_DTYPES = {"in_rank": np.bool_}
+
+
+def layout_shapes(num_tokens: int, num_experts: int, num_ranks: int) -> dict:
+    """{part: shape} of the layout's outputs: "per_rank" [R], "per_expert"
+    [E] (int32) and "in_rank" [T, R] (bool, LAYOUT_DTYPES), in that order."""
+    return {"per_rank": (num_ranks,), "per_expert": (num_experts,), "in_rank": (num_tokens, num_ranks)}
+
+
+def launch_layout_into(topk_idx, num_experts: int, num_ranks: int, guard: np.void, out) -> None:
+    """The layout kernel writing the parts of ``out`` (a cupyep.arrays.Carved
+    laid out by :func:`layout_shapes`, first among its parts or not), after
+    one memset of its counts (the kernel adds to them), on the current stream."""
+    import cupy
     T, k = topk_idx.shape
-    counts = carve({"per_rank": (num_ranks,), "per_expert": (num_experts,), "in_rank": (T, num_ranks)}, zero=True,
-                   dtypes={"in_rank": np.bool_})  # one allocation, one memset (the kernel adds to the counts)
-    per_rank, per_expert, in_rank = counts["per_rank"], counts["per_expert"], counts["in_rank"]
-    fn = jit.kernel(layout_spec())
+    counts = out.ptr("per_rank")
+    cupy.cuda.runtime.memsetAsync(counts, 0, out.ptr("in_rank") - counts, cupy.cuda.get_current_stream().ptr)
     if T:
-        args = jit.pack(LAYOUT_ARGS_DTYPE, topk_idx=jit.ptr(topk_idx), num_tokens_per_rank=jit.ptr(per_rank),
-                        num_tokens_per_expert=jit.ptr(per_expert), is_token_in_rank=jit.ptr(in_rank),
+        args = jit.pack(LAYOUT_ARGS_DTYPE, topk_idx=topk_idx.data.ptr, num_tokens_per_rank=counts,
+                        num_tokens_per_expert=out.ptr("per_expert"), is_token_in_rank=out.ptr("in_rank"),
                         num_tokens=T, num_topk=k, num_experts=num_experts, num_ranks=num_ranks, guard=guard)
-        fn((-(-T // LAYOUT_THREADS),), (LAYOUT_THREADS,), (args,), shared_mem=4 * (num_ranks + num_experts))
-    return per_rank, per_expert, in_rank
+        jit.kernel(layout_spec())((-(-T // LAYOUT_THREADS),), (LAYOUT_THREADS,), (args,),
+                                  shared_mem=4 * (num_ranks + num_experts))
 
 
 def kernel_specs() -> list[jit.KernelSpec]:

@@ -10,7 +10,7 @@ import numpy as np
 from .. import jit
 from ..arrays import as_cupy, carve, check
 from ..ipc import SymmetricBuffer
-from ..results import DispatchHandle, ExpandTables, LayoutResult, evolve
+from ..results import DispatchHandle, ExpandTables, LayoutResult, carved_handle, evolve
 from . import expert_major as EM
 from . import layout as L
 from . import node_kernels as NK
@@ -63,14 +63,13 @@ class Node:
         """The layout kernel's counts of one routing (on the communication stream)."""
         return LayoutResult(*L.launch_layout(topk_idx, num_experts, self.num_ranks, self.group.guard("layout")))
 
-    def routing(self, topk_idx, num_experts: int, T: int, hints):
-        """(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank) of a
-        notified dispatch: the layout kernel's, or the caller's (checked) when
-        ``hints`` holds all three."""
+    def check_hints(self, hints, num_experts: int, T: int):
+        """The caller's (num_tokens_per_rank [R], num_tokens_per_expert [E],
+        is_token_in_rank [T, R]) checked (ValueError), or None unless all three
+        are given."""
         per_rank, per_expert, in_rank = hints
         if per_rank is None or per_expert is None or in_rank is None:
-            lay = self.layout_pass(topk_idx, num_experts)
-            return lay.num_tokens_per_rank, lay.num_tokens_per_expert, lay.is_token_in_rank
+            return None
         R = self.num_ranks
         return (check(as_cupy(per_rank, "num_tokens_per_rank"), "num_tokens_per_rank", np.int32, shape=(R,)),
                 check(as_cupy(per_expert, "num_tokens_per_expert"), "num_tokens_per_expert", np.int32,
@@ -78,41 +77,75 @@ class Node:
                 check(as_cupy(in_rank, "is_token_in_rank"), "is_token_in_rank", np.bool_, shape=(T, R)))
 
     # ------------------------------------------------------------ notify
-    def notify(self, T, H, num_experts, per_rank, per_expert, in_rank, C, alignment, num_worst_tokens,
-               transport: str = "queue", notify_time_ns=None) -> DispatchHandle:
-        """Run the notify kernel and return the handle (after a bounded host
-        wait for the counts, unless worst-token mode)."""
-        args, arrays = self.notify_args(T, num_experts, per_rank, per_expert, in_rank, C, alignment,
-                                        num_worst_tokens, transport, notify_time_ns)
+    def notify_launch(self, topk_idx, num_experts: int, hints, C: int, alignment: int, num_worst_tokens: int,
+                      transport: str = "queue", notify_time_ns=None, src_rows: int = 0):
+        """The layout (unless the caller's checked ``hints``, from
+        :meth:`check_hints`, stand for it) and notify passes of a notified
+        dispatch, launched; returns the handle's arrays (a cupyep.arrays.Carved
+        that also holds the layout's parts). The host reads the counts after
+        :meth:`wait_counts`."""
+        T = topk_idx.shape[0]
+        if hints is None:  # the layout kernel writes into the handle's allocation
+            args, arrays = self.notify_args(T, num_experts, None, None, None, C, alignment, num_worst_tokens,
+                                            transport, notify_time_ns, src_rows, layout=True)
+            L.launch_layout_into(topk_idx, num_experts, self.num_ranks, self.group.guard("layout"), arrays)
+        else:
+            args, arrays = self.notify_args(T, num_experts, *hints, C, alignment, num_worst_tokens, transport,
+                                            notify_time_ns, src_rows)
         NK.launch_notify(args, self.num_ranks, C)
+        return arrays
+
+    def wait_counts(self, num_worst_tokens: int) -> None:
+        """Bounded host wait for a notify pass's counts (none in worst-token mode)."""
         if num_worst_tokens <= 0:  # the kernel publishes the received rows last, after a fence
             self.group.wait_word(self.host_counts[0:1], self.comm_stream, "notify", "host wait for receive counts")
-        return self.notify_handle(arrays, T, H, num_experts, C, num_worst_tokens, transport)
+
+    def received_rows(self, num_worst_tokens: int) -> int:
+        """N of a notify pass whose counts have arrived (num_worst_tokens in worst-token mode)."""
+        return num_worst_tokens if num_worst_tokens > 0 else int(self.host_counts[0])
+
+    def notify(self, topk_idx, H: int, num_experts: int, hints, C: int, alignment: int, num_worst_tokens: int,
+               transport: str = "queue", notify_time_ns=None, src_rows: int = 0) -> DispatchHandle:
+        """:meth:`notify_launch`, :meth:`wait_counts`, and the handle."""
+        arrays = self.notify_launch(topk_idx, num_experts, hints, C, alignment, num_worst_tokens, transport,
+                                    notify_time_ns, src_rows)
+        self.wait_counts(num_worst_tokens)
+        return self.notify_handle(arrays, topk_idx.shape[0], H, num_experts, C, num_worst_tokens, transport)
 
     def notify_args(self, T, num_experts, per_rank, per_expert, in_rank, C, alignment, num_worst_tokens,
-                    transport: str = "queue", notify_time_ns=None):
-        """(NotifyArgs, the handle's arrays) of a notify pass (``in_rank`` None:
-        [T, R] bool is_token_in_rank carved with them, for a kernel that lays
-        the tokens out); resets the host
-        counts' first words (not in worst-token mode, where they never reach
-        the host). The direct route's pass also fills its expert-major
-        tables (expand_base [R, E_local + 1], expert_meta [2 E_local + 1])."""
+                    transport: str = "queue", notify_time_ns=None, src_rows: int = 0, layout: bool = False):
+        """(NotifyArgs, the handle's arrays: a cupyep.arrays.Carved) of a
+        notify pass over the layout's counts ``per_rank`` and ``per_expert``
+        and ``in_rank`` ([T, R] bool), or, with ``layout``, over the parts the
+        layout kernel writes, carved first (cupyep.normal.layout.layout_shapes),
+        or, all None, for a kernel that lays the tokens out itself (the fused
+        dispatch: [T, R] bool "in_rank" carved). Resets the host counts' first
+        words (not in worst-token mode, where they never reach the host). The
+        direct route's pass also fills its expert-major tables (expand_base
+        [R, E_local + 1], expert_meta [2 E_local + 1]), and ``src_rows`` > 0
+        carves "src_idx" [src_rows] int32 for the handle's copy of the source
+        indices."""
         R = self.num_ranks
         E_local = num_experts // R
-        shapes = {"send_head": (T, R), "send_list": (R, max(T, 1)), "send_cp": (R, C + 1), "recv_cp": (R, C + 1),
-                  "recv_off": (R + 1,), "rpm": (R, R), "recv_per_expert": (E_local,)}
+        shapes = L.layout_shapes(T, num_experts, R) if layout else {}
+        shapes.update({"send_head": (T, R), "send_list": (R, max(T, 1)), "send_cp": (R, C + 1),
+                       "recv_cp": (R, C + 1), "recv_off": (R + 1,), "rpm": (R, R), "recv_per_expert": (E_local,)})
         if transport == "direct":
             shapes.update(expand_base=(R, E_local + 1), expert_meta=(2 * E_local + 1,))
-        if in_rank is None:  # the fused direct dispatch lays the tokens out itself, into the handle's array
+        if in_rank is None and not layout:  # the fused direct dispatch lays the tokens out itself
             shapes["in_rank"] = (T, R)
-        arrays = carve(shapes, dtypes={"in_rank": np.bool_})  # one allocation
-        in_rank = arrays.setdefault("in_rank", in_rank)
+        if src_rows:
+            shapes["src_idx"] = (src_rows,)
+        arrays = carve(shapes, dtypes=L.LAYOUT_DTYPES)  # one allocation
+        for name, given in (("per_rank", per_rank), ("per_expert", per_expert), ("in_rank", in_rank)):
+            if given is not None:
+                arrays[name] = given
         if transport == "direct":
             arrays["alignment"] = int(alignment)
         worst = num_worst_tokens > 0
         if not worst:  # the words the host reads first (the kernel writes the counts before them)
             self.host_counts[0] = self.host_counts[self.host_status_index] = -1
-        args = NK.notify_args(self.buffer, self.layout, in_rank, per_rank, per_expert, arrays,
+        args = NK.notify_args(self.buffer, self.layout, arrays,
                              host_counts=0 if worst else self.host_counts_ptr, notify_time_ns=notify_time_ns,
                              num_tokens=T, num_experts=num_experts, num_channels=C, expert_alignment=alignment,
                              capacity=num_worst_tokens if worst else INT_MAX, rank=self.rank,
@@ -133,14 +166,10 @@ class Node:
         expand = None
         if "expand_base" in arrays:
             most = int(hc[1 + E_local + R * R]) if num_worst_tokens <= 0 else -1
-            expand = ExpandTables(arrays["expand_base"], arrays["expert_meta"], arrays["alignment"], most)
-        return DispatchHandle(rank_prefix_matrix=arrays["rpm"], recv_channel_prefix=arrays["recv_cp"],
-                              recv_rank_offset=arrays["recv_off"], recv_src_idx=None,
-                              is_token_in_rank=arrays["in_rank"], send_head=arrays["send_head"],
-                              send_list=arrays["send_list"], send_channel_prefix=arrays["send_cp"],
-                              num_recv_tokens=n_recv, num_worst_tokens=num_worst_tokens, num_tokens=T, hidden=H,
-                              num_experts=num_experts, num_channels=C, buffer_id=self.buffer_id,
-                              recv_expert_counts=counts, transport=transport, counts=matrix, expand=expand)
+            expand = ExpandTables(arrays, arrays["alignment"], most)
+        return carved_handle(arrays, num_recv_tokens=n_recv, num_worst_tokens=num_worst_tokens, num_tokens=T,
+                             hidden=H, num_experts=num_experts, num_channels=C, buffer_id=self.buffer_id,
+                             recv_expert_counts=counts, transport=transport, counts=matrix, expand=expand)
 
     # ------------------------------------------------------- expert major
     def with_expert_major(self, handle, expert_major: bool, per_expert, recv_x, recv_scales, recv_topk_idx,

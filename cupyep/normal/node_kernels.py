@@ -49,19 +49,20 @@ def offsets_struct(layout) -> np.void:
                     combine_ring=layout.combine_region)
 
 
-def notify_args(buffer, layout, in_rank, per_rank, per_expert, arrays: dict, host_counts: int, notify_time_ns,
-                **scalars) -> np.void:
+def notify_args(buffer, layout, arrays, host_counts: int, notify_time_ns, **scalars) -> np.void:
     """NotifyArgs of a pass over ``buffer`` (a SymmetricBuffer laid out as
-    ``layout``) writing the handle's ``arrays`` (cupyep.normal.node.Node.notify_args)."""
+    ``layout``) writing the handle's ``arrays`` (a cupyep.arrays.Carved,
+    whose "per_rank", "per_expert" and "in_rank" it reads, 0 where absent;
+    cupyep.normal.node.Node.notify_args)."""
+    p = arrays.ptr
     return jit.pack(
         NOTIFY_ARGS_DTYPE, peers=jit.ptr(buffer.peer_ptrs), off=offsets_struct(layout),
-        is_token_in_rank=jit.ptr(in_rank), num_tokens_per_rank=jit.ptr(per_rank),
-        num_tokens_per_expert=jit.ptr(per_expert), send_head=jit.ptr(arrays["send_head"]),
-        send_list=jit.ptr(arrays["send_list"]), send_channel_prefix=jit.ptr(arrays["send_cp"]),
-        recv_channel_prefix=jit.ptr(arrays["recv_cp"]), recv_rank_offset=jit.ptr(arrays["recv_off"]),
-        rank_prefix_matrix=jit.ptr(arrays["rpm"]), num_recv_tokens_per_expert=jit.ptr(arrays["recv_per_expert"]),
-        host_counts=host_counts, expand_base=jit.ptr(arrays.get("expand_base")),
-        expert_meta=jit.ptr(arrays.get("expert_meta")), notify_time_ns=jit.ptr(notify_time_ns), **scalars)
+        is_token_in_rank=p("in_rank"), num_tokens_per_rank=p("per_rank"),
+        num_tokens_per_expert=p("per_expert"), send_head=p("send_head"), send_list=p("send_list"),
+        send_channel_prefix=p("send_cp"), recv_channel_prefix=p("recv_cp"), recv_rank_offset=p("recv_off"),
+        rank_prefix_matrix=p("rpm"), num_recv_tokens_per_expert=p("recv_per_expert"), host_counts=host_counts,
+        expand_base=p("expand_base"), expert_meta=p("expert_meta"), notify_time_ns=jit.ptr(notify_time_ns),
+        **scalars)
 
 
 def notify_smem(num_ranks: int, num_channels: int) -> int:

@@ -10,12 +10,14 @@ overwritten by a later call.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import numpy as np
 
 from .. import jit
-from ..results import CombineResult, DispatchHandle, aligned_expert_counts, dispatch_result, evolve
+from ..arrays import carve
+from ..results import CarvedRouting, CombineResult, DispatchHandle, aligned_expert_counts, dispatch_result, evolve
 from . import queue_kernels as K
 from .config import Config, get_combine_config, get_dispatch_config
 from .direct_kernels import DirectConfig
@@ -87,7 +89,6 @@ class QueueRoute(NodeRoute):
 
     # ---------------------------------------------------------- dispatch
     def dispatch(self, call: DispatchCall):
-        import cupy
         node, cfg = self.node, call.config
         R = node.num_ranks
         T, H, k = call.num_tokens, call.hidden, call.num_topk
@@ -95,28 +96,39 @@ class QueueRoute(NodeRoute):
         fn = self._kernel(K.dispatch_spec_for(R, cfg), cfg, "dispatch")
         handle = call.handle
         notified = handle is None
+        fp8 = call.fp8
+        if notified:  # layout and notify, then, as soon as the counts arrive, the send; the handle after it
+            hints = node.check_hints(call.hints, call.num_experts, T)
+            arrays = node.notify_launch(call.topk_idx, call.num_experts, hints, cfg.num_channels,
+                                        call.expert_alignment, call.num_worst_tokens,
+                                        notify_time_ns=call.notify_time_ns)
+            node.wait_counts(call.num_worst_tokens)
+            N = node.received_rows(call.num_worst_tokens)
+            recv = carve(_recv_shapes(N, H, k, fp8, call.topk_weights is not None, True),
+                         dtypes=_recv_dtypes(call.x.dtype))
+            routing = CarvedRouting(arrays)
+        else:  # a cached call writes the handle's source indices again (the same routing)
+            N = handle.num_worst_tokens or handle.num_recv_tokens
+            recv = carve(_recv_shapes(N, H, k, fp8, call.topk_weights is not None, handle.recv_src_idx is None),
+                         dtypes=_recv_dtypes(call.x.dtype))
+            if handle.recv_src_idx is not None:
+                recv["recv_src_idx"] = handle.recv_src_idx
+            routing = handle
+        K.launch_dispatch(fn, cfg, node.buffer, rs, call.x, call.x_scales, call.topk_idx, call.topk_weights, routing,
+                          {name: recv.ptr(name) for name in RECV_NAMES}, call.queue_occupancy,
+                          call.num_experts // R, N, node.rank, node.group.guard("queue_dispatch"))
         if notified:
-            routing = node.routing(call.topk_idx, call.num_experts, T, call.hints)
-            handle = node.notify(T, H, call.num_experts, *routing, cfg.num_channels, call.expert_alignment,
-                                 call.num_worst_tokens, notify_time_ns=call.notify_time_ns)
-        # a cached call sizes its expert-major rows for the bound (this topk_idx is not counted)
-        per_expert = aligned_expert_counts(handle.recv_expert_counts, call.expert_alignment)
-        N = handle.num_worst_tokens or handle.num_recv_tokens
-        recv = {"recv_x": cupy.empty((N, H), dtype=call.x.dtype),
-                "recv_x_scales": cupy.empty((N, H // 128), dtype=np.float32) if call.fp8 else None,
-                "recv_topk_idx": cupy.empty((N, k), dtype=np.int64) if call.topk_idx is not None else None,
-                "recv_topk_weights": cupy.empty((N, k), dtype=np.float32) if call.topk_weights is not None else None,
-                "recv_src_idx": handle.recv_src_idx if handle.recv_src_idx is not None else
-                cupy.empty(N, dtype=np.int32)}
+            handle = node.notify_handle(arrays, T, H, call.num_experts, cfg.num_channels, call.num_worst_tokens,
+                                        "queue")
         if handle.recv_src_idx is None:
             handle = evolve(handle, recv_src_idx=recv["recv_src_idx"])
-        K.launch_dispatch(fn, cfg, node.buffer, rs, call.x, call.x_scales, call.topk_idx, call.topk_weights, handle,
-                          recv, call.queue_occupancy, call.num_experts // R, N, node.rank,
-                          node.group.guard("queue_dispatch"))
+        # a cached call sizes its expert-major rows for the bound (this topk_idx is not counted)
+        per_expert = aligned_expert_counts(handle.recv_expert_counts, call.expert_alignment)
+        out = {name: recv.get(name) for name in RECV_NAMES[:4]}
         handle, em = node.with_expert_major(handle, call.expert_major, per_expert if notified else None,
-                                            recv["recv_x"], recv["recv_x_scales"], recv["recv_topk_idx"],
+                                            out["recv_x"], out["recv_x_scales"], out["recv_topk_idx"],
                                             call.num_experts, call.expert_alignment)
-        return dispatch_result(recv["recv_x"], recv["recv_x_scales"], recv["recv_topk_idx"], recv["recv_topk_weights"],
+        return dispatch_result(out["recv_x"], out["recv_x_scales"], out["recv_topk_idx"], out["recv_topk_weights"],
                                per_expert, handle, None, em)
 
     # ----------------------------------------------------------- combine
@@ -133,6 +145,30 @@ class QueueRoute(NodeRoute):
         K.launch_combine(fn, cfg, node.buffer, rs, x, call.row_weights, call.topk_weights, handle, combined, combined_w,
                          node.rank, node.group.guard("queue_combine"))
         return CombineResult(combined, combined_w, None, reduced)
+
+
+#: The receive arrays of a queue dispatch, as the kernel's arguments name them.
+RECV_NAMES = ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "recv_src_idx")
+
+
+def _recv_shapes(N: int, H: int, k: int, fp8: bool, weights: bool, src: bool) -> dict:
+    """{name: shape} of a dispatch's receive arrays (those it carries)."""
+    shapes = {"recv_x": (N, H)}
+    if fp8:
+        shapes["recv_x_scales"] = (N, H // 128)
+    if k:
+        shapes["recv_topk_idx"] = (N, k)
+        if weights:
+            shapes["recv_topk_weights"] = (N, k)
+    if src:
+        shapes["recv_src_idx"] = (N,)
+    return shapes
+
+
+@functools.cache
+def _recv_dtypes(x_dtype) -> dict:
+    return {"recv_x": x_dtype, "recv_x_scales": np.float32, "recv_topk_idx": np.int64,
+            "recv_topk_weights": np.float32}
 
 
 def _on_channels(cfg: Config, handle: DispatchHandle | None) -> Config:

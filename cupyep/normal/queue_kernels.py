@@ -81,16 +81,17 @@ def ring_struct(rs) -> np.void:
 def launch_dispatch(fn, cfg, buffer, rs, x, x_scales, topk_idx, topk_weights, handle, recv: dict, queue_occupancy,
                     num_local_experts: int, capacity: int, rank: int, guard: np.void) -> None:
     """The queue dispatch (2 * C blocks) on the current stream: rows of x
-    through the rings ``rs`` of ``buffer`` into ``recv`` (recv_x,
-    recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx; None
-    where not carried) at the offsets of ``handle``."""
+    through the rings ``rs`` of ``buffer`` into the addresses ``recv``
+    (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx;
+    0 where not carried) at the offsets of ``handle`` (a DispatchHandle, or
+    the CarvedRouting of one being made: its ``array_ptr``)."""
     T, H = x.shape
     args = jit.pack(
         DISPATCH_ARGS_DTYPE, peers=jit.ptr(buffer.peer_ptrs), rs=ring_struct(rs), x=jit.ptr(x),
         x_scales=jit.ptr(x_scales), topk_idx=jit.ptr(topk_idx), topk_weights=jit.ptr(topk_weights),
-        send_list=jit.ptr(handle.send_list), send_channel_prefix=jit.ptr(handle.send_channel_prefix),
-        recv_channel_prefix=jit.ptr(handle.recv_channel_prefix), recv_rank_offset=jit.ptr(handle.recv_rank_offset),
-        **{name: jit.ptr(a) for name, a in recv.items()}, queue_occupancy=jit.ptr(queue_occupancy), num_tokens=T,
+        send_list=handle.array_ptr("send_list"), send_channel_prefix=handle.array_ptr("send_channel_prefix"),
+        recv_channel_prefix=handle.array_ptr("recv_channel_prefix"), recv_rank_offset=handle.array_ptr("recv_rank_offset"),
+        **recv, queue_occupancy=jit.ptr(queue_occupancy), num_tokens=T,
         num_scales=H // 128 if x_scales is not None else 0, num_topk=topk_idx.shape[1] if topk_idx is not None else 0,
         num_local_experts=num_local_experts, num_channels=cfg.num_channels, capacity=capacity, rank=rank, guard=guard)
     fn((2 * cfg.num_channels,), (cfg.num_threads,), (args,))
@@ -104,8 +105,8 @@ def launch_combine(fn, cfg, buffer, rs, x, row_weights, topk_weights, handle, co
     args = jit.pack(
         COMBINE_ARGS_DTYPE, peers=jit.ptr(buffer.peer_ptrs), rs=ring_struct(rs), x=jit.ptr(x),
         row_weights=jit.ptr(row_weights), recv_topk_weights=jit.ptr(topk_weights),
-        send_head=jit.ptr(handle.send_head), recv_channel_prefix=jit.ptr(handle.recv_channel_prefix),
-        recv_rank_offset=jit.ptr(handle.recv_rank_offset), combined_x=jit.ptr(combined),
+        send_head=handle.array_ptr("send_head"), recv_channel_prefix=handle.array_ptr("recv_channel_prefix"),
+        recv_rank_offset=handle.array_ptr("recv_rank_offset"), combined_x=jit.ptr(combined),
         combined_topk_weights=jit.ptr(combined_w), num_tokens=combined.shape[0],
         num_topk=topk_weights.shape[1] if topk_weights is not None else 0, num_channels=cfg.num_channels, rank=rank,
         guard=guard)

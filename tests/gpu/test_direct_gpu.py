@@ -224,10 +224,11 @@ def test_direct_worst_tokens_and_cuda_graph(group, buf):
         expected = ref.intranode_combine(_received_rows(res, hidden), res, tokens)[me]
         checks["combine"] = ref.calc_diff(bf16_to_f32(comb.combined_x.get()), expected) < 5e-6
         assert all_ranks(group.comm, all(checks.values())), {k: v for k, v in checks.items() if not v}
-        _poison(stream, out.recv_topk_idx, out.recv_topk_weights, out.handle.recv_src_idx)
+        _poison(stream, out.recv_topk_idx, out.recv_topk_weights)  # the pool's rows; the handle's routing is its own
         cached = buf.dispatch(x_in, idx_in, w_in, handle=out.handle)
         stream.synchronize()
         checks = _worst_rows_checks(cached, exp, exp_rows, worst)
+        checks["routing shared"] = cached.handle.recv_src_idx.data.ptr == out.handle.recv_src_idx.data.ptr
         assert all_ranks(group.comm, all(checks.values())), {f"cached {k}": v for k, v in checks.items() if not v}
     graph, (out, comb) = capture(stream, group, step)
     for it in range(3):

@@ -296,11 +296,13 @@ def test_expert_major_worst_tokens_and_cuda_graph(group, buf, via, alignment):
             checks["combine"] = diff < 5e-6
         assert all_ranks(group.comm, all(checks.values())), (it, {k: v for k, v in checks.items() if not v})
 
-    def poison(out):
-        """0xA5 bytes over the outputs: ids neither -1 nor valid, nonzero finite BF16 rows."""
-        for a in (out.recv_topk_idx, out.recv_topk_weights, out.handle.recv_src_idx, out.expert_x,
-                  out.expert_src_row, out.handle.recv_expert_row):
-            cupy.cuda.runtime.memsetAsync(a.data.ptr, 0xA5, a.nbytes, stream.ptr)
+    def poison(out, routing=True):
+        """0xA5 bytes over the outputs: ids neither -1 nor valid, nonzero finite BF16 rows; over the
+        handle's source indices too unless ``routing`` is False (a cached call reads them)."""
+        for a in (out.recv_topk_idx, out.recv_topk_weights, out.handle.recv_src_idx if routing else None,
+                  out.expert_x, out.expert_src_row, out.handle.recv_expert_row):
+            if a is not None:
+                cupy.cuda.runtime.memsetAsync(a.data.ptr, 0xA5, a.nbytes, stream.ptr)
 
     def load(it):
         tokens, idx, w = _routing(group, seed + it, num_tokens, num_topk)
@@ -313,8 +315,8 @@ def test_expert_major_worst_tokens_and_cuda_graph(group, buf, via, alignment):
         out, comb = step()  # warm-up outside the graph (also compiles)
         stream.synchronize()
         check(out, comb, 0)
-        # A cached call with the worst-token handle, over its poisoned recv_src_idx.
-        poison(out)
+        # A cached call with the worst-token handle, over poisoned outputs (the handle's routing is its own).
+        poison(out, routing=False)
         cached = buf.dispatch(x_in, idx_in, w_in, handle=out.handle, expert_alignment=alignment, expert_major=True,
                               **via)
         stream.synchronize()

@@ -78,6 +78,11 @@ def test_carve_lays_out_mixed_dtypes_aligned_in_one_allocation(group):
     from cupyep.arrays import carve
     a = carve({"n": (3,), "mask": (5, 3), "w": (2, 2)}, dtypes={"mask": np.bool_, "w": np.float32}, zero=True)
     assert (a["n"].dtype, a["mask"].dtype, a["w"].dtype) == (np.int32, np.bool_, np.float32)
-    assert a["mask"].shape == (5, 3) and all(v.data.ptr % 64 == 0 for v in a.values())
+    views = [a[name] for name in ("n", "mask", "w")]
+    assert a["mask"].shape == (5, 3) and all(v.data.ptr % 64 == 0 for v in views)
     assert a["mask"].data.ptr - a["n"].data.ptr == 64 and a["w"].data.ptr - a["mask"].data.ptr == 64
-    assert not any(bool(v.any()) for v in a.values())  # zeroed, every array
+    assert [a.ptr(name) for name in ("n", "mask", "w")] == [v.data.ptr for v in views] and a.ptr("absent") == 0
+    assert not any(bool(v.any()) for v in views)  # zeroed, every array
+    assert a.view("mask", (3, 5)).data.ptr == a["mask"].data.ptr  # another shape over the same part
+    with pytest.raises(ValueError, match="exceeds"):
+        a.view("n", (4,))
