@@ -54,7 +54,9 @@ class Buffer:
             twice the mean pairs). Each rank's direct memory, allocated by the
             first call that uses it: num_in_flight slots of this, a combine
             pool of R * max_tokens partial rows, and, for zero-copy combines,
-            num_in_flight slots of R * max_tokens rows of ``hidden``.
+            num_in_flight slots of R * max_tokens rows of ``hidden``. Each
+            direct handle owns its routing, a slot's rows of source indices
+            among it (4 bytes a row: 128 KiB at 8 ranks x 4096 tokens).
         num_sms: the SMs (blocks) this rank's communication kernels use by
             default: 0 is its share of the GPU (``Group.sm_share``); fewer
             leave the rest to compute beside them. Within a node a config's
