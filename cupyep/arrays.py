@@ -144,12 +144,6 @@ class Carved:
     def get(self, name, default=None):
         return self[name] if name in self else default
 
-    def setdefault(self, name, value):
-        """``value`` under ``name`` unless it is carved or set (None: left as it is)."""
-        if value is not None and name not in self:
-            self._items[name] = value
-        return self.get(name)
-
     def ptr(self, name) -> int:
         """Device address of ``name``'s array (0 when absent)."""
         item = self._items.get(name)

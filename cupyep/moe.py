@@ -354,9 +354,10 @@ class MoELayer:
         rule: "round_robin" or "nearest".
         compute_stream: a CuPy stream for the experts' FFN (e.g. the rank's
             own share of the SMs, cupyep.sm_partition.compute_stream, which
-            needs a buffer whose kernels run on the partition too:
-            ``Buffer(on_partition=True)``), or None: the current stream. It
-            waits for the dispatch, and the combine waits for it.
+            needs, within a node, a buffer whose kernels run on the
+            partition too: ``Buffer(on_partition=True)``), or None: the
+            current stream. It waits for the dispatch, and the combine waits
+            for it.
         zero_copy: combine without the push pass: the reduce of each
             received row's expert outputs goes straight into the dispatch
             slot's zero-copy buffer and the tokens' owners read it there
@@ -400,7 +401,7 @@ class MoELayer:
         w1, w2 = weights.local(me, R)
         self._store = self._next = None  # the weights' registered copy and the placement a migration moves to
         if compute_stream is not None and buffer.group.ranks_per_gpu > 1 and not buffer.on_partition and \
-                sm_partition.is_partition_stream(compute_stream):
+                not buffer.internode and sm_partition.is_partition_stream(compute_stream):
             raise ValueError("compute_stream is an SM partition's, and the buffer's communication kernels run on the "
                              "full GPU: other ranks' kernels there can hold every SM of the partition while they wait "
                              "for this rank's experts. Make the buffer with cupyep.Buffer(..., on_partition=True)")

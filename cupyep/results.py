@@ -127,6 +127,10 @@ class DispatchHandle:
             that slot's), else None. The routing above is the handle's own:
             combine and cached dispatch take the handle whatever became of
             the slot.
+
+    A handle made by a notify pass holds its routing arrays as parts of one
+    allocation (:func:`carved_handle`): each becomes a CuPy array when first
+    read, and kernels take their addresses (:meth:`array_ptr`) without one.
     """
     rank_prefix_matrix: object
     recv_channel_prefix: object

@@ -142,6 +142,12 @@ def test_a_group_across_nodes_gets_the_routes_across_nodes():
     assert not buf.on_partition
 
 
+def test_across_nodes_the_routes_stay_on_the_full_gpu_under_sm_share(monkeypatch):
+    from cupyep import sm_partition
+    monkeypatch.setenv(sm_partition.ENV_VAR, "1")
+    assert not cupyep.Buffer(_Group(num_nodes=2)).on_partition
+
+
 def test_the_engines_are_made_from_the_declared_sizes(monkeypatch):
     """One TwoHopDispatch per route, made from the constructor's sizes (not
     the first call's), collectively at the route's first call, after one

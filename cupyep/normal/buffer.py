@@ -71,7 +71,10 @@ class Buffer:
             The SM budget is then at most the partition's SMs, and a
             residency check counts this rank's blocks alone. None (default):
             when the launcher asked for partitions (``--sm-share``) and ranks
-            share the GPU.
+            share the GPU, within a node. Across nodes the NVSHMEM routes run
+            on the full GPU (True is a ValueError there): a partitioned
+            compute beside them keeps the hazard, which the kernels'
+            timeouts bound (CommTimeoutError).
 
     Attributes:
         routes: {transport: Route}: the route that carries each transport here.
@@ -96,7 +99,8 @@ class Buffer:
         group.require_gpu("cupyep.Buffer")
         self.group = group
         self.internode = group.num_nodes > 1
-        self.on_partition = sm_partition.in_use(group) if on_partition is None else bool(on_partition)
+        self.on_partition = not self.internode and sm_partition.in_use(group) if on_partition is None \
+            else bool(on_partition)
         part_stream = None
         if self.on_partition:
             if self.internode:

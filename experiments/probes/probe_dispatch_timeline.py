@@ -91,7 +91,6 @@ def per_call(host: np.ndarray, kernel: np.ndarray, first_start: np.ndarray) -> d
 
 def main():
     import cupy
-    from mpi4py import MPI
 
     from cupyep.normal import direct_kernels as D
     from cupyep.normal.direct import DirectRoute
@@ -160,7 +159,6 @@ def main():
         if args.out:
             with open(args.out, "w") as f:
                 f.write(text + "\n")
-    group.comm.allreduce(0, op=MPI.SUM)
     buf.synchronize()
     group.comm.Barrier()
     buf.destroy()

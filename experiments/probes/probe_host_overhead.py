@@ -423,15 +423,15 @@ def main():
         if args.sample:
             group.comm.Barrier()
             rec["samples"] = sample(call, args.sample)  # every rank calls; rank 0's is kept
-        if args.phases:
-            clock = PhaseClock().install()
+        if args.phases:  # a clock of its own (the wait clock above times the next route's waits)
+            phases = PhaseClock().install()
             try:
                 def settle():
                     cupy.cuda.runtime.deviceSynchronize()
                     group.comm.Barrier()
-                rec["phases"] = phase_times(call, args.phases, clock, settle)  # rank 0's is kept
+                rec["phases"] = phase_times(call, args.phases, phases, settle)  # rank 0's is kept
             finally:
-                clock.remove()
+                phases.remove()
         if args.trace:
             group.comm.Barrier()
             rec["lines"] = trace_lines(call, args.trace)  # every rank calls; rank 0's is kept
