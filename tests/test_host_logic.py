@@ -1006,3 +1006,11 @@ def test_a_tensor_that_carries_its_array_gets_it_back_while_it_is_unchanged(fake
     moved = SimpleNamespace(data=SimpleNamespace(ptr=8192), shape=(2, 3))  # the tensor's memory changed
     with pytest.raises(TypeError, match="CUDA device"):  # so it is viewed anew (here: refused as host data)
         as_cupy(Tensor("torch.float32", cuda=False, cached=moved), "x")
+
+
+def test_the_layout_refuses_parts_carved_out_of_order():
+    from cupyep.arrays import Carved
+    from cupyep.normal.layout import launch_layout_into
+    plan = {name: (64 * i, (4,), np.dtype(np.int32)) for i, name in enumerate(("per_expert", "per_rank", "in_rank"))}
+    with pytest.raises(ValueError, match="one after another"):  # before any CUDA call
+        launch_layout_into(np.zeros((2, 1), np.int64), 4, 2, None, Carved(_Arr(4096), plan))

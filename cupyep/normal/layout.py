@@ -57,15 +57,19 @@ def layout_shapes(num_tokens: int, num_experts: int, num_ranks: int) -> dict:
 
 def launch_layout_into(topk_idx, num_experts: int, num_ranks: int, guard: np.void, out) -> None:
     """The layout kernel writing the parts of ``out`` (a cupyep.arrays.Carved
-    laid out by :func:`layout_shapes`, first among its parts or not), after
-    one memset of its counts (the kernel adds to them), on the current stream."""
+    holding :func:`layout_shapes`' three parts one after another, in that
+    order, among others or not), after one memset of the counts (from
+    "per_rank" up to "in_rank": the kernel adds to them), on the current
+    stream."""
     import cupy
     T, k = topk_idx.shape
-    counts = out.ptr("per_rank")
-    cupy.cuda.runtime.memsetAsync(counts, 0, out.ptr("in_rank") - counts, cupy.cuda.get_current_stream().ptr)
+    counts, per_expert, in_rank = out.ptr("per_rank"), out.ptr("per_expert"), out.ptr("in_rank")
+    if not counts < per_expert < in_rank:
+        raise ValueError("the layout's parts must be carved one after another: per_rank, per_expert, in_rank")
+    cupy.cuda.runtime.memsetAsync(counts, 0, in_rank - counts, cupy.cuda.get_current_stream().ptr)
     if T:
         args = jit.pack(LAYOUT_ARGS_DTYPE, topk_idx=topk_idx.data.ptr, num_tokens_per_rank=counts,
-                        num_tokens_per_expert=out.ptr("per_expert"), is_token_in_rank=out.ptr("in_rank"),
+                        num_tokens_per_expert=per_expert, is_token_in_rank=in_rank,
                         num_tokens=T, num_topk=k, num_experts=num_experts, num_ranks=num_ranks, guard=guard)
         jit.kernel(layout_spec())((-(-T // LAYOUT_THREADS),), (LAYOUT_THREADS,), (args,),
                                   shared_mem=4 * (num_ranks + num_experts))
