@@ -173,12 +173,10 @@ class DispatchHandle:
     def array_ptr(self, name: str) -> int:
         """Device address of the routing array ``name`` (0 for None), without
         making a view of a carved one."""
-        value = self.__dict__.get(name)
-        if value is not None or name in self.__dict__:
+        if name in self.__dict__:  # set, or viewed already
+            value = self.__dict__[name]
             return value.data.ptr if value is not None else 0
-        carved = self.__dict__.get("_carved")
-        key = CARVED_FIELDS.get(name)
-        return carved.ptr(key) if carved is not None and key is not None else getattr(self, name).data.ptr
+        return self.__dict__["_carved"].ptr(CARVED_FIELDS[name])  # only a carved handle leaves one unset
 
 
 #: The routing arrays of a DispatchHandle and their names in its carved allocation (cupyep.normal.node).

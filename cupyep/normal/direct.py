@@ -161,8 +161,8 @@ class DirectRoute(NodeRoute):
             if direct_em:
                 D.launch_positions(args, call.num_experts)
             D.launch_send(fn, blocks, cfg.num_threads, args, cfg.bulk_shared_bytes())
-            if notified:
-                _copy_src_idx(handle, pool, lay, N)
+            if notified:  # into the handle's own array
+                _copy_rows(handle.array_ptr("recv_src_idx"), pool, lay, N)
         # The handle owns its routing: the source indices (and the expert-major map) are copied out of
         # the slot into the handle's carved array (a cached call's are its handle's already), so combine
         # and cached dispatch take it whatever happens to the slot later.
@@ -337,11 +337,6 @@ def _copy_rows(dst: int, pool, lay, rows: int) -> None:
     if rows:
         cupy.cuda.runtime.memcpyAsync(dst, pool.ptr + lay.src_idx, 4 * rows, cupy.cuda.runtime.memcpyDeviceToDevice,
                                       cupy.cuda.get_current_stream().ptr)
-
-
-def _copy_src_idx(handle: DispatchHandle, pool, lay, rows: int) -> None:
-    """The slot's first ``rows`` source indices into the handle's own array."""
-    _copy_rows(handle.array_ptr("recv_src_idx"), pool, lay, rows)
 
 
 class _Offsets(CarvedRouting):

@@ -96,7 +96,6 @@ class QueueRoute(NodeRoute):
         fn = self._kernel(K.dispatch_spec_for(R, cfg), cfg, "dispatch")
         handle = call.handle
         notified = handle is None
-        fp8 = call.fp8
         if notified:  # layout and notify, then, as soon as the counts arrive, the send; the handle after it
             hints = node.check_hints(call.hints, call.num_experts, T)
             arrays = node.notify_launch(call.topk_idx, call.num_experts, hints, cfg.num_channels,
@@ -104,16 +103,15 @@ class QueueRoute(NodeRoute):
                                         notify_time_ns=call.notify_time_ns)
             node.wait_counts(call.num_worst_tokens)
             N = node.received_rows(call.num_worst_tokens)
-            recv = carve(_recv_shapes(N, H, k, fp8, call.topk_weights is not None, True),
-                         dtypes=_recv_dtypes(call.x.dtype))
             routing = CarvedRouting(arrays)
-        else:  # a cached call writes the handle's source indices again (the same routing)
+        else:
             N = handle.num_worst_tokens or handle.num_recv_tokens
-            recv = carve(_recv_shapes(N, H, k, fp8, call.topk_weights is not None, handle.recv_src_idx is None),
-                         dtypes=_recv_dtypes(call.x.dtype))
-            if handle.recv_src_idx is not None:
-                recv["recv_src_idx"] = handle.recv_src_idx
             routing = handle
+        own_src = notified or handle.recv_src_idx is None
+        recv = carve(_recv_shapes(N, H, k, call.fp8, call.topk_weights is not None, own_src),
+                     dtypes=_recv_dtypes(call.x.dtype))
+        if not own_src:  # a cached call writes the handle's source indices again (the same routing)
+            recv["recv_src_idx"] = handle.recv_src_idx
         K.launch_dispatch(fn, cfg, node.buffer, rs, call.x, call.x_scales, call.topk_idx, call.topk_weights, routing,
                           {name: recv.ptr(name) for name in RECV_NAMES}, call.queue_occupancy,
                           call.num_experts // R, N, node.rank, node.group.guard("queue_dispatch"))

@@ -29,13 +29,13 @@ The record holds each quantity's median over calls, per rank and the worst
 rank's.
 """
 import argparse
-import json
 import time
 
 import numpy as np
 
 import cupyep
 from cupyep.lab.bench import require_gpu
+from cupyep.lab.bench.report import write_document
 from cupyep.lab.bench.stamps import new_kernel_stamps, one_timer
 from cupyep.testing import global_routing, payload_bf16
 
@@ -154,11 +154,7 @@ def main():
         out = {"probe": "dispatch_timeline", "route": "direct (fused)", "ranks": R, "tokens": T, "hidden": H,
                "experts": E, "topk": args.topk, "iters": n, "clock": clocks, "per_rank": every,
                "worst_rank": {name: max(r[name] for r in every) for name in QUANTITIES}}
-        text = json.dumps(out, indent=1)
-        print(text)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text + "\n")
+        write_document(out, args.out)
     buf.synchronize()
     group.comm.Barrier()
     buf.destroy()

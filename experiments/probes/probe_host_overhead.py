@@ -30,7 +30,6 @@ Each record holds the medians over calls, the slowest rank's (max over
 ranks), in microseconds.
 """
 import argparse
-import json
 import sys
 import time
 
@@ -38,6 +37,7 @@ import numpy as np
 
 import cupyep
 from cupyep.lab.bench import require_gpu
+from cupyep.lab.bench.report import write_document
 from cupyep.normal.direct_kernels import DirectConfig
 from cupyep.testing import global_routing, payload_bf16
 
@@ -446,11 +446,7 @@ def main():
                 rec["profile"] = merge_profiles(rec.pop("_profiles"))
         out["routes"][name] = rec
     if me == 0:
-        text = json.dumps(out, indent=1)
-        print(text)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text + "\n")
+        write_document(out, args.out)
     buf.synchronize()
     group.comm.Barrier()
     buf.destroy()

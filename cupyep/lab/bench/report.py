@@ -41,3 +41,12 @@ class JsonlWriter:
             with self.path.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
         self.echo(json.dumps({k: v for k, v in record.items() if not isinstance(v, (list, dict))}))
+
+
+def write_document(doc: dict, path: str | None) -> None:
+    """One JSON document (a probe's whole record, indented): printed, and
+    written to ``path`` when given (call on one rank)."""
+    text = json.dumps(doc, indent=1)
+    print(text)
+    if path:
+        Path(path).write_text(text + "\n")
