@@ -93,21 +93,29 @@ def carve(shapes: dict, dtype=np.int32, zero: bool = False, dtypes: dict | None 
     :class:`Carved` (``carved[name]`` is the cupy array; each keeps the
     allocation alive)."""
     import cupy
+    plan, nbytes = carve_plan(shapes, dtype, dtypes)
+    base = cupy.empty(nbytes, dtype=np.uint8)
+    if zero:
+        cupy.cuda.runtime.memsetAsync(base.data.ptr, 0, base.nbytes, cupy.cuda.get_current_stream().ptr)
+    return Carved(base, plan)
+
+
+def carve_plan(shapes: dict, dtype=np.int32, dtypes: dict | None = None) -> tuple[dict, int]:
+    """({name: (byte offset, shape, dtype)}, bytes of the allocation) of
+    :func:`carve`'s arguments (cached: a caller that keeps the plan makes
+    its Carved from one allocation of that many bytes)."""
     key = (tuple(shapes.items()), dtype, tuple(dtypes.items()) if dtypes else None)
     plan = _carve_plans.get(key)
     if plan is None:
         if len(_carve_plans) >= _MAX_PLANS:  # shapes that vary per call (a received count) would grow it
             _carve_plans.clear()
-        plan, end = {}, 0
+        parts, end = {}, 0
         for name, shape in shapes.items():
             dt = np.dtype(dtypes.get(name, dtype) if dtypes else dtype)
-            plan[name] = (end, tuple(shape), dt)
+            parts[name] = (end, tuple(shape), dt)
             end += -(-math.prod(shape) * dt.itemsize // 64) * 64
-        plan = _carve_plans[key] = (plan, max(end, 1))
-    base = cupy.empty(plan[1], dtype=np.uint8)
-    if zero:
-        cupy.cuda.runtime.memsetAsync(base.data.ptr, 0, base.nbytes, cupy.cuda.get_current_stream().ptr)
-    return Carved(base, plan[0])
+        plan = _carve_plans[key] = (parts, max(end, 1))
+    return plan
 
 
 _carve_plans: dict = {}  # carve's arguments -> ({name: (offset, shape, dtype)}, bytes)

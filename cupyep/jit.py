@@ -188,6 +188,95 @@ def ptr(a) -> int:
     return 0 if a is None else a.data.ptr
 
 
+class Address:
+    """Stands for a CuPy array in a packing function where only its shape
+    and address are read (``a.shape``, ``a.data.ptr``; see :func:`ptr`)."""
+
+    __slots__ = ("shape", "data", "ptr")
+
+    def __init__(self, shape: tuple, address: int):
+        self.shape, self.ptr = tuple(shape), int(address)
+        self.data = self
+
+
+# Distinct address steps, one per source of an ArgTemplate: far above any device address, and a
+# word moved by one of them is told from a word moved by another.
+_STEP = 1 << 52
+
+
+class ArgTemplate:
+    """A kernel argument struct packed once per call shape, whose addresses
+    of per-call memory are patched at each launch.
+
+    ``pack(addresses)`` must be the launch's own packing function, a pure
+    function of ``addresses`` ({source name: device address}, 0 for none)
+    returning the struct (an np.void). It is called once with every address
+    0 (the template) and once per source with that source moved by a
+    distinct step: the 8-byte words that move by the step are the source's
+    (a pointer field equal to the source's address plus a fixed offset, as
+    a carved array's address is its allocation's plus its offset). A launch
+    writes ``template + address`` into those words, so that its bytes equal
+    ``pack(addresses)``'s; :meth:`check` compares the two.
+
+    :meth:`launch` passes the bytes to ``cuLaunchKernel`` through one
+    kernel-parameter pointer (the driver copies them at launch, so the one
+    buffer serves every call); its addresses come in the order of
+    ``sources``."""
+
+    def __init__(self, pack, sources: tuple[str, ...]):
+        self.sources = tuple(sources)
+        base = pack(dict.fromkeys(self.sources, 0))
+        nbytes = base.dtype.itemsize
+        if nbytes % 8:
+            raise ValueError(f"an ArgTemplate needs a struct of whole 8-byte words, got {nbytes} bytes")
+        self.dtype = base.dtype
+        template = np.frombuffer(base.tobytes(), dtype=np.uint64)
+        idx, which = [], []
+        for i, s in enumerate(self.sources):
+            step = np.uint64(_STEP * (i + 1))
+            moved = np.frombuffer(pack({t: (int(step) if t == s else 0) for t in self.sources}).tobytes(),
+                                  dtype=np.uint64)
+            delta = moved - template  # uint64 wraps: a word that moved by the step reads exactly the step
+            if np.any((delta != 0) & (delta != step)):
+                raise ValueError(f"ArgTemplate: source {s!r} changes a word other than by its address")
+            words = np.flatnonzero(delta)
+            idx.extend(words.tolist())
+            which.extend([i] * words.size)
+        #: {source: the struct's 8-byte words that hold its address}
+        self.words = {s: [w for w, j in zip(idx, which) if j == i] for i, s in enumerate(self.sources)}
+        self._idx = np.array(idx, dtype=np.intp)
+        self._which = np.array(which, dtype=np.intp)
+        self._offsets = template[self._idx].copy()
+        self._buffer = template.copy()  # the words no source moves never change
+        self._params = np.array([self._buffer.ctypes.data], dtype=np.uint64)  # void*[1]: the struct's address
+        self._params_ptr = int(self._params.ctypes.data)
+
+    def _write(self, addresses) -> None:
+        self._buffer[self._idx] = self._offsets + np.array(addresses, dtype=np.uint64)[self._which]
+
+    def packed(self, *addresses) -> bytes:
+        """The bytes a launch with ``addresses`` (in the order of ``sources``) passes."""
+        self._write(addresses)
+        return self._buffer.tobytes()
+
+    def check(self, pack, *addresses) -> None:
+        """AssertionError unless the bytes a launch with ``addresses`` passes
+        equal ``pack``'s of them, at the first byte that differs."""
+        full = pack(dict(zip(self.sources, addresses))).tobytes()
+        got = self.packed(*addresses)
+        if got != full:
+            at = next(i for i in range(len(full)) if got[i] != full[i])
+            raise AssertionError(f"ArgTemplate: the patched struct differs from its pack at byte {at}")
+
+    def launch(self, fn, num_blocks: int, num_threads: int, shared_bytes: int, stream_ptr: int, *addresses) -> None:
+        """Launch ``fn`` (a loaded kernel taking this struct by value) on
+        ``stream_ptr``, the struct patched for ``addresses``."""
+        from cupy.cuda import driver
+        self._write(addresses)
+        driver.launchKernel(fn.kernel.ptr, num_blocks, 1, 1, num_threads, 1, 1, shared_bytes, stream_ptr,
+                            self._params_ptr, 0)
+
+
 _resident: dict[tuple[int, int, int], int] = {}
 
 

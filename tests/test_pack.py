@@ -68,3 +68,90 @@ def test_pack_rejects_an_unknown_field():
     dtype = next(iter(DTYPES.values()))
     with pytest.raises(ValueError, match="no field"):
         jit.pack(dtype, not_a_field=1)
+
+
+# ------------------------------------------------------------------ ArgTemplate
+def test_arg_template_patches_the_words_of_each_source():
+    from cupyep.normal.direct_kernels import RECV_LAYOUT_DTYPE
+
+    def pack(a):  # two fields at offsets from "base", one at "x", one constant
+        return jit.pack(RECV_LAYOUT_DTYPE, x=a["base"] + 256 if a["base"] else 256, src_idx=a["base"] + 1024,
+                        topk_idx=a["x"], rows=7)
+    t = jit.ArgTemplate(pack, ("base", "x", "unused"))
+    assert t.words == {"base": [0, 4], "x": [2], "unused": []}
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        addr = [int(v) << 8 for v in rng.integers(1, 1 << 38, size=3)]
+        t.check(pack, *addr)
+    t.check(pack, 0, 0, 0)
+
+
+def test_arg_template_refuses_a_pack_that_is_not_an_address_plus_an_offset():
+    from cupyep.normal.direct_kernels import RECV_LAYOUT_DTYPE
+    with pytest.raises(ValueError, match="source 'x'"):
+        jit.ArgTemplate(lambda a: jit.pack(RECV_LAYOUT_DTYPE, x=a["x"] * 2), ("x",))
+    with pytest.raises(ValueError, match="whole 8-byte words"):
+        jit.ArgTemplate(lambda a: jit.pack(jit.struct_dtype([("a", np.int32)]), a=a["x"]), ("x",))
+
+
+def _fused_route(R, worst, timeout_s=5.0):
+    """A DirectRoute over stand-ins for its node, pools and kernel (what the
+    fused dispatch's packing reads of them), for building launch plans."""
+    from types import SimpleNamespace
+
+    from cupyep.normal import direct_kernels as D
+    from cupyep.normal.direct import DirectRoute
+    from cupyep.normal.node import Node
+    from cupyep.normal.queue_layout import buffer_layout
+    from cupyep.errors import GUARD_DTYPE
+
+    guards = {}
+
+    def guard(kernel, t=None):
+        return guards.setdefault(kernel, jit.pack(GUARD_DTYPE, slot=0x7000 + len(guards), timeout_ns=int(timeout_s * 1e9),
+                                                  kernel=len(guards), rank=1))
+    group = SimpleNamespace(guard=guard, timeout_s=timeout_s)
+    node = SimpleNamespace(num_ranks=R, rank=1, group=group, buffer=SimpleNamespace(peer_ptrs=jit.Address((R,), 0x5000)),
+                           layout=buffer_layout(R, 1 << 26), host_counts_ptr=0x9000, host_status_index=R * R + 50,
+                           sm_budget=132 // R)
+    for name in ("notify_shapes", "pack_notify"):
+        setattr(node, name, getattr(Node, name).__get__(node))
+    pools = SimpleNamespace(num_ranks=R, sync=SimpleNamespace(peer_ptrs=jit.Address((R,), 0x6000)),
+                            sync_struct=jit.pack(D.SYNC_DTYPE, dispatch_arrived=64), state=jit.Address((9,), 0x6100))
+    route = object.__new__(DirectRoute)
+    route.node, route._pools, route._fused = node, pools, {}
+    route._kernel = lambda spec, cfg, what, smem=None: SimpleNamespace(kernel=SimpleNamespace(ptr=0x42))
+    return route, SimpleNamespace(peer_ptrs=jit.Address((R,), 0x8000))
+
+
+@pytest.mark.parametrize("R,fp8,weights,worst,em,metrics", [
+    (2, False, True, 0, False, False), (8, True, True, 0, False, True), (4, False, False, 4096, False, False),
+    (8, False, True, 0, True, False), (2, True, False, 512, True, True)])
+def test_fused_dispatch_plan_patches_to_the_full_pack(R, fp8, weights, worst, em, metrics):
+    """The fused direct dispatch's launch plan: for any addresses of the
+    call's arrays, its patched args equal the packing functions' bytes."""
+    from types import SimpleNamespace
+
+    from cupyep.normal import direct_kernels as D
+    T, H, k, E = 300, 7168, 8, 64
+    route, pool = _fused_route(R, worst)
+    x = jit.Address((T, H if fp8 else H), 0x10000)
+    call = SimpleNamespace(
+        x=SimpleNamespace(shape=(T, H), dtype=np.dtype(np.uint8 if fp8 else np.uint16), data=x),
+        x_scales=jit.Address((T, H // 128), 0x20000) if fp8 else None, topk_idx=jit.Address((T, k), 0x30000),
+        topk_weights=jit.Address((T, k), 0x40000) if weights else None, num_tokens=T, num_experts=E, num_topk=k,
+        hidden=H, expert_alignment=4 if em else 1, num_worst_tokens=worst, config=D.DirectConfig().validate().resolved(66),
+        kernel_time_ns=jit.Address((2,), 0x50000) if metrics else None,
+        notify_time_ns=jit.Address((2,), 0x60000) if metrics else None)
+    shape = (H * (1 if fp8 else 2), H // 128 if fp8 else 0, k, True, weights)
+    lay = D.recv_layout(R * T, *shape).at(3 << 30)
+    plan = route._fused_plan(call, pool, lay, em, (shape, 1, em))
+    assert route._fused_plan(call, pool, lay, em, (shape, 1, em)) is plan  # one per call shape
+    assert plan.template.sources == D.FUSED_SOURCES
+    assert plan.template.words["x"] and plan.template.words["topk_idx"] and len(plan.template.words["base"]) >= 10
+    assert bool(plan.template.words["pos"]) == em and bool(plan.template.words["x_scales"]) == fp8
+    assert bool(plan.template.words["kernel_time"]) == metrics == bool(plan.template.words["notify_time"])
+    rng = np.random.default_rng(R)
+    for _ in range(10):
+        plan.template.check(plan.pack, *(int(v) << 8 for v in rng.integers(1, 1 << 38, size=len(D.FUSED_SOURCES))))
+    assert plan.nbytes >= 4 * T * R and "src_idx" in plan.parts and "in_rank" in plan.parts

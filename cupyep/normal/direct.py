@@ -12,17 +12,18 @@ cuda_src/normal/direct.cu.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from .. import jit
-from ..arrays import BF16, copy
+from ..arrays import BF16, Carved, carve_plan, copy
 from ..results import (RECEIVE_FIELDS, CarvedRouting, CombineResult, DispatchHandle, ExpandTables,
                        aligned_expert_counts, dispatch_result, evolve)
 from . import direct_kernels as D
 from . import expert_major as EM
 from .config import Config
+from .layout import LAYOUT_DTYPES
 from .node import NodeRoute
 from .route import CombineCall, DispatchCall
 
@@ -46,6 +47,7 @@ class DirectRoute(NodeRoute):
         self._pools: D.DirectPools | None = None
         self._configs: dict = {}  # the caller's config -> validated and resolved (every call asks)
         self._kernels: dict = {}  # (spec, config, shared bytes) -> kernel, its residency checked
+        self._fused: dict = {}  # a fused dispatch's call shape -> its _FusedPlan
 
     @property
     def pools(self) -> D.DirectPools:
@@ -109,7 +111,6 @@ class DirectRoute(NodeRoute):
         ns = H // 128 if fp8 else 0
         E_local = call.num_experts // R
         alignment = call.expert_alignment
-        fn = self._kernel(D.dispatch_spec(R, cfg.num_threads), cfg, "direct dispatch")
         shape = (H * x.dtype.itemsize, ns, k, topk_idx is not None, call.topk_weights is not None)
         if call.expert_major and handle is not None and handle.expand.alignment != alignment:
             raise ValueError(f"a cached expert-major dispatch on the direct transport keeps the expert_alignment of "
@@ -127,12 +128,13 @@ class DirectRoute(NodeRoute):
                 direct_em, lay = False, pools.recv_layout(shape, slot)
         notified = handle is None
         fused = cfg.fused and notified
-        if fused:
-            fused_fn = self._kernel(D.fused_spec(R, cfg.num_threads), cfg, "fused direct dispatch",
-                                    D.fused_shared_bytes(R, call.num_experts, D.notify_channels(R), direct_em,
-                                                         cfg.num_threads, cfg.bulk_shared_bytes()))
+        # The send kernel (a fused call needs it only where its kernel sent nothing), checked before the call
+        # takes a slot, as the fused launch is.
+        fn = None if fused else self._kernel(D.dispatch_spec(R, cfg.num_threads), cfg, "direct dispatch")
         pool = pools.pool("dispatch")
-        capturing = cupy.cuda.get_current_stream().is_capturing() or node.comm_stream.is_capturing()
+        if fused:  # its launch, checked before the call takes a slot
+            plan = self._fused_plan(call, pool, lay, direct_em, (shape, slot, direct_em))
+        capturing = node.comm_stream.is_capturing()  # the current stream (the caller's joins it when capturing)
         lease = pools.slots.take("Buffer.dispatch (direct)", pin=capturing)
         # On the communication stream, which its kernels use: memory the caller's stream could reuse as
         # soon as this call returns (async_finish) would be overwritten under them.
@@ -140,7 +142,7 @@ class DirectRoute(NodeRoute):
         call.keep.append(pos)
         sent = False
         if fused:  # layout, notify and the send in one launch
-            handle, sent = self._dispatch_fused(fused_fn, call, pool, lay, pos)
+            handle, sent = self._dispatch_fused(plan, call, pool, lay, pos)
         elif notified:
             hints = node.check_hints(call.hints, call.num_experts, T)
             handle = node.notify(topk_idx, H, call.num_experts, hints, D.notify_channels(R), alignment,
@@ -153,6 +155,7 @@ class DirectRoute(NodeRoute):
         recv_topk_idx = pool.view(lay.topk_idx, (N, k), np.int64) if topk_idx is not None else None
         recv_topk_weights = pool.view(lay.topk_weights, (N, k), np.float32) if call.topk_weights is not None else None
         if not sent:  # the send (a fused kernel that sent has sent already)
+            fn = fn or self._kernel(D.dispatch_spec(R, cfg.num_threads), cfg, "direct dispatch")
             blocks = cfg.num_sms or D.default_num_sms(node.sm_budget, self._rows_sent(handle), cfg.num_threads)
             args = D.send_args(pools, pool, lay, handle, x, call.x_scales, topk_idx, call.topk_weights,
                                call.num_experts, capacity=N, rank=node.rank,
@@ -217,39 +220,38 @@ class DirectRoute(NodeRoute):
         bound = EM.expert_rows_capacity(None, N, k, E_local, alignment)
         return bound, bound
 
-    def _dispatch_fused(self, fn, call: DispatchCall, pool, lay, pos) -> tuple[DispatchHandle, bool]:
+    def _dispatch_fused(self, plan: "_FusedPlan", call: DispatchCall, pool, lay, pos) -> tuple[DispatchHandle, bool]:
         """One launch of the fused kernel (layout + notify + send into ``pool``
-        laid out as ``lay``). Returns (the handle, whether it sent). Outside
-        worst-token mode the host waits, bounded, for the counts only (the
-        kernel's status word), not for the send. When the slot is too small
-        for some receiver's expert-major rows the kernel sends nothing
-        (status 2, the same verdict on every rank) and the caller sends
-        another way. ``pos``: the [T, k] expert-major positions the kernel
-        fills (expert-major dispatch), else None."""
-        node, cfg = self.node, call.config
-        R = node.num_ranks
-        T, H = call.num_tokens, call.hidden
-        C = D.notify_channels(R)
-        worst = call.num_worst_tokens > 0
-        nargs, arrays = node.notify_args(T, call.num_experts, None, None, None, C, call.expert_alignment,
-                                         call.num_worst_tokens, "direct", call.notify_time_ns, lay.rows)
-        handle = node.notify_handle(arrays, T, H, call.num_experts, C, call.num_worst_tokens, "direct") \
-            if worst else None
-        sargs = D.send_args(self.pools, pool, lay, handle or _Offsets(arrays, C), call.x, call.x_scales, call.topk_idx,
-                            call.topk_weights, call.num_experts, capacity=call.num_worst_tokens if worst else 0,
-                            rank=node.rank, guard=node.group.guard("direct_dispatch"), pos=pos,
-                            compute_pos=pos is not None, pos_threads=cfg.num_threads,
-                            bulk_stage=cfg.bulk_stage(), kernel_time=call.kernel_time_ns)
-        D.launch_fused(fn, cfg.num_sms or node.sm_budget, cfg.num_threads, nargs, sargs, node.group.guard("layout"),
-                       0 if worst else node.host_counts_ptr + 4 * node.host_status_index, R, call.num_experts, C,
-                       pos is not None, cfg.bulk_shared_bytes())
+        laid out as ``lay``), as ``plan`` (:meth:`_fused_plan`) says, its args
+        patched with this call's addresses. Returns (the handle, whether it
+        sent). Outside worst-token mode the host waits, bounded, for the
+        counts only (the kernel's status word), not for the send. When the
+        slot is too small for some receiver's expert-major rows the kernel
+        sends nothing (status 2, the same verdict on every rank) and the
+        caller sends another way. ``pos``: the [T, k] expert-major positions
+        the kernel fills (expert-major dispatch), else None."""
+        import cupy
+        node = self.node
+        T, worst = call.num_tokens, call.num_worst_tokens
+        arrays = Carved(cupy.empty(plan.nbytes, dtype=np.uint8), plan.parts)
+        arrays["alignment"] = call.expert_alignment
+        C = plan.num_channels
+        if worst > 0:
+            handle = node.notify_handle(arrays, T, call.hidden, call.num_experts, C, worst, "direct")
+        else:
+            node.reset_host_counts()
+        ptr = jit.ptr
+        D.launch_fused(plan.fn, plan.template, plan.num_blocks, plan.num_threads, plan.shared_bytes,
+                       cupy.cuda.get_current_stream().ptr,
+                       (arrays.base_ptr, call.x.data.ptr, ptr(call.x_scales), ptr(call.topk_idx),
+                        ptr(call.topk_weights), ptr(pos), ptr(call.kernel_time_ns), ptr(call.notify_time_ns)))
         # The handle's source indices, every row of the slot (the count is not on the host yet): queued
         # before the host waits, so that the wait's critical path holds no more CUDA calls.
         _copy_rows(arrays.ptr("src_idx"), pool, lay, lay.rows)
-        if worst:
+        if worst > 0:
             return handle, True
         status = self._wait_host_status()
-        handle = node.notify_handle(arrays, T, H, call.num_experts, C, call.num_worst_tokens, "direct")
+        handle = node.notify_handle(arrays, T, call.hidden, call.num_experts, C, worst, "direct")
         if status == 2:  # nothing was sent: the slot cannot hold some receiver's rows
             if pos is not None and handle.expand.most_rows > lay.em_rows:
                 return handle, False
@@ -257,6 +259,53 @@ class DirectRoute(NodeRoute):
             raise RuntimeError(f"the fused direct dispatch found a receiver with more rows than its slot holds "
                                f"({lay.rows}), with at most max_tokens={self.sizes.max_tokens} tokens per rank")
         return handle, True
+
+    def _fused_plan(self, call: DispatchCall, pool, lay, with_pos: bool, lay_key) -> "_FusedPlan":
+        """The launch of a fused dispatch of this call's shape (``lay_key``:
+        what determines ``lay``; ``with_pos``: expert-major positions), made
+        once per shape: its kernel (its residency checked), blocks and shared
+        memory, the carve plan of its notify pass's arrays, and its args as
+        a jit.ArgTemplate of the packing functions, checked against a full
+        pack for this call's addresses."""
+        key = (lay_key, call.num_tokens, call.num_experts, call.expert_alignment, call.num_worst_tokens,
+               call.config, with_pos, call.kernel_time_ns is not None, call.notify_time_ns is not None,
+               self.node.group.timeout_s)
+        plan = self._fused.get(key)
+        if plan is None:
+            if len(self._fused) >= _MAX_PLANS:  # call shapes that vary per call (T) would grow it
+                self._fused.clear()
+            plan = self._fused[key] = self._new_fused_plan(call, pool, lay, with_pos)
+        return plan
+
+    def _new_fused_plan(self, call: DispatchCall, pool, lay, with_pos: bool) -> "_FusedPlan":
+        node, cfg = self.node, call.config
+        R, T, E, worst = node.num_ranks, call.num_tokens, call.num_experts, call.num_worst_tokens
+        C = D.notify_channels(R)
+        smem = D.fused_shared_bytes(R, E, C, with_pos, cfg.num_threads, cfg.bulk_shared_bytes())
+        fn = D.with_shared(self._kernel(D.fused_spec(R, cfg.num_threads), cfg, "fused direct dispatch", smem), smem)
+        parts, nbytes = carve_plan(node.notify_shapes(T, E, C, "direct", lay.rows, in_rank=True),
+                                   dtypes=LAYOUT_DTYPES)
+        inputs = dict(zip(D.FUSED_SOURCES[1:], (call.x, call.x_scales, call.topk_idx, call.topk_weights, None,
+                                                call.kernel_time_ns, call.notify_time_ns)))
+        shapes = {name: a.shape if a is not None else None for name, a in inputs.items()}
+        shapes["pos"] = (T, call.num_topk) if with_pos else None
+        guard, layout_guard = node.group.guard("direct_dispatch"), node.group.guard("layout")
+        host_status = 0 if worst > 0 else node.host_counts_ptr + 4 * node.host_status_index
+        alignment, pools = call.expert_alignment, self.pools
+
+        def pack(addr: dict):  # a pure function of the addresses (it holds no array of the call's)
+            arrays = Carved(jit.Address((nbytes,), addr["base"]), parts)
+            arrays["alignment"] = alignment
+            a = {n: jit.Address(s, addr[n]) if s is not None else None for n, s in shapes.items()}
+            nargs = node.pack_notify(arrays, T, E, C, alignment, worst, a["notify_time"])
+            sargs = D.send_args(pools, pool, lay, _Offsets(arrays, C), a["x"], a["x_scales"], a["topk_idx"],
+                                a["topk_weights"], E, capacity=max(worst, 0), rank=node.rank, guard=guard,
+                                pos=a["pos"], compute_pos=with_pos, pos_threads=cfg.num_threads,
+                                bulk_stage=cfg.bulk_stage(), kernel_time=a["kernel_time"])
+            return D.fused_args(nargs, sargs, layout_guard, host_status)
+        template = jit.ArgTemplate(pack, D.FUSED_SOURCES)
+        template.check(pack, 1 << 40, *(jit.ptr(a) for a in inputs.values()))
+        return _FusedPlan(fn, template, pack, parts, nbytes, C, cfg.num_sms or node.sm_budget, cfg.num_threads, smem)
 
     def _synchronize(self) -> None:
         self.node.group.wait(self.node.comm_stream, "direct_dispatch", "host wait for the communication stream")
@@ -349,3 +398,20 @@ class _Offsets(CarvedRouting):
         super().__init__(arrays)
         self.num_channels = num_channels
         self.expand = ExpandTables(arrays, arrays["alignment"], -1)
+
+
+_MAX_PLANS = 256  # fused-dispatch launch plans a route keeps (one per call shape)
+
+
+@dataclass(frozen=True)
+class _FusedPlan:
+    """The launch of a fused dispatch of one call shape (DirectRoute._fused_plan)."""
+    fn: object
+    template: jit.ArgTemplate
+    pack: object  # the full packing function the template stands for ({source: address} -> args)
+    parts: dict  # the notify pass's carve plan, and its bytes
+    nbytes: int
+    num_channels: int
+    num_blocks: int
+    num_threads: int
+    shared_bytes: int

@@ -563,16 +563,25 @@ def fused_shared_bytes(num_ranks: int, num_experts: int, num_channels: int, with
     return max(4 * max(num_ranks * (num_channels + 1) + num_ranks + num_experts, hist), bulk_bytes)
 
 
-def launch_fused(fn, num_blocks: int, num_threads: int, notify: np.void, send: np.void, layout_guard: np.void,
-                 host_status: int, num_ranks: int, num_experts: int, num_channels: int, with_positions: bool,
-                 bulk_bytes: int = 0) -> None:
-    """The fused dispatch (layout, notify and send in one launch); ``host_status``:
-    the mapped word it publishes its verdict in (0 in worst-token mode);
-    ``bulk_bytes``: DirectConfig.bulk_shared_bytes."""
-    args = jit.pack(FUSED_ARGS_DTYPE, notify=notify, dispatch=send, layout_guard=layout_guard,
+def fused_args(notify: np.void, send: np.void, layout_guard: np.void, host_status: int) -> np.void:
+    """FusedDispatchArgs: the notify pass's and the send's args; ``host_status``:
+    the mapped word the kernel publishes its verdict in (0 in worst-token mode)."""
+    return jit.pack(FUSED_ARGS_DTYPE, notify=notify, dispatch=send, layout_guard=layout_guard,
                     host_status=host_status)
-    smem = fused_shared_bytes(num_ranks, num_experts, num_channels, with_positions, num_threads, bulk_bytes)
-    with_shared(fn, smem)((num_blocks,), (num_threads,), (args,), shared_mem=smem)
+
+
+#: What a fused dispatch's args hold the addresses of, per call (jit.ArgTemplate sources): the
+#: notify pass's carved allocation, the inputs, the expert-major positions and the two metrics.
+FUSED_SOURCES = ("base", "x", "x_scales", "topk_idx", "topk_weights", "pos", "kernel_time", "notify_time")
+
+
+def launch_fused(fn, template: jit.ArgTemplate, num_blocks: int, num_threads: int, shared_bytes: int,
+                 stream_ptr: int, addresses: tuple) -> None:
+    """The fused dispatch (layout, notify and send in one launch): its args
+    are ``template`` (packed by :func:`fused_args` once per call shape)
+    patched with ``addresses``, in the order of FUSED_SOURCES (0 for none);
+    ``shared_bytes``: :func:`fused_shared_bytes`, allowed to ``fn`` already."""
+    template.launch(fn, num_blocks, num_threads, shared_bytes, stream_ptr, *addresses)
 
 
 def launch_combine(fn, num_blocks: int, num_threads: int, pools: DirectPools, handle, x, row_weights, topk_weights,

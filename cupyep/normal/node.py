@@ -120,11 +120,29 @@ class Node:
         layout kernel writes, carved first (cupyep.normal.layout.layout_shapes),
         or, all None, for a kernel that lays the tokens out itself (the fused
         dispatch: [T, R] bool "in_rank" carved). Resets the host counts' first
-        words (not in worst-token mode, where they never reach the host). The
-        direct route's pass also fills its expert-major tables (expand_base
-        [R, E_local + 1], expert_meta [2 E_local + 1]), and ``src_rows`` > 0
-        carves "src_idx" [src_rows] int32 for the handle's copy of the source
-        indices."""
+        words (not in worst-token mode, where they never reach the host); see
+        :meth:`notify_shapes` for the arrays."""
+        shapes = self.notify_shapes(T, num_experts, C, transport, src_rows, layout=layout,
+                                    in_rank=in_rank is None and not layout)
+        arrays = carve(shapes, dtypes=L.LAYOUT_DTYPES)  # one allocation
+        for name, given in (("per_rank", per_rank), ("per_expert", per_expert), ("in_rank", in_rank)):
+            if given is not None:
+                arrays[name] = given
+        if transport == "direct":
+            arrays["alignment"] = int(alignment)
+        if num_worst_tokens <= 0:
+            self.reset_host_counts()
+        return self.pack_notify(arrays, T, num_experts, C, alignment, num_worst_tokens, notify_time_ns), arrays
+
+    def notify_shapes(self, T, num_experts, C, transport: str, src_rows: int = 0, layout: bool = False,
+                      in_rank: bool = False) -> dict:
+        """{name: shape} of a notify pass's arrays (int32 but for
+        cupyep.normal.layout.LAYOUT_DTYPES): the layout kernel's parts first
+        with ``layout``; the handle's routing; the direct route's
+        expert-major tables (expand_base [R, E_local + 1], expert_meta
+        [2 E_local + 1]); [T, R] bool "in_rank" with ``in_rank`` (a kernel
+        that lays the tokens out itself); and, ``src_rows`` > 0, "src_idx"
+        [src_rows] for the handle's copy of the source indices."""
         R = self.num_ranks
         E_local = num_experts // R
         shapes = L.layout_shapes(T, num_experts, R) if layout else {}
@@ -132,25 +150,26 @@ class Node:
                        "recv_cp": (R, C + 1), "recv_off": (R + 1,), "rpm": (R, R), "recv_per_expert": (E_local,)})
         if transport == "direct":
             shapes.update(expand_base=(R, E_local + 1), expert_meta=(2 * E_local + 1,))
-        if in_rank is None and not layout:  # the fused direct dispatch lays the tokens out itself
+        if in_rank:
             shapes["in_rank"] = (T, R)
         if src_rows:
             shapes["src_idx"] = (src_rows,)
-        arrays = carve(shapes, dtypes=L.LAYOUT_DTYPES)  # one allocation
-        for name, given in (("per_rank", per_rank), ("per_expert", per_expert), ("in_rank", in_rank)):
-            if given is not None:
-                arrays[name] = given
-        if transport == "direct":
-            arrays["alignment"] = int(alignment)
+        return shapes
+
+    def reset_host_counts(self) -> None:
+        """The mapped words the host reads first set to -1 (the kernel writes
+        the counts before them)."""
+        self.host_counts[0] = self.host_counts[self.host_status_index] = -1
+
+    def pack_notify(self, arrays, T, num_experts, C, alignment, num_worst_tokens, notify_time_ns=None):
+        """NotifyArgs over ``arrays`` (a Carved, see :meth:`notify_args`): a
+        pure function of the arrays' addresses."""
         worst = num_worst_tokens > 0
-        if not worst:  # the words the host reads first (the kernel writes the counts before them)
-            self.host_counts[0] = self.host_counts[self.host_status_index] = -1
-        args = NK.notify_args(self.buffer, self.layout, arrays,
-                             host_counts=0 if worst else self.host_counts_ptr, notify_time_ns=notify_time_ns,
-                             num_tokens=T, num_experts=num_experts, num_channels=C, expert_alignment=alignment,
-                             capacity=num_worst_tokens if worst else INT_MAX, rank=self.rank,
-                             guard=self.group.guard("notify"))
-        return args, arrays
+        return NK.notify_args(self.buffer, self.layout, arrays,
+                              host_counts=0 if worst else self.host_counts_ptr, notify_time_ns=notify_time_ns,
+                              num_tokens=T, num_experts=num_experts, num_channels=C, expert_alignment=alignment,
+                              capacity=num_worst_tokens if worst else INT_MAX, rank=self.rank,
+                              guard=self.group.guard("notify"))
 
     def notify_handle(self, arrays, T, H, num_experts, C, num_worst_tokens, transport) -> DispatchHandle:
         """The handle of a notify pass whose host counts (if any) have arrived."""
