@@ -186,12 +186,17 @@ def copy(a):
 def check(a, name: str, dtype=None, shape: tuple | None = None, ndim: int | None = None, contiguous: bool = True):
     """Raise ValueError unless ``a`` has the dtype, shape (None entries match
     anything) and number of dimensions asked for. Returns ``a``."""
-    if dtype is not None and np.dtype(a.dtype) != np.dtype(dtype):
+    if dtype is not None and a.dtype != dtype:  # a dtype compares equal to what np.dtype() makes of it
         raise ValueError(f"{name} must have dtype {np.dtype(dtype)}, got {a.dtype}")
     if ndim is not None and a.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(a.shape)}")
     if shape is not None:
-        if a.ndim != len(shape) or any(s is not None and s != d for s, d in zip(shape, a.shape)):
+        got = a.shape
+        bad = len(got) != len(shape)
+        for s, d in zip(shape, got):  # a plain loop: no generator on the calls' host path
+            if s is not None and s != d:
+                bad = True
+        if bad:
             want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
             raise ValueError(f"{name} must have shape {want}, got {list(a.shape)}")
     if contiguous and not a.flags.c_contiguous:

@@ -79,7 +79,7 @@ def buffer_view(owner, base: int, nbytes: int, offset: int, shape, dtype, stride
     if dt is None:
         dt = _DTYPES[dtype] = np.dtype(dtype)
     dtype = dt
-    if type(shape) is not tuple or any(type(d) is not int for d in shape):
+    if type(shape) is not tuple:
         shape = tuple(int(d) for d in shape)
     if strides is None:
         n = math.prod(shape) * dtype.itemsize

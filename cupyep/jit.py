@@ -244,15 +244,19 @@ class ArgTemplate:
             which.extend([i] * words.size)
         #: {source: the struct's 8-byte words that hold its address}
         self.words = {s: [w for w, j in zip(idx, which) if j == i] for i, s in enumerate(self.sources)}
-        self._idx = np.array(idx, dtype=np.intp)
-        self._which = np.array(which, dtype=np.intp)
-        self._offsets = template[self._idx].copy()
         self._buffer = template.copy()  # the words no source moves never change
         self._params = np.array([self._buffer.ctypes.data], dtype=np.uint64)  # void*[1]: the struct's address
         self._params_ptr = int(self._params.ctypes.data)
+        # One generated statement per patched word (no per-word loop or array temporaries: the
+        # launch is on the host's critical path): word = its template value + its source's address.
+        args = ", ".join(f"a{i}" for i in range(len(self.sources)))
+        body = "".join(f"    w[{w}] = {int(template[w])} + a{j}\n" for w, j in zip(idx, which)) or "    pass\n"
+        env: dict = {}
+        exec(compile(f"def write(w, {args}):\n{body}", "<ArgTemplate>", "exec"), env)
+        self._write_words, self._words = env["write"], memoryview(self._buffer)
 
     def _write(self, addresses) -> None:
-        self._buffer[self._idx] = self._offsets + np.array(addresses, dtype=np.uint64)[self._which]
+        self._write_words(self._words, *addresses)
 
     def packed(self, *addresses) -> bytes:
         """The bytes a launch with ``addresses`` (in the order of ``sources``) passes."""
@@ -272,7 +276,7 @@ class ArgTemplate:
         """Launch ``fn`` (a loaded kernel taking this struct by value) on
         ``stream_ptr``, the struct patched for ``addresses``."""
         from cupy.cuda import driver
-        self._write(addresses)
+        self._write_words(self._words, *addresses)
         driver.launchKernel(fn.kernel.ptr, num_blocks, 1, 1, num_threads, 1, 1, shared_bytes, stream_ptr,
                             self._params_ptr, 0)
 

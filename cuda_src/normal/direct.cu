@@ -275,9 +275,18 @@ __device__ __forceinline__ void direct_dispatch_body(const DirectDispatchArgs& a
         if (wait_geq(direct_counter(a.syncs[a.rank], a.sync.dispatch_arrived, s), want, a.guard, 1, s))
             a.state[kStateHeader + s] = want;
     }
-    if (last_block_out(a.state + kDispatchExited) && threadIdx.x == 0) {
-        a.state[kDispatchExited] = 0;
-        a.state[kDispatchEpoch] = epoch;
+    if (last_block_out(a.state + kDispatchExited)) {
+        // Every block is out, block 0 after its wait for every source: my rows are complete.
+        if (a.src_copy) {
+            __threadfence();
+            const int* src = reinterpret_cast<const int*>(static_cast<char*>(a.pools[a.rank]) + o.src_idx);
+            const int64_t n = a.capacity > 0 ? min((int64_t)a.capacity, o.rows) : (int64_t)a.recv_rank_offset[R];
+            for (int64_t r = threadIdx.x; r < n; r += blockDim.x) a.src_copy[r] = __ldcg(src + r);
+        }
+        if (threadIdx.x == 0) {
+            a.state[kDispatchExited] = 0;
+            a.state[kDispatchEpoch] = epoch;
+        }
     }
 }
 

@@ -80,6 +80,8 @@ struct DirectDispatchArgs {
     const int* recv_rank_offset;     // [R + 1] from notify
     int64_t* state;                  // private, see above
     int64_t* kernel_time;            // [2] or null: first block's start (min) / last block's end (max), ns
+    int* src_copy;                   // or null: where the last block out copies this rank's received source
+                                     // indices (the handle's own array; padding included in worst-token mode)
     DirectExpand expand;             // used when out.em_x >= 0
     int num_tokens;
     int num_scales;

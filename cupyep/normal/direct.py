@@ -142,7 +142,7 @@ class DirectRoute(NodeRoute):
         call.keep.append(pos)
         sent = False
         if fused:  # layout, notify and the send in one launch
-            handle, sent = self._dispatch_fused(plan, call, pool, lay, pos)
+            handle, sent = self._dispatch_fused(plan, call, pool, lay, pos, lease)
         elif notified:
             hints = node.check_hints(call.hints, call.num_experts, T)
             handle = node.notify(topk_idx, H, call.num_experts, hints, D.notify_channels(R), alignment,
@@ -160,16 +160,16 @@ class DirectRoute(NodeRoute):
             args = D.send_args(pools, pool, lay, handle, x, call.x_scales, topk_idx, call.topk_weights,
                                call.num_experts, capacity=N, rank=node.rank,
                                guard=node.group.guard("direct_dispatch"), pos=pos,
-                               bulk_stage=cfg.bulk_stage(), kernel_time=call.kernel_time_ns)
+                               bulk_stage=cfg.bulk_stage(), kernel_time=call.kernel_time_ns,
+                               src_copy=handle.array_ptr("recv_src_idx") if notified else 0)
             if direct_em:
                 D.launch_positions(args, call.num_experts)
             D.launch_send(fn, blocks, cfg.num_threads, args, cfg.bulk_shared_bytes())
-            if notified:  # into the handle's own array
-                _copy_rows(handle.array_ptr("recv_src_idx"), pool, lay, N)
-        # The handle owns its routing: the source indices (and the expert-major map) are copied out of
-        # the slot into the handle's carved array (a cached call's are its handle's already), so combine
-        # and cached dispatch take it whatever happens to the slot later.
-        handle = evolve(handle, lease=lease)
+        # The handle owns its routing: the send kernel's last block copies the source indices out of the
+        # slot into the handle's carved array (the expert-major map is copied below; a cached call's are
+        # its handle's already), so combine and cached dispatch take it whatever happens to the slot later.
+        if handle.lease is not lease:
+            handle = evolve(handle, lease=lease)
         per_expert = aligned_expert_counts(handle.recv_expert_counts, alignment)
         if direct_em:
             em = EM.ExpertMajorOutput(
@@ -220,7 +220,8 @@ class DirectRoute(NodeRoute):
         bound = EM.expert_rows_capacity(None, N, k, E_local, alignment)
         return bound, bound
 
-    def _dispatch_fused(self, plan: "_FusedPlan", call: DispatchCall, pool, lay, pos) -> tuple[DispatchHandle, bool]:
+    def _dispatch_fused(self, plan: "_FusedPlan", call: DispatchCall, pool, lay, pos,
+                        lease) -> tuple[DispatchHandle, bool]:
         """One launch of the fused kernel (layout + notify + send into ``pool``
         laid out as ``lay``), as ``plan`` (:meth:`_fused_plan`) says, its args
         patched with this call's addresses. Returns (the handle, whether it
@@ -229,7 +230,8 @@ class DirectRoute(NodeRoute):
         slot is too small for some receiver's expert-major rows the kernel
         sends nothing (status 2, the same verdict on every rank) and the
         caller sends another way. ``pos``: the [T, k] expert-major positions
-        the kernel fills (expert-major dispatch), else None."""
+        the kernel fills (expert-major dispatch), else None; ``lease``: the
+        call's slot, which the handle carries."""
         import cupy
         node = self.node
         T, worst = call.num_tokens, call.num_worst_tokens
@@ -237,7 +239,7 @@ class DirectRoute(NodeRoute):
         arrays["alignment"] = call.expert_alignment
         C = plan.num_channels
         if worst > 0:
-            handle = node.notify_handle(arrays, T, call.hidden, call.num_experts, C, worst, "direct")
+            handle = node.notify_handle(arrays, T, call.hidden, call.num_experts, C, worst, "direct", lease)
         else:
             node.reset_host_counts()
         ptr = jit.ptr
@@ -245,13 +247,10 @@ class DirectRoute(NodeRoute):
                        cupy.cuda.get_current_stream().ptr,
                        (arrays.base_ptr, call.x.data.ptr, ptr(call.x_scales), ptr(call.topk_idx),
                         ptr(call.topk_weights), ptr(pos), ptr(call.kernel_time_ns), ptr(call.notify_time_ns)))
-        # The handle's source indices, every row of the slot (the count is not on the host yet): queued
-        # before the host waits, so that the wait's critical path holds no more CUDA calls.
-        _copy_rows(arrays.ptr("src_idx"), pool, lay, lay.rows)
         if worst > 0:
             return handle, True
         status = self._wait_host_status()
-        handle = node.notify_handle(arrays, T, call.hidden, call.num_experts, C, worst, "direct")
+        handle = node.notify_handle(arrays, T, call.hidden, call.num_experts, C, worst, "direct", lease)
         if status == 2:  # nothing was sent: the slot cannot hold some receiver's rows
             if pos is not None and handle.expand.most_rows > lay.em_rows:
                 return handle, False
@@ -301,7 +300,8 @@ class DirectRoute(NodeRoute):
             sargs = D.send_args(pools, pool, lay, _Offsets(arrays, C), a["x"], a["x_scales"], a["topk_idx"],
                                 a["topk_weights"], E, capacity=max(worst, 0), rank=node.rank, guard=guard,
                                 pos=a["pos"], compute_pos=with_pos, pos_threads=cfg.num_threads,
-                                bulk_stage=cfg.bulk_stage(), kernel_time=a["kernel_time"])
+                                bulk_stage=cfg.bulk_stage(), kernel_time=a["kernel_time"],
+                                src_copy=arrays.ptr("src_idx"))
             return D.fused_args(nargs, sargs, layout_guard, host_status)
         template = jit.ArgTemplate(pack, D.FUSED_SOURCES)
         template.check(pack, 1 << 40, *(jit.ptr(a) for a in inputs.values()))
@@ -377,15 +377,6 @@ class DirectRoute(NodeRoute):
         if self._pools is not None:
             self._pools.destroy()
             self._pools = None
-
-
-def _copy_rows(dst: int, pool, lay, rows: int) -> None:
-    """Copy the first ``rows`` source indices of the slot laid out as
-    ``lay`` in ``pool`` to device address ``dst``, on the current stream."""
-    import cupy
-    if rows:
-        cupy.cuda.runtime.memcpyAsync(dst, pool.ptr + lay.src_idx, 4 * rows, cupy.cuda.runtime.memcpyDeviceToDevice,
-                                      cupy.cuda.get_current_stream().ptr)
 
 
 class _Offsets(CarvedRouting):

@@ -59,7 +59,7 @@ DISPATCH_ARGS_DTYPE = jit.struct_dtype([
     ("pools", u64), ("syncs", u64), ("sync", SYNC_DTYPE), ("out", RECV_LAYOUT_DTYPE), ("x", u64),
     ("x_scales", u64), ("topk_idx", u64), ("topk_weights", u64), ("send_list", u64),
     ("send_channel_prefix", u64), ("rank_prefix_matrix", u64), ("recv_rank_offset", u64), ("state", u64),
-    ("kernel_time", u64), ("expand", EXPAND_DTYPE), ("num_tokens", i32), ("num_scales", i32), ("num_topk", i32),
+    ("kernel_time", u64), ("src_copy", u64), ("expand", EXPAND_DTYPE), ("num_tokens", i32), ("num_scales", i32), ("num_topk", i32),
     ("num_local_experts", i32), ("num_channels", i32), ("capacity", i32), ("rank", i32), ("bulk_stage", i32),
     ("guard", GUARD_DTYPE)])
 FUSED_ARGS_DTYPE = jit.struct_dtype([
@@ -502,7 +502,7 @@ class DirectPools:
 # ------------------------------------------------------------------ launches
 def send_args(pools: DirectPools, pool, lay: RecvLayout, offsets, x, x_scales, topk_idx, topk_weights,
               num_experts: int, capacity: int, rank: int, guard: np.void, pos=None, compute_pos: bool = False,
-              pos_threads: int = POSITIONS_THREADS, bulk_stage: int = 0, kernel_time=None) -> np.void:
+              pos_threads: int = POSITIONS_THREADS, bulk_stage: int = 0, kernel_time=None, src_copy: int = 0) -> np.void:
     """DirectDispatchArgs of a send into ``pool`` laid out as ``lay``, at the
     offsets of ``offsets`` (a handle, or the arrays a fused notify fills);
     ``capacity``: rows of the receive arrays (padding past the count);
@@ -510,7 +510,10 @@ def send_args(pools: DirectPools, pool, lay: RecvLayout, offsets, x, x_scales, t
     which the fused kernel fills when ``compute_pos`` (with blocks of
     ``pos_threads`` threads; else the position kernel); ``bulk_stage``:
     DirectConfig.bulk_stage_bytes; ``kernel_time``: int64 [2] kernel stamps
-    (common/ptx.cuh stamp_start / stamp_end) or None."""
+    (common/ptx.cuh stamp_start / stamp_end) or None; ``src_copy``: the
+    device address the kernel copies the received source indices to (the
+    handle's own array, ``capacity`` rows in worst-token mode, else the
+    received count), 0 for none."""
     T, H = x.shape
     k = topk_idx.shape[1] if topk_idx is not None else 0
     tables = offsets.expand
@@ -525,7 +528,7 @@ def send_args(pools: DirectPools, pool, lay: RecvLayout, offsets, x, x_scales, t
         send_channel_prefix=offsets.array_ptr("send_channel_prefix"),
         rank_prefix_matrix=offsets.array_ptr("rank_prefix_matrix"),
         recv_rank_offset=offsets.array_ptr("recv_rank_offset"),
-        state=jit.ptr(pools.state), kernel_time=jit.ptr(kernel_time), expand=expand, num_tokens=T,
+        state=jit.ptr(pools.state), kernel_time=jit.ptr(kernel_time), src_copy=src_copy, expand=expand, num_tokens=T,
         num_scales=H // 128 if x_scales is not None else 0,
         num_topk=k, num_local_experts=num_experts // pools.num_ranks, num_channels=offsets.num_channels,
         capacity=capacity, rank=rank, bulk_stage=bulk_stage, guard=guard)

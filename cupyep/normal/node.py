@@ -171,8 +171,9 @@ class Node:
                               capacity=num_worst_tokens if worst else INT_MAX, rank=self.rank,
                               guard=self.group.guard("notify"))
 
-    def notify_handle(self, arrays, T, H, num_experts, C, num_worst_tokens, transport) -> DispatchHandle:
-        """The handle of a notify pass whose host counts (if any) have arrived."""
+    def notify_handle(self, arrays, T, H, num_experts, C, num_worst_tokens, transport, lease=None) -> DispatchHandle:
+        """The handle of a notify pass whose host counts (if any) have arrived
+        (``lease``: its dispatch slot's, on the direct route)."""
         R = self.num_ranks
         E_local = num_experts // R
         hc = self.host_counts
@@ -188,7 +189,8 @@ class Node:
             expand = ExpandTables(arrays, arrays["alignment"], most)
         return carved_handle(arrays, num_recv_tokens=n_recv, num_worst_tokens=num_worst_tokens, num_tokens=T,
                              hidden=H, num_experts=num_experts, num_channels=C, buffer_id=self.buffer_id,
-                             recv_expert_counts=counts, transport=transport, counts=matrix, expand=expand)
+                             recv_expert_counts=counts, transport=transport, counts=matrix, expand=expand,
+                             lease=lease)
 
     # ------------------------------------------------------- expert major
     def with_expert_major(self, handle, expert_major: bool, per_expert, recv_x, recv_scales, recv_topk_idx,
