@@ -303,8 +303,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) direct_dispatch(DirectDispatch
 //   fit the pools, publishes the outcome (kFusedStatus, and to the host's
 //   status word: 1 sent, 2 the pools are too small, 3 notify failed) and
 //   releases the other blocks (kFusedReady); then every block sends as
-//   direct_dispatch does, unless the pools are too small: then nothing is sent
-//   and the host grows them and sends with direct_dispatch.
+//   direct_dispatch does, unless a receiver's expert-major rows do not fit its
+//   slot: then nothing is sent and the host sends the rows rank-major into the
+//   slot with direct_dispatch (cupyep.normal.direct). The last block out of the
+//   send copies the received source indices into the handle (src_copy).
 //   An expert-major dispatch's positions (expert_positions) are computed by
 //   block 1 (block 0 alone: after the notify) while block 0 coordinates.
 // Dynamic shared memory: the most of R * (C + 1) + R + E ints (block 0) and

@@ -374,6 +374,7 @@ class DirectRoute(NodeRoute):
         return CombineResult(combined, combined_w, None, None if call.zero_copy else reduced)
 
     def destroy(self) -> None:
+        self._fused.clear()  # their args hold the pools' addresses
         if self._pools is not None:
             self._pools.destroy()
             self._pools = None
