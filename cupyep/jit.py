@@ -229,7 +229,6 @@ class ArgTemplate:
         nbytes = base.dtype.itemsize
         if nbytes % 8:
             raise ValueError(f"an ArgTemplate needs a struct of whole 8-byte words, got {nbytes} bytes")
-        self.dtype = base.dtype
         template = np.frombuffer(base.tobytes(), dtype=np.uint64)
         idx, which = [], []
         for i, s in enumerate(self.sources):

@@ -242,11 +242,8 @@ class DirectRoute(NodeRoute):
             handle = node.notify_handle(arrays, T, call.hidden, call.num_experts, C, worst, "direct", lease)
         else:
             node.reset_host_counts()
-        ptr = jit.ptr
         D.launch_fused(plan.fn, plan.template, plan.num_blocks, plan.num_threads, plan.shared_bytes,
-                       cupy.cuda.get_current_stream().ptr,
-                       (arrays.base_ptr, call.x.data.ptr, ptr(call.x_scales), ptr(call.topk_idx),
-                        ptr(call.topk_weights), ptr(pos), ptr(call.kernel_time_ns), ptr(call.notify_time_ns)))
+                       cupy.cuda.get_current_stream().ptr, _fused_addresses(arrays.base_ptr, call, pos))
         if worst > 0:
             return handle, True
         status = self._wait_host_status()
@@ -284,10 +281,11 @@ class DirectRoute(NodeRoute):
         fn = D.with_shared(self._kernel(D.fused_spec(R, cfg.num_threads), cfg, "fused direct dispatch", smem), smem)
         parts, nbytes = carve_plan(node.notify_shapes(T, E, C, "direct", lay.rows, in_rank=True),
                                    dtypes=LAYOUT_DTYPES)
-        inputs = dict(zip(D.FUSED_SOURCES[1:], (call.x, call.x_scales, call.topk_idx, call.topk_weights, None,
-                                                call.kernel_time_ns, call.notify_time_ns)))
-        shapes = {name: a.shape if a is not None else None for name, a in inputs.items()}
-        shapes["pos"] = (T, call.num_topk) if with_pos else None
+        def shape(a):
+            return a.shape if a is not None else None
+        shapes = {"x": call.x.shape, "x_scales": shape(call.x_scales), "topk_idx": shape(call.topk_idx),
+                  "topk_weights": shape(call.topk_weights), "pos": (T, call.num_topk) if with_pos else None,
+                  "kernel_time": shape(call.kernel_time_ns), "notify_time": shape(call.notify_time_ns)}
         guard, layout_guard = node.group.guard("direct_dispatch"), node.group.guard("layout")
         host_status = 0 if worst > 0 else node.host_counts_ptr + 4 * node.host_status_index
         alignment, pools = call.expert_alignment, self.pools
@@ -304,7 +302,7 @@ class DirectRoute(NodeRoute):
                                 src_copy=arrays.ptr("src_idx"))
             return D.fused_args(nargs, sargs, layout_guard, host_status)
         template = jit.ArgTemplate(pack, D.FUSED_SOURCES)
-        template.check(pack, 1 << 40, *(jit.ptr(a) for a in inputs.values()))
+        template.check(pack, *_fused_addresses(1 << 40, call, None))  # the addresses a call passes, in its order
         return _FusedPlan(fn, template, pack, parts, nbytes, C, cfg.num_sms or node.sm_budget, cfg.num_threads, smem)
 
     def _synchronize(self) -> None:
@@ -378,6 +376,14 @@ class DirectRoute(NodeRoute):
         if self._pools is not None:
             self._pools.destroy()
             self._pools = None
+
+
+def _fused_addresses(base: int, call: DispatchCall, pos) -> tuple:
+    """A fused dispatch's addresses in the order of D.FUSED_SOURCES: its
+    notify allocation ``base``, the call's arrays and ``pos`` (0 for none)."""
+    ptr = jit.ptr
+    return (base, call.x.data.ptr, ptr(call.x_scales), ptr(call.topk_idx), ptr(call.topk_weights), ptr(pos),
+            ptr(call.kernel_time_ns), ptr(call.notify_time_ns))
 
 
 class _Offsets(CarvedRouting):
