@@ -10,6 +10,7 @@ overwritten by a later call.
 """
 from __future__ import annotations
 
+import collections
 import functools
 from dataclasses import replace
 
@@ -36,6 +37,7 @@ class QueueRoute(NodeRoute):
         self.node = node
         self._configs: dict = {}  # (kind, the caller's config, fp8, channels) -> validated config
         self._kernels: dict = {}  # (spec, config) -> kernel, its residency checked
+        self._rows_seen: dict = {}  # call shape -> rows its last LATE_HISTORY notified calls received
         R = node.num_ranks
         jit.load(K.dispatch_spec_for(R, self.default_dispatch_config()), node.group)
         jit.load(K.combine_spec_for(R, self.default_combine_config()), node.group)
@@ -96,25 +98,29 @@ class QueueRoute(NodeRoute):
         fn = self._kernel(K.dispatch_spec_for(R, cfg), cfg, "dispatch")
         handle = call.handle
         notified = handle is None
-        if notified:  # layout and notify, then, as soon as the counts arrive, the send; the handle after it
+        weights = call.topk_weights is not None
+        if notified:  # layout and notify first; the handle after the send
             hints = node.check_hints(call.hints, call.num_experts, T)
             arrays = node.notify_launch(call.topk_idx, call.num_experts, hints, cfg.num_channels,
                                         call.expert_alignment, call.num_worst_tokens,
                                         notify_time_ns=call.notify_time_ns)
-            node.wait_counts(call.num_worst_tokens)
-            N = node.received_rows(call.num_worst_tokens)
             routing = CarvedRouting(arrays)
+        if notified and call.num_worst_tokens <= 0:
+            # The send goes out now, before the counts: the receivers wait for their arrays' addresses.
+            N, recv = self._dispatch_late(call, cfg, fn, rs, routing)
         else:
-            N = handle.num_worst_tokens or handle.num_recv_tokens
-            routing = handle
-        own_src = notified or handle.recv_src_idx is None
-        recv = carve(_recv_shapes(N, H, k, call.fp8, call.topk_weights is not None, own_src),
-                     dtypes=_recv_dtypes(call.x.dtype))
-        if not own_src:  # a cached call writes the handle's source indices again (the same routing)
-            recv["recv_src_idx"] = handle.recv_src_idx
-        K.launch_dispatch(fn, cfg, node.buffer, rs, call.x, call.x_scales, call.topk_idx, call.topk_weights, routing,
-                          {name: recv.ptr(name) for name in RECV_NAMES}, call.queue_occupancy,
-                          call.num_experts // R, N, node.rank, node.group.guard("queue_dispatch"))
+            if notified:  # worst-token mode: sized by the caller, no host wait
+                N = node.received_rows(call.num_worst_tokens)
+            else:
+                N = handle.num_worst_tokens or handle.num_recv_tokens
+                routing = handle
+            own_src = notified or handle.recv_src_idx is None
+            recv = carve(_recv_shapes(N, H, k, call.fp8, weights, own_src), dtypes=_recv_dtypes(call.x.dtype))
+            if not own_src:  # a cached call writes the handle's source indices again (the same routing)
+                recv["recv_src_idx"] = handle.recv_src_idx
+            K.launch_dispatch(fn, cfg, node.buffer, rs, call.x, call.x_scales, call.topk_idx, call.topk_weights,
+                              routing, {name: recv.ptr(name) for name in RECV_NAMES}, call.queue_occupancy,
+                              call.num_experts // R, N, node.rank, node.group.guard("queue_dispatch"))
         if notified:
             handle = node.notify_handle(arrays, T, H, call.num_experts, cfg.num_channels, call.num_worst_tokens,
                                         "queue")
@@ -128,6 +134,56 @@ class QueueRoute(NodeRoute):
                                             call.num_experts, call.expert_alignment)
         return dispatch_result(out["recv_x"], out["recv_x_scales"], out["recv_topk_idx"], out["recv_topk_weights"],
                                per_expert, handle, None, em)
+
+    def _dispatch_late(self, call: DispatchCall, cfg: Config, fn, rs, routing):
+        """(N, the receive arrays: a Carved whose parts hold N rows, or views
+        of N rows set in it) of a notified dispatch whose send is launched
+        before its counts arrive (late addresses, cuda_src/normal/queue_dispatch.cu).
+
+        While the notify pass runs, the host makes receive arrays for as many
+        rows as the most this call shape received in its last LATE_HISTORY
+        calls, plus 1/32 (or none on the first call); once the counts arrive it
+        writes their addresses into the send's late-address slot, or first
+        makes arrays of exactly N rows when more arrived. So a call that fits
+        the guess costs the GPU no wait for an allocation, and its arrays
+        hold at most about 1/32 more rows than it returns. Any failure
+        before the addresses are written (a timeout, an allocation) sends the
+        receivers the order to drain their rings, so the peers' sends finish,
+        and then raises."""
+        node = self.node
+        R, T, H, k = node.num_ranks, call.num_tokens, call.hidden, call.num_topk
+        weights = call.topk_weights is not None
+        slot, tag = node.late_slot()
+        K.launch_dispatch(fn, cfg, node.buffer, rs, call.x, call.x_scales, call.topk_idx, call.topk_weights, routing,
+                          _NO_RECV, call.queue_occupancy, call.num_experts // R, 0, node.rank,
+                          node.group.guard("queue_dispatch"), late=slot, late_tag=tag)
+        key = (T, H, k, call.fp8, weights, call.x.dtype)
+        seen = self._rows_seen.get(key)
+        dtypes = _recv_dtypes(call.x.dtype)
+        try:
+            cap = max(seen) if seen else 0
+            cap += -(-cap // 32)
+            recv = carve(_recv_shapes(cap, H, k, call.fp8, weights, True), dtypes=dtypes) if cap else None
+            node.wait_counts(0, lambda: node.abort_late(slot, tag))
+            N = node.received_rows(0)
+            if recv is None or N > cap:
+                cap = N
+                recv = carve(_recv_shapes(N, H, k, call.fp8, weights, True), dtypes=dtypes)
+            node.post_late(slot, tag, [recv.ptr(name) for name in RECV_NAMES], cap)
+        except BaseException:
+            node.abort_late(slot, tag)
+            try:  # the send drains; its routing arrays (routing) stay alive until it has
+                node.group.wait(node.comm_stream, "queue_dispatch", "the send of a call that failed on the host")
+            except Exception:  # noqa: BLE001 - the failure being raised says more
+                pass
+            raise
+        if seen is None:
+            seen = self._rows_seen[key] = collections.deque(maxlen=LATE_HISTORY)
+        seen.append(N)
+        if cap > N:  # views of the first N rows
+            for name, shape in _recv_shapes(N, H, k, call.fp8, weights, True).items():
+                recv[name] = recv.view(name, shape)
+        return N, recv
 
     # ----------------------------------------------------------- combine
     def combine(self, call: CombineCall):
@@ -147,6 +203,9 @@ class QueueRoute(NodeRoute):
 
 #: The receive arrays of a queue dispatch, as the kernel's arguments name them.
 RECV_NAMES = ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "recv_src_idx")
+_NO_RECV = dict.fromkeys(RECV_NAMES, 0)
+#: Calls of one shape whose received rows size the next call's arrays (QueueRoute._dispatch_late).
+LATE_HISTORY = 4
 
 
 def _recv_shapes(N: int, H: int, k: int, fp8: bool, weights: bool, src: bool) -> dict:

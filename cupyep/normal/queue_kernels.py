@@ -24,8 +24,9 @@ DISPATCH_ARGS_DTYPE = jit.struct_dtype([
     ("peers", u64), ("rs", RING_DTYPE), ("x", u64), ("x_scales", u64), ("topk_idx", u64), ("topk_weights", u64),
     ("send_list", u64), ("send_channel_prefix", u64), ("recv_channel_prefix", u64), ("recv_rank_offset", u64),
     ("recv_x", u64), ("recv_x_scales", u64), ("recv_topk_idx", u64), ("recv_topk_weights", u64),
-    ("recv_src_idx", u64), ("queue_occupancy", u64), ("num_tokens", i32), ("num_scales", i32), ("num_topk", i32),
-    ("num_local_experts", i32), ("num_channels", i32), ("capacity", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
+    ("recv_src_idx", u64), ("queue_occupancy", u64), ("late", u64), ("num_tokens", i32), ("num_scales", i32),
+    ("num_topk", i32), ("num_local_experts", i32), ("num_channels", i32), ("capacity", i32), ("rank", i32),
+    ("late_tag", i32), ("guard", GUARD_DTYPE)])
 COMBINE_ARGS_DTYPE = jit.struct_dtype([
     ("peers", u64), ("rs", RING_DTYPE), ("x", u64), ("row_weights", u64), ("recv_topk_weights", u64),
     ("send_head", u64), ("recv_channel_prefix", u64), ("recv_rank_offset", u64), ("combined_x", u64),
@@ -79,12 +80,17 @@ def ring_struct(rs) -> np.void:
 
 
 def launch_dispatch(fn, cfg, buffer, rs, x, x_scales, topk_idx, topk_weights, handle, recv: dict, queue_occupancy,
-                    num_local_experts: int, capacity: int, rank: int, guard: np.void) -> None:
+                    num_local_experts: int, capacity: int, rank: int, guard: np.void, late: int = 0,
+                    late_tag: int = 0) -> None:
     """The queue dispatch (2 * C blocks) on the current stream: rows of x
     through the rings ``rs`` of ``buffer`` into the addresses ``recv``
     (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx;
     0 where not carried) at the offsets of ``handle`` (a DispatchHandle, or
-    the CarvedRouting of one being made: its ``array_ptr``)."""
+    the CarvedRouting of one being made: its ``array_ptr``). With ``late``
+    (the address of a late-address slot, cupyep.normal.node.Node.late_slot)
+    the receivers take the addresses and the capacity from that slot's words
+    tagged ``late_tag`` instead, once the host writes them; ``recv`` and
+    ``capacity`` are then 0."""
     T, H = x.shape
     args = jit.pack(
         DISPATCH_ARGS_DTYPE, peers=jit.ptr(buffer.peer_ptrs), rs=ring_struct(rs), x=jit.ptr(x),
@@ -93,7 +99,8 @@ def launch_dispatch(fn, cfg, buffer, rs, x, x_scales, topk_idx, topk_weights, ha
         recv_channel_prefix=handle.array_ptr("recv_channel_prefix"), recv_rank_offset=handle.array_ptr("recv_rank_offset"),
         **recv, queue_occupancy=jit.ptr(queue_occupancy), num_tokens=T,
         num_scales=H // 128 if x_scales is not None else 0, num_topk=topk_idx.shape[1] if topk_idx is not None else 0,
-        num_local_experts=num_local_experts, num_channels=cfg.num_channels, capacity=capacity, rank=rank, guard=guard)
+        num_local_experts=num_local_experts, num_channels=cfg.num_channels, capacity=capacity, rank=rank, late=late,
+        late_tag=late_tag, guard=guard)
     fn((2 * cfg.num_channels,), (cfg.num_threads,), (args,))
 
 
