@@ -92,6 +92,16 @@ struct NotifyArgs {
     Guard guard;
 };
 
+// The notify pass with the layout in front of it (notify_layout in
+// notify.cu): the counts per rank and expert stay in shared memory, and
+// is_token_in_rank is written for the pass (and the handle).
+struct NotifyLayoutArgs {
+    NotifyArgs notify;              // its count inputs unused
+    const int64_t* topk_idx;        // [T, k], -1 = no expert
+    int num_topk;
+    Guard layout_guard;             // expert ids outside [-1, E)
+};
+
 struct DispatchArgs {
     void* const* peers;
     RingShape rs;

@@ -69,6 +69,7 @@ class Node:
         # peers' kernels already wait on it).
         jit.load(L.layout_spec(), group)
         jit.load(NK.notify_spec(self.num_ranks), group)
+        jit.load(NK.notify_layout_spec(self.num_ranks), group)
         jit.load(EM.permute_spec(), group)
 
     # ------------------------------------------------------------ layout
@@ -98,14 +99,14 @@ class Node:
         that also holds the layout's parts). The host reads the counts after
         :meth:`wait_counts`."""
         T = topk_idx.shape[0]
-        if hints is None:  # the layout kernel writes into the handle's allocation
+        if hints is None:  # one block lays the tokens out, then notifies (is_token_in_rank carved with the handle)
             args, arrays = self.notify_args(T, num_experts, None, None, None, C, alignment, num_worst_tokens,
-                                            transport, notify_time_ns, src_rows, layout=True)
-            L.launch_layout_into(topk_idx, num_experts, self.num_ranks, self.group.guard("layout"), arrays)
+                                            transport, notify_time_ns, src_rows)
+            NK.launch_notify_layout(args, topk_idx, num_experts, self.num_ranks, C, self.group.guard("layout"))
         else:
             args, arrays = self.notify_args(T, num_experts, *hints, C, alignment, num_worst_tokens, transport,
                                             notify_time_ns, src_rows)
-        NK.launch_notify(args, self.num_ranks, C)
+            NK.launch_notify(args, self.num_ranks, C)
         return arrays
 
     def wait_counts(self, num_worst_tokens: int, before_stream_wait=None) -> None:
@@ -128,17 +129,15 @@ class Node:
         return self.notify_handle(arrays, topk_idx.shape[0], H, num_experts, C, num_worst_tokens, transport)
 
     def notify_args(self, T, num_experts, per_rank, per_expert, in_rank, C, alignment, num_worst_tokens,
-                    transport: str = "queue", notify_time_ns=None, src_rows: int = 0, layout: bool = False):
+                    transport: str = "queue", notify_time_ns=None, src_rows: int = 0):
         """(NotifyArgs, the handle's arrays: a cupyep.arrays.Carved) of a
         notify pass over the layout's counts ``per_rank`` and ``per_expert``
-        and ``in_rank`` ([T, R] bool), or, with ``layout``, over the parts the
-        layout kernel writes, carved first (cupyep.normal.layout.layout_shapes),
-        or, all None, for a kernel that lays the tokens out itself (the fused
-        dispatch: [T, R] bool "in_rank" carved). Resets the host counts' first
-        words (not in worst-token mode, where they never reach the host); see
+        and ``in_rank`` ([T, R] bool), or, all None, for a kernel that lays
+        the tokens out itself (notify_layout, the fused direct dispatch:
+        [T, R] bool "in_rank" carved). Resets the host counts' first words
+        (not in worst-token mode, where they never reach the host); see
         :meth:`notify_shapes` for the arrays."""
-        shapes = self.notify_shapes(T, num_experts, C, transport, src_rows, layout=layout,
-                                    in_rank=in_rank is None and not layout)
+        shapes = self.notify_shapes(T, num_experts, C, transport, src_rows, in_rank=in_rank is None)
         arrays = carve(shapes, dtypes=L.LAYOUT_DTYPES)  # one allocation
         for name, given in (("per_rank", per_rank), ("per_expert", per_expert), ("in_rank", in_rank)):
             if given is not None:
@@ -149,20 +148,17 @@ class Node:
             self.reset_host_counts()
         return self.pack_notify(arrays, T, num_experts, C, alignment, num_worst_tokens, notify_time_ns), arrays
 
-    def notify_shapes(self, T, num_experts, C, transport: str, src_rows: int = 0, layout: bool = False,
-                      in_rank: bool = False) -> dict:
+    def notify_shapes(self, T, num_experts, C, transport: str, src_rows: int = 0, in_rank: bool = False) -> dict:
         """{name: shape} of a notify pass's arrays (int32 but for
-        cupyep.normal.layout.LAYOUT_DTYPES): the layout kernel's parts first
-        with ``layout``; the handle's routing; the direct route's
+        cupyep.normal.layout.LAYOUT_DTYPES): the handle's routing; the direct route's
         expert-major tables (expand_base [R, E_local + 1], expert_meta
         [2 E_local + 1]); [T, R] bool "in_rank" with ``in_rank`` (a kernel
         that lays the tokens out itself); and, ``src_rows`` > 0, "src_idx"
         [src_rows] for the handle's copy of the source indices."""
         R = self.num_ranks
         E_local = num_experts // R
-        shapes = L.layout_shapes(T, num_experts, R) if layout else {}
-        shapes.update({"send_head": (T, R), "send_list": (R, max(T, 1)), "send_cp": (R, C + 1),
-                       "recv_cp": (R, C + 1), "recv_off": (R + 1,), "rpm": (R, R), "recv_per_expert": (E_local,)})
+        shapes = {"send_head": (T, R), "send_list": (R, max(T, 1)), "send_cp": (R, C + 1), "recv_cp": (R, C + 1),
+                  "recv_off": (R + 1,), "rpm": (R, R), "recv_per_expert": (E_local,)}
         if transport == "direct":
             shapes.update(expand_base=(R, E_local + 1), expert_meta=(2 * E_local + 1,))
         if in_rank:

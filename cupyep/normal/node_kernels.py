@@ -26,6 +26,9 @@ NOTIFY_ARGS_DTYPE = jit.struct_dtype([
     ("expand_base", u64), ("expert_meta", u64), ("notify_time_ns", u64), ("num_tokens", i32), ("num_experts", i32), ("num_channels", i32), ("expert_alignment", i32),
     ("capacity", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
 
+NOTIFY_LAYOUT_ARGS_DTYPE = jit.struct_dtype([("notify", NOTIFY_ARGS_DTYPE), ("topk_idx", u64), ("num_topk", i32),
+                                            ("layout_guard", GUARD_DTYPE)])
+
 NOTIFY_THREADS = 1024
 
 
@@ -35,9 +38,16 @@ def notify_spec(num_ranks: int) -> jit.KernelSpec:
                           kernels=(f"cupyep::normal::notify<{num_ranks}>",))
 
 
+@functools.cache
+def notify_layout_spec(num_ranks: int) -> jit.KernelSpec:
+    return jit.KernelSpec(name=f"notify_layout_ranks_{num_ranks}", source="normal/notify.cu",
+                          kernels=(f"cupyep::normal::notify_layout<{num_ranks}>",))
+
+
 def kernel_specs() -> list[jit.KernelSpec]:
-    """The notify pass at 1 to 8 ranks (``python -m cupyep.jit --check``)."""
-    return [notify_spec(r) for r in range(1, 9)]
+    """The notify pass, alone and with the layout in front, at 1 to 8 ranks
+    (``python -m cupyep.jit --check``)."""
+    return [notify_spec(r) for r in range(1, 9)] + [notify_layout_spec(r) for r in range(1, 9)]
 
 
 @functools.cache  # the layout is fixed per buffer, and every notify pass packs it
@@ -73,3 +83,15 @@ def notify_smem(num_ranks: int, num_channels: int) -> int:
 def launch_notify(args: np.void, num_ranks: int, num_channels: int) -> None:
     """One block of the notify pass, on the current stream."""
     jit.kernel(notify_spec(num_ranks))((1,), (NOTIFY_THREADS,), (args,), shared_mem=notify_smem(num_ranks, num_channels))
+
+
+def launch_notify_layout(args: np.void, topk_idx, num_experts: int, num_ranks: int, num_channels: int,
+                         layout_guard: np.void) -> None:
+    """One block of the layout and the notify pass (NotifyArgs ``args``,
+    whose is_token_in_rank it writes), on the current stream: topk_idx
+    [T, k] int64 (checked), ids outside [-1, E) reported through
+    ``layout_guard`` as the layout kernel reports them."""
+    full = jit.pack(NOTIFY_LAYOUT_ARGS_DTYPE, notify=args, topk_idx=topk_idx.data.ptr, num_topk=topk_idx.shape[1],
+                    layout_guard=layout_guard)
+    jit.kernel(notify_layout_spec(num_ranks))((1,), (NOTIFY_THREADS,), (full,),
+                                              shared_mem=notify_smem(num_ranks, num_channels) + 4 * (num_ranks + num_experts))

@@ -215,7 +215,7 @@ PHASES = (
     ("direct_kernels.launch_send", "cupyep.normal.direct_kernels", "launch_send"),
     ("QueueRoute.dispatch", "cupyep.normal.queue", "QueueRoute.dispatch"),
     ("queue_kernels.launch_dispatch", "cupyep.normal.queue_kernels", "launch_dispatch"),
-    ("layout.launch_layout_into", "cupyep.normal.layout", "launch_layout_into"),
+    ("node_kernels.launch_notify_layout", "cupyep.normal.node_kernels", "launch_notify_layout"),
     ("node_kernels.launch_notify", "cupyep.normal.node_kernels", "launch_notify"),
     ("Node.notify_args", "cupyep.normal.node", "Node.notify_args"),
     ("Node.notify_handle", "cupyep.normal.node", "Node.notify_handle"),

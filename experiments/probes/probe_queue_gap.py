@@ -5,7 +5,7 @@ idle wait for the host between the counts and the send, and the send.
     python -m cupyep.launcher -n 4 experiments/probes/probe_queue_gap.py --out queue_gap_4ranks.json
 
 CUDA events are recorded on the communication stream around the route's
-launches (the layout or notify launch, and the send launch, wrapped in this
+launches (the layout-and-notify launch and the send launch, wrapped in this
 probe). Per call and rank, in us:
 
 - ``notify_us``: the stream reaching the layout to the notify kernel's end
@@ -121,10 +121,9 @@ def main():
     def call():
         return buf.dispatch(x, ids, ws, num_experts=E, validate=False, **kw)
 
-    from cupyep.normal import direct_kernels, layout, node_kernels, queue_kernels
+    from cupyep.normal import direct_kernels, node_kernels, queue_kernels
     m = Marks()
-    m.wrap(layout, "launch_layout_into", "start", None)
-    m.wrap(node_kernels, "launch_notify", None, "notified")
+    m.wrap(node_kernels, "launch_notify_layout", "start", "notified")
     if args.transport == "queue":
         m.wrap(queue_kernels, "launch_dispatch", "send_begin", "send_end")
     else:
