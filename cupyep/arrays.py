@@ -135,6 +135,11 @@ class Carved:
     def __init__(self, base, plan: dict):
         self.base, self.base_ptr, self._plan, self._items = base, base.data.ptr, plan, {}
 
+    @property
+    def parts(self) -> dict:
+        """{name: (byte offset, shape, dtype)}: the carve plan (cupyep.arrays.carve_plan)."""
+        return self._plan
+
     def __getitem__(self, name):
         item = self._items.get(name)
         if item is None:

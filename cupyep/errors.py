@@ -30,9 +30,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "notify": ("notify barrier", "notify counts",
                          "receive capacity (more rows than num_worst_tokens)"),
     "queue_dispatch": ("dispatch queue space (sender waits for receiver head)",
-                           "dispatch queue data (receiver waits for sender tail)",
-                           "dispatch receive arrays (receiver waits for its host to write their addresses "
-                           "after the counts; value: the tag seen, expected: this call's)"),
+                           "dispatch queue data (receiver waits for sender tail)"),
     "queue_combine": ("combine queue space (sender waits for receiver head)",
                           "combine queue data (receiver waits for sender tail)"),
     "low_latency_dispatch": ("dispatch flag (receiver waits for a source's rows and counts; "

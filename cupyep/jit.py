@@ -200,8 +200,10 @@ class Address:
 
 
 # Distinct address steps, one per source of an ArgTemplate: far above any device address, and a
-# word moved by one of them is told from a word moved by another.
+# word moved by one of them is told from a word moved by another. An int32 source (a count) moves by
+# distinct steps below 2**31 instead, in the low or the high half of its 8-byte word.
 _STEP = 1 << 52
+_INT_STEP = 1 << 24
 
 
 class ArgTemplate:
@@ -216,32 +218,39 @@ class ArgTemplate:
     (a pointer field equal to the source's address plus a fixed offset, as
     a carved array's address is its allocation's plus its offset). A launch
     writes ``template + address`` into those words, so that its bytes equal
-    ``pack(addresses)``'s; :meth:`check` compares the two.
+    ``pack(addresses)``'s; :meth:`check` compares the two. Sources named in
+    ``ints`` are int32 fields (counts in [0, 2**31)) rather than addresses:
+    they move by smaller steps, and a launch adds them into the half of
+    their word that holds them.
 
     :meth:`launch` passes the bytes to ``cuLaunchKernel`` through one
     kernel-parameter pointer (the driver copies them at launch, so the one
     buffer serves every call); its addresses come in the order of
     ``sources``."""
 
-    def __init__(self, pack, sources: tuple[str, ...]):
+    def __init__(self, pack, sources: tuple[str, ...], ints: tuple[str, ...] = ()):
         self.sources = tuple(sources)
+        if set(ints) - set(self.sources):
+            raise ValueError(f"ArgTemplate: ints {sorted(set(ints) - set(self.sources))} are not sources")
         base = pack(dict.fromkeys(self.sources, 0))
         nbytes = base.dtype.itemsize
         if nbytes % 8:
             raise ValueError(f"an ArgTemplate needs a struct of whole 8-byte words, got {nbytes} bytes")
         template = np.frombuffer(base.tobytes(), dtype=np.uint64)
-        idx, which = [], []
+        idx, which, shifts = [], [], []
         for i, s in enumerate(self.sources):
-            step = np.uint64(_STEP * (i + 1))
-            moved = np.frombuffer(pack({t: (int(step) if t == s else 0) for t in self.sources}).tobytes(),
+            step = _INT_STEP * (i + 1) if s in ints else _STEP * (i + 1)
+            moved = np.frombuffer(pack({t: (step if t == s else 0) for t in self.sources}).tobytes(),
                                   dtype=np.uint64)
             delta = moved - template  # uint64 wraps: a word that moved by the step reads exactly the step
-            if np.any((delta != 0) & (delta != step)):
-                raise ValueError(f"ArgTemplate: source {s!r} changes a word other than by its address")
-            words = np.flatnonzero(delta)
-            idx.extend(words.tolist())
-            which.extend([i] * words.size)
-        #: {source: the struct's 8-byte words that hold its address}
+            low, high = np.uint64(step), np.uint64((step << 32) % 2**64)
+            if np.any((delta != 0) & (delta != low) & ((delta != high) | (s not in ints))):
+                raise ValueError(f"ArgTemplate: source {s!r} changes a word other than by its value")
+            for w in np.flatnonzero(delta).tolist():
+                idx.append(w)
+                which.append(i)
+                shifts.append(0 if delta[w] == low else 32)
+        #: {source: the struct's 8-byte words that hold its address (or count)}
         self.words = {s: [w for w, j in zip(idx, which) if j == i] for i, s in enumerate(self.sources)}
         self._buffer = template.copy()  # the words no source moves never change
         self._params = np.array([self._buffer.ctypes.data], dtype=np.uint64)  # void*[1]: the struct's address
@@ -249,7 +258,11 @@ class ArgTemplate:
         # One generated statement per patched word (no per-word loop or array temporaries: the
         # launch is on the host's critical path): word = its template value + its source's address.
         args = ", ".join(f"a{i}" for i in range(len(self.sources)))
-        body = "".join(f"    w[{w}] = {int(template[w])} + a{j}\n" for w, j in zip(idx, which)) or "    pass\n"
+        terms: dict = {}  # word -> what it adds (two int32 sources may share one word)
+        for w, j, sh in zip(idx, which, shifts):
+            terms.setdefault(w, []).append(f"(a{j} << 32)" if sh else f"a{j}")
+        body = "".join(f"    w[{w}] = {int(template[w])} + " + " + ".join(t) + "\n"
+                       for w, t in terms.items()) or "    pass\n"
         env: dict = {}
         exec(compile(f"def write(w, {args}):\n{body}", "<ArgTemplate>", "exec"), env)
         self._write_words, self._words = env["write"], memoryview(self._buffer)

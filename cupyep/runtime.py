@@ -191,15 +191,13 @@ class Group:
         event.synchronize()
         self.check_errors()
 
-    def wait_word(self, word, stream, kernel: str, phase: str, before_stream_wait=None) -> int:
+    def wait_word(self, word, stream, kernel: str, phase: str) -> int:
         """Bounded host wait for a word of mapped host memory that a kernel on
         ``stream`` publishes (``word``: a NumPy int32 view of one element,
         -1 until then; the kernel fences its other host writes before it).
         Asks the GPU nothing while it spins: only the error slot, also mapped,
         every 256th time. Past the deadline (or after a device error) it waits
-        on the stream instead, which raises the error or CommTimeoutError,
-        after calling ``before_stream_wait()`` when given (what a kernel
-        queued after the publishing one needs from the host to end).
+        on the stream instead, which raises the error or CommTimeoutError.
         Returns the word."""
         start = time.monotonic()
         deadline = self._host_deadline(start)
@@ -211,8 +209,6 @@ class Group:
             now = time.monotonic()
             failed = self._error_slot is not None and self._error_slot.raised()
             if failed or now > deadline:
-                if before_stream_wait is not None:
-                    before_stream_wait()
                 self.wait(stream, kernel, phase)
                 if int(word[0]) == -1:  # the stream ended without the word and without a device error
                     raise CommTimeoutError(kernel, phase, self.rank, None, timeout_s=self.timeout_s,

@@ -1014,33 +1014,3 @@ def test_the_layout_refuses_parts_carved_out_of_order():
     plan = {name: (64 * i, (4,), np.dtype(np.int32)) for i, name in enumerate(("per_expert", "per_rank", "in_rank"))}
     with pytest.raises(ValueError, match="one after another"):  # before any CUDA call
         launch_layout_into(np.zeros((2, 1), np.int64), 4, 2, None, Carved(_Arr(4096), plan))
-
-
-def test_late_address_words_carry_their_calls_tag_and_match_the_kernels_constants():
-    """A notified queue dispatch's late-address slots: used in turn, tags
-    1..4095 (never 0, the slots' initial value), each word tagged in its top
-    bits, capacity last; an aborted call's words name no array and capacity
-    0; the constants are node_args.cuh's."""
-    from cupyep.normal import node as N
-    header = (Path(__file__).resolve().parents[1] / "cuda_src" / "normal" / "node_args.cuh").read_text()
-    assert f"constexpr int kLateWords = {N.LATE_WORDS};" in header
-    assert f"constexpr int kLateTagBits = {N.LATE_TAG_BITS};" in header
-    node = object.__new__(N.Node)
-    node.late_words = np.zeros((N.LATE_SLOTS, 8), dtype=np.uint64)
-    node.late_ptr0, node._late_calls = 1 << 20, 0
-    slots = [node.late_slot() for _ in range(2 * N.LATE_SLOTS)]
-    assert len({s for s, _ in slots[:N.LATE_SLOTS]}) == N.LATE_SLOTS and slots[0][0] == slots[N.LATE_SLOTS][0]
-    assert all(s % 64 == 0 and 1 <= t < 2**N.LATE_TAG_BITS for s, t in slots)
-    node._late_calls = 2**N.LATE_TAG_BITS - 3
-    tags = [node.late_slot()[1] for _ in range(4)]
-    assert 0 not in tags and len(set(tags)) == 4
-    slot, tag = node.late_slot()
-    addresses = [0x7F00_0000_1000, 0, 0x7F00_0000_2000, 0x7F00_0000_3000, 0x7F00_0000_4000]
-    node.post_late(slot, tag, addresses, 12345)
-    words = node.late_words[(slot - node.late_ptr0) // 64, :N.LATE_WORDS]
-    assert [int(w) >> N.LATE_VALUE_BITS for w in words] == [tag] * N.LATE_WORDS
-    assert [int(w) & ((1 << N.LATE_VALUE_BITS) - 1) for w in words] == addresses + [12345]
-    node.abort_late(slot, tag)
-    assert [int(w) for w in words] == [tag << N.LATE_VALUE_BITS] * N.LATE_WORDS
-    with pytest.raises(RuntimeError, match="does not fit"):
-        node.post_late(slot, tag, [1 << N.LATE_VALUE_BITS, 0, 0, 0, 0], 1)

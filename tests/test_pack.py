@@ -155,3 +155,71 @@ def test_fused_dispatch_plan_patches_to_the_full_pack(R, fp8, weights, worst, em
     for _ in range(10):
         plan.template.check(plan.pack, *(int(v) << 8 for v in rng.integers(1, 1 << 38, size=len(D.FUSED_SOURCES))))
     assert plan.nbytes >= 4 * T * R and "src_idx" in plan.parts and "in_rank" in plan.parts
+
+
+def test_arg_template_adds_an_int32_count_into_the_half_of_its_word():
+    dt = jit.struct_dtype([("p", np.uint64), ("lo", np.int32), ("hi", np.int32), ("q", np.uint64), ("n", np.int32),
+                           ("m", np.int32)])
+
+    def pack(a):
+        return jit.pack(dt, p=a["base"] + 64, lo=a["count"], hi=a["other"], q=a["base"], n=7, m=a["count"])
+    t = jit.ArgTemplate(pack, ("base", "count", "other"), ints=("count", "other"))
+    assert t.words == {"base": [0, 2], "count": [1, 3], "other": [1]}
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        t.check(pack, int(rng.integers(1, 1 << 38)) << 8, int(rng.integers(0, 2**31)), int(rng.integers(0, 2**31)))
+    with pytest.raises(ValueError, match="not sources"):
+        jit.ArgTemplate(pack, ("base", "count", "other"), ints=("nope",))
+
+
+def _queue_route(R):
+    """A QueueRoute over stand-ins for its node (what the send's packing reads)."""
+    from types import SimpleNamespace
+
+    from cupyep.errors import GUARD_DTYPE
+    from cupyep.normal.queue import QueueRoute
+    from cupyep.normal.queue_layout import buffer_layout
+    guard = jit.pack(GUARD_DTYPE, slot=0x7000, timeout_ns=10**9, kernel=3, rank=1)
+    node = SimpleNamespace(num_ranks=R, rank=1, group=SimpleNamespace(guard=lambda kernel: guard),
+                           buffer=SimpleNamespace(peer_ptrs=jit.Address((R,), 0x5000)), layout=buffer_layout(R, 1 << 28))
+    route = object.__new__(QueueRoute)
+    route.node, route._plans = node, {}
+    return route
+
+
+@pytest.mark.parametrize("R,fp8,weights,occupancy,worst", [
+    (2, False, True, False, 0), (4, True, True, True, 0), (8, False, False, False, 0), (8, True, False, False, 512)])
+def test_queue_send_plan_patches_to_the_full_pack(R, fp8, weights, occupancy, worst):
+    """The queue route's launch plan of a notified send: for any addresses
+    of the call's arrays and any received count, its patched args equal the
+    packing function's bytes, and the notify arrays' offsets are the carve
+    plan's."""
+    from types import SimpleNamespace
+
+    from cupyep.arrays import Carved, carve_plan
+    from cupyep.normal import queue_kernels as K
+    from cupyep.normal.config import get_dispatch_config
+    from cupyep.normal.layout import LAYOUT_DTYPES
+    from cupyep.normal.node import Node
+    from cupyep.normal.queue_layout import ring_set
+    T, H, k, E = 300, 7168, 8, 64
+    route = _queue_route(R)
+    cfg = get_dispatch_config(R, 132 // R, fp8)
+    C = cfg.num_channels
+    parts, nbytes = carve_plan(Node.notify_shapes(route.node, T, E, C, "queue", in_rank=True), dtypes=LAYOUT_DTYPES)
+    arrays = Carved(jit.Address((nbytes,), 0x1_0000_0000), parts)
+    call = SimpleNamespace(
+        x=jit.Address((T, H), 0x10000), x_scales=jit.Address((T, H // 128), 0x20000) if fp8 else None,
+        topk_idx=jit.Address((T, k), 0x30000), topk_weights=jit.Address((T, k), 0x40000) if weights else None,
+        queue_occupancy=jit.Address((3,), 0x50000) if occupancy else None, num_tokens=T, hidden=H, num_topk=k,
+        num_experts=E, fp8=fp8, num_worst_tokens=worst)
+    rs = ring_set(route.node.layout, "dispatch", H, k, fp8, cfg)
+    plan = route._send_plan(call, cfg, rs, None, arrays)
+    assert route._send_plan(call, cfg, rs, None, arrays) is plan and plan.num_blocks == 2 * C
+    t = plan.template
+    assert t.sources == K.SEND_SOURCES and len(t.words["base"]) == 4 and len(t.words["capacity"]) == 1
+    assert bool(t.words["x_scales"]) == fp8 and bool(t.words["recv_topk_weights"]) and bool(t.words["queue_occupancy"]) == occupancy
+    rng = np.random.default_rng(R)
+    for _ in range(10):
+        addresses = [int(v) << 8 for v in rng.integers(1, 1 << 38, size=len(K.SEND_SOURCES) - 1)]
+        t.check(plan.pack, *addresses, int(rng.integers(0, 2**31)))

@@ -58,17 +58,3 @@ def test_past_the_deadline_a_word_never_published_is_a_timeout_naming_the_phase(
     with pytest.raises(CommTimeoutError, match="direct_dispatch.*fused notify") as info:
         g.wait_word(np.full(1, -1, np.int32), None, "direct_dispatch", "the fused notify's counts")
     assert "without publishing" in str(info.value)
-
-
-def test_before_waiting_on_the_stream_the_caller_releases_what_a_later_kernel_waits_for(monkeypatch):
-    order = []
-
-    def wait(ev, kernel, phase):
-        order.append("stream wait")
-        raise CommTimeoutError(kernel, phase, 0, 1, timeout_s=1.0)
-    g = _group(slot=_Slot(raised=True))
-    g.wait = wait
-    with pytest.raises(CommTimeoutError):
-        g.wait_word(np.full(1, -1, np.int32), None, "notify", "host wait for receive counts",
-                    lambda: order.append("released"))
-    assert order == ["released", "stream wait"]

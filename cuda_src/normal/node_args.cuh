@@ -23,13 +23,6 @@ namespace cupyep {
 namespace normal {
 
 constexpr int kCounterStride = 64;  // bytes between ring counters
-// Late receive addresses (DispatchArgs::late): a word's top kLateTagBits
-// bits are its call's tag, the rest the value; a capacity of 0 has the
-// receivers drain their rings without writing (the host failed after the
-// launch).
-constexpr int kLateWords = 6;
-constexpr int kLateTagBits = 12;
-constexpr int kLateValueBits = 64 - kLateTagBits;
 
 struct BufferOffsets {
     int64_t barrier;
@@ -122,14 +115,6 @@ struct DispatchArgs {
     // found waiting (filled, not yet consumed) to [0] and 1 to [1], and
     // raises [2] to that count if larger.
     uint64_t* queue_occupancy;      // [3] or null
-    // Late receive addresses (null: the recv_* fields above hold them). A
-    // notified dispatch is launched before the host knows its received count;
-    // the host then writes recv_x, recv_x_scales, recv_topk_idx,
-    // recv_topk_weights, recv_src_idx and the capacity (0: drain the rings
-    // without writing) into these six words of mapped host memory, each tagged in
-    // its top kLateTagBits bits with late_tag so that a word left from an
-    // earlier call is never taken for this one's. See queue_dispatch.cu.
-    const uint64_t* late;           // [6], mapped host memory, or null
     int num_tokens;
     int num_scales;
     int num_topk;
@@ -137,7 +122,6 @@ struct DispatchArgs {
     int num_channels;
     int capacity;                   // rows of the receive arrays; rows past recv_rank_offset[R] are padding
     int rank;
-    int late_tag;                   // the tag of this call's late words (with late)
     Guard guard;
 };
 

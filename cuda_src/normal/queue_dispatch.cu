@@ -12,16 +12,6 @@
 // Metric (opt-in): with a.queue_occupancy set, every receiver poll records
 // how many rows it found waiting in its ring (see DispatchArgs).
 //
-// Late addresses (a.late set): a notified dispatch is launched right after
-// the notify pass, before the host has read the received count and made the
-// receive arrays. The senders need none of them and start at once; each
-// receiver warp group's leader waits (bounded, phase 2) for the six words the
-// host writes into mapped memory once it has (DispatchArgs::late), so the
-// host's reaction overlaps the senders filling the rings instead of idling
-// the GPU. A capacity of 0 (the host failed after the launch) has the
-// receivers drain their rings without writing, so that the peers' senders
-// finish and the host can raise.
-//
 // Worst-token mode (capacity > received count): the sender blocks, once
 // their rows are out, fill this rank's receive rows past the count, a thread
 // per entry: recv_src_idx and recv_topk_idx -1, recv_topk_weights 0. recv_x and
@@ -117,35 +107,6 @@ __global__ void __launch_bounds__(kNumThreads, 1) queue_dispatch(DispatchArgs a)
 
     // Receiver of channel c, group g drains source g.
     const int src = g.index;
-    // The receive arrays' addresses and capacity, from the arguments or, late,
-    // from the host; kept in shared memory (volatile: read where used, so that
-    // they take no registers across the loop).
-    __shared__ uint64_t s_recv[R][kLateWords];
-    if (g.leader()) {
-        bool ok = true;
-        if (a.late) {
-            const int tag = a.late_tag;
-            for (int i = 0; i < kLateWords && ok; ++i) {
-                const int64_t* w = reinterpret_cast<const int64_t*>(a.late + i);
-                ok = wait_until(
-                    w, [=](int64_t v) { return (int)((uint64_t)v >> kLateValueBits) == tag; },
-                    [=](int64_t v) { return make_longlong2((int64_t)((uint64_t)v >> kLateValueBits), tag); },
-                    a.guard, /*phase=*/2, -1);
-                if (ok) s_recv[src][i] = (uint64_t)ld_volatile64(w) & ((1ull << kLateValueBits) - 1);
-            }
-        } else {
-            s_recv[src][0] = reinterpret_cast<uint64_t>(a.recv_x);
-            s_recv[src][1] = reinterpret_cast<uint64_t>(a.recv_x_scales);
-            s_recv[src][2] = reinterpret_cast<uint64_t>(a.recv_topk_idx);
-            s_recv[src][3] = reinterpret_cast<uint64_t>(a.recv_topk_weights);
-            s_recv[src][4] = reinterpret_cast<uint64_t>(a.recv_src_idx);
-            s_recv[src][5] = (uint64_t)a.capacity;
-        }
-        if (!ok) s_recv[src][5] = ~0ull;  // timed out: stop
-    }
-    g.sync();
-    const volatile uint64_t* addr = s_recv[src];
-    if (addr[5] == ~0ull) return;
     const int* cp = a.recv_channel_prefix + src * (C + 1);
     const int n = cp[c + 1] - cp[c];
     const int64_t row0 = (int64_t)a.recv_rank_offset[src] + cp[c];
@@ -175,7 +136,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) queue_dispatch(DispatchArgs a)
         if (avail < 0) return;
         for (int j = g.warp; j < avail; j += g.num_warps) {
             const int64_t row = row0 + consumed + j;
-            if (row >= (int64_t)addr[5]) continue;  // notify reported the overflow, or the host aborted (capacity 0)
+            if (row >= a.capacity) continue;  // notify already reported the overflow
             const char* slot = ring_slot(mine, rs, R, c, src, base + consumed + j);
             const int* meta = reinterpret_cast<const int*>(slot + rs.x_bytes);
             // Metadata loads go out before the row copy and land during it.
@@ -183,25 +144,25 @@ __global__ void __launch_bounds__(kNumThreads, 1) queue_dispatch(DispatchArgs a)
             if (lane == 0) src_idx = ld_volatile(meta);
             if (lane < k) { e0 = ld_volatile(meta + 1 + lane); w0 = ld_volatile(meta + 1 + k + lane); }
             if (lane + 32 < k) { e1 = ld_volatile(meta + 33 + lane); w1 = ld_volatile(meta + 33 + k + lane); }
-            if (addr[1]) {
+            if (a.recv_x_scales) {
                 if (lane < ns) s0 = ld_volatile(meta + 1 + 2 * k + lane);
                 if (lane + 32 < ns) s1 = ld_volatile(meta + 33 + 2 * k + lane);
             }
-            copy.from_ring(reinterpret_cast<int4*>(addr[0]) + row * x_int4, reinterpret_cast<const int4*>(slot), x_int4, lane);
-            if (lane == 0) reinterpret_cast<int*>(addr[4])[row] = src_idx;
+            copy.from_ring(a.recv_x + row * x_int4, reinterpret_cast<const int4*>(slot), x_int4, lane);
+            if (lane == 0) a.recv_src_idx[row] = src_idx;
             auto put = [&](int j2, int64_t e, int w) {
                 const bool local = e >= lo && e < hi;
-                reinterpret_cast<int64_t*>(addr[2])[row * k + j2] = local ? e - lo : -1;
-                if (addr[3]) reinterpret_cast<float*>(addr[3])[row * k + j2] = local ? __int_as_float(w) : 0.f;
+                a.recv_topk_idx[row * k + j2] = local ? e - lo : -1;
+                if (a.recv_topk_weights) a.recv_topk_weights[row * k + j2] = local ? __int_as_float(w) : 0.f;
             };
             if (lane < k) put(lane, e0, w0);
             if (lane + 32 < k) put(lane + 32, e1, w1);
             for (int j2 = lane + 64; j2 < k; j2 += 32) put(j2, ld_volatile(meta + 1 + j2), ld_volatile(meta + 1 + k + j2));
-            if (addr[1]) {
-                float* scales = reinterpret_cast<float*>(addr[1]) + row * ns;
-                if (lane < ns) scales[lane] = __int_as_float(s0);
-                if (lane + 32 < ns) scales[lane + 32] = __int_as_float(s1);
-                for (int j2 = lane + 64; j2 < ns; j2 += 32) scales[j2] = __int_as_float(ld_volatile(meta + 1 + 2 * k + j2));
+            if (a.recv_x_scales) {
+                if (lane < ns) a.recv_x_scales[row * ns + lane] = __int_as_float(s0);
+                if (lane + 32 < ns) a.recv_x_scales[row * ns + lane + 32] = __int_as_float(s1);
+                for (int j2 = lane + 64; j2 < ns; j2 += 32)
+                    a.recv_x_scales[row * ns + j2] = __int_as_float(ld_volatile(meta + 1 + 2 * k + j2));
             }
             copy.consumed(slot, rs.slot_bytes, lane);
         }

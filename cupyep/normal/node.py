@@ -18,12 +18,6 @@ from .queue_layout import MAX_LOCAL_EXPERTS, buffer_layout
 from .route import Route
 
 INT_MAX = 2**31 - 1
-# Late receive addresses of a notified queue dispatch (DispatchArgs::late in
-# cuda_src/normal/node_args.cuh): slots of LATE_WORDS tagged words in mapped
-# host memory, used in turn; a word's top LATE_TAG_BITS bits are its call's
-# tag (1 .. 4095, never 0, the slots' initial value).
-LATE_SLOTS, LATE_WORDS, LATE_TAG_BITS = 4, 6, 12
-LATE_VALUE_BITS = 64 - LATE_TAG_BITS
 
 
 class Node:
@@ -53,18 +47,11 @@ class Node:
         self.buffer = SymmetricBuffer(group, num_bytes)
         # Mapped host memory the notify pass writes: [1 + E_local + R * R + 1] (see NotifyArgs), then
         # the fused direct dispatch's status word (HOST_STATUS).
-        # Then, 64-byte aligned, the late-address slots (late_slot), zeroed.
         n_counts = 1 + MAX_LOCAL_EXPERTS + self.num_ranks ** 2 + 2
         self.host_status_index = n_counts - 1
-        late_offset = -(-4 * n_counts // 64) * 64
-        self.host_counts_ptr = cupy.cuda.runtime.hostAlloc(late_offset + 64 * LATE_SLOTS, 2)
+        self.host_counts_ptr = cupy.cuda.runtime.hostAlloc(4 * n_counts, 2)
         self.host_counts = np.frombuffer((ctypes.c_int32 * n_counts).from_address(self.host_counts_ptr),
                                          dtype=np.int32)
-        self.late_ptr0 = self.host_counts_ptr + late_offset
-        self.late_words = np.frombuffer((ctypes.c_uint64 * (8 * LATE_SLOTS)).from_address(self.late_ptr0),
-                                        dtype=np.uint64).reshape(LATE_SLOTS, 8)
-        self.late_words[:] = 0
-        self._late_calls = 0
         # Compile once per node, collectively (so that no rank compiles inside a call while its
         # peers' kernels already wait on it).
         jit.load(L.layout_spec(), group)
@@ -109,12 +96,10 @@ class Node:
             NK.launch_notify(args, self.num_ranks, C)
         return arrays
 
-    def wait_counts(self, num_worst_tokens: int, before_stream_wait=None) -> None:
-        """Bounded host wait for a notify pass's counts (none in worst-token
-        mode); ``before_stream_wait``: see cupyep.runtime.Group.wait_word."""
+    def wait_counts(self, num_worst_tokens: int) -> None:
+        """Bounded host wait for a notify pass's counts (none in worst-token mode)."""
         if num_worst_tokens <= 0:  # the kernel publishes the received rows last, after a fence
-            self.group.wait_word(self.host_counts[0:1], self.comm_stream, "notify", "host wait for receive counts",
-                                 before_stream_wait)
+            self.group.wait_word(self.host_counts[0:1], self.comm_stream, "notify", "host wait for receive counts")
 
     def received_rows(self, num_worst_tokens: int) -> int:
         """N of a notify pass whose counts have arrived (num_worst_tokens in worst-token mode)."""
@@ -181,38 +166,6 @@ class Node:
                               num_tokens=T, num_experts=num_experts, num_channels=C, expert_alignment=alignment,
                               capacity=num_worst_tokens if worst else INT_MAX, rank=self.rank,
                               guard=self.group.guard("notify"))
-
-    # ------------------------------------------------- late addresses
-    def late_slot(self) -> tuple[int, int]:
-        """(device address, tag) of the late-address slot of the next notified
-        queue dispatch: the slots are used in turn, and the host writes a
-        call's slot only after that call's notify pass, which runs after the
-        dispatch that used the slot LATE_SLOTS calls before (one stream)."""
-        self._late_calls += 1
-        n = self._late_calls
-        return self.late_ptr0 + 64 * (n % LATE_SLOTS), n % (2**LATE_TAG_BITS - 1) + 1
-
-    def post_late(self, slot: int, tag: int, addresses, capacity: int) -> None:
-        """Write a late-address slot (``slot``: its address from
-        :meth:`late_slot`): the five receive arrays' ``addresses`` (recv_x,
-        recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx; 0 where
-        not carried; all five given) and ``capacity`` rows; capacity 0 has the
-        receivers drain their rings without writing. Each word carries
-        ``tag``, so the receivers take no word before it is this call's, in
-        whatever order the words become visible."""
-        t = tag << LATE_VALUE_BITS
-        words = [t | capacity] * LATE_WORDS
-        for i, a in enumerate(addresses):
-            if a >> LATE_VALUE_BITS:
-                raise RuntimeError(f"device address {a:#x} does not fit the {LATE_VALUE_BITS} bits of a late word")
-            words[i] = t | a
-        self.late_words[(slot - self.late_ptr0) // 64, :LATE_WORDS] = words
-
-    def abort_late(self, slot: int, tag: int) -> None:
-        """Write a late-address slot with no arrays and capacity 0: its
-        dispatch's receivers drain their rings without writing (the host
-        failed after the launch), so the peers' sends still finish."""
-        self.post_late(slot, tag, (0,) * (LATE_WORDS - 1), 0)
 
     def notify_handle(self, arrays, T, H, num_experts, C, num_worst_tokens, transport, lease=None) -> DispatchHandle:
         """The handle of a notify pass whose host counts (if any) have arrived

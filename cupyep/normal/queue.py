@@ -13,12 +13,13 @@ from __future__ import annotations
 import collections
 import functools
 from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 
 from .. import jit
 from ..arrays import carve
-from ..results import CarvedRouting, CombineResult, DispatchHandle, aligned_expert_counts, dispatch_result, evolve
+from ..results import CombineResult, DispatchHandle, aligned_expert_counts, dispatch_result, evolve
 from . import queue_kernels as K
 from .config import Config, get_combine_config, get_dispatch_config
 from .direct_kernels import DirectConfig
@@ -37,7 +38,7 @@ class QueueRoute(NodeRoute):
         self.node = node
         self._configs: dict = {}  # (kind, the caller's config, fp8, channels) -> validated config
         self._kernels: dict = {}  # (spec, config) -> kernel, its residency checked
-        self._rows_seen: dict = {}  # call shape -> rows its last LATE_HISTORY notified calls received
+        self._plans: dict = {}  # a notified dispatch's call shape -> its _SendPlan
         R = node.num_ranks
         jit.load(K.dispatch_spec_for(R, self.default_dispatch_config()), node.group)
         jit.load(K.combine_spec_for(R, self.default_combine_config()), node.group)
@@ -91,6 +92,7 @@ class QueueRoute(NodeRoute):
 
     # ---------------------------------------------------------- dispatch
     def dispatch(self, call: DispatchCall):
+        import cupy
         node, cfg = self.node, call.config
         R = node.num_ranks
         T, H, k = call.num_tokens, call.hidden, call.num_topk
@@ -99,27 +101,34 @@ class QueueRoute(NodeRoute):
         handle = call.handle
         notified = handle is None
         weights = call.topk_weights is not None
-        if notified:  # layout and notify first; the handle after the send
+        if notified:  # layout and notify, then, as soon as the counts arrive, the send; the handle after it
             hints = node.check_hints(call.hints, call.num_experts, T)
             arrays = node.notify_launch(call.topk_idx, call.num_experts, hints, cfg.num_channels,
                                         call.expert_alignment, call.num_worst_tokens,
                                         notify_time_ns=call.notify_time_ns)
-            routing = CarvedRouting(arrays)
-        if notified and call.num_worst_tokens <= 0:
-            # The send goes out now, before the counts: the receivers wait for their arrays' addresses.
-            N, recv = self._dispatch_late(call, cfg, fn, rs, routing)
+            plan = self._send_plan(call, cfg, rs, fn, arrays)
+            recv, cap = self._guess_arrays(plan, call) if call.num_worst_tokens <= 0 else (None, 0)
+            node.wait_counts(call.num_worst_tokens)  # from here until the send's launch the GPU waits
+            N = node.received_rows(call.num_worst_tokens)
+            if recv is None or N > cap:
+                recv = carve(_recv_shapes(N, H, k, call.fp8, weights, True), dtypes=_recv_dtypes(call.x.dtype))
+            p = recv.ptr
+            plan.template.launch(fn, plan.num_blocks, cfg.num_threads, 0, cupy.cuda.get_current_stream().ptr,
+                                 arrays.base_ptr, call.x.data.ptr, _ptr(call.x_scales), call.topk_idx.data.ptr,
+                                 _ptr(call.topk_weights), p("recv_x"), p("recv_x_scales"), p("recv_topk_idx"),
+                                 p("recv_topk_weights"), p("recv_src_idx"), _ptr(call.queue_occupancy), N)
+            if recv is not None and N < cap:  # views of the received rows (the guess held more)
+                for name, shape in _recv_shapes(N, H, k, call.fp8, weights, True).items():
+                    recv[name] = recv.view(name, shape)
+            plan.rows_seen.append(N)
         else:
-            if notified:  # worst-token mode: sized by the caller, no host wait
-                N = node.received_rows(call.num_worst_tokens)
-            else:
-                N = handle.num_worst_tokens or handle.num_recv_tokens
-                routing = handle
-            own_src = notified or handle.recv_src_idx is None
+            N = handle.num_worst_tokens or handle.num_recv_tokens
+            own_src = handle.recv_src_idx is None
             recv = carve(_recv_shapes(N, H, k, call.fp8, weights, own_src), dtypes=_recv_dtypes(call.x.dtype))
             if not own_src:  # a cached call writes the handle's source indices again (the same routing)
                 recv["recv_src_idx"] = handle.recv_src_idx
             K.launch_dispatch(fn, cfg, node.buffer, rs, call.x, call.x_scales, call.topk_idx, call.topk_weights,
-                              routing, {name: recv.ptr(name) for name in RECV_NAMES}, call.queue_occupancy,
+                              handle, {name: recv.ptr(name) for name in RECV_NAMES}, call.queue_occupancy,
                               call.num_experts // R, N, node.rank, node.group.guard("queue_dispatch"))
         if notified:
             handle = node.notify_handle(arrays, T, H, call.num_experts, cfg.num_channels, call.num_worst_tokens,
@@ -135,55 +144,45 @@ class QueueRoute(NodeRoute):
         return dispatch_result(out["recv_x"], out["recv_x_scales"], out["recv_topk_idx"], out["recv_topk_weights"],
                                per_expert, handle, None, em)
 
-    def _dispatch_late(self, call: DispatchCall, cfg: Config, fn, rs, routing):
-        """(N, the receive arrays: a Carved whose parts hold N rows, or views
-        of N rows set in it) of a notified dispatch whose send is launched
-        before its counts arrive (late addresses, cuda_src/normal/queue_dispatch.cu).
+    def _send_plan(self, call: DispatchCall, cfg: Config, rs, fn, arrays) -> "_SendPlan":
+        """The send's launch of a notified dispatch of this call's shape,
+        made once per shape: its args as a jit.ArgTemplate (checked against a
+        full pack when made), and the rows its last calls received
+        (:meth:`_guess_arrays`). ``arrays``: the notify pass's Carved."""
+        parts = arrays.parts
+        key = (call.num_tokens, call.hidden, call.num_topk, call.num_experts, call.fp8, call.topk_weights is not None,
+               call.queue_occupancy is not None, call.num_worst_tokens > 0, cfg, id(parts))
+        plan = self._plans.get(key)
+        if plan is None or plan.parts is not parts:  # (a carve plan is made once per shape; id() alone may recur)
+            if len(self._plans) >= _MAX_PLANS:  # call shapes that vary per call (T) would grow it
+                self._plans.clear()
+            node = self.node
 
-        While the notify pass runs, the host makes receive arrays for as many
-        rows as the most this call shape received in its last LATE_HISTORY
-        calls, plus 1/32 (or none on the first call); once the counts arrive it
-        writes their addresses into the send's late-address slot, or first
-        makes arrays of exactly N rows when more arrived. So a call that fits
-        the guess costs the GPU no wait for an allocation, and its arrays
-        hold at most about 1/32 more rows than it returns. Any failure
-        before the addresses are written (a timeout, an allocation) sends the
-        receivers the order to drain their rings, so the peers' sends finish,
-        and then raises."""
-        node = self.node
-        R, T, H, k = node.num_ranks, call.num_tokens, call.hidden, call.num_topk
-        weights = call.topk_weights is not None
-        slot, tag = node.late_slot()
-        K.launch_dispatch(fn, cfg, node.buffer, rs, call.x, call.x_scales, call.topk_idx, call.topk_weights, routing,
-                          _NO_RECV, call.queue_occupancy, call.num_experts // R, 0, node.rank,
-                          node.group.guard("queue_dispatch"), late=slot, late_tag=tag)
-        key = (T, H, k, call.fp8, weights, call.x.dtype)
-        seen = self._rows_seen.get(key)
-        dtypes = _recv_dtypes(call.x.dtype)
-        try:
-            cap = max(seen) if seen else 0
-            cap += -(-cap // 32)
-            recv = carve(_recv_shapes(cap, H, k, call.fp8, weights, True), dtypes=dtypes) if cap else None
-            node.wait_counts(0, lambda: node.abort_late(slot, tag))
-            N = node.received_rows(0)
-            if recv is None or N > cap:
-                cap = N
-                recv = carve(_recv_shapes(N, H, k, call.fp8, weights, True), dtypes=dtypes)
-            node.post_late(slot, tag, [recv.ptr(name) for name in RECV_NAMES], cap)
-        except BaseException:
-            node.abort_late(slot, tag)
-            try:  # the send drains; its routing arrays (routing) stay alive until it has
-                node.group.wait(node.comm_stream, "queue_dispatch", "the send of a call that failed on the host")
-            except Exception:  # noqa: BLE001 - the failure being raised says more
-                pass
-            raise
-        if seen is None:
-            seen = self._rows_seen[key] = collections.deque(maxlen=LATE_HISTORY)
-        seen.append(N)
-        if cap > N:  # views of the first N rows
-            for name, shape in _recv_shapes(N, H, k, call.fp8, weights, True).items():
-                recv[name] = recv.view(name, shape)
-        return N, recv
+            def shape(a):
+                return tuple(a.shape) if a is not None else None
+            shapes = {"x": call.x.shape, "x_scales": shape(call.x_scales), "topk_idx": call.topk_idx.shape,
+                      "topk_weights": shape(call.topk_weights), "queue_occupancy": shape(call.queue_occupancy)}
+            template, pack = K.send_template(cfg, node.buffer, rs, parts, shapes, call.num_experts // node.num_ranks,
+                                             node.rank, node.group.guard("queue_dispatch"))
+            template.check(pack, *(((i + 1) << 36) for i in range(len(K.SEND_SOURCES) - 1)), 12345)
+            plan = self._plans[key] = _SendPlan(template, pack, parts, 2 * cfg.num_channels,
+                                                collections.deque(maxlen=GUESS_HISTORY))
+        return plan
+
+    def _guess_arrays(self, plan: "_SendPlan", call: DispatchCall):
+        """(receive arrays, their rows) made before the counts arrive, so that
+        no allocation stands between the counts and the send's launch: for
+        as many rows as the most that this call shape received in its last
+        GUESS_HISTORY calls, plus 1/32 (or (None, 0) on its first call). A
+        call that receives more makes exact arrays after its counts; one that
+        receives fewer returns views of its rows, whose allocation holds at
+        most about 1/32 more rows than the shape's recent most."""
+        if not plan.rows_seen:
+            return None, 0
+        cap = max(plan.rows_seen)
+        cap += -(-cap // 32)
+        return carve(_recv_shapes(cap, call.hidden, call.num_topk, call.fp8, call.topk_weights is not None, True),
+                     dtypes=_recv_dtypes(call.x.dtype)), cap
 
     # ----------------------------------------------------------- combine
     def combine(self, call: CombineCall):
@@ -203,9 +202,21 @@ class QueueRoute(NodeRoute):
 
 #: The receive arrays of a queue dispatch, as the kernel's arguments name them.
 RECV_NAMES = ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "recv_src_idx")
-_NO_RECV = dict.fromkeys(RECV_NAMES, 0)
-#: Calls of one shape whose received rows size the next call's arrays (QueueRoute._dispatch_late).
-LATE_HISTORY = 4
+#: Notified calls of one shape whose received rows size the next call's arrays (QueueRoute._guess_arrays).
+GUESS_HISTORY = 4
+_MAX_PLANS = 256
+
+
+class _SendPlan(NamedTuple):
+    template: "jit.ArgTemplate"
+    pack: object  # the template's packing function (tests compare the two)
+    parts: dict  # the notify pass's carve plan the template's offsets are of
+    num_blocks: int
+    rows_seen: collections.deque
+
+
+def _ptr(a) -> int:
+    return 0 if a is None else a.data.ptr
 
 
 def _recv_shapes(N: int, H: int, k: int, fp8: bool, weights: bool, src: bool) -> dict:

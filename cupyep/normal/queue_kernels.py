@@ -24,9 +24,8 @@ DISPATCH_ARGS_DTYPE = jit.struct_dtype([
     ("peers", u64), ("rs", RING_DTYPE), ("x", u64), ("x_scales", u64), ("topk_idx", u64), ("topk_weights", u64),
     ("send_list", u64), ("send_channel_prefix", u64), ("recv_channel_prefix", u64), ("recv_rank_offset", u64),
     ("recv_x", u64), ("recv_x_scales", u64), ("recv_topk_idx", u64), ("recv_topk_weights", u64),
-    ("recv_src_idx", u64), ("queue_occupancy", u64), ("late", u64), ("num_tokens", i32), ("num_scales", i32),
-    ("num_topk", i32), ("num_local_experts", i32), ("num_channels", i32), ("capacity", i32), ("rank", i32),
-    ("late_tag", i32), ("guard", GUARD_DTYPE)])
+    ("recv_src_idx", u64), ("queue_occupancy", u64), ("num_tokens", i32), ("num_scales", i32), ("num_topk", i32),
+    ("num_local_experts", i32), ("num_channels", i32), ("capacity", i32), ("rank", i32), ("guard", GUARD_DTYPE)])
 COMBINE_ARGS_DTYPE = jit.struct_dtype([
     ("peers", u64), ("rs", RING_DTYPE), ("x", u64), ("row_weights", u64), ("recv_topk_weights", u64),
     ("send_head", u64), ("recv_channel_prefix", u64), ("recv_rank_offset", u64), ("combined_x", u64),
@@ -79,29 +78,56 @@ def ring_struct(rs) -> np.void:
                     slot_bytes=rs.slot_bytes, x_bytes=rs.x_bytes, depth=rs.depth, chunk=rs.chunk)
 
 
-def launch_dispatch(fn, cfg, buffer, rs, x, x_scales, topk_idx, topk_weights, handle, recv: dict, queue_occupancy,
-                    num_local_experts: int, capacity: int, rank: int, guard: np.void, late: int = 0,
-                    late_tag: int = 0) -> None:
-    """The queue dispatch (2 * C blocks) on the current stream: rows of x
-    through the rings ``rs`` of ``buffer`` into the addresses ``recv``
-    (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx;
-    0 where not carried) at the offsets of ``handle`` (a DispatchHandle, or
-    the CarvedRouting of one being made: its ``array_ptr``). With ``late``
-    (the address of a late-address slot, cupyep.normal.node.Node.late_slot)
-    the receivers take the addresses and the capacity from that slot's words
-    tagged ``late_tag`` instead, once the host writes them; ``recv`` and
-    ``capacity`` are then 0."""
+def dispatch_args(cfg, buffer, rs, x, x_scales, topk_idx, topk_weights, handle, recv: dict, queue_occupancy,
+                  num_local_experts: int, capacity: int, rank: int, guard: np.void) -> np.void:
+    """DispatchArgs of a queue dispatch (see :func:`launch_dispatch`)."""
     T, H = x.shape
-    args = jit.pack(
+    return jit.pack(
         DISPATCH_ARGS_DTYPE, peers=jit.ptr(buffer.peer_ptrs), rs=ring_struct(rs), x=jit.ptr(x),
         x_scales=jit.ptr(x_scales), topk_idx=jit.ptr(topk_idx), topk_weights=jit.ptr(topk_weights),
         send_list=handle.array_ptr("send_list"), send_channel_prefix=handle.array_ptr("send_channel_prefix"),
         recv_channel_prefix=handle.array_ptr("recv_channel_prefix"), recv_rank_offset=handle.array_ptr("recv_rank_offset"),
         **recv, queue_occupancy=jit.ptr(queue_occupancy), num_tokens=T,
         num_scales=H // 128 if x_scales is not None else 0, num_topk=topk_idx.shape[1] if topk_idx is not None else 0,
-        num_local_experts=num_local_experts, num_channels=cfg.num_channels, capacity=capacity, rank=rank, late=late,
-        late_tag=late_tag, guard=guard)
+        num_local_experts=num_local_experts, num_channels=cfg.num_channels, capacity=capacity, rank=rank, guard=guard)
+
+
+def launch_dispatch(fn, cfg, buffer, rs, x, x_scales, topk_idx, topk_weights, handle, recv: dict, queue_occupancy,
+                    num_local_experts: int, capacity: int, rank: int, guard: np.void) -> None:
+    """The queue dispatch (2 * C blocks) on the current stream: rows of x
+    through the rings ``rs`` of ``buffer`` into the addresses ``recv``
+    (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx;
+    0 where not carried) at the offsets of ``handle`` (a DispatchHandle, or
+    the CarvedRouting of one being made: its ``array_ptr``)."""
+    args = dispatch_args(cfg, buffer, rs, x, x_scales, topk_idx, topk_weights, handle, recv, queue_occupancy,
+                         num_local_experts, capacity, rank, guard)
     fn((2 * cfg.num_channels,), (cfg.num_threads,), (args,))
+
+
+#: What a notified dispatch's args hold per call (jit.ArgTemplate sources, in launch order): the
+#: notify pass's carved allocation, the inputs, the receive arrays, the metric, and the received
+#: count (an int32 field: DispatchArgs.capacity).
+SEND_SOURCES = ("base", "x", "x_scales", "topk_idx", "topk_weights", "recv_x", "recv_x_scales", "recv_topk_idx",
+                "recv_topk_weights", "recv_src_idx", "queue_occupancy", "capacity")
+
+
+def send_template(cfg, buffer, rs, parts: dict, shapes: dict, num_local_experts: int, rank: int,
+                  guard: np.void) -> tuple:
+    """(jit.ArgTemplate, its packing function) of the notified dispatches of
+    one call shape: ``parts``: the carve plan of the notify pass's arrays
+    (cupyep.arrays.carve_plan); ``shapes``: {"x", "x_scales",
+    "topk_idx", "topk_weights", "queue_occupancy": shape or None}. A launch
+    passes the addresses in the order of SEND_SOURCES."""
+    from ..arrays import Carved
+    from ..results import CarvedRouting
+
+    def pack(a: dict) -> np.void:  # a pure function of the addresses
+        routing = CarvedRouting(Carved(jit.Address((0,), a["base"]), parts))  # only its parts' addresses are read
+        arr = {n: jit.Address(sh, a[n]) if sh is not None else None for n, sh in shapes.items()}
+        recv = {n: a[n] for n in SEND_SOURCES[5:10]}
+        return dispatch_args(cfg, buffer, rs, arr["x"], arr["x_scales"], arr["topk_idx"], arr["topk_weights"], routing,
+                             recv, arr["queue_occupancy"], num_local_experts, a["capacity"], rank, guard)
+    return jit.ArgTemplate(pack, SEND_SOURCES, ints=("capacity",)), pack
 
 
 def launch_combine(fn, cfg, buffer, rs, x, row_weights, topk_weights, handle, combined, combined_w, rank: int,

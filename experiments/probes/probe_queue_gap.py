@@ -12,9 +12,7 @@ probe). Per call and rank, in us:
   (layout and notify, including waiting for the peers' notify);
 - ``host_gap_us``: the notify kernel's end to the stream reaching the event
   recorded just before the send's launch: the GPU idles while the host reads
-  the counts, allocates and launches (0 when the host was ahead; about 0 on
-  the queue route since its send is launched before the counts arrive, its
-  receivers waiting for their arrays' addresses inside ``send_us``);
+  the counts, allocates and launches (0 when the host was ahead);
 - ``send_us``: the send kernel, from that event to the one after it;
 - ``period_us``: one call's layout event to the next call's.
 

@@ -316,67 +316,6 @@ def test_bad_input_raises_before_launch(group, buf):
     group.comm.Barrier()
 
 
-def test_notified_calls_sized_before_their_counts(group, buf, monkeypatch):
-    """A notified dispatch launches its send before the host has its counts
-    and makes its receive arrays for the rows the shape's last calls got.
-    Routings whose received rows grow, shrink and jump (every token to
-    expert 0: rank 0 gets more rows than any guess, the others none): every
-    result, kept alive to the end, matches the reference, with exactly N
-    rows. Then a call whose host fails after the launch (an allocation that
-    raises on one rank): that rank raises, the peers' sends still finish,
-    their results are right, and the next call is right everywhere."""
-    import cupy
-    from cupyep.normal import queue as Q
-
-    me, H, T = group.local_rank, 1024, 192
-    calls = [(11, "random"), (12, "random"), (13, "random"), (14, "one_expert"), (15, "random")]
-    kept = []
-    for seed, case in calls:
-        tokens, idx, w, x = _inputs(group, seed, T, H, case)
-        out = buf.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=NUM_EXPERTS,
-                           transport="queue")
-        kept.append((seed, case, tokens, idx, w, out))
-    for seed, case, tokens, idx, w, out in kept:
-        _, exp, exp_rows = _expected(group, tokens, idx, w, H)
-        checks = {
-            "shape": out.recv_x.shape == (exp.num_recv_tokens, H) and out.recv_topk_idx.shape[0] == exp.num_recv_tokens,
-            "recv_x": np.array_equal(out.recv_x.get(), exp_rows),
-            "recv_topk_idx": np.array_equal(out.recv_topk_idx.get(), exp.recv_topk_idx),
-            "recv_topk_weights": np.array_equal(out.recv_topk_weights.get(), exp.recv_topk_weights),
-            "recv_src_idx": np.array_equal(out.handle.recv_src_idx.get(), exp.recv_src_idx),
-        }
-        assert all_ranks(group.comm, all(checks.values())), (seed, case, {k: v for k, v in checks.items() if not v})
-
-    if group.local_size < 2:
-        return
-    failing = group.local_size - 1
-    real = Q.carve
-
-    def no_memory(*args, **kw):
-        raise MemoryError("injected: the receive arrays")
-    tokens, idx, w, x = _inputs(group, 16, T, H)
-    if me == failing:
-        monkeypatch.setattr(Q, "carve", no_memory)
-        with pytest.raises(MemoryError, match="injected"):
-            buf.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=NUM_EXPERTS,
-                         transport="queue")
-        monkeypatch.setattr(Q, "carve", real)
-        ok = True
-    else:
-        out = buf.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=NUM_EXPERTS,
-                           transport="queue")
-        _, exp, exp_rows = _expected(group, tokens, idx, w, H)
-        ok = np.array_equal(out.recv_x.get(), exp_rows) and np.array_equal(out.recv_topk_idx.get(), exp.recv_topk_idx)
-    buf.synchronize()
-    assert all_ranks(group.comm, ok), "the peers of a rank that failed after its launch"
-    tokens, idx, w, x = _inputs(group, 17, T, H)
-    out = buf.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=NUM_EXPERTS,
-                       transport="queue")
-    _, exp, exp_rows = _expected(group, tokens, idx, w, H)
-    ok = np.array_equal(out.recv_x.get(), exp_rows) and np.array_equal(out.handle.recv_src_idx.get(), exp.recv_src_idx)
-    assert all_ranks(group.comm, ok), "the call after a failed one"
-
-
 def test_fault_missing_rank_times_out_naming_it(group):
     """A rank that never dispatches: the others raise CommTimeoutError naming
     the notify kernel and that rank, within the timeout, with no hang."""
