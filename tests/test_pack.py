@@ -223,3 +223,42 @@ def test_queue_send_plan_patches_to_the_full_pack(R, fp8, weights, occupancy, wo
     for _ in range(10):
         addresses = [int(v) << 8 for v in rng.integers(1, 1 << 38, size=len(K.SEND_SOURCES) - 1)]
         t.check(plan.pack, *addresses, int(rng.integers(0, 2**31)))
+
+
+@pytest.mark.parametrize("R,layout,worst,timed,transport", [
+    (2, True, 0, False, "queue"), (8, True, 512, True, "queue"), (4, False, 0, True, "queue"),
+    (8, False, 0, False, "direct"), (4, True, 0, False, "direct")])
+def test_notify_plan_patches_to_the_full_pack(monkeypatch, R, layout, worst, timed, transport):
+    """A notify pass's launch plan (with the layout in front, or over the
+    caller's layout): for any addresses, its patched args equal the packing
+    functions' bytes, and it carves what the pass writes."""
+    from types import SimpleNamespace
+
+    from cupyep.errors import GUARD_DTYPE
+    from cupyep.normal import node as N
+    from cupyep.normal.queue_layout import buffer_layout
+    monkeypatch.setattr(jit, "kernel", lambda spec: SimpleNamespace(kernel=SimpleNamespace(ptr=0x42), spec=spec))
+    guards = {}
+
+    def guard(kernel):
+        return guards.setdefault(kernel, jit.pack(GUARD_DTYPE, slot=0x7000 + len(guards), timeout_ns=10**9,
+                                                  kernel=len(guards), rank=1))
+    node = SimpleNamespace(num_ranks=R, rank=1, group=SimpleNamespace(guard=guard), _notify_plans={},
+                           buffer=SimpleNamespace(peer_ptrs=jit.Address((R,), 0x5000)),
+                           layout=buffer_layout(R, 1 << 26), host_counts_ptr=0x9000)
+    for name in ("notify_shapes", "pack_notify", "_notify_plan"):
+        setattr(node, name, getattr(N.Node, name).__get__(node))
+    T, k, E, C = 300, 8, 64, 12
+    plan = node._notify_plan(T, k, E, layout, C, 4, worst, transport, timed, 0)
+    assert node._notify_plan(T, k, E, layout, C, 4, worst, transport, timed, 0) is plan
+    t = plan.template
+    assert t.sources == (N.NOTIFY_LAYOUT_SOURCES if layout else N.NOTIFY_SOURCES)
+    assert ("notify_layout" in plan.fn.spec.name) == layout and ("in_rank" in plan.parts) == layout
+    assert len(t.words["base"]) >= 7 + layout and bool(t.words["notify_time"]) == timed
+    if layout:
+        assert t.words["topk_idx"]
+    else:
+        assert t.words["per_rank"] and t.words["per_expert"] and t.words["in_rank"]
+    rng = np.random.default_rng(R)
+    for _ in range(10):
+        t.check(plan.pack, *(int(v) << 8 for v in rng.integers(1, 1 << 38, size=len(t.sources))))

@@ -5,10 +5,12 @@ passes that make a handle, and the expert-major layout of received rows.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from .. import jit
-from ..arrays import as_cupy, carve, check
+from ..arrays import Carved, as_cupy, carve_plan, check
 from ..ipc import SymmetricBuffer
 from ..results import DispatchHandle, ExpandTables, LayoutResult, carved_handle, evolve
 from . import expert_major as EM
@@ -18,6 +20,20 @@ from .queue_layout import MAX_LOCAL_EXPERTS, buffer_layout
 from .route import Route
 
 INT_MAX = 2**31 - 1
+_MAX_PLANS = 256
+#: What a notify pass's args hold per call (jit.ArgTemplate sources, in launch order): the handle's
+#: carved allocation, the layout's input (notify_layout) or the caller's layout, and the metric.
+NOTIFY_LAYOUT_SOURCES = ("base", "topk_idx", "notify_time")
+NOTIFY_SOURCES = ("base", "per_rank", "per_expert", "in_rank", "notify_time")
+
+
+class _NotifyPlan(NamedTuple):
+    template: "jit.ArgTemplate"
+    pack: object  # the template's packing function (tests compare the two)
+    fn: object
+    smem: int
+    parts: dict
+    nbytes: int
 
 
 class Node:
@@ -58,6 +74,7 @@ class Node:
         jit.load(NK.notify_spec(self.num_ranks), group)
         jit.load(NK.notify_layout_spec(self.num_ranks), group)
         jit.load(EM.permute_spec(), group)
+        self._notify_plans: dict = {}  # a notify pass's call shape -> its _NotifyPlan
 
     # ------------------------------------------------------------ layout
     def layout_pass(self, topk_idx, num_experts: int) -> LayoutResult:
@@ -82,19 +99,69 @@ class Node:
                       transport: str = "queue", notify_time_ns=None, src_rows: int = 0):
         """The layout (unless the caller's checked ``hints``, from
         :meth:`check_hints`, stand for it) and notify passes of a notified
-        dispatch, launched; returns the handle's arrays (a cupyep.arrays.Carved
-        that also holds the layout's parts). The host reads the counts after
+        dispatch, launched as one block from a plan made once per call shape
+        (:meth:`_notify_plan`); returns the handle's arrays (a
+        cupyep.arrays.Carved, one allocation). The host reads the counts after
         :meth:`wait_counts`."""
-        T = topk_idx.shape[0]
-        if hints is None:  # one block lays the tokens out, then notifies (is_token_in_rank carved with the handle)
-            args, arrays = self.notify_args(T, num_experts, None, None, None, C, alignment, num_worst_tokens,
-                                            transport, notify_time_ns, src_rows)
-            NK.launch_notify_layout(args, topk_idx, num_experts, self.num_ranks, C, self.group.guard("layout"))
+        import cupy
+        plan = self._notify_plan(topk_idx.shape[0], topk_idx.shape[1], num_experts, hints is None, C, alignment,
+                                 num_worst_tokens, transport, notify_time_ns is not None, src_rows)
+        arrays = Carved(cupy.empty(plan.nbytes, dtype=np.uint8), plan.parts)
+        if hints is not None:
+            arrays["per_rank"], arrays["per_expert"], arrays["in_rank"] = hints
+        if transport == "direct":
+            arrays["alignment"] = int(alignment)
+        if num_worst_tokens <= 0:
+            self.reset_host_counts()
+        timer = 0 if notify_time_ns is None else notify_time_ns.data.ptr
+        stream = cupy.cuda.get_current_stream().ptr
+        if hints is None:
+            plan.template.launch(plan.fn, 1, NK.NOTIFY_THREADS, plan.smem, stream, arrays.base_ptr,
+                                 topk_idx.data.ptr, timer)
         else:
-            args, arrays = self.notify_args(T, num_experts, *hints, C, alignment, num_worst_tokens, transport,
-                                            notify_time_ns, src_rows)
-            NK.launch_notify(args, self.num_ranks, C)
+            plan.template.launch(plan.fn, 1, NK.NOTIFY_THREADS, plan.smem, stream, arrays.base_ptr,
+                                 hints[0].data.ptr, hints[1].data.ptr, hints[2].data.ptr, timer)
         return arrays
+
+    def _notify_plan(self, T: int, k: int, num_experts: int, layout: bool, C: int, alignment: int,
+                     num_worst_tokens: int, transport: str, timed: bool, src_rows: int) -> "_NotifyPlan":
+        """The launch of a notify pass of one call shape (with ``layout``, the
+        layout in front of it, notify_layout): its kernel, shared memory, the
+        carve plan of the handle's arrays and its args as a jit.ArgTemplate
+        of the packing functions (sources: NOTIFY_LAYOUT_SOURCES or
+        NOTIFY_SOURCES), checked against a full pack when made."""
+        key = (T, k, num_experts, layout, C, alignment, num_worst_tokens, transport, timed, src_rows)
+        plan = self._notify_plans.get(key)
+        if plan is not None:
+            return plan
+        if len(self._notify_plans) >= _MAX_PLANS:  # call shapes that vary per call (T) would grow it
+            self._notify_plans.clear()
+        R, E = self.num_ranks, num_experts
+        parts, nbytes = carve_plan(self.notify_shapes(T, E, C, transport, src_rows, in_rank=layout),
+                                   dtypes=L.LAYOUT_DTYPES)
+        layout_guard = self.group.guard("layout")
+
+        def notify_args(a: dict):  # a pure function of the addresses
+            arrays = Carved(jit.Address((0,), a["base"]), parts)  # only its parts' addresses are read
+            if not layout:
+                arrays["per_rank"] = jit.Address((R,), a["per_rank"])
+                arrays["per_expert"] = jit.Address((E,), a["per_expert"])
+                arrays["in_rank"] = jit.Address((T, R), a["in_rank"])
+            timer = jit.Address((2,), a["notify_time"]) if timed else None
+            return self.pack_notify(arrays, T, E, C, alignment, num_worst_tokens, timer)
+        if layout:
+            sources = NOTIFY_LAYOUT_SOURCES
+            fn, smem = jit.kernel(NK.notify_layout_spec(R)), NK.notify_layout_smem(R, C, E)
+
+            def pack(a: dict):
+                return NK.notify_layout_args(notify_args(a), a["topk_idx"], k, layout_guard)
+        else:
+            sources, pack = NOTIFY_SOURCES, notify_args
+            fn, smem = jit.kernel(NK.notify_spec(R)), NK.notify_smem(R, C)
+        template = jit.ArgTemplate(pack, sources)
+        template.check(pack, *((i + 1) << 36 for i in range(len(sources))))
+        plan = self._notify_plans[key] = _NotifyPlan(template, pack, fn, smem, parts, nbytes)
+        return plan
 
     def wait_counts(self, num_worst_tokens: int) -> None:
         """Bounded host wait for a notify pass's counts (none in worst-token mode)."""
@@ -112,26 +179,6 @@ class Node:
                                     notify_time_ns, src_rows)
         self.wait_counts(num_worst_tokens)
         return self.notify_handle(arrays, topk_idx.shape[0], H, num_experts, C, num_worst_tokens, transport)
-
-    def notify_args(self, T, num_experts, per_rank, per_expert, in_rank, C, alignment, num_worst_tokens,
-                    transport: str = "queue", notify_time_ns=None, src_rows: int = 0):
-        """(NotifyArgs, the handle's arrays: a cupyep.arrays.Carved) of a
-        notify pass over the layout's counts ``per_rank`` and ``per_expert``
-        and ``in_rank`` ([T, R] bool), or, all None, for a kernel that lays
-        the tokens out itself (notify_layout, the fused direct dispatch:
-        [T, R] bool "in_rank" carved). Resets the host counts' first words
-        (not in worst-token mode, where they never reach the host); see
-        :meth:`notify_shapes` for the arrays."""
-        shapes = self.notify_shapes(T, num_experts, C, transport, src_rows, in_rank=in_rank is None)
-        arrays = carve(shapes, dtypes=L.LAYOUT_DTYPES)  # one allocation
-        for name, given in (("per_rank", per_rank), ("per_expert", per_expert), ("in_rank", in_rank)):
-            if given is not None:
-                arrays[name] = given
-        if transport == "direct":
-            arrays["alignment"] = int(alignment)
-        if num_worst_tokens <= 0:
-            self.reset_host_counts()
-        return self.pack_notify(arrays, T, num_experts, C, alignment, num_worst_tokens, notify_time_ns), arrays
 
     def notify_shapes(self, T, num_experts, C, transport: str, src_rows: int = 0, in_rank: bool = False) -> dict:
         """{name: shape} of a notify pass's arrays (int32 but for
@@ -158,8 +205,10 @@ class Node:
         self.host_counts[0] = self.host_counts[self.host_status_index] = -1
 
     def pack_notify(self, arrays, T, num_experts, C, alignment, num_worst_tokens, notify_time_ns=None):
-        """NotifyArgs over ``arrays`` (a Carved, see :meth:`notify_args`): a
-        pure function of the arrays' addresses."""
+        """NotifyArgs over ``arrays`` (a Carved of :meth:`notify_shapes`'
+        parts, with "per_rank", "per_expert" and "in_rank" set where the
+        caller's layout stands for notify_layout's): a pure function of the
+        arrays' addresses. Resets nothing (see :meth:`reset_host_counts`)."""
         worst = num_worst_tokens > 0
         return NK.notify_args(self.buffer, self.layout, arrays,
                               host_counts=0 if worst else self.host_counts_ptr, notify_time_ns=notify_time_ns,

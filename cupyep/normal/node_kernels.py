@@ -80,18 +80,14 @@ def notify_smem(num_ranks: int, num_channels: int) -> int:
     return 4 * num_ranks * (num_channels + 1)
 
 
-def launch_notify(args: np.void, num_ranks: int, num_channels: int) -> None:
-    """One block of the notify pass, on the current stream."""
-    jit.kernel(notify_spec(num_ranks))((1,), (NOTIFY_THREADS,), (args,), shared_mem=notify_smem(num_ranks, num_channels))
-
-
-def launch_notify_layout(args: np.void, topk_idx, num_experts: int, num_ranks: int, num_channels: int,
-                         layout_guard: np.void) -> None:
-    """One block of the layout and the notify pass (NotifyArgs ``args``,
-    whose is_token_in_rank it writes), on the current stream: topk_idx
-    [T, k] int64 (checked), ids outside [-1, E) reported through
-    ``layout_guard`` as the layout kernel reports them."""
-    full = jit.pack(NOTIFY_LAYOUT_ARGS_DTYPE, notify=args, topk_idx=topk_idx.data.ptr, num_topk=topk_idx.shape[1],
+def notify_layout_args(notify: np.void, topk_idx: int, num_topk: int, layout_guard: np.void) -> np.void:
+    """NotifyLayoutArgs: the notify pass's ``notify`` args and the layout's
+    topk_idx address ([T, k] int64, checked), its k, and the Guard through
+    which ids outside [-1, E) are reported as the layout kernel reports them."""
+    return jit.pack(NOTIFY_LAYOUT_ARGS_DTYPE, notify=notify, topk_idx=topk_idx, num_topk=num_topk,
                     layout_guard=layout_guard)
-    jit.kernel(notify_layout_spec(num_ranks))((1,), (NOTIFY_THREADS,), (full,),
-                                              shared_mem=notify_smem(num_ranks, num_channels) + 4 * (num_ranks + num_experts))
+
+
+def notify_layout_smem(num_ranks: int, num_channels: int, num_experts: int) -> int:
+    """Dynamic shared memory of notify_layout (bytes): the notify pass's and the counts per rank and expert."""
+    return notify_smem(num_ranks, num_channels) + 4 * (num_ranks + num_experts)

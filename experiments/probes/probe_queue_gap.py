@@ -5,8 +5,8 @@ idle wait for the host between the counts and the send, and the send.
     python -m cupyep.launcher -n 4 experiments/probes/probe_queue_gap.py --out queue_gap_4ranks.json
 
 CUDA events are recorded on the communication stream around the route's
-launches (the layout-and-notify launch and the send launch, wrapped in this
-probe). Per call and rank, in us:
+launches (the notify pass's, with its allocation, and the send's, wrapped
+in this probe). Per call and rank, in us:
 
 - ``notify_us``: the stream reaching the layout to the notify kernel's end
   (layout and notify, including waiting for the peers' notify);
@@ -119,9 +119,10 @@ def main():
     def call():
         return buf.dispatch(x, ids, ws, num_experts=E, validate=False, **kw)
 
-    from cupyep.normal import direct_kernels, node_kernels, queue_kernels
+    from cupyep.normal import direct_kernels, queue_kernels
+    from cupyep.normal.node import Node
     m = Marks()
-    m.wrap(node_kernels, "launch_notify_layout", "start", "notified")
+    m.wrap(Node, "notify_launch", "start", "notified")
     if args.transport == "queue":
         m.wrap(queue_kernels, "launch_dispatch", "send_begin", "send_end")
     else:
