@@ -214,8 +214,8 @@ def test_queue_send_plan_patches_to_the_full_pack(R, fp8, weights, occupancy, wo
         queue_occupancy=jit.Address((3,), 0x50000) if occupancy else None, num_tokens=T, hidden=H, num_topk=k,
         num_experts=E, fp8=fp8, num_worst_tokens=worst)
     rs = ring_set(route.node.layout, "dispatch", H, k, fp8, cfg)
-    plan = route._send_plan(call, cfg, rs, None, arrays)
-    assert route._send_plan(call, cfg, rs, None, arrays) is plan and plan.num_blocks == 2 * C
+    plan = route._send_plan(call, cfg, rs, arrays)
+    assert route._send_plan(call, cfg, rs, arrays) is plan and plan.num_blocks == 2 * C
     t = plan.template
     assert t.sources == K.SEND_SOURCES and len(t.words["base"]) == 4 and len(t.words["capacity"]) == 1
     assert bool(t.words["x_scales"]) == fp8 and bool(t.words["recv_topk_weights"]) and bool(t.words["queue_occupancy"]) == occupancy

@@ -106,7 +106,7 @@ class QueueRoute(NodeRoute):
             arrays = node.notify_launch(call.topk_idx, call.num_experts, hints, cfg.num_channels,
                                         call.expert_alignment, call.num_worst_tokens,
                                         notify_time_ns=call.notify_time_ns)
-            plan = self._send_plan(call, cfg, rs, fn, arrays)
+            plan = self._send_plan(call, cfg, rs, arrays)
             recv, cap = self._guess_arrays(plan, call) if call.num_worst_tokens <= 0 else (None, 0)
             node.wait_counts(call.num_worst_tokens)  # from here until the send's launch the GPU waits
             N = node.received_rows(call.num_worst_tokens)
@@ -144,7 +144,7 @@ class QueueRoute(NodeRoute):
         return dispatch_result(out["recv_x"], out["recv_x_scales"], out["recv_topk_idx"], out["recv_topk_weights"],
                                per_expert, handle, None, em)
 
-    def _send_plan(self, call: DispatchCall, cfg: Config, rs, fn, arrays) -> "_SendPlan":
+    def _send_plan(self, call: DispatchCall, cfg: Config, rs, arrays) -> "_SendPlan":
         """The send's launch of a notified dispatch of this call's shape,
         made once per shape: its args as a jit.ArgTemplate (checked against a
         full pack when made), and the rows its last calls received
