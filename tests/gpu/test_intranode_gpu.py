@@ -316,6 +316,33 @@ def test_bad_input_raises_before_launch(group, buf):
     group.comm.Barrier()
 
 
+def test_notified_calls_whose_received_rows_grow_shrink_and_jump(group, buf):
+    """A notified queue dispatch makes its receive arrays before its counts,
+    for the rows the shape's last calls received: routings whose received
+    rows change a little and then jump (every token to expert 0: rank 0
+    receives more than any guess, the others nothing). Every result, all
+    kept alive to the end, matches the reference with exactly N rows."""
+    import cupy
+    me, H, T = group.local_rank, 1024, 192
+    kept = []
+    for seed, case in [(11, "random"), (12, "random"), (13, "random"), (14, "one_expert"), (15, "random")]:
+        tokens, idx, w, x = _inputs(group, seed, T, H, case)
+        out = buf.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=NUM_EXPERTS,
+                           transport="queue")
+        kept.append((seed, tokens, idx, w, out))
+    for seed, tokens, idx, w, out in kept:
+        _, exp, exp_rows = _expected(group, tokens, idx, w, H)
+        checks = {
+            "rows": out.recv_x.shape == (exp.num_recv_tokens, H) and out.recv_topk_idx.shape[0] == exp.num_recv_tokens
+            and out.handle.recv_src_idx.shape == (exp.num_recv_tokens,),
+            "recv_x": np.array_equal(out.recv_x.get(), exp_rows),
+            "recv_topk_idx": np.array_equal(out.recv_topk_idx.get(), exp.recv_topk_idx),
+            "recv_topk_weights": np.array_equal(out.recv_topk_weights.get(), exp.recv_topk_weights),
+            "recv_src_idx": np.array_equal(out.handle.recv_src_idx.get(), exp.recv_src_idx),
+        }
+        assert all_ranks(group.comm, all(checks.values())), (seed, {k: v for k, v in checks.items() if not v})
+
+
 def test_fault_missing_rank_times_out_naming_it(group):
     """A rank that never dispatches: the others raise CommTimeoutError naming
     the notify kernel and that rank, within the timeout, with no hang."""
