@@ -204,6 +204,9 @@ class Address:
 # distinct steps below 2**31 instead, in the low or the high half of its 8-byte word.
 _STEP = 1 << 52
 _INT_STEP = 1 << 24
+#: Launch plans (ArgTemplates) a route keeps, one per call shape; past it the cache is cleared (call
+#: shapes that vary per call, a token count, would grow it without bound).
+MAX_PLANS = 256
 
 
 class ArgTemplate:

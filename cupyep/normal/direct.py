@@ -268,7 +268,7 @@ class DirectRoute(NodeRoute):
                self.node.group.timeout_s)
         plan = self._fused.get(key)
         if plan is None:
-            if len(self._fused) >= _MAX_PLANS:  # call shapes that vary per call (T) would grow it
+            if len(self._fused) >= jit.MAX_PLANS:  # call shapes that vary per call (T) would grow it
                 self._fused.clear()
             plan = self._fused[key] = self._new_fused_plan(call, pool, lay, with_pos)
         return plan
@@ -396,9 +396,6 @@ class _Offsets(CarvedRouting):
         super().__init__(arrays)
         self.num_channels = num_channels
         self.expand = ExpandTables(arrays, arrays["alignment"], -1)
-
-
-_MAX_PLANS = 256  # fused-dispatch launch plans a route keeps (one per call shape)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ from .queue_layout import MAX_LOCAL_EXPERTS, buffer_layout
 from .route import Route
 
 INT_MAX = 2**31 - 1
-_MAX_PLANS = 256
 #: What a notify pass's args hold per call (jit.ArgTemplate sources, in launch order): the handle's
 #: carved allocation, the layout's input (notify_layout) or the caller's layout, and the metric.
 NOTIFY_LAYOUT_SOURCES = ("base", "topk_idx", "notify_time")
@@ -113,14 +112,13 @@ class Node:
             arrays["alignment"] = int(alignment)
         if num_worst_tokens <= 0:
             self.reset_host_counts()
-        timer = 0 if notify_time_ns is None else notify_time_ns.data.ptr
         stream = cupy.cuda.get_current_stream().ptr
         if hints is None:
             plan.template.launch(plan.fn, 1, NK.NOTIFY_THREADS, plan.smem, stream, arrays.base_ptr,
-                                 topk_idx.data.ptr, timer)
+                                 topk_idx.data.ptr, jit.ptr(notify_time_ns))
         else:
             plan.template.launch(plan.fn, 1, NK.NOTIFY_THREADS, plan.smem, stream, arrays.base_ptr,
-                                 hints[0].data.ptr, hints[1].data.ptr, hints[2].data.ptr, timer)
+                                 hints[0].data.ptr, hints[1].data.ptr, hints[2].data.ptr, jit.ptr(notify_time_ns))
         return arrays
 
     def _notify_plan(self, T: int, k: int, num_experts: int, layout: bool, C: int, alignment: int,
@@ -134,7 +132,7 @@ class Node:
         plan = self._notify_plans.get(key)
         if plan is not None:
             return plan
-        if len(self._notify_plans) >= _MAX_PLANS:  # call shapes that vary per call (T) would grow it
+        if len(self._notify_plans) >= jit.MAX_PLANS:  # call shapes that vary per call (T) would grow it
             self._notify_plans.clear()
         R, E = self.num_ranks, num_experts
         parts, nbytes = carve_plan(self.notify_shapes(T, E, C, transport, src_rows, in_rank=layout),

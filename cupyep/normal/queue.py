@@ -114,9 +114,9 @@ class QueueRoute(NodeRoute):
                 recv = carve(_recv_shapes(N, H, k, call.fp8, weights, True), dtypes=_recv_dtypes(call.x.dtype))
             p = recv.ptr
             plan.template.launch(fn, plan.num_blocks, cfg.num_threads, 0, cupy.cuda.get_current_stream().ptr,
-                                 arrays.base_ptr, call.x.data.ptr, _ptr(call.x_scales), call.topk_idx.data.ptr,
-                                 _ptr(call.topk_weights), p("recv_x"), p("recv_x_scales"), p("recv_topk_idx"),
-                                 p("recv_topk_weights"), p("recv_src_idx"), _ptr(call.queue_occupancy), N)
+                                 arrays.base_ptr, call.x.data.ptr, jit.ptr(call.x_scales), call.topk_idx.data.ptr,
+                                 jit.ptr(call.topk_weights), p("recv_x"), p("recv_x_scales"), p("recv_topk_idx"),
+                                 p("recv_topk_weights"), p("recv_src_idx"), jit.ptr(call.queue_occupancy), N)
             if recv is not None and N < cap:  # views of the received rows (the guess held more)
                 for name, shape in _recv_shapes(N, H, k, call.fp8, weights, True).items():
                     recv[name] = recv.view(name, shape)
@@ -154,7 +154,7 @@ class QueueRoute(NodeRoute):
                call.queue_occupancy is not None, call.num_worst_tokens > 0, cfg, id(parts))
         plan = self._plans.get(key)
         if plan is None or plan.parts is not parts:  # (a carve plan is made once per shape; id() alone may recur)
-            if len(self._plans) >= _MAX_PLANS:  # call shapes that vary per call (T) would grow it
+            if len(self._plans) >= jit.MAX_PLANS:  # call shapes that vary per call (T) would grow it
                 self._plans.clear()
             node = self.node
 
@@ -204,7 +204,6 @@ class QueueRoute(NodeRoute):
 RECV_NAMES = ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "recv_src_idx")
 #: Notified calls of one shape whose received rows size the next call's arrays (QueueRoute._guess_arrays).
 GUESS_HISTORY = 4
-_MAX_PLANS = 256
 
 
 class _SendPlan(NamedTuple):
@@ -214,9 +213,6 @@ class _SendPlan(NamedTuple):
     num_blocks: int
     rows_seen: collections.deque
 
-
-def _ptr(a) -> int:
-    return 0 if a is None else a.data.ptr
 
 
 def _recv_shapes(N: int, H: int, k: int, fp8: bool, weights: bool, src: bool) -> dict:
