@@ -5,8 +5,10 @@ idle wait for the host between the counts and the send, and the send.
     python -m cupyep.launcher -n 4 experiments/probes/probe_queue_gap.py --out queue_gap_4ranks.json
 
 CUDA events are recorded on the communication stream around the route's
-launches (the notify pass's, with its allocation, and the send's, wrapped
-in this probe). Per call and rank, in us:
+launches (``Node.notify_launch``, the notify pass with its allocation, and
+the send's: the queue route's ``jit.ArgTemplate.launch`` outside the notify
+pass, the direct route's ``direct_kernels.launch_send``, wrapped in this
+probe). Per call and rank, in us:
 
 - ``notify_us``: the stream reaching the layout to the notify kernel's end
   (layout and notify, including waiting for the peers' notify);
@@ -40,13 +42,27 @@ class Marks:
     def __init__(self):
         self.marks: list = []
         self._saved: list = []
+        self._inside = 0  # wrapped calls under way: a launch inside another is not marked
 
-    def wrap(self, owner, name: str, before: str | None, after: str | None) -> None:
+    def wrap(self, owner, name: str, before: str | None, after: str | None, outermost: bool = False) -> None:
+        """Mark the calls of ``owner.name``; with ``outermost``, only those
+        made outside another wrapped call (the notify pass launches from a
+        plan too)."""
         import cupy
         inner = getattr(owner, name)
         marks = self.marks
+        probe = self
 
         def marked(*args, **kw):
+            if outermost and probe._inside:
+                return inner(*args, **kw)
+            probe._inside += 1
+            try:
+                return marked_call(*args, **kw)
+            finally:
+                probe._inside -= 1
+
+        def marked_call(*args, **kw):
             if before:
                 ev = cupy.cuda.Event()
                 ev.record()
@@ -119,12 +135,13 @@ def main():
     def call():
         return buf.dispatch(x, ids, ws, num_experts=E, validate=False, **kw)
 
-    from cupyep.normal import direct_kernels, queue_kernels
+    from cupyep import jit
+    from cupyep.normal import direct_kernels
     from cupyep.normal.node import Node
     m = Marks()
     m.wrap(Node, "notify_launch", "start", "notified")
-    if args.transport == "queue":
-        m.wrap(queue_kernels, "launch_dispatch", "send_begin", "send_end")
+    if args.transport == "queue":  # the send launches from its plan (the notify pass's, inside notify_launch, too)
+        m.wrap(jit.ArgTemplate, "launch", "send_begin", "send_end", outermost=True)
     else:
         m.wrap(direct_kernels, "launch_send", "send_begin", "send_end")
     for _ in range(3):
