@@ -75,9 +75,10 @@ def main():
     address_range = _driver()
     rec: dict = {"probe": "ipc_caller_memory", "ranks": R, "rows": args.rows, "iters": args.iters}
 
-    # An interior array of the pool: a small array first, so that the probed one does not start its block.
-    _pad = cupy.empty(4096, dtype=np.uint8)
-    x = (cupy.arange(args.rows * 7168, dtype=np.int64) * (rank + 3) % 65521).astype(np.uint16).reshape(args.rows, 7168)
+    # An array at a non-zero offset inside its allocation: rows 64 on of a larger one (CuPy's pool may
+    # also place a fresh array inside a larger block, or at its start).
+    full = (cupy.arange((args.rows + 64) * 7168, dtype=np.int64) * (rank + 3) % 65521).astype(np.uint16)
+    x = full.reshape(args.rows + 64, 7168)[64:]
     cupy.cuda.runtime.deviceSynchronize()
     base, size = address_range(x.data.ptr)
     offset = x.data.ptr - base
