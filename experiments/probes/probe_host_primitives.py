@@ -13,27 +13,19 @@ behind running work, as a dispatch's calls are.
 """
 import argparse
 import json
-import time
 
 import numpy as np
 
 from cupyep import jit
 
 from cupyep.lab.bench import require_gpu
+from cupyep.lab.bench.timing import host_median_us
 
 SOURCE = r"""
 struct Args { unsigned long long a, b, c, d; int n, m; };
 extern "C" __global__ void touch(Args args) { if (threadIdx.x == 0 && args.n < 0) *(int *)args.a = args.m; }
 """
 
-
-def median_us(fn, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return round(float(np.median(times)) * 1e6, 2)
 
 
 def main():
@@ -61,27 +53,27 @@ def main():
     ev.record(stream)
     host = np.zeros(64, dtype=np.int32)
     out = {
-        "cupy.empty (4 KiB)": median_us(lambda: cupy.empty(1024, dtype=np.int32), n),
-        "cupy.empty (8 MiB)": median_us(lambda: cupy.empty(2 << 20, dtype=np.int32), n),
-        "cupy.zeros (4 KiB)": median_us(lambda: cupy.zeros(1024, dtype=np.int32), n),
-        "cupy.ndarray view (memptr)": median_us(lambda: cupy.ndarray((64, 8), np.int32, base.data + 4096), n),
-        "slice + view of a uint8 arena": median_us(lambda: base[4096:4096 + 2048].view(np.int32), n),
-        "Event()": median_us(lambda: cupy.cuda.Event(disable_timing=True), n),
-        "Event.record": median_us(lambda: ev.record(stream), n),
-        "Stream.wait_event": median_us(lambda: stream.wait_event(ev), n),
-        "Event.done": median_us(lambda: ev.done, n),
-        "get_current_stream": median_us(cupy.cuda.get_current_stream, n),
-        "with stream:": median_us(lambda: stream.__enter__() and stream.__exit__(None, None, None), n),
-        "RawKernel launch (struct arg)": median_us(lambda: fn((1,), (32,), (packed,)), n),
-        "RawKernel launch (struct arg, stream)": median_us(lambda: fn((1,), (32,), (packed,), stream=stream), n),
-        "ndarray.copy (16 KiB)": median_us(lambda: small.copy(), n),
-        "memcpyAsync d2d (16 KiB)": median_us(lambda: cupy.cuda.runtime.memcpyAsync(
+        "cupy.empty (4 KiB)": host_median_us(lambda: cupy.empty(1024, dtype=np.int32), n),
+        "cupy.empty (8 MiB)": host_median_us(lambda: cupy.empty(2 << 20, dtype=np.int32), n),
+        "cupy.zeros (4 KiB)": host_median_us(lambda: cupy.zeros(1024, dtype=np.int32), n),
+        "cupy.ndarray view (memptr)": host_median_us(lambda: cupy.ndarray((64, 8), np.int32, base.data + 4096), n),
+        "slice + view of a uint8 arena": host_median_us(lambda: base[4096:4096 + 2048].view(np.int32), n),
+        "Event()": host_median_us(lambda: cupy.cuda.Event(disable_timing=True), n),
+        "Event.record": host_median_us(lambda: ev.record(stream), n),
+        "Stream.wait_event": host_median_us(lambda: stream.wait_event(ev), n),
+        "Event.done": host_median_us(lambda: ev.done, n),
+        "get_current_stream": host_median_us(cupy.cuda.get_current_stream, n),
+        "with stream:": host_median_us(lambda: stream.__enter__() and stream.__exit__(None, None, None), n),
+        "RawKernel launch (struct arg)": host_median_us(lambda: fn((1,), (32,), (packed,)), n),
+        "RawKernel launch (struct arg, stream)": host_median_us(lambda: fn((1,), (32,), (packed,), stream=stream), n),
+        "ndarray.copy (16 KiB)": host_median_us(lambda: small.copy(), n),
+        "memcpyAsync d2d (16 KiB)": host_median_us(lambda: cupy.cuda.runtime.memcpyAsync(
             base.data.ptr, small.data.ptr, small.nbytes, cupy.cuda.runtime.memcpyDeviceToDevice, stream.ptr), n),
-        "memsetAsync (16 KiB)": median_us(lambda: cupy.cuda.runtime.memsetAsync(base.data.ptr, 0, 16384,
+        "memsetAsync (16 KiB)": host_median_us(lambda: cupy.cuda.runtime.memsetAsync(base.data.ptr, 0, 16384,
                                                                                stream.ptr), n),
-        "jit.pack (6 fields)": median_us(lambda: jit.pack(dtype, a=1, b=2, c=3, d=4, n=5, m=6), n),
-        "numpy host counts -> tuple (128)": median_us(lambda: tuple(host[:32].tolist()), n),
-        "arr.data.ptr": median_us(lambda: small.data.ptr, n),
+        "jit.pack (6 fields)": host_median_us(lambda: jit.pack(dtype, a=1, b=2, c=3, d=4, n=5, m=6), n),
+        "numpy host counts -> tuple (128)": host_median_us(lambda: tuple(host[:32].tolist()), n),
+        "arr.data.ptr": host_median_us(lambda: small.data.ptr, n),
     }
     stream.synchronize()
     text = json.dumps({"probe": "host_primitives", "iters": n, "busy_blocks": args.busy_blocks, "us": out},

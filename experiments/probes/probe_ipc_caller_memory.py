@@ -33,6 +33,7 @@ import time
 import numpy as np
 
 from cupyep.lab.bench import require_gpu
+from cupyep.lab.bench.timing import host_median_us
 from cupyep.lab.bench.report import write_document
 
 
@@ -50,14 +51,6 @@ def _driver():
         return base.value, size.value
     return address_range
 
-
-def median_us(fn, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return round(float(np.median(times)) * 1e6, 2)
 
 
 def main():
@@ -127,14 +120,14 @@ def main():
         return bytes(rt.ipcGetMemHandle(b)) == cached[b]
     small = (handle, int(offset))
     costs = {
-        "address_range_us": median_us(lambda: address_range(ptr), args.iters),
-        "ipc_get_handle_us": median_us(lambda: rt.ipcGetMemHandle(base), args.iters),
-        "range_handle_compare_us": median_us(lookup, args.iters),
+        "address_range_us": host_median_us(lambda: address_range(ptr), args.iters),
+        "ipc_get_handle_us": host_median_us(lambda: rt.ipcGetMemHandle(base), args.iters),
+        "range_handle_compare_us": host_median_us(lookup, args.iters),
     }
     comm.Barrier()
-    costs["allgather_handle_offset_us"] = median_us(lambda: comm.allgather(small), args.iters)
+    costs["allgather_handle_offset_us"] = host_median_us(lambda: comm.allgather(small), args.iters)
     comm.Barrier()
-    costs["allgather_offset_only_us"] = median_us(lambda: comm.allgather(int(offset)), args.iters)
+    costs["allgather_offset_only_us"] = host_median_us(lambda: comm.allgather(int(offset)), args.iters)
     rec["host_cost_per_rank"] = comm.gather(costs, root=0)
     if rank == 0:
         write_document(rec, args.out)

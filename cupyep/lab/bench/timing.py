@@ -113,6 +113,18 @@ def time_fn(fn, iters: int = 50, warmup: int = 5, flush: bool = True, before=Non
     return Timing.from_samples([cupy.cuda.get_elapsed_time(s, e) * 1e-3 for s, e in zip(starts, ends)])
 
 
+def host_median_us(fn, iters: int) -> float:
+    """The median host time of ``iters`` calls of ``fn()``, in microseconds
+    rounded to 0.01 (nothing waits for GPU work ``fn`` enqueues)."""
+    import time
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return round(float(np.median(times)) * 1e6, 2)
+
+
 def time_host_synchronous(fn, comm, iters: int = 50, warmup: int = 3, flush: bool = True) -> tuple:
     """Time ``fn()``, a call that synchronizes with the host itself (the naive
     baseline: MPI exchanges and stream syncs inside the call).
