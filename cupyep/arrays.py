@@ -66,12 +66,12 @@ def torch_view(t, name: str):
         import torch
         _TORCH_DTYPES.update({getattr(torch, n): np.dtype(d) for n, d in _TORCH_NAMES.items() if hasattr(torch, n)})
     dtype = _TORCH_DTYPES.get(getattr(t, "dtype", None))
-    if dtype is None or not hasattr(t, "data_ptr"):
+    if dtype is None:
         raise TypeError(f"{name} must be a CUDA torch tensor (or a CuPy array), got "
                         f"{type(t).__name__} {getattr(t, 'dtype', '')}")
     if not t.is_cuda:
         raise TypeError(f"{name} must be on a CUDA device, got a tensor on {t.device}")
-    shape = tuple(t.shape)
+    shape = t.shape  # a torch.Size, a tuple
     n = t.numel()
     if n == 0:
         return cupy.empty(shape, dtype=dtype)
@@ -82,8 +82,8 @@ def torch_view(t, name: str):
         if any(s < 0 for s in strides):
             raise TypeError(f"{name} has negative strides")
         span = sum((d - 1) * s for d, s in zip(shape, strides)) + dtype.itemsize
-    mem = cupy.cuda.UnownedMemory(t.data_ptr(), span, t, t.get_device())
-    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0), strides)
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(
+        cupy.cuda.UnownedMemory(t.data_ptr(), span, t, t.get_device()), 0), strides)
 
 
 def carve(shapes: dict, dtype=np.int32, zero: bool = False, dtypes: dict | None = None) -> "Carved":

@@ -5,27 +5,30 @@ torch tensors and through cupyep's own API, on the same cupyep buffers.
     python experiments/bench_deep_ep_adapter.py --table results/deep_ep_adapter/*.json   # Markdown, no GPU
 
 For each call it times the host side of one call (time.perf_counter around
-it; the median over ``--iters`` calls, after a warm-up) three ways:
+it, torch's stream drained before each call so that no call waits for the
+GPU's launch queue) four ways, interleaved call by call:
 
-- ``adapter_us``: ``cupyep.deep_ep.Buffer`` with torch tensors;
-- ``native_cupy_us``: ``cupyep.Buffer`` / ``cupyep.LowLatencyBuffer`` with
-  CuPy views of the same tensors, made before the timing (no conversion);
-- ``native_torch_us``: the same native calls given the torch tensors (cupyep
-  views them through DLPack).
+- ``adapter``: ``cupyep.deep_ep.Buffer`` with torch tensors;
+- ``native_cupy``: ``cupyep.Buffer`` / ``cupyep.LowLatencyBuffer`` with
+  CuPy views of the same tensors, made before the timing (no conversion),
+  asking for the same work (low-latency mode: DeepEP's packed outputs,
+  ``packed_out=True``, and the combine reading them, ``x_layout="packed"``);
+- ``native_torch``: the same native calls given the torch tensors;
+- ``crossings``: the call's tensor crossings alone: every input tensor the
+  adapter views as CuPy, torch's stream made CuPy's and back, every output
+  handed to torch (of a result made before the timing).
 
-``pieces_us`` times the adapter's parts alone in the same launch (a tensor
-viewed as CuPy, an array handed to torch, torch's stream entered, a config
-mapped), so the cost can be split into them. ``-n 1`` runs one rank without
-MPS: the host cost of a call on a GPU of its own.
-
-``adapter_cost_us`` = adapter_us - native_cupy_us is the whole cost of the
-adapter (tensor views in and out, torch's stream, the tuple and handle);
-``adapter_minus_native_torch_us`` compares it with a caller of the native
-API who holds torch tensors too. The target is at most 10 us
-(``within_target``). The calls that never wait on the host are the ones to
-read: cached and worst-token dispatch, combine, layout and the low-latency
-calls; a counted dispatch waits on the host for its counts, so its host time
-carries the GPU's. Every value is the slowest rank's. Rank 0 writes one JSON
+``adapter_cost_us`` is the median over calls of adapter minus native_cupy
+(the two timed back to back): the whole cost of the adapter.
+``crossings_us`` is the part of it no Python adapter over CuPy avoids (its
+conversions, the same in any design that hands DeepEP's torch tensors in
+and out), and ``own_us`` = adapter_cost_us - crossings_us the rest (the
+arguments, configs, handle, events and tuples). The target is at most 10 us
+of adapter cost (``within_target``). The combines are given a fresh tensor
+of expert outputs, as a model gives them, not the dispatch's own result
+(which crosses back for free). A counted dispatch waits on the host for its
+counts, so its host time carries the GPU's. Every value is the slowest
+rank's. ``pieces_us`` times single crossings alone. Rank 0 writes one JSON
 document to ``--out``.
 """
 import argparse
@@ -49,6 +52,29 @@ def host_times(fn, iters: int, warmup: int, sync) -> list:
         fn()
         out.append(time.perf_counter() - t0)
     sync()
+    return out
+
+
+def interleaved_times(variants: dict, iters: int, warmup: int, drain) -> dict:
+    """{variant: [[seconds of step 0 per call], [step 1], ...]}.
+
+    Each variant is a sequence of steps: the first called with no argument,
+    each next one with the result of the one before (a dispatch, then the
+    combine of its handle). Every iteration runs each variant's steps in
+    turn, calling ``drain`` (wait for the GPU) before each timed step, so
+    that variants see the same host and an idle launch queue; the first
+    ``warmup`` iterations are not kept."""
+    out = {v: [[] for _ in steps] for v, steps in variants.items()}
+    for i in range(warmup + iters):
+        for v, steps in variants.items():
+            res = None
+            for j, step in enumerate(steps):
+                drain()
+                t0 = time.perf_counter()
+                res = step() if j == 0 else step(res)
+                dt = time.perf_counter() - t0
+                if i >= warmup:
+                    out[v][j].append(dt)
     return out
 
 
@@ -113,15 +139,23 @@ def profile_adapter(path, group, sync, iters, calls, ll_calls):
 def table(paths) -> str:
     """The Markdown table of documents this benchmark wrote: per file and
     call, the slowest rank's median host time through the adapter and
-    natively (CuPy views; torch tensors), and the adapter's cost."""
-    lines = ["| file | ranks | call | adapter us | native us (CuPy views) | native us (torch tensors) | "
-             "adapter cost us | within 10 us |", "|" + " --- |" * 8]
-    for path in paths:
-        doc = json.loads(Path(path).read_text())
+    natively (CuPy views; torch tensors), and the adapter's cost; for
+    documents that have them (interleaved timings), the cost's crossings
+    and the rest."""
+    docs = [(Path(p), json.loads(Path(p).read_text())) for p in paths]
+    split = all("crossings_us" in r for _, d in docs for r in d["rows"])
+    head = ["file", "ranks", "call", "adapter us", "native us (CuPy views)", "native us (torch tensors)",
+            "adapter cost us"] + (["of which crossings us", "of which the rest us"] if split else []) + \
+        ["within 10 us"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for path, doc in docs:
         for r in doc["rows"]:
-            lines.append(f"| {Path(path).name} | {doc['ranks']} | {r['call']} | {r['adapter_us']:.1f} | "
-                         f"{r['native_cupy_us']:.1f} | {r['native_torch_us']:.1f} | {r['adapter_cost_us']:.1f} | "
-                         f"{'yes' if r['within_target'] else 'no'} |")
+            cells = [path.name, str(doc["ranks"]), r["call"], f"{r['adapter_us']:.1f}", f"{r['native_cupy_us']:.1f}",
+                     f"{r['native_torch_us']:.1f}", f"{r['adapter_cost_us']:.1f}"]
+            if split:
+                cells += [f"{r['crossings_us']:.1f}", f"{r['own_us']:.1f}"]
+            cells.append("yes" if r["within_target"] else "no")
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -181,8 +215,8 @@ def main():
     recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(
         x_t, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
         topk_idx=idx_t, topk_weights=w_t)
-    x_c, idx_c, w_c, per_rank_c, per_expert_c, in_rank_c, recv_x_c, recv_w_c = views(
-        x_t, idx_t, w_t, per_rank, per_expert, in_rank, recv_x, recv_w)
+    x_c, idx_c, w_c, per_rank_c, per_expert_c, in_rank_c, recv_w_c = views(
+        x_t, idx_t, w_t, per_rank, per_expert, in_rank, recv_w)
     worst = T * R
     layout_kw = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
     layout_kw_c = dict(num_tokens_per_rank=per_rank_c, is_token_in_rank=in_rank_c,
@@ -190,38 +224,87 @@ def main():
     # Worst-token results for the worst-token combine.
     wx, _, ww, _, whandle, _ = buf.dispatch(x_t, topk_idx=idx_t, topk_weights=w_t, num_worst_tokens=worst,
                                             **layout_kw)
-    wx_c, ww_c = views(wx, ww)
+    ww_c, = views(ww)
 
-    calls = {  # name: (adapter call, native call with CuPy views, native call with torch tensors)
+    # The combines' x: expert outputs the model made (a tensor of its own, which crosses as any input).
+    y_t = recv_x.clone()
+    wy_t = wx.clone()
+    y_c, wy_c = views(y_t, wy_t)
+
+    from cupyep.deep_ep import tensors as TS
+
+    def stream_enter_exit():
+        ctx = TS.torch_stream()
+        ctx.__enter__()
+        ctx.__exit__(None, None, None)
+
+    def crossings(inputs, outputs):
+        """The crossings of a call: ``inputs`` ({name: torch tensor or None})
+        viewed as CuPy, torch's stream entered and left, ``outputs`` ((CuPy
+        array or None, view)) handed to torch."""
+        def run():
+            for name, t in inputs.items():
+                TS.to_cupy(t, name)
+            stream_enter_exit()
+            return [TS.to_torch(a, view) for a, view in outputs]
+        return run
+
+    def dispatch_out(r):
+        return [(r.recv_x, "bf16"), (r.recv_topk_idx, None), (r.recv_topk_weights, None)]
+
+    # Outputs of native results for the crossings to hand to torch, read as each result is made (a later
+    # dispatch may take a result's pool slot).
+    lay_n = native.get_dispatch_layout(idx_c, E, validate=False)
+    lay_out = [(lay_n.num_tokens_per_rank, None), (lay_n.num_tokens_per_expert, None),
+               (lay_n.is_token_in_rank, None)]
+    res_out = dispatch_out(native.dispatch(x_c, idx_c, w_c, num_experts=E, validate=False, **layout_kw_c))
+    cached_out = [(native.dispatch(x_c, handle=handle.native, validate=False).recv_x, "bf16")]
+    worst_out = dispatch_out(native.dispatch(x_c, idx_c, w_c, num_experts=E, num_worst_tokens=worst,
+                                             validate=False, **layout_kw_c))
+    comb_n = native.combine(y_c, handle.native, recv_w_c)
+    comb_out = [(comb_n.combined_x, "bf16"), (comb_n.combined_topk_weights, None)]
+    sync()
+    layout_in = dict(num_tokens_per_expert=per_expert, is_token_in_rank=in_rank, num_tokens_per_rank=per_rank)
+    dispatch_in = dict(x=x_t, **layout_in, topk_idx=idx_t, topk_weights=w_t)
+
+    calls = {  # name: (adapter call, native with CuPy views, native with torch tensors, crossings alone)
         "get_dispatch_layout": (
             lambda: buf.get_dispatch_layout(idx_t, E),
             lambda: native.get_dispatch_layout(idx_c, E, validate=False),
-            lambda: native.get_dispatch_layout(idx_t, E, validate=False)),
+            lambda: native.get_dispatch_layout(idx_t, E, validate=False),
+            crossings(dict(topk_idx=idx_t), lay_out)),
         "dispatch (counted: waits for counts)": (
             lambda: buf.dispatch(x_t, topk_idx=idx_t, topk_weights=w_t, **layout_kw),
             lambda: native.dispatch(x_c, idx_c, w_c, num_experts=E, validate=False, **layout_kw_c),
-            lambda: native.dispatch(x_t, idx_t, w_t, num_experts=E, validate=False, **layout_kw)),
+            lambda: native.dispatch(x_t, idx_t, w_t, num_experts=E, validate=False, **layout_kw),
+            crossings(dispatch_in, res_out)),
         "dispatch cached": (
             lambda: buf.dispatch(x_t, handle=handle),
             lambda: native.dispatch(x_c, handle=handle.native, validate=False),
-            lambda: native.dispatch(x_t, handle=handle.native, validate=False)),
+            lambda: native.dispatch(x_t, handle=handle.native, validate=False),
+            crossings(dict(x=x_t), cached_out)),
         "dispatch worst-token": (
             lambda: buf.dispatch(x_t, topk_idx=idx_t, topk_weights=w_t, num_worst_tokens=worst, **layout_kw),
             lambda: native.dispatch(x_c, idx_c, w_c, num_experts=E, num_worst_tokens=worst, validate=False,
                                     **layout_kw_c),
             lambda: native.dispatch(x_t, idx_t, w_t, num_experts=E, num_worst_tokens=worst, validate=False,
-                                    **layout_kw)),
+                                    **layout_kw),
+            crossings(dispatch_in, worst_out)),
         "combine": (
-            lambda: buf.combine(recv_x, handle, topk_weights=recv_w),
-            lambda: native.combine(recv_x_c, handle.native, recv_w_c),
-            lambda: native.combine(recv_x, handle.native, recv_w)),
+            lambda: buf.combine(y_t, handle, topk_weights=recv_w),
+            lambda: native.combine(y_c, handle.native, recv_w_c),
+            lambda: native.combine(y_t, handle.native, recv_w),
+            crossings(dict(x=y_t, topk_weights=recv_w), comb_out)),
         "combine worst-token": (
-            lambda: buf.combine(wx, whandle, topk_weights=ww),
-            lambda: native.combine(wx_c, whandle.native, ww_c),
-            lambda: native.combine(wx, whandle.native, ww)),
+            lambda: buf.combine(wy_t, whandle, topk_weights=ww),
+            lambda: native.combine(wy_c, whandle.native, ww_c),
+            lambda: native.combine(wy_t, whandle.native, ww),
+            crossings(dict(x=wy_t, topk_weights=ww), comb_out)),
     }
+    VARIANTS = ("adapter", "native_cupy", "native_torch", "crossings")
 
-    # Low-latency mode: each dispatch is followed by its combine; both timed.
+    # Low-latency mode: each dispatch is followed by its combine; both timed. The native calls ask for
+    # the adapter's work: DeepEP's packed outputs made by the dispatch, the combine reading packed rows.
     T_ll = args.ll_tokens
     xl_t = x_t[:T_ll] if T_ll <= T else x_t.repeat((T_ll + T - 1) // T, 1)[:T_ll]
     il_t, wl_t = idx_t[:T_ll].contiguous(), w_t[:T_ll].contiguous()
@@ -229,58 +312,59 @@ def main():
     ll = buf.low_latency
     xl_c, il_c, wl_c = views(xl_t, il_t, wl_t)
 
-    y_t = torch.zeros((E // R, R * T_ll, H), dtype=torch.bfloat16, device="cuda")  # the experts' outputs
-    y_c = cupyep.arrays.as_cupy(y_t, "y")
-
-    def ll_times(dispatch, combine, iters, warmup):
-        d, c = [], []
-        for i in range(warmup + iters):
-            t0 = time.perf_counter()
-            res = dispatch()
-            t1 = time.perf_counter()
-            combine(res)
-            t2 = time.perf_counter()
-            if i >= warmup:
-                d.append(t1 - t0)
-                c.append(t2 - t1)
-        sync()
-        return d, c
-
+    yl_t = torch.zeros((E // R, R * T_ll, H), dtype=torch.bfloat16, device="cuda")  # the experts' outputs
+    yl_c = cupyep.arrays.as_cupy(yl_t, "y")
+    ll_n = ll.dispatch(xl_c, il_c, use_fp8=True, validate=False, packed_out=True)
+    px, pscales = ll_n.packed[:2]
+    ll_count = ll_n.recv_count
+    ll_combined = ll.combine(yl_c, il_c, wl_c, ll_n.handle, x_layout="packed").combined_x
+    sync()
     ll_variants = {
         "adapter": (lambda: buf.low_latency_dispatch(xl_t, il_t, T_ll, E, use_fp8=True),
-                    lambda r: buf.low_latency_combine(y_t, il_t, wl_t, r[2])),
-        "native_cupy": (lambda: ll.dispatch(xl_c, il_c, use_fp8=True, validate=False),
-                        lambda r: ll.combine(y_c, il_c, wl_c, r.handle)),
-        "native_torch": (lambda: ll.dispatch(xl_t, il_t, use_fp8=True, validate=False),
-                         lambda r: ll.combine(y_t, il_t, wl_t, r.handle)),
+                    lambda r: buf.low_latency_combine(yl_t, il_t, wl_t, r[2])),
+        "native_cupy": (lambda: ll.dispatch(xl_c, il_c, use_fp8=True, validate=False, packed_out=True),
+                        lambda r: ll.combine(yl_c, il_c, wl_c, r.handle, x_layout="packed")),
+        "native_torch": (lambda: ll.dispatch(xl_t, il_t, use_fp8=True, validate=False, packed_out=True),
+                         lambda r: ll.combine(yl_t, il_t, wl_t, r.handle, x_layout="packed")),
+        "crossings": (crossings(dict(x=xl_t, topk_idx=il_t, stats=None, waits=None),
+                                [(px, "fp8"), (pscales, None), (ll_count, None)]),
+                      lambda _r: crossings(dict(x=yl_t, topk_idx=il_t, topk_weights=wl_t, out=None, waits=None),
+                                           [(ll_combined, "bf16")])()),
     }
 
-    samples = {name: {"adapter": [], "native_cupy": [], "native_torch": []} for name in calls}
-    samples["low_latency_dispatch"] = {v: [] for v in ll_variants}
-    samples["low_latency_combine"] = {v: [] for v in ll_variants}
+    def drain():
+        torch.cuda.current_stream().synchronize()
+
+    samples = {name: {v: [] for v in VARIANTS} for name in calls}
+    samples["low_latency_dispatch"] = {v: [] for v in VARIANTS}
+    samples["low_latency_combine"] = {v: [] for v in VARIANTS}
     sync()
     for _ in range(args.rounds):
         for name, fns in calls.items():
-            for variant, fn in zip(("adapter", "native_cupy", "native_torch"), fns):
-                samples[name][variant] += host_times(fn, args.iters, args.warmup, sync)
-        for variant, (d, c) in ll_variants.items():
-            ds, cs = ll_times(d, c, args.iters, args.warmup)
-            samples["low_latency_dispatch"][variant] += ds
-            samples["low_latency_combine"][variant] += cs
+            got = interleaved_times({v: (fn,) for v, fn in zip(VARIANTS, fns)}, args.iters, args.warmup, drain)
+            for v in VARIANTS:
+                samples[name][v] += got[v][0]
+            sync()
+        got = interleaved_times(ll_variants, args.iters, args.warmup, drain)
+        for v in VARIANTS:
+            samples["low_latency_dispatch"][v] += got[v][0]
+            samples["low_latency_combine"][v] += got[v][1]
+        sync()
 
-    # The adapter's pieces alone, in the same launch: one tensor viewed as CuPy, one array handed to
-    # torch (with the BF16 view), torch's stream made CuPy's, a Config mapped.
-    from cupyep.deep_ep import tensors as TS
+    # Single crossings alone, in the same launch: one tensor viewed as CuPy, one array handed to torch
+    # (with the BF16 view), torch's stream made CuPy's, a Config mapped.
     from cupyep.deep_ep.config import default_cupyep_config
-    def stream_enter_exit():
-        ctx = TS.torch_stream()
-        ctx.__enter__()
-        ctx.__exit__(None, None, None)
     pieces = {
         "to_cupy (one tensor)": lambda: TS.to_cupy(x_t, "x"),
+        "to_cupy (a tensor the adapter made)": lambda: TS.to_cupy(per_rank, "x"),
         "to_torch (one array, as bfloat16)": lambda: TS.to_torch(x_c, "bf16"),
+        "to_torch (one array)": lambda: TS.to_torch(w_c),
         "torch_stream (enter and exit)": stream_enter_exit,
         "default config": lambda: default_cupyep_config(R, 20, True),
+        # what a front end launching on torch tensors without CuPy arrays would pay instead of the crossings
+        "torch tensor's pointer, shape and dtype (one tensor)": lambda: (x_t.data_ptr(), x_t.shape, x_t.dtype),
+        "torch.empty (one output)": lambda: torch.empty((T, H), dtype=torch.bfloat16, device="cuda"),
+        "cupy.empty (one output)": lambda: cupy.empty((T, H), dtype=np.uint16),
     }
     piece_us = {}
     for name, fn in pieces.items():
@@ -291,7 +375,7 @@ def main():
     allocs = {}
     for name, fns in calls.items():
         allocs[name] = {v: allocations_per_call(fn, 20, sync) for v, fn in
-                        zip(("adapter", "native_cupy", "native_torch"), fns)}
+                        zip(("adapter", "native_cupy", "native_torch"), fns[:3])}
     for name, (d, c) in (("low_latency_dispatch + combine", ll_variants["adapter"]),
                          ("low_latency_dispatch + combine (native)", ll_variants["native_cupy"])):
         allocs[name] = allocations_per_call(lambda: c(d()), 20, sync)
@@ -304,9 +388,16 @@ def main():
     for name, by_variant in samples.items():
         med = {v: float(np.median(s)) * 1e6 for v, s in by_variant.items()}
         slowest = {v: group.comm.allreduce(m, op=MPI.MAX) for v, m in med.items()}
-        cost = slowest["adapter"] - slowest["native_cupy"]
+        # the adapter's cost: each call against the native call timed right after it, then the median
+        paired = float(np.median(np.subtract(by_variant["adapter"], by_variant["native_cupy"]))) * 1e6
+        cost = group.comm.allreduce(paired, op=MPI.MAX)
+        spread = [group.comm.allreduce(float(np.percentile(np.subtract(by_variant["adapter"],
+                                                                        by_variant["native_cupy"]), q)) * 1e6,
+                                       op=MPI.MAX) for q in (25, 75)]
         rows.append({"call": name, "adapter_us": slowest["adapter"], "native_cupy_us": slowest["native_cupy"],
                      "native_torch_us": slowest["native_torch"], "adapter_cost_us": cost,
+                     "adapter_cost_iqr_us": spread, "crossings_us": slowest["crossings"],
+                     "own_us": cost - slowest["crossings"],
                      "adapter_minus_native_torch_us": slowest["adapter"] - slowest["native_torch"],
                      "within_target": cost <= TARGET_US,
                      "host_waits": name.startswith("dispatch (counted")})
@@ -314,7 +405,8 @@ def main():
     if group.rank == 0:
         doc = {"bench": "deep_ep_adapter", "target_us": TARGET_US, "ranks": R,
                "shape": {"tokens": T, "hidden": H, "experts": E, "topk": k, "ll_tokens": T_ll},
-               "iters": args.iters, "rounds": args.rounds, "rows": rows, "pieces_us": piece_us,
+               "iters": args.iters, "rounds": args.rounds, "timing": "interleaved, drained", "rows": rows,
+               "pieces_us": piece_us,
                "allocations_per_call": allocs,
                "env": environment(group)}
         out = Path(args.out)
@@ -322,7 +414,8 @@ def main():
         out.write_text(json.dumps(doc, indent=1) + "\n")
         for r in rows:
             print(f"{r['call']:40s} adapter {r['adapter_us']:8.1f} us  native {r['native_cupy_us']:8.1f} us  "
-                  f"(torch in {r['native_torch_us']:8.1f})  cost {r['adapter_cost_us']:6.1f} us", flush=True)
+                  f"(torch in {r['native_torch_us']:8.1f})  cost {r['adapter_cost_us']:6.1f} us  crossings "
+                  f"{r['crossings_us']:6.1f}  own {r['own_us']:6.1f}", flush=True)
         for name, us in piece_us.items():
             print(f"  piece: {name:36s} {us:8.1f} us", flush=True)
         print("  allocations per call (pool / cudaMalloc):", json.dumps(allocs), flush=True)

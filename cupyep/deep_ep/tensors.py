@@ -25,7 +25,7 @@ import numpy as np
 from ..arrays import as_cupy
 
 _capsule = None  # how a CuPy array becomes a DLPack capsule without a stream synchronisation (chosen once)
-_from_dlpack = None  # torch.utils.dlpack.from_dlpack
+_from_dlpack = None  # torch's capsule import (torch._C._from_dlpack, what torch.utils.dlpack.from_dlpack calls)
 _uint16_ok = True  # whether torch imports uint16 through DLPack (else BF16 bits cross as int16)
 _streams: dict = {}  # torch stream handle -> cupy ExternalStream
 
@@ -60,7 +60,8 @@ def to_torch(a, view=None):
     if a is None:
         return None
     if _from_dlpack is None:
-        from torch.utils.dlpack import from_dlpack as _from_dlpack
+        import torch
+        _from_dlpack = getattr(torch._C, "_from_dlpack", None) or torch.utils.dlpack.from_dlpack
     b = a
     if view == "bf16" and not _uint16_ok:  # a torch without uint16 in DLPack: the same bits as int16
         b = a.view(np.int16)
