@@ -3,6 +3,7 @@ torch tensors and through cupyep's own API, on the same cupyep buffers.
 
     python -m cupyep.launcher -n 8 experiments/bench_deep_ep_adapter.py --out results/deep_ep_adapter/adapter.json
     python experiments/bench_deep_ep_adapter.py --table results/deep_ep_adapter/*.json   # Markdown, no GPU
+    python experiments/bench_deep_ep_adapter.py --summary results/deep_ep_adapter/interleaved_2ranks_?.json
 
 For each call it times the host side of one call (time.perf_counter around
 it, torch's stream drained before each call so that no call waits for the
@@ -27,7 +28,10 @@ arguments, configs, handle, events and tuples). The target is at most 10 us
 of adapter cost (``within_target``). The combines are given a fresh tensor
 of expert outputs, as a model gives them, not the dispatch's own result
 (which crosses back for free). A counted dispatch waits on the host for its
-counts, so its host time carries the GPU's. Every value is the slowest
+counts, so its host time carries the GPU's. ``inner_us`` and
+``split_own_us`` split the adapter's calls within each call (a fifth,
+interleaved variant): the time of the cupyep call the adapter makes inside
+it, and everything else (crossings included). Every value is the slowest
 rank's. ``pieces_us`` times single crossings alone. Rank 0 writes one JSON
 document to ``--out``.
 """
@@ -42,15 +46,17 @@ TARGET_US = 10.0
 
 
 def host_times(fn, iters: int, warmup: int, sync) -> list:
-    """Host seconds of each of ``iters`` calls of ``fn`` (after ``warmup`` calls)."""
+    """Host seconds of each of ``iters`` calls of ``fn`` (after ``warmup`` calls;
+    the result of a call is released after its timing)."""
     for _ in range(warmup):
         fn()
     sync()
     out = []
     for _ in range(iters):
         t0 = time.perf_counter()
-        fn()
+        got = fn()
         out.append(time.perf_counter() - t0)
+        got = None  # released outside the timing  # noqa: F841
     sync()
     return out
 
@@ -63,7 +69,9 @@ def interleaved_times(variants: dict, iters: int, warmup: int, drain) -> dict:
     combine of its handle). Every iteration runs each variant's steps in
     turn, calling ``drain`` (wait for the GPU) before each timed step, so
     that variants see the same host and an idle launch queue; the first
-    ``warmup`` iterations are not kept."""
+    ``warmup`` iterations are not kept. A step's timing holds no release of
+    an earlier result (a dispatch's tensors are freed after its combine's
+    timing)."""
     out = {v: [[] for _ in steps] for v, steps in variants.items()}
     for i in range(warmup + iters):
         for v, steps in variants.items():
@@ -71,11 +79,48 @@ def interleaved_times(variants: dict, iters: int, warmup: int, drain) -> dict:
             for j, step in enumerate(steps):
                 drain()
                 t0 = time.perf_counter()
-                res = step() if j == 0 else step(res)
+                got = step() if j == 0 else step(res)
                 dt = time.perf_counter() - t0
+                res = got  # the step before's result is released here, outside the timing
                 if i >= warmup:
                     out[v][j].append(dt)
     return out
+
+
+class InnerClock:
+    """Splits an adapter call into the cupyep call it makes and the rest, in
+    the same call: while a call runs through :meth:`step`, the listed methods
+    of cupyep's buffers (``targets``: (object, method name)) are wrapped so
+    that their host time adds to ``inner``. ``samples[key]`` collects
+    (outer seconds, inner seconds) per call."""
+
+    def __init__(self, targets):
+        self.targets, self.inner, self.samples = targets, 0.0, {}
+
+    def _wrap(self, fn):
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.inner += time.perf_counter() - t0
+        return timed
+
+    def step(self, key: str, call):
+        """``call`` (taking the step before's result, or nothing) as a
+        step of :func:`interleaved_times` that records its split."""
+        def run(*prev):
+            for obj, name in self.targets:  # instance attributes shadow the class's methods
+                setattr(obj, name, self._wrap(getattr(obj, name)))
+            self.inner = 0.0
+            t0 = time.perf_counter()
+            res = call(*prev)
+            outer = time.perf_counter() - t0
+            for obj, name in self.targets:
+                delattr(obj, name)
+            self.samples.setdefault(key, []).append((outer, self.inner))
+            return res
+        return run
 
 
 def allocations_per_call(fn, calls: int, sync) -> dict:
@@ -159,10 +204,35 @@ def table(paths) -> str:
     return "\n".join(lines)
 
 
+def summary(paths) -> str:
+    """The Markdown table of repeated launches: per rank count and call, the
+    median [min, max] over the documents of the adapter's cost, and the
+    medians of its crossings and of the rest (documents with interleaved
+    timings)."""
+    by = {}
+    for p in paths:
+        doc = json.loads(Path(p).read_text())
+        for r in doc["rows"]:
+            by.setdefault((doc["ranks"], r["call"]), []).append(r)
+    lines = ["| ranks | call | launches | adapter cost us | of which crossings us | of which the rest us | "
+             "within 10 us |", "|" + " --- |" * 7]
+    for (ranks, call), rs in by.items():
+        cost = [r["adapter_cost_us"] for r in rs]
+        cross = float(np.median([r["crossings_us"] for r in rs]))
+        rest = float(np.median([r["own_us"] for r in rs]))
+        med = float(np.median(cost))
+        lines.append(f"| {ranks} | {call} | {len(rs)} | {med:.1f} [{min(cost):.1f}, {max(cost):.1f}] | "
+                     f"{cross:.1f} | {rest:.1f} | {'yes' if med <= TARGET_US else 'no'} |")
+    return "\n".join(lines)
+
+
 def main():
     import sys
     if sys.argv[1:2] == ["--table"]:  # no GPU needed
         print(table(sys.argv[2:]))
+        return
+    if sys.argv[1:2] == ["--summary"]:  # no GPU needed
+        print(summary(sys.argv[2:]))
         return
     from cupyep.lab.bench import require_gpu
     require_gpu(__file__)
@@ -335,17 +405,26 @@ def main():
     def drain():
         torch.cuda.current_stream().synchronize()
 
+    # The adapter's calls again, each split into the cupyep call it makes and the rest (InnerClock).
+    clock = InnerClock([(native, "get_dispatch_layout"), (native, "dispatch"), (native, "combine"),
+                        (ll, "dispatch"), (ll, "combine")])
+    split_steps = {name: (clock.step(name, fns[0]),) for name, fns in calls.items()}
+    split_ll = (clock.step("low_latency_dispatch", ll_variants["adapter"][0]),
+                clock.step("low_latency_combine", ll_variants["adapter"][1]))
+
     samples = {name: {v: [] for v in VARIANTS} for name in calls}
     samples["low_latency_dispatch"] = {v: [] for v in VARIANTS}
     samples["low_latency_combine"] = {v: [] for v in VARIANTS}
     sync()
     for _ in range(args.rounds):
         for name, fns in calls.items():
-            got = interleaved_times({v: (fn,) for v, fn in zip(VARIANTS, fns)}, args.iters, args.warmup, drain)
+            variants = {v: (fn,) for v, fn in zip(VARIANTS, fns)}
+            variants["adapter_split"] = split_steps[name]
+            got = interleaved_times(variants, args.iters, args.warmup, drain)
             for v in VARIANTS:
                 samples[name][v] += got[v][0]
             sync()
-        got = interleaved_times(ll_variants, args.iters, args.warmup, drain)
+        got = interleaved_times(dict(ll_variants, adapter_split=split_ll), args.iters, args.warmup, drain)
         for v in VARIANTS:
             samples["low_latency_dispatch"][v] += got[v][0]
             samples["low_latency_combine"][v] += got[v][1]
@@ -394,7 +473,13 @@ def main():
         spread = [group.comm.allreduce(float(np.percentile(np.subtract(by_variant["adapter"],
                                                                         by_variant["native_cupy"]), q)) * 1e6,
                                        op=MPI.MAX) for q in (25, 75)]
+        # each round's calls after its warm-up
+        split = np.array(clock.samples[name]).reshape(args.rounds, args.warmup + args.iters, 2)[:, args.warmup:]
+        split = split.reshape(-1, 2)
+        inner_us = group.comm.allreduce(float(np.median(split[:, 1])) * 1e6, op=MPI.MAX)
+        split_own_us = group.comm.allreduce(float(np.median(split[:, 0] - split[:, 1])) * 1e6, op=MPI.MAX)
         rows.append({"call": name, "adapter_us": slowest["adapter"], "native_cupy_us": slowest["native_cupy"],
+                     "inner_us": inner_us, "split_own_us": split_own_us,
                      "native_torch_us": slowest["native_torch"], "adapter_cost_us": cost,
                      "adapter_cost_iqr_us": spread, "crossings_us": slowest["crossings"],
                      "own_us": cost - slowest["crossings"],
@@ -415,7 +500,8 @@ def main():
         for r in rows:
             print(f"{r['call']:40s} adapter {r['adapter_us']:8.1f} us  native {r['native_cupy_us']:8.1f} us  "
                   f"(torch in {r['native_torch_us']:8.1f})  cost {r['adapter_cost_us']:6.1f} us  crossings "
-                  f"{r['crossings_us']:6.1f}  own {r['own_us']:6.1f}", flush=True)
+                  f"{r['crossings_us']:6.1f}  own {r['own_us']:6.1f}  | split: cupyep's call inside "
+                  f"{r['inner_us']:6.1f}, the rest {r['split_own_us']:6.1f}", flush=True)
         for name, us in piece_us.items():
             print(f"  piece: {name:36s} {us:8.1f} us", flush=True)
         print("  allocations per call (pool / cudaMalloc):", json.dumps(allocs), flush=True)
