@@ -189,9 +189,10 @@ def table(paths) -> str:
     and the rest."""
     docs = [(Path(p), json.loads(Path(p).read_text())) for p in paths]
     split = all("crossings_us" in r for _, d in docs for r in d["rows"])
+    inner = all("inner_us" in r for _, d in docs for r in d["rows"])
     head = ["file", "ranks", "call", "adapter us", "native us (CuPy views)", "native us (torch tensors)",
             "adapter cost us"] + (["of which crossings us", "of which the rest us"] if split else []) + \
-        ["within 10 us"]
+        (["in the call: cupyep's call us", "in the call: the rest us"] if inner else []) + ["within 10 us"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for path, doc in docs:
         for r in doc["rows"]:
@@ -199,6 +200,8 @@ def table(paths) -> str:
                      f"{r['native_torch_us']:.1f}", f"{r['adapter_cost_us']:.1f}"]
             if split:
                 cells += [f"{r['crossings_us']:.1f}", f"{r['own_us']:.1f}"]
+            if inner:
+                cells += [f"{r['inner_us']:.1f}", f"{r['split_own_us']:.1f}"]
             cells.append("yes" if r["within_target"] else "no")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -226,6 +229,19 @@ def summary(paths) -> str:
     return "\n".join(lines)
 
 
+def pieces_table(paths) -> str:
+    """The Markdown table of the single crossings (``pieces_us``) of documents
+    this benchmark wrote, one column per document."""
+    docs = [(Path(p), json.loads(Path(p).read_text())) for p in paths]
+    names = list(dict.fromkeys(n for _, d in docs for n in d["pieces_us"]))
+    lines = ["| piece | " + " | ".join(f"{p.name} ({d['ranks']} ranks) us" for p, d in docs) + " |",
+             "|" + " --- |" * (len(docs) + 1)]
+    for n in names:
+        lines.append(f"| {n} | " + " | ".join(f"{d['pieces_us'][n]:.1f}" if n in d["pieces_us"] else "-"
+                                              for _, d in docs) + " |")
+    return "\n".join(lines)
+
+
 def main():
     import sys
     if sys.argv[1:2] == ["--table"]:  # no GPU needed
@@ -233,6 +249,9 @@ def main():
         return
     if sys.argv[1:2] == ["--summary"]:  # no GPU needed
         print(summary(sys.argv[2:]))
+        return
+    if sys.argv[1:2] == ["--pieces"]:  # no GPU needed
+        print(pieces_table(sys.argv[2:]))
         return
     from cupyep.lab.bench import require_gpu
     require_gpu(__file__)
