@@ -794,7 +794,8 @@ def test_the_torch_backend_over_gloo(tmp_path):
 
 
 def test_the_adapter_results_readme_shows_what_the_table_command_prints():
-    """results/deep_ep_adapter/README.md holds `bench_deep_ep_adapter.py --table` of its committed files."""
+    """results/deep_ep_adapter/README.md holds what `bench_deep_ep_adapter.py --table / --summary / --pieces`
+    print of its committed files."""
     import subprocess
     import sys
     from pathlib import Path
@@ -806,6 +807,14 @@ def test_the_adapter_results_readme_shows_what_the_table_command_prints():
         out = subprocess.run([sys.executable, str(repo / "experiments" / "bench_deep_ep_adapter.py"), "--table",
                               *[str(d / f) for f in files]], capture_output=True, text=True, check=True).stdout
         assert out.strip() in readme
+    bench = str(repo / "experiments" / "bench_deep_ep_adapter.py")
+    for mode, files in (("--summary", [f"interleaved_{r}ranks_{i}.json" for r in (1, 2, 8) for i in (1, 2, 3)]),
+                        ("--summary", [f"interleaved_{r}ranks_before_{i}.json" for r in (2, 8) for i in (1, 2, 3)]),
+                        ("--table", ["split_2ranks.json", "split_8ranks.json"]),
+                        ("--pieces", [f"pieces_{r}ranks.json" for r in (1, 2, 8)])):
+        out = subprocess.run([sys.executable, bench, mode, *[str(d / f) for f in files]], capture_output=True,
+                             text=True, check=True).stdout
+        assert out.strip() in readme, (mode, files)
 
 
 def test_combine_adds_deepeps_bias_in_fp32_and_rounds_once_more(host_buffer):
