@@ -47,7 +47,9 @@ KERNELS: dict[str, tuple[str, ...]] = {
                                   "fused direct dispatch: a block waits for the expert-major positions"),
     "direct_combine": ("direct combine: partial rows free (expert rank waits for the owner's ready)",
                                  "direct combine: partials arrived (owner waits for an expert rank's rows)",
-                                 "direct combine: partial pool capacity"),
+                                 "direct combine: partial pool capacity",
+                                 "direct combine: in-place reads done (expert rank waits for the owners to finish "
+                                 "reading its x)"),
     "layout": ("routing check (expert id outside [-1, E))",),
     "shmem_put_signal": ("put with signal: a peer's rows arrived (this PE waits for the peer's signal)",),
     "two_hop_dispatch": ("two-hop dispatch: a source node's rows over the network (the rail waits for "

@@ -20,11 +20,19 @@ import numpy as np
 _IPC_LAZY_ENABLE_PEER_ACCESS = 1
 ALIGNMENT = 256
 _open_mappings = 0  # peer mappings opened and not yet closed, in this process
+_symmetric_handles: dict = {}  # IPC handle bytes of a peer's SymmetricBuffer -> its address in this process
 
 
 def open_mappings() -> int:
     """Peer IPC mappings this process holds open (all SymmetricBuffers)."""
     return _open_mappings
+
+
+def symmetric_mapping(handle: bytes) -> int | None:
+    """This process's address of the peer SymmetricBuffer whose allocation
+    ``handle`` exports, or None when no SymmetricBuffer here maps it (so
+    that cupyep.ipc_peers reads it there instead of opening it twice)."""
+    return _symmetric_handles.get(handle)
 
 
 def _count_mappings(delta: int) -> None:
@@ -118,6 +126,7 @@ class SymmetricBuffer:
         self.nbytes = nbytes
         self.ptr = _malloc_everywhere(group, nbytes)
         self._opened: list[int] = []
+        self._handles: list[bytes] = []  # the peers' handles this buffer opened (symmetric_mapping)
         self._memptrs: dict = {}  # base address -> MemoryPointer of the whole buffer (views go through it)
         try:
             rt.memset(self.ptr, 0, nbytes)
@@ -130,6 +139,8 @@ class SymmetricBuffer:
                 else:
                     p = rt.ipcOpenMemHandle(h, _IPC_LAZY_ENABLE_PEER_ACCESS)
                     self._opened.append(p)
+                    self._handles.append(h)
+                    _symmetric_handles[h] = p
                     _count_mappings(1)
                     ptrs.append(p)
             self.peer_ptr_list = ptrs
@@ -154,6 +165,9 @@ class SymmetricBuffer:
     def _release(self) -> None:
         import cupy
         rt = cupy.cuda.runtime
+        for h in self._handles:
+            _symmetric_handles.pop(h, None)
+        self._handles = []
         for p in self._opened:
             rt.ipcCloseMemHandle(p)
             _count_mappings(-1)

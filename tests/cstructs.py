@@ -22,7 +22,8 @@ def strip_comments(text: str) -> str:
 
 
 def c_structs():
-    """Every ``struct Name { ... };`` of cuda_src: name -> [(field, type, is_pointer)]."""
+    """Every ``struct Name { ... };`` of cuda_src: name -> [(field, type, is_pointer)]; a fixed
+    array field ``name[N]`` (N a literal) gives its elements as fields name0 .. name{N-1}."""
     structs = {}
     for path in sorted(jit.CUDA_SRC.rglob("*")):
         if path.suffix not in (".cu", ".cuh"):
@@ -34,14 +35,17 @@ def c_structs():
                 parts = [p.strip() for p in decl.strip().split(",")]
                 if not parts[0]:
                     continue
-                first = re.match(r"^(.*?)(\w+)$", parts[0])
+                first = re.match(r"^(.*?)(\w+(?:\[\d+\])?)$", parts[0])
                 ctype = first.group(1).strip()
                 names = [first.group(2)] + parts[1:]
                 base = re.sub(r"\bconst\b|\*", " ", ctype).split()
                 assert len(base) == 1, f"{path}: cannot parse {decl!r}"
                 for name in names:
-                    assert re.fullmatch(r"\w+", name), f"{path}: cannot parse {decl!r}"
-                    fields.append((name, base[0], "*" in ctype))
+                    array = re.fullmatch(r"(\w+)\[(\d+)\]", name)  # a fixed array: its elements, name0, name1, ...
+                    elements = [f"{array.group(1)}{i}" for i in range(int(array.group(2)))] if array else [name]
+                    for element in elements:
+                        assert re.fullmatch(r"\w+", element), f"{path}: cannot parse {decl!r}"
+                        fields.append((element, base[0], "*" in ctype))
             name = prefix + m.group(1)
             assert name not in structs, f"struct {name} defined twice"
             structs[name] = fields

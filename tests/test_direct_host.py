@@ -185,7 +185,9 @@ def test_kernel_constants_match_the_host():
     # most their registers hold; 4 at 3-4 ranks and 2 above are the defaults) and the position pass
     assert len(D.kernel_specs()) == 27
     assert any("direct_dispatch_fused(DirectFusedArgs" in line for line in kernel.splitlines())
-    assert D.SYNC_DTYPE.itemsize == 32 and np.dtype(D.DISPATCH_ARGS_DTYPE).itemsize > 0
+    assert D.SYNC_DTYPE.itemsize == 40 and np.dtype(D.DISPATCH_ARGS_DTYPE).itemsize > 0
+    assert int(re.search(r"kMaxInPlaceRanks = (\d+)", src).group(1)) == D.MAX_IN_PLACE_RANKS
+    assert D.X_PEERS_DTYPE.itemsize == 8 * D.MAX_IN_PLACE_RANKS
 
 
 def _pools(num_in_flight=2, max_tokens=512, hidden=1024, num_topk=8, ranks=4, slot_bytes=None):

@@ -472,6 +472,7 @@ MIRRORS = [
     (K.DISPATCH_ARGS_DTYPE, "DispatchArgs"),
     (K.COMBINE_ARGS_DTYPE, "CombineArgs"),
     (D.SYNC_DTYPE, "DirectSync"),
+    (D.X_PEERS_DTYPE, "DirectXPeers"),
     (D.RECV_LAYOUT_DTYPE, "DirectRecvLayout"),
     (D.DISPATCH_ARGS_DTYPE, "DirectDispatchArgs"),
     (D.COMBINE_ARGS_DTYPE, "DirectCombineArgs"),

@@ -193,6 +193,7 @@ def test_errors_script_passes_on_every_rank():
 @pytest.mark.parametrize("check", ["stacked_in_rank_order", "second_exchange", "missing_rank_raises",
                                    "missing_rank_bounded", "exchange_after_timeout", "agree_same_passes",
                                    "agree_differing_raises_everywhere", "agree_names_first_field_and_values",
-                                   "exchange_after_disagreement"])
+                                   "exchange_after_disagreement", "peer_arrays_addresses", "peer_arrays_mapped_once",
+                                   "peer_arrays_empty_rank", "peer_arrays_cannot_everywhere"])
 def test_bounded_exchange(check):
     launch("runtime_exchange.py").assert_checks(check)

@@ -34,11 +34,16 @@
 //      partial row sum(count[s, d < me]) + i: s's send order. Zero-copy
 //      (zc_x >= 0): the rows stay where the caller wrote them, in this rank's
 //      pool, and only the weights are pushed; the owners read the rows there.
+//      In place (in_place): likewise, but the rows stay in the caller's own x,
+//      which every owner reads through the mapping x_peers[d] of rank d's x.
 //   3. Each block adds its delivered rows to combine_arrived[me] of each owner;
 //      every block waits until every expert rank has delivered its rows.
 //   4. Warps take this rank's tokens: the FP32 sum over ranks in rank order of
 //      weight * partial, rounded to BF16 (bitwise what the queue transport's
 //      combine computes), and the sum of the top-k weights.
+//   5. In place: the last block out tells every expert rank that this rank has
+//      read its x (combine_done), then waits until every owner has read this
+//      rank's, so that the kernel's end frees the caller's x.
 #include "common/bf16.cuh"
 #include "common/bulk.cuh"
 #include "common/copy.cuh"
@@ -404,6 +409,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) direct_combine(DirectCombineAr
     const int C = a.num_channels, T = a.num_tokens, k = a.num_topk, me = a.rank;
     const int64_t x_int4 = a.x_int4, meta = a.meta_stride;
     const bool zero_copy = a.zc_x >= 0;
+    const bool in_place = a.in_place != 0;
+    const bool pull = zero_copy || in_place;  // the owners read the rows where they are; only weights are pushed
     stamp_start(a.kernel_time);
     if (threadIdx.x == 0) {
         s_epoch = ld_volatile64(a.state + kCombineEpoch) + 1;
@@ -419,11 +426,12 @@ __global__ void __launch_bounds__(kNumThreads, 1) direct_combine(DirectCombineAr
         s_sent[s] = 0;
         s_zrow0[s] = me > 0 ? a.rank_prefix_matrix[(me - 1) * R + s] : 0;  // here s is an expert rank
         s_rows[s] = zero_copy ? reinterpret_cast<const int4*>(static_cast<const char*>(a.pools[s]) + a.zc_x)
-                              : reinterpret_cast<const int4*>(static_cast<const char*>(a.pools[me]) + a.partial_x);
+                    : in_place ? a.x_peers.x[s]
+                               : reinterpret_cast<const int4*>(static_cast<const char*>(a.pools[me]) + a.partial_x);
     }
     __syncthreads();
     const int64_t epoch = s_epoch;
-    const bool bulk = a.bulk_stage > 0 && !zero_copy;
+    const bool bulk = a.bulk_stage > 0 && !pull;
     BulkPipe pipe;
     if (bulk) init_warp_pipe(pipe, s_bars[warp], a.bulk_stage, warp, lane);
 
@@ -454,7 +462,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) direct_combine(DirectCombineAr
             continue;
         }
         char* pool = static_cast<char*>(a.pools[s]);
-        if (!zero_copy)
+        if (!pull)
             copy_row(reinterpret_cast<int4*>(pool + a.partial_x) + prow * x_int4, a.x + (int64_t)r * x_int4, x_int4,
                      bulk, pipe, lane);
         float* m = reinterpret_cast<float*>(pool + a.partial_meta) + prow * meta;
@@ -492,7 +500,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) direct_combine(DirectCombineAr
                     const int c = channel_of(t, T, C);
                     const int64_t i = (int64_t)a.send_channel_prefix[lane * (C + 1) + c] + pos;
                     p = s_pbase[lane] + i;
-                    src = zero_copy ? s_zrow0[lane] + i : p;
+                    src = pull ? s_zrow0[lane] + i : p;
                     w = metas[p * meta];
                 }
             }
@@ -535,7 +543,15 @@ __global__ void __launch_bounds__(kNumThreads, 1) direct_combine(DirectCombineAr
                 }
         }
     }
-    if (last_block_out(a.state + kCombineExited) && threadIdx.x < R) {
+    const bool last = last_block_out(a.state + kCombineExited);
+    if (last && in_place && !s_fail && threadIdx.x < R) {
+        // 5. Every block has read what it reads of the expert ranks' x (each
+        //    block's reads are done before it counts itself out).
+        fence_acq_rel_sys();
+        st_release_sys(direct_counter(a.syncs[threadIdx.x], a.sync.combine_done, me), epoch);
+        wait_geq(direct_counter(a.syncs[me], a.sync.combine_done, threadIdx.x), epoch, a.guard, 3, threadIdx.x);
+    }
+    if (last && threadIdx.x < R) {
         if (!s_fail) a.state[kStateHeader + R + threadIdx.x] = want;
         if (threadIdx.x == 0) {
             a.state[kCombineExited] = 0;

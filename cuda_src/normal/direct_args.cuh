@@ -3,7 +3,7 @@
 // cupyep/normal/direct_kernels.py.
 //
 // Memory of every rank (all IPC-registered, the same sizes on every rank):
-//   sync buffer:   four [R] arrays of int64 counters, kDirectSyncStride bytes apart
+//   sync buffer:   five [R] arrays of int64 counters, kDirectSyncStride bytes apart
 //                  (DirectSync gives their byte offsets);
 //   dispatch pool: the receive arrays of a dispatch (DirectRecvLayout), which
 //                  the senders write straight into;
@@ -36,7 +36,16 @@ struct DirectSync {
     int64_t dispatch_arrived;  // in receiver d's buffer, entry s: rows source s has delivered, all calls
     int64_t combine_ready;     // in expert rank d's buffer, entry s: the latest combine call owner s is ready for
     int64_t combine_arrived;   // in owner s's buffer, entry d: partial rows expert rank d has delivered, all calls
+    int64_t combine_done;      // in expert rank d's buffer, entry s: the latest in-place combine call in which
+                               // owner s has finished reading d's x
 };
+
+constexpr int kMaxInPlaceRanks = 16;  // x_peers entries: a node's ranks (the combine keeps R * words <= 16 in flight)
+
+struct DirectXPeers {  // an in-place combine's every rank's x, as this process addresses it
+    const int4* x[16];
+};
+static_assert(sizeof(DirectXPeers) == kMaxInPlaceRanks * sizeof(void*), "one entry per rank");
 
 // Byte offsets of a dispatch's receive arrays in every rank's dispatch pool.
 struct DirectRecvLayout {
@@ -111,6 +120,7 @@ struct DirectCombineArgs {
     int64_t partial_meta;            // byte offset of the [rows, meta_stride] float row weight and topk weights
     int64_t zc_x;                    // zero-copy: byte offset of every rank's [N, H * 2] expert outputs, which
                                      // the owners read in place (x is this rank's); -1: rows are pushed
+                                     // (or, with in_place, read where each rank's caller left them)
     int64_t rows;                    // partial rows the pool holds
     int64_t meta_stride;             // floats per partial row's metadata, >= 1 + k
     const int4* x;                   // [N, H * 2 / 16] one BF16 row per received row
@@ -130,6 +140,10 @@ struct DirectCombineArgs {
     int num_channels;
     int rank;
     int bulk_stage;                  // as DirectDispatchArgs::bulk_stage, for the pushed rows
+    int in_place;                    // 1: the owners read each expert rank's rows from x_peers[d] (its caller's
+                                     // own [N, H * 2] x, mapped into this process), only the weights are pushed,
+                                     // and the kernel ends after every owner has read this rank's x
+    DirectXPeers x_peers;            // with in_place: rank d's x as this process addresses it
     Guard guard;
 };
 

@@ -48,6 +48,7 @@ class DirectRoute(NodeRoute):
         self._configs: dict = {}  # the caller's config -> validated and resolved (every call asks)
         self._kernels: dict = {}  # (spec, config, shared bytes) -> kernel, its residency checked
         self._fused: dict = {}  # a fused dispatch's call shape -> its _FusedPlan
+        self._peer_x = None  # cupyep.ipc_peers.PeerArrays of the in-place combines (made by the first)
 
     @property
     def pools(self) -> D.DirectPools:
@@ -350,10 +351,39 @@ class DirectRoute(NodeRoute):
         if call.zero_copy:
             self._check_zero_copy(call)
 
+    def _in_place(self, call: CombineCall) -> list | None:
+        """Every rank's x as addresses here when this combine reads the
+        expert outputs where the callers left them (DirectConfig.combine_in_place),
+        else None. Collective over the node whenever the config and call allow
+        it (the same on every rank): the ranks exchange their x's IPC handles
+        (Group.exchange: a rank that never comes is a CommTimeoutError)."""
+        cfg, node = call.config, self.node
+        if cfg.combine_in_place is False or call.zero_copy or call.expert_major:
+            return None
+        if node.comm_stream.is_capturing():  # the exchange is a host collective: a graph replays no host work
+            if cfg.combine_in_place:
+                raise ValueError("combine_in_place=True cannot be captured in a CUDA graph (its exchange of the "
+                                 "ranks' x is a host collective); use combine_in_place=None or False")
+            return None
+        if self._peer_x is None:
+            from ..ipc_peers import PeerArrays
+            group = node.group
+            if group.world_size != group.local_size:
+                raise RuntimeError("the direct route's in-place combine runs on the ranks of one node")
+            self._peer_x = PeerArrays(lambda rec: group.exchange(rec, "direct combine: the ranks' x (in place)"),
+                                      group.local_rank, before_close=node.comm_stream.synchronize)
+        x = call.x
+        ptrs = self._peer_x.exchange(x.data.ptr if x.flags.c_contiguous else None, empty=x.shape[0] == 0)
+        if ptrs is None and cfg.combine_in_place:
+            raise ValueError("combine_in_place=True: some rank's x cannot be read in place (not C-contiguous, or "
+                             "not in cudaMalloc'd memory that CUDA IPC can export)")
+        return ptrs
+
     def combine(self, call: CombineCall):
         import cupy
         node, cfg, handle = self.node, call.config, call.handle
-        stage = 0 if call.zero_copy else cfg.bulk_stage()  # a zero-copy combine pushes no rows
+        x_peers = self._in_place(call)
+        stage = 0 if call.zero_copy or x_peers is not None else cfg.bulk_stage()  # rows read in place: none pushed
         fn = self._kernel(D.combine_spec(node.num_ranks, cfg.num_threads, cfg.combine_words), cfg,
                           "direct combine", D.bulk_shared_bytes(stage, cfg.num_threads))
         T, H, k = handle.num_tokens, call.x.shape[1], call.num_topk
@@ -368,11 +398,14 @@ class DirectRoute(NodeRoute):
         blocks = cfg.num_sms or D.default_num_sms(node.sm_budget, max(N, T), cfg.num_threads)
         D.launch_combine(fn, blocks, cfg.num_threads, self.pools, handle, x, call.row_weights, call.topk_weights,
                          combined, combined_w, call.zero_copy, node.rank, node.group.guard("direct_combine"),
-                         stage, call.kernel_time_ns)
+                         stage, call.kernel_time_ns, x_peers)
         return CombineResult(combined, combined_w, None, None if call.zero_copy else reduced)
 
     def destroy(self) -> None:
         self._fused.clear()  # their args hold the pools' addresses
+        if self._peer_x is not None:
+            self._peer_x.close()  # after the communication stream's kernels (before_close)
+            self._peer_x = None
         if self._pools is not None:
             self._pools.destroy()
             self._pools = None

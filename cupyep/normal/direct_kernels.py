@@ -49,7 +49,9 @@ STATE_HEADER = 9       # kStateHeader
 ZERO_COPY_MAX_TOPK = 32  # top-k weights a zero-copy combine carries (its metadata stride is fixed)
 
 SYNC_DTYPE = jit.struct_dtype([(n, i64) for n in (
-    "dispatch_ready", "dispatch_arrived", "combine_ready", "combine_arrived")])
+    "dispatch_ready", "dispatch_arrived", "combine_ready", "combine_arrived", "combine_done")])
+MAX_IN_PLACE_RANKS = 16  # kMaxInPlaceRanks: x_peers entries of an in-place combine
+X_PEERS_DTYPE = jit.struct_dtype([(f"x{i}", u64) for i in range(MAX_IN_PLACE_RANKS)])
 RECV_LAYOUT_DTYPE = jit.struct_dtype([(n, i64) for n in (
     "x", "x_scales", "topk_idx", "topk_weights", "src_idx", "x_bytes", "rows", "em_x", "em_x_scales", "em_src_row",
     "em_recv_row", "em_rows")])
@@ -70,7 +72,8 @@ COMBINE_ARGS_DTYPE = jit.struct_dtype([
     ("zc_x", i64), ("rows", i64), ("meta_stride", i64), ("x", u64), ("row_weights", u64), ("recv_topk_weights", u64), ("rank_prefix_matrix", u64),
     ("recv_rank_offset", u64), ("send_head", u64), ("send_channel_prefix", u64), ("combined_x", u64),
     ("combined_topk_weights", u64), ("state", u64), ("kernel_time", u64), ("num_tokens", i32), ("x_int4", i32),
-    ("num_topk", i32), ("num_channels", i32), ("rank", i32), ("bulk_stage", i32), ("guard", GUARD_DTYPE)])
+    ("num_topk", i32), ("num_channels", i32), ("rank", i32), ("bulk_stage", i32), ("in_place", i32),
+    ("x_peers", X_PEERS_DTYPE), ("guard", GUARD_DTYPE)])
 
 
 POSITIONS_KERNEL = "cupyep::normal::direct_expert_positions"
@@ -180,12 +183,23 @@ class DirectConfig:
             reduce loads before it sums them, one of COMBINE_WORDS with
             combine_words * ranks <= 16 (the loads stay in registers); more
             keeps more bytes in flight per SM. None: :func:`combine_words`.
+        combine_in_place: how a combine whose x is the caller's own array
+            (not ``get_combine_buffer``'s) reaches the owners. None, the
+            default: in place when every rank's x can be mapped through
+            CUDA IPC (cupyep.ipc_peers) and no CUDA graph is being captured:
+            the owners read each expert rank's rows where its caller left
+            them, one pass over the rows, and the kernel ends only after
+            every owner has read this rank's x; else pushed. True: in place,
+            ValueError where it cannot be. False: pushed, two passes (each
+            expert rank copies its rows into the owners' partial rows, the
+            owners reduce them), with no host collective in the call.
     """
     num_sms: int = 0
     num_threads: int = THREADS
     fused: bool = True
     bulk_stage_bytes: int | None = None
     combine_words: int | None = None
+    combine_in_place: bool | None = None
 
     def validate(self) -> "DirectConfig":
         if self.num_sms < 0:
@@ -421,9 +435,10 @@ class DirectPools:
         self.zero_copy_bytes = zero_copy_layout(self.max_rows, sizes.hidden, self.max_rows)[2]
         self.combine_bytes = combine_layout(self.max_rows, sizes.hidden, sizes.num_topk)[2]
         self.slots = InFlightSlots(num_in_flight, "direct transport's dispatch pool")
-        self.sync = SymmetricBuffer(group, _align(4 * R * SYNC_STRIDE))
+        self.sync = SymmetricBuffer(group, _align(5 * R * SYNC_STRIDE))
         self.sync_struct = jit.pack(SYNC_DTYPE, dispatch_ready=0, dispatch_arrived=R * SYNC_STRIDE,
-                                    combine_ready=2 * R * SYNC_STRIDE, combine_arrived=3 * R * SYNC_STRIDE)
+                                    combine_ready=2 * R * SYNC_STRIDE, combine_arrived=3 * R * SYNC_STRIDE,
+                                    combine_done=4 * R * SYNC_STRIDE)
         self.state = cupy.zeros(STATE_HEADER + 2 * R, dtype=np.int64)
         self.pools = {"dispatch": None, "combine": None, "zero_copy": None}
         self._layouts: dict = {}
@@ -589,12 +604,14 @@ def launch_fused(fn, template: jit.ArgTemplate, num_blocks: int, num_threads: in
 
 def launch_combine(fn, num_blocks: int, num_threads: int, pools: DirectPools, handle, x, row_weights, topk_weights,
                    combined, combined_w, zero_copy: bool, rank: int, guard: np.void, bulk_stage: int = 0,
-                   kernel_time=None) -> None:
-    """The direct combine: each expert rank pushes its rows (zero-copy: only
-    their weights) into the owners' partial rows, each owner reduces them in
-    rank order into combined [T, H] (and combined_w [T, k]); ``bulk_stage``:
-    the pushed rows' bulk stage (DirectConfig.bulk_stage; 0 for a zero-copy
-    combine, which pushes no rows); ``kernel_time``: int64 [2] kernel stamps or None."""
+                   kernel_time=None, x_peers: list | None = None) -> None:
+    """The direct combine: each expert rank pushes its rows (zero-copy, or
+    in place: only their weights) into the owners' partial rows, each owner
+    reduces them in rank order into combined [T, H] (and combined_w [T, k]);
+    ``bulk_stage``: the pushed rows' bulk stage (DirectConfig.bulk_stage; 0
+    when no rows are pushed); ``kernel_time``: int64 [2] kernel stamps or
+    None; ``x_peers``: in place, every rank's x as an address in this process
+    ([R] ints, cupyep.ipc_peers.PeerArrays.exchange), else None."""
     T, H = combined.shape
     k = topk_weights.shape[1] if topk_weights is not None else 0
     if zero_copy:
@@ -613,6 +630,17 @@ def launch_combine(fn, num_blocks: int, num_threads: int, pools: DirectPools, ha
         send_channel_prefix=handle.array_ptr("send_channel_prefix"), combined_x=jit.ptr(combined),
         combined_topk_weights=jit.ptr(combined_w), state=jit.ptr(pools.state), kernel_time=jit.ptr(kernel_time),
         num_tokens=T, x_int4=H * 2 // 16,
-        num_topk=k, num_channels=handle.num_channels, rank=rank, bulk_stage=bulk_stage, guard=guard)
+        num_topk=k, num_channels=handle.num_channels, rank=rank, bulk_stage=bulk_stage, guard=guard,
+        in_place=int(x_peers is not None), x_peers=x_peers_bytes(x_peers))
     smem = bulk_shared_bytes(bulk_stage, num_threads)
     with_shared(fn, smem)((num_blocks,), (num_threads,), (args,), shared_mem=smem)
+
+
+def x_peers_bytes(x_peers: list | None) -> bytes:
+    """The x_peers field of DirectCombineArgs: the [R] addresses, zero-padded
+    to MAX_IN_PLACE_RANKS (zeros for None)."""
+    if x_peers is None:
+        return bytes(X_PEERS_DTYPE.itemsize)
+    if len(x_peers) > MAX_IN_PLACE_RANKS:
+        raise ValueError(f"an in-place combine reads at most {MAX_IN_PLACE_RANKS} ranks' x, got {len(x_peers)}")
+    return np.array(list(x_peers) + [0] * (MAX_IN_PLACE_RANKS - len(x_peers)), dtype=np.uint64).tobytes()

@@ -382,6 +382,62 @@ def test_direct_zero_copy_combine(group, buf, worst):
     group.comm.Barrier()
 
 
+@pytest.mark.parametrize("worst", [False, True])
+def test_direct_in_place_combine(group, buf, worst):
+    """The default combine of the caller's own x reads every expert rank's x
+    where it lies (DirectConfig.combine_in_place): bitwise the pushing
+    combine and within 5e-6 of the reference, whether x is a copy in CuPy's
+    pool, the dispatch's own recv_x (a view of cupyep's pool) or managed
+    memory, which CUDA IPC cannot export (then every rank pushes, and
+    combine_in_place=True is a ValueError); the caller may overwrite x as soon as the
+    combine returns (the kernel ends after every owner has read it); the
+    mappings are opened once."""
+    import cupy
+    from cupyep.normal.direct_kernels import DirectConfig
+    R, me = group.local_size, group.local_rank
+    pushed_cfg, in_place_cfg = DirectConfig(combine_in_place=False), DirectConfig(combine_in_place=True)
+    for it, (seed, T, H) in enumerate(((71, 300, 2048), (72, 1000, 7168), (73, 1, 2048))):
+        tokens, idx, w, x = _inputs(group, seed, T, H)
+        res = _expected(group, tokens, idx, w, H)[0]
+        kw = {"num_worst_tokens": T * R} if worst else {}
+        out = buf.dispatch(cupy.asarray(x), cupy.asarray(idx[me]), cupy.asarray(w[me]), num_experts=NUM_EXPERTS,
+                           transport="direct", **kw)
+        y = out.recv_x.copy()  # the experts' outputs, in the caller's own memory (identity experts)
+        row_w = cupy.asarray((1.0 + (np.arange(y.shape[0]) % 3)).astype(np.float32))
+        args = dict(topk_weights=out.recv_topk_weights, row_weights=row_w)
+        pushed = buf.combine(y, out.handle, config=pushed_cfg, **args)
+        in_place = buf.combine(y, out.handle, config=in_place_cfg, **args)
+        peers = buf.routes["direct"]._peer_x
+        opened = peers.opened
+        default = buf.combine(y, out.handle, **args)
+        reopened = peers.opened - opened  # the same x again: its mappings are kept
+        from_pool = buf.combine(out.recv_x, out.handle, config=in_place_cfg, **args)
+        memory = cupy.cuda.MemoryPointer(cupy.cuda.ManagedMemory(max(y.nbytes, 1)), 0)
+        managed = cupy.ndarray(y.shape, y.dtype, memory)
+        managed[...] = y  # memory CUDA IPC cannot export: every rank pushes
+        not_exported = buf.combine(managed, out.handle, **args)
+        weights = [(1.0 + (np.arange(r.num_recv_tokens) % 3)).astype(np.float32) for r in res]
+        expected = ref.intranode_combine(_received_rows(res, H), res, tokens, weights=weights)[me]
+        # overwritten on the caller's stream right after the combine: the owners have read it by then
+        y2 = out.recv_x.copy()
+        late = buf.combine(y2, out.handle, config=in_place_cfg, **args)
+        y2.fill(0x7FC0)  # BF16 NaN
+        px = pushed.combined_x.get()
+        checks = {
+            "reference": ref.calc_diff(bf16_to_f32(px), expected) < 5e-6,
+            "mapped once": reopened == 0,
+            **{name: np.array_equal(r.combined_x.get(), px) and
+               np.array_equal(r.combined_topk_weights.get(), pushed.combined_topk_weights.get())
+               for name, r in (("in place", in_place), ("default", default), ("from the pool", from_pool),
+                               ("not exportable", not_exported), ("overwritten after", late))},
+        }
+        assert all_ranks(group.comm, all(checks.values())), (it, {k: v for k, v in checks.items() if not v})
+    with pytest.raises(ValueError, match="cannot be read in place"):
+        buf.combine(managed, out.handle, config=in_place_cfg, **args)
+    buf.synchronize()
+    group.comm.Barrier()
+
+
 def test_direct_pool_is_sized_when_made_and_a_call_past_it_names_the_argument(group):
     """The dispatch pool holds num_in_flight slots of the declared sizes and
     never changes; a call past max_tokens or num_worst_tokens past R *

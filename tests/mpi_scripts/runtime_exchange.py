@@ -59,5 +59,45 @@ except ValueError as exc:
              str(exc))
 after = g.exchange(np.array([rank], dtype=np.int64), "after a disagreement")
 C.expect("exchange_after_disagreement", after.ravel().tolist() == [0, 1, 2, 3], after)
+
+
+# cupyep.ipc_peers.PeerArrays over this exchange (the direct route's in-place combine), with CUDA IPC stood in
+# for: rank r's array lies at offset 64 * r of an allocation whose handle names the rank; a peer's mapping of
+# it is at 0x1000_0000 * (peer + 1) here.
+class _Ipc:
+    def __init__(self):
+        self.opened = []
+
+    @staticmethod
+    def export(ptr):
+        return f"alloc of rank {rank}".encode().ljust(64, b"\0"), 64 * rank
+
+    def open(self, handle):
+        self.opened.append(handle.rstrip(b"\0").decode())
+        return 0x1000_0000 * (int(self.opened[-1].split()[-1]) + 1)
+
+    @staticmethod
+    def symmetric(handle):
+        return None
+
+    @staticmethod
+    def close(base):
+        pass
+
+
+from cupyep.ipc_peers import PeerArrays  # noqa: E402
+
+ipc = _Ipc()
+peers = PeerArrays(lambda rec: g.exchange(rec, "in-place combine"), rank, ipc=ipc)
+got = peers.exchange(0xABC0)
+want = [0xABC0 if r == rank else 0x1000_0000 * (r + 1) + 64 * r for r in range(4)]
+C.expect("peer_arrays_addresses", got == want, (got, want))
+again = peers.exchange(0xABC0)
+C.expect("peer_arrays_mapped_once", again == want and len(ipc.opened) == 3, (again, ipc.opened))
+# rank 1 has no rows; then rank 2 cannot export: every rank gets None
+got = peers.exchange(None if rank == 1 else 0xABC0, empty=rank == 1)
+C.expect("peer_arrays_empty_rank", got is not None and got[1] == 0, got)
+got = peers.exchange(None if rank == 2 else 0xABC0)
+C.expect("peer_arrays_cannot_everywhere", got is None, got)
 g.destroy()
 C.finish("RUNTIME_EXCHANGE")

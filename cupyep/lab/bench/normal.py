@@ -7,7 +7,12 @@ Kinds (``KINDS``; ``DIRECT_KINDS`` only on the direct transport):
 - ``dispatch_bf16`` / ``dispatch_fp8``: cached dispatch (the handle of a
   first dispatch), BF16 rows / FP8 rows with their scales;
 - ``dispatch_bf16_notify``: dispatch with the layout and the notify pass;
-- ``combine_bf16``: combine of the dispatched rows;
+- ``combine_bf16``: combine of the dispatched rows (on the direct
+  transport a copy of them in the caller's memory, as an expert's outputs
+  are: the default combine reads it in place, ``DirectConfig.combine_in_place``);
+- ``combine_bf16_pushed``: the same with ``DirectConfig(combine_in_place=False)``:
+  each expert rank pushes its rows into the owners' partial rows (direct
+  transport);
 - ``combine_bf16_zero_copy``: the zero-copy combine (the rows written into
   ``get_combine_buffer``);
 - ``dispatch_bf16_notify_unfused``: the same with layout, notify and send
@@ -26,7 +31,8 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 
 KINDS = ("dispatch_bf16", "dispatch_fp8", "dispatch_bf16_notify", "combine_bf16", "dispatch_bf16_expert_major")
-DIRECT_KINDS = ("combine_bf16_zero_copy", "dispatch_bf16_notify_unfused", "dispatch_bf16_expert_major_unfused")
+DIRECT_KINDS = ("combine_bf16_zero_copy", "combine_bf16_pushed", "dispatch_bf16_notify_unfused",
+                "dispatch_bf16_expert_major_unfused")
 TIMINGS = ("strict", "deepep")
 
 
@@ -118,7 +124,10 @@ def measure(group, buf, barrier, kind: str, x, x_fp8, topk_idx, topk_weights, nu
         y[...] = first.recv_x
         fn = lambda: buf.combine(y, first.handle, config=ccfg, zero_copy=True, **kt())  # noqa: E731
     else:
-        y = first.recv_x
+        # the experts' outputs: on the direct transport a copy in the caller's memory (recv_x is a view of its pool)
+        y = first.recv_x.copy() if transport == "direct" else first.recv_x
+        if kind == "combine_bf16_pushed":
+            ccfg = replace(ccfg, combine_in_place=False)
         fn = lambda: buf.combine(y, first.handle, config=ccfg, **kt())  # noqa: E731
     if timing == "strict":
         t = time_fn(fn, iters=iters, warmup=3, before=barrier)
