@@ -13,6 +13,10 @@ Kinds (``KINDS``; ``DIRECT_KINDS`` only on the direct transport):
 - ``combine_bf16_pushed``: the same with ``DirectConfig(combine_in_place=False)``:
   each expert rank pushes its rows into the owners' partial rows (direct
   transport);
+- ``combine_bf16_in_place_recv``: the in-place combine of the dispatch's own
+  recv_x, a view of cupyep's pool, which the owners read where that pool is
+  mapped (direct transport; against ``combine_bf16``, it tells the memory's
+  allocator apart from the rest of the in-place path);
 - ``combine_bf16_zero_copy``: the zero-copy combine (the rows written into
   ``get_combine_buffer``);
 - ``dispatch_bf16_notify_unfused``: the same with layout, notify and send
@@ -31,8 +35,8 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 
 KINDS = ("dispatch_bf16", "dispatch_fp8", "dispatch_bf16_notify", "combine_bf16", "dispatch_bf16_expert_major")
-DIRECT_KINDS = ("combine_bf16_zero_copy", "combine_bf16_pushed", "dispatch_bf16_notify_unfused",
-                "dispatch_bf16_expert_major_unfused")
+DIRECT_KINDS = ("combine_bf16_zero_copy", "combine_bf16_pushed", "combine_bf16_in_place_recv",
+                "dispatch_bf16_notify_unfused", "dispatch_bf16_expert_major_unfused")
 TIMINGS = ("strict", "deepep")
 
 
@@ -125,7 +129,7 @@ def measure(group, buf, barrier, kind: str, x, x_fp8, topk_idx, topk_weights, nu
         fn = lambda: buf.combine(y, first.handle, config=ccfg, zero_copy=True, **kt())  # noqa: E731
     else:
         # the experts' outputs: on the direct transport a copy in the caller's memory (recv_x is a view of its pool)
-        y = first.recv_x.copy() if transport == "direct" else first.recv_x
+        y = first.recv_x.copy() if transport == "direct" and kind != "combine_bf16_in_place_recv" else first.recv_x
         if kind == "combine_bf16_pushed":
             ccfg = replace(ccfg, combine_in_place=False)
         fn = lambda: buf.combine(y, first.handle, config=ccfg, **kt())  # noqa: E731
