@@ -40,6 +40,22 @@ def _count_mappings(delta: int) -> None:
     _open_mappings += delta
 
 
+def open_peer(handle: bytes) -> int:
+    """Map a peer's allocation (its IPC handle's bytes) into this process,
+    counted in :func:`open_mappings`; returns its address here."""
+    import cupy
+    ptr = cupy.cuda.runtime.ipcOpenMemHandle(handle, _IPC_LAZY_ENABLE_PEER_ACCESS)
+    _count_mappings(1)
+    return ptr
+
+
+def close_peer(ptr: int) -> None:
+    """Unmap what :func:`open_peer` mapped at ``ptr``."""
+    import cupy
+    cupy.cuda.runtime.ipcCloseMemHandle(ptr)
+    _count_mappings(-1)
+
+
 def _malloc_everywhere(group, nbytes: int) -> int:
     """cudaMalloc of ``nbytes`` on every rank of the node, or on none: when
     some rank cannot allocate, every rank frees what it got and raises the
@@ -137,11 +153,10 @@ class SymmetricBuffer:
                 if i == group.local_rank:
                     ptrs.append(self.ptr)
                 else:
-                    p = rt.ipcOpenMemHandle(h, _IPC_LAZY_ENABLE_PEER_ACCESS)
+                    p = open_peer(h)
                     self._opened.append(p)
                     self._handles.append(h)
                     _symmetric_handles[h] = p
-                    _count_mappings(1)
                     ptrs.append(p)
             self.peer_ptr_list = ptrs
             self.peer_ptrs = cupy.asarray(np.asarray(ptrs, dtype=np.uint64))
@@ -169,8 +184,7 @@ class SymmetricBuffer:
             _symmetric_handles.pop(h, None)
         self._handles = []
         for p in self._opened:
-            rt.ipcCloseMemHandle(p)
-            _count_mappings(-1)
+            close_peer(p)
         self._opened = []
         self._memptrs = {}
         if self.ptr:

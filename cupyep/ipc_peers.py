@@ -23,7 +23,6 @@ from __future__ import annotations
 import ctypes
 from collections import OrderedDict
 
-_IPC_LAZY_ENABLE_PEER_ACCESS = 1
 MAX_MAPPINGS = 64  # mappings of peers' allocations kept open per PeerArrays (least recently used closed first)
 
 _address_range_fn = None
@@ -66,20 +65,13 @@ class _CudaIpc:
 
     @staticmethod
     def open(handle: bytes) -> int:
-        import cupy
-
-        from .ipc import _count_mappings
-        ptr = cupy.cuda.runtime.ipcOpenMemHandle(handle, _IPC_LAZY_ENABLE_PEER_ACCESS)
-        _count_mappings(1)
-        return ptr
+        from .ipc import open_peer
+        return open_peer(handle)
 
     @staticmethod
     def close(ptr: int) -> None:
-        import cupy
-
-        from .ipc import _count_mappings
-        cupy.cuda.runtime.ipcCloseMemHandle(ptr)
-        _count_mappings(-1)
+        from .ipc import close_peer
+        close_peer(ptr)
 
 
 HANDLE_BYTES = 64  # a cudaIpcMemHandle_t

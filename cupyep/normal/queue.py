@@ -214,7 +214,6 @@ class _SendPlan(NamedTuple):
     rows_seen: collections.deque
 
 
-
 def _recv_shapes(N: int, H: int, k: int, fp8: bool, weights: bool, src: bool) -> dict:
     """{name: shape} of a dispatch's receive arrays (those it carries)."""
     shapes = {"recv_x": (N, H)}

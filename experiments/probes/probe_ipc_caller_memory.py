@@ -27,7 +27,6 @@ the pieces, with arrays from CuPy's memory pool:
   open of a peer's handle and its close.
 """
 import argparse
-import ctypes
 import time
 
 import numpy as np
@@ -35,22 +34,6 @@ import numpy as np
 from cupyep.lab.bench import require_gpu
 from cupyep.lab.bench.timing import host_median_us
 from cupyep.lab.bench.report import write_document
-
-
-def _driver():
-    lib = ctypes.CDLL("libcuda.so.1")
-    fn = lib.cuMemGetAddressRange_v2
-    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
-    fn.restype = ctypes.c_int
-    base, size = ctypes.c_uint64(), ctypes.c_size_t()
-
-    def address_range(ptr: int) -> tuple[int, int]:
-        rc = fn(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
-        if rc != 0:
-            raise RuntimeError(f"cuMemGetAddressRange failed with CUresult {rc}")
-        return base.value, size.value
-    return address_range
-
 
 
 def main():
@@ -65,7 +48,7 @@ def main():
     comm = MPI.COMM_WORLD
     rank, R = comm.Get_rank(), comm.Get_size()
     rt = cupy.cuda.runtime
-    address_range = _driver()
+    from cupyep.ipc_peers import address_range
     rec: dict = {"probe": "ipc_caller_memory", "ranks": R, "rows": args.rows, "iters": args.iters}
 
     # An array at a non-zero offset inside its allocation: rows 64 on of a larger one (CuPy's pool may
