@@ -48,8 +48,11 @@ direct transport within a node, or "push"; --combines), "tokens", "hidden", "ffn
 "speedup" (serial / overlapped), "parts" (medians, us), "comm_us" and
 "compute_us" (their sums), "ideal_us" = max(comm_us, compute_us),
 "exposed_us" = overlapped_us - compute_us (the communication the overlap did
-not hide behind the FFN), "ffn_sms" (normal mode: the GPU's SMs less every
-rank's communication blocks on it, the rank's share when num_sms is 0),
+not hide behind the FFN), "comm_blocks" (normal mode: the most blocks
+per rank a communication call takes: num_sms, or with num_sms 0 the
+route's default, measured (cupyep.sm_defaults) where it applies, else the
+rank's share), "ffn_sms" (the GPU's SMs less every rank's comm_blocks),
+"sm_defaults" (CUPYEP_SM_DEFAULTS: "packaged", "off" or a table's path),
 "pipeline_us" (normal mode: what this two-lane schedule takes at the parts'
 times, dispatch A + max(FFN A, dispatch B) + max(combine A, FFN B) +
 combine B; :func:`simulate`), "bitwise_equal", "env" (cupyep.lab.bench.report).
@@ -84,11 +87,13 @@ is its sum; --ffn (several values: a sweep) changes the balance.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
 from cupyep.lab.bench import require_gpu
+from cupyep.sm_defaults import ENV_VAR as SM_DEFAULTS_VAR
 from cupyep.lab.bench.timing import FLUSH_MODES
 from cupyep.testing import all_ranks
 
@@ -527,7 +532,8 @@ def base_record(group, args, mode: str, num_tokens: int, ffn: int) -> dict:
     return {"bench": "moe_overlap", "mode": mode, "ranks": group.local_size, "tokens": num_tokens,
             "micro_batch_tokens": [s.stop - s.start for s in parts.values()], "hidden": args.hidden, "ffn": ffn,
             "experts": args.experts, "topk": args.topk, "flush": args.flush,
-            "sleep_us": args.sleep_us, "warmup": args.warmup}
+            "sleep_us": args.sleep_us, "warmup": args.warmup,
+            "sm_defaults": os.environ.get(SM_DEFAULTS_VAR) or "packaged"}
 
 
 def normal_configs(buf, transport: str, sms):
@@ -540,6 +546,16 @@ def normal_configs(buf, transport: str, sms):
     if sms is not None:  # a combine runs on its dispatch's channels: the same num_sms
         dcfg, ccfg = replace(dcfg, num_sms=sms), replace(ccfg, num_sms=sms)
     return dcfg, ccfg
+
+
+def default_blocks(buf, transport: str, budget: int) -> int:
+    """The most blocks per rank a default-config call of ``transport`` takes:
+    on the direct route the larger of its dispatch's and combine's budgets
+    (measured defaults, cupyep.sm_defaults, where they apply), else ``budget``."""
+    if transport != "direct":
+        return budget
+    route = buf.routes["direct"]
+    return max(route.budget("dispatch_bf16"), route.budget("combine_bf16"))
 
 
 def normal_buffers(group, args, num_tokens: int) -> dict:
@@ -608,9 +624,10 @@ def run_normal(group, args, out, barrier) -> None:
             w1, w2 = local_weights(group.local_rank, R, args.hidden, F, args.experts)
             for transport, sms, zero_copy in normal_arms(args, transport_has_zero_copy(bufs["a"])):
                 dcfg, ccfg = normal_configs(bufs["a"], transport, sms)
+                blocks = dcfg.num_sms or default_blocks(bufs["a"], transport, budget)
                 rec = {**base_record(group, args, "normal", T, F), "transport": transport, "comm_sms": sms,
-                       "num_sms": dcfg.num_sms, "expert_alignment": args.alignment,
-                       "ffn_sms": ffn_sms(device_sms, group.ranks_per_gpu, dcfg.num_sms or budget),
+                       "num_sms": dcfg.num_sms, "comm_blocks": blocks, "expert_alignment": args.alignment,
+                       "ffn_sms": ffn_sms(device_sms, group.ranks_per_gpu, blocks),
                        "combine": "zero_copy" if zero_copy else "push",
                        "dispatch_config": asdict(dcfg), "combine_config": asdict(ccfg)}
                 problem = comm_sms_problem(transport, sms)

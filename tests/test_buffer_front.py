@@ -210,6 +210,7 @@ def test_configs_of_the_other_transport_are_refused_by_the_real_routes():
     q, d = object.__new__(QueueRoute), object.__new__(DirectRoute)
     q.node = d.node = node
     q._configs, d._configs = {}, {}  # what __init__ makes (the validated configs, per caller's config)
+    d._budgets, d.measured = {}, False
     with pytest.raises(ValueError, match="DirectConfig needs transport='direct'"):
         q.dispatch_config(DirectConfig(), False, None)
     with pytest.raises(ValueError, match="takes a DirectConfig"):

@@ -55,7 +55,11 @@ class LowLatencyBuffer:
         hidden: hidden size (multiple of 128) every call uses.
         num_experts: E, divisible by the number of ranks.
         max_topk: largest top-k any call uses (sizes the combine receive region).
-        num_blocks: blocks that send (default: this rank's share of the GPU's SMs).
+        num_blocks: blocks that send. Default: this rank's share of the GPU's
+            SMs, or less where a measured default exists for this GPU, rank
+            layout and num_max_dispatch_tokens_per_rank: the most, over the
+            dispatch and the combine, of the fewest blocks within 5 % of each
+            one's best time (cupyep.sm_defaults).
         num_waiters: how many of them also wait for the peers and receive (default:
             all of them); the rest exit once their rows are out. The waiters of all
             ranks sharing a GPU must be resident together (checked), so with
@@ -118,7 +122,8 @@ class LowLatencyBuffer:
         self.max_tokens, self.hidden, self.num_experts = num_max_dispatch_tokens_per_rank, hidden, num_experts
         self.num_local_experts = num_experts // R
         self.num_device_sms = group.num_sms
-        self.num_blocks = K.check_blocks(num_blocks, group.sm_share)
+        self.num_blocks = K.check_blocks(num_blocks, default_blocks(group, num_max_dispatch_tokens_per_rank, hidden)
+                                         if num_blocks is None and not self.across_nodes else group.sm_share)
         self.num_waiters = K.check_waiters(num_waiters, self.num_blocks)
         self.num_threads = num_threads
         self.max_topk = max_topk
@@ -685,3 +690,14 @@ class LowLatencyBuffer:
 
     def __exit__(self, *exc):
         self.destroy()
+
+
+def default_blocks(group, max_tokens: int, hidden: int) -> int:
+    """The blocks of a LowLatencyBuffer given none, within a node: the rank's
+    SM share, or the measured defaults' most over the dispatch and the
+    combine (cupyep.sm_defaults) where a measurement of every kind exists and
+    that is smaller."""
+    from .. import sm_defaults
+    got = [sm_defaults.blocks_for(group, "low_latency", kind, max_tokens, hidden)
+           for kind in sm_defaults.ROUTES["low_latency"]]
+    return group.sm_share if None in got else min(group.sm_share, max(got))

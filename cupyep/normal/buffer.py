@@ -58,8 +58,11 @@ class Buffer:
             direct handle owns its routing, a slot's rows of source indices
             among it (4 bytes a row: 128 KiB at 8 ranks x 4096 tokens).
         num_sms: the SMs (blocks) this rank's communication kernels use by
-            default: 0 is its share of the GPU (``Group.sm_share``); fewer
-            leave the rest to compute beside them. Within a node a config's
+            default: 0 is its share of the GPU (``Group.sm_share``), and on
+            the direct route within a node the measured default of each kind
+            of call where one exists for this GPU and rank layout and is
+            smaller (the fewest blocks within 5 % of the best time,
+            cupyep.sm_defaults); fewer leave the rest to compute beside them. Within a node a config's
             own num_sms still wins for its call; across nodes every rank must
             give the same value (the routes' blocks pair up across ranks).
         on_partition: run this rank's communication kernels on its SM
@@ -135,7 +138,8 @@ class Buffer:
             self._shared = Node(group, num_bytes, self.comm_stream, id(self), self.num_device_sms, self.sm_budget,
                                 resident_ranks)
             self.routes = {"queue": QueueRoute(self._shared),
-                           "direct": DirectRoute(self._shared, self.sizes, self.num_in_flight, num_direct_bytes)}
+                           "direct": DirectRoute(self._shared, self.sizes, self.num_in_flight, num_direct_bytes,
+                                                 measured=not num_sms)}
 
     # ------------------------------------------------------------ config
     def default_dispatch_config(self, fp8: bool = False, handle: DispatchHandle | None = None) -> Config:

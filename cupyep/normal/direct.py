@@ -22,7 +22,6 @@ from ..results import (RECEIVE_FIELDS, CarvedRouting, CombineResult, DispatchHan
                        aligned_expert_counts, dispatch_result, evolve)
 from . import direct_kernels as D
 from . import expert_major as EM
-from .config import Config
 from .layout import LAYOUT_DTYPES
 from .node import NodeRoute
 from .route import CombineCall, DispatchCall
@@ -32,15 +31,20 @@ class DirectRoute(NodeRoute):
     """``transport="direct"`` on the ranks of one node (cupyep.normal.node.Node).
 
     sizes: the buffer's declared sizes; num_in_flight: dispatch slots;
-    slot_bytes: bytes of one slot (None: DirectPools' default). The pools
+    slot_bytes: bytes of one slot (None: DirectPools' default); measured:
+    whether a call without a block count of its own takes the measured
+    default of its kind (cupyep.sm_defaults) where that is below the node's
+    SM budget (the Buffer passes True unless it was given num_sms). The pools
     are allocated, collectively, by the first call that uses each."""
 
     transport = name = "direct"
     metrics = frozenset({"notify_time_ns", "kernel_time_ns"})
     zero_copy = True
 
-    def __init__(self, node, sizes, num_in_flight: int, slot_bytes: int | None = None):
+    def __init__(self, node, sizes, num_in_flight: int, slot_bytes: int | None = None, measured: bool = False):
         self.node = node
+        self.measured = measured
+        self._budgets: dict = {}  # kind -> blocks a call of that kind takes at most by default
         self.sizes = sizes
         self.num_in_flight = num_in_flight
         self.slot_bytes = slot_bytes
@@ -60,21 +64,40 @@ class DirectRoute(NodeRoute):
     def dispatch_config(self, config, fp8: bool, handle) -> D.DirectConfig:
         if config is not None and not isinstance(config, D.DirectConfig):
             raise ValueError(f"the direct transport takes a DirectConfig, got {type(config).__name__}")
-        cfg = self._configs.get(config)
+        kind = "dispatch_fp8" if fp8 else "dispatch_bf16"
+        return self._config(config, kind)
+
+    def _config(self, config, kind: str) -> D.DirectConfig:
+        cfg = self._configs.get((config, kind))
         if cfg is None:
-            cfg = (config or D.DirectConfig()).validate().resolved(self.node.sm_budget)
+            cfg = (config or D.DirectConfig()).validate().resolved(self.budget(kind))
             R, most = self.node.num_ranks, D.max_combine_words(self.node.num_ranks)
             if cfg.combine_words is not None and cfg.combine_words > most:
                 raise ValueError(f"combine_words={cfg.combine_words} at {R} ranks keeps {cfg.combine_words * R} row "
                                  f"words per lane in flight; at most 16 fit its registers: use combine_words <= "
                                  f"{most}")
-            self._configs[config] = cfg
+            self._configs[(config, kind)] = cfg
         return cfg
 
     def combine_config(self, config, handle) -> D.DirectConfig:
-        if isinstance(config, Config):
+        if config is not None and not isinstance(config, D.DirectConfig):
             raise ValueError(f"the direct transport takes a DirectConfig, got {type(config).__name__}")
-        return self.dispatch_config(config, False, handle)
+        return self._config(config, "combine_bf16")
+
+    def budget(self, kind: str) -> int:
+        """The most blocks a call of ``kind`` (cupyep.sm_defaults.ROUTES["direct"])
+        takes when its config names none: the node's SM budget, or the
+        measured default for this GPU, rank layout and the buffer's declared
+        tokens and hidden size where that is smaller."""
+        got = self._budgets.get(kind)
+        if got is None:
+            got = self.node.sm_budget
+            if self.measured:
+                from .. import sm_defaults
+                m = sm_defaults.blocks_for(self.node.group, "direct", kind, self.sizes.max_tokens, self.sizes.hidden)
+                got = min(got, m) if m else got
+            self._budgets[kind] = got
+        return got
 
 
     def _kernel(self, spec, cfg: D.DirectConfig, what: str, shared_bytes: int | None = None):
@@ -157,7 +180,8 @@ class DirectRoute(NodeRoute):
         recv_topk_weights = pool.view(lay.topk_weights, (N, k), np.float32) if call.topk_weights is not None else None
         if not sent:  # the send (a fused kernel that sent has sent already)
             fn = fn or self._kernel(D.dispatch_spec(R, cfg.num_threads), cfg, "direct dispatch")
-            blocks = cfg.num_sms or D.default_num_sms(node.sm_budget, self._rows_sent(handle), cfg.num_threads)
+            blocks = cfg.num_sms or D.default_num_sms(self.budget(_dispatch_kind(call)), self._rows_sent(handle),
+                                                      cfg.num_threads)
             args = D.send_args(pools, pool, lay, handle, x, call.x_scales, topk_idx, call.topk_weights,
                                call.num_experts, capacity=N, rank=node.rank,
                                guard=node.group.guard("direct_dispatch"), pos=pos,
@@ -304,7 +328,8 @@ class DirectRoute(NodeRoute):
             return D.fused_args(nargs, sargs, layout_guard, host_status)
         template = jit.ArgTemplate(pack, D.FUSED_SOURCES)
         template.check(pack, *_fused_addresses(1 << 40, call, None))  # the addresses a call passes, in its order
-        return _FusedPlan(fn, template, pack, parts, nbytes, C, cfg.num_sms or node.sm_budget, cfg.num_threads, smem)
+        return _FusedPlan(fn, template, pack, parts, nbytes, C, cfg.num_sms or self.budget(_dispatch_kind(call)),
+                          cfg.num_threads, smem)
 
     def _synchronize(self) -> None:
         self.node.group.wait(self.node.comm_stream, "direct_dispatch", "host wait for the communication stream")
@@ -395,7 +420,7 @@ class DirectRoute(NodeRoute):
         x = call.x if reduced is None else reduced
         combined = cupy.empty((T, H), dtype=BF16)
         combined_w = cupy.empty((T, k), dtype=np.float32) if call.topk_weights is not None else None
-        blocks = cfg.num_sms or D.default_num_sms(node.sm_budget, max(N, T), cfg.num_threads)
+        blocks = cfg.num_sms or D.default_num_sms(self.budget("combine_bf16"), max(N, T), cfg.num_threads)
         D.launch_combine(fn, blocks, cfg.num_threads, self.pools, handle, x, call.row_weights, call.topk_weights,
                          combined, combined_w, call.zero_copy, node.rank, node.group.guard("direct_combine"),
                          stage, call.kernel_time_ns, x_peers)
@@ -443,3 +468,8 @@ class _FusedPlan:
     num_blocks: int
     num_threads: int
     shared_bytes: int
+
+
+def _dispatch_kind(call: DispatchCall) -> str:
+    """The dispatch's kind in the measured defaults (cupyep.sm_defaults)."""
+    return "dispatch_fp8" if call.fp8 else "dispatch_bf16"

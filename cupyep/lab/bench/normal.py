@@ -42,7 +42,7 @@ TIMINGS = ("strict", "deepep")
 
 def measure(group, buf, barrier, kind: str, x, x_fp8, topk_idx, topk_weights, num_experts: int,
             dispatch_config, combine_config=None, transport: str = "queue", timing: str = "strict",
-            iters: int = 30, copy_bw: float | None = None) -> dict:
+            iters: int = 30, copy_bw: float | None = None, expert_outputs=None) -> dict:
     """Time ``kind`` and return its record (collective over the group).
 
     Arguments:
@@ -57,6 +57,9 @@ def measure(group, buf, barrier, kind: str, x, x_fp8, topk_idx, topk_weights, nu
         transport: "queue" or "direct"; timing: "strict" or "deepep".
         iters: timed calls; copy_bw: bytes/s of the copy kernel (read +
             write), the same on every rank, for the efficiency (None: omitted).
+        expert_outputs: for ``combine_bf16`` on the direct transport, a
+            function of the dispatch's recv_x that returns the combine's x
+            (default: ``recv_x.copy()``, an array of CuPy's pool).
 
     Returns:
         dict: "bench": "normal", "kind" (``<kind>_direct`` on the direct
@@ -129,7 +132,9 @@ def measure(group, buf, barrier, kind: str, x, x_fp8, topk_idx, topk_weights, nu
         fn = lambda: buf.combine(y, first.handle, config=ccfg, zero_copy=True, **kt())  # noqa: E731
     else:
         # the experts' outputs: on the direct transport a copy in the caller's memory (recv_x is a view of its pool)
-        y = first.recv_x.copy() if transport == "direct" and kind != "combine_bf16_in_place_recv" else first.recv_x
+        y = first.recv_x
+        if transport == "direct" and kind != "combine_bf16_in_place_recv":
+            y = (expert_outputs or (lambda r: r.copy()))(first.recv_x)
         if kind == "combine_bf16_pushed":
             ccfg = replace(ccfg, combine_in_place=False)
         fn = lambda: buf.combine(y, first.handle, config=ccfg, **kt())  # noqa: E731
