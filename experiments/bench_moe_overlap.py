@@ -34,7 +34,10 @@ Schedules (:func:`schedule`; steps (op, micro-batch) in host order):
   FFN gathers each expert's received rows (their count per source is known
   on the host from the routing, checked against the dispatch's layout_count
   before timing) into expert-major blocks, runs expert_ffn, and scatters the
-  outputs back into the [E_local, R * max_tokens, H] rows the combine reads.
+  outputs back into the [E_local, R * max_tokens, H] rows the combine reads:
+  by default (``--ll-combines zero_copy``) straight into the buffer's
+  ``get_next_combine_buffer``, which the owners read in place; with ``push``
+  into an array of the caller's, which the combine copies to the owners.
 
 Timing (cupyep/lab/bench/timing.timed_rounds, as the other benchmarks): every
 call after an L2 flush, a GPU sleep (--sleep-us, so the host has queued the
@@ -43,8 +46,9 @@ stream around the barrier and the call; the slowest rank's (MPI MAX) median
 over --iters. The serial and the overlapped schedule alternate in one round;
 the parts (dispatch, FFN, combine of each micro-batch, each alone, in
 decode order) are a round of their own. Record: "mode", "transport",
-"comm_sms", "combine" (normal mode: "zero_copy", MoELayer's default on the
-direct transport within a node, or "push"; --combines), "tokens", "hidden", "ffn", "serial_us", "overlapped_us",
+"comm_sms", "combine" ("zero_copy" or "push"; normal mode: MoELayer's
+default is zero-copy on the direct transport within a node, --combines;
+low-latency mode: --ll-combines), "tokens", "hidden", "ffn", "serial_us", "overlapped_us",
 "speedup" (serial / overlapped), "parts" (medians, us), "comm_us" and
 "compute_us" (their sums), "ideal_us" = max(comm_us, compute_us),
 "exposed_us" = overlapped_us - compute_us (the communication the overlap did
@@ -147,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--combines", nargs="+", choices=("default", "push"), default=["default"],
                    help="normal mode's combine: MoELayer's default (zero-copy on the direct transport within a "
                         "node, the pushing combine elsewhere) and/or the pushing combine everywhere")
+    p.add_argument("--ll-combines", nargs="+", choices=("zero_copy", "push"), default=["zero_copy"],
+                   help="low-latency mode's combine: zero_copy (the default: the FFN writes its outputs into "
+                        "get_next_combine_buffer, the owners read them there) and/or push (the outputs in an "
+                        "array of the caller's, which the combine copies into the owners' buffers)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--flush", choices=FLUSH_MODES, default="write")
@@ -432,8 +440,8 @@ class NormalRunner:
 class LowLatencyRunner:
     """Runs low-latency steps, all on the current stream, the halves through receive hooks."""
 
-    def __init__(self, mbs: dict, w1, w2, ffn):
-        self.mbs, self.w1, self.w2, self.ffn = mbs, w1, w2, ffn
+    def __init__(self, mbs: dict, w1, w2, ffn, zero_copy: bool = False):
+        self.mbs, self.w1, self.w2, self.ffn, self.zero_copy = mbs, w1, w2, ffn, zero_copy
 
     def run(self, steps, state: dict) -> dict:
         for op, m in steps:
@@ -444,11 +452,14 @@ class LowLatencyRunner:
             elif op == "dispatch_recv":
                 state["d"][m].hook()
             elif op == "ffn":
-                state.setdefault("y", {})[m] = ll_expert_ffn(state["d"][m].recv_x, mb.rows, self.w1, self.w2,
-                                                             mb.y_full, self.ffn)
+                # zero-copy: the outputs go straight into the buffer the combine reads
+                y = mb.buf.get_next_combine_buffer(state["d"][m].handle) if self.zero_copy else mb.y_full
+                state.setdefault("y", {})[m] = ll_expert_ffn(state["d"][m].recv_x, mb.rows, self.w1, self.w2, y,
+                                                             self.ffn)
             elif op == "combine_send":
-                state.setdefault("c", {})[m] = mb.buf.combine(state["y"][m], mb.topk_idx, mb.topk_weights,
-                                                              state["d"][m].handle, return_recv_hook=True)
+                state.setdefault("c", {})[m] = mb.buf.combine(None if self.zero_copy else state["y"][m], mb.topk_idx,
+                                                              mb.topk_weights, state["d"][m].handle,
+                                                              zero_copy=self.zero_copy, return_recv_hook=True)
             elif op == "combine_recv":
                 state["c"][m].hook()
             else:
@@ -674,18 +685,19 @@ def run_low_latency(group, args, out, barrier) -> None:
             mbs[m].y_full = cupy.zeros((args.experts // R, R * most, args.hidden), dtype=cupy.uint16)
         for F in args.ffn:
             w1, w2 = local_weights(me, R, args.hidden, F, args.experts)
-            runner = LowLatencyRunner(mbs, w1, w2, expert_ffn)
-            rec = {**base_record(group, args, "low_latency", T, F), "transport": None, "comm_sms": None,
-                   "num_blocks": bufs["a"].num_blocks, "num_waiters": bufs["a"].num_waiters,
-                   "max_tokens": most, "dispatch": "bf16"}
-            warm = runner.run(schedule("low_latency", False), {})
-            cupy.cuda.get_current_stream().synchronize()
-            ok = all(np.array_equal(warm["d"][m].handle.layout_count.get(), counts[m]) for m in MICRO_BATCHES)
-            if not all_ranks(group.comm, ok):
-                raise RuntimeError("the low-latency dispatch's layout_count differs from the counts of the host "
-                                   "routing the FFN gathers by")
-            del warm
-            out.write({**rec, **measure(group, runner, "low_latency", barrier, args)})
+            for combine in args.ll_combines:
+                runner = LowLatencyRunner(mbs, w1, w2, expert_ffn, zero_copy=combine == "zero_copy")
+                rec = {**base_record(group, args, "low_latency", T, F), "transport": None, "comm_sms": None,
+                       "num_blocks": bufs["a"].num_blocks, "num_waiters": bufs["a"].num_waiters,
+                       "max_tokens": most, "dispatch": "bf16", "combine": combine}
+                warm = runner.run(schedule("low_latency", False), {})
+                cupy.cuda.get_current_stream().synchronize()
+                ok = all(np.array_equal(warm["d"][m].handle.layout_count.get(), counts[m]) for m in MICRO_BATCHES)
+                if not all_ranks(group.comm, ok):
+                    raise RuntimeError("the low-latency dispatch's layout_count differs from the counts of the host "
+                                       "routing the FFN gathers by")
+                del warm
+                out.write({**rec, **measure(group, runner, "low_latency", barrier, args)})
             del w1, w2
     finally:
         for b in bufs.values():

@@ -430,12 +430,19 @@ class _FakeLowLatency:
         assert not use_fp8 and not validate and return_recv_hook
         return types.SimpleNamespace(recv_x=self.recv_x, handle=self.name, hook=self._send("dispatch"))
 
-    def combine(self, y, topk_idx, topk_weights, handle, *, return_recv_hook=False):
+    def get_next_combine_buffer(self, handle):
+        assert handle == self.name
+        if getattr(self, "combine_buffer", None) is None:
+            self.combine_buffer = np.zeros_like(self.recv_x)
+        return self.combine_buffer
+
+    def combine(self, y, topk_idx, topk_weights, handle, *, zero_copy=False, return_recv_hook=False):
         assert return_recv_hook and handle == self.name
-        return types.SimpleNamespace(combined_x=y, hook=self._send("combine"))
+        assert y is None or not zero_copy  # zero-copy: the combine reads its own buffer, x is None
+        return types.SimpleNamespace(combined_x=self.combine_buffer if zero_copy else y, hook=self._send("combine"))
 
 
-def _ll_runner():
+def _ll_runner(zero_copy=False):
     log = _Log()
     log.current = _Stream(log, "compute")
     rng = np.random.default_rng(4)
@@ -452,19 +459,23 @@ def _ll_runner():
         log.add(log.current, "op", f"ffn {len(x)}")
         return expert_ffn(x, blocks, w1, w2)
 
-    return log, B.LowLatencyRunner(mbs, w.w1, w.w2, ffn), w
+    return log, B.LowLatencyRunner(mbs, w.w1, w.w2, ffn, zero_copy=zero_copy), w
 
 
-def test_low_latency_runner_order_and_hooks():
-    log, runner, w = _ll_runner()
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_low_latency_runner_order_and_hooks(zero_copy):
+    log, runner, w = _ll_runner(zero_copy)
     state = runner.run(B.schedule("low_latency", True), {})
     names = [f"{op} {m}" if op != "ffn" else "ffn" for op, m in B.schedule("low_latency", True)]
     assert [o if not o.startswith("ffn") else "ffn" for o in log.ops()] == names
     for m, mb in runner.mbs.items():
-        assert state["c"][m].combined_x is mb.y_full
+        # zero-copy: the FFN wrote into the buffer the combine reads, and the caller's array is untouched
+        y = mb.buf.combine_buffer if zero_copy else mb.y_full
+        assert state["c"][m].combined_x is y
         want = np.zeros_like(mb.y_full)
         B.ll_expert_ffn(mb.buf.recv_x, mb.rows, w.w1, w.w2, want)
-        assert np.array_equal(mb.y_full, want)
+        assert np.array_equal(y, want)
+        assert zero_copy == (not mb.y_full.any())
 
 
 def test_low_latency_hook_rule_refuses_a_second_send():
