@@ -131,10 +131,10 @@ def test_combine_words_are_validated_per_rank_count_and_name_their_kernel():
     with pytest.raises(ValueError, match="combine_words must be one of"):
         D.DirectConfig(combine_words=3).validate()
     route = object.__new__(DirectRoute)
-    route._configs = {}
+    route._configs, route._budgets, route.measured = {}, {}, False
     for R, words, ok in ((2, 8, True), (4, 8, False), (8, 2, True), (8, 4, False)):
         route.node = SimpleNamespace(num_ranks=R, sm_budget=132 // R)
-        route._configs = {}
+        route._configs, route._budgets = {}, {}
         cfg = D.DirectConfig(combine_words=words)
         if ok:
             assert route.dispatch_config(cfg, False, None).combine_words == words

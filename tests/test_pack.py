@@ -120,6 +120,7 @@ def _fused_route(R, worst, timeout_s=5.0):
                             sync_struct=jit.pack(D.SYNC_DTYPE, dispatch_arrived=64), state=jit.Address((9,), 0x6100))
     route = object.__new__(DirectRoute)
     route.node, route._pools, route._fused = node, pools, {}
+    route._budgets, route.measured = {}, False  # what __init__ makes: no measured defaults
     route._kernel = lambda spec, cfg, what, smem=None: SimpleNamespace(kernel=SimpleNamespace(ptr=0x42))
     return route, SimpleNamespace(peer_ptrs=jit.Address((R,), 0x8000))
 
@@ -140,7 +141,7 @@ def test_fused_dispatch_plan_patches_to_the_full_pack(R, fp8, weights, worst, em
         x=SimpleNamespace(shape=(T, H), dtype=np.dtype(np.uint8 if fp8 else np.uint16), data=x),
         x_scales=jit.Address((T, H // 128), 0x20000) if fp8 else None, topk_idx=jit.Address((T, k), 0x30000),
         topk_weights=jit.Address((T, k), 0x40000) if weights else None, num_tokens=T, num_experts=E, num_topk=k,
-        hidden=H, expert_alignment=4 if em else 1, num_worst_tokens=worst, config=D.DirectConfig().validate().resolved(66),
+        hidden=H, fp8=fp8, expert_alignment=4 if em else 1, num_worst_tokens=worst, config=D.DirectConfig().validate().resolved(66),
         kernel_time_ns=jit.Address((2,), 0x50000) if metrics else None,
         notify_time_ns=jit.Address((2,), 0x60000) if metrics else None)
     shape = (H * (1 if fp8 else 2), H // 128 if fp8 else 0, k, True, weights)
