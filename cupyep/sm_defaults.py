@@ -133,7 +133,10 @@ def lookup(route: str, kind: str, gpu: str, sms: int, ranks: int, ranks_per_gpu:
 
 
 @lru_cache(maxsize=None)
-def _device(device_id: int) -> tuple[str, int]:
+def device(device_id: int) -> tuple[str, int]:
+    """(name, SM count) of CUDA device ``device_id``: the "gpu" and "sms" a
+    benchmark record's env holds (cupyep.lab.bench.report), which the
+    table's entries are keyed by."""
     import cupy
     props = cupy.cuda.runtime.getDeviceProperties(device_id)
     name = props["name"]
@@ -145,5 +148,5 @@ def blocks_for(group, route: str, kind: str, tokens: int, hidden: int | None = N
     under an SM cap (the table times uncapped ranks), or without an entry."""
     if not group.has_gpu or group.sm_capped:
         return None
-    gpu, sms = _device(group.device_id)
+    gpu, sms = device(group.device_id)
     return lookup(route, kind, gpu, sms, group.local_size, group.ranks_per_gpu, tokens, hidden)

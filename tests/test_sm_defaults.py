@@ -103,7 +103,7 @@ def fake_group(local_size=8, ranks_per_gpu=8, sm_share=16, capped=False, gpu=Tru
 
 def test_blocks_for_reads_the_device_and_skips_capped_or_gpu_less_ranks(monkeypatch):
     monkeypatch.delenv(S.ENV_VAR, raising=False)
-    monkeypatch.setattr(S, "_device", lambda device_id: ("NVIDIA H200", 132))
+    monkeypatch.setattr(S, "device", lambda device_id: ("NVIDIA H200", 132))
     g = fake_group()
     table = {(e["route"], e["kind"], e["tokens"]): e["blocks"] for e in S.load_table(S.PACKAGED)
              if e["ranks"] == 8 and e["gpu"] == "NVIDIA H200"}

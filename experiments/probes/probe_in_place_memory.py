@@ -75,12 +75,10 @@ def main():
         held.append(cupy.empty(big, dtype=np.uint8))
         return r.copy()
 
-    variants = {"recv": lambda r: r, "cupy_pool": lambda r: r.copy(), "malloc_exact": None,
+    variants = {"recv": lambda r: r, "cupy_pool": lambda r: r.copy(), "malloc_exact": lambda r: own(r.nbytes)(r),
                 "malloc_big": own(big), "malloc_big_end": own(big, at_end=True), "pool_after_big": pool_after_big}
     for name, make in variants.items():
         for timing in args.timing:
-            if name == "malloc_exact":
-                make = lambda r: own(r.nbytes)(r)  # noqa: E731
             rec = measure(group, buf, bar, "combine_bf16", x, None, topk_idx, topk_w, args.experts, DirectConfig(),
                           None, "direct", timing, args.iters, copy_bw, expert_outputs=make)
             out.write({**rec, "memory": name, "big_bytes": big})

@@ -16,9 +16,9 @@ def environment(group) -> dict:
            "cupy": cupy.__version__, "numpy": numpy.__version__, "host": platform.node(),
            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     if group.has_gpu:
-        props = cupy.cuda.runtime.getDeviceProperties(group.device_id)
-        env.update(gpu=props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
-                   sms=props["multiProcessorCount"])
+        from ...sm_defaults import device
+        gpu, sms = device(group.device_id)
+        env.update(gpu=gpu, sms=sms)
     return env
 
 
