@@ -19,7 +19,9 @@ so they are resident before the barrier ends and start counting when it does. Wh
 ``--partial`` adds the partial combine ("combine_partial", and its halves
 "combine_partial_send_half" / "combine_partial_recv_half"): the dispatch
 carries the weights and each expert rank returns one row per (token, expert
-rank); its bytes to peers count those rows.
+rank); its bytes to peers count those rows. It also adds that combine with
+its partial rows in LogFMT-10 ("combine_partial_logfmt", and halves), and
+``--logfmt`` the per-slot LogFMT-10 combine ("combine_logfmt").
 The default combine pushes the rows ("combine"; "combine_pull": the expert
 ranks copy them into their own buffers and the owners pull them); the
 zero-copy combine pulls by default ("combine_zero_copy";
@@ -103,7 +105,10 @@ def main():
                    help="also time zero-copy combines, pulling and pushing (combine(..., zero_copy=True, pull=...))")
     p.add_argument("--partial", action="store_true",
                    help="also time the partial combine (combine(..., partial=True) after a dispatch given the "
-                        "weights: one row per (token, expert rank)), whole and in halves, on both boundaries")
+                        "weights: one row per (token, expert rank)) and its LogFMT-10 form, whole and in halves, "
+                        "on both boundaries")
+    p.add_argument("--logfmt", action="store_true", help="also time the per-slot LogFMT-10 combine "
+                   "(combine(..., use_logfmt=True))")
     p.add_argument("--plain-launch", action="store_true",
                    help="launch the kernels plainly (LowLatencyBuffer(programmatic_launch=False)); by default "
                         "they are programmatic dependents where the GPU supports it, resident while the GPU "
@@ -179,9 +184,14 @@ def run_buffer(args, group, buf, bar, out, me, R, H, warmup, copy_bw):
 
         if args.partial:
             # The partial combine: the expert side sums each token's rows, one row per expert rank returns.
-            for name in ("partial",) + (() if args.no_hook else ("hook_partial",)):
+            for name in ("partial", "partial_logfmt") + (() if args.no_hook else ("hook_partial",
+                                                                                  "hook_partial_logfmt")):
                 for rec in s.records(name, "strict", args.iters):
                     out.write(rec)
+
+        if args.logfmt:
+            for rec in s.records("logfmt", "strict", args.iters):
+                out.write(rec)
 
         if args.zero_copy:
             # Zero-copy combines, the owners pulling the rows (default) or the expert ranks pushing them.
@@ -279,7 +289,8 @@ def run_buffer(args, group, buf, bar, out, me, R, H, warmup, copy_bw):
         if args.timing == "both":
             # DeepEP's boundary: a barrier per period, then calls back to back, each rank's own times.
             names = ("fp8",) + (() if args.no_hook else ("hook",))
-            names += (("partial",) + (() if args.no_hook else ("hook_partial",))) if args.partial else ()
+            names += (("partial", "partial_logfmt") + (() if args.no_hook else ("hook_partial", "hook_partial_logfmt"))
+                      if args.partial else ())
             for name in names:
                 for rec in s.records(name, "deepep", args.deepep_iters, args.host_gap_ms):
                     out.write(rec)
@@ -292,12 +303,15 @@ def run_buffer(args, group, buf, bar, out, me, R, H, warmup, copy_bw):
         if args.trace:
             G = buf.num_blocks
             traces = {k: cupy.zeros((warmup + args.trace, G, NUM_TRACE_SLOTS), dtype=np.int64)
-                      for k in ("dispatch_fp8", "combine") + (("combine_partial",) if args.partial else ())}
+                      for k in ("dispatch_fp8", "combine") +
+                      (("combine_partial", "combine_partial_logfmt") if args.partial else ())}
             steps([lambda i, st: d_fp8(i, st, trace=traces["dispatch_fp8"][i]),
                    lambda i, st: combine(i, st, trace=traces["combine"][i])], args.trace)
             if args.partial:  # the partial combine, after a dispatch given the weights
-                steps([lambda i, st: d_fp8(i, st, topk_weights=s.topk_weights),
-                       lambda i, st: combine(i, st, partial=True, trace=traces["combine_partial"][i])], args.trace)
+                for kind, more in (("combine_partial", {}), ("combine_partial_logfmt", {"use_logfmt": True})):
+                    steps([lambda i, st: d_fp8(i, st, topk_weights=s.topk_weights),
+                           lambda i, st, kind=kind, more=more: combine(i, st, partial=True, trace=traces[kind][i],
+                                                                       **more)], args.trace)
             for kind, tr in traces.items():
                 everyone = np.stack(group.comm.allgather(tr[warmup:].get()))  # [R, n, G, M]
                 out.write({**s.base, "kind": f"{kind}_trace", "n": args.trace,

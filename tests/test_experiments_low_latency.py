@@ -62,7 +62,7 @@ def test_grid_expands_with_the_study_defaults():
         assert list(c) == list(G.KNOBS) and c["iters"] == 5
         assert {k: v for k, v in c.items() if k not in ("kind", "timing", "iters")} == \
                {k: v for k, v in G.KNOBS.items() if k not in ("kind", "timing", "iters")}
-    assert len(experiments.expand({"kind": list(BL.KINDS)}, G.KNOBS)) == len(BL.KINDS) == 13
+    assert len(experiments.expand({"kind": list(BL.KINDS)}, G.KNOBS)) == len(BL.KINDS) == 17
     with pytest.raises(ValueError, match="unknown knob 'transport'"):
         experiments.expand({"transport": "queue"}, G.KNOBS)
 
@@ -239,8 +239,8 @@ class FakeBuffer:
         return self.combine_buffer
 
     def combine(self, x, topk_idx, topk_weights, handle, *, zero_copy=False, pull=None, kernel_time_ns=None,
-                return_recv_hook=False, partial=False):
-        how = "zero_copy" if zero_copy else "partial" if partial else "copy"
+                return_recv_hook=False, partial=False, use_logfmt=False):
+        how = ("zero_copy" if zero_copy else "partial" if partial else "copy") + ("+logfmt" if use_logfmt else "")
         assert (x is None) == zero_copy
         self.calls.append(("combine", how, {None: "default", True: "pull", False: "push"}[pull],
                            "hook" if return_recv_hook else "", kernel_time_ns is not None))
@@ -309,6 +309,12 @@ ROUND_CALLS["combine_partial"] = [("dispatch", "fp8+w", "", True), ("combine", "
 for _k in BL.ROUNDS["hook_partial"]:
     ROUND_CALLS[_k] = [("dispatch", "fp8+w", "hook", True), ("dispatch_recv", True),
                        ("combine", "partial", "default", "hook", True), ("combine_recv", True)]
+ROUND_CALLS["combine_logfmt"] = [("dispatch", "fp8", "", True), ("combine", "copy+logfmt", "default", "", True)]
+ROUND_CALLS["combine_partial_logfmt"] = [("dispatch", "fp8+w", "", True),
+                                         ("combine", "partial+logfmt", "default", "", True)]
+for _k in BL.ROUNDS["hook_partial_logfmt"]:
+    ROUND_CALLS[_k] = [("dispatch", "fp8+w", "hook", True), ("dispatch_recv", True),
+                       ("combine", "partial+logfmt", "default", "hook", True), ("combine_recv", True)]
 
 
 @pytest.mark.parametrize("kind", BL.KINDS)
@@ -324,9 +330,8 @@ def test_each_kind_is_timed_in_its_decode_order_round_on_the_strict_boundary(kin
     assert calls == per_round * (BL.WARMUP + 5)
     assert barrier.n == len(calls)  # every call alone behind the GPU barrier
     assert list(rec)[:len(STRICT_FIELDS)] == STRICT_FIELDS and set(rec) == set(STRICT_FIELDS) | FIGURES
-    ns = DURATION_NS[{"dispatch_fp8_recv_half": "dispatch_recv", "combine_recv_half": "combine_recv",
-                      "combine_partial_recv_half": "combine_recv"}.get(
-        kind, "dispatch" if kind.startswith("dispatch") else "combine")]
+    ns = DURATION_NS["dispatch_recv" if kind == "dispatch_fp8_recv_half" else "combine_recv"
+                     if kind.endswith("_recv_half") else "dispatch" if kind.startswith("dispatch") else "combine"]
     assert rec["kind"] == kind and rec["timing"] == "strict" and rec["n"] == 5
     assert rec["kernel_median_us"] == pytest.approx(ns / 1e3) == rec["time_us"]
     assert rec["p10_us"] == rec["p90_us"] == rec["p99_us"] == rec["rank_mean_us"] == rec["time_us"]
@@ -334,8 +339,12 @@ def test_each_kind_is_timed_in_its_decode_order_round_on_the_strict_boundary(kin
     pairs = 6 * 3 - 1
     if kind.startswith("combine_partial"):  # one row per (token, expert rank): 6 tokens on the one rank
         pairs = 6
-    row = {"dispatch_fp8": 256 + 2 * 4 + 5, "dispatch_fp8_send_half": 256 + 2 * 4 + 5, "dispatch_bf16": 2 * 256 + 5,
-           "dispatch_fp8_recv_half": 0, "combine_recv_half": 0, "combine_partial_recv_half": 0}.get(kind, 2 * 256)
+    row = {"dispatch_fp8": 256 + 2 * 4 + 5, "dispatch_fp8_send_half": 256 + 2 * 4 + 5,
+           "dispatch_bf16": 2 * 256 + 5}.get(kind, 2 * 256)
+    if "logfmt" in kind:  # two groups of 128: (lo, hi) float32 and 160 bytes of codes each, padded to 16
+        row = (2 * 8 + 2 * 160 + 15) // 16 * 16
+    if kind.endswith("_recv_half"):
+        row = 0
     assert rec["bytes_to_peers"] == 4 * pairs * row
     assert rec["rank_GBps"] == pytest.approx(pairs * row / (ns * 1e-9) / 1e9)
     assert rec["efficiency"] == pytest.approx(2 * 4 * pairs * row / COPY_BW / (ns * 1e-9))
@@ -343,7 +352,8 @@ def test_each_kind_is_timed_in_its_decode_order_round_on_the_strict_boundary(kin
 
 
 @pytest.mark.parametrize("kind", ["dispatch_fp8", "combine", "dispatch_bf16", "combine_zero_copy",
-                                  "combine_recv_half", "combine_partial", "combine_partial_send_half"])
+                                  "combine_recv_half", "combine_partial", "combine_partial_send_half",
+                                  "combine_logfmt", "combine_partial_logfmt", "combine_partial_logfmt_recv_half"])
 def test_deepep_boundary_runs_a_warm_up_and_a_recorded_period_back_to_back(kind, fake_gpu):
     s, buf, barrier = _session()
     rec = s.measure(kind, "deepep", iters=7, host_gap_ms=0.0)

@@ -484,8 +484,9 @@ def test_kernel_specs():
     specs = K.kernel_specs()
     names = [s.name for s in specs]
     assert len(names) == len(set(names))
-    # dispatch, combine and the packing dispatch within a node and across nodes, the LogFMT and partial combines
-    assert len(specs) == 8 * len(K.THREAD_CHOICES)
+    # dispatch, combine and the packing dispatch within a node and across nodes, the LogFMT, partial and
+    # partial LogFMT combines
+    assert len(specs) == 9 * len(K.THREAD_CHOICES)
     for s in specs:
         assert (jit.CUDA_SRC / s.source).is_file(), s
         assert len(s.kernels) == 1 and s.kernels[0].startswith("cupyep::low_latency::")
@@ -501,6 +502,8 @@ def test_kernel_specs():
         assert lf == [K.combine_logfmt_spec(t)] and not lf[0].nvshmem and lf[0].source == "low_latency/combine.cu"
         pc = [s for s in specs if s.kernels == (f"cupyep::low_latency::combine_partial<{t}>",)]
         assert pc == [K.combine_partial_spec(t)] and not pc[0].nvshmem and pc[0].source == "low_latency/combine.cu"
+        pl = [s for s in specs if s.kernels == (f"cupyep::low_latency::combine_partial_logfmt<{t}>",)]
+        assert pl == [K.combine_partial_logfmt_spec(t)] and not pl[0].nvshmem
         pk = [s for s in specs if s.kernels == (f"cupyep::low_latency::dispatch_packed<{t}>",)]
         assert sorted(pk, key=lambda s: s.nvshmem) == [K.dispatch_packed_spec(t), K.dispatch_packed_spec(t, True)]
         assert d[0].name == f"low_latency_dispatch_threads_{t}"

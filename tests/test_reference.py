@@ -473,6 +473,32 @@ def test_ll_partial_combine_reduces_per_expert_rank_then_per_token(ll_inputs):
         ref.low_latency_partial_combine(expert_out, results, other, w)
 
 
+def test_ll_partial_combine_through_logfmt_sums_the_partials_roundtrip(ll_inputs):
+    """logfmt=True: the owner sums LogFMT-10 roundtrips of the same BF16 partials, in rank order; that
+    stays within the format's error of the BF16 partial combine."""
+    from cupyep.reference import logfmt as lf
+    x, idx, _, w = ll_inputs
+    results = ref.low_latency_dispatch(x, idx, NUM_EXPERTS, LL_MAX)
+    expert_out = [(r.recv_x * (dst * NUM_LOCAL + np.arange(NUM_LOCAL) + 1)[:, None, None])
+                  .astype(ml_dtypes.bfloat16) for dst, r in enumerate(results)]
+    got = ref.low_latency_partial_combine(expert_out, results, idx, w, logfmt=True)
+    plain = ref.low_latency_partial_combine(expert_out, results, idx, w)
+    for src in range(NUM_RANKS):
+        partial = np.zeros((NUM_RANKS, LL_TOKENS[src], HIDDEN), np.float32)
+        for t in range(LL_TOKENS[src]):
+            for j, e in enumerate(idx[src][t]):
+                if e >= 0:
+                    y = (x[src][t] * (e + 1)).astype(ml_dtypes.bfloat16).astype(np.float32)
+                    partial[e // NUM_LOCAL, t] += np.float32(w[src][t, j]) * y
+        want = np.zeros((LL_TOKENS[src], HIDDEN), np.float32)
+        for d in range(NUM_RANKS):
+            want += lf.roundtrip(ref.bf16_round(partial[d]))
+        assert got[src].dtype == np.float32 and np.array_equal(got[src], want)
+        if LL_TOKENS[src]:
+            assert not np.array_equal(got[src], plain[src])  # the format did act
+            assert ref.calc_diff(got[src], plain[src]) < 1e-4
+
+
 def test_ll_combine_rows_per_slot_and_per_rank():
     # 2 ranks of 4 experts: token 0 picks experts 0, 1 (rank 0) and 5 (rank 1); token 1 picks 6, 7 and -1.
     idx = [np.array([[0, 1, 5], [6, 7, -1]], np.int64), np.zeros((0, 3), np.int64)]

@@ -61,38 +61,54 @@ __device__ __forceinline__ float2 group_range(const float (&f)[8]) {
     return make_float2(fmaxf(log2f(amin), hi - kMaxOctaves), hi);
 }
 
-__device__ __forceinline__ float level(int c, float lo, float step) { return exp2f(lo + (float)(c - 1) * step); }
+// A group's encoding constants, computed once per 8 values (a lane's share of a group).
+struct Encoder {
+    float lo, inv_step, lowest, theta;
+};
+__device__ __forceinline__ Encoder encoder(float lo, float hi) {
+    const float step = (hi - lo) / (float)(kLevels - 1);
+    const bool flat = !(step > 0.f);
+    Encoder e;
+    e.lo = lo;
+    e.inv_step = flat ? 0.f : 1.f / step;
+    e.lowest = exp2f(lo);
+    // Rounding to the nearer level in linear terms, in the log domain: a lies above the midpoint of
+    // levels c and c + 1 exactly when the fraction of t = (log2 a - lo) / step exceeds
+    // log2((1 + 2 ** step) / 2) / step (above 1: never, for a flat group).
+    e.theta = flat ? 2.f : log2f(0.5f * (1.f + exp2f(step))) * e.inv_step;
+    return e;
+}
 
-// The 10-bit code of one value of a group of range (lo, hi).
-__device__ __forceinline__ uint32_t encode1(float x, float lo, float hi) {
+// The 10-bit code of one value of a group (sign << 9 | magnitude code).
+__device__ __forceinline__ uint32_t encode1(float x, const Encoder& e) {
     const float a = fabsf(x);
     if (a == 0.f) return 0u;
-    const float step = (hi - lo) / (float)(kLevels - 1);
     uint32_t c;
-    const float lowest = exp2f(lo);
-    if (a < lowest) {
-        c = a >= 0.5f * lowest ? 1u : 0u;
+    if (a < e.lowest) {
+        c = a >= 0.5f * e.lowest ? 1u : 0u;  // under the range: the nearer of zero and the lowest level
     } else {
-        const float t = step > 0.f ? (log2f(a) - lo) / step : 0.f;
-        int ci = (int)fminf(fmaxf(floorf(t), 0.f), (float)(kLevels - 1)) + 1;
-        if (ci < kLevels && a - level(ci, lo, step) > level(ci + 1, lo, step) - a) ++ci;
-        c = (uint32_t)ci;
+        const float t = fmaxf((log2f(a) - e.lo) * e.inv_step, 0.f);
+        const float below = fminf(floorf(t), (float)(kLevels - 1));  // the level at or below a, less one
+        c = (uint32_t)below + 1u;
+        if (c < (uint32_t)kLevels && t - below > e.theta) ++c;
     }
     return c == 0u ? 0u : (c | (x < 0.f ? 1u << 9 : 0u));
 }
 
-__device__ __forceinline__ float decode1(uint32_t code, float lo, float hi) {
+// The value of a 10-bit code in a group whose levels start at lo, step apart.
+__device__ __forceinline__ float decode1(uint32_t code, float lo, float step) {
     const uint32_t m = code & 0x1ffu;
     if (m == 0u) return 0.f;
-    const float v = level((int)m, lo, (hi - lo) / (float)(kLevels - 1));
+    const float v = exp2f(lo + (float)((int)m - 1) * step);
     return (code >> 9) & 1u ? -v : v;
 }
 
 // Encode 8 values into their 80 bits, stored as five uint16 at dst (2-byte aligned).
 __device__ __forceinline__ void encode8(const float (&f)[8], float lo, float hi, uint16_t* dst) {
+    const Encoder e = encoder(lo, hi);
     uint32_t code[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) code[i] = encode1(f[i], lo, hi);
+    for (int i = 0; i < 8; ++i) code[i] = encode1(f[i], e);
     // 80 bits little-endian: code i at bit 10 i
     uint64_t low = 0;
 #pragma unroll
@@ -111,10 +127,11 @@ __device__ __forceinline__ void decode8(const uint16_t* src, float lo, float hi,
     const uint64_t low = (uint64_t)src[0] | ((uint64_t)src[1] << 16) | ((uint64_t)src[2] << 32) |
                          ((uint64_t)src[3] << 48);
     const uint32_t high = src[4];
+    const float step = (hi - lo) / (float)(kLevels - 1);
 #pragma unroll
-    for (int i = 0; i < 6; ++i) f[i] = decode1((uint32_t)(low >> (10 * i)) & 0x3ffu, lo, hi);
-    f[6] = decode1((uint32_t)((low >> 60) & 0xfu) | ((high & 0x3fu) << 4), lo, hi);
-    f[7] = decode1((high >> 6) & 0x3ffu, lo, hi);
+    for (int i = 0; i < 6; ++i) f[i] = decode1((uint32_t)(low >> (10 * i)) & 0x3ffu, lo, step);
+    f[6] = decode1((uint32_t)((low >> 60) & 0xfu) | ((high & 0x3fu) << 4), lo, step);
+    f[7] = decode1((high >> 6) & 0x3ffu, lo, step);
 }
 
 // Word w (8 values, w = group * 16 + i) of a LogFMT row: where its codes and its group's range are.

@@ -34,7 +34,8 @@
 // one BF16 partial row at row p of its range of the owner's combine_recv. The
 // owner sums its token's partials, one per expert rank, in FP32 in rank order
 // (cupyep.reference.low_latency_partial_combine, bit for bit): a third fewer
-// rows at top-8 over 8 ranks.
+// rows at top-8 over 8 ranks. combine_partial_logfmt sends those BF16
+// partial rows in LogFMT-10 and the owner decodes them as it sums.
 //
 // Packed x (CombineArgs::x_expert_rows > 0): the expert outputs arrive in
 // DeepEP's packed layout instead of the region layout; only where each row is
@@ -169,7 +170,9 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                 // token's chain of rows here (each tag names the next), lane i keeping the i-th row and
                 // weight, then sums them chunk by chunk into the partial row the owner reads at p.
                 // Units of 1024 channels: each lane owns words lane + 32 i (i < 4) of a unit, so a row
-                // keeps 2 KiB in flight per warp.
+                // keeps 2 KiB in flight per warp. The partial row goes out in BF16, or (kLogFMT) those
+                // BF16 values through LogFMT-10: lanes 0-15 and 16-31 of each i hold a group of 128.
+                const int64_t dst_row_bytes = kLogFMT ? logfmt::row_bytes(H) : 2 * (int64_t)H;
                 constexpr int kUnitWords = 128, kRowsInFlight = kNumThreads <= 512 ? 2 : 1;
                 const int row_words = H / 8, units = (row_words + kUnitWords - 1) / kUnitWords;
                 for (int64_t r = (int64_t)b * num_warps + warp; r < prefix[P]; r += (int64_t)G * num_warps) {
@@ -194,8 +197,8 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                         slot = (int64_t)cle * slots + (int64_t)s * a.c.capacity + cq;
                         tag = *reinterpret_cast<const int4*>(a.tags + slot * a.tag_stride);
                     }
-                    int4* dst = at<int4>(a.c.peers[s], a.c.cur.combine_recv) +
-                                ((int64_t)a.c.rank * ret_rows + p) * row_int4;
+                    char* dst = at<char>(a.c.peers[s], a.c.cur.combine_recv) +
+                                ((int64_t)a.c.rank * ret_rows + p) * dst_row_bytes;
                     for (int unit = 0; unit < units; ++unit) {
                         float acc[32];
 #pragma unroll
@@ -224,12 +227,23 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
 #pragma unroll
                                 for (int i = 0; i < 4; ++i) mul_add_bf16x8_ieee(acc + 8 * i, v[uu][i], w[uu]);
                         }
-                        if (!(a.c.ablate & kAblateRows))
 #pragma unroll
-                            for (int i = 0; i < 4; ++i) {
-                                const int word = unit * kUnitWords + lane + 32 * i;
-                                if (word < row_words) st_na_v4(dst + word, pack_bf16x8(acc + 8 * i));
+                        for (int i = 0; i < 4; ++i) {
+                            const int word = unit * kUnitWords + lane + 32 * i;
+                            const bool store = word < row_words && !(a.c.ablate & kAblateRows);
+                            const int4 packed = pack_bf16x8(acc + 8 * i);
+                            if constexpr (kLogFMT) {
+                                float f[8];
+                                logfmt::unpack8(packed, f);
+                                const float2 range = logfmt::group_range(f);  // every lane takes part
+                                if (store) {
+                                    logfmt::encode8(f, range.x, range.y, logfmt::codes_of(dst, H, word));
+                                    if (lane % 16 == 0) reinterpret_cast<float2*>(dst)[word / 16] = range;
+                                }
+                            } else if (store) {
+                                st_na_v4(reinterpret_cast<int4*>(dst) + word, packed);
                             }
+                        }
                     }
                 }
             } else if constexpr (kLogFMT) {
@@ -451,7 +465,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                     if (!some) w[u] = 0.f;
                 }
 #pragma unroll
-                for (int u = 0; u < kBatch; ++u) {
+                for (int u = 0; u < kBatch && !kLogFMT; ++u) {  // (LogFMT: accumulated as decoded)
                     if constexpr (kPartial) {  // weight 1 or an absent lane's zeros: IEEE sums (bf16.cuh)
                         add_bf16x8_ieee(acc, v[u][0]);
                         add_bf16x8_ieee(acc + 8, v[u][1]);
@@ -483,6 +497,12 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine_logfmt(CombineArgs a) 
 template <int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1) combine_partial(CombineArgs a) {
     profiled(a.c, [&] { combine_body<kNumThreads, false, true>(a); });
+}
+
+// The partial reduce with its partial rows in LogFMT-10 (pushed, within a node).
+template <int kNumThreads>
+__global__ void __launch_bounds__(kNumThreads, 1) combine_partial_logfmt(CombineArgs a) {
+    profiled(a.c, [&] { combine_body<kNumThreads, true, true>(a); });
 }
 
 }  // namespace low_latency

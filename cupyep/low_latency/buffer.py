@@ -499,15 +499,18 @@ class LowLatencyBuffer:
                 defines it; 10.5 bits a value instead of 16, each value within
                 2 ** (step / 2) - 1 of itself for the step of its 128-channel
                 group: results/logfmt). Within a node, pushed: pull=True and
-                buffers across nodes raise ValueError.
+                buffers across nodes raise ValueError. With partial=True the
+                partial rows travel in LogFMT-10.
             partial: each expert rank first sums, per token, the weighted rows of its
                 local experts (FP32, slot order) and returns one BF16 row per (token,
                 expert rank) instead of one per (token, expert); the owner sums those
                 in rank order (cupyep.reference.low_latency_partial_combine, which
                 it equals bit for bit). Needs a dispatch given ``topk_weights``, whose
                 weights it uses: ``topk_weights`` here must be None or that same
-                array. Within a node, pushed, top-k <= 32: pull=True, use_logfmt and
-                buffers across nodes raise ValueError.
+                array. Within a node, pushed, top-k <= 32: pull=True and buffers
+                across nodes raise ValueError. With use_logfmt=True the partial rows
+                travel in LogFMT-10: the owner sums the decoded partials
+                (reference.low_latency_partial_combine(..., logfmt=True)).
             combine_wait_recv_cost_stats: [R] int64 device array, += nanoseconds
                 block 0 waited for each expert rank's rows (as dispatch's
                 dispatch_wait_recv_cost_stats; DeepEP's argument of that name).
@@ -531,11 +534,10 @@ class LowLatencyBuffer:
             if topk_weights is not None and topk_weights is not handle.weights:
                 raise ValueError("partial=True reduces with the weights given to the dispatch; pass "
                                  "topk_weights=None or that same array")
-            if self.across_nodes or use_logfmt or pull or k > 32:
-                raise ValueError("partial=True pushes BF16 partial rows within a node, for top-k <= 32: not with "
-                                 "a buffer across nodes, use_logfmt=True or pull=True "
-                                 f"(got across_nodes={self.across_nodes}, use_logfmt={use_logfmt}, pull={pull}, "
-                                 f"top-k={k})")
+            if self.across_nodes or pull or k > 32:
+                raise ValueError("partial=True pushes partial rows within a node, for top-k <= 32: not with "
+                                 "a buffer across nodes or pull=True "
+                                 f"(got across_nodes={self.across_nodes}, pull={pull}, top-k={k})")
             pull, topk_weights = False, handle.weights
         else:
             topk_weights = check(as_cupy(topk_weights, "topk_weights"), "topk_weights", np.float32, shape=(T, k))
@@ -573,7 +575,7 @@ class LowLatencyBuffer:
                 raise ValueError("use_logfmt=True pushes the encoded rows; pass pull=None or False")
             pull = False
         # (the LogFMT kernel is loaded, collectively the first time, before the call takes its set)
-        fn = self.load_kernel("combine_logfmt") if use_logfmt else \
+        fn = self.load_kernel("combine_partial_logfmt" if partial else "combine_logfmt") if use_logfmt else \
             self.load_kernel("combine_partial") if partial else self._combine_fn
         profile = self._profile_args(kernel_time_ns, trace)
         _, _, _, sets = self._take_set("combine")
@@ -596,14 +598,15 @@ class LowLatencyBuffer:
         return LowLatencyCombineResult(out, self._finish(stream, async_finish), hook)
 
     def load_kernel(self, name: str):
-        """The kernel of ``name`` ("dispatch_packed", "combine_logfmt" or
-        "combine_partial"), compiled and loaded collectively at its first use,
-        then kept."""
+        """The kernel of ``name`` ("dispatch_packed", "combine_logfmt",
+        "combine_partial" or "combine_partial_logfmt"), compiled and loaded
+        collectively at its first use, then kept."""
         fn = self._variants.get(name)
         if fn is None:
             specs = {"dispatch_packed": lambda: K.dispatch_packed_spec(self.num_threads, self.across_nodes),
                      "combine_logfmt": lambda: K.combine_logfmt_spec(self.num_threads),
-                     "combine_partial": lambda: K.combine_partial_spec(self.num_threads)}
+                     "combine_partial": lambda: K.combine_partial_spec(self.num_threads),
+                     "combine_partial_logfmt": lambda: K.combine_partial_logfmt_spec(self.num_threads)}
             if name not in specs:
                 raise ValueError(f"no kernel {name!r}; one of {sorted(specs)}")
             fn = self._variants[name] = jit.kernel(specs[name](), self.group)

@@ -106,12 +106,21 @@ def combine_partial_spec(num_threads: int = DEFAULT_THREADS) -> jit.KernelSpec:
                           kernels=(f"cupyep::low_latency::combine_partial<{num_threads}>",))
 
 
+def combine_partial_logfmt_spec(num_threads: int = DEFAULT_THREADS) -> jit.KernelSpec:
+    """The partial combine with its partial rows in LogFMT-10 (within a node;
+    combine.cu combine_partial_logfmt)."""
+    return jit.KernelSpec(name=f"low_latency_combine_partial_logfmt_threads_{num_threads}",
+                          source="low_latency/combine.cu",
+                          kernels=(f"cupyep::low_latency::combine_partial_logfmt<{num_threads}>",))
+
+
 def kernel_specs() -> list[jit.KernelSpec]:
     """Specialisations compiled by ``python -m cupyep.jit --check`` (those
     across nodes need the NVSHMEM library, as every NVSHMEM kernel)."""
     return [s for t in THREAD_CHOICES for a in (False, True)
             for s in (dispatch_spec(t, a), combine_spec(t, a), dispatch_packed_spec(t, a))] + \
-        [s for t in THREAD_CHOICES for s in (combine_logfmt_spec(t), combine_partial_spec(t))]
+        [s for t in THREAD_CHOICES
+         for s in (combine_logfmt_spec(t), combine_partial_spec(t), combine_partial_logfmt_spec(t))]
 
 
 def set_struct(s) -> np.void:

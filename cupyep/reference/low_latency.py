@@ -347,6 +347,7 @@ def low_latency_partial_combine(
     results: Sequence[LowLatencyDispatchResult],
     topk_idx: Sequence[np.ndarray],
     topk_weights: Sequence[np.ndarray],
+    logfmt: bool = False,
 ) -> List[np.ndarray]:
     """The combine with the reduce split between the expert ranks and the
     owner: each expert rank first sums, for every token, the weighted
@@ -363,6 +364,10 @@ def low_latency_partial_combine(
     results/direct, "Partials"). The expert side needs the weights, so a
     dispatch that feeds this combine carries them with its rows.
 
+    With ``logfmt`` the partials travel in LogFMT-10 (cupyep.reference.logfmt):
+    the owner sums roundtrip(partial_{s,d}[t]) instead, the format applied to
+    the BF16 partial rows.
+
     Arguments and shapes: as :func:`low_latency_combine` (expert_out is
     taken as BF16 values: float32 holding BF16 values, or bfloat16).
 
@@ -370,6 +375,7 @@ def low_latency_partial_combine(
         list over source ranks s of [num_tokens_s, hidden] float32 (before the
         final BF16 rounding).
     """
+    from . import logfmt as lf
     num_local_experts, region, hidden = _check_combine_inputs(expert_out, results, topk_idx, topk_weights)
     num_ranks = len(results)
     combined = []
@@ -379,8 +385,9 @@ def low_latency_partial_combine(
             w = topk_weights[src][tokens, j].astype(np.float32)[:, None]
             partial[dst, tokens] += values.astype(np.float32) * w  # FP32, slot order
         acc = np.zeros((idx.shape[0], hidden), dtype=np.float32)
-        for dst in range(num_ranks):  # BF16 partials, summed in FP32 in rank order
-            acc += bf16_round(partial[dst])
+        for dst in range(num_ranks):  # BF16 partials (through LogFMT-10 if asked), summed in FP32 in rank order
+            row = bf16_round(partial[dst])
+            acc += lf.roundtrip(row).astype(np.float32) if logfmt and row.size else row
         combined.append(acc)
     return combined
 

@@ -767,6 +767,24 @@ def _scaled_experts(bits, first_expert, xp):
     return xp.where((bits & np.uint16(0x7F80)) != 0, bits + shift, bits).astype(np.uint16)
 
 
+def _partial_reference(xs, idx, w, R, logfmt=False):
+    """reference.low_latency_partial_combine of every rank's tokens xs through _scaled_experts (only
+    the rows the routings name are read): per rank [T, H] float32."""
+    import ml_dtypes
+    El = E // R
+    refs = ref.low_latency_dispatch(xs, idx, E, MAX_TOKENS)
+    expert_out = []
+    for d in range(R):
+        out = np.zeros(refs[d].recv_x.shape, dtype=np.uint16)
+        for e in range(El):
+            for s in range(R):
+                n = int(refs[d].layout_count[e, s])
+                sl = slice(s * MAX_TOKENS, s * MAX_TOKENS + n)
+                out[e, sl] = _scaled_experts(refs[d].recv_x[e:e + 1, sl], d * El + e, np)[0]
+        expert_out.append(out.view(ml_dtypes.bfloat16))
+    return ref.low_latency.low_latency_partial_combine(expert_out, refs, idx, w, logfmt=logfmt)
+
+
 @pytest.mark.parametrize("hook", [False, True])
 def test_partial_combine(group, llbuf, hook):
     """combine(partial=True): each expert rank returns one partial row per (token, expert rank); the
@@ -774,7 +792,6 @@ def test_partial_combine(group, llbuf, hook):
     in DeepEP's packed one and zero-copy, and stays within the BF16 bound of the per-slot combine.
     Experts scale their rows by an expert-dependent factor, so a misrouted row or weight shows."""
     import cupy
-    import ml_dtypes
     me, R = ranks(group)
     El = E // R
     tokens = [MAX_TOKENS - 3 * r for r in range(R)]
@@ -812,20 +829,56 @@ def test_partial_combine(group, llbuf, hook):
             comb.hook()
         outs.append(comb.combined_x.get())
     per_slot = bf16_to_f32(llbuf.combine(y, i_me, w_me, res.handle).combined_x.get())
-    # The reference, from every rank's expert outputs (only the rows the routings name are read).
-    refs = ref.low_latency_dispatch(xs, idx, E, MAX_TOKENS)
-    expert_out = []
-    for d in range(R):
-        out = np.zeros(refs[d].recv_x.shape, dtype=np.uint16)
-        for e in range(El):
-            for s in range(R):
-                n = int(refs[d].layout_count[e, s])
-                sl = slice(s * MAX_TOKENS, s * MAX_TOKENS + n)
-                out[e, sl] = _scaled_experts(refs[d].recv_x[e:e + 1, sl], d * El + e, np)[0]
-        expert_out.append(out.view(ml_dtypes.bfloat16))
-    want = f32_to_bf16(ref.low_latency.low_latency_partial_combine(expert_out, refs, idx, w)[me])
+    want = f32_to_bf16(_partial_reference(xs, idx, w, R)[me])
     exact = all(np.array_equal(o, want) for o in outs)
     diff = ref.calc_diff(bf16_to_f32(outs[0]), per_slot)
     ok &= exact and diff < 1e-5
     assert all_ranks(group.comm, ok), (exact, [int((o != want).sum()) for o in outs], diff)
 
+
+
+@pytest.mark.parametrize("hook", [False, True])
+def test_partial_logfmt_combine(group, llbuf, hook):
+    """combine(partial=True, use_logfmt=True): the partial rows travel in LogFMT-10; the result is
+    reference.low_latency_partial_combine(..., logfmt=True) within the device's rounding of the format
+    (as test_logfmt_combine: an order of magnitude closer to it than the format is to the BF16 partial
+    combine), the same from x in the region layout, packed and zero-copy, and no further from the BF16
+    partial combine than the format itself. Experts scale their rows by an expert-dependent factor."""
+    import cupy
+    me, R = ranks(group)
+    El = E // R
+    tokens = [MAX_TOKENS - 3 * r for r in range(R)]
+    idx, w = _routing(group, 223 + hook, tokens)
+    xs = [tagged_x(r, tokens[r]) for r in range(R)]
+    i_me, w_me = cupy.asarray(idx[me]), cupy.asarray(w[me])
+    res = llbuf.dispatch(cupy.asarray(xs[me]), i_me, use_fp8=False, topk_weights=w_me)
+    y = _scaled_experts(res.recv_x, me * El, cupy)
+    if group.num_nodes > 1:
+        with pytest.raises(ValueError, match="within a node"):
+            llbuf.combine(y, i_me, None, res.handle, partial=True, use_logfmt=True)
+        llbuf.combine(y, i_me, w_me, res.handle)  # the refused call took no set
+        return
+    with pytest.raises(ValueError, match="pull=True"):
+        llbuf.combine(y, i_me, None, res.handle, partial=True, use_logfmt=True, pull=True)
+    outs = []
+    for how in ("regions", "packed", "zero_copy"):
+        x = _packed(y, res.handle.layout_count.get(), R, llbuf.max_tokens) if how == "packed" else y
+        if how == "zero_copy":
+            llbuf.get_next_combine_buffer(res.handle)[...] = y
+            x = None
+        comb = llbuf.combine(x, i_me, None, res.handle, partial=True, use_logfmt=True, return_recv_hook=hook,
+                             zero_copy=how == "zero_copy", x_layout="packed" if how == "packed" else "regions")
+        if hook:
+            comb.hook()
+        outs.append(comb.combined_x.get())
+    got = bf16_to_f32(outs[0])
+    want_lf = _partial_reference(xs, idx, w, R, logfmt=True)[me]
+    want = _partial_reference(xs, idx, w, R)[me]
+    hcols = slice(0, H - 128)  # hash columns; the token-index ones are exact in the format (one value a group)
+    d_fmt = ref.calc_diff(want_lf[:, hcols], want[:, hcols])
+    d_lf = ref.calc_diff(got[:, hcols], want_lf[:, hcols])
+    d_exact = ref.calc_diff(got[:, hcols], want[:, hcols])
+    tag_ok = np.all(np.abs(got[:, -128:] - want[:, -128:]) <= np.abs(want[:, -128:]) * 2.0 ** -7 + 1e-30)
+    same = all(np.array_equal(o, outs[0]) for o in outs)
+    ok = same and d_lf < 0.1 * d_fmt and d_exact < 1.5 * d_fmt and tag_ok and not np.isnan(got).any()
+    assert all_ranks(group.comm, ok), (same, d_lf, d_exact, d_fmt, bool(tag_ok))

@@ -17,10 +17,13 @@ the data copy it wrote last time (layout.CallSchedule):
 - ``combine_partial``: the partial combine (``combine(partial=True)``: one
   row per (token, expert rank), summed on the expert side) after an FP8
   dispatch given the weights;
+- ``combine_logfmt`` / ``combine_partial_logfmt``: the same combines with
+  their rows in LogFMT-10 (``use_logfmt=True``: 10.5 bits a value);
 - ``dispatch_fp8_send_half``, ``dispatch_fp8_recv_half``,
   ``combine_send_half``, ``combine_recv_half``: hook mode's halves;
   ``combine_partial_send_half``, ``combine_partial_recv_half``: the partial
-  combine's.
+  combine's; ``combine_partial_logfmt_send_half``,
+  ``combine_partial_logfmt_recv_half``: its LogFMT-10 form's.
 
 Timing boundaries (``TIMINGS``):
 
@@ -61,7 +64,12 @@ HOOK_KINDS = ("dispatch_fp8_send_half", "dispatch_fp8_recv_half", "combine_send_
 # Round name -> the kinds it records, in the order the benchmark writes them.
 ROUNDS = {"fp8": ("dispatch_fp8", "combine"), "bf16": ("dispatch_bf16",), "pull": ("combine_pull",),
           "zero_copy": ("combine_zero_copy",), "zero_copy_push": ("combine_zero_copy_push",), "hook": HOOK_KINDS,
-          "partial": ("combine_partial",), "hook_partial": ("combine_partial_send_half", "combine_partial_recv_half")}
+          "partial": ("combine_partial",), "hook_partial": ("combine_partial_send_half", "combine_partial_recv_half"),
+          "logfmt": ("combine_logfmt",), "partial_logfmt": ("combine_partial_logfmt",),
+          "hook_partial_logfmt": ("combine_partial_logfmt_send_half", "combine_partial_logfmt_recv_half")}
+# Round name -> the combine's keyword arguments (beyond the plain pushing combine's).
+_COMBINE_KW = {"pull": {"pull": True}, "partial": {"partial": True}, "logfmt": {"use_logfmt": True},
+               "partial_logfmt": {"partial": True, "use_logfmt": True}}
 KINDS = tuple(k for kinds in ROUNDS.values() for k in kinds)
 TIMINGS = ("strict", "deepep")
 WARMUP = 10  # untimed rounds ahead of a strict measurement
@@ -238,7 +246,11 @@ class Session:
             return 0
         if kind.startswith("dispatch"):
             return self.pairs * self.rows["bf16" if kind.startswith("dispatch_bf16") else "fp8"]
-        return (self.rank_pairs if kind.startswith("combine_partial") else self.pairs) * self.rows["combine"]
+        rows = self.rank_pairs if kind.startswith("combine_partial") else self.pairs
+        if "logfmt" in kind:  # LogFMT-10 rows (cupyep.reference.logfmt)
+            from ...reference.logfmt import payload_bytes
+            return payload_bytes(rows, int(self.x.shape[1]))
+        return rows * self.rows["combine"]
 
     # ------------------------------------------------------ strict boundary
     def steps(self, calls, iters: int) -> list:
@@ -260,16 +272,16 @@ class Session:
             return [(d_fp8, "dispatch_fp8"), (self.combine, "combine")]
         if name == "bf16":
             return [(self.dispatch(False), "dispatch_bf16"), (self.combine, None)]
-        if name == "pull":
-            return [(d_fp8, None), (lambda i, st: self.combine(i, st, pull=True), "combine_pull")]
+        if name in ("pull", "logfmt"):
+            return [(d_fp8, None), (lambda i, st: self.combine(i, st, **_COMBINE_KW[name]), ROUNDS[name][0])]
         if name in ("zero_copy", "zero_copy_push"):
             return [(d_fp8, None), (self.zero_copy_combine(name == "zero_copy"), ROUNDS[name][0])]
-        if name == "partial":
+        if name in ("partial", "partial_logfmt"):
             return [(lambda i, st: d_fp8(i, st, topk_weights=self.topk_weights), None),
-                    (lambda i, st: self.combine(i, st, partial=True), "combine_partial")]
-        if name == "hook_partial":
+                    (lambda i, st: self.combine(i, st, **_COMBINE_KW[name]), ROUNDS[name][0])]
+        if name in ("hook_partial", "hook_partial_logfmt"):
             def cps(i, st):
-                self.pending["c"] = self.combine(i, st, partial=True, return_recv_hook=True)
+                self.pending["c"] = self.combine(i, st, return_recv_hook=True, **_COMBINE_KW[name[5:]])
             return [(lambda i, st: d_fp8(i, st, topk_weights=self.topk_weights, return_recv_hook=True), None),
                     (lambda i, st: self.pending["d"].hook(kernel_time_ns=st), None),
                     (cps, ROUNDS[name][0]), (lambda i, st: self.pending["c"].hook(kernel_time_ns=st), ROUNDS[name][1])]
@@ -311,8 +323,8 @@ class Session:
 
     def _deepep_body(self, name: str, host_gap_ms: float):
         buf, x, idx, w = self.buf, self.x, self.topk_idx, self.topk_weights
-        if name in ("hook", "hook_partial"):
-            partial = name == "hook_partial"
+        if name in ("hook", "hook_partial", "hook_partial_logfmt"):
+            partial = name != "hook"
             ck = ROUNDS[name][-2:] if partial else HOOK_KINDS[2:]
 
             def gap_then_align():
@@ -327,18 +339,17 @@ class Session:
                 gap_then_align()
                 d.hook(kernel_time_ns=st(HOOK_KINDS[1]))
                 c = buf.combine(self.y, idx, w, d.handle, return_recv_hook=True, kernel_time_ns=st(ck[0]),
-                                **({"partial": True} if partial else {}))
+                                **(_COMBINE_KW[name[5:]] if partial else {}))
                 gap_then_align()
                 c.hook(kernel_time_ns=st(ck[1]))
             return hooked
         if name not in ROUNDS:
             raise ValueError(f"round must be one of {tuple(ROUNDS)}, got {name!r}")
         dkind = "dispatch_bf16" if name == "bf16" else "dispatch_fp8"
-        ckind = {"fp8": "combine", "bf16": None, "pull": "combine_pull", "zero_copy": "combine_zero_copy",
-                 "zero_copy_push": "combine_zero_copy_push", "partial": "combine_partial"}[name]
-        kw = ({"pull": True} if name == "pull" else {"zero_copy": True, "pull": name == "zero_copy"}
-              if name.startswith("zero_copy") else {"partial": True} if name == "partial" else {})
-        dkw = {"topk_weights": w} if name == "partial" else {}
+        ckind = None if name == "bf16" else ROUNDS[name][-1]
+        kw = ({"zero_copy": True, "pull": name == "zero_copy"} if name.startswith("zero_copy")
+              else _COMBINE_KW.get(name, {}))
+        dkw = {"topk_weights": w} if name.startswith("partial") else {}
         src = None if name.startswith("zero_copy") else self.y
 
         def single(st):
