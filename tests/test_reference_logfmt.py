@@ -93,19 +93,17 @@ def test_the_results_readme_shows_what_the_probe_prints():
 
 # ---------------------------------------------------------------- the device's version (common/logfmt.cuh)
 def _pack80(codes):
-    """encode8's bits: code i at bit 10 i of 80, as five uint16 (emulated statement by statement)."""
+    """encode8's bits: code i at bit 10 i of 80, as (low 64 bits, high 16 bits) (emulated statement by
+    statement)."""
     low = 0
     for i in range(6):
         low |= int(codes[i]) << (10 * i)
     low |= (int(codes[6]) & 0xF) << 60
-    high = (int(codes[6]) >> 4) | (int(codes[7]) << 6)
-    return [low & 0xFFFF, (low >> 16) & 0xFFFF, (low >> 32) & 0xFFFF, (low >> 48) & 0xFFFF, high & 0xFFFF]
+    return low, (int(codes[6]) >> 4) | (int(codes[7]) << 6)
 
 
-def _unpack80(words):
+def _unpack80(low, high):
     """decode8's bits."""
-    low = words[0] | (words[1] << 16) | (words[2] << 32) | (words[3] << 48)
-    high = words[4]
     out = [(low >> (10 * i)) & 0x3FF for i in range(6)]
     out.append(((low >> 60) & 0xF) | ((high & 0x3F) << 4))
     out.append((high >> 6) & 0x3FF)
@@ -113,22 +111,25 @@ def _unpack80(words):
 
 
 def _encode1_f32(x, lo, hi):
-    """encode1 in float32, as the device computes it (log2f, exp2f, floorf)."""
+    """encode1 in float32, as the device computes it (encoder's group constants, then log2, floorf and
+    the log-domain threshold theta for rounding to the nearer level in linear terms)."""
     f = np.float32
     a = abs(f(x))
     if a == 0:
         return 0
     step = f((f(hi) - f(lo)) / f(L.LEVELS - 1))
+    flat = not step > 0
+    inv_step = f(0) if flat else f(f(1) / step)
     lowest = np.exp2(f(lo), dtype=np.float32)
+    theta = f(2) if flat else f(np.log2(f(0.5) * (f(1) + np.exp2(step, dtype=np.float32)), dtype=np.float32)
+                                * inv_step)
     if a < lowest:
         c = 1 if a >= f(0.5) * lowest else 0
     else:
-        t = f((np.log2(a, dtype=np.float32) - f(lo)) / step) if step > 0 else f(0)
-        c = int(min(max(np.floor(t), 0), L.LEVELS - 1)) + 1
-
-        def level(ci):
-            return np.exp2(f(lo) + f(ci - 1) * step, dtype=np.float32)
-        if c < L.LEVELS and a - level(c) > level(c + 1) - a:
+        t = max(f((np.log2(a, dtype=np.float32) - f(lo)) * inv_step), f(0))
+        below = min(np.floor(t), f(L.LEVELS - 1))
+        c = int(below) + 1
+        if c < L.LEVELS and f(t - below) > theta:
             c += 1
     return 0 if c == 0 else c | ((1 << 9) if x < 0 else 0)
 
@@ -137,8 +138,8 @@ def test_the_devices_80_bit_packing_inverts():
     rng = np.random.default_rng(4)
     for _ in range(200):
         codes = rng.integers(0, 1 << 10, size=8)
-        words = _pack80(codes)
-        assert all(0 <= w < 1 << 16 for w in words) and _unpack80(words) == list(codes)
+        low, high = _pack80(codes)
+        assert 0 <= low < 1 << 64 and 0 <= high < 1 << 16 and _unpack80(low, high) == list(codes)
 
 
 def test_the_devices_float32_codes_are_the_references_but_for_rare_ties():
@@ -158,11 +159,13 @@ def test_the_device_header_has_the_emulated_statements():
     from cupyep import jit
     src = (jit.CUDA_SRC / "common" / "logfmt.cuh").read_text()
     for line in ("low |= (uint64_t)(code[6] & 0xfu) << 60;",
-                 "const uint32_t high = (code[6] >> 4) | (code[7] << 6);",
-                 "f[6] = decode1((uint32_t)((low >> 60) & 0xfu) | ((high & 0x3fu) << 4), lo, hi);",
-                 "f[7] = decode1((high >> 6) & 0x3ffu, lo, hi);",
-                 "if (ci < kLevels && a - level(ci, lo, step) > level(ci + 1, lo, step) - a) ++ci;",
-                 "c = a >= 0.5f * lowest ? 1u : 0u;",
+                 "return {low, (code[6] >> 4) | (code[7] << 6)};",
+                 "f[6] = decode1((uint32_t)((c.low >> 60) & 0xfu) | ((c.high & 0x3fu) << 4), lo, step);",
+                 "f[7] = decode1((c.high >> 6) & 0x3ffu, lo, step);",
+                 "e.theta = flat ? 2.f : log2f(0.5f * (1.f + exp2f(step))) * e.inv_step;",
+                 "const float t = fmaxf((__log2f(a) - e.lo) * e.inv_step, 0.f);",
+                 "if (c < (uint32_t)kLevels && t - below > e.theta) ++c;",
+                 "c = a >= 0.5f * e.lowest ? 1u : 0u;",
                  "return make_float2(fmaxf(log2f(amin), hi - kMaxOctaves), hi);"):
         assert line in src, line
     assert "constexpr int kLevels = 511;" in src and "constexpr float kMaxOctaves = 32.f;" in src

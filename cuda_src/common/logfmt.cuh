@@ -5,7 +5,11 @@
 //   [G][2] float32  (lo, hi) of each group: log2 of its smallest nonzero and
 //                   largest magnitude, lo >= hi - 32 (0, 0 for an all-zero group)
 //   [G][160] bytes  each group's 128 codes of 10 bits (sign << 9 | magnitude),
-//                   code i of a group at bits [10 i, 10 i + 10), little-endian
+//                   as 16 runs of 8 (run r: codes 8 r .. 8 r + 7, code i of the run
+//                   at bits [10 i, 10 i + 10) of its 80 bits, little-endian): the
+//                   runs' low 64 bits as [16] uint64, then their high 16 bits as
+//                   [16] uint16, so that the 16 lanes holding a group store and
+//                   load each part as one contiguous block
 // padded to a multiple of 16 bytes. Magnitude code c in 1..511 is
 // 2 ** (lo + (c - 1) * step), step = (hi - lo) / 510; 0 is zero. Encoding
 // rounds to the nearer level in linear terms; below 2 ** lo to the nearer of
@@ -87,7 +91,9 @@ __device__ __forceinline__ uint32_t encode1(float x, const Encoder& e) {
     if (a < e.lowest) {
         c = a >= 0.5f * e.lowest ? 1u : 0u;  // under the range: the nearer of zero and the lowest level
     } else {
-        const float t = fmaxf((log2f(a) - e.lo) * e.inv_step, 0.f);
+        // (__log2f: the hardware's log2, within about 2 ** -22 of it; a value that close to the
+        // midpoint of two levels may take the other one, as float32 rounding may anyway)
+        const float t = fmaxf((__log2f(a) - e.lo) * e.inv_step, 0.f);
         const float below = fminf(floorf(t), (float)(kLevels - 1));  // the level at or below a, less one
         c = (uint32_t)below + 1u;
         if (c < (uint32_t)kLevels && t - below > e.theta) ++c;
@@ -103,45 +109,50 @@ __device__ __forceinline__ float decode1(uint32_t code, float lo, float step) {
     return (code >> 9) & 1u ? -v : v;
 }
 
-// Encode 8 values into their 80 bits, stored as five uint16 at dst (2-byte aligned).
-__device__ __forceinline__ void encode8(const float (&f)[8], float lo, float hi, uint16_t* dst) {
+// One run of 8 codes: its 80 bits as the low 64 and the high 16.
+struct Codes {
+    uint64_t low;
+    uint32_t high;
+};
+
+// The codes of 8 BF16 values (one int4) of a group of range (lo, hi). Not inlined, and given the
+// values as they are packed (registers, not an array in memory): a warp's loop encodes many words,
+// and one copy of this code keeps the loop small.
+__device__ __noinline__ Codes encode8(int4 v, float lo, float hi) {
+    float f[8];
+    unpack8(v, f);
     const Encoder e = encoder(lo, hi);
     uint32_t code[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) code[i] = encode1(f[i], e);
-    // 80 bits little-endian: code i at bit 10 i
     uint64_t low = 0;
 #pragma unroll
     for (int i = 0; i < 6; ++i) low |= (uint64_t)code[i] << (10 * i);  // bits 0..59
     low |= (uint64_t)(code[6] & 0xfu) << 60;                           // bits 60..63
-    const uint32_t high = (code[6] >> 4) | (code[7] << 6);             // bits 64..79
-    dst[0] = (uint16_t)low;
-    dst[1] = (uint16_t)(low >> 16);
-    dst[2] = (uint16_t)(low >> 32);
-    dst[3] = (uint16_t)(low >> 48);
-    dst[4] = (uint16_t)high;
+    return {low, (code[6] >> 4) | (code[7] << 6)};                     // bits 64..79
 }
 
-// Decode the 8 values whose 80 bits start at src (2-byte aligned).
-__device__ __forceinline__ void decode8(const uint16_t* src, float lo, float hi, float (&f)[8]) {
-    const uint64_t low = (uint64_t)src[0] | ((uint64_t)src[1] << 16) | ((uint64_t)src[2] << 32) |
-                         ((uint64_t)src[3] << 48);
-    const uint32_t high = src[4];
+// The 8 values of a run of codes in a group of range (lo, hi).
+__device__ __forceinline__ void decode8(const Codes& c, float lo, float hi, float (&f)[8]) {
     const float step = (hi - lo) / (float)(kLevels - 1);
 #pragma unroll
-    for (int i = 0; i < 6; ++i) f[i] = decode1((uint32_t)(low >> (10 * i)) & 0x3ffu, lo, step);
-    f[6] = decode1((uint32_t)((low >> 60) & 0xfu) | ((high & 0x3fu) << 4), lo, step);
-    f[7] = decode1((high >> 6) & 0x3ffu, lo, step);
+    for (int i = 0; i < 6; ++i) f[i] = decode1((uint32_t)(c.low >> (10 * i)) & 0x3ffu, lo, step);
+    f[6] = decode1((uint32_t)((c.low >> 60) & 0xfu) | ((c.high & 0x3fu) << 4), lo, step);
+    f[7] = decode1((c.high >> 6) & 0x3ffu, lo, step);
 }
 
-// Word w (8 values, w = group * 16 + i) of a LogFMT row: where its codes and its group's range are.
-__device__ __forceinline__ const uint16_t* codes_of(const char* row, int hidden, int w) {
-    return reinterpret_cast<const uint16_t*>(row + meta_bytes(hidden) + (int64_t)(w / 16) * kCodeBytesPerGroup +
-                                             (w % 16) * 10);
+// Word w (8 values, w = group * 16 + r) of a LogFMT row: where its run of codes lies.
+__device__ __forceinline__ int64_t run_offset(int hidden, int w) {
+    return meta_bytes(hidden) + (int64_t)(w / 16) * kCodeBytesPerGroup;
 }
-__device__ __forceinline__ uint16_t* codes_of(char* row, int hidden, int w) {
-    return reinterpret_cast<uint16_t*>(row + meta_bytes(hidden) + (int64_t)(w / 16) * kCodeBytesPerGroup +
-                                       (w % 16) * 10);
+__device__ __forceinline__ void store_codes(char* row, int hidden, int w, const Codes& c) {
+    char* g = row + run_offset(hidden, w);
+    reinterpret_cast<uint64_t*>(g)[w % 16] = c.low;
+    reinterpret_cast<uint16_t*>(g + 128)[w % 16] = (uint16_t)c.high;
+}
+__device__ __forceinline__ Codes load_codes(const char* row, int hidden, int w) {
+    const char* g = row + run_offset(hidden, w);
+    return {reinterpret_cast<const uint64_t*>(g)[w % 16], reinterpret_cast<const uint16_t*>(g + 128)[w % 16]};
 }
 __device__ __forceinline__ float2 range_of(const char* row, int w) {
     return reinterpret_cast<const float2*>(row)[w / 16];

@@ -237,7 +237,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                                 logfmt::unpack8(packed, f);
                                 const float2 range = logfmt::group_range(f);  // every lane takes part
                                 if (store) {
-                                    logfmt::encode8(f, range.x, range.y, logfmt::codes_of(dst, H, word));
+                                    logfmt::store_codes(dst, H, word, logfmt::encode8(packed, range.x, range.y));
                                     if (lane % 16 == 0) reinterpret_cast<float2*>(dst)[word / 16] = range;
                                 }
                             } else if (store) {
@@ -247,31 +247,51 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                     }
                 }
             } else if constexpr (kLogFMT) {
-                // LogFMT-10 (pushed within a node): a warp per (received row, two groups); lane l takes
-                // word 16 g + l % 16 of group g = 2 * pair + l / 16, the half-warp finds the group's range,
-                // each lane stores its 8 codes, and lane 0 of each half the group's (lo, hi).
-                const int groups = H / logfmt::kGroup, group_pairs = (groups + 1) / 2;
+                // LogFMT-10 (pushed within a node): a warp per piece of a received row, kLfWords words a
+                // lane (lane l: words l + 32 i), all loaded at once; then word by word, the half-warp
+                // holding a group (16 words) finds its range, every lane stores its codes and lane 0
+                // of each half the group's (lo, hi). Pieces of 8 words a lane when they keep every
+                // warp busy, else of one, so that a few rows still spread over many warps.
+                const int row_words = H / 8, lane_words = (row_words + 31) / 32;
                 const int64_t lf_row = logfmt::row_bytes(H);
-                const int64_t num_items = (int64_t)prefix[P] * group_pairs;
-                for (int64_t item = (int64_t)b * num_warps + warp; item < num_items; item += (int64_t)G * num_warps) {
-                    const int r = (int)(item / group_pairs), g = 2 * (int)(item % group_pairs) + lane / 16;
-                    const int lo = pair_of(r);
-                    const int le = lo / R, s = lo % R, q = r - prefix[lo];
-                    if (is_remote(a.c, s) || is_masked(a.c, s)) continue;  // warp-uniform: one row per item
-                    const int64_t slot = (int64_t)le * slots + (int64_t)s * a.c.capacity + q;
-                    const int w = g * 16 + lane % 16;
-                    float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-                    if (g < groups)
-                        logfmt::unpack8(ld_nc_na_v4(reinterpret_cast<const int4*>(
-                                            reinterpret_cast<const char*>(a.x) +
-                                            x_row(a, prefix, lo, le, R, q, slot) * a.x_row_bytes) + w), f);
-                    const float2 range = logfmt::group_range(f);  // every lane takes part in the shuffles
-                    if (g >= groups || (a.c.ablate & kAblateRows)) continue;
-                    char* dst = at<char>(a.c.peers[s], a.c.cur.combine_recv) +
-                                ((int64_t)a.c.rank * ret_rows + colprefix[lo] + q) * lf_row;
-                    logfmt::encode8(f, range.x, range.y, logfmt::codes_of(dst, H, w));
-                    if (lane % 16 == 0) reinterpret_cast<float2*>(dst)[g] = range;
-                }
+                auto encode_rows = [&](auto unroll) {
+                    constexpr int kLfWords = unroll_of(decltype(unroll){});
+                    const int pieces = (lane_words + kLfWords - 1) / kLfWords;
+                    const int64_t num_items = (int64_t)prefix[P] * pieces;
+                    for (int64_t item = (int64_t)b * num_warps + warp; item < num_items;
+                         item += (int64_t)G * num_warps) {
+                        const int r = (int)(item / pieces), lw0 = (int)(item % pieces) * kLfWords;
+                        const int lo = pair_of(r);
+                        const int le = lo / R, s = lo % R, q = r - prefix[lo];
+                        if (is_remote(a.c, s) || is_masked(a.c, s)) continue;  // warp-uniform: one row per item
+                        const int64_t slot = (int64_t)le * slots + (int64_t)s * a.c.capacity + q;
+                        const int4* src = reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) +
+                                                                        x_row(a, prefix, lo, le, R, q, slot) *
+                                                                            a.x_row_bytes);
+                        char* dst = at<char>(a.c.peers[s], a.c.cur.combine_recv) +
+                                    ((int64_t)a.c.rank * ret_rows + colprefix[lo] + q) * lf_row;
+                        int4 v[kLfWords];
+#pragma unroll
+                        for (int i = 0; i < kLfWords; ++i) {
+                            const int word = lane + 32 * (lw0 + i);
+                            v[i] = lw0 + i < lane_words && word < row_words ? ld_nc_na_v4(src + word)
+                                                                            : make_int4(0, 0, 0, 0);
+                        }
+#pragma unroll
+                        for (int i = 0; i < kLfWords; ++i) {
+                            if (lw0 + i >= lane_words) break;  // warp-uniform
+                            const int word = lane + 32 * (lw0 + i);
+                            float f[8];
+                            logfmt::unpack8(v[i], f);
+                            const float2 range = logfmt::group_range(f);  // every lane takes part in the shuffles
+                            if (word >= row_words || (a.c.ablate & kAblateRows)) continue;
+                            logfmt::store_codes(dst, H, word, logfmt::encode8(v[i], range.x, range.y));
+                            if (lane % 16 == 0) reinterpret_cast<float2*>(dst)[word / 16] = range;
+                        }
+                    }
+                };
+                if ((int64_t)prefix[P] * ((lane_words + 7) / 8) >= (int64_t)G * num_warps) encode_rows(Unroll<8>{});
+                else encode_rows(Unroll<1>{});
             } else if (kNumThreads <= 512 && big_pieces >= (int64_t)G * num_warps) {
                 copy_rows(Unroll<kNumThreads <= 512 ? 16 : 8>{});
             } else {
@@ -372,7 +392,8 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
         };
         // Slots whose chunks a warp has in flight: all of a top-8 at 512 threads (128
         // registers), half at 1024 (64 registers).
-        constexpr int kBatch = kNumThreads <= 512 ? 8 : 4;
+        // LogFMT: 4, each slot's two runs of codes and ranges loaded before any is decoded.
+        constexpr int kBatch = kNumThreads <= 512 && !kLogFMT ? 8 : 4;
         constexpr int kChunkWords = kChunkElems / 8;  // int4 words of a chunk: lane owns lane and lane + 32
         // Each warp takes a contiguous run of (token, chunk) items, so it looks a
         // token's slots up once: lane j holds slot j's row and weight (slots from 32 on,
@@ -426,6 +447,9 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
             for (int j0 = 0; j0 < k; j0 += kBatch) {
                 int4 v[kBatch][2];
                 float w[kBatch];
+                logfmt::Codes lf[kLogFMT ? kBatch : 1][2];
+                float2 rg[kLogFMT ? kBatch : 1][2];
+                bool on[kLogFMT ? kBatch : 1];
 #pragma unroll
                 for (int u = 0; u < kBatch; ++u) {
                     const int j = j0 + u;
@@ -439,33 +463,38 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                         p = slot_row(t, j, w[u]);
                     }
                     const bool some = j < k && p != nullptr;
-                    if constexpr (kLogFMT) {  // decode the lane's two runs of 8 values, accumulate them here
-                        v[u][0] = v[u][1] = make_int4(0, 0, 0, 0);
-                        if (some) {
-                            const char* row = reinterpret_cast<const char*>(p);
-                            float f[8];
-                            if (active0) {
-                                const float2 rg = logfmt::range_of(row, w0);
-                                logfmt::decode8(logfmt::codes_of(row, H, w0), rg.x, rg.y, f);
-#pragma unroll
-                                for (int i = 0; i < 8; ++i) acc[i] = fmaf(f[i], w[u], acc[i]);
-                            }
-                            if (active1) {
-                                const float2 rg = logfmt::range_of(row, w1);
-                                logfmt::decode8(logfmt::codes_of(row, H, w1), rg.x, rg.y, f);
-#pragma unroll
-                                for (int i = 0; i < 8; ++i) acc[8 + i] = fmaf(f[i], w[u], acc[8 + i]);
-                            }
-                        }
-                        w[u] = 0.f;  // accumulated already: the BF16 step below adds zeros
+                    if constexpr (kLogFMT) {  // the lane's two runs of codes and their ranges (decoded below)
+                        const char* row = reinterpret_cast<const char*>(p);
+                        on[u] = some;
+                        lf[u][0] = some && active0 ? logfmt::load_codes(row, H, w0) : logfmt::Codes{0, 0};
+                        lf[u][1] = some && active1 ? logfmt::load_codes(row, H, w1) : logfmt::Codes{0, 0};
+                        rg[u][0] = some && active0 ? logfmt::range_of(row, w0) : make_float2(0.f, 0.f);
+                        rg[u][1] = some && active1 ? logfmt::range_of(row, w1) : make_float2(0.f, 0.f);
                         continue;
                     }
                     v[u][0] = some && active0 ? ld_na_v4(p + w0) : make_int4(0, 0, 0, 0);
                     v[u][1] = some && active1 ? ld_na_v4(p + w1) : make_int4(0, 0, 0, 0);
                     if (!some) w[u] = 0.f;
                 }
+                if constexpr (kLogFMT) {
 #pragma unroll
-                for (int u = 0; u < kBatch && !kLogFMT; ++u) {  // (LogFMT: accumulated as decoded)
+                    for (int u = 0; u < kBatch; ++u) {
+                        if (!on[u]) continue;
+                        float f[8];
+                        if (active0) {
+                            logfmt::decode8(lf[u][0], rg[u][0].x, rg[u][0].y, f);
+#pragma unroll
+                            for (int i = 0; i < 8; ++i) acc[i] = fmaf(f[i], w[u], acc[i]);
+                        }
+                        if (active1) {
+                            logfmt::decode8(lf[u][1], rg[u][1].x, rg[u][1].y, f);
+#pragma unroll
+                            for (int i = 0; i < 8; ++i) acc[8 + i] = fmaf(f[i], w[u], acc[8 + i]);
+                        }
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < kBatch && !kLogFMT; ++u) {  // (LogFMT: summed as decoded, above)
                     if constexpr (kPartial) {  // weight 1 or an absent lane's zeros: IEEE sums (bf16.cuh)
                         add_bf16x8_ieee(acc, v[u][0]);
                         add_bf16x8_ieee(acc + 8, v[u][1]);
