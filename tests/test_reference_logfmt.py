@@ -162,11 +162,11 @@ def test_the_device_header_has_the_emulated_statements():
                  "return {low, (code[6] >> 4) | (code[7] << 6)};",
                  "f[6] = decode1((uint32_t)((c.low >> 60) & 0xfu) | ((c.high & 0x3fu) << 4), lo, step);",
                  "f[7] = decode1((c.high >> 6) & 0x3ffu, lo, step);",
-                 "e.theta = flat ? 2.f : log2f(0.5f * (1.f + exp2f(step))) * e.inv_step;",
+                 "e.theta = flat ? 2.f : __log2f(0.5f * (1.f + exp2f(step))) * e.inv_step;",
                  "const float t = fmaxf((__log2f(a) - e.lo) * e.inv_step, 0.f);",
                  "if (c < (uint32_t)kLevels && t - below > e.theta) ++c;",
                  "c = a >= 0.5f * e.lowest ? 1u : 0u;",
-                 "return make_float2(fmaxf(log2f(amin), hi - kMaxOctaves), hi);"):
+                 "return make_float2(fmaxf(__log2f(amin), hi - kMaxOctaves), hi);"):
         assert line in src, line
     assert "constexpr int kLevels = 511;" in src and "constexpr float kMaxOctaves = 32.f;" in src
     assert L.LEVELS == 511 and L.MAX_OCTAVES == 32.0 and L.GROUP == 128

@@ -61,8 +61,8 @@ __device__ __forceinline__ float2 group_range(const float (&f)[8]) {
         amin = fminf(amin, __shfl_xor_sync(0xffffffffu, amin, o));
     }
     if (amax == 0.f) return make_float2(0.f, 0.f);
-    const float hi = log2f(amax);
-    return make_float2(fmaxf(log2f(amin), hi - kMaxOctaves), hi);
+    const float hi = __log2f(amax);  // the hardware's log2, as encode1's
+    return make_float2(fmaxf(__log2f(amin), hi - kMaxOctaves), hi);
 }
 
 // A group's encoding constants, computed once per 8 values (a lane's share of a group).
@@ -79,7 +79,7 @@ __device__ __forceinline__ Encoder encoder(float lo, float hi) {
     // Rounding to the nearer level in linear terms, in the log domain: a lies above the midpoint of
     // levels c and c + 1 exactly when the fraction of t = (log2 a - lo) / step exceeds
     // log2((1 + 2 ** step) / 2) / step (above 1: never, for a flat group).
-    e.theta = flat ? 2.f : log2f(0.5f * (1.f + exp2f(step))) * e.inv_step;
+    e.theta = flat ? 2.f : __log2f(0.5f * (1.f + exp2f(step))) * e.inv_step;
     return e;
 }
 
