@@ -158,5 +158,17 @@ __device__ __forceinline__ float2 range_of(const char* row, int w) {
     return reinterpret_cast<const float2*>(row)[w / 16];
 }
 
+// Word w (lane l of a warp holds word w, the 16 lanes l / 16 of it one group) of a row into the
+// LogFMT row at row: the half-warp finds its group's range (every lane takes part in the shuffles,
+// store or not); a storing lane writes its codes, and lane 0 of each half the group's (lo, hi).
+__device__ __forceinline__ void encode_word(char* row, int hidden, int w, const int4& v, int lane, bool store) {
+    float f[8];
+    unpack8(v, f);
+    const float2 range = group_range(f);
+    if (!store) return;
+    store_codes(row, hidden, w, encode8(v, range.x, range.y));
+    if (lane % 16 == 0) reinterpret_cast<float2*>(row)[w / 16] = range;
+}
+
 }  // namespace logfmt
 }  // namespace cupyep

@@ -232,17 +232,8 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                             const int word = unit * kUnitWords + lane + 32 * i;
                             const bool store = word < row_words && !(a.c.ablate & kAblateRows);
                             const int4 packed = pack_bf16x8(acc + 8 * i);
-                            if constexpr (kLogFMT) {
-                                float f[8];
-                                logfmt::unpack8(packed, f);
-                                const float2 range = logfmt::group_range(f);  // every lane takes part
-                                if (store) {
-                                    logfmt::store_codes(dst, H, word, logfmt::encode8(packed, range.x, range.y));
-                                    if (lane % 16 == 0) reinterpret_cast<float2*>(dst)[word / 16] = range;
-                                }
-                            } else if (store) {
-                                st_na_v4(reinterpret_cast<int4*>(dst) + word, packed);
-                            }
+                            if constexpr (kLogFMT) logfmt::encode_word(dst, H, word, packed, lane, store);
+                            else if (store) st_na_v4(reinterpret_cast<int4*>(dst) + word, packed);
                         }
                     }
                 }
@@ -281,17 +272,16 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                         for (int i = 0; i < kLfWords; ++i) {
                             if (lw0 + i >= lane_words) break;  // warp-uniform
                             const int word = lane + 32 * (lw0 + i);
-                            float f[8];
-                            logfmt::unpack8(v[i], f);
-                            const float2 range = logfmt::group_range(f);  // every lane takes part in the shuffles
-                            if (word >= row_words || (a.c.ablate & kAblateRows)) continue;
-                            logfmt::store_codes(dst, H, word, logfmt::encode8(v[i], range.x, range.y));
-                            if (lane % 16 == 0) reinterpret_cast<float2*>(dst)[word / 16] = range;
+                            logfmt::encode_word(dst, H, word, v[i], lane,
+                                                word < row_words && !(a.c.ablate & kAblateRows));
                         }
                     }
                 };
-                if ((int64_t)prefix[P] * ((lane_words + 7) / 8) >= (int64_t)G * num_warps) encode_rows(Unroll<8>{});
-                else encode_rows(Unroll<1>{});
+                constexpr int kLfBig = 8;  // words a lane of the wide pieces
+                if ((int64_t)prefix[P] * ((lane_words + kLfBig - 1) / kLfBig) >= (int64_t)G * num_warps)
+                    encode_rows(Unroll<kLfBig>{});
+                else
+                    encode_rows(Unroll<1>{});
             } else if (kNumThreads <= 512 && big_pieces >= (int64_t)G * num_warps) {
                 copy_rows(Unroll<kNumThreads <= 512 ? 16 : 8>{});
             } else {

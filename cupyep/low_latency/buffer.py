@@ -574,9 +574,9 @@ class LowLatencyBuffer:
             if pull:
                 raise ValueError("use_logfmt=True pushes the encoded rows; pass pull=None or False")
             pull = False
-        # (the LogFMT kernel is loaded, collectively the first time, before the call takes its set)
-        fn = self.load_kernel("combine_partial_logfmt" if partial else "combine_logfmt") if use_logfmt else \
-            self.load_kernel("combine_partial") if partial else self._combine_fn
+        # (a variant kernel is loaded, collectively the first time, before the call takes its set)
+        name = ("combine_partial" if partial else "combine") + ("_logfmt" if use_logfmt else "")
+        fn = self._combine_fn if name == "combine" else self.load_kernel(name)
         profile = self._profile_args(kernel_time_ns, trace)
         _, _, _, sets = self._take_set("combine")
         stream = self._stream(async_finish)

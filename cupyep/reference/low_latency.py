@@ -387,7 +387,7 @@ def low_latency_partial_combine(
         acc = np.zeros((idx.shape[0], hidden), dtype=np.float32)
         for dst in range(num_ranks):  # BF16 partials (through LogFMT-10 if asked), summed in FP32 in rank order
             row = bf16_round(partial[dst])
-            acc += lf.roundtrip(row).astype(np.float32) if logfmt and row.size else row
+            acc += lf.roundtrip(row) if logfmt else row
         combined.append(acc)
     return combined
 
