@@ -34,6 +34,7 @@ from .nvshmem_build import include_options, link_cubin, load_module
 SPEC_MODULES = (
     "cupyep.barrier",
     "cupyep.lab.bench.copy",
+    "cupyep.lab.bench.floor",
     "cupyep.lab.bench.scatter",
     "cupyep.lab.bench.skew",
     "cupyep.lab.bench.timing",

@@ -4,9 +4,8 @@
 // Grid: G blocks; send and receive halves as in dispatch.cu.
 // Send half (the expert side): the received rows of this rank, listed by
 // (local expert, source) pair from the dispatch's layout counts, are cut into
-// pieces of 8 KiB, or of 4 KiB when there are too few pieces of 8 KiB for every
-// warp of the grid, spread over all warps (so a few rows still keep many warps
-// busy, and many rows keep 8 KiB per warp in flight). Source s's rows go, in (expert, position)
+// pieces of 4 KiB (8 words a lane, loaded at once), spread over all warps (so
+// a few rows still keep many warps busy). Source s's rows go, in (expert, position)
 // order, to my range of s's combine_recv: the order in which s's dispatch
 // listed its rows to me, so s finds the row of its (token, slot) at the
 // dispatch's combine_pos. Then every block arrives on every source's flag
@@ -125,8 +124,6 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                                     [&](int le, int v) { colprefix[le * R + s] = v; });
             __syncthreads();
             trace_mark(a.c.trace, kMarkPrep);
-            // Pieces of 8 KiB (16 words per lane in one round) when they keep every warp
-            // busy, else of 4 KiB, so that a few rows still spread over many warps.
             auto pair_of = [&](int64_t r) {  // the pair of received row r: the last p with prefix[p] <= r
                 int lo = 0, hi = P;
                 while (hi - lo > 1) {
@@ -136,13 +133,14 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                 return lo;
             };
             const int64_t row_int4 = H / 8, ret_rows = return_rows(a.c.max_tokens, a.c.max_topk, El, a.c.capacity);
-            const int64_t big_pieces = (int64_t)prefix[P] * ((row_int4 + 16 * 32 - 1) / (16 * 32));
-            auto copy_rows = [&](auto unroll) {
+            auto copy_rows = [&] {
                 // A warp per piece of kPiece 16-byte words of a received row (grid-strided):
                 // one round of kUnroll words per lane, all loads in flight at once.
                 // Pushed: into my range of the owner's combine_recv; pulled: into the same
-                // slot of my own combine_send.
-                constexpr int kUnroll = unroll_of(decltype(unroll){}), kPiece = kUnroll * 32;
+                // slot of my own combine_send. One piece size, so the call's code stays small:
+                // a call fetches its instructions cold (results/ll_trace, "code"), and a second
+                // size of 8 KiB pieces measured slower at 1 and 128 tokens.
+                constexpr int kUnroll = 8, kPiece = kUnroll * 32;
                 const int pieces = (int)((row_int4 + kPiece - 1) / kPiece);
                 const int64_t num_pieces = (int64_t)prefix[P] * pieces;
                 for (int64_t item = (int64_t)b * num_warps + warp; item < num_pieces; item += (int64_t)G * num_warps) {
@@ -164,7 +162,6 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                                                  [](int4* p, const int4& v) { st_na_v4(p, v); });
                 }
             };
-            // (16 words per lane need the registers of 512 threads per block, not 1024.)
             if constexpr (kPartial) {
                 // A warp per head row (its token's first row on this rank, by slot): it follows the
                 // token's chain of rows here (each tag names the next), lane i keeping the i-th row and
@@ -282,10 +279,8 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                     encode_rows(Unroll<kLfBig>{});
                 else
                     encode_rows(Unroll<1>{});
-            } else if (kNumThreads <= 512 && big_pieces >= (int64_t)G * num_warps) {
-                copy_rows(Unroll<kNumThreads <= 512 ? 16 : 8>{});
             } else {
-                copy_rows(Unroll<8>{});
+                copy_rows();
             }
 #ifdef CUPYEP_LL_NVSHMEM
             // Rows for owners on other nodes: a warp per row, staged in the same slot of my own
@@ -380,10 +375,10 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
             w = 0.f;
             return lane < k ? slot_row(t, lane, w) : nullptr;
         };
-        // Slots whose chunks a warp has in flight: all of a top-8 at 512 threads (128
-        // registers), half at 1024 (64 registers).
-        // LogFMT: 4, each slot's two runs of codes and ranges loaded before any is decoded.
-        constexpr int kBatch = kNumThreads <= 512 && !kLogFMT ? 8 : 4;
+        // Slots whose chunks a warp has in flight: 4 (LogFMT: each slot's two runs of codes
+        // and ranges loaded before any is decoded). 8 at 512 threads measured slower, at 1
+        // token by the code a cold call fetches and at 128 tokens too (results/ll_trace).
+        constexpr int kBatch = 4;
         constexpr int kChunkWords = kChunkElems / 8;  // int4 words of a chunk: lane owns lane and lane + 32
         // Each warp takes a contiguous run of (token, chunk) items, so it looks a
         // token's slots up once: lane j holds slot j's row and weight (slots from 32 on,

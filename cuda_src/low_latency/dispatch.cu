@@ -35,7 +35,10 @@
 namespace cupyep {
 namespace low_latency {
 
-constexpr int kBatch = 4;  // items a warp has in flight: their loads are issued together
+// Items a warp has in flight (their loads issued together): one. Four measured
+// slower at 1 token and at 128: a call fetches its instructions cold, and
+// four inlined copies of the send doubled the kernel's code (results/ll_trace).
+constexpr int kBatch = 1;
 
 // Load the BF16 chunks of items first, first + stride, ... (kBatch of them) of
 // this block's tokens (t = b + tl * G); lanes past the hidden size load zeros.
