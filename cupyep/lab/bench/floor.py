@@ -37,7 +37,7 @@ class Floor:
         self.buffer.view(0, (ROWS_OFFSET // 4,), np.int32).fill(0)
         self.chain = cupy.zeros(64, dtype=np.int32)  # chain[i] = 0: every load reads the same word
         self.error = cupy.zeros(1, dtype=np.int32)
-        self.max_rows, self.timeout_ns = max_rows, int(timeout_s * 1e9)
+        self.room, self.timeout_ns = max_rows * row_bytes, int(timeout_s * 1e9)
         self.module = jit.load(FLOOR_SPEC, group)
         cupy.cuda.get_current_stream().synchronize()
         group.comm.Barrier()
@@ -53,8 +53,9 @@ class Floor:
         others find it cached). ``stamp_row``: device int64 [2]."""
         if code_kib not in (0, 16, 64) or passes < 1:
             raise ValueError(f"code_kib must be 0, 16 or 64 and passes >= 1, got {code_kib}, {passes}")
-        if rows > self.max_rows:
-            raise ValueError(f"rows={rows} exceeds the {self.max_rows} rows this Floor holds")
+        if rows < 0 or row_bytes % 16 or rows * row_bytes > self.room:
+            raise ValueError(f"{rows} rows of {row_bytes} bytes (a multiple of 16) do not fit the {self.room} "
+                             "bytes this Floor holds")
         launch(self.module["cupyep::ll_floor"], grid, threads,
                (np.uint64(self.buffer.peer_ptrs.data.ptr), np.int64(0), np.uint64(stamp_row.data.ptr),
                 np.uint64(self.chain.data.ptr), np.int64(i), np.int32(self.rank), np.int32(self.R),
