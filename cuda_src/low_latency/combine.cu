@@ -133,35 +133,6 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                 return lo;
             };
             const int64_t row_int4 = H / 8, ret_rows = return_rows(a.c.max_tokens, a.c.max_topk, El, a.c.capacity);
-            auto copy_rows = [&] {
-                // A warp per piece of kPiece 16-byte words of a received row (grid-strided):
-                // one round of kUnroll words per lane, all loads in flight at once.
-                // Pushed: into my range of the owner's combine_recv; pulled: into the same
-                // slot of my own combine_send. One piece size, so the call's code stays small:
-                // a call fetches its instructions cold (results/ll_trace, "code"), and a second
-                // size of 8 KiB pieces measured slower at 1 and 128 tokens.
-                constexpr int kUnroll = 8, kPiece = kUnroll * 32;
-                const int pieces = (int)((row_int4 + kPiece - 1) / kPiece);
-                const int64_t num_pieces = (int64_t)prefix[P] * pieces;
-                for (int64_t item = (int64_t)b * num_warps + warp; item < num_pieces; item += (int64_t)G * num_warps) {
-                    const int r = (int)(item / pieces), piece = (int)(item % pieces);
-                    const int lo = pair_of(r);
-                    const int le = lo / R, s = lo % R, q = r - prefix[lo];
-                    if (is_remote(a.c, s) || is_masked(a.c, s)) continue;  // remote: whole rows, put below
-                    const int64_t slot = (int64_t)le * slots + (int64_t)s * a.c.capacity + q;
-                    const int64_t first = (int64_t)piece * kPiece;
-                    const int4* src = reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) +
-                                                                    x_row(a, prefix, lo, le, R, q, slot) *
-                                                                        a.x_row_bytes) + first;
-                    int4* dst = (a.pull ? local_send + slot * row_int4
-                                        : at<int4>(a.c.peers[s], a.c.cur.combine_recv) +
-                                              ((int64_t)a.c.rank * ret_rows + colprefix[lo] + q) * row_int4) + first;
-                    if (!(a.c.ablate & kAblateRows))
-                        warp_copy<kUnroll, true>(dst, src, min((int64_t)kPiece, row_int4 - first), lane,
-                                                 [](const int4* p) { return ld_nc_na_v4(p); },
-                                                 [](int4* p, const int4& v) { st_na_v4(p, v); });
-                }
-            };
             if constexpr (kPartial) {
                 // A warp per head row (its token's first row on this rank, by slot): it follows the
                 // token's chain of rows here (each tag names the next), lane i keeping the i-th row and
@@ -280,7 +251,33 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                 else
                     encode_rows(Unroll<1>{});
             } else {
-                copy_rows();
+                // A warp per piece of kPiece 16-byte words of a received row (grid-strided):
+                // one round of kUnroll words per lane, all loads in flight at once.
+                // Pushed: into my range of the owner's combine_recv; pulled: into the same
+                // slot of my own combine_send. One piece size, so the call's code stays small:
+                // a call fetches its instructions cold (results/ll_trace, "code"), and a second
+                // size of 8 KiB pieces measured slower at 1 and 128 tokens.
+                constexpr int kUnroll = 8, kPiece = kUnroll * 32;
+                const int pieces = (int)((row_int4 + kPiece - 1) / kPiece);
+                const int64_t num_pieces = (int64_t)prefix[P] * pieces;
+                for (int64_t item = (int64_t)b * num_warps + warp; item < num_pieces; item += (int64_t)G * num_warps) {
+                    const int r = (int)(item / pieces), piece = (int)(item % pieces);
+                    const int lo = pair_of(r);
+                    const int le = lo / R, s = lo % R, q = r - prefix[lo];
+                    if (is_remote(a.c, s) || is_masked(a.c, s)) continue;  // remote: whole rows, put below
+                    const int64_t slot = (int64_t)le * slots + (int64_t)s * a.c.capacity + q;
+                    const int64_t first = (int64_t)piece * kPiece;
+                    const int4* src = reinterpret_cast<const int4*>(reinterpret_cast<const char*>(a.x) +
+                                                                    x_row(a, prefix, lo, le, R, q, slot) *
+                                                                        a.x_row_bytes) + first;
+                    int4* dst = (a.pull ? local_send + slot * row_int4
+                                        : at<int4>(a.c.peers[s], a.c.cur.combine_recv) +
+                                              ((int64_t)a.c.rank * ret_rows + colprefix[lo] + q) * row_int4) + first;
+                    if (!(a.c.ablate & kAblateRows))
+                        warp_copy<kUnroll, true>(dst, src, min((int64_t)kPiece, row_int4 - first), lane,
+                                                 [](const int4* p) { return ld_nc_na_v4(p); },
+                                                 [](int4* p, const int4& v) { st_na_v4(p, v); });
+                }
             }
 #ifdef CUPYEP_LL_NVSHMEM
             // Rows for owners on other nodes: a warp per row, staged in the same slot of my own

@@ -32,7 +32,7 @@ class Floor:
     def __init__(self, group, max_rows: int = 8, row_bytes: int = 7168, timeout_s: float = 10.0):
         import cupy
         from ...ipc import SymmetricBuffer
-        self.group, self.R, self.rank = group, group.local_size, group.local_rank
+        self.R, self.rank = group.local_size, group.local_rank
         self.buffer = SymmetricBuffer(group, ROWS_OFFSET + max_rows * row_bytes)
         self.buffer.view(0, (ROWS_OFFSET // 4,), np.int32).fill(0)
         self.chain = cupy.zeros(64, dtype=np.int32)  # chain[i] = 0: every load reads the same word
