@@ -268,6 +268,23 @@ def _packed(y, counts, R, T):
     return out
 
 
+def _combine_as(llbuf, how, y, topk_idx, topk_weights, handle, hook, **kw):
+    """combined_x (host uint16) of llbuf.combine(..., **kw) with the expert outputs y given as ``how``:
+    "regions" (y as it is), "packed" (DeepEP's layout, _packed) or "zero_copy" (y copied into
+    get_next_combine_buffer, x=None); in hook mode after its hook."""
+    x = y
+    if how == "packed":
+        x = _packed(y, handle.layout_count.get(), llbuf.num_ranks, llbuf.max_tokens)
+    elif how == "zero_copy":
+        llbuf.get_next_combine_buffer(handle)[...] = y
+        x = None
+    comb = llbuf.combine(x, topk_idx, topk_weights, handle, return_recv_hook=hook, zero_copy=how == "zero_copy",
+                         x_layout="packed" if how == "packed" else "regions", **kw)
+    if hook:
+        comb.hook()
+    return comb.combined_x.get()
+
+
 @pytest.mark.parametrize("hook", [False, True])
 def test_profiling_stamps(group, llbuf, hook):
     """kernel_time_ns and trace: results stay exact, every block reaches every
@@ -680,14 +697,8 @@ def test_logfmt_combine(group, llbuf, hook):
         return
     with pytest.raises(ValueError, match="pull"):
         llbuf.combine(y, i_me, w_me, res.handle, use_logfmt=True, pull=True)
-    outs = []
-    for packed in (False, True):
-        x = _packed(y, res.handle.layout_count.get(), R, llbuf.max_tokens) if packed else y
-        comb = llbuf.combine(x, i_me, w_me, res.handle, use_logfmt=True, return_recv_hook=hook,
-                             x_layout="packed" if packed else "regions")
-        if hook:
-            comb.hook()
-        outs.append(bf16_to_f32(comb.combined_x.get()))
+    outs = [bf16_to_f32(_combine_as(llbuf, how, y, i_me, w_me, res.handle, hook, use_logfmt=True))
+            for how in ("regions", "packed")]
     # identity experts: every slot of token t returns x[t], through the format
     valid = idx[me] >= 0
     sw = (w[me] * valid).sum(axis=1, dtype=np.float64).astype(np.float32)[:, None]
@@ -785,6 +796,17 @@ def _partial_reference(xs, idx, w, R, logfmt=False):
     return ref.low_latency.low_latency_partial_combine(expert_out, refs, idx, w, logfmt=logfmt)
 
 
+def _partial_inputs(group, seed):
+    """The partial-combine tests' inputs: (me, R, idx, w, xs, i_me, w_me), MAX_TOKENS - 3 r tokens on
+    rank r routed by _routing(seed), xs their tagged rows, i_me / w_me this rank's routing on the GPU."""
+    import cupy
+    me, R = ranks(group)
+    tokens = [MAX_TOKENS - 3 * r for r in range(R)]
+    idx, w = _routing(group, seed, tokens)
+    xs = [tagged_x(r, tokens[r]) for r in range(R)]
+    return me, R, idx, w, xs, cupy.asarray(idx[me]), cupy.asarray(w[me])
+
+
 @pytest.mark.parametrize("hook", [False, True])
 def test_partial_combine(group, llbuf, hook):
     """combine(partial=True): each expert rank returns one partial row per (token, expert rank); the
@@ -792,12 +814,8 @@ def test_partial_combine(group, llbuf, hook):
     in DeepEP's packed one and zero-copy, and stays within the BF16 bound of the per-slot combine.
     Experts scale their rows by an expert-dependent factor, so a misrouted row or weight shows."""
     import cupy
-    me, R = ranks(group)
+    me, R, idx, w, xs, i_me, w_me = _partial_inputs(group, 211 + hook)
     El = E // R
-    tokens = [MAX_TOKENS - 3 * r for r in range(R)]
-    idx, w = _routing(group, 211 + hook, tokens)
-    xs = [tagged_x(r, tokens[r]) for r in range(R)]
-    i_me, w_me = cupy.asarray(idx[me]), cupy.asarray(w[me])
     if group.num_nodes > 1:
         res = llbuf.dispatch(cupy.asarray(xs[me]), i_me, use_fp8=False, topk_weights=w_me)
         with pytest.raises(ValueError, match="within a node"):
@@ -816,18 +834,9 @@ def test_partial_combine(group, llbuf, hook):
         llbuf.combine(y, i_me, w_me.copy(), res.handle, partial=True)
     with pytest.raises(ValueError, match="pull=True"):
         llbuf.combine(y, i_me, None, res.handle, partial=True, pull=True)
-    outs = []
-    for how in ("regions", "packed", "zero_copy", "weights_again"):
-        x = _packed(y, res.handle.layout_count.get(), R, llbuf.max_tokens) if how == "packed" else y
-        if how == "zero_copy":
-            llbuf.get_next_combine_buffer(res.handle)[...] = y
-            x = None
-        comb = llbuf.combine(x, i_me, w_me if how == "weights_again" else None, res.handle, partial=True,
-                             return_recv_hook=hook, zero_copy=how == "zero_copy",
-                             x_layout="packed" if how == "packed" else "regions")
-        if hook:
-            comb.hook()
-        outs.append(comb.combined_x.get())
+    outs = [_combine_as(llbuf, how, y, i_me, None, res.handle, hook, partial=True)
+            for how in ("regions", "packed", "zero_copy")]
+    outs.append(_combine_as(llbuf, "regions", y, i_me, w_me, res.handle, hook, partial=True))  # weights again
     per_slot = bf16_to_f32(llbuf.combine(y, i_me, w_me, res.handle).combined_x.get())
     want = f32_to_bf16(_partial_reference(xs, idx, w, R)[me])
     exact = all(np.array_equal(o, want) for o in outs)
@@ -845,12 +854,8 @@ def test_partial_logfmt_combine(group, llbuf, hook):
     combine), the same from x in the region layout, packed and zero-copy, and no further from the BF16
     partial combine than the format itself. Experts scale their rows by an expert-dependent factor."""
     import cupy
-    me, R = ranks(group)
+    me, R, idx, w, xs, i_me, w_me = _partial_inputs(group, 223 + hook)
     El = E // R
-    tokens = [MAX_TOKENS - 3 * r for r in range(R)]
-    idx, w = _routing(group, 223 + hook, tokens)
-    xs = [tagged_x(r, tokens[r]) for r in range(R)]
-    i_me, w_me = cupy.asarray(idx[me]), cupy.asarray(w[me])
     res = llbuf.dispatch(cupy.asarray(xs[me]), i_me, use_fp8=False, topk_weights=w_me)
     y = _scaled_experts(res.recv_x, me * El, cupy)
     if group.num_nodes > 1:
@@ -860,17 +865,8 @@ def test_partial_logfmt_combine(group, llbuf, hook):
         return
     with pytest.raises(ValueError, match="pull=True"):
         llbuf.combine(y, i_me, None, res.handle, partial=True, use_logfmt=True, pull=True)
-    outs = []
-    for how in ("regions", "packed", "zero_copy"):
-        x = _packed(y, res.handle.layout_count.get(), R, llbuf.max_tokens) if how == "packed" else y
-        if how == "zero_copy":
-            llbuf.get_next_combine_buffer(res.handle)[...] = y
-            x = None
-        comb = llbuf.combine(x, i_me, None, res.handle, partial=True, use_logfmt=True, return_recv_hook=hook,
-                             zero_copy=how == "zero_copy", x_layout="packed" if how == "packed" else "regions")
-        if hook:
-            comb.hook()
-        outs.append(comb.combined_x.get())
+    outs = [_combine_as(llbuf, how, y, i_me, None, res.handle, hook, partial=True, use_logfmt=True)
+            for how in ("regions", "packed", "zero_copy")]
     got = bf16_to_f32(outs[0])
     want_lf = _partial_reference(xs, idx, w, R, logfmt=True)[me]
     want = _partial_reference(xs, idx, w, R)[me]
