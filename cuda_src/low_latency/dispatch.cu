@@ -21,7 +21,7 @@
 //   4. writes the per-expert counts of the destinations it owns (d % G == b)
 //      and arrives on every destination's flag (sync.cuh).
 // Receive half (blocks b < num_waiters): wait for every source's flag, then
-// publish counts and stats.
+// publish counts and stats, a warp per local expert.
 // Shrink mode (CallArgs::mask, sync.cuh): nothing is sent to a masked rank and
 // a masked source's counts are zero, so its rows are never read.
 #include <cuda_bf16.h>
@@ -35,25 +35,20 @@
 namespace cupyep {
 namespace low_latency {
 
-// Items a warp has in flight (their loads issued together): one. Four measured
-// slower at 1 token and at 128: a call fetches its instructions cold, and
-// four inlined copies of the send doubled the kernel's code (results/ll_trace).
-constexpr int kBatch = 1;
-
-// Load the BF16 chunks of items first, first + stride, ... (kBatch of them) of
-// this block's tokens (t = b + tl * G); lanes past the hidden size load zeros.
-__device__ __forceinline__ void load_batch(const DispatchArgs& a, int4 (&v)[kBatch][2], int first, int stride,
-                                           int num_items, int num_chunks, int b, int G, int lane) {
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-        const int item = first + u * stride;
-        const int tl = item / num_chunks, elem0 = (item % num_chunks) * kChunkElems + lane * 16;
-        v[u][0] = v[u][1] = make_int4(0, 0, 0, 0);
-        if (item < num_items && elem0 < a.c.hidden) {
-            const int4* src = a.x + ((int64_t)(b + tl * G) * a.c.hidden + elem0) / 8;
-            v[u][0] = ld_nc_na_v4(src);
-            v[u][1] = ld_nc_na_v4(src + 1);
-        }
+// Load the BF16 chunk of item `item` of this block's tokens (token t = b + tl * G,
+// tl = item / num_chunks; lane: 16 channels); zeros past the items or the hidden size.
+// A warp keeps two items in flight: the next one's loads are issued before the
+// current one is sent. Batches of four, unrolled, measured slower at 1 token and at
+// 128: a call fetches its instructions cold, and four inlined copies of the send
+// doubled the kernel's code (results/ll_trace).
+__device__ __forceinline__ void load_item(const DispatchArgs& a, int4 (&v)[2], int item, int num_items,
+                                          int num_chunks, int b, int G, int lane) {
+    const int tl = item / num_chunks, elem0 = (item % num_chunks) * kChunkElems + lane * 16;
+    v[0] = v[1] = make_int4(0, 0, 0, 0);
+    if (item < num_items && elem0 < a.c.hidden) {
+        const int4* src = a.x + ((int64_t)(b + tl * G) * a.c.hidden + elem0) / 8;
+        v[0] = ld_nc_na_v4(src);
+        v[1] = ld_nc_na_v4(src + 1);
     }
 }
 
@@ -211,7 +206,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
     if (a.c.phases & kPhaseSend) {
         trace_mark(a.c.trace, kMarkStart);
         const int W = a.mask_words;               // 32-token mask words per expert per window
-        // This thread's first expert ids are loaded first, then the first batch of
+        // This thread's first expert ids are loaded first, then the first item of
         // this warp's rows, so the rows' latency hides behind the position scan
         // and the ids do not queue behind the rows.
         constexpr int kIdsAhead = 4;
@@ -224,8 +219,8 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
         const int num_chunks = (H + kChunkElems - 1) / kChunkElems;
         const int n_own = b < T ? (T - b + G - 1) / G : 0;
         const int num_items = n_own * num_chunks;
-        int4 v[kBatch][2];
-        load_batch(a, v, warp, num_warps, num_items, num_chunks, b, G, lane);
+        int4 v[2];
+        load_item(a, v, warp, num_items, num_chunks, b, G, lane);
         clear_next_flags(mine, a.c.next, R);
         const int Tb = (T + G - 1) / G;           // own tokens, at most
         // With weights (for the partial combine), the masks and totals have a row per rank
@@ -314,16 +309,12 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
         trace_mark(a.c.trace, kMarkPrep);
 
         // Rows: a warp per (token, chunk of 512 channels) item; lane owns 16 channels.
-        for (int first = warp;; first += kBatch * num_warps) {
-            if (first != warp) {
-                if (first >= num_items) break;
-                load_batch(a, v, first, num_warps, num_items, num_chunks, b, G, lane);
-            }
-#pragma unroll
-            for (int u = 0; u < kBatch; ++u) {
-                const int item = first + u * num_warps;
-                if (item < num_items) send_item(a, own_e, own_pos, own_rpos, item / num_chunks, item % num_chunks, b, G, lane, v[u]);
-            }
+        for (int item = warp; item < num_items; item += num_warps) {
+            int4 next[2];  // the warp's next item, loaded before this one is sent
+            load_item(a, next, item + num_warps, num_items, num_chunks, b, G, lane);
+            send_item(a, own_e, own_pos, own_rpos, item / num_chunks, item % num_chunks, b, G, lane, v);
+            v[0] = next[0];
+            v[1] = next[1];
         }
 
 #ifdef CUPYEP_LL_NVSHMEM
@@ -361,19 +352,24 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
             return;
         trace_mark(a.c.trace, kMarkArrived);
         const int* counts = at<int>(mine, a.c.cur.dispatch_count);
-        __shared__ int s_sum;
-        for (int le = b; le < El; le += a.c.num_waiters) {
-            if (threadIdx.x == 0) s_sum = 0;
-            __syncthreads();
-            for (int r = threadIdx.x; r < R; r += blockDim.x) {
+        // A warp per local expert (spread over the waiters first), a lane per source: no block
+        // barriers, so a few waiters still publish many experts' counts quickly (a block per
+        // expert, with two barriers each, made a one-token call at 8 ranks 1.1-6.8 us slower
+        // with 8 to 2 waiters, results/ll_trace). The source loop stays rolled: one pass up to 32 ranks.
+        const int num_workers = a.c.num_waiters * num_warps;
+        for (int le = warp * a.c.num_waiters + b; le < El; le += num_workers) {
+            int sum = 0;
+#pragma unroll 1
+            for (int r = lane; r < R; r += 32) {
                 const int c = is_masked(a.c, r) ? 0 : ld_volatile(counts + le * R + r);  // a masked source: none
                 a.layout_count[le * R + r] = c;
-                atomicAdd(&s_sum, c);
+                sum += c;
             }
-            __syncthreads();
-            if (threadIdx.x == 0) {
-                a.recv_count[le] = s_sum;
-                if (a.cumulative_stats) a.cumulative_stats[le] += s_sum;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            if (lane == 0) {
+                a.recv_count[le] = sum;
+                if (a.cumulative_stats) a.cumulative_stats[le] += sum;
             }
         }
         if constexpr (kPacked) pack_received(a, counts, b);

@@ -409,6 +409,38 @@ def test_stress_1000_calls(group, llbuf):
     assert all_ranks(group.comm, not counts.any() and wd < 9e-4), (counts.tolist(), wd)
 
 
+def test_small_calls_among_large(group, llbuf):
+    """Calls of one token, none or three among full ones, with every rank at
+    another size in each step (so a rank's combine sends rows for more tokens
+    than it has, or fewer; a rank with no tokens still arrives), FP8 and BF16,
+    plain and hooked: every dispatch exact, every combine against x * sum(w)."""
+    import cupy
+    me, R = ranks(group)
+    sizes = (1, MAX_TOKENS, 0, 3, MAX_TOKENS - 1, 1)
+    xs = [tagged_x(r, MAX_TOKENS) for r in range(R)]
+    ok, bad = True, []
+    for it in range(2 * len(sizes)):
+        tokens = [sizes[(it + r) % len(sizes)] for r in range(R)]
+        T, use_fp8, hook = tokens[me], it % 2 == 1, it % 3 == 2
+        idx, w = _routing(group, 900 + it, tokens)
+        xt = [a[:t] for a, t in zip(xs, tokens)]
+        res = llbuf.dispatch(cupy.asarray(xt[me]), cupy.asarray(idx[me]), use_fp8=use_fp8, return_recv_hook=hook)
+        if hook:
+            res.hook()
+        good, why = _check_dispatch(group, res, tokens, idx, use_fp8, xt)
+        comb = llbuf.combine(_expert_outputs(res, use_fp8), cupy.asarray(idx[me]), cupy.asarray(w[me]), res.handle,
+                             return_recv_hook=hook)
+        if hook:
+            comb.hook()
+        got = bf16_to_f32(comb.combined_x.get())
+        diff = ref.calc_diff(got, _combine_expected(xt[me], idx[me], w[me])) if T else 0.0
+        good &= got.shape == (T, H) and diff < (9e-4 if use_fp8 else 1e-5) and not np.isnan(got).any()
+        ok &= good
+        if not good:
+            bad.append((it, tokens, why, diff))
+    assert all_ranks(group.comm, ok), bad[:3]
+
+
 @pytest.mark.parametrize("pattern", ["ddcc", "dcc", "dcdc"])
 def test_call_sequences(group, llbuf, pattern):
     """Dispatches and combines in every order the data copies allow (layout.CallSchedule):
