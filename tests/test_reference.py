@@ -443,26 +443,38 @@ def test_ll_combine_distinguishes_experts(ll_inputs):
         assert np.array_equal(combined[src], expected.astype(np.float32))
 
 
+def _ll_scaled_outputs(results):
+    """Expert outputs of every rank for the partial-combine tests: expert e multiplies its rows by e + 1."""
+    return [(r.recv_x * (dst * NUM_LOCAL + np.arange(NUM_LOCAL) + 1)[:, None, None]).astype(ml_dtypes.bfloat16)
+            for dst, r in enumerate(results)]
+
+
+def _ll_partials(x, idx, w, src):
+    """[NUM_RANKS, T, HIDDEN] float32: rank src's tokens' partial rows as each expert rank sums them (FP32, slot
+    order, of the BF16 outputs of _ll_scaled_outputs' experts), written out token by token."""
+    partial = np.zeros((NUM_RANKS, LL_TOKENS[src], HIDDEN), np.float32)
+    for t in range(LL_TOKENS[src]):
+        for j, e in enumerate(idx[src][t]):
+            if e >= 0:
+                y = (x[src][t] * (e + 1)).astype(ml_dtypes.bfloat16).astype(np.float32)
+                partial[e // NUM_LOCAL, t] += np.float32(w[src][t, j]) * y
+    return partial
+
+
 def test_ll_partial_combine_reduces_per_expert_rank_then_per_token(ll_inputs):
     """Expert e multiplies by (e + 1): the partial combine is, per token, the FP32 sum in rank order of
     BF16 partials, each the FP32 sum in slot order of the rank's weighted expert outputs; within
     calc_diff 5e-6 of the exact (per-slot) combine; and it checks its inputs as the per-slot one."""
     x, idx, _, w = ll_inputs
     results = ref.low_latency_dispatch(x, idx, NUM_EXPERTS, LL_MAX)
-    expert_out = [(r.recv_x * (dst * NUM_LOCAL + np.arange(NUM_LOCAL) + 1)[:, None, None])
-                  .astype(ml_dtypes.bfloat16) for dst, r in enumerate(results)]
+    expert_out = _ll_scaled_outputs(results)
     got = ref.low_latency_partial_combine(expert_out, results, idx, w)
     exact = ref.low_latency_combine(expert_out, results, idx, w)
     for src in range(NUM_RANKS):
+        partial = _ll_partials(x, idx, w, src)
         want = np.zeros((LL_TOKENS[src], HIDDEN), np.float32)
-        for t in range(LL_TOKENS[src]):
-            partial = np.zeros((NUM_RANKS, HIDDEN), np.float32)
-            for j, e in enumerate(idx[src][t]):
-                if e >= 0:
-                    y = (x[src][t] * (e + 1)).astype(ml_dtypes.bfloat16).astype(np.float32)
-                    partial[e // NUM_LOCAL] += np.float32(w[src][t, j]) * y
-            for d in range(NUM_RANKS):
-                want[t] += ref.bf16_round(partial[d])
+        for d in range(NUM_RANKS):  # in rank order
+            want += ref.bf16_round(partial[d])
         assert got[src].dtype == np.float32 and np.array_equal(got[src], want)
         if LL_TOKENS[src]:
             assert ref.calc_diff(got[src], exact[src]) < 5e-6
@@ -479,17 +491,11 @@ def test_ll_partial_combine_through_logfmt_sums_the_partials_roundtrip(ll_inputs
     from cupyep.reference import logfmt as lf
     x, idx, _, w = ll_inputs
     results = ref.low_latency_dispatch(x, idx, NUM_EXPERTS, LL_MAX)
-    expert_out = [(r.recv_x * (dst * NUM_LOCAL + np.arange(NUM_LOCAL) + 1)[:, None, None])
-                  .astype(ml_dtypes.bfloat16) for dst, r in enumerate(results)]
+    expert_out = _ll_scaled_outputs(results)
     got = ref.low_latency_partial_combine(expert_out, results, idx, w, logfmt=True)
     plain = ref.low_latency_partial_combine(expert_out, results, idx, w)
     for src in range(NUM_RANKS):
-        partial = np.zeros((NUM_RANKS, LL_TOKENS[src], HIDDEN), np.float32)
-        for t in range(LL_TOKENS[src]):
-            for j, e in enumerate(idx[src][t]):
-                if e >= 0:
-                    y = (x[src][t] * (e + 1)).astype(ml_dtypes.bfloat16).astype(np.float32)
-                    partial[e // NUM_LOCAL, t] += np.float32(w[src][t, j]) * y
+        partial = _ll_partials(x, idx, w, src)
         want = np.zeros((LL_TOKENS[src], HIDDEN), np.float32)
         for d in range(NUM_RANKS):
             want += lf.roundtrip(ref.bf16_round(partial[d]))

@@ -428,11 +428,8 @@ def test_small_calls_among_large(group, llbuf):
         if hook:
             res.hook()
         good, why = _check_dispatch(group, res, tokens, idx, use_fp8, xt)
-        comb = llbuf.combine(_expert_outputs(res, use_fp8), cupy.asarray(idx[me]), cupy.asarray(w[me]), res.handle,
-                             return_recv_hook=hook)
-        if hook:
-            comb.hook()
-        got = bf16_to_f32(comb.combined_x.get())
+        got = bf16_to_f32(_combine_as(llbuf, "regions", _expert_outputs(res, use_fp8), cupy.asarray(idx[me]),
+                                      cupy.asarray(w[me]), res.handle, hook))
         diff = ref.calc_diff(got, _combine_expected(xt[me], idx[me], w[me])) if T else 0.0
         good &= got.shape == (T, H) and diff < (9e-4 if use_fp8 else 1e-5) and not np.isnan(got).any()
         ok &= good
@@ -810,9 +807,9 @@ def _scaled_experts(bits, first_expert, xp):
     return xp.where((bits & np.uint16(0x7F80)) != 0, bits + shift, bits).astype(np.uint16)
 
 
-def _partial_reference(xs, idx, w, R, logfmt=False):
-    """reference.low_latency_partial_combine of every rank's tokens xs through _scaled_experts (only
-    the rows the routings name are read): per rank [T, H] float32."""
+def _partial_expert_outputs(xs, idx, R):
+    """What reference.low_latency_partial_combine takes for every rank's tokens xs through
+    _scaled_experts (only the rows the routings name are filled): (expert_out, dispatch results)."""
     import ml_dtypes
     El = E // R
     refs = ref.low_latency_dispatch(xs, idx, E, MAX_TOKENS)
@@ -825,7 +822,7 @@ def _partial_reference(xs, idx, w, R, logfmt=False):
                 sl = slice(s * MAX_TOKENS, s * MAX_TOKENS + n)
                 out[e, sl] = _scaled_experts(refs[d].recv_x[e:e + 1, sl], d * El + e, np)[0]
         expert_out.append(out.view(ml_dtypes.bfloat16))
-    return ref.low_latency.low_latency_partial_combine(expert_out, refs, idx, w, logfmt=logfmt)
+    return expert_out, refs
 
 
 def _partial_inputs(group, seed):
@@ -870,12 +867,12 @@ def test_partial_combine(group, llbuf, hook):
             for how in ("regions", "packed", "zero_copy")]
     outs.append(_combine_as(llbuf, "regions", y, i_me, w_me, res.handle, hook, partial=True))  # weights again
     per_slot = bf16_to_f32(llbuf.combine(y, i_me, w_me, res.handle).combined_x.get())
-    want = f32_to_bf16(_partial_reference(xs, idx, w, R)[me])
+    expert_out, refs = _partial_expert_outputs(xs, idx, R)
+    want = f32_to_bf16(ref.low_latency_partial_combine(expert_out, refs, idx, w)[me])
     exact = all(np.array_equal(o, want) for o in outs)
     diff = ref.calc_diff(bf16_to_f32(outs[0]), per_slot)
     ok &= exact and diff < 1e-5
     assert all_ranks(group.comm, ok), (exact, [int((o != want).sum()) for o in outs], diff)
-
 
 
 @pytest.mark.parametrize("hook", [False, True])
@@ -900,8 +897,9 @@ def test_partial_logfmt_combine(group, llbuf, hook):
     outs = [_combine_as(llbuf, how, y, i_me, None, res.handle, hook, partial=True, use_logfmt=True)
             for how in ("regions", "packed", "zero_copy")]
     got = bf16_to_f32(outs[0])
-    want_lf = _partial_reference(xs, idx, w, R, logfmt=True)[me]
-    want = _partial_reference(xs, idx, w, R)[me]
+    expert_out, refs = _partial_expert_outputs(xs, idx, R)
+    want_lf = ref.low_latency_partial_combine(expert_out, refs, idx, w, logfmt=True)[me]
+    want = ref.low_latency_partial_combine(expert_out, refs, idx, w)[me]
     hcols = slice(0, H - 128)  # hash columns; the token-index ones are exact in the format (one value a group)
     d_fmt = ref.calc_diff(want_lf[:, hcols], want[:, hcols])
     d_lf = ref.calc_diff(got[:, hcols], want_lf[:, hcols])

@@ -60,7 +60,8 @@ class Floor:
                (np.uint64(self.buffer.peer_ptrs.data.ptr), np.int64(0), np.uint64(stamp_row.data.ptr),
                 np.uint64(self.chain.data.ptr), np.int64(i), np.int32(self.rank), np.int32(self.R),
                 np.int32(grid if waiters is None else waiters), np.int32(loads), np.int32(barriers),
-                np.int32(rows), np.int32(row_bytes), np.int32(code_kib), np.int32(passes), np.int64(self.timeout_ns), np.uint64(self.error.data.ptr)),
+                np.int32(rows), np.int32(row_bytes), np.int32(code_kib), np.int32(passes), np.int64(self.timeout_ns),
+                np.uint64(self.error.data.ptr)),
                programmatic=True)
 
     def check(self) -> None:

@@ -281,7 +281,7 @@ class Session:
                     (lambda i, st: self.combine(i, st, **_COMBINE_KW[name]), ROUNDS[name][0])]
         if name in ("hook_partial", "hook_partial_logfmt"):
             def cps(i, st):
-                self.pending["c"] = self.combine(i, st, return_recv_hook=True, **_COMBINE_KW[name[5:]])
+                self.pending["c"] = self.combine(i, st, return_recv_hook=True, **_COMBINE_KW[name.removeprefix("hook_")])
             return [(lambda i, st: d_fp8(i, st, topk_weights=self.topk_weights, return_recv_hook=True), None),
                     (lambda i, st: self.pending["d"].hook(kernel_time_ns=st), None),
                     (cps, ROUNDS[name][0]), (lambda i, st: self.pending["c"].hook(kernel_time_ns=st), ROUNDS[name][1])]
@@ -339,7 +339,7 @@ class Session:
                 gap_then_align()
                 d.hook(kernel_time_ns=st(HOOK_KINDS[1]))
                 c = buf.combine(self.y, idx, w, d.handle, return_recv_hook=True, kernel_time_ns=st(ck[0]),
-                                **(_COMBINE_KW[name[5:]] if partial else {}))
+                                **(_COMBINE_KW[name.removeprefix("hook_")] if partial else {}))
                 gap_then_align()
                 c.hook(kernel_time_ns=st(ck[1]))
             return hooked
