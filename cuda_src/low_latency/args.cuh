@@ -150,6 +150,7 @@ struct DispatchArgs {
     int* combine_pos;        // [T, k] out: row of (t, j) in the range its expert rank returns to me
     int* slot_pos;           // [T, k] out: row of (t, j) within its (expert, me) region at the expert's rank
     int* cumulative_stats;   // [E_local] or null: += recv_count
+    int* status;             // [num_waiters] out: 1 where the waiter's wait for the sources timed out, else 0
     int64_t* wait_stats;     // [R] or null: += ns block 0 waited for each source
     // For the partial combine (combine.cu combine_partial), or null: each message's tag also carries
     // its slot's weight and the token's row among this rank's tokens to the expert's rank.
@@ -188,6 +189,8 @@ struct CombineArgs {
     int64_t tag_stride;         // bytes between two rows' tags (a message's size)
     const int* rank_pos;        // [T, k] from a dispatch given the weights (DispatchArgs::rank_pos)
     int pull;                   // 1: owners read the expert outputs from the expert ranks' combine_send
+    const int* dispatch_status; // [num_waiters] the dispatch's DispatchArgs::status, or null: with any 1 there,
+                                // the arrivals are poisoned (sync.cuh arrive) and the owners time out
 };
 
 // Trace marks: with a trace array, thread 0 of block b writes %globaltimer to

@@ -100,6 +100,20 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                     nvshmemx_signal_op(signal_word(remote_signal(mine, a.c.cur, R, kSigCombineStart, a.c.rank)), 1,
                                        NVSHMEM_SIGNAL_ADD, dst);
 #endif
+        // Whether the dispatch of this handle timed out (its waiters' status): then block 0's
+        // arrival is poisoned (sync.cuh arrive). Warp 0 of block 0 looks: its lanes load the first
+        // 32 words early (their latency hides behind the counts' loads) and publish the verdict in
+        // shared memory ahead of a block barrier.
+        __shared__ int s_poisoned;
+        const bool looks = b == 0 && warp == 0 && a.dispatch_status != nullptr;
+        const int status0 = looks && lane < a.c.num_waiters ? __ldg(a.dispatch_status + lane) : 0;
+        auto publish_status = [&] {
+            if (b != 0 || warp != 0) return;
+            bool poison = status0 != 0;
+            for (int i = lane + 32; looks && i < a.c.num_waiters; i += 32) poison |= __ldg(a.dispatch_status + i) != 0;
+            poison = __any_sync(0xffffffffu, poison);
+            if (lane == 0) s_poisoned = poison;
+        };
         int4* local_send = at<int4>(mine, a.c.cur.combine_send);
         // Pulled from where they are (zero-copy): no rows to move, only flags to set.
         const bool moves_rows = !(a.pull && a.x == local_send);
@@ -112,6 +126,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
             int* prefix = count + P;          // [P + 1]
             int* colprefix = prefix + P + 1;  // [P]
             for (int p = threadIdx.x; p < P; p += blockDim.x) count[p] = __ldg(a.layout_count + p);
+            publish_status();
             __syncthreads();
             // Warp 0 scans all pairs; warps 1.. scan each source's pairs (stride R).
             if (warp == 0) {
@@ -160,7 +175,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
                             my_w = __int_as_float(tag.z);
                         }
                         ++n;
-                        if (tag.w < 0 || n >= k) break;
+                        if (tag.w < 0 || tag.w >= El * a.c.capacity || n >= k) break;
                         cle = tag.w / a.c.capacity, cq = tag.w % a.c.capacity;
                         slot = (int64_t)cle * slots + (int64_t)s * a.c.capacity + cq;
                         tag = *reinterpret_cast<const int4*>(a.tags + slot * a.tag_stride);
@@ -304,7 +319,8 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
 #endif
             trace_mark(a.c.trace, kMarkSent);
         }
-        arrive(a.c, a.c.cur.combine_flag, moves_rows ? G : 1);
+        if (!moves_rows) publish_status();
+        arrive(a.c, a.c.cur.combine_flag, moves_rows ? G : 1, &s_poisoned);
         trace_mark(a.c.trace, kMarkFlagged);
     }
 
@@ -406,13 +422,21 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
             }
             return wait_peer_geq(a.c, remote_signal(mine, a.c.cur, R, kSigReturnRows, r), n, kWaitRemoteReturn, r);
         };
-        if (!wait_peer_flags(a.c, at<int>(mine, a.c.cur.combine_flag), a.c.guard, a.wait_stats, remote_rows)) return;
+        const int row_words = H / 8;
+        if (!wait_peer_flags(a.c, at<int>(mine, a.c.cur.combine_flag), a.c.guard, a.wait_stats, remote_rows)) {
+            // Timed out (reported): the warp's rows are zeros, never uninitialised memory.
+            for (int64_t item = item_begin; item < item_end; ++item) {
+                const int ch = (int)(item % num_chunks), end = min(row_words, (ch + 1) * kChunkWords);
+                int4* out = a.out + (item / num_chunks) * row_words;
+                for (int w = ch * kChunkWords + lane; w < end; w += 32) out[w] = make_int4(0, 0, 0, 0);
+            }
+            return;
+        }
         if (a.c.mask != nullptr) {  // shrink mode: look the first slots up again, now that the mask is final
             if (cached_t >= 0) lane_row = lookup(cached_t, lane_w);
             if (cached_t >= 0 && cached_t < last_t) next_row = lookup(cached_t + 1, next_w);
         }
         trace_mark(a.c.trace, kMarkArrived);
-        const int row_words = H / 8;
         for (int64_t item = item_begin; item < item_end; ++item) {
             const int t = (int)(item / num_chunks), ch = (int)(item % num_chunks);
             if (t != cached_t) {  // warp-uniform: the next token, looked up ahead

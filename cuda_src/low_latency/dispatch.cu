@@ -160,9 +160,10 @@ __device__ __forceinline__ void put_remote_messages(const DispatchArgs& a, const
 // the definition): after its waits, every waiter's warps take region rows
 // (expert le, source r, q-th) of all experts, and copy a received one to row
 // prefix + q of its expert, the prefix being the counts of the sources before
-// r (summed by the warp); row q = 0 of each (le, r) also writes its range. The
+// r (summed by the warp); row q = 0 of each (le, r) also writes its range (empty
+// ranges after a timed-out wait: `arrived` false). The
 // same as cuda_src/deep_ep/pack.cu's kernel, without a launch of its own.
-__device__ __forceinline__ void pack_received(const DispatchArgs& a, const int* counts, int b) {
+__device__ __forceinline__ void pack_received(const DispatchArgs& a, const int* counts, int b, bool arrived) {
     const int R = a.c.num_ranks, El = a.c.num_experts / R, H = a.c.hidden, C = a.c.capacity;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
     const Message m = message_layout(H, a.fp8, a.ue8m0);
@@ -173,10 +174,10 @@ __device__ __forceinline__ void pack_received(const DispatchArgs& a, const int* 
     for (int64_t item = (int64_t)b * num_warps + warp; item < items; item += (int64_t)a.c.num_waiters * num_warps) {
         const int le = (int)(item / ((int64_t)R * C)), i = (int)(item % ((int64_t)R * C));
         const int r = i / C, q = i - r * C;
-        const int count = is_masked(a.c, r) ? 0 : ld_volatile(counts + le * R + r);
+        const int count = !arrived || is_masked(a.c, r) ? 0 : ld_volatile(counts + le * R + r);
         if (q >= count && q != 0) continue;  // warp-uniform
         int prefix = 0;
-        for (int j = lane; j < r; j += 32) prefix += is_masked(a.c, j) ? 0 : ld_volatile(counts + le * R + j);
+        for (int j = lane; j < r && arrived; j += 32) prefix += is_masked(a.c, j) ? 0 : ld_volatile(counts + le * R + j);
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) prefix += __shfl_xor_sync(0xffffffffu, prefix, o);
         if (q == 0 && lane == 0) a.packed_range[le * R + r] = ((int64_t)prefix << 32) | (int64_t)(uint32_t)count;
@@ -347,10 +348,12 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
 
     if (a.c.phases & kPhaseRecv) {
         if (b >= a.c.num_waiters) return;  // a sender only
-        if (!wait_peer_flags(a.c, at<int>(mine, a.c.cur.dispatch_flag), a.c.guard, a.wait_stats,
-                             [&](int r) { return wait_remote_dispatch(a.c, r, a.c.guard); }))
-            return;
+        // After a timeout (reported) the block still publishes its counts, as zeros: a combine of
+        // this handle then moves no rows, never rows counted by uninitialised or stale memory.
+        const bool arrived = wait_peer_flags(a.c, at<int>(mine, a.c.cur.dispatch_flag), a.c.guard, a.wait_stats,
+                                             [&](int r) { return wait_remote_dispatch(a.c, r, a.c.guard); });
         trace_mark(a.c.trace, kMarkArrived);
+        if (threadIdx.x == 0) a.status[b] = !arrived;
         const int* counts = at<int>(mine, a.c.cur.dispatch_count);
         // A warp per local expert (spread over the waiters first), a lane per source: no block
         // barriers, so a few waiters still publish many experts' counts quickly (a block per
@@ -361,7 +364,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
             int sum = 0;
 #pragma unroll 1
             for (int r = lane; r < R; r += 32) {
-                const int c = is_masked(a.c, r) ? 0 : ld_volatile(counts + le * R + r);  // a masked source: none
+                const int c = !arrived || is_masked(a.c, r) ? 0 : ld_volatile(counts + le * R + r);  // masked: none
                 a.layout_count[le * R + r] = c;
                 sum += c;
             }
@@ -372,7 +375,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
                 if (a.cumulative_stats) a.cumulative_stats[le] += sum;
             }
         }
-        if constexpr (kPacked) pack_received(a, counts, b);
+        if constexpr (kPacked) pack_received(a, counts, b, arrived);
     }
 }
 

@@ -119,14 +119,25 @@ __device__ __forceinline__ bool arrivals_complete(int v) {
     return v != 0 && (v & 0xffff) == ((unsigned)v >> 16);
 }
 
+// A poisoned arrival: block 0 also adds this to the low half, which then never
+// equals the announced count (at most kernels.MAX_BLOCKS = 0x7FFF), so the flag
+// never completes and its waiters time out naming this rank.
+constexpr int kPoison = 0x8000;
+
 // Blocks b < num_blocks (every block that wrote rows, or just block 0 when there
 // were none) arrive on flags[rank] of every peer's buffer of this node at byte
 // offset flag_offset, after a block barrier so that the release covers the
 // block's rows. (Peers on other nodes learn of their rows from signals.)
-__device__ __forceinline__ void arrive(const CallArgs& c, int64_t flag_offset, int num_blocks) {
+// `poisoned` (block 0's shared word, read after the barrier, or null): nonzero
+// for a combine of a dispatch whose wait for its sources timed out. That
+// dispatch counted no rows, so this combine returns none; its owners must not
+// reduce without them, and time out instead (across nodes they do already:
+// they count the rows' signals).
+__device__ __forceinline__ void arrive(const CallArgs& c, int64_t flag_offset, int num_blocks,
+                                       const int* poisoned = nullptr) {
     __syncthreads();
     if ((int)blockIdx.x >= num_blocks) return;
-    const int v = arrival(blockIdx.x, num_blocks);
+    const int v = arrival(blockIdx.x, num_blocks) + (blockIdx.x == 0 && poisoned != nullptr && *poisoned ? kPoison : 0);
     for (int dst = threadIdx.x; dst < c.num_ranks; dst += blockDim.x)
         if (!is_remote(c, dst) && !is_masked(c, dst)) atomic_add_release_sys(at<int>(c.peers[dst], flag_offset) + c.rank, v);
 }

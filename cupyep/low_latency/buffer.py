@@ -364,6 +364,7 @@ class LowLatencyBuffer:
         RT = R * self.max_tokens
         with stream:  # the small arrays in one allocation; packed rows and scales in their own
             small = carve({"layout_count": (El, R), "recv_count": (El,), "combine_pos": (T, k), "slot_pos": (T, k),
+                           "status": (self.num_waiters,),
                            **({"rank_pos": (T, k)} if ranked else {}),
                            **({"src": (El, RT), "range": (El, 2 * R)} if make_packed else {})}, np.int32)
             layout_count, recv_count = small["layout_count"], small["recv_count"]
@@ -374,7 +375,7 @@ class LowLatencyBuffer:
         call_args = self._call_args("low_latency_dispatch", sets, profile, T, k)
         args = dict(x=x.data.ptr, topk_idx=topk_idx.data.ptr, layout_count=layout_count.data.ptr,
                     recv_count=recv_count.data.ptr, combine_pos=combine_pos.data.ptr,
-                    slot_pos=slot_pos.data.ptr, cumulative_stats=jit.ptr(stats),
+                    slot_pos=slot_pos.data.ptr, cumulative_stats=jit.ptr(stats), status=small["status"].data.ptr,
                     topk_weights=jit.ptr(topk_weights), rank_pos=jit.ptr(rank_pos),
                     wait_stats=jit.ptr(wait), mask_words=plan.mask_words,
                     fp8=int(use_fp8), round_scale=int(round_scale), ue8m0=int(use_ue8m0),
@@ -397,7 +398,7 @@ class LowLatencyBuffer:
         recv_scales = part(m.scales, (El, slots, H // 128), np.uint8 if use_ue8m0 else np.float32) if use_fp8 else None
         handle = LowLatencyHandle(layout_count=layout_count, recv_src=part(m.tag, (El, slots), np.int32),
                                   recv_slot=part(m.tag + 4, (El, slots), np.uint8), combine_pos=combine_pos,
-                                  slot_pos=slot_pos, rank_pos=rank_pos, weights=topk_weights,
+                                  slot_pos=slot_pos, rank_pos=rank_pos, weights=topk_weights, status=small["status"],
                                   num_tokens=T, num_topk=k, hidden=H, num_experts=self.num_experts,
                                   max_tokens=self.max_tokens, capacity=self.capacity, set_index=region, call=call,
                                   buffer_id=id(self))
@@ -588,7 +589,8 @@ class LowLatencyBuffer:
                     combine_pos=handle.combine_pos.data.ptr, slot_pos=handle.slot_pos.data.ptr,
                     topk_idx=topk_idx.data.ptr, topk_weights=topk_weights.data.ptr, out=out.data.ptr,
                     x_row_bytes=src.strides[1], wait_stats=jit.ptr(wait), x_expert_rows=shape[1] if packed else 0,
-                    pull=int(zero_copy and self._one_gpu and not self.across_nodes if pull is None else bool(pull)))
+                    pull=int(zero_copy and self._one_gpu and not self.across_nodes if pull is None else bool(pull)),
+                    dispatch_status=jit.ptr(handle.status))
         smem = K.combine_smem(self.num_experts)
         if partial:
             args.update(tags=handle.recv_src.data.ptr, tag_stride=handle.recv_src.strides[1],

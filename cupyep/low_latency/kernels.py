@@ -49,7 +49,7 @@ CALL_DTYPE = jit.struct_dtype([
     ("ranks_per_node", i32), ("guard", GUARD_DTYPE)])
 DISPATCH_ARGS_DTYPE = jit.struct_dtype([
     ("c", CALL_DTYPE), ("x", u64), ("topk_idx", u64), ("layout_count", u64), ("recv_count", u64),
-    ("combine_pos", u64), ("slot_pos", u64), ("cumulative_stats", u64), ("wait_stats", u64),
+    ("combine_pos", u64), ("slot_pos", u64), ("cumulative_stats", u64), ("status", u64), ("wait_stats", u64),
     ("topk_weights", u64), ("rank_pos", u64),
     ("packed_x", u64), ("packed_scales", u64), ("packed_src", u64), ("packed_range", u64), ("packed_rows", i64),
     ("mask_words", i32),
@@ -58,7 +58,7 @@ COMBINE_ARGS_DTYPE = jit.struct_dtype([
     ("c", CALL_DTYPE), ("x", u64), ("layout_count", u64), ("combine_pos", u64), ("slot_pos", u64),
     ("topk_idx", u64), ("topk_weights", u64), ("out", u64), ("x_row_bytes", i64), ("wait_stats", u64),
     ("x_expert_rows", i64), ("tags", u64), ("tag_stride", i64), ("rank_pos", u64),
-    ("pull", i32)])
+    ("pull", i32), ("dispatch_status", u64)])
 
 
 def _spec(kind: str, num_threads: int, across_nodes: bool) -> jit.KernelSpec:

@@ -26,6 +26,11 @@ class LowLatencyHandle:
             the weights, the row of (token, slot)'s partial in the range its
             expert rank returns (combine(..., partial=True); -1 for empty slots).
         weights: the [T, k] float32 device array given to that dispatch, or None.
+        status: [num_waiters] int32 device array, or None: 1 where a receiving
+            block's wait for the sources timed out (the error is reported; that
+            block's layout counts are then zeros, and a combine of this handle
+            poisons its arrivals, so that the owners time out instead of
+            reducing without the rows it could not return), else 0.
         num_tokens: T of this rank's dispatch (combine returns [T, H]).
         max_tokens, capacity: the buffer's tokens per rank and rows per
             (expert, source) region (capacity <= max_tokens).
@@ -48,6 +53,7 @@ class LowLatencyHandle:
     buffer_id: int
     rank_pos: object = None
     weights: object = None
+    status: object = None
 
     @property
     def layout_begin(self):

@@ -675,6 +675,56 @@ def test_timeout_names_missing_rank(group):
         b.destroy()
 
 
+def test_late_rank_times_out_without_a_silent_result(group):
+    """A rank later than the timeout between two calls: the other ranks' dispatch
+    times out naming it and publishes zero counts (never stale or uninitialised
+    ones), so the combine of that handle moves no row out of range and no rank
+    faults; that combine poisons its arrivals, so the late rank's combine, which
+    would otherwise reduce without their rows, times out too instead of
+    returning a silently wrong result. A new buffer then works."""
+    import cupy
+    import cupyep
+    me, R = ranks(group)
+    if R < 2:
+        pytest.skip("needs two ranks")
+    late, T, HS = R - 1, 8, 1024
+    idx, w = _routing(group, 41, [T] * R)
+    x = cupy.asarray(tagged_x(me, T, HS))
+    b = cupyep.LowLatencyBuffer(group, T, HS, E)
+    try:
+        res = b.dispatch(x, cupy.asarray(idx[me]), use_fp8=False)  # one good call, so the memory is not fresh
+        b.combine(res.recv_x, cupy.asarray(idx[me]), cupy.asarray(w[me]), res.handle)
+        b.synchronize()
+        group.comm.Barrier()
+        if me == late:
+            time.sleep(group.timeout_s + 2.0)
+        res = b.dispatch(x, cupy.asarray(idx[me]), use_fp8=False)
+        comb = b.combine(res.recv_x, cupy.asarray(idx[me]), cupy.asarray(w[me]), res.handle)
+        counts, status = res.handle.layout_count.get(), res.handle.status.get()
+        got = comb.combined_x.get()  # no fault on any rank
+        with pytest.raises(CommTimeoutError) as info:
+            b.synchronize()
+        group.error_slot.reset()
+        err = info.value
+        if me != late:
+            assert (err.kernel, err.peer, err.rank) == ("low_latency_dispatch", late, me), str(err)
+            assert "flag" in err.phase, str(err)
+            assert status.all() and not counts.any() and not res.recv_count.get().any(), (status, counts)
+        else:  # its dispatch was complete; its combine's owners... its peers' arrivals were poisoned
+            assert (err.kernel, err.rank) == ("low_latency_combine", me) and err.peer != late, str(err)
+            assert not status.any() and np.isfinite(bf16_to_f32(got)).all()
+        group.comm.Barrier()
+    finally:
+        b.destroy()
+    with cupyep.LowLatencyBuffer(group, T, HS, E) as b2:  # the group works on
+        res = b2.dispatch(x, cupy.asarray(idx[me]), use_fp8=False)
+        good, why = _check_dispatch(group, res, [T] * R, idx, False, [tagged_x(r, T, HS) for r in range(R)],
+                                    MAX_TOKENS=T)
+        b2.synchronize()
+        group.comm.Barrier()
+    assert all_ranks(group.comm, good), why
+
+
 def test_fault_device_finds_bad_expert_id(group, llbuf):
     """validate=False with an expert id out of range on every rank: DeviceInputError,
     the slot is skipped consistently, and the buffer keeps working."""
