@@ -51,7 +51,7 @@ import numpy as np
 from . import sm_partition
 from .arrays import xp_of as _xp
 
-__all__ = ["MoEWeights", "MoELayer", "route", "expert_ffn", "expert_blocks", "result_blocks", "reference_forward",
+__all__ = ["MoEWeights", "MoELayer", "route", "expert_ffn", "padded_expert_ffn", "expert_blocks", "result_blocks", "reference_forward",
            "agreement", "bf16_bits_to_f32", "f32_to_bf16_bits", "MOE_CALC_DIFF_BOUND", "MOE_TOKEN_BOUND"]
 
 #: calc_diff bound between MoELayer.forward and reference_forward (the project's BF16 bound).
@@ -285,6 +285,31 @@ def expert_ffn(expert_x, blocks, w1, w2, out=None):
             else:  # written in place: no temporary [count, H] array
                 f32_to_bf16_bits(h @ w2[e], y[rows])
     return y
+
+
+def padded_expert_ffn(x, w1, w2):
+    """The per-expert FFN over padded expert blocks, one batched matmul for all
+    experts per projection (NumPy or CuPy): a few launches in all, where
+    :func:`expert_ffn` makes five per expert.
+
+    Arguments:
+        x: [E_local, M, H] uint16 BF16 bits, expert e's rows in x[e] (rows past
+            its count are padding: computed like the rest, for the caller to
+            drop).
+        w1: [E_local, H, F] float32; w2: [E_local, F, H] float32.
+
+    Returns:
+        [E_local, M, H] uint16: row m of expert e = BF16(silu(x[e, m] @ w1[e]) @
+        w2[e]), both matmuls float32 on the BF16 values (expert_ffn's
+        arithmetic; the matmuls may sum in another order).
+    """
+    xp = _xp(x)
+    if x.ndim != 3 or w1.ndim != 3 or w2.ndim != 3 or not (x.shape[0] == w1.shape[0] == w2.shape[0]) or \
+            w1.shape[1] != x.shape[2] or w2.shape[1] != w1.shape[2] or w2.shape[2] != x.shape[2]:
+        raise ValueError(f"padded_expert_ffn needs x [E, M, H], w1 [E, H, F], w2 [E, F, H]; got {x.shape}, "
+                         f"{w1.shape}, {w2.shape}")
+    h = _silu(xp.matmul(bf16_bits_to_f32(x), w1))
+    return f32_to_bf16_bits(xp.matmul(h, w2))
 
 
 def expert_blocks(aligned_counts, counts) -> list[tuple[int, int]]:

@@ -33,8 +33,11 @@ Schedules (:func:`schedule`; steps (op, micro-batch) in host order):
   dispatch and combine have hooks. BF16 dispatch (the FFN reads BF16); the
   FFN gathers each expert's received rows (their count per source is known
   on the host from the routing, checked against the dispatch's layout_count
-  before timing) into expert-major blocks, runs expert_ffn, and scatters the
-  outputs back into the [E_local, R * max_tokens, H] rows the combine reads:
+  before timing) into padded expert blocks of the most rows an expert has,
+  runs cupyep.moe.padded_expert_ffn on them (one batched matmul per
+  projection; ``--ll-ffn per_expert``: expert-major blocks and expert_ffn,
+  five launches per local expert), and scatters the outputs back into the
+  [E_local, R * max_tokens, H] rows the combine reads:
   by default (``--ll-combines zero_copy``) straight into the buffer's
   ``get_next_combine_buffer``, which the owners read in place; with ``push``
   into an array of the caller's, which the combine copies to the owners.
@@ -48,14 +51,15 @@ the parts (dispatch, FFN, combine of each micro-batch, each alone, in
 decode order) are a round of their own. Record: "mode", "transport",
 "comm_sms", "combine" ("zero_copy" or "push"; normal mode: MoELayer's
 default is zero-copy on the direct transport within a node, --combines;
-low-latency mode: --ll-combines), "tokens", "hidden", "ffn", "serial_us", "overlapped_us",
+low-latency mode: --ll-combines), "ll_ffn" (low-latency mode: "batched" or
+"per_expert", --ll-ffn), "tokens", "hidden", "ffn", "serial_us", "overlapped_us",
 "speedup" (serial / overlapped), "parts" (medians, us), "comm_us" and
 "compute_us" (their sums), "ideal_us" = max(comm_us, compute_us),
 "exposed_us" = overlapped_us - compute_us (the communication the overlap did
 not hide behind the FFN), "comm_blocks" (normal mode: the most blocks
 per rank a communication call takes: num_sms, or with num_sms 0 the
 route's default, measured (cupyep.sm_defaults) where it applies, else the
-rank's share), "ffn_sms" (the GPU's SMs less every rank's comm_blocks),
+rank's share; low-latency mode: the buffers' num_blocks, --ll-blocks), "ffn_sms" (the GPU's SMs less every rank's comm_blocks),
 "sm_defaults" (CUPYEP_SM_DEFAULTS: "packaged", "off" or a table's path),
 "pipeline_us" (normal mode: what this two-lane schedule takes at the parts'
 times, dispatch A + max(FFN A, dispatch B) + max(combine A, FFN B) +
@@ -80,10 +84,11 @@ the GPU, 1.2e8 x F flops = 2.3 us x F against about 45 us (BF16 dispatch) +
   elementwise kernel each: about 22 bytes of HBM traffic per (pair,
   channel), about 4 ms of conversions plus 3 ms of matmuls per normal-mode
   micro-batch on the GPU at F = 40, of the order of its communication.
-- in low-latency mode the per-expert loop is launch-bound: 32 local experts x
-  5 CuPy kernels per micro-batch and rank, milliseconds against 0.1 ms of
-  communication; ``--experts 64`` (8 local experts) cuts the launches by 4.
-  A batched (one launch) grouped GEMM would be needed to balance it.
+- in low-latency mode the per-expert loop (``--ll-ffn per_expert``) is
+  launch-bound: 32 local experts x 5 CuPy kernels per micro-batch and rank,
+  milliseconds against 0.1 ms of communication. The default batched FFN
+  makes about a dozen launches a micro-batch (gather, convert, two batched
+  matmuls, SiLU, convert, two scatters) at the cost of the padding rows.
 
 So at the defaults the FFN is the longer lane in both modes and "ideal_us"
 is its sum; --ffn (several values: a sweep) changes the balance.
@@ -107,6 +112,7 @@ DEFAULT_TOKENS = {"normal": 4096, "low_latency": 128}
 DEFAULT_FFN = 40
 DEFAULT_COMM_SMS = ("default", "8", "4")
 MICRO_BATCHES = ("a", "b")
+LL_FFNS = ("batched", "per_expert")
 
 # The ops of a schedule, per mode, in the order each micro-batch runs them.
 OPS = {"normal": ("dispatch", "ffn", "combine"),
@@ -155,6 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="low-latency mode's combine: zero_copy (the default: the FFN writes its outputs into "
                         "get_next_combine_buffer, the owners read them there) and/or push (the outputs in an "
                         "array of the caller's, which the combine copies into the owners' buffers)")
+    p.add_argument("--ll-ffn", nargs="+", choices=LL_FFNS, default=[LL_FFNS[0]],
+                   help="low-latency mode's FFN: batched (the default: padded expert blocks, one batched matmul "
+                        "per projection, cupyep.moe.padded_expert_ffn) and/or per_expert (cupyep.moe.expert_ffn, "
+                        "five launches per local expert)")
+    p.add_argument("--ll-blocks", nargs="+", type=parse_comm_sms, default=[None],
+                   help="low-latency mode: blocks per rank of both buffers ('default': the library's)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--flush", choices=FLUSH_MODES, default="write")
@@ -327,14 +339,22 @@ class ExpertRows:
     """Where a low-latency dispatch put each local expert's rows.
 
     Attributes:
-        flat: [M] int64 row numbers in the dispatch's [E_local * slots, H]
+        flat: [N] int64 row numbers in the dispatch's [E_local * slots, H]
             rows (row e * slots + r * max_tokens + j), experts in order, then
             sources, then j.
         blocks: E_local (first, count) pairs of the expert-major blocks that
             gathering ``flat`` makes (cupyep.moe.expert_ffn's blocks).
+        padded: [E_local, M] int64 row numbers of the same rows in padded
+            expert blocks of M = the most rows of an expert (at least 1):
+            expert e's rows first, then its first slot row again as padding
+            (cupyep.moe.padded_expert_ffn's x).
+        unpadded: [N] int64 positions in the [E_local * M] padded rows of the
+            rows of ``flat``, in its order.
     """
     flat: np.ndarray
     blocks: list = field(default_factory=list)
+    padded: np.ndarray = None
+    unpadded: np.ndarray = None
 
 
 def expert_rows(counts: np.ndarray, max_tokens: int) -> ExpertRows:
@@ -345,20 +365,32 @@ def expert_rows(counts: np.ndarray, max_tokens: int) -> ExpertRows:
     if counts.min(initial=0) < 0 or counts.max(initial=0) > max_tokens:
         raise ValueError(f"counts must lie in [0, max_tokens={max_tokens}]")
     slots = R * max_tokens
-    flat = [e * slots + r * max_tokens + np.arange(counts[e, r], dtype=np.int64) for e in range(El) for r in range(R)]
+    per_source = [[e * slots + r * max_tokens + np.arange(counts[e, r], dtype=np.int64) for r in range(R)]
+                  for e in range(El)]
     per_expert = counts.sum(axis=1)
-    return ExpertRows(np.concatenate(flat) if flat else np.zeros(0, np.int64), expert_blocks(per_expert, per_expert))
+    M = max(1, int(per_expert.max(initial=0)))
+    padded = np.repeat((np.arange(El, dtype=np.int64) * slots)[:, None], M, axis=1)
+    for e in range(El):
+        padded[e, :per_expert[e]] = np.concatenate(per_source[e]) if R else []
+    unpadded = np.concatenate([e * M + np.arange(per_expert[e], dtype=np.int64) for e in range(El)]) if El else \
+        np.zeros(0, np.int64)
+    flat = [rows for e in range(El) for rows in per_source[e]]
+    return ExpertRows(np.concatenate(flat) if flat else np.zeros(0, np.int64), expert_blocks(per_expert, per_expert),
+                      padded, unpadded)
 
 
-def ll_expert_ffn(recv_x, rows: ExpertRows, w1, w2, out, ffn=None):
+def ll_expert_ffn(recv_x, rows: ExpertRows, w1, w2, out, ffn=None, batched: bool = False):
     """The expert FFN of a low-latency dispatch (NumPy or CuPy): gather each
     expert's rows of ``recv_x`` ([E_local, slots, H] uint16, rows contiguous,
     row stride s, expert stride slots * s: a BF16 dispatch's recv_x) into
     expert-major blocks, ``ffn(x, blocks, w1, w2)`` (default
     cupyep.moe.expert_ffn) on them, and scatter the outputs into ``out``
-    ([E_local, slots, H] uint16, C-contiguous: the combine's x). Rows of
-    ``out`` outside ``rows`` are left as they are. Returns ``out``."""
-    from cupyep.moe import _xp, expert_ffn
+    ([E_local, slots, H] uint16, C-contiguous: the combine's x). With
+    ``batched``, into padded blocks instead (``rows.padded``), and
+    ``ffn(x, w1, w2)`` (default cupyep.moe.padded_expert_ffn) on them: a
+    dozen launches a micro-batch instead of five per expert. Rows of ``out``
+    outside ``rows`` are left as they are. Returns ``out``."""
+    from cupyep.moe import _xp, expert_ffn, padded_expert_ffn
     xp = _xp(recv_x)
     El, slots, H = recv_x.shape
     st = recv_x.strides
@@ -368,7 +400,11 @@ def ll_expert_ffn(recv_x, rows: ExpertRows, w1, w2, out, ffn=None):
         raise ValueError(f"out must be a C-contiguous {recv_x.shape} array")
     flat = xp.asarray(rows.flat)
     x2 = xp.lib.stride_tricks.as_strided(recv_x, shape=(El * slots, H), strides=(st[1], st[2]))
-    y = (ffn or expert_ffn)(x2[flat], rows.blocks, w1, w2)
+    if batched:
+        y = (ffn or padded_expert_ffn)(x2[xp.asarray(rows.padded)], w1, w2)
+        y = y.reshape(-1, H)[xp.asarray(rows.unpadded)]
+    else:
+        y = (ffn or expert_ffn)(x2[flat], rows.blocks, w1, w2)
     out.reshape(El * slots, H)[flat] = y
     return out
 
@@ -440,8 +476,8 @@ class NormalRunner:
 class LowLatencyRunner:
     """Runs low-latency steps, all on the current stream, the halves through receive hooks."""
 
-    def __init__(self, mbs: dict, w1, w2, ffn, zero_copy: bool = False):
-        self.mbs, self.w1, self.w2, self.ffn, self.zero_copy = mbs, w1, w2, ffn, zero_copy
+    def __init__(self, mbs: dict, w1, w2, ffn, zero_copy: bool = False, batched: bool = False):
+        self.mbs, self.w1, self.w2, self.ffn, self.zero_copy, self.batched = mbs, w1, w2, ffn, zero_copy, batched
 
     def run(self, steps, state: dict) -> dict:
         for op, m in steps:
@@ -455,7 +491,7 @@ class LowLatencyRunner:
                 # zero-copy: the outputs go straight into the buffer the combine reads
                 y = mb.buf.get_next_combine_buffer(state["d"][m].handle) if self.zero_copy else mb.y_full
                 state.setdefault("y", {})[m] = ll_expert_ffn(state["d"][m].recv_x, mb.rows, self.w1, self.w2, y,
-                                                             self.ffn)
+                                                             self.ffn, self.batched)
             elif op == "combine_send":
                 state.setdefault("c", {})[m] = mb.buf.combine(None if self.zero_copy else state["y"][m], mb.topk_idx,
                                                               mb.topk_weights, state["d"][m].handle,
@@ -666,43 +702,50 @@ def run_normal(group, args, out, barrier) -> None:
 def run_low_latency(group, args, out, barrier) -> None:
     import cupy
     import cupyep
-    from cupyep.moe import expert_ffn
     R, me = group.local_size, group.local_rank
     T = tokens_for("low_latency", args.tokens)
     x, topk_idx, topk_w, idx_all = routing_of(group, args, T)
     parts = split_tokens(T)
     most = max(s.stop - s.start for s in parts.values())
-    bufs = {m: None for m in MICRO_BATCHES}
-    try:
-        for m in MICRO_BATCHES:
-            bufs[m] = cupyep.LowLatencyBuffer(group, most, args.hidden, args.experts, max_topk=args.topk)
-        mbs = micro_batches(x, topk_idx, topk_w, bufs, T)
-        counts = {}
-        for m, s in parts.items():
-            counts[m] = local_counts([i[s] for i in idx_all], me, args.experts)
-            rows = expert_rows(counts[m], most)
-            mbs[m].rows = ExpertRows(cupy.asarray(rows.flat), rows.blocks)  # on the GPU once: no upload per call
-            mbs[m].y_full = cupy.zeros((args.experts // R, R * most, args.hidden), dtype=cupy.uint16)
-        for F in args.ffn:
-            w1, w2 = local_weights(me, R, args.hidden, F, args.experts)
-            for combine in args.ll_combines:
-                runner = LowLatencyRunner(mbs, w1, w2, expert_ffn, zero_copy=combine == "zero_copy")
-                rec = {**base_record(group, args, "low_latency", T, F), "transport": None, "comm_sms": None,
-                       "num_blocks": bufs["a"].num_blocks, "num_waiters": bufs["a"].num_waiters,
-                       "max_tokens": most, "dispatch": "bf16", "combine": combine}
-                warm = runner.run(schedule("low_latency", False), {})
-                cupy.cuda.get_current_stream().synchronize()
-                ok = all(np.array_equal(warm["d"][m].handle.layout_count.get(), counts[m]) for m in MICRO_BATCHES)
-                if not all_ranks(group.comm, ok):
-                    raise RuntimeError("the low-latency dispatch's layout_count differs from the counts of the host "
-                                       "routing the FFN gathers by")
-                del warm
-                out.write({**rec, **measure(group, runner, "low_latency", barrier, args)})
-            del w1, w2
-    finally:
-        for b in bufs.values():
-            if b is not None:
-                b.destroy()
+    device_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    for blocks in args.ll_blocks:
+        bufs = {m: None for m in MICRO_BATCHES}
+        try:
+            for m in MICRO_BATCHES:
+                bufs[m] = cupyep.LowLatencyBuffer(group, most, args.hidden, args.experts, max_topk=args.topk,
+                                                  num_blocks=blocks)
+            mbs = micro_batches(x, topk_idx, topk_w, bufs, T)
+            counts = {}
+            for m, s in parts.items():
+                counts[m] = local_counts([i[s] for i in idx_all], me, args.experts)
+                rows = expert_rows(counts[m], most)
+                mbs[m].rows = ExpertRows(*(cupy.asarray(a) if isinstance(a, np.ndarray) else a  # uploaded once
+                                           for a in (rows.flat, rows.blocks, rows.padded, rows.unpadded)))
+                mbs[m].y_full = cupy.zeros((args.experts // R, R * most, args.hidden), dtype=cupy.uint16)
+            num_blocks = bufs["a"].num_blocks
+            for F in args.ffn:
+                w1, w2 = local_weights(me, R, args.hidden, F, args.experts)
+                for ffn, combine in ((f, c) for f in args.ll_ffn for c in args.ll_combines):
+                    runner = LowLatencyRunner(mbs, w1, w2, None, zero_copy=combine == "zero_copy",
+                                              batched=ffn == "batched")
+                    rec = {**base_record(group, args, "low_latency", T, F), "transport": None, "comm_sms": blocks,
+                           "num_blocks": num_blocks, "comm_blocks": num_blocks,
+                           "ffn_sms": ffn_sms(device_sms, group.ranks_per_gpu, num_blocks),
+                           "num_waiters": bufs["a"].num_waiters, "max_tokens": most, "dispatch": "bf16",
+                           "combine": combine, "ll_ffn": ffn}
+                    warm = runner.run(schedule("low_latency", False), {})
+                    cupy.cuda.get_current_stream().synchronize()
+                    ok = all(np.array_equal(warm["d"][m].handle.layout_count.get(), counts[m]) for m in MICRO_BATCHES)
+                    if not all_ranks(group.comm, ok):
+                        raise RuntimeError("the low-latency dispatch's layout_count differs from the counts of the "
+                                           "host routing the FFN gathers by")
+                    del warm
+                    out.write({**rec, **measure(group, runner, "low_latency", barrier, args)})
+                del w1, w2
+        finally:
+            for b in bufs.values():
+                if b is not None:
+                    b.destroy()
 
 
 def main():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from cupyep.results import EventHandle
-from cupyep.moe import MoEWeights, expert_ffn
+from cupyep.moe import MoEWeights, expert_ffn, padded_expert_ffn
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,6 +34,7 @@ def test_defaults():
     assert a.mode == "both" and a.tokens is None and a.hidden == 7168 and a.experts == 256 and a.topk == 8
     assert a.ffn == [B.DEFAULT_FFN]
     assert a.transport == ["queue", "direct"] and a.comm_sms == [None, 8, 4]
+    assert a.ll_ffn == ["batched"] and a.ll_blocks == [None] and a.ll_combines == ["zero_copy"]
     assert a.out.endswith(".jsonl")
     B.check_args(a)
     assert B.tokens_for("normal", a.tokens) == 4096 and B.tokens_for("low_latency", a.tokens) == 128
@@ -46,7 +47,10 @@ def test_arguments_parse_and_refuse():
                                      "--comm-sms", "default", "6", "--transport", "direct"])
     assert (a.mode, a.tokens, a.ffn, a.comm_sms, a.transport) == \
         ("low_latency", 256, [64, 128], [None, 6], ["direct"])
-    for bad in (["--comm-sms", "0"], ["--comm-sms", "many"], ["--mode", "fast"], ["--transport", "nvshmem"]):
+    a = B.build_parser().parse_args(["--ll-ffn", "per_expert", "batched", "--ll-blocks", "default", "4"])
+    assert a.ll_ffn == ["per_expert", "batched"] and a.ll_blocks == [None, 4]
+    for bad in (["--comm-sms", "0"], ["--comm-sms", "many"], ["--mode", "fast"], ["--transport", "nvshmem"],
+                ["--ll-ffn", "fused"], ["--ll-blocks", "0"]):
         with pytest.raises(SystemExit):
             B.build_parser().parse_args(bad)
     for bad in (["--tokens", "1"], ["--ffn", "0"], ["--hidden", "100"], ["--topk", "300"], ["--iters", "0"]):
@@ -195,8 +199,13 @@ def test_expert_rows():
     # expert 0: source 0's rows 0, 1; expert 1 (rows from 8): source 0's row 0, source 1's rows 4..6
     assert rows.flat.tolist() == [0, 1, 8, 12, 13, 14]
     assert rows.blocks == [(0, 2), (2, 4)]
+    # padded blocks of M = 4 rows: expert 0's two rows, then its first slot row (0) as padding
+    assert rows.padded.tolist() == [[0, 1, 0, 0], [8, 12, 13, 14]]
+    assert rows.unpadded.tolist() == [0, 1, 4, 5, 6, 7]
+    assert rows.padded.reshape(-1)[rows.unpadded].tolist() == rows.flat.tolist()
     empty = B.expert_rows(np.zeros((3, 2), np.int64), max_tokens=4)
     assert empty.flat.size == 0 and empty.blocks == [(0, 0), (0, 0), (0, 0)]
+    assert empty.padded.tolist() == [[0], [8], [16]] and empty.unpadded.size == 0
     with pytest.raises(ValueError):
         B.expert_rows(np.array([[5, 0], [0, 0]]), max_tokens=4)
 
@@ -230,6 +239,45 @@ def test_ll_expert_ffn_matches_per_expert_blocks():
     out2 = np.full_like(out, sentinel)
     B.ll_expert_ffn(recv_x, wrong, w.w1, w.w2, out2)
     assert not np.array_equal(out2, out)
+
+
+def test_batched_ll_expert_ffn_matches_the_per_expert_one():
+    """The padded batched FFN writes the same rows as the per-expert one (their
+    float32 matmuls may sum in another order: within one BF16 step), and
+    touches no other row."""
+    rng = np.random.default_rng(5)
+    R, El, max_tokens, H, F = 2, 3, 4, 128, 16
+    counts = np.array([[2, 1], [0, 0], [4, 3]])
+    rows = B.expert_rows(counts, max_tokens)
+    recv_x = _ll_recv(rng, El, R, max_tokens, H)
+    w = MoEWeights.random(0, hidden=H, ffn=F, num_experts=El)
+    sentinel = np.uint16(0x7FC1)
+    want = B.ll_expert_ffn(recv_x, rows, w.w1, w.w2, np.full((El, R * max_tokens, H), sentinel, np.uint16))
+    got = B.ll_expert_ffn(recv_x, rows, w.w1, w.w2, np.full((El, R * max_tokens, H), sentinel, np.uint16),
+                          batched=True)
+    assert np.array_equal(got == sentinel, want == sentinel)
+    f = lambda b: (b.astype(np.uint32) << 16).view(np.float32)  # noqa: E731
+    assert np.allclose(f(got), f(want), rtol=2 ** -7, atol=0, equal_nan=True)  # (the sentinel is a NaN)
+    # a padding row differs from a real one: wrong padding positions would be caught
+    wrong = B.ExpertRows(rows.flat, rows.blocks, rows.padded, rows.unpadded[::-1].copy())
+    bad = B.ll_expert_ffn(recv_x, wrong, w.w1, w.w2, np.full_like(got, sentinel), batched=True)
+    assert not np.array_equal(bad, got)
+
+
+def test_padded_expert_ffn_rows_and_shapes():
+    rng = np.random.default_rng(6)
+    El, M, H, F = 2, 3, 128, 8
+    w = MoEWeights.random(1, hidden=H, ffn=F, num_experts=El)
+    x = rng.integers(0, 0x3F80, size=(El, M, H), dtype=np.uint16)
+    y = padded_expert_ffn(x, w.w1, w.w2)
+    assert y.shape == (El, M, H) and y.dtype == np.uint16
+    for e in range(El):
+        one = expert_ffn(x[e], [(0, M)], w.w1[e:e + 1], w.w2[e:e + 1])
+        f = lambda b: (b.astype(np.uint32) << 16).view(np.float32)  # noqa: E731
+        assert np.allclose(f(y[e]), f(one), rtol=2 ** -7, atol=0)
+    for bad in ((x[0], w.w1, w.w2), (x, w.w1[:1], w.w2), (x[:, :, :64], w.w1, w.w2), (x, w.w1, w.w2[:, :4])):
+        with pytest.raises(ValueError):
+            padded_expert_ffn(*bad)
 
 
 def test_ll_expert_ffn_refuses_layouts():
@@ -476,6 +524,17 @@ def test_low_latency_runner_order_and_hooks(zero_copy):
         B.ll_expert_ffn(mb.buf.recv_x, mb.rows, w.w1, w.w2, want)
         assert np.array_equal(y, want)
         assert zero_copy == (not mb.y_full.any())
+
+
+def test_low_latency_runner_batched_ffn():
+    """The runner's batched FFN (padded blocks) writes what ll_expert_ffn(batched=True) does."""
+    log, per_expert, w = _ll_runner(zero_copy=True)
+    runner = B.LowLatencyRunner(per_expert.mbs, w.w1, w.w2, None, zero_copy=True, batched=True)
+    state = runner.run(B.schedule("low_latency", True), {})
+    for m, mb in runner.mbs.items():
+        want = np.zeros_like(mb.y_full)
+        B.ll_expert_ffn(mb.buf.recv_x, mb.rows, w.w1, w.w2, want, batched=True)
+        assert state["c"][m].combined_x is mb.buf.combine_buffer and np.array_equal(mb.buf.combine_buffer, want)
 
 
 def test_low_latency_hook_rule_refuses_a_second_send():
