@@ -38,7 +38,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
                              "routing check (expert id outside [-1, E))",
                              _REGION_CAPACITY),
     "low_latency_combine": ("combine flag (token owner waits for an expert rank's rows; "
-                            "counter: blocks arrived, expected: blocks announced)",),
+                            "counter: blocks arrived, 32768 more when that rank's dispatch of this "
+                            "handle had timed out; expected: blocks announced)",),
     "expert_major": ("expert-major rows exceed their capacity",),
     "direct_dispatch": ("direct dispatch: receive pool free (sender waits for the receiver's ready)",
                                   "direct dispatch: rows arrived (receiver waits for a source's rows)",
@@ -75,7 +76,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
                                        "node; counter: messages arrived, expected: messages announced)",
                                        _REGION_CAPACITY),
     "low_latency_combine_internode": ("combine flag (token owner waits for an expert rank of its node; counter: "
-                                      "blocks arrived, expected: blocks announced)",
+                                      "blocks arrived, 32768 more when that rank's dispatch of this handle had "
+                                      "timed out; expected: blocks announced)",
                                       "combine rows over the network (token owner waits for an expert rank of "
                                       "another node; counter: rows arrived, expected: rows it routed there)"),
 }

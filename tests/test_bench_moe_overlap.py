@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from cupyep.results import EventHandle
-from cupyep.moe import MoEWeights, expert_ffn, padded_expert_ffn
+from cupyep.moe import MoEWeights, bf16_bits_to_f32, expert_ffn, padded_expert_ffn
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -216,15 +216,23 @@ def _ll_recv(rng, El, R, max_tokens, H, pad=8):
     return base[:, :, :H]
 
 
-def test_ll_expert_ffn_matches_per_expert_blocks():
-    rng = np.random.default_rng(2)
+SENTINEL = np.uint16(0x7FC1)  # a NaN: rows the FFN must not touch keep it
+
+
+def _ffn_case(seed):
+    """(counts [El, R], rows, recv_x, weights, out full of SENTINEL) of a small low-latency FFN case."""
+    rng = np.random.default_rng(seed)
     R, El, max_tokens, H, F = 2, 3, 4, 128, 16
     counts = np.array([[2, 1], [0, 0], [4, 3]])
-    rows = B.expert_rows(counts, max_tokens)
     recv_x = _ll_recv(rng, El, R, max_tokens, H)
+    out = np.full((El, R * max_tokens, H), SENTINEL, dtype=np.uint16)
     w = MoEWeights.random(0, hidden=H, ffn=F, num_experts=El)
-    sentinel = np.uint16(0x7FC1)
-    out = np.full((El, R * max_tokens, H), sentinel, dtype=np.uint16)
+    return counts, B.expert_rows(counts, max_tokens), recv_x, w, out
+
+
+def test_ll_expert_ffn_matches_per_expert_blocks():
+    counts, rows, recv_x, w, out = _ffn_case(2)
+    (El, R), max_tokens = counts.shape, recv_x.shape[1] // counts.shape[1]
     got = B.ll_expert_ffn(recv_x, rows, w.w1, w.w2, out)
     assert got is out
     for e in range(El):
@@ -233,10 +241,10 @@ def test_ll_expert_ffn_matches_per_expert_blocks():
             want = expert_ffn(recv_x[e, valid], [(0, valid.size)], w.w1[e:e + 1], w.w2[e:e + 1])
             assert np.array_equal(out[e, valid], want)
         stale = np.setdiff1d(np.arange(R * max_tokens), valid)
-        assert (out[e, stale] == sentinel).all()
+        assert (out[e, stale] == SENTINEL).all()
     # wrong counts put other rows through the FFN: caught
     wrong = B.expert_rows(np.array([[1, 2], [0, 0], [4, 3]]), max_tokens)
-    out2 = np.full_like(out, sentinel)
+    out2 = np.full_like(out, SENTINEL)
     B.ll_expert_ffn(recv_x, wrong, w.w1, w.w2, out2)
     assert not np.array_equal(out2, out)
 
@@ -245,22 +253,14 @@ def test_batched_ll_expert_ffn_matches_the_per_expert_one():
     """The padded batched FFN writes the same rows as the per-expert one (their
     float32 matmuls may sum in another order: within one BF16 step), and
     touches no other row."""
-    rng = np.random.default_rng(5)
-    R, El, max_tokens, H, F = 2, 3, 4, 128, 16
-    counts = np.array([[2, 1], [0, 0], [4, 3]])
-    rows = B.expert_rows(counts, max_tokens)
-    recv_x = _ll_recv(rng, El, R, max_tokens, H)
-    w = MoEWeights.random(0, hidden=H, ffn=F, num_experts=El)
-    sentinel = np.uint16(0x7FC1)
-    want = B.ll_expert_ffn(recv_x, rows, w.w1, w.w2, np.full((El, R * max_tokens, H), sentinel, np.uint16))
-    got = B.ll_expert_ffn(recv_x, rows, w.w1, w.w2, np.full((El, R * max_tokens, H), sentinel, np.uint16),
-                          batched=True)
-    assert np.array_equal(got == sentinel, want == sentinel)
-    f = lambda b: (b.astype(np.uint32) << 16).view(np.float32)  # noqa: E731
-    assert np.allclose(f(got), f(want), rtol=2 ** -7, atol=0, equal_nan=True)  # (the sentinel is a NaN)
+    _, rows, recv_x, w, out = _ffn_case(5)
+    want = B.ll_expert_ffn(recv_x, rows, w.w1, w.w2, out.copy())
+    got = B.ll_expert_ffn(recv_x, rows, w.w1, w.w2, out.copy(), batched=True)
+    assert np.array_equal(got == SENTINEL, want == SENTINEL)
+    assert np.allclose(bf16_bits_to_f32(got), bf16_bits_to_f32(want), rtol=2 ** -7, atol=0, equal_nan=True)
     # a padding row differs from a real one: wrong padding positions would be caught
     wrong = B.ExpertRows(rows.flat, rows.blocks, rows.padded, rows.unpadded[::-1].copy())
-    bad = B.ll_expert_ffn(recv_x, wrong, w.w1, w.w2, np.full_like(got, sentinel), batched=True)
+    bad = B.ll_expert_ffn(recv_x, wrong, w.w1, w.w2, out.copy(), batched=True)
     assert not np.array_equal(bad, got)
 
 
@@ -273,8 +273,7 @@ def test_padded_expert_ffn_rows_and_shapes():
     assert y.shape == (El, M, H) and y.dtype == np.uint16
     for e in range(El):
         one = expert_ffn(x[e], [(0, M)], w.w1[e:e + 1], w.w2[e:e + 1])
-        f = lambda b: (b.astype(np.uint32) << 16).view(np.float32)  # noqa: E731
-        assert np.allclose(f(y[e]), f(one), rtol=2 ** -7, atol=0)
+        assert np.allclose(bf16_bits_to_f32(y[e]), bf16_bits_to_f32(one), rtol=2 ** -7, atol=0)
     for bad in ((x[0], w.w1, w.w2), (x, w.w1[:1], w.w2), (x[:, :, :64], w.w1, w.w2), (x, w.w1, w.w2[:, :4])):
         with pytest.raises(ValueError):
             padded_expert_ffn(*bad)
