@@ -679,9 +679,11 @@ def test_late_rank_times_out_without_a_silent_result(group):
     """A rank later than the timeout between two calls: the other ranks' dispatch
     times out naming it and publishes zero counts (never stale or uninitialised
     ones), so the combine of that handle moves no row out of range and no rank
-    faults; that combine poisons its arrivals, so the late rank's combine, which
-    would otherwise reduce without their rows, times out too instead of
-    returning a silently wrong result. A new buffer then works."""
+    faults. The late rank's combine, which would otherwise reduce without their
+    rows, times out too instead of returning a silently wrong result: their
+    arrivals are poisoned (sync.cuh kPoison), or, where they came before the late
+    rank's dispatch, that dispatch cleared them as the next call's flags (the
+    order in this test). A new buffer then works."""
     import cupy
     import cupyep
     me, R = ranks(group)
@@ -710,9 +712,9 @@ def test_late_rank_times_out_without_a_silent_result(group):
             assert (err.kernel, err.peer, err.rank) == ("low_latency_dispatch", late, me), str(err)
             assert "flag" in err.phase, str(err)
             assert status.all() and not counts.any() and not res.recv_count.get().any(), (status, counts)
-        else:  # its dispatch was complete, but the peers' combine arrivals were poisoned (sync.cuh kPoison)
+        else:  # its dispatch was complete; its combine times out waiting for the peers that gave up on it
             assert (err.kernel, err.rank) == ("low_latency_combine", me) and err.peer != late, str(err)
-            assert err.value >= 0x8000 and not status.any() and np.isfinite(bf16_to_f32(got)).all(), str(err)
+            assert not status.any() and np.isfinite(bf16_to_f32(got)).all()
         group.comm.Barrier()
     finally:
         b.destroy()
