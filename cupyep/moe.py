@@ -51,8 +51,9 @@ import numpy as np
 from . import sm_partition
 from .arrays import xp_of as _xp
 
-__all__ = ["MoEWeights", "MoELayer", "route", "expert_ffn", "padded_expert_ffn", "expert_blocks", "result_blocks", "reference_forward",
-           "agreement", "bf16_bits_to_f32", "f32_to_bf16_bits", "MOE_CALC_DIFF_BOUND", "MOE_TOKEN_BOUND"]
+__all__ = ["MoEWeights", "MoELayer", "route", "expert_ffn", "padded_expert_ffn", "expert_blocks", "result_blocks",
+           "reference_forward", "agreement", "bf16_bits_to_f32", "f32_to_bf16_bits", "MOE_CALC_DIFF_BOUND",
+           "MOE_TOKEN_BOUND"]
 
 #: calc_diff bound between MoELayer.forward and reference_forward (the project's BF16 bound).
 MOE_CALC_DIFF_BOUND = 5e-6

@@ -59,7 +59,8 @@ low-latency mode: --ll-combines), "ll_ffn" (low-latency mode: "batched" or
 not hide behind the FFN), "comm_blocks" (normal mode: the most blocks
 per rank a communication call takes: num_sms, or with num_sms 0 the
 route's default, measured (cupyep.sm_defaults) where it applies, else the
-rank's share; low-latency mode: the buffers' num_blocks, --ll-blocks), "ffn_sms" (the GPU's SMs less every rank's comm_blocks),
+rank's share; low-latency mode: the buffers' num_blocks, --ll-blocks),
+"ffn_sms" (the GPU's SMs less every rank's comm_blocks),
 "sm_defaults" (CUPYEP_SM_DEFAULTS: "packaged", "off" or a table's path),
 "pipeline_us" (normal mode: what this two-lane schedule takes at the parts'
 times, dispatch A + max(FFN A, dispatch B) + max(combine A, FFN B) +
@@ -365,18 +366,15 @@ def expert_rows(counts: np.ndarray, max_tokens: int) -> ExpertRows:
     if counts.min(initial=0) < 0 or counts.max(initial=0) > max_tokens:
         raise ValueError(f"counts must lie in [0, max_tokens={max_tokens}]")
     slots = R * max_tokens
-    per_source = [[e * slots + r * max_tokens + np.arange(counts[e, r], dtype=np.int64) for r in range(R)]
-                  for e in range(El)]
     per_expert = counts.sum(axis=1)
     M = max(1, int(per_expert.max(initial=0)))
     padded = np.repeat((np.arange(El, dtype=np.int64) * slots)[:, None], M, axis=1)
     for e in range(El):
-        padded[e, :per_expert[e]] = np.concatenate(per_source[e]) if R else []
-    unpadded = np.concatenate([e * M + np.arange(per_expert[e], dtype=np.int64) for e in range(El)]) if El else \
-        np.zeros(0, np.int64)
-    flat = [rows for e in range(El) for rows in per_source[e]]
-    return ExpertRows(np.concatenate(flat) if flat else np.zeros(0, np.int64), expert_blocks(per_expert, per_expert),
-                      padded, unpadded)
+        padded[e, :per_expert[e]] = np.concatenate(
+            [e * slots + r * max_tokens + np.arange(counts[e, r], dtype=np.int64) for r in range(R)])
+    # The padded rows that hold an expert's own rows, in expert order: flat is those rows.
+    unpadded = np.flatnonzero(np.arange(M) < per_expert[:, None]).astype(np.int64)
+    return ExpertRows(padded.reshape(-1)[unpadded], expert_blocks(per_expert, per_expert), padded, unpadded)
 
 
 def ll_expert_ffn(recv_x, rows: ExpertRows, w1, w2, out, ffn=None, batched: bool = False):
@@ -719,8 +717,8 @@ def run_low_latency(group, args, out, barrier) -> None:
             for m, s in parts.items():
                 counts[m] = local_counts([i[s] for i in idx_all], me, args.experts)
                 rows = expert_rows(counts[m], most)
-                mbs[m].rows = ExpertRows(*(cupy.asarray(a) if isinstance(a, np.ndarray) else a  # uploaded once
-                                           for a in (rows.flat, rows.blocks, rows.padded, rows.unpadded)))
+                mbs[m].rows = replace(rows, flat=cupy.asarray(rows.flat), padded=cupy.asarray(rows.padded),
+                                      unpadded=cupy.asarray(rows.unpadded))  # on the GPU once: no upload per call
                 mbs[m].y_full = cupy.zeros((args.experts // R, R * most, args.hidden), dtype=cupy.uint16)
             num_blocks = bufs["a"].num_blocks
             for F in args.ffn:
