@@ -181,8 +181,7 @@ __device__ __forceinline__ void pack_received(const DispatchArgs& a, const int* 
         if (q >= count && q != 0) continue;  // warp-uniform
         int prefix = 0;
         for (int j = lane; j < r && arrived; j += 32) prefix += is_masked(a.c, j) ? 0 : ld_volatile(counts + le * R + j);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) prefix += __shfl_xor_sync(0xffffffffu, prefix, o);
+        prefix = warp_sum(prefix);
         if (q == 0 && lane == 0) a.packed_range[le * R + r] = ((int64_t)prefix << 32) | (int64_t)(uint32_t)count;
         if (q >= count) continue;
         const int64_t p = (int64_t)le * a.packed_rows + prefix + q;
@@ -423,8 +422,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
                 a.layout_count[le * R + r] = c;
                 sum += c;
             }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            sum = warp_sum(sum);
             if (lane == 0) {
                 a.recv_count[le] = sum;
                 if (a.cumulative_stats) a.cumulative_stats[le] += sum;
