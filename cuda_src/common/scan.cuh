@@ -13,6 +13,13 @@ __device__ __forceinline__ int warp_inclusive_scan(int v, int lane) {
     return v;
 }
 
+// The sum of one int per lane of a full warp, in every lane.
+__device__ __forceinline__ int warp_sum(int v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
 // Exclusive prefix sums of n values by one full warp, 32 at a time:
 // store(i, load(0) + ... + load(i - 1)) for i < n. Returns the total (on every lane).
 template <typename Load, typename Store>

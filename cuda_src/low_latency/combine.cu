@@ -105,12 +105,13 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
         // 32 words early (their latency hides behind the counts' loads) and publish the verdict in
         // shared memory ahead of a block barrier.
         __shared__ int s_poisoned;
-        const bool looks = b == 0 && warp == 0 && a.dispatch_status != nullptr;
-        const int status0 = looks && lane < a.c.num_waiters ? __ldg(a.dispatch_status + lane) : 0;
+        const bool looks = b == 0 && warp == 0;
+        const int status0 = looks && a.dispatch_status && lane < a.c.num_waiters ? __ldg(a.dispatch_status + lane) : 0;
         auto publish_status = [&] {
-            if (b != 0 || warp != 0) return;
+            if (!looks) return;
             bool poison = status0 != 0;
-            for (int i = lane + 32; looks && i < a.c.num_waiters; i += 32) poison |= __ldg(a.dispatch_status + i) != 0;
+            for (int i = lane + 32; a.dispatch_status && i < a.c.num_waiters; i += 32)
+                poison |= __ldg(a.dispatch_status + i) != 0;
             poison = __any_sync(0xffffffffu, poison);
             if (lane == 0) s_poisoned = poison;
         };

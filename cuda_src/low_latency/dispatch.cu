@@ -12,7 +12,10 @@
 //      shared memory; positions are popcounts of the bits below the token,
 //      plus the earlier windows' totals. Every block does this for all tokens
 //      (it needs the counts of earlier tokens), which is cheap at decode sizes,
-//      and OR commutes, so the layout is deterministic;
+//      and OR commutes, so the layout is deterministic. At T * k <= 32 warp 0
+//      computes the same positions from one load of the ids, with lane matches
+//      and no block barrier before the one that hands them to the senders
+//      (decode_positions);
 //   3. moves its tokens: a warp takes (token, 512-channel chunk) items, loads
 //      the BF16 chunk once, casts it to FP8 if asked (8 lanes per 128-channel
 //      scale group) and stores it, with its scales, into the message of each
@@ -178,8 +181,7 @@ __device__ __forceinline__ void pack_received(const DispatchArgs& a, const int* 
         if (q >= count && q != 0) continue;  // warp-uniform
         int prefix = 0;
         for (int j = lane; j < r && arrived; j += 32) prefix += is_masked(a.c, j) ? 0 : ld_volatile(counts + le * R + j);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) prefix += __shfl_xor_sync(0xffffffffu, prefix, o);
+        prefix = warp_sum(prefix);
         if (q == 0 && lane == 0) a.packed_range[le * R + r] = ((int64_t)prefix << 32) | (int64_t)(uint32_t)count;
         if (q >= count) continue;
         const int64_t p = (int64_t)le * a.packed_rows + prefix + q;
@@ -193,6 +195,53 @@ __device__ __forceinline__ void pack_received(const DispatchArgs& a, const int* 
             for (int j = lane; j < scale_words; j += 32) d[(int64_t)j * a.packed_rows] = sc[j];
         }
         if (lane == 0) a.packed_src[p] = *reinterpret_cast<const int*>(msg + m.tag);
+    }
+}
+
+// Positions at decode sizes (T * k <= 32), by warp 0 of each block, with no block
+// barrier: lane t * k + j holds (token t, slot j)'s expert `e` (lanes of earlier
+// tokens come first), so (t, j)'s row for its expert is the number of lanes below
+// it with the same expert (a token names each expert once), and its token's row
+// among mine to the expert's rank the number of earlier tokens with a lane on
+// that rank. The same results as the windowed scan of dispatch_body, which
+// cupyep.reference defines. Writes this block's combine_pos, slot_pos, rank_pos
+// and own_e / own_pos / own_rpos, and total[e] for every expert.
+__device__ __forceinline__ void decode_positions(const DispatchArgs& a, int e, int* total, int* own_e, int* own_pos,
+                                                 int* own_rpos, bool ranked, int b, int G, int lane) {
+    const int R = a.c.num_ranks, E = a.c.num_experts, El = E / R, k = a.c.num_topk, n = a.c.num_tokens * k;
+    if (lane >= n) e = -1;
+    if (e >= E || e < -1) {
+        report_error(a.c.guard, kErrorBadInput, kBadExpertId, -1, e, E);
+        e = -1;
+    }
+    const bool valid = e >= 0;
+    const int t = lane / k, j = lane % k, d = valid ? e / El : -1;
+    // Lanes without an expert get keys of their own, so they match nothing.
+    const unsigned same = __match_any_sync(0xffffffffu, valid ? e : -1 - lane);
+    const unsigned same_rank = __match_any_sync(0xffffffffu, valid ? d : -1 - lane);
+    const int pos = __popc(same & ((1u << lane) - 1u));
+    int seg = 0;  // rows to rank d for experts before e
+    for (int l = 0; l < n; ++l) {
+        const int el = __shfl_sync(0xffffffffu, e, l);
+        seg += ((same_rank >> l) & 1u) && el < e;
+    }
+    int rpos = 0;  // earlier tokens with an expert on rank d
+    if (ranked)
+        for (int t2 = 0; t2 < t; ++t2) rpos += ((same_rank >> (t2 * k)) & ((1u << k) - 1u)) != 0u;
+    for (int i = lane; i < E; i += 32) total[i] = 0;
+    __syncwarp();
+    if (valid && pos == 0) total[e] = __popc(same);
+    // A region holds `capacity` rows: an expert past it is reported (block 0, its first row).
+    if (b == 0 && valid && pos == 0 && __popc(same) > a.c.capacity)
+        report_error(a.c.guard, kErrorCapacity, kRegionCapacity, -1, __popc(same), a.c.capacity);
+    if (lane < n && t % G == b) {
+        a.combine_pos[lane] = valid ? seg + pos : -1;
+        a.slot_pos[lane] = valid ? pos : -1;
+        if (ranked) a.rank_pos[lane] = valid ? rpos : -1;
+        const int own = (t / G) * k + j;
+        own_e[own] = e;
+        own_pos[own] = pos;
+        if (ranked) own_rpos[own] = rpos;
     }
 }
 
@@ -234,79 +283,84 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
         int* own_pos = own_e + Tb * k;            // [Tb][k] row within (expert, this source)
         int* own_rpos = own_pos + Tb * k;         // [Tb][k] (ranked only) the token's row among mine to that rank
         unsigned* mask = reinterpret_cast<unsigned*>(own_rpos + (ranked ? Tb * k : 0));  // [Er][W] per window
-        for (int e = threadIdx.x; e < Er; e += blockDim.x) total[e] = 0;
-        // Token windows of 32 * W: each (token, slot) sets its token's bit in its expert's
-        // mask (OR commutes, so the result does not depend on the order); a token's row
-        // for expert e is then the count of e's tokens before it: popcounts of the bits
-        // below it plus the earlier windows' total. The same over ranks gives a token's
-        // row among this rank's tokens to rank d.
-        for (int t0 = 0; t0 < T; t0 += 32 * W) {
-            const int nt = min(T - t0, 32 * W);
-            for (int i = threadIdx.x; i < Er * W; i += blockDim.x) mask[i] = 0u;
+        if (T * k <= 32) {  // decode sizes: warp 0 of each block, one barrier
+            if (warp == 0) decode_positions(a, ids_ahead[0], total, own_e, own_pos, own_rpos, ranked, b, G, lane);
             __syncthreads();
-            for (int u = 0, i = threadIdx.x; i < nt * k; ++u, i += blockDim.x) {
-                const int t = t0 + i / k, j = i % k;
-                int e = -1;
-                if (t0 == 0 && u < kIdsAhead) {
-#pragma unroll
-                    for (int q = 0; q < kIdsAhead; ++q)
-                        if (q == u) e = ids_ahead[q];
-                } else {
-                    e = (int)__ldg(a.topk_idx + (int64_t)t * k + j);
+        } else {
+            for (int e = threadIdx.x; e < Er; e += blockDim.x) total[e] = 0;
+            // Token windows of 32 * W: each (token, slot) sets its token's bit in its expert's
+            // mask (OR commutes, so the result does not depend on the order); a token's row
+            // for expert e is then the count of e's tokens before it: popcounts of the bits
+            // below it plus the earlier windows' total. The same over ranks gives a token's
+            // row among this rank's tokens to rank d.
+            for (int t0 = 0; t0 < T; t0 += 32 * W) {
+                const int nt = min(T - t0, 32 * W);
+                for (int i = threadIdx.x; i < Er * W; i += blockDim.x) mask[i] = 0u;
+                __syncthreads();
+                for (int u = 0, i = threadIdx.x; i < nt * k; ++u, i += blockDim.x) {
+                    const int t = t0 + i / k, j = i % k;
+                    int e = -1;
+                    if (t0 == 0 && u < kIdsAhead) {
+    #pragma unroll
+                        for (int q = 0; q < kIdsAhead; ++q)
+                            if (q == u) e = ids_ahead[q];
+                    } else {
+                        e = (int)__ldg(a.topk_idx + (int64_t)t * k + j);
+                    }
+                    if (e >= E || e < -1) {
+                        report_error(a.c.guard, kErrorBadInput, kBadExpertId, -1, e, E);
+                        e = -1;
+                    }
+                    if (e >= 0) atomicOr(mask + e * W + (t - t0) / 32, 1u << ((t - t0) % 32));
+                    if (e >= 0 && ranked) atomicOr(mask + (E + e / El) * W + (t - t0) / 32, 1u << ((t - t0) % 32));
+                    if (t % G == b) own_e[(t / G) * k + j] = e;
                 }
-                if (e >= E || e < -1) {
-                    report_error(a.c.guard, kErrorBadInput, kBadExpertId, -1, e, E);
-                    e = -1;
+                __syncthreads();
+                for (int i = threadIdx.x; i < n_own * k; i += blockDim.x) {
+                    const int tw = b + (i / k) * G - t0;
+                    if (tw < 0 || tw >= nt) continue;
+                    const int e = own_e[i];
+                    if (e < 0) continue;
+                    const unsigned* me_mask = mask + e * W;
+                    int c = total[e];
+                    for (int w = 0; w < tw / 32; ++w) c += __popc(me_mask[w]);
+                    own_pos[i] = c + __popc(me_mask[tw / 32] & ((1u << (tw % 32)) - 1u));
+                    if (ranked) {
+                        const unsigned* rk_mask = mask + (E + e / El) * W;
+                        int cr = total[E + e / El];
+                        for (int w = 0; w < tw / 32; ++w) cr += __popc(rk_mask[w]);
+                        own_rpos[i] = cr + __popc(rk_mask[tw / 32] & ((1u << (tw % 32)) - 1u));
+                    }
                 }
-                if (e >= 0) atomicOr(mask + e * W + (t - t0) / 32, 1u << ((t - t0) % 32));
-                if (e >= 0 && ranked) atomicOr(mask + (E + e / El) * W + (t - t0) / 32, 1u << ((t - t0) % 32));
-                if (t % G == b) own_e[(t / G) * k + j] = e;
+                __syncthreads();
+                for (int e = threadIdx.x; e < Er; e += blockDim.x) {
+                    int c = 0;
+                    for (int w = 0; w < W; ++w) c += __popc(mask[e * W + w]);
+                    total[e] += c;
+                }
+                __syncthreads();
             }
+            // A region holds `capacity` rows: an expert past it is reported (never silently cut);
+            // its rows past the region are not written, and the receiver counts at most `capacity`.
+            if (b == 0)
+                for (int e = threadIdx.x; e < E; e += blockDim.x)
+                    if (total[e] > a.c.capacity) report_error(a.c.guard, kErrorCapacity, kRegionCapacity, -1, total[e],
+                                                              a.c.capacity);
+            for (int d = warp; d < R; d += num_warps)  // a warp per destination rank
+                warp_exclusive_scan(El, lane, [&](int le) { return total[d * El + le]; },
+                                    [&](int le, int v) { seg[d * El + le] = v; });
             __syncthreads();
+            // Final positions; (t, j)'s row in the range its expert rank returns to me
+            // in the combine: my rows to that rank in (expert, position) order.
             for (int i = threadIdx.x; i < n_own * k; i += blockDim.x) {
-                const int tw = b + (i / k) * G - t0;
-                if (tw < 0 || tw >= nt) continue;
                 const int e = own_e[i];
-                if (e < 0) continue;
-                const unsigned* me_mask = mask + e * W;
-                int c = total[e];
-                for (int w = 0; w < tw / 32; ++w) c += __popc(me_mask[w]);
-                own_pos[i] = c + __popc(me_mask[tw / 32] & ((1u << (tw % 32)) - 1u));
-                if (ranked) {
-                    const unsigned* rk_mask = mask + (E + e / El) * W;
-                    int cr = total[E + e / El];
-                    for (int w = 0; w < tw / 32; ++w) cr += __popc(rk_mask[w]);
-                    own_rpos[i] = cr + __popc(rk_mask[tw / 32] & ((1u << (tw % 32)) - 1u));
-                }
-            }
-            __syncthreads();
-            for (int e = threadIdx.x; e < Er; e += blockDim.x) {
-                int c = 0;
-                for (int w = 0; w < W; ++w) c += __popc(mask[e * W + w]);
-                total[e] += c;
+                const int64_t tj = (int64_t)(b + (i / k) * G) * k + i % k;
+                a.combine_pos[tj] = e >= 0 ? seg[e] + own_pos[i] : -1;
+                a.slot_pos[tj] = e >= 0 ? own_pos[i] : -1;
+                if (ranked) a.rank_pos[tj] = e >= 0 ? own_rpos[i] : -1;
             }
             __syncthreads();
         }
-        // A region holds `capacity` rows: an expert past it is reported (never silently cut);
-        // its rows past the region are not written, and the receiver counts at most `capacity`.
-        if (b == 0)
-            for (int e = threadIdx.x; e < E; e += blockDim.x)
-                if (total[e] > a.c.capacity) report_error(a.c.guard, kErrorCapacity, kRegionCapacity, -1, total[e],
-                                                          a.c.capacity);
-        for (int d = warp; d < R; d += num_warps)  // a warp per destination rank
-            warp_exclusive_scan(El, lane, [&](int le) { return total[d * El + le]; },
-                                [&](int le, int v) { seg[d * El + le] = v; });
-        __syncthreads();
-        // Final positions; (t, j)'s row in the range its expert rank returns to me
-        // in the combine: my rows to that rank in (expert, position) order.
-        for (int i = threadIdx.x; i < n_own * k; i += blockDim.x) {
-            const int e = own_e[i];
-            const int64_t tj = (int64_t)(b + (i / k) * G) * k + i % k;
-            a.combine_pos[tj] = e >= 0 ? seg[e] + own_pos[i] : -1;
-            a.slot_pos[tj] = e >= 0 ? own_pos[i] : -1;
-            if (ranked) a.rank_pos[tj] = e >= 0 ? own_rpos[i] : -1;
-        }
-        __syncthreads();
         trace_mark(a.c.trace, kMarkPrep);
 
         // Rows: a warp per (token, chunk of 512 channels) item; lane owns 16 channels.
@@ -368,8 +422,7 @@ __device__ __forceinline__ void dispatch_body(const DispatchArgs& a) {
                 a.layout_count[le * R + r] = c;
                 sum += c;
             }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            sum = warp_sum(sum);
             if (lane == 0) {
                 a.recv_count[le] = sum;
                 if (a.cumulative_stats) a.cumulative_stats[le] += sum;
