@@ -16,7 +16,7 @@ from cupyep import barrier, errors, jit, nvcc, testing
 
 from cupyep.normal import layout as dispatch_layout
 from cupyep.arrays import BF16, FP8, as_cupy, check
-from cupyep.lab.bench.stamps import cross_rank, trace_marks
+from cupyep.lab.bench.stamps import concurrent_ranks, cross_rank, trace_marks
 from cupyep.lab.bench.timing import Timing
 from cupyep.errors import (ERROR_SLOT_DTYPE, KERNEL_NAMES, KERNELS, CommTimeoutError, CupyepError,
                            error_from_slot, kernel_id)
@@ -793,6 +793,40 @@ def test_cross_rank_stamps():
     assert c["skew"]["p99_us"] == pytest.approx(1.0 + 0.98 * 4.0)
     with pytest.raises(ValueError):
         cross_rank(k[..., :1])
+
+
+def test_concurrent_ranks_counts_overlapping_kernels():
+    # 3 ranks, 2 calls. Call 0: ranks 0 and 1 overlap, rank 2 runs after both (1 + 2 + 2 ... per rank:
+    # rank 0 -> {0, 1}, rank 1 -> {0, 1}, rank 2 -> {2}: mean 5 / 3). Call 1: all three overlap (3).
+    k = np.array([[[0, 10], [100, 120]],
+                  [[5, 15], [105, 125]],
+                  [[20, 30], [110, 130]]], dtype=np.int64)
+    c = concurrent_ranks(k)
+    assert c["min"] == pytest.approx(5 / 3) and c["max"] == pytest.approx(3.0)
+    assert c["median"] == pytest.approx((5 / 3 + 3) / 2)
+    with pytest.raises(ValueError):
+        concurrent_ranks(k[0])
+
+
+def test_deepep_record_adds_cross_rank_fields_on_one_gpu():
+    from types import SimpleNamespace
+
+    from cupyep.lab.bench.low_latency import deepep_record
+    from cupyep.lab.bench.stamps import kernel_seconds
+    mine = np.array([[0, 10_000], [100_000, 108_000]], dtype=np.int64)   # rank 0: 10 us, 8 us
+    peer = np.array([[20_000, 26_000], [101_000, 111_000]], dtype=np.int64)  # rank 1: 6 us, 10 us
+    dur = kernel_seconds(peer)
+
+    def comm(with_stamps):  # rank 0's view: its own contribution, then rank 1's
+        theirs = (float(np.median(dur)), float(np.mean(dur)), 1, peer if with_stamps else None)
+        return SimpleNamespace(allgather=lambda own: [own, theirs])
+    rec = deepep_record(comm(True), {"bench": "low_latency"}, "k", mine, 1, None, 2.0, one_gpu=True)
+    assert rec["kernel_median_us"] == pytest.approx(9.0)           # the slower rank's median
+    assert rec["skew_median_us"] == pytest.approx((20 + 1) / 2)   # 20 us, then 1 us
+    assert rec["concurrent_ranks_min"] == pytest.approx(1.0)      # call 0: apart
+    assert rec["concurrent_ranks_max"] == pytest.approx(2.0)      # call 1: together
+    plain = deepep_record(comm(False), {}, "k", mine, 1, None, 2.0)
+    assert "skew_median_us" not in plain and "concurrent_ranks_median" not in plain
 
 
 def test_trace_marks():

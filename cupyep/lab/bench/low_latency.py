@@ -129,24 +129,37 @@ def strict_record(comm, base: dict, kind: str, timed, bytes_to_peers: int, copy_
             "efficiency": _efficiency(total, copy_bw, r["kernel_median_us"] * 1e-6)}
 
 
-def deepep_record(comm, base: dict, kind: str, stamps, bytes_to_peers: int, copy_bw, host_gap_ms: float) -> dict:
+def deepep_record(comm, base: dict, kind: str, stamps, bytes_to_peers: int, copy_bw, host_gap_ms: float,
+                  one_gpu: bool = False) -> dict:
     """The benchmark's record of a kind timed on DeepEP's boundary (collective).
 
     ``stamps``: this rank's host int64 [n, 2] kernel stamps. Fields: ``base``,
     "kind", "timing": "deepep", "n", "host_gap_ms", ``kernel_median_us``
     (slowest rank's median), ``kernel_rank_median_mean_us`` and
     ``kernel_rank_mean_mean_us`` (mean over ranks of each rank's median /
-    mean), ``kernel_rank_medians_us``, "bytes_to_peers", "efficiency".
+    mean), ``kernel_rank_medians_us``, "bytes_to_peers", "efficiency"; with
+    ``one_gpu`` (every rank on one GPU, one %globaltimer) also
+    ``{skew,span,after_last_start}_{median,p99}_us`` and
+    ``concurrent_ranks_{median,min,max}`` (stamps.concurrent_ranks): on this
+    boundary nothing lines the ranks' calls up, so how many of them share the
+    GPU at once varies from run to run.
     """
-    from .stamps import kernel_seconds
+    from .stamps import concurrent_ranks, cross_rank, kernel_seconds
     dur = kernel_seconds(stamps)
-    everyone = comm.allgather((float(np.median(dur)), float(np.mean(dur)), int(bytes_to_peers)))
-    meds, means = [m for m, _, _ in everyone], [a for _, a, _ in everyone]
-    total = sum(b for _, _, b in everyone)
-    return {**base, "kind": kind, "timing": "deepep", "n": int(dur.size), "host_gap_ms": host_gap_ms,
-            "kernel_median_us": max(meds) * 1e6, "kernel_rank_median_mean_us": np.mean(meds) * 1e6,
-            "kernel_rank_mean_mean_us": np.mean(means) * 1e6, "kernel_rank_medians_us": [m * 1e6 for m in meds],
-            "bytes_to_peers": total, "efficiency": _efficiency(total, copy_bw, max(meds))}
+    everyone = comm.allgather((float(np.median(dur)), float(np.mean(dur)), int(bytes_to_peers),
+                               np.asarray(stamps) if one_gpu else None))
+    meds, means = [e[0] for e in everyone], [e[1] for e in everyone]
+    total = sum(e[2] for e in everyone)
+    rec = {**base, "kind": kind, "timing": "deepep", "n": int(dur.size), "host_gap_ms": host_gap_ms,
+           "kernel_median_us": max(meds) * 1e6, "kernel_rank_median_mean_us": np.mean(meds) * 1e6,
+           "kernel_rank_mean_mean_us": np.mean(means) * 1e6, "kernel_rank_medians_us": [m * 1e6 for m in meds],
+           "bytes_to_peers": total, "efficiency": _efficiency(total, copy_bw, max(meds))}
+    if one_gpu:
+        kernel = np.stack([e[3] for e in everyone])  # [R, n, 2]
+        for name, v in cross_rank(kernel).items():
+            rec.update({f"{name}_{q}": x for q, x in v.items()})
+        rec.update({f"concurrent_ranks_{q}": x for q, x in concurrent_ranks(kernel).items()})
+    return rec
 
 
 def figures(comm, durations_s, bytes_to_peers: int, copy_bw) -> dict:
@@ -371,8 +384,10 @@ class Session:
         if timing == "strict":
             return [self.record(k, t, self.bytes_to_peers(k)) for k, t in self.time_strict(name, iters).items()]
         if timing == "deepep":
+            from .stamps import one_timer
             return [deepep_record(self.group.comm, self.base, k, st, self.bytes_to_peers(k), self.copy_bw,
-                                  host_gap_ms) for k, st in self.time_deepep(name, iters, host_gap_ms).items()]
+                                  host_gap_ms, one_timer(self.group))
+                    for k, st in self.time_deepep(name, iters, host_gap_ms).items()]
         raise ValueError(f"timing must be one of {TIMINGS}, got {timing!r}")
 
     def measure(self, kind: str, timing: str = "strict", iters: int = 100, host_gap_ms: float = 2.0) -> dict:
@@ -385,7 +400,8 @@ class Session:
             rec, stamps = self.record(kind, timed, nbytes), timed[1]
         else:
             stamps = self.time_deepep(name, iters, host_gap_ms)[kind]
-            rec = deepep_record(comm, self.base, kind, stamps, nbytes, self.copy_bw, host_gap_ms)
+            from .stamps import one_timer
+            rec = deepep_record(comm, self.base, kind, stamps, nbytes, self.copy_bw, host_gap_ms, one_timer(self.group))
         return {**rec, **figures(comm, kernel_seconds(stamps), nbytes, self.copy_bw)}
 
 

@@ -64,6 +64,22 @@ def cross_rank(kernel) -> dict:
             "after_last_start": _median_p99(end - last)}
 
 
+def concurrent_ranks(kernel) -> dict:
+    """How many ranks' kernels ran at once, from [R, n, 2] kernel stamps: per
+    call, the mean over ranks of the number of ranks (itself included) whose
+    kernel's [start, end] overlaps that rank's. On one GPU the ranks' kernels
+    share its SMs and memory, so a call timed per rank is slower the more of
+    them overlap. Returns {"median", "min", "max"} over calls.
+    """
+    k = np.asarray(kernel, dtype=np.int64)
+    if k.ndim != 3 or k.shape[2] != 2:
+        raise ValueError(f"kernel stamps must be [R, n, 2], got {k.shape}")
+    start, end = k[:, :, 0], k[:, :, 1]                              # [R, n]
+    overlaps = (start[:, None, :] <= end[None, :, :]) & (start[None, :, :] <= end[:, None, :])  # [R, R, n]
+    per_call = overlaps.sum(axis=1).mean(axis=0).astype(np.float64)  # [n]
+    return {"median": float(np.median(per_call)), "min": float(per_call.min()), "max": float(per_call.max())}
+
+
 def trace_marks(trace, names) -> dict:
     """When the ranks reached each mark, from [R, n, G, M] trace stamps.
 
