@@ -32,7 +32,11 @@ STRICT_FIELDS = ["bench", "ranks", "tokens", "hidden", "topk", "experts", "max_t
 DEEPEP_FIELDS = ["bench", "ranks", "tokens", "hidden", "topk", "experts", "max_tokens", "buffer_bytes", "num_blocks",
                  "num_waiters", "num_threads", "copy_GBps", "l2_flush", "programmatic_launch", "timing", "kind", "n",
                  "host_gap_ms", "kernel_median_us", "kernel_rank_median_mean_us", "kernel_rank_mean_mean_us",
-                 "kernel_rank_medians_us", "bytes_to_peers", "efficiency"]
+                 "kernel_rank_medians_us", "bytes_to_peers", "efficiency",
+                 # every rank on one GPU: how far apart the ranks' calls ran, and how many at once
+                 "skew_median_us", "skew_p99_us", "span_median_us", "span_p99_us", "after_last_start_median_us",
+                 "after_last_start_p99_us", "concurrent_ranks_median", "concurrent_ranks_min",
+                 "concurrent_ranks_max"]
 FIGURES = {"time_us", "p10_us", "p90_us", "p99_us", "rank_mean_us", "rank_GBps", "efficiency", "copy_GBps"}
 # Fake kernel durations in ns per call kind.
 DURATION_NS = {"dispatch": 20_000, "dispatch_recv": 6_000, "combine": 30_000, "combine_recv": 9_000}
@@ -382,6 +386,7 @@ def test_benchmark_rounds_write_the_benchmarks_records_in_order(fake_gpu):
     # Ranks on several GPUs: no cross-rank stamp figures.
     s.group.ranks_per_gpu = 1
     assert "skew_median_us" not in s.records("fp8", "strict", 3)[0]
+    assert list(s.records("fp8", "deepep", 3, 0.0)[0]) == DEEPEP_FIELDS[:DEEPEP_FIELDS.index("efficiency") + 1]
     with pytest.raises(ValueError, match="round must be one of"):
         s.records("fp16", "strict", 3)
 
