@@ -272,11 +272,15 @@ class Session:
         from .timing import timed_rounds
         return timed_rounds(calls, iters, self.warmup, self.flush, self.sleep_us, before=self.barrier)
 
+    @property
+    def one_gpu(self) -> bool:
+        """Every rank on one GPU: stamps compare across ranks (stamps.one_timer)."""
+        from .stamps import one_timer
+        return one_timer(self.group)
+
     def record(self, kind: str, timed, bytes_to_peers: int) -> dict:
         """:func:`strict_record` of ``timed`` (collective)."""
-        from .stamps import one_timer
-        return strict_record(self.group.comm, self.base, kind, timed, bytes_to_peers, self.copy_bw,
-                             one_timer(self.group))
+        return strict_record(self.group.comm, self.base, kind, timed, bytes_to_peers, self.copy_bw, self.one_gpu)
 
     def _strict_calls(self, name: str) -> list:
         """The calls of round ``name``, in order, each with the kind it records (or None)."""
@@ -384,9 +388,8 @@ class Session:
         if timing == "strict":
             return [self.record(k, t, self.bytes_to_peers(k)) for k, t in self.time_strict(name, iters).items()]
         if timing == "deepep":
-            from .stamps import one_timer
             return [deepep_record(self.group.comm, self.base, k, st, self.bytes_to_peers(k), self.copy_bw,
-                                  host_gap_ms, one_timer(self.group))
+                                  host_gap_ms, self.one_gpu)
                     for k, st in self.time_deepep(name, iters, host_gap_ms).items()]
         raise ValueError(f"timing must be one of {TIMINGS}, got {timing!r}")
 
@@ -400,8 +403,7 @@ class Session:
             rec, stamps = self.record(kind, timed, nbytes), timed[1]
         else:
             stamps = self.time_deepep(name, iters, host_gap_ms)[kind]
-            from .stamps import one_timer
-            rec = deepep_record(comm, self.base, kind, stamps, nbytes, self.copy_bw, host_gap_ms, one_timer(self.group))
+            rec = deepep_record(comm, self.base, kind, stamps, nbytes, self.copy_bw, host_gap_ms, self.one_gpu)
         return {**rec, **figures(comm, kernel_seconds(stamps), nbytes, self.copy_bw)}
 
 
