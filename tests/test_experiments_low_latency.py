@@ -36,7 +36,10 @@ DEEPEP_FIELDS = ["bench", "ranks", "tokens", "hidden", "topk", "experts", "max_t
                  # every rank on one GPU: how far apart the ranks' calls ran, and how many at once
                  "skew_median_us", "skew_p99_us", "span_median_us", "span_p99_us", "after_last_start_median_us",
                  "after_last_start_p99_us", "concurrent_ranks_median", "concurrent_ranks_min",
-                 "concurrent_ranks_max"]
+                 "concurrent_ranks_max",
+                 # the recorded period's GPU sleep and the slowest host's queueing (Session.period)
+                 "period_sleep_us", "host_queue_max_us", "host_behind"]
+ONE_GPU_FIELDS = DEEPEP_FIELDS[DEEPEP_FIELDS.index("efficiency") + 1:DEEPEP_FIELDS.index("period_sleep_us")]
 FIGURES = {"time_us", "p10_us", "p90_us", "p99_us", "rank_mean_us", "rank_GBps", "efficiency", "copy_GBps"}
 # Fake kernel durations in ns per call kind.
 DURATION_NS = {"dispatch": 20_000, "dispatch_recv": 6_000, "combine": 30_000, "combine_recv": 9_000}
@@ -371,6 +374,25 @@ def test_deepep_boundary_runs_a_warm_up_and_a_recorded_period_back_to_back(kind,
     assert rec["kernel_median_us"] == rec["time_us"] == rec["kernel_rank_median_mean_us"]
 
 
+def test_deepep_period_sleeps_past_the_slowest_hosts_queueing(fake_gpu, monkeypatch):
+    # Each call takes 1 ms of host time on a fake clock; the sleep asked for (sleep_us * n) is 0.1 ms.
+    s, buf, _ = _session(sleep_us=10.0)
+    clock = {"t": 0.0}
+    monkeypatch.setattr(BL.time, "perf_counter", lambda: clock["t"])
+    slept = []
+    monkeypatch.setattr(BT, "gpu_sleep", slept.append)
+
+    def body(st):
+        clock["t"] += 1e-3
+    s.period(body, (), 10)
+    assert slept == [pytest.approx(100.0), pytest.approx(2 * 10_000.0)]  # warm-up: as asked; recorded: 2 x 10 ms
+    assert s.last_period == {"period_sleep_us": pytest.approx(20_000.0), "host_queue_max_us": pytest.approx(10_000.0),
+                             "host_behind": False}
+    clock["t"] = 0.0
+    s.period(lambda st: clock.__setitem__("t", clock["t"] + (1e-3 if st("k") is None else 5e-3)), ("k",), 10)
+    assert s.last_period["host_behind"] and s.last_period["host_queue_max_us"] == pytest.approx(50_000.0)
+
+
 def test_benchmark_rounds_write_the_benchmarks_records_in_order(fake_gpu):
     s, buf, _ = _session(flush="pages", sleep_us=0.0)
     kinds = [r["kind"] for name in ("fp8", "bf16", "pull", "zero_copy", "zero_copy_push")
@@ -386,7 +408,7 @@ def test_benchmark_rounds_write_the_benchmarks_records_in_order(fake_gpu):
     # Ranks on several GPUs: no cross-rank stamp figures.
     s.group.ranks_per_gpu = 1
     assert "skew_median_us" not in s.records("fp8", "strict", 3)[0]
-    assert list(s.records("fp8", "deepep", 3, 0.0)[0]) == DEEPEP_FIELDS[:DEEPEP_FIELDS.index("efficiency") + 1]
+    assert list(s.records("fp8", "deepep", 3, 0.0)[0]) == [f for f in DEEPEP_FIELDS if f not in ONE_GPU_FIELDS]
     with pytest.raises(ValueError, match="round must be one of"):
         s.records("fp16", "strict", 3)
 

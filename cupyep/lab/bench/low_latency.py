@@ -38,7 +38,13 @@ Timing boundaries (``TIMINGS``):
   period, then one recorded period of ``iters`` calls back to back behind a
   GPU sleep and a barrier, no flush or barrier between calls; hook mode as
   send half, a host-side gap (``host_gap_ms``, then a host barrier), receive
-  half. Each rank's own kernel durations.
+  half. Each rank's own kernel durations. The recorded period's GPU sleep
+  outlasts twice the slowest host's queueing of the warm-up period, so that
+  every rank has queued its calls before the GPU reaches them; the records
+  say how long that sleep was (``period_sleep_us``), how long the slowest
+  host took to queue the recorded calls (``host_queue_max_us``) and whether
+  it took longer than the sleep (``host_behind``: then a rank's late calls
+  held its peers' kernels waiting, and the kernel times include that wait).
 
 :class:`Session` runs the rounds and builds the records; :func:`measure` is
 one kind's record with the figures the normal-mode bench gives
@@ -223,6 +229,7 @@ class Session:
                      "num_threads": buf.num_threads, "copy_GBps": copy_bw / 1e9 if copy_bw else None,
                      "l2_flush": flush, "programmatic_launch": buf.programmatic_launch, "timing": "strict"}
         self.pending = {}
+        self.last_period = {}  # the last DeepEP-boundary period's sleep and host queueing (period)
         # Identity expert outputs in the dispatch's row layout (the same for FP8 and BF16).
         self.y = buf.dispatch(x, topk_idx, use_fp8=False, validate=False).recv_x.copy()
 
@@ -322,20 +329,31 @@ class Session:
     def period(self, body, names, n: int) -> dict:
         """A warm-up period, then the recorded one, of ``n`` calls of ``body(st)``
         back to back behind a GPU sleep and a barrier; ``st(name)`` is that call's
-        stamp row for ``name`` (None in the warm-up). Returns {name: device stamps [n, 2]}."""
+        stamp row for ``name`` (None in the warm-up). The recorded period's sleep
+        is at least twice the slowest rank's host time to queue the warm-up's
+        calls; ``self.last_period`` then holds "period_sleep_us",
+        "host_queue_max_us" (the recorded period's) and "host_behind" (the
+        latter above the sleep). Returns {name: device stamps [n, 2]}."""
         from .stamps import new_kernel_stamps
         from .timing import gpu_sleep
         stamps = {k: new_kernel_stamps(n) for k in names}
+        sleep_us = self.sleep_us * n
         for live in (False, True):  # a warm-up period, then the recorded one
             # bench_kineto's large GEMM and all-reduce: the GPU is busy while every host
             # queues its calls, then the ranks start together.
             self.buf.synchronize()
             self.group.comm.Barrier()
-            gpu_sleep(self.sleep_us * n)
+            gpu_sleep(sleep_us)
             self.barrier()
+            t0 = time.perf_counter()
             for i in range(n):
                 body(lambda k: stamps[k][i] if live and k in stamps else None)
+            queued_us = max(self.group.comm.allgather((time.perf_counter() - t0) * 1e6))
+            if not live:
+                sleep_us = max(sleep_us, 2 * queued_us)
         self.buf.synchronize()
+        self.last_period = {"period_sleep_us": sleep_us, "host_queue_max_us": queued_us,
+                            "host_behind": bool(queued_us > sleep_us)}
         return stamps
 
     def _deepep_body(self, name: str, host_gap_ms: float):
@@ -388,8 +406,8 @@ class Session:
         if timing == "strict":
             return [self.record(k, t, self.bytes_to_peers(k)) for k, t in self.time_strict(name, iters).items()]
         if timing == "deepep":
-            return [deepep_record(self.group.comm, self.base, k, st, self.bytes_to_peers(k), self.copy_bw,
-                                  host_gap_ms, self.one_gpu)
+            return [{**deepep_record(self.group.comm, self.base, k, st, self.bytes_to_peers(k), self.copy_bw,
+                                     host_gap_ms, self.one_gpu), **self.last_period}
                     for k, st in self.time_deepep(name, iters, host_gap_ms).items()]
         raise ValueError(f"timing must be one of {TIMINGS}, got {timing!r}")
 
@@ -403,7 +421,8 @@ class Session:
             rec, stamps = self.record(kind, timed, nbytes), timed[1]
         else:
             stamps = self.time_deepep(name, iters, host_gap_ms)[kind]
-            rec = deepep_record(comm, self.base, kind, stamps, nbytes, self.copy_bw, host_gap_ms, self.one_gpu)
+            rec = {**deepep_record(comm, self.base, kind, stamps, nbytes, self.copy_bw, host_gap_ms, self.one_gpu),
+                   **self.last_period}
         return {**rec, **figures(comm, kernel_seconds(stamps), nbytes, self.copy_bw)}
 
 
