@@ -391,6 +391,12 @@ def test_deepep_period_sleeps_past_the_slowest_hosts_queueing(fake_gpu, monkeypa
     clock["t"] = 0.0
     s.period(lambda st: clock.__setitem__("t", clock["t"] + (1e-3 if st("k") is None else 5e-3)), ("k",), 10)
     assert s.last_period["host_behind"] and s.last_period["host_queue_max_us"] == pytest.approx(50_000.0)
+    # Hook mode: the host gap between the halves is measured, so the sleep stays as asked.
+    slept.clear()
+    s.period(body, (), 10, queue_ahead=False)
+    assert slept == [pytest.approx(100.0)] * 2 and s.last_period["host_behind"] is None
+    s.records("hook", "deepep", 3, 0.0)
+    assert slept[-1] == pytest.approx(30.0)
 
 
 def test_benchmark_rounds_write_the_benchmarks_records_in_order(fake_gpu):

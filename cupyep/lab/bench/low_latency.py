@@ -38,9 +38,10 @@ Timing boundaries (``TIMINGS``):
   period, then one recorded period of ``iters`` calls back to back behind a
   GPU sleep and a barrier, no flush or barrier between calls; hook mode as
   send half, a host-side gap (``host_gap_ms``, then a host barrier), receive
-  half. Each rank's own kernel durations. The recorded period's GPU sleep
-  outlasts twice the slowest host's queueing of the warm-up period, so that
-  every rank has queued its calls before the GPU reaches them; the records
+  half. Each rank's own kernel durations. Outside hook mode the recorded
+  period's GPU sleep outlasts twice the slowest host's queueing of the
+  warm-up period, so that every rank has queued its calls before the GPU
+  reaches them; the records
   say how long that sleep was (``period_sleep_us``), how long the slowest
   host took to queue the recorded calls (``host_queue_max_us``) and whether
   it took longer than the sleep (``host_behind``: then a rank's late calls
@@ -326,14 +327,17 @@ class Session:
         return {kind: t for (_, kind), t in zip(calls, timed) if kind is not None}
 
     # ------------------------------------------------------ DeepEP boundary
-    def period(self, body, names, n: int) -> dict:
+    def period(self, body, names, n: int, queue_ahead: bool = True) -> dict:
         """A warm-up period, then the recorded one, of ``n`` calls of ``body(st)``
         back to back behind a GPU sleep and a barrier; ``st(name)`` is that call's
-        stamp row for ``name`` (None in the warm-up). The recorded period's sleep
-        is at least twice the slowest rank's host time to queue the warm-up's
-        calls; ``self.last_period`` then holds "period_sleep_us",
+        stamp row for ``name`` (None in the warm-up). With ``queue_ahead`` the
+        recorded period's sleep is at least twice the slowest rank's host time
+        to queue the warm-up's calls, so the GPU finds them all queued (not for
+        hook mode, whose host gap between the halves is part of what it
+        measures). ``self.last_period`` then holds "period_sleep_us",
         "host_queue_max_us" (the recorded period's) and "host_behind" (the
-        latter above the sleep). Returns {name: device stamps [n, 2]}."""
+        latter above the sleep; None without ``queue_ahead``). Returns
+        {name: device stamps [n, 2]}."""
         from .stamps import new_kernel_stamps
         from .timing import gpu_sleep
         stamps = {k: new_kernel_stamps(n) for k in names}
@@ -349,11 +353,11 @@ class Session:
             for i in range(n):
                 body(lambda k: stamps[k][i] if live and k in stamps else None)
             queued_us = max(self.group.comm.allgather((time.perf_counter() - t0) * 1e6))
-            if not live:
+            if not live and queue_ahead:
                 sleep_us = max(sleep_us, 2 * queued_us)
         self.buf.synchronize()
         self.last_period = {"period_sleep_us": sleep_us, "host_queue_max_us": queued_us,
-                            "host_behind": bool(queued_us > sleep_us)}
+                            "host_behind": bool(queued_us > sleep_us) if queue_ahead else None}
         return stamps
 
     def _deepep_body(self, name: str, host_gap_ms: float):
@@ -397,7 +401,7 @@ class Session:
         if name.startswith("zero_copy"):
             self.fill_zero_copy()
         kinds = ROUNDS.get(name)
-        st = self.period(self._deepep_body(name, host_gap_ms), kinds, n)
+        st = self.period(self._deepep_body(name, host_gap_ms), kinds, n, queue_ahead=not name.startswith("hook"))
         return {k: st[k].get() for k in kinds}
 
     # --------------------------------------------------------------- records
