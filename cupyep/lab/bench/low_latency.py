@@ -41,11 +41,11 @@ Timing boundaries (``TIMINGS``):
   half. Each rank's own kernel durations. Outside hook mode the recorded
   period's GPU sleep outlasts twice the slowest host's queueing of the
   warm-up period, so that every rank has queued its calls before the GPU
-  reaches them; the records
-  say how long that sleep was (``period_sleep_us``), how long the slowest
-  host took to queue the recorded calls (``host_queue_max_us``) and whether
-  it took longer than the sleep (``host_behind``: then a rank's late calls
-  held its peers' kernels waiting, and the kernel times include that wait).
+  reaches them; the records say how long that sleep was
+  (``period_sleep_us``), how long the slowest host took to queue the
+  recorded calls (``host_queue_max_us``) and whether it took longer than the
+  sleep (``host_behind``: then a rank's late calls held its peers' kernels
+  waiting, and the kernel times include that wait).
 
 :class:`Session` runs the rounds and builds the records; :func:`measure` is
 one kind's record with the figures the normal-mode bench gives
@@ -106,6 +106,13 @@ def row_bytes(hidden: int) -> dict:
     return {"fp8": hidden + hidden // 128 * 4 + 4 + 1, "bf16": 2 * hidden + 4 + 1, "combine": 2 * hidden}
 
 
+def _cross_rank_fields(kernel) -> dict:
+    """stamps.cross_rank of [R, n, 2] kernel stamps as record fields:
+    ``{skew,span,after_last_start}_{median,p99}_us``."""
+    from .stamps import cross_rank
+    return {f"{name}_{q}": x for name, v in cross_rank(kernel).items() for q, x in v.items()}
+
+
 def _efficiency(total_bytes, copy_bw, seconds):
     return 2 * total_bytes / copy_bw / seconds if copy_bw else None
 
@@ -120,7 +127,7 @@ def strict_record(comm, base: dict, kind: str, timed, bytes_to_peers: int, copy_
     with ``one_gpu`` ``{skew,span,after_last_start}_{median,p99}_us``, "n",
     "bytes_to_peers" (all ranks), "efficiency".
     """
-    from .stamps import cross_rank, kernel_seconds
+    from .stamps import kernel_seconds
     from .timing import Timing
     event, stamps = timed
     kernel = Timing.from_samples(kernel_seconds(stamps))
@@ -129,8 +136,7 @@ def strict_record(comm, base: dict, kind: str, timed, bytes_to_peers: int, copy_
     everyone = comm.allgather((mine, np.asarray(stamps), int(bytes_to_peers)))
     r = {f"{name}_us": max(m[name] for m, _, _ in everyone) * 1e6 for name in mine}
     if one_gpu:
-        for name, v in cross_rank(np.stack([s for _, s, _ in everyone])).items():  # [R, n, 2]
-            r.update({f"{name}_{q}": x for q, x in v.items()})
+        r.update(_cross_rank_fields(np.stack([s for _, s, _ in everyone])))  # [R, n, 2]
     total = sum(b for _, _, b in everyone)
     return {**base, "kind": kind, **r, "n": event.n, "bytes_to_peers": total,
             "efficiency": _efficiency(total, copy_bw, r["kernel_median_us"] * 1e-6)}
@@ -151,7 +157,7 @@ def deepep_record(comm, base: dict, kind: str, stamps, bytes_to_peers: int, copy
     boundary nothing lines the ranks' calls up, so how many of them share the
     GPU at once varies from run to run.
     """
-    from .stamps import concurrent_ranks, cross_rank, kernel_seconds
+    from .stamps import concurrent_ranks, kernel_seconds
     dur = kernel_seconds(stamps)
     everyone = comm.allgather((float(np.median(dur)), float(np.mean(dur)), int(bytes_to_peers),
                                np.asarray(stamps) if one_gpu else None))
@@ -163,8 +169,7 @@ def deepep_record(comm, base: dict, kind: str, stamps, bytes_to_peers: int, copy
            "bytes_to_peers": total, "efficiency": _efficiency(total, copy_bw, max(meds))}
     if one_gpu:
         kernel = np.stack([e[3] for e in everyone])  # [R, n, 2]
-        for name, v in cross_rank(kernel).items():
-            rec.update({f"{name}_{q}": x for q, x in v.items()})
+        rec.update(_cross_rank_fields(kernel))
         rec.update({f"concurrent_ranks_{q}": x for q, x in concurrent_ranks(kernel).items()})
     return rec
 
@@ -290,6 +295,11 @@ class Session:
         """:func:`strict_record` of ``timed`` (collective)."""
         return strict_record(self.group.comm, self.base, kind, timed, bytes_to_peers, self.copy_bw, self.one_gpu)
 
+    def deepep(self, kind: str, stamps, bytes_to_peers: int, host_gap_ms: float) -> dict:
+        """:func:`deepep_record` of ``stamps`` with the last period's sleep and host queueing (collective)."""
+        return {**deepep_record(self.group.comm, self.base, kind, stamps, bytes_to_peers, self.copy_bw, host_gap_ms,
+                                self.one_gpu), **self.last_period}
+
     def _strict_calls(self, name: str) -> list:
         """The calls of round ``name``, in order, each with the kind it records (or None)."""
         d_fp8 = self.dispatch(True)
@@ -410,8 +420,7 @@ class Session:
         if timing == "strict":
             return [self.record(k, t, self.bytes_to_peers(k)) for k, t in self.time_strict(name, iters).items()]
         if timing == "deepep":
-            return [{**deepep_record(self.group.comm, self.base, k, st, self.bytes_to_peers(k), self.copy_bw,
-                                     host_gap_ms, self.one_gpu), **self.last_period}
+            return [self.deepep(k, st, self.bytes_to_peers(k), host_gap_ms)
                     for k, st in self.time_deepep(name, iters, host_gap_ms).items()]
         raise ValueError(f"timing must be one of {TIMINGS}, got {timing!r}")
 
@@ -425,8 +434,7 @@ class Session:
             rec, stamps = self.record(kind, timed, nbytes), timed[1]
         else:
             stamps = self.time_deepep(name, iters, host_gap_ms)[kind]
-            rec = {**deepep_record(comm, self.base, kind, stamps, nbytes, self.copy_bw, host_gap_ms, self.one_gpu),
-                   **self.last_period}
+            rec = self.deepep(kind, stamps, nbytes, host_gap_ms)
         return {**rec, **figures(comm, kernel_seconds(stamps), nbytes, self.copy_bw)}
 
 
