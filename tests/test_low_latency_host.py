@@ -486,29 +486,55 @@ def test_kernel_specs():
     assert len(names) == len(set(names))
     # dispatch, combine and the packing dispatch within a node and across nodes, the LogFMT, partial and
     # partial LogFMT combines
-    assert len(specs) == 9 * len(K.THREAD_CHOICES)
+    # ... each in the plain build and in shrink mode's
+    assert len(specs) == 2 * 9 * len(K.THREAD_CHOICES)
     for s in specs:
         assert (jit.CUDA_SRC / s.source).is_file(), s
         assert len(s.kernels) == 1 and s.kernels[0].startswith("cupyep::low_latency::")
         hash(s)
     for t in K.THREAD_CHOICES:
-        d = [s for s in specs if not s.nvshmem and s.source == "low_latency/dispatch.cu"
+        plain = [s for s in specs if ("CUPYEP_LL_SHRINK", 1) not in s.defines]
+        d = [s for s in plain if not s.nvshmem and s.source == "low_latency/dispatch.cu"
              and s.kernels == (f"cupyep::low_latency::dispatch<{t}>",)]
-        c = [s for s in specs if not s.nvshmem and s.source == "low_latency/combine.cu"
+        c = [s for s in plain if not s.nvshmem and s.source == "low_latency/combine.cu"
              and s.kernels == (f"cupyep::low_latency::combine<{t}>",)]
         assert len(d) == 1 and len(c) == 1, t
         assert d[0] == K.dispatch_spec(t) and c[0] == K.combine_spec(t)
-        lf = [s for s in specs if s.kernels == (f"cupyep::low_latency::combine_logfmt<{t}>",)]
+        lf = [s for s in plain if s.kernels == (f"cupyep::low_latency::combine_logfmt<{t}>",)]
         assert lf == [K.combine_logfmt_spec(t)] and not lf[0].nvshmem and lf[0].source == "low_latency/combine.cu"
-        pc = [s for s in specs if s.kernels == (f"cupyep::low_latency::combine_partial<{t}>",)]
+        pc = [s for s in plain if s.kernels == (f"cupyep::low_latency::combine_partial<{t}>",)]
         assert pc == [K.combine_partial_spec(t)] and not pc[0].nvshmem and pc[0].source == "low_latency/combine.cu"
-        pl = [s for s in specs if s.kernels == (f"cupyep::low_latency::combine_partial_logfmt<{t}>",)]
+        pl = [s for s in plain if s.kernels == (f"cupyep::low_latency::combine_partial_logfmt<{t}>",)]
         assert pl == [K.combine_partial_logfmt_spec(t)] and not pl[0].nvshmem
-        pk = [s for s in specs if s.kernels == (f"cupyep::low_latency::dispatch_packed<{t}>",)]
+        pk = [s for s in plain if s.kernels == (f"cupyep::low_latency::dispatch_packed<{t}>",)]
         assert sorted(pk, key=lambda s: s.nvshmem) == [K.dispatch_packed_spec(t), K.dispatch_packed_spec(t, True)]
         assert d[0].name == f"low_latency_dispatch_threads_{t}"
         assert c[0].name == f"low_latency_combine_threads_{t}"
     assert K.dispatch_spec() == K.dispatch_spec(K.DEFAULT_THREADS)
+
+
+def test_shrink_mode_has_its_own_build():
+    """Each kernel also in the build that reads the mask (CUPYEP_LL_SHRINK), with
+    its own name and the same template; the plain build compiles the mask out."""
+    specs = {s.name: s for s in K.kernel_specs()}
+    for t in K.THREAD_CHOICES:
+        for plain, shrink in [(f(t), f(t, shrink=True)) for f in (K.dispatch_spec, K.combine_spec,
+                                                                  K.dispatch_packed_spec, K.combine_logfmt_spec,
+                                                                  K.combine_partial_spec, K.combine_partial_logfmt_spec)] + \
+                [(K.dispatch_spec(t, True), K.dispatch_spec(t, True, True)),
+                 (K.combine_spec(t, True), K.combine_spec(t, True, True))]:
+            assert ("CUPYEP_LL_SHRINK", 1) not in plain.defines
+            assert shrink.defines == plain.defines + (("CUPYEP_LL_SHRINK", 1),)
+            assert shrink.name == plain.name + "_shrink" and shrink.kernels == plain.kernels
+            assert shrink.nvshmem == plain.nvshmem and specs[shrink.name] == shrink and specs[plain.name] == plain
+    src = strip_comments((jit.CUDA_SRC / "low_latency" / "sync.cuh").read_text())
+    # Every test of the mask goes through shrinking(), which is false at compile time in the plain build.
+    assert re.search(r"#ifdef CUPYEP_LL_SHRINK\s+constexpr bool kShrink = true;\s+#else\s+constexpr bool kShrink = false;",
+                     src)
+    assert re.search(r"bool shrinking\(const CallArgs& c\)\s*\{\s*return kShrink && c\.mask != nullptr;", src)
+    for name in ("sync.cuh", "dispatch.cu", "combine.cu"):
+        text = strip_comments((jit.CUDA_SRC / "low_latency" / name).read_text())
+        assert not re.search(r"mask\s*!=\s*nullptr", text.replace("return kShrink && c.mask != nullptr", "")), name
 
 
 @pytest.mark.parametrize("source,kernel,args", [("dispatch.cu", "dispatch", "DispatchArgs"),

@@ -7,7 +7,8 @@ namespace cupyep {
 // Copy `n` int4 words with a warp: rounds of kUnroll 16-byte loads per lane,
 // all in flight before the round's stores (memory-level parallelism is what
 // bounds a copy warp). The last, partial round runs word by word, or with
-// kMaskTail as one more masked round (fewer round trips, more registers).
+// kMaskTail as one more round with masked stores (fewer round trips, more
+// registers).
 // `load(const int4*)` and `store(int4*, const int4&)` pick the cache hints.
 template <int kUnroll, bool kMaskTail = false, typename Load, typename Store>
 __device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int64_t n, int lane, Load&& load, Store&& store) {
@@ -21,10 +22,11 @@ __device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int64_t n,
     }
     if (kMaskTail) {
         if (i < n) {
+            // Every load unconditional (a lane past the end reads the last word again), so that
+            // the compiler issues them all ahead of the stores: predicated, it interleaves them.
             int4 v[kUnroll];
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u)
-                if (i + u * 32 < n) v[u] = load(src + i + u * 32);
+            for (int u = 0; u < kUnroll; ++u) v[u] = load(src + min(i + u * 32, n - 1));
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u)
                 if (i + u * 32 < n) store(dst + i + u * 32, v[u]);

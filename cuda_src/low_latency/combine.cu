@@ -433,7 +433,7 @@ __device__ __forceinline__ void combine_body(const CombineArgs& a) {
             }
             return;
         }
-        if (a.c.mask != nullptr) {  // shrink mode: look the first slots up again, now that the mask is final
+        if (shrinking(a.c)) {  // shrink mode: look the first slots up again, now that the mask is final
             if (cached_t >= 0) lane_row = lookup(cached_t, lane_w);
             if (cached_t >= 0 && cached_t < last_t) next_row = lookup(cached_t + 1, next_w);
         }

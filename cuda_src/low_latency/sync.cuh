@@ -17,7 +17,8 @@
 // and the last one storing the flags, measured 2-3 us slower per call
 // (results/archive/low_latency_last_block.jsonl).
 //
-// Masked ranks (shrink mode, CallArgs::mask non-null): no rows, counts or
+// Masked ranks (shrink mode: the CUPYEP_LL_SHRINK build, CallArgs::mask
+// non-null; the other build compiles every test of the mask out): no rows, counts or
 // arrivals go to a masked rank, and no wait waits for one; its counts read as
 // zero and the combine leaves out the slots of its experts. A wait for a peer
 // that runs out of time masks that peer (mask[r] = 1) instead of reporting a
@@ -77,9 +78,18 @@ __device__ __forceinline__ void clear_next_flags(void* mine, const SetOffsets& n
 #endif
 }
 
+#ifdef CUPYEP_LL_SHRINK
+constexpr bool kShrink = true;
+#else
+constexpr bool kShrink = false;
+#endif
+
+// Whether this call reads a mask (shrink mode).
+__device__ __forceinline__ bool shrinking(const CallArgs& c) { return kShrink && c.mask != nullptr; }
+
 // Whether rank r is masked (always false outside shrink mode).
 __device__ __forceinline__ bool is_masked(const CallArgs& c, int r) {
-    return c.mask != nullptr && ld_volatile(c.mask + r) != 0;
+    return shrinking(c) && ld_volatile(c.mask + r) != 0;
 }
 
 // Shrink mode's wait on peer r: like wait_until, but it ends when r is masked
@@ -107,7 +117,7 @@ __device__ __forceinline__ bool wait_unless_masked(const CallArgs& c, const T* p
 // or in shrink mode until r is masked (false, nothing reported).
 template <typename T>
 __device__ __forceinline__ bool wait_peer_geq(const CallArgs& c, const T* p, T expected, int phase, int r) {
-    if (c.mask != nullptr) return !is_masked(c, r) && wait_unless_masked(c, p, [=](T v) { return v >= expected; }, r);
+    if (shrinking(c)) return !is_masked(c, r) && wait_unless_masked(c, p, [=](T v) { return v >= expected; }, r);
     return wait_geq(p, expected, c.guard, phase, r);
 }
 
@@ -155,7 +165,7 @@ __device__ __forceinline__ bool wait_peer_flags(const CallArgs& c, const int* fl
     __syncthreads();
     for (int r = threadIdx.x; r < c.num_ranks; r += blockDim.x) {
         const uint64_t t0 = global_timer_ns();
-        if (c.mask != nullptr) {  // shrink mode: a peer that does not come is masked, not an error
+        if (shrinking(c)) {  // shrink mode: a peer that does not come is masked, not an error
             if (is_remote(c, r)) (void)remote(r);
             else if (!is_masked(c, r))
                 (void)wait_unless_masked(c, flags + r, [](int v) { return arrivals_complete(v); }, r);

@@ -149,8 +149,9 @@ class LowLatencyBuffer:
         self._pending_hook = None
         self.ablate = 0
         try:
-            self._dispatch_fn = jit.kernel(K.dispatch_spec(num_threads, self.across_nodes), group)
-            self._combine_fn = jit.kernel(K.combine_spec(num_threads, self.across_nodes), group)
+            shrink = self.mask is not None  # the build that reads the mask (kernels._spec)
+            self._dispatch_fn = jit.kernel(K.dispatch_spec(num_threads, self.across_nodes, shrink), group)
+            self._combine_fn = jit.kernel(K.combine_spec(num_threads, self.across_nodes, shrink), group)
             self._variants = {}  # dispatch_packed / combine_logfmt, loaded at their first use (load_kernel)
             self._check_resident()
         except BaseException:
@@ -605,10 +606,11 @@ class LowLatencyBuffer:
         collectively at its first use, then kept."""
         fn = self._variants.get(name)
         if fn is None:
-            specs = {"dispatch_packed": lambda: K.dispatch_packed_spec(self.num_threads, self.across_nodes),
-                     "combine_logfmt": lambda: K.combine_logfmt_spec(self.num_threads),
-                     "combine_partial": lambda: K.combine_partial_spec(self.num_threads),
-                     "combine_partial_logfmt": lambda: K.combine_partial_logfmt_spec(self.num_threads)}
+            t, m = self.num_threads, self.mask is not None
+            specs = {"dispatch_packed": lambda: K.dispatch_packed_spec(t, self.across_nodes, m),
+                     "combine_logfmt": lambda: K.combine_logfmt_spec(t, m),
+                     "combine_partial": lambda: K.combine_partial_spec(t, m),
+                     "combine_partial_logfmt": lambda: K.combine_partial_logfmt_spec(t, m)}
             if name not in specs:
                 raise ValueError(f"no kernel {name!r}; one of {sorted(specs)}")
             fn = self._variants[name] = jit.kernel(specs[name](), self.group)

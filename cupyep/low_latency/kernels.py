@@ -1,8 +1,9 @@
 """Kernel specialisations and argument structs of low-latency mode.
 
 Each dtype mirrors, field by field, a struct of ``cuda_src/low_latency/args.cuh``.
-Kernels are specialised only on threads per block; sizes are run-time
-arguments, so any hidden size (multiple of 128) and any top-k work.
+Kernels are specialised only on threads per block and on the builds (across
+nodes; shrink mode's mask); sizes are run-time arguments, so any hidden size
+(multiple of 128) and any top-k work.
 """
 from __future__ import annotations
 
@@ -61,66 +62,66 @@ COMBINE_ARGS_DTYPE = jit.struct_dtype([
     ("pull", i32), ("dispatch_status", u64)])
 
 
-def _spec(kind: str, num_threads: int, across_nodes: bool) -> jit.KernelSpec:
-    """``kind`` (dispatch or combine); ``across_nodes``: the build that reaches
-    ranks of other nodes by NVSHMEM puts (CUPYEP_LL_NVSHMEM, args.cuh)."""
-    suffix = "_nvshmem" if across_nodes else ""
-    return jit.KernelSpec(name=f"low_latency_{kind}_threads_{num_threads}{suffix}", source=f"low_latency/{kind}.cu",
-                          kernels=(f"cupyep::low_latency::{kind}<{num_threads}>",),
-                          defines=(("CUPYEP_LL_NVSHMEM", 1),) if across_nodes else (), nvshmem=across_nodes)
+def _spec(kernel: str, num_threads: int, across_nodes: bool = False, shrink: bool = False) -> jit.KernelSpec:
+    """The specialisation of ``kernel`` (a template of low_latency/dispatch.cu
+    or combine.cu). ``across_nodes``: the build that reaches ranks of other
+    nodes by NVSHMEM puts (CUPYEP_LL_NVSHMEM, args.cuh); ``shrink``: the build
+    that reads a rank mask (CUPYEP_LL_SHRINK, sync.cuh), which a buffer made
+    with enable_shrink uses. Without it the mask's tests are compiled out: on
+    the hot paths they cost the receive half of the combine about 5 us at
+    8 ranks, T = 128 (results/ll_halves)."""
+    source = "dispatch" if kernel.startswith("dispatch") else "combine"
+    suffix = ("_nvshmem" if across_nodes else "") + ("_shrink" if shrink else "")
+    defines = ((("CUPYEP_LL_NVSHMEM", 1),) if across_nodes else ()) + ((("CUPYEP_LL_SHRINK", 1),) if shrink else ())
+    return jit.KernelSpec(name=f"low_latency_{kernel}_threads_{num_threads}{suffix}", source=f"low_latency/{source}.cu",
+                          kernels=(f"cupyep::low_latency::{kernel}<{num_threads}>",), defines=defines,
+                          nvshmem=across_nodes)
 
 
-def dispatch_spec(num_threads: int = DEFAULT_THREADS, across_nodes: bool = False) -> jit.KernelSpec:
-    return _spec("dispatch", num_threads, across_nodes)
+def dispatch_spec(num_threads: int = DEFAULT_THREADS, across_nodes: bool = False, shrink: bool = False) -> jit.KernelSpec:
+    return _spec("dispatch", num_threads, across_nodes, shrink)
 
 
-def combine_spec(num_threads: int = DEFAULT_THREADS, across_nodes: bool = False) -> jit.KernelSpec:
-    return _spec("combine", num_threads, across_nodes)
+def combine_spec(num_threads: int = DEFAULT_THREADS, across_nodes: bool = False, shrink: bool = False) -> jit.KernelSpec:
+    return _spec("combine", num_threads, across_nodes, shrink)
 
 
-def dispatch_packed_spec(num_threads: int = DEFAULT_THREADS, across_nodes: bool = False) -> jit.KernelSpec:
+def dispatch_packed_spec(num_threads: int = DEFAULT_THREADS, across_nodes: bool = False,
+                         shrink: bool = False) -> jit.KernelSpec:
     """The dispatch whose receive half also fills DeepEP's packed layout
     (dispatch.cu dispatch_packed; a specialisation of its own, so that the
     plain dispatch keeps its registers)."""
-    suffix = "_nvshmem" if across_nodes else ""
-    return jit.KernelSpec(name=f"low_latency_dispatch_packed_threads_{num_threads}{suffix}",
-                          source="low_latency/dispatch.cu",
-                          kernels=(f"cupyep::low_latency::dispatch_packed<{num_threads}>",),
-                          defines=(("CUPYEP_LL_NVSHMEM", 1),) if across_nodes else (), nvshmem=across_nodes)
+    return _spec("dispatch_packed", num_threads, across_nodes, shrink)
 
 
-def combine_logfmt_spec(num_threads: int = DEFAULT_THREADS) -> jit.KernelSpec:
+def combine_logfmt_spec(num_threads: int = DEFAULT_THREADS, shrink: bool = False) -> jit.KernelSpec:
     """The combine with its rows in LogFMT-10 (within a node; combine.cu
     combine_logfmt): a specialisation of its own, so that the plain combine
     keeps its registers."""
-    return jit.KernelSpec(name=f"low_latency_combine_logfmt_threads_{num_threads}", source="low_latency/combine.cu",
-                          kernels=(f"cupyep::low_latency::combine_logfmt<{num_threads}>",))
+    return _spec("combine_logfmt", num_threads, shrink=shrink)
 
 
-def combine_partial_spec(num_threads: int = DEFAULT_THREADS) -> jit.KernelSpec:
+def combine_partial_spec(num_threads: int = DEFAULT_THREADS, shrink: bool = False) -> jit.KernelSpec:
     """The combine whose expert side sums each token's rows into one partial
     row per (token, expert rank) (within a node; combine.cu
     combine_partial): a specialisation of its own, so that the plain combine
     keeps its registers."""
-    return jit.KernelSpec(name=f"low_latency_combine_partial_threads_{num_threads}", source="low_latency/combine.cu",
-                          kernels=(f"cupyep::low_latency::combine_partial<{num_threads}>",))
+    return _spec("combine_partial", num_threads, shrink=shrink)
 
 
-def combine_partial_logfmt_spec(num_threads: int = DEFAULT_THREADS) -> jit.KernelSpec:
+def combine_partial_logfmt_spec(num_threads: int = DEFAULT_THREADS, shrink: bool = False) -> jit.KernelSpec:
     """The partial combine with its partial rows in LogFMT-10 (within a node;
     combine.cu combine_partial_logfmt)."""
-    return jit.KernelSpec(name=f"low_latency_combine_partial_logfmt_threads_{num_threads}",
-                          source="low_latency/combine.cu",
-                          kernels=(f"cupyep::low_latency::combine_partial_logfmt<{num_threads}>",))
+    return _spec("combine_partial_logfmt", num_threads, shrink=shrink)
 
 
 def kernel_specs() -> list[jit.KernelSpec]:
     """Specialisations compiled by ``python -m cupyep.jit --check`` (those
     across nodes need the NVSHMEM library, as every NVSHMEM kernel)."""
-    return [s for t in THREAD_CHOICES for a in (False, True)
-            for s in (dispatch_spec(t, a), combine_spec(t, a), dispatch_packed_spec(t, a))] + \
-        [s for t in THREAD_CHOICES
-         for s in (combine_logfmt_spec(t), combine_partial_spec(t), combine_partial_logfmt_spec(t))]
+    return [s for t in THREAD_CHOICES for m in (False, True) for a in (False, True)
+            for s in (dispatch_spec(t, a, m), combine_spec(t, a, m), dispatch_packed_spec(t, a, m))] + \
+        [s for t in THREAD_CHOICES for m in (False, True)
+         for s in (combine_logfmt_spec(t, m), combine_partial_spec(t, m), combine_partial_logfmt_spec(t, m))]
 
 
 def set_struct(s) -> np.void:
