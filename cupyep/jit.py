@@ -11,6 +11,8 @@ headers pulled in with ``-I``, so the options carry a hash of every file under
 
 ``python -m cupyep.jit --check`` compiles every registered specialisation for
 sm_90 with ``nvcc`` (no GPU needed) and prints registers, stack and spills.
+``python -m cupyep.jit --warm`` (on a GPU machine) compiles every one into the
+caches the run time loads from, so that no rank compiles inside a call.
 """
 from __future__ import annotations
 
@@ -386,16 +388,87 @@ def check_all(arch: str = "sm_90", jobs: int | None = None, out=sys.stdout) -> l
     return rows
 
 
+def _warm_one(job: tuple[KernelSpec, str]) -> str:
+    """Build one spec into its run-time cache (a worker of :func:`warm_all`);
+    returns "" when built, else why it was skipped."""
+    spec, arch = job
+    if spec.nvshmem:
+        from .nvshmem_build import NvshmemUnavailable, build
+        try:
+            build(spec, arch)  # the linked cubin in nvshmem_build.cache_dir()
+        except NvshmemUnavailable as exc:
+            return f"NVSHMEM is not installed ({exc})".splitlines()[0]
+        return ""
+    import cupy
+    code = (CUDA_SRC / spec.source).read_text()
+    cupy.RawModule(code=code, options=spec.options(), name_expressions=list(spec.kernels)).compile()
+    return ""
+
+
+def warm_all(jobs: int | None = None, out=sys.stdout) -> int:
+    """Compile every registered specialisation for this machine's GPU into the
+    caches :func:`load` reads (CuPy's disk cache for the NVRTC builds,
+    ``nvshmem_build.cache_dir()`` for the NVSHMEM ones), in ``jobs`` worker
+    processes (default: one per CPU).
+
+    A kernel compiles in seconds when its cache is cold, and a rank that
+    compiles inside a collective call (the first call of a route, a lazily
+    loaded variant) starts its kernels that much after its peers, whose
+    bounded waits may then run out (CommTimeoutError with a short
+    ``timeout_s``). After this, no rank compiles. NVSHMEM specs are skipped,
+    with a line, where NVSHMEM is not installed. Returns the number of
+    specialisations built; RuntimeError naming each one that failed."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    import cupy
+    arch = f"sm_{cupy.cuda.Device().compute_capability}"
+    specs = all_specs()
+    workers = max(1, min(len(specs), jobs or os.cpu_count() or 2))
+    built, skipped, failed = 0, {}, {}
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {s.name: pool.submit(_warm_one, (s, arch)) for s in specs}
+        for name, fut in futures.items():
+            try:
+                why = fut.result()
+            except Exception as exc:  # reported together below
+                failed[name] = f"{type(exc).__name__}: {exc}"
+                continue
+            if why:
+                skipped[name] = why
+            else:
+                built += 1
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}", file=out)
+    print(f"warmed {built} of {len(specs)} specialisations for {arch} ({workers} processes)", file=out, flush=True)
+    if failed:
+        raise RuntimeError("could not compile: " + "; ".join(f"{n}: {e}" for n, e in failed.items()))
+    return built
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cupyep.jit", description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="compile every specialisation with nvcc (no GPU needed)")
     p.add_argument("--arch", default="sm_90")
     p.add_argument("--jobs", type=int, default=None)
     p.add_argument("--list", action="store_true", help="list the specialisations")
+    p.add_argument("--warm", action="store_true",
+                   help="compile every specialisation into the run-time caches (needs a CUDA GPU)")
     args = p.parse_args(argv)
     if args.list:
         for s in all_specs():
             print(s.name, s.source, *s.kernels)
+        return 0
+    if args.warm:
+        from .runtime import gpu_count
+        if gpu_count() == 0:
+            print("skipped: no GPU (python -m cupyep.jit --warm compiles for this machine's GPU; none found)")
+            return 2
+        try:
+            warm_all(args.jobs)
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
+            return 1
         return 0
     if args.check:
         try:

@@ -48,6 +48,13 @@ def test_gpu_tests_without_gpu_says_skipped_and_exits_2():
     assert res.stdout.startswith("skipped: no GPU") and "passed" not in res.stdout
 
 
+def test_warm_without_gpu_says_skipped_and_exits_2():
+    res = subprocess.run([sys.executable, "-m", "cupyep.jit", "--warm"], cwd=REPO, env=_no_gpu_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert res.stdout.startswith("skipped: no GPU")
+
+
 def test_gpu_tests_verdicts():
     out = "x\n...s [100%]\n3 passed, 2 skipped, 1 deselected in 4.50s\n" * 2
     assert gpu_tests.pytest_counts(out) == {"passed": 3, "skipped": 2, "deselected": 1}

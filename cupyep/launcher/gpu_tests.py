@@ -1,7 +1,11 @@
 """Run the GPU test suite under the launcher at several rank counts.
 
     python -m cupyep.launcher.gpu_tests [--ranks 2 4 8] [-k EXPR] [--timeout 900] [--ranks-per-node K] [--shard I/N]
+                                        [--no-warm]
 
+First it compiles every kernel into the run-time caches (``python -m
+cupyep.jit --warm``), so that no test's ranks compile inside a call: on a
+cold machine a rank compiling there made its peers' 5 s waits run out.
 For each rank count it runs ``python -m cupyep.launcher -n N -- -m pytest -m gpu
 tests/gpu`` (with pytest's 15 slowest tests listed); the launcher starts CUDA
 MPS when ranks share a GPU. Each rank
@@ -71,6 +75,7 @@ def main(argv=None) -> int:
                    help="emulate nodes of K ranks (the launcher's option; the tests across nodes need it)")
     p.add_argument("--shard", default=None, metavar="I/N",
                    help="run the I-th of N interleaved shares of the test files (N runs cover the suite)")
+    p.add_argument("--no-warm", action="store_true", help="skip compiling every kernel first")
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = p.parse_args(argv)
     targets = [str(ROOT / "tests" / "gpu")]
@@ -83,6 +88,12 @@ def main(argv=None) -> int:
     if gpu_count() == 0:
         print(NO_GPU_MESSAGE, flush=True)
         return 2
+    if not args.no_warm:
+        cmd = [sys.executable, "-m", "cupyep.jit", "--warm"]
+        print(f"== compiling every kernel: {' '.join(cmd)}", flush=True)
+        if subprocess.run(cmd, cwd=ROOT).returncode != 0:
+            print("GPU tests not run: the kernels did not compile", file=sys.stderr)
+            return 1
     failed = []
     for n in args.ranks:
         nodes = ["--ranks-per-node", str(args.ranks_per_node)] if args.ranks_per_node else []
