@@ -55,6 +55,23 @@ def test_warm_without_gpu_says_skipped_and_exits_2():
     assert res.stdout.startswith("skipped: no GPU")
 
 
+def test_gpu_tests_named_files_run_instead_of_the_suite(tmp_path, monkeypatch):
+    suite = [str(REPO / "tests" / "gpu")]
+    cmd = gpu_tests.pytest_command(4, ["-q"], suite, k="low_latency", timeout=60, ranks_per_node=2)
+    assert cmd[cmd.index("-n") + 1] == "4" and cmd[cmd.index("--ranks-per-node") + 1] == "2"
+    assert cmd[cmd.index("--timeout") + 1] == "60"
+    assert cmd[-4:] == [suite[0], "-k", "low_latency", "-q"]  # the suite, then -k and the extra arguments
+    named = ["tests/gpu/test_low_latency_gpu.py", "tests/gpu/test_direct_gpu.py::test_direct_fault_missing_rank_times_out_naming_it"]
+    cmd = gpu_tests.pytest_command(2, [*named, "-q"], suite)
+    assert suite[0] not in cmd and cmd[-3:] == [*named, "-q"]  # each named file once, the suite not beside them
+    # A file named relative to another folder is passed absolute (pytest runs in the repository).
+    (tmp_path / "test_x.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    cmd = gpu_tests.pytest_command(2, ["test_x.py::test_a"], suite)
+    assert cmd[-1] == f"{tmp_path / 'test_x.py'}::test_a" and suite[0] not in cmd
+    assert not gpu_tests._is_test_path("-x") and not gpu_tests._is_test_path("no_such_file.py")
+
+
 def test_gpu_tests_verdicts():
     out = "x\n...s [100%]\n3 passed, 2 skipped, 1 deselected in 4.50s\n" * 2
     assert gpu_tests.pytest_counts(out) == {"passed": 3, "skipped": 2, "deselected": 1}

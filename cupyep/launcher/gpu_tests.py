@@ -7,8 +7,9 @@ First it compiles every kernel into the run-time caches (``python -m
 cupyep.jit --warm``), so that no test's ranks compile inside a call: on a
 cold machine a rank compiling there made its peers' 5 s waits run out.
 For each rank count it runs ``python -m cupyep.launcher -n N -- -m pytest -m gpu
-tests/gpu`` (with pytest's 15 slowest tests listed); the launcher starts CUDA
-MPS when ranks share a GPU. Each rank
+tests/gpu`` (with pytest's 15 slowest tests listed), or the test files and node
+ids named after ``--`` instead of the suite; the launcher starts CUDA MPS
+when ranks share a GPU. Each rank
 count's line gives pytest's counts (every rank prints its own summary; the
 last one is reported), and a run where every test skipped says "skipped",
 not "passed".
@@ -66,6 +67,33 @@ def shard_files(files, shard: str) -> list:
     return sorted(files)[i - 1::n]
 
 
+def _is_test_path(arg: str) -> bool:
+    """Whether a pytest argument names test files (a path, a path::node id)."""
+    if arg.startswith("-"):
+        return False
+    path = Path(arg.split("::")[0])
+    return (ROOT / path).exists() or path.exists()
+
+
+def pytest_command(n: int, pytest_args, targets, k: str | None = None, timeout: float = 900.0,
+                   ranks_per_node: int | None = None) -> list[str]:
+    """The launcher command of one rank count: pytest over ``targets`` (the
+    suite, or a shard of it), unless ``pytest_args`` name test files or
+    node ids, which then replace them (so those run once, not the whole
+    suite beside them)."""
+    named = [a for a in pytest_args if _is_test_path(a)]
+    # pytest runs in ROOT: a path given relative to another folder is made absolute
+    pytest_args = [str(Path(a.split("::")[0]).resolve()) + a[len(a.split("::")[0]):]
+                   if a in named and not (ROOT / a.split("::")[0]).exists() else a for a in pytest_args]
+    nodes = ["--ranks-per-node", str(ranks_per_node)] if ranks_per_node else []
+    cmd = [sys.executable, "-m", "cupyep.launcher.launch", "-n", str(n), *nodes, "--timeout", str(int(timeout)), "--",
+           "-m", "pytest", "-m", "gpu", "-x", "-q", "--color=no", "-p", "no:cacheprovider", "--durations=15",
+           *([] if named else targets)]
+    if k:
+        cmd += ["-k", k]
+    return cmd + list(pytest_args)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cupyep.launcher.gpu_tests", description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
@@ -76,8 +104,12 @@ def main(argv=None) -> int:
     p.add_argument("--shard", default=None, metavar="I/N",
                    help="run the I-th of N interleaved shares of the test files (N runs cover the suite)")
     p.add_argument("--no-warm", action="store_true", help="skip compiling every kernel first")
-    p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
+    p.add_argument("pytest_args", nargs="*",
+                   help="extra pytest arguments (after --); test files or node ids among them run instead of the suite")
     args = p.parse_args(argv)
+    named = [a for a in args.pytest_args if _is_test_path(a)]
+    if named and args.shard:
+        p.error("--shard picks files of tests/gpu; do not also name test files")
     targets = [str(ROOT / "tests" / "gpu")]
     if args.shard:
         try:
@@ -96,13 +128,8 @@ def main(argv=None) -> int:
             return 1
     failed = []
     for n in args.ranks:
-        nodes = ["--ranks-per-node", str(args.ranks_per_node)] if args.ranks_per_node else []
-        cmd = [sys.executable, "-m", "cupyep.launcher.launch", "-n", str(n), *nodes, "--timeout", str(int(args.timeout)), "--",
-               "-m", "pytest", "-m", "gpu", "-x", "-q", "--color=no", "-p", "no:cacheprovider", "--durations=15",
-               *targets]
-        if args.k:
-            cmd += ["-k", args.k]
-        cmd += args.pytest_args
+        cmd = pytest_command(n, args.pytest_args, targets, k=args.k, timeout=args.timeout,
+                             ranks_per_node=args.ranks_per_node)
         print(f"== GPU tests with {n} ranks: {' '.join(cmd)}", flush=True)
         lines = []
         with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
