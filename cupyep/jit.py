@@ -29,7 +29,7 @@ import numpy as np
 from .nvcc import (BASE_OPTIONS, CUDA_SRC, CompileReport, KernelSpec, _demangle, find_nvcc,  # noqa: F401
                    kernel_symbols, mangled_prefix, nvcc_cubin, source_hash)
 from .nvcc import _PTXAS_ENTRY, _PTXAS_FRAME, _PTXAS_REGS, _PTXAS_SMEM
-from .nvshmem_build import include_options, link_cubin, load_module
+from .nvshmem_build import device_arch, include_options, link_cubin, load_module
 
 # Modules that own kernels; each defines ``kernel_specs() -> list[KernelSpec]``
 # listing the specialisations the check command compiles.
@@ -421,8 +421,7 @@ def warm_all(jobs: int | None = None, out=sys.stdout) -> int:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    import cupy
-    arch = f"sm_{cupy.cuda.Device().compute_capability}"
+    arch = device_arch()
     specs = all_specs()
     workers = max(1, min(len(specs), jobs or os.cpu_count() or 2))
     built, skipped, failed = 0, {}, {}
@@ -460,8 +459,9 @@ def main(argv=None) -> int:
             print(s.name, s.source, *s.kernels)
         return 0
     if args.warm:
-        from .runtime import gpu_count
-        if gpu_count() == 0:
+        try:
+            device_arch()
+        except Exception:  # CuPy's error without a GPU or driver
             print("skipped: no GPU (python -m cupyep.jit --warm compiles for this machine's GPU; none found)")
             return 2
         try:

@@ -108,7 +108,8 @@ def build(spec, arch: str = "sm_90") -> tuple[Path, dict[str, str]]:
     return cubin, symbols
 
 
-def _arch() -> str:
+def device_arch() -> str:
+    """The current CUDA device's architecture, e.g. "sm_90" (CuPy raises without a GPU)."""
     import cupy
     return f"sm_{cupy.cuda.Device().compute_capability}"  # "90" on an H100/H200
 
@@ -118,7 +119,7 @@ def load_module(spec):
     the current device, registered with NVSHMEM (which must be initialised:
     :func:`init`)."""
     import cupy
-    cubin, symbols = build(spec, _arch())
+    cubin, symbols = build(spec, device_arch())
     module = cupy.RawModule(path=str(cubin))
     functions = {k: module.get_function(sym) for k, sym in symbols.items()}
     try:
