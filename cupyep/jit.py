@@ -51,18 +51,26 @@ SPEC_MODULES = (
     "cupyep.nvshmem",
 )
 
+
+def raw_module(spec: KernelSpec):
+    """The ``cupy.RawModule`` of a non-NVSHMEM ``spec`` (NVRTC; compiled at
+    first use, through CuPy's disk cache): the one constructor that loading
+    and :func:`warm_all` share, so that both hit the same cache entry."""
+    import cupy
+    code = (CUDA_SRC / spec.source).read_text()
+    return cupy.RawModule(code=code, options=spec.options(), name_expressions=list(spec.kernels))
+
+
 class Module:
     """A compiled specialisation: ``module[kernel_name_expression]`` gives the
     ``cupy.RawKernel``-like function."""
 
     def __init__(self, spec: KernelSpec):
-        import cupy
         self.spec = spec
         if spec.nvshmem:  # nvcc + nvlink against NVSHMEM's device library, then NVSHMEM's module init
             self._module, self._functions = load_module(spec)
             return
-        code = (CUDA_SRC / spec.source).read_text()
-        self._module = cupy.RawModule(code=code, options=spec.options(), name_expressions=list(spec.kernels))
+        self._module = raw_module(spec)
         self._functions = {k: self._module.get_function(k) for k in spec.kernels}
 
     def __getitem__(self, kernel: str):
@@ -399,9 +407,7 @@ def _warm_one(job: tuple[KernelSpec, str]) -> str:
         except NvshmemUnavailable as exc:
             return f"NVSHMEM is not installed ({exc})".splitlines()[0]
         return ""
-    import cupy
-    code = (CUDA_SRC / spec.source).read_text()
-    cupy.RawModule(code=code, options=spec.options(), name_expressions=list(spec.kernels)).compile()
+    raw_module(spec).compile()
     return ""
 
 

@@ -69,7 +69,7 @@ def test_gpu_tests_named_files_run_instead_of_the_suite(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cmd = gpu_tests.pytest_command(2, ["test_x.py::test_a"], suite)
     assert cmd[-1] == f"{tmp_path / 'test_x.py'}::test_a" and suite[0] not in cmd
-    assert not gpu_tests._is_test_path("-x") and not gpu_tests._is_test_path("no_such_file.py")
+    assert gpu_tests.named_test_path("-x") is None and gpu_tests.named_test_path("no_such_file.py") is None
 
 
 def test_gpu_tests_verdicts():

@@ -67,12 +67,16 @@ def shard_files(files, shard: str) -> list:
     return sorted(files)[i - 1::n]
 
 
-def _is_test_path(arg: str) -> bool:
-    """Whether a pytest argument names test files (a path, a path::node id)."""
+def named_test_path(arg: str) -> str | None:
+    """A pytest argument that names test files (a path, or path::node id) as
+    pytest sees it when it runs in ROOT (absolute when the path exists only
+    relative to this folder); None for an option or anything else."""
     if arg.startswith("-"):
-        return False
-    path = Path(arg.split("::")[0])
-    return (ROOT / path).exists() or path.exists()
+        return None
+    head, sep, node = arg.partition("::")
+    if (ROOT / head).exists():
+        return arg
+    return str(Path(head).resolve()) + sep + node if Path(head).exists() else None
 
 
 def pytest_command(n: int, pytest_args, targets, k: str | None = None, timeout: float = 900.0,
@@ -81,10 +85,9 @@ def pytest_command(n: int, pytest_args, targets, k: str | None = None, timeout: 
     suite, or a shard of it), unless ``pytest_args`` name test files or
     node ids, which then replace them (so those run once, not the whole
     suite beside them)."""
-    named = [a for a in pytest_args if _is_test_path(a)]
-    # pytest runs in ROOT: a path given relative to another folder is made absolute
-    pytest_args = [str(Path(a.split("::")[0]).resolve()) + a[len(a.split("::")[0]):]
-                   if a in named and not (ROOT / a.split("::")[0]).exists() else a for a in pytest_args]
+    paths = [named_test_path(a) for a in pytest_args]
+    named = any(paths)
+    pytest_args = [p or a for p, a in zip(paths, pytest_args)]
     nodes = ["--ranks-per-node", str(ranks_per_node)] if ranks_per_node else []
     cmd = [sys.executable, "-m", "cupyep.launcher.launch", "-n", str(n), *nodes, "--timeout", str(int(timeout)), "--",
            "-m", "pytest", "-m", "gpu", "-x", "-q", "--color=no", "-p", "no:cacheprovider", "--durations=15",
@@ -107,8 +110,7 @@ def main(argv=None) -> int:
     p.add_argument("pytest_args", nargs="*",
                    help="extra pytest arguments (after --); test files or node ids among them run instead of the suite")
     args = p.parse_args(argv)
-    named = [a for a in args.pytest_args if _is_test_path(a)]
-    if named and args.shard:
+    if args.shard and any(named_test_path(a) for a in args.pytest_args):
         p.error("--shard picks files of tests/gpu; do not also name test files")
     targets = [str(ROOT / "tests" / "gpu")]
     if args.shard:

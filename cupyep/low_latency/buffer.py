@@ -149,7 +149,7 @@ class LowLatencyBuffer:
         self._pending_hook = None
         self.ablate = 0
         try:
-            shrink = self.mask is not None  # the build that reads the mask (kernels._spec)
+            shrink = self.enable_shrink  # the build that reads the mask (kernels._spec)
             self._dispatch_fn = jit.kernel(K.dispatch_spec(num_threads, self.across_nodes, shrink), group)
             self._combine_fn = jit.kernel(K.combine_spec(num_threads, self.across_nodes, shrink), group)
             self._variants = {}  # dispatch_packed / combine_logfmt, loaded at their first use (load_kernel)
@@ -606,7 +606,7 @@ class LowLatencyBuffer:
         collectively at its first use, then kept."""
         fn = self._variants.get(name)
         if fn is None:
-            t, m = self.num_threads, self.mask is not None
+            t, m = self.num_threads, self.enable_shrink
             specs = {"dispatch_packed": lambda: K.dispatch_packed_spec(t, self.across_nodes, m),
                      "combine_logfmt": lambda: K.combine_logfmt_spec(t, m),
                      "combine_partial": lambda: K.combine_partial_spec(t, m),
