@@ -31,6 +31,11 @@ def xp_of(a):
     return cupy.get_array_module(a)
 
 
+def to_host(a) -> np.ndarray:
+    """``a`` as a NumPy array (a CuPy array read back; anything else through np.asarray)."""
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
 def as_cupy(a, name: str):
     """Zero-copy view of ``a`` as a cupy array (None passes through).
 
@@ -244,7 +249,31 @@ def check_expert_ids(topk_idx, num_experts: int) -> None:
 
 def expert_counts(topk_idx, num_experts: int):
     """[E] int64 (the array module of ``topk_idx``): how many slots of
-    ``topk_idx`` ([T, k] int64 ids in [-1, E), NumPy or CuPy) name each
-    expert; -1 slots count for none."""
+    ``topk_idx`` ([T, k] integer ids in [-1, E), NumPy or CuPy) name each
+    expert; -1 slots (and any id outside [0, E)) count for none.
+
+    On the device one elementwise pass of atomic adds: no reduction (CuPy's
+    bincount takes the ids' max and min first, two reductions whose first
+    use compiles for seconds, on the path between a dispatch and its
+    combine) and nothing read back."""
     xp = xp_of(topk_idx)
-    return xp.bincount((topk_idx + 1).ravel(), minlength=num_experts + 1)[1:].astype(np.int64)
+    if xp is np:
+        ids = np.asarray(topk_idx).ravel()
+        return np.bincount(ids[(ids >= 0) & (ids < num_experts)], minlength=num_experts).astype(np.int64)
+    counts = xp.zeros(int(num_experts), dtype=np.int64)
+    if topk_idx.size:
+        _count_kernel()(topk_idx, np.int64(num_experts), counts)
+    return counts
+
+
+_COUNT_KERNEL = []  # the cupy.ElementwiseKernel of expert_counts, built on first use
+
+
+def _count_kernel():
+    if not _COUNT_KERNEL:
+        import cupy
+        _COUNT_KERNEL.append(cupy.ElementwiseKernel(
+            "T e, int64 n", "raw int64 counts",
+            "if (e >= 0 && e < n) atomicAdd(reinterpret_cast<unsigned long long*>(&counts[e]), 1ull)",
+            "cupyep_expert_counts"))
+    return _COUNT_KERNEL[0]

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import sm_partition
+from .arrays import to_host
 from .arrays import xp_of as _xp
 
 __all__ = ["MoEWeights", "MoELayer", "route", "expert_ffn", "padded_expert_ffn", "expert_blocks", "result_blocks",
@@ -338,8 +339,8 @@ def result_blocks(out) -> list[tuple[int, int]]:
     results, whose counts never reach the host)."""
     if out.num_recv_tokens_per_expert is not None and out.handle.recv_expert_counts is not None:
         return expert_blocks(out.num_recv_tokens_per_expert, out.handle.recv_expert_counts)
-    offsets = _host(out.expert_offsets)
-    src = _host(out.expert_src_row[:int(offsets[-1])])
+    offsets = to_host(out.expert_offsets)
+    src = to_host(out.expert_src_row[:int(offsets[-1])])
     return [(int(offsets[e]), int((src[offsets[e]:offsets[e + 1]] >= 0).sum())) for e in range(offsets.size - 1)]
 
 
@@ -354,10 +355,6 @@ def _marker(events):
         events[name] = ev = cupy.cuda.Event()
         ev.record()
     return mark
-
-
-def _host(a) -> np.ndarray:
-    return a.get() if hasattr(a, "get") else np.asarray(a)
 
 
 # ----------------------------------------------------------------------- layer
@@ -667,7 +664,7 @@ def agreement(got, want) -> tuple[float, float]:
         by at most a few BF16 ulps, 2**-8 relative).
     """
     from .reference import calc_diff
-    g, w = bf16_bits_to_f32(_host(got)), bf16_bits_to_f32(_host(want))
+    g, w = bf16_bits_to_f32(to_host(got)), bf16_bits_to_f32(to_host(want))
     if g.shape != w.shape:
         raise ValueError(f"outputs differ in shape: {g.shape} and {w.shape}")
     if not g.size:

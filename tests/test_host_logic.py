@@ -1049,3 +1049,11 @@ def test_the_layout_refuses_parts_carved_out_of_order():
     plan = {name: (64 * i, (4,), np.dtype(np.int32)) for i, name in enumerate(("per_expert", "per_rank", "in_rank"))}
     with pytest.raises(ValueError, match="one after another"):  # before any CUDA call
         launch_layout_into(np.zeros((2, 1), np.int64), 4, 2, None, Carved(_Arr(4096), plan))
+
+
+def test_expert_counts_on_the_host_ignore_empty_and_out_of_range_slots():
+    from cupyep.arrays import expert_counts
+    ids = np.array([[0, 3, -1], [3, 3, 9], [-2, 1, 3]])
+    got = expert_counts(ids, 4)
+    assert got.dtype == np.int64 and got.tolist() == [1, 1, 0, 4]
+    assert expert_counts(ids[:0], 4).tolist() == [0, 0, 0, 0]

@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .. import jit
+from ..arrays import expert_counts, to_host
 from ..results import RECEIVE_FIELDS, CombineResult, DispatchResult, LayoutResult, aligned_expert_counts
 from . import expert_major as EM
 from . import layout as L
@@ -122,7 +123,9 @@ class InternodeRoute(Route):
         built when asked and its map put in a handle of its own."""
         counts = out.handle.recv_expert_counts  # a cached dispatch's: its handle's routing
         if counts is None and not out.handle.num_worst_tokens:
-            counts = tuple(self._expert_counts(out.recv_topk_idx, call.num_experts))
+            # (row, slot) pairs of each local expert: one bincount and one read back
+            El = call.num_experts // self.world.num_ranks
+            counts = tuple(int(c) for c in to_host(expert_counts(out.recv_topk_idx, El)))
         per_expert = aligned_expert_counts(counts, call.expert_alignment)
         recv = (out.recv_x, out.recv_x_scales, out.recv_topk_idx, out.recv_topk_weights)
         if call.fresh:  # the caller's own arrays, copied on the communication stream
@@ -138,16 +141,6 @@ class InternodeRoute(Route):
             result.expert_x, result.expert_x_scales = em.expert_x, em.expert_x_scales
             result.expert_offsets, result.expert_src_row = em.expert_offsets, em.expert_src_row
         return result
-
-    def _expert_counts(self, recv_topk_idx, num_experts: int) -> list[int]:
-        """(row, slot) pairs of each local expert (host ints; one read back)."""
-        import cupy
-        xp = cupy.get_array_module(recv_topk_idx)
-        El = num_experts // self.world.num_ranks
-        ids = recv_topk_idx.ravel()
-        counts = xp.bincount(ids[ids >= 0], minlength=El)[:El]
-        counts = counts.get() if xp is not np else counts
-        return [int(c) for c in counts]
 
     def _expert_major(self, recv_x, recv_x_scales, recv_topk_idx, handle, per_expert, call: DispatchCall, sms: int):
         """(the expert-major layout of a dispatch's rows, its ExpertMap); ``sms``:

@@ -140,7 +140,8 @@ def test_low_latency_metrics_match_the_routing(group, lined_up):
     import cupy
     import cupyep
     from cupyep.barrier import GpuBarrier
-    me, R = group.local_rank, group.local_size
+    from cupyep.low_latency.buffer import ranks_of
+    me, R = ranks_of(group)  # the node's ranks, or every rank when they span nodes
     T, H, calls = 96, 2048, 4
     idx, _ = global_routing(5, [T] * R, E, K)
     ll = cupyep.LowLatencyBuffer(group, 128, H, E)

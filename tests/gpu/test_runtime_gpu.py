@@ -86,3 +86,24 @@ def test_carve_lays_out_mixed_dtypes_aligned_in_one_allocation(group):
     assert a.view("mask", (3, 5)).data.ptr == a["mask"].data.ptr  # another shape over the same part
     with pytest.raises(ValueError, match="exceeds"):
         a.view("n", (4,))
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int32])
+def test_expert_counts_on_the_device_are_the_host_counts(group, dtype):
+    """arrays.expert_counts on the device (one pass of atomic adds) equals its
+    NumPy path: -1 slots and ids outside [0, E) count for none, a strided
+    view counts its own elements, an empty array counts nothing."""
+    import cupy
+    from cupyep.arrays import expert_counts
+    rng = np.random.default_rng(group.rank)
+    E = 37
+    ids = rng.integers(-1, E, size=(300, 8)).astype(dtype)
+    ids[::7, 3] = E + 5  # out of range: ignored on both paths
+    ids[5, 0] = -4
+    want = np.bincount(ids[(ids >= 0) & (ids < E)], minlength=E)
+    for host, dev in ((ids, cupy.asarray(ids)), (ids[::3, 1:6], cupy.asarray(ids)[::3, 1:6]),
+                      (ids[:0], cupy.asarray(ids)[:0])):
+        got = expert_counts(dev, E)
+        assert got.dtype == np.int64 and got.shape == (E,)
+        assert np.array_equal(got.get(), expert_counts(host, E))
+    assert np.array_equal(expert_counts(ids, E), want)
