@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..arrays import expert_counts
+from ..arrays import expert_counts, to_host
 from .migration import MigrationPolicy, OnlineBalancer, align, plan_moves, replan
 
 MODES = ("eplb", "online", "per_step")
@@ -43,8 +43,7 @@ def step_loads(group, topk_idx, num_experts: int) -> np.ndarray:
     """Collective: [E] int64, the (token, expert) pairs per logical expert
     over every rank's ``topk_idx`` ([T, k] int64, -1 for none; NumPy or
     CuPy), from each rank's counts (one host exchange)."""
-    local = expert_counts(topk_idx, num_experts)
-    local = local.get() if hasattr(local, "get") else local
+    local = to_host(expert_counts(topk_idx, num_experts))
     return group.exchange(local, "balance: expert loads").sum(axis=0)
 
 

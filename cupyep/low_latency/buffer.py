@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import driver, jit
-from ..arrays import BF16, as_cupy, carve, check, expert_counts
+from ..arrays import BF16, as_cupy, carve, check, expert_counts, to_host
 from ..launcher.calls import traced_call
 from ..ipc import SymmetricBuffer
 from ..results import EventHandle
@@ -267,7 +267,7 @@ class LowLatencyBuffer:
         ([T, k] int64, its own) would put in one (expert, source) region, over
         every rank of the buffer (one count on the GPU, one host exchange)."""
         topk_idx = check(as_cupy(topk_idx, "topk_idx"), "topk_idx", np.int64, ndim=2)
-        counts = expert_counts(topk_idx, self.num_experts)
+        counts = to_host(expert_counts(topk_idx, self.num_experts))  # E ints: no reduction kernel to compile
         mine = np.array([int(counts.max()) if counts.size else 0], dtype=np.int64)
         return int(self.group.exchange(mine, "low-latency dispatch: region rows").max())
 
