@@ -239,12 +239,54 @@ def dispatch_rows(x, x_scales=None):
 
 def check_expert_ids(topk_idx, num_experts: int) -> None:
     """ValueError unless every id of cupy ``topk_idx`` lies in [-1, num_experts)
-    (one reduction on the device and one read back; not under graph capture)."""
-    import cupy
+    (one pass on the device and one read back; not under graph capture)."""
     if topk_idx.size:
-        lo, hi = (int(v) for v in cupy.stack([topk_idx.min(), topk_idx.max()]).get())
+        lo, hi, _ = routing_range(topk_idx)
         if lo < -1 or hi >= num_experts:
             raise ValueError(f"topk_idx holds expert ids in [{lo}, {hi}], outside [-1, {num_experts})")
+
+
+def routing_range(topk_idx, duplicates: bool = False) -> tuple[int, int, int]:
+    """(smallest id, largest id, repeats) of cupy ``topk_idx`` ([T, k]
+    integer ids, T * k > 0), host ints; repeats (with ``duplicates``, else
+    0): the slots whose id >= 0 an earlier slot of the same token names.
+
+    One elementwise pass over the tokens (atomic min, max and add into three
+    words) and one read back: no sort and no reductions (CuPy's compile
+    for seconds on their first use, which a rank would spend inside a
+    collective call while its peers wait)."""
+    import cupy
+    ids = cupy.ascontiguousarray(topk_idx)
+    T, k = ids.shape
+    out = cupy.array([np.iinfo(np.int64).max, np.iinfo(np.int64).min, 0], dtype=np.int64)
+    _routing_range_kernel()(ids, np.int64(k), np.int64(bool(duplicates)), out, size=T)
+    lo, hi, rep = (int(v) for v in out.get())
+    return lo, hi, rep
+
+
+_ELEMENTWISE: dict = {}  # name -> the cupy.ElementwiseKernel of this module, built on first use
+
+
+def _routing_range_kernel():
+    if "range" not in _ELEMENTWISE:
+        import cupy
+        _ELEMENTWISE["range"] = cupy.ElementwiseKernel(
+            "raw T ids, int64 k, int64 dup", "raw int64 out",
+            """const T* row = &ids[i * k];
+               long long lo = row[0], hi = row[0], rep = 0;
+               for (long long a = 0; a < k; ++a) {
+                   const long long e = row[a];
+                   lo = min(lo, e);
+                   hi = max(hi, e);
+                   if (dup && e >= 0)
+                       for (long long b = 0; b < a; ++b)
+                           if ((long long)row[b] == e) { ++rep; break; }
+               }
+               atomicMin(&out[0], lo);
+               atomicMax(&out[1], hi);
+               if (rep) atomicAdd(reinterpret_cast<unsigned long long*>(&out[2]), (unsigned long long)rep);""",
+            "cupyep_routing_range")
+    return _ELEMENTWISE["range"]
 
 
 def expert_counts(topk_idx, num_experts: int):
@@ -266,14 +308,11 @@ def expert_counts(topk_idx, num_experts: int):
     return counts
 
 
-_COUNT_KERNEL = []  # the cupy.ElementwiseKernel of expert_counts, built on first use
-
-
 def _count_kernel():
-    if not _COUNT_KERNEL:
+    if "count" not in _ELEMENTWISE:
         import cupy
-        _COUNT_KERNEL.append(cupy.ElementwiseKernel(
+        _ELEMENTWISE["count"] = cupy.ElementwiseKernel(
             "T e, int64 n", "raw int64 counts",
             "if (e >= 0 && e < n) atomicAdd(reinterpret_cast<unsigned long long*>(&counts[e]), 1ull)",
-            "cupyep_expert_counts"))
-    return _COUNT_KERNEL[0]
+            "cupyep_expert_counts")
+    return _ELEMENTWISE["count"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import driver, jit
-from ..arrays import BF16, as_cupy, carve, check, expert_counts, to_host
+from ..arrays import BF16, as_cupy, carve, check, expert_counts, routing_range, to_host
 from ..launcher.calls import traced_call
 from ..ipc import SymmetricBuffer
 from ..results import EventHandle
@@ -249,10 +249,7 @@ class LowLatencyBuffer:
             raise ValueError(f"topk_idx has {topk_idx.shape[1]} columns; this buffer takes 1 to max_topk="
                              f"{self.max_topk}")
         if validate and topk_idx.size and not cupy.cuda.get_current_stream().is_capturing():
-            srt = cupy.sort(topk_idx, axis=1)
-            dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0) if topk_idx.shape[1] > 1 else cupy.zeros(1, bool)
-            lo, hi, ndup = (int(v) for v in cupy.stack([srt[:, 0].min(), srt[:, -1].max(),
-                                                         dup.sum().astype(np.int64)]).get())
+            lo, hi, ndup = routing_range(topk_idx, duplicates=True)
             if lo < -1 or hi >= self.num_experts:
                 raise ValueError(f"topk_idx holds expert ids in [{lo}, {hi}], outside [-1, {self.num_experts})")
             if ndup:

@@ -107,3 +107,27 @@ def test_expert_counts_on_the_device_are_the_host_counts(group, dtype):
         assert got.dtype == np.int64 and got.shape == (E,)
         assert np.array_equal(got.get(), expert_counts(host, E))
     assert np.array_equal(expert_counts(ids, E), want)
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int32])
+def test_routing_range_finds_the_extremes_and_repeats_of_each_token(group, dtype):
+    """arrays.routing_range (one pass over the tokens): the smallest and
+    largest id and the slots whose id (>= 0) an earlier slot of the same
+    token names, as NumPy finds them; a strided view is taken as its own
+    elements."""
+    import cupy
+    from cupyep.arrays import routing_range
+    rng = np.random.default_rng(10 + group.rank)
+    ids = rng.integers(-1, 40, size=(257, 9)).astype(dtype)
+    ids[3] = [5, 5, 5, -1, -1, 7, 7, 2, 9]  # 2 repeats of 5, 1 of 7; -1 never counts
+
+    def want(a):
+        rep = sum(sum(1 for j, e in enumerate(row) if e >= 0 and e in row[:j]) for row in a.tolist())
+        return int(a.min()), int(a.max()), rep
+    for host in (ids, ids[1::2, 2:7]):
+        dev = cupy.asarray(ids)[1::2, 2:7] if host is not ids else cupy.asarray(ids)
+        assert routing_range(dev, duplicates=True) == want(host)
+        assert routing_range(dev) == want(host)[:2] + (0,)
+    ids[100, 4] = -7
+    ids[200, 0] = 99
+    assert routing_range(cupy.asarray(ids))[:2] == (-7, 99)
