@@ -123,7 +123,7 @@ class InternodeRoute(Route):
         built when asked and its map put in a handle of its own."""
         counts = out.handle.recv_expert_counts  # a cached dispatch's: its handle's routing
         if counts is None and not out.handle.num_worst_tokens:
-            # (row, slot) pairs of each local expert: one bincount and one read back
+            # (row, slot) pairs of each local expert: one pass of atomic adds, one read back
             El = call.num_experts // self.world.num_ranks
             counts = tuple(int(c) for c in to_host(expert_counts(out.recv_topk_idx, El)))
         per_expert = aligned_expert_counts(counts, call.expert_alignment)
